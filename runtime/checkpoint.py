@@ -1,0 +1,427 @@
+"""Checkpoints: safetensors streamed tensor by tensor, three naming schemes, quantized sources.
+
+Naming schemes (all map to ComfyUI/original names, the runtime's own):
+- ``comfy``: ComfyUI / original single files (``blocks.N.attn.qkv_proj.weight`` stacked ``[q; k; v]``);
+  optional ``model.diffusion_model.`` / ``diffusion_model.`` prefixes are stripped.
+- ``diffusers``: ``MiniMaxH3Transformer3DModel`` names; q/k/v split (concatenated back), fc1 halves
+  swapped (``[up; gate]`` -> ``[gate; up]``), ``rope.inv_freq`` absent (recomputed).
+- ``raw``: the MiniMaxAI release shards: original names but QKV rows interleaved per head
+  (``[h0: q k v | h1: q k v | ...]``). Names and shapes cannot tell it from ``comfy``; it is chosen when
+  the checkpoint is a sharded ``*.index.json`` with original names, when the metadata says
+  ``qkv_layout=interleaved``, or explicitly with ``scheme="raw"``.
+
+Tensors are read with plain file reads into a buffer of exactly their size (never ``mmap`` of the whole
+file, never unpickling), converted, and moved to the target device one at a time, so host memory stays
+near the largest tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from .config import (CheckpointError, H3Config, Header, _strip_prefix, config_from_shapes, detect_scheme,
+                     read_header)
+
+ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+TORCH_TO_ST = {v: k for k, v in ST_DTYPES.items()}
+
+# fp32 islands of the original checkpoint (kept fp32 whatever the compute dtype)
+FP32_ISLANDS = ("video_patch_proj.", "audio_patch_proj.", "time_embedder.", "final_layer.video_out.",
+                "final_layer.audio_out.", "rope.", "adaln_t_table")
+
+# block linears that become NVFP4
+QUANT_LINEARS = re.compile(r"^blocks\.\d+\.(attn\.qkv_proj|attn\.out_proj|mlp\.fc1|mlp\.fc2)$")
+
+
+# ---------------------------------------------------------------------------------------------
+# key maps
+# ---------------------------------------------------------------------------------------------
+
+_D2C_BLOCK = [  # inside a block / refiner block: diffusers -> comfy
+    ("attn.norm_q.", "attn.q_norm."), ("attn.norm_k.", "attn.k_norm."), ("attn.to_out.0.", "attn.out_proj."),
+    ("ff.net.0.proj.", "mlp.fc1."), ("ff.net.2.", "mlp.fc2."),
+]
+_D2C_TOP = [
+    ("proj_in.", "video_patch_proj."), ("audio_proj_in.", "audio_patch_proj."),
+    ("context_embedder.", "condition_proj."), ("time_embedder.linear_1.", "time_embedder.proj_in."),
+    ("time_embedder.linear_2.", "time_embedder.proj_out."), ("norm_out.norm.", "final_layer.norm."),
+    ("norm_out.linear.", "final_layer.adaln_proj.linear."), ("proj_out.", "final_layer.video_out."),
+    ("audio_proj_out.", "final_layer.audio_out."), ("token_refiner.final_norm.", "token_refiner.final_norm."),
+    ("adaln_t_table", "adaln_t_table"),
+]
+_QKV_PART = re.compile(r"\.attn\.to_([qkv])\.weight$")
+
+
+def diffusers_to_comfy_name(key: str) -> str | None:
+    """Map one diffusers key to its ComfyUI name (q/k/v parts map to ``...attn.qkv_proj.weight``).
+    Returns None for keys with no ComfyUI counterpart."""
+    m = re.match(r"^(transformer_blocks|token_refiner\.refiner_blocks)\.(\d+)\.(.*)$", key)
+    if m:
+        prefix = "blocks." if m.group(1) == "transformer_blocks" else "token_refiner.blocks."
+        rest = m.group(3)
+        if re.match(r"^attn\.to_[qkv]\.weight$", rest):
+            return f"{prefix}{m.group(2)}.attn.qkv_proj.weight"
+        for d, c in _D2C_BLOCK:
+            if rest.startswith(d):
+                rest = c + rest[len(d):]
+                break
+        return f"{prefix}{m.group(2)}.{rest}"
+    for d, c in _D2C_TOP:
+        if key.startswith(d):
+            return c + key[len(d):]
+    return None
+
+
+def comfy_to_diffusers_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """ComfyUI-named state dict -> diffusers names (for the oracle tests and for export)."""
+    c2d_block = [(c, d) for d, c in _D2C_BLOCK]
+    c2d_top = [(c, d) for d, c in _D2C_TOP]
+    out = {}
+    for k, v in sd.items():
+        m = re.match(r"^(blocks|token_refiner\.blocks)\.(\d+)\.(.*)$", k)
+        if m:
+            prefix = "transformer_blocks." if m.group(1) == "blocks" else "token_refiner.refiner_blocks."
+            rest = m.group(3)
+            base = f"{prefix}{m.group(2)}."
+            if rest == "attn.qkv_proj.weight":
+                q, kk, vv = v.chunk(3, dim=0)
+                out[base + "attn.to_q.weight"], out[base + "attn.to_k.weight"], out[base + "attn.to_v.weight"] = q, kk, vv
+                continue
+            if rest == "mlp.fc1.weight":
+                gate, up = v.chunk(2, dim=0)
+                out[base + "ff.net.0.proj.weight"] = torch.cat([up, gate])
+                continue
+            for c, d in c2d_block:
+                if rest.startswith(c):
+                    rest = d + rest[len(c):]
+                    break
+            out[base + rest] = v
+            continue
+        if k == "rope.inv_freq":
+            continue
+        for c, d in c2d_top:
+            if k.startswith(c):
+                out[d + k[len(c):]] = v
+                break
+        else:
+            out[k] = v
+    return out
+
+
+def interleave_qkv(w: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """Stacked [q_all; k_all; v_all] rows -> per-head interleaved [h0: q k v | h1: ...] (the raw release)."""
+    return w.reshape(3, heads, head_dim, -1).transpose(0, 1).reshape(w.shape)
+
+
+def deinterleave_qkv(w: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """Per-head interleaved QKV rows -> stacked [q_all; k_all; v_all]."""
+    return w.reshape(heads, 3, head_dim, -1).transpose(0, 1).reshape(w.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# the checkpoint
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class _Source:
+    header: Header
+    key: str  # key in the file
+
+
+def _read_raw(src: _Source) -> torch.Tensor:
+    """Read one tensor's bytes with a plain read into a buffer of exactly its size."""
+    info = src.header.tensors[src.key]
+    if info.dtype not in ST_DTYPES:
+        raise CheckpointError(f"{src.header.path}: tensor {src.key!r} has dtype {info.dtype}, which this loader "
+                              f"does not read (supported: {', '.join(ST_DTYPES)})")
+    dt = ST_DTYPES[info.dtype]
+    n = info.offsets[1] - info.offsets[0]
+    numel = 1
+    for s in info.shape:
+        numel *= s
+    esize = torch.empty((), dtype=dt).element_size()
+    if numel * esize != n:
+        raise CheckpointError(f"{src.header.path}: tensor {src.key!r} has {n} bytes but shape {list(info.shape)} "
+                              f"of {info.dtype} needs {numel * esize}; the file is corrupt")
+    buf = torch.empty(n, dtype=torch.uint8)
+    with open(src.header.path, "rb") as f:
+        f.seek(src.header.data_start + info.offsets[0])
+        got = f.readinto(memoryview(buf.numpy()))
+    if got != n:
+        raise CheckpointError(f"{src.header.path} is truncated while reading {src.key!r}")
+    return buf.view(dt).reshape(info.shape) if n else torch.empty(info.shape, dtype=dt)
+
+
+class Checkpoint:
+    """An H3 DiT checkpoint opened from its headers only.
+
+    keys(): ComfyUI names of the logical tensors; shape(name); tensor(name, device) reads one tensor,
+    already in ComfyUI layout (QKV stacked, fc1 [gate; up]); iter_tensors(device) streams them all.
+    Quantized layers (``comfy_quant`` markers, fp8, int8) are passed through as stored; see ``quant_format``.
+    """
+
+    def __init__(self, headers: list[Header], scheme: str):
+        self.headers = headers
+        self.scheme = scheme
+        self.metadata: dict[str, str] = {}
+        for h in headers:
+            self.metadata.update(h.metadata)
+        self._sources: dict[str, list[_Source]] = {}
+        self._shapes: dict[str, tuple] = {}
+        self._dtypes: dict[str, str] = {}
+        raw_shapes = {}
+        for h in headers:
+            for k, info in h.tensors.items():
+                raw_shapes[_strip_prefix(k)] = info.shape
+                name = _strip_prefix(k)
+                if scheme == "diffusers":
+                    cn = diffusers_to_comfy_name(name)
+                    if cn is None:
+                        continue
+                else:
+                    cn = name
+                self._sources.setdefault(cn, []).append(_Source(h, k))
+                self._dtypes.setdefault(cn, info.dtype)
+        self.config = config_from_shapes(raw_shapes, "diffusers" if scheme == "diffusers" else "comfy", self.metadata)
+        for cn, srcs in self._sources.items():
+            shapes = [s.header.tensors[s.key].shape for s in srcs]
+            if len(srcs) > 1:
+                self._shapes[cn] = (sum(s[0] for s in shapes),) + tuple(shapes[0][1:])
+            else:
+                self._shapes[cn] = tuple(shapes[0])
+        if scheme == "diffusers":
+            for cn, srcs in self._sources.items():
+                if cn.endswith("attn.qkv_proj.weight"):
+                    parts = sorted(srcs, key=lambda s: "qkv".index(_QKV_PART.search(s.key).group(1)))
+                    if len(parts) != 3:
+                        raise CheckpointError(f"diffusers checkpoint: {cn} needs to_q, to_k and to_v; found "
+                                              f"{[p.key for p in parts]}")
+                    self._sources[cn] = parts
+            if "rope.inv_freq" not in self._sources:
+                self._shapes["rope.inv_freq"] = (self.config.rope_inv_freq_len,)
+
+    # -- introspection -------------------------------------------------------------------------
+    def keys(self) -> list[str]:
+        return list(self._shapes)
+
+    def shape(self, name: str) -> tuple:
+        return self._shapes[name]
+
+    def dtype_name(self, name: str) -> str:
+        return self._dtypes.get(name, "F32")
+
+    def quant_format(self, layer: str) -> dict | None:
+        """The comfy_quant descriptor of a layer (``{"format": "nvfp4", ...}``), None when unquantized."""
+        marker = layer + ".comfy_quant"
+        if marker in self._sources:
+            raw = _read_raw(self._sources[marker][0])
+            try:
+                d = json.loads(bytes(raw.tolist()).decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise CheckpointError(f"{marker} is not UTF-8 JSON ({e})") from None
+            return {**d.get("params", {}), **{k: v for k, v in d.items() if k != "params"}}
+        meta = self.metadata.get("_quantization_metadata")
+        if meta:
+            layers = json.loads(meta).get("layers", {})
+            if layer in layers:
+                return layers[layer]
+        if self._dtypes.get(layer + ".weight") in ("F8_E4M3", "F8_E5M2") and layer + ".weight_scale" in self._sources:
+            return {"format": "float8_e4m3fn" if self._dtypes[layer + ".weight"] == "F8_E4M3" else "float8_e5m2"}
+        return None
+
+    # -- reading ---------------------------------------------------------------------------------
+    def tensor(self, name: str, device="cpu") -> torch.Tensor:
+        """One tensor in ComfyUI layout, moved to ``device`` (read at its stored dtype)."""
+        if name == "rope.inv_freq" and name not in self._sources:
+            c = self.config
+            inv = c.rope_theta ** (-torch.arange(c.rope_inv_freq_len, dtype=torch.float64) / c.rope_inv_freq_len)
+            return inv.float().to(device)
+        if name not in self._sources:
+            raise CheckpointError(f"tensor {name!r} is not in {self.headers[0].path}")
+        srcs = self._sources[name]
+        parts = [_read_raw(s) for s in srcs]
+        t = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if name.endswith("attn.qkv_proj.weight") and self.scheme == "raw" and t.dtype.is_floating_point:
+            block = self.config
+            t = deinterleave_qkv(t, block.num_heads, block.head_dim)
+        if self.scheme == "diffusers" and name.endswith("mlp.fc1.weight"):
+            up, gate = t.chunk(2, dim=0)
+            t = torch.cat([gate, up])
+        return t.to(device)
+
+    def iter_tensors(self, device="cpu", progress: Callable[[int, int, str], None] | None = None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+        keys = self.keys()
+        for i, k in enumerate(keys):
+            if progress:
+                progress(i, len(keys), k)
+            yield k, self.tensor(k, device)
+
+
+def open_checkpoint(path: str | Path, scheme: str | None = None) -> Checkpoint:
+    """Open a ``.safetensors`` file or a sharded ``*.safetensors.index.json`` (headers only).
+
+    scheme: None (detect), "comfy", "diffusers" or "raw" (see module docstring).
+    """
+    path = Path(path)
+    sharded = path.name.endswith(".json")
+    if sharded:
+        if not path.exists():
+            raise CheckpointError(f"checkpoint index not found: {path}")
+        try:
+            index = json.loads(path.read_text())
+            files = sorted(set(index["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{path}: not a safetensors index (expected a JSON object with 'weight_map'): {e}") from None
+        headers = [read_header(path.parent / f) for f in files]
+        missing = [k for k, f in index["weight_map"].items()
+                   if k not in headers[files.index(f)].tensors]
+        if missing:
+            raise CheckpointError(f"{path}: index lists {len(missing)} tensors not found in their shards, e.g. {missing[:3]}")
+    else:
+        if path.suffix in (".ckpt", ".pt", ".pth", ".bin", ".pkl"):
+            raise CheckpointError(f"{path}: pickle checkpoints are never loaded (arbitrary code); convert it to "
+                                  ".safetensors first")
+        headers = [read_header(path)]
+    keys = [k for h in headers for k in h.tensors]
+    detected = detect_scheme(keys)
+    meta = {}
+    for h in headers:
+        meta.update(h.metadata)
+    if scheme is None:
+        scheme = detected
+        layout = (meta.get("qkv_layout") or meta.get("format") or "").lower()
+        if detected == "comfy" and (layout in ("interleaved", "per_head", "raw") or sharded):
+            scheme = "raw"
+    elif scheme not in ("comfy", "diffusers", "raw"):
+        raise CheckpointError(f"scheme={scheme!r}: expected comfy, diffusers or raw")
+    elif (scheme == "diffusers") != (detected == "diffusers"):
+        raise CheckpointError(f"scheme={scheme!r} was requested but the names are {detected}-style")
+    return Checkpoint(headers, scheme)
+
+
+# ---------------------------------------------------------------------------------------------
+# loading into a model
+# ---------------------------------------------------------------------------------------------
+
+def expected_keys(cfg: H3Config) -> dict[str, tuple]:
+    """ComfyUI names and shapes of every tensor an H3 DiT of this config needs."""
+    from .model import H3Model
+
+    with torch.device("meta"):
+        m = H3Model(cfg, torch.float32)
+    out = {k: tuple(v.shape) for k, v in m.state_dict().items()}
+    return out
+
+
+def dequantize_layer(ck: Checkpoint, layer: str, fmt: dict, device) -> torch.Tensor:
+    """Dequantize a stored quantized linear weight to fp32 [N, K] (fp8, int8_tensorwise +convrot, nvfp4)."""
+    name = fmt.get("format")
+    w = ck.tensor(layer + ".weight", device)
+    if name in ("float8_e4m3fn", "float8_e5m2"):
+        scale = ck.tensor(layer + ".weight_scale", device).float()
+        dt = torch.float8_e4m3fn if name == "float8_e4m3fn" else torch.float8_e5m2
+        return w.view(dt).float() * scale
+    if name == "int8_tensorwise":
+        scale = ck.tensor(layer + ".weight_scale", device).float()
+        scale = scale.reshape(-1, 1) if scale.numel() > 1 else scale
+        wf = w.view(torch.int8).float() * scale
+        if fmt.get("convrot"):
+            g = int(fmt.get("convrot_groupsize", 256))
+            wf = unrotate_convrot(wf, g)
+        return wf
+    if name == "nvfp4":
+        from .ops import nvfp4
+
+        tensors = {s: ck.tensor(layer + s, device) for s in (".weight", ".weight_scale", ".weight_scale_2")}
+        q = nvfp4.from_comfy_quant(tensors[".weight"], tensors[".weight_scale"], tensors[".weight_scale_2"])
+        return nvfp4.dequantize(q).float()
+    raise CheckpointError(f"{layer}: quantization format {name!r} is not supported "
+                          "(supported: nvfp4, float8_e4m3fn, float8_e5m2, int8_tensorwise)")
+
+
+def hadamard(g: int, dtype=torch.float64) -> torch.Tensor:
+    """Normalised regular Hadamard of size g (a power of 4): Kronecker powers of the 4x4 regular matrix / sqrt(g)."""
+    base = torch.tensor([[1, 1, 1, -1], [1, 1, -1, 1], [1, -1, 1, 1], [-1, 1, 1, 1]], dtype=dtype)
+    h = torch.ones(1, 1, dtype=dtype)
+    n = 1
+    while n < g:
+        h = torch.kron(h, base)
+        n *= 4
+    if n != g:
+        raise CheckpointError(f"convrot_groupsize {g} is not a power of 4")
+    return h / (g ** 0.5)
+
+
+def unrotate_convrot(w: torch.Tensor, g: int) -> torch.Tensor:
+    """Undo the offline rotation W' = W H_g^T per g-wide K group: W = W' H_g (H is orthogonal)."""
+    n, k = w.shape
+    h = hadamard(g).to(w.device, torch.float32)
+    return (w.reshape(n, k // g, g) @ h).reshape(n, k)
+
+
+def load_state(model, ck: Checkpoint, device="cpu", progress: Callable[[int, int, str], None] | None = None,
+               strict: bool = True) -> list[str]:
+    """Stream a checkpoint into a model built on the meta device or on ``device``.
+
+    Each tensor is read, converted to the parameter's dtype and assigned on ``device``, one at a time.
+    Quantized layers are dequantized (the NVFP4 runtime path replaces this with resident NVFP4 weights).
+    Returns the checkpoint keys that were not used. Raises CheckpointError naming missing keys and
+    wrong shapes (expected vs found).
+    """
+    want = dict(model.state_dict(keep_vars=True))
+    have = set(ck.keys())
+    quant_layers = {k[: -len(".comfy_quant")] for k in have if k.endswith(".comfy_quant")}
+    for k in list(have):
+        if k.endswith(".weight") and ck.dtype_name(k) in ("F8_E4M3", "F8_E5M2", "I8", "U8"):
+            quant_layers.add(k[: -len(".weight")])
+    missing = [k for k in want if k not in have and not (k.endswith(".weight") and k[:-7] in quant_layers)
+               and k != "rope.inv_freq"]
+    if missing and strict:
+        raise CheckpointError(f"checkpoint {ck.headers[0].path.name} is missing {len(missing)} tensors the "
+                              f"{ck.config.num_layers}-block H3 config needs, e.g. {missing[:5]}")
+    bad = []
+    for k, p in want.items():
+        if k in have and tuple(ck.shape(k)) != tuple(p.shape) and not (k[:-7] in quant_layers):
+            bad.append(f"{k}: expected {list(p.shape)}, found {list(ck.shape(k))}")
+    if bad:
+        raise CheckpointError("wrong tensor shapes: " + "; ".join(bad[:5]))
+    used = set()
+    keys = list(want)
+    for i, k in enumerate(keys):
+        p = want[k]
+        if progress:
+            progress(i, len(keys), k)
+        layer = k[:-7] if k.endswith(".weight") else None
+        if layer in quant_layers:
+            fmt = ck.quant_format(layer) or {"format": "int8_tensorwise"}
+            t = dequantize_layer(ck, layer, fmt, device)
+            used.update(x for x in have if x.startswith(layer + "."))
+        elif k in have or k == "rope.inv_freq":
+            t = ck.tensor(k, device)
+            used.add(k)
+        else:
+            continue
+        _assign(model, k, t.to(device=device, dtype=p.dtype))
+    return sorted(have - used)
+
+
+def _assign(model, name: str, value: torch.Tensor) -> None:
+    mod = model
+    *path, leaf = name.split(".")
+    for p in path:
+        mod = getattr(mod, p)
+    if isinstance(getattr(mod, leaf), torch.nn.Parameter):
+        setattr(mod, leaf, torch.nn.Parameter(value, requires_grad=False))
+    else:
+        mod._buffers[leaf] = value

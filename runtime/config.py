@@ -1,0 +1,343 @@
+"""H3Config: the MiniMax H3 DiT hyper-parameters, presets, and detection from a safetensors header.
+
+Detection reads only the JSON header of a safetensors file (``read_header``): no tensor data is read and
+no tensor is allocated, so detecting the full 33B model costs a few kilobytes of I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class CheckpointError(ValueError):
+    """A checkpoint could not be read or does not describe an H3 DiT. The message says what to do."""
+
+
+@dataclass(frozen=True)
+class H3Config:
+    """MiniMax H3 DiT dimensions.
+
+    Defaults are the released model (ComfyUI ``MiniMaxH3Model`` defaults): hidden 5376, 50 blocks,
+    2 refiner blocks, 56 heads x 128, FFN 14336 SwiGLU, video 24 ch with patch (1,2,2), audio 32 ch,
+    text 5120, time embedding 256 -> 5376 -> 2688, 16 rope frequencies per axis, eps 1e-5,
+    sigma shifts video 12 / audio 3.
+    """
+
+    hidden_size: int = 5376
+    num_layers: int = 50
+    num_refiner_layers: int = 2
+    num_heads: int = 56
+    head_dim: int = 128
+    ffn_hidden_size: int = 14336
+    video_channels: int = 24
+    patch_size: tuple[int, int, int] = (1, 2, 2)
+    audio_channels: int = 32
+    text_dim: int = 5120
+    timestep_input_dim: int = 256
+    time_embed_hidden_size: int = 5376
+    time_embed_dim: int = 2688
+    rope_inv_freq_len: int = 16
+    rope_theta: float = 10000.0
+    eps: float = 1e-5
+    shift_video: float = 12.0
+    shift_audio: float = 3.0
+    # Curve-form ("pruned") AdaLN: a [grid, k] table replaces the time embedder; 0 = full form.
+    adaln_curve_grid: int = 0
+    # PDD head bank size n (video_out rows = n * 96); 1 = a plain head.
+    head_bank: int = 1
+    gate_compress: bool = False
+
+    # -- derived -------------------------------------------------------------------------------
+    @property
+    def inner_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def video_patch_dim(self) -> int:
+        pt, ph, pw = self.patch_size
+        return self.video_channels * pt * ph * pw
+
+    @property
+    def rope_dim(self) -> int:
+        """Channels of each head that RoPE rotates: 2 * 3 * rope_inv_freq_len (96 of 128 for H3)."""
+        return 6 * self.rope_inv_freq_len
+
+    @property
+    def curve_form(self) -> bool:
+        return self.adaln_curve_grid > 0
+
+    def validate(self) -> "H3Config":
+        if self.rope_dim > self.head_dim:
+            raise CheckpointError(
+                f"rope needs {self.rope_dim} channels per head (6 x rope_inv_freq_len={self.rope_inv_freq_len}) "
+                f"but head_dim is {self.head_dim}"
+            )
+        if self.patch_size[0] != 1:
+            raise CheckpointError(f"temporal patch must be 1, found patch_size={self.patch_size}")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["patch_size"] = list(self.patch_size)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "H3Config":
+        known = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in d.items() if k in known}
+        if "patch_size" in kw:
+            kw["patch_size"] = tuple(int(p) for p in kw["patch_size"])
+        return cls(**kw).validate()
+
+    def replace(self, **kw) -> "H3Config":
+        return dataclasses.replace(self, **kw).validate()
+
+
+FULL = H3Config()
+
+# Every structural feature of the full model at toy size: head_dim 32 > rope_dim 24 keeps the
+# untouched tail of each head, inner_dim (4 x 32 = 128) differs from hidden (96) as in H3 (7168 vs
+# 5376), 3 blocks + 2 refiner blocks.
+TINY = H3Config(
+    hidden_size=96,
+    num_layers=3,
+    num_refiner_layers=2,
+    num_heads=4,
+    head_dim=32,
+    ffn_hidden_size=160,
+    video_channels=24,
+    audio_channels=32,
+    text_dim=5120,  # real conditioning width, so core CONDITIONING feeds the tiny model
+    timestep_input_dim=256,
+    time_embed_hidden_size=96,
+    time_embed_dim=48,
+    rope_inv_freq_len=4,
+)
+
+PRESETS = {"full": FULL, "tiny": TINY}
+
+
+# ---------------------------------------------------------------------------------------------
+# safetensors header
+# ---------------------------------------------------------------------------------------------
+
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+@dataclass
+class TensorInfo:
+    dtype: str
+    shape: tuple[int, ...]
+    offsets: tuple[int, int]  # [begin, end) relative to the data section
+
+
+@dataclass
+class Header:
+    path: Path
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, str] = field(default_factory=dict)
+    data_start: int = 0
+
+
+_DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+                "U8": 1, "U16": 2, "U32": 4, "U64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+                "F8_E8M0": 1, "F4": 1, "F6_E2M3": 1, "F6_E3M2": 1}
+
+
+def read_header(path: str | Path) -> Header:
+    """Parse a safetensors header (JSON only; no tensor bytes are read).
+
+    Raises CheckpointError naming the problem for: a missing file, a file too short or not
+    safetensors, a truncated or corrupt header, tensor extents past the end of the file.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint not found: {path}")
+    if path.is_dir():
+        raise CheckpointError(f"{path} is a directory; pass a .safetensors file or a *.safetensors.index.json")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path} is not a safetensors file: {size} bytes, too short for the 8-byte header length")
+        (n,) = struct.unpack("<Q", head)
+        if n > _MAX_HEADER or n + 8 > size:
+            if head[:2] == b"PK" or head[:1] == b"\x80":
+                raise CheckpointError(
+                    f"{path} looks like a pickle/zip checkpoint (.ckpt/.pt); only safetensors is accepted "
+                    "(nothing is ever unpickled). Convert it to safetensors first.")
+            raise CheckpointError(
+                f"{path} is not a valid safetensors file: header length {n} exceeds the file size {size} "
+                "(truncated download or not safetensors)")
+        raw = f.read(n)
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: corrupt safetensors header ({e}); re-download or re-export the file") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (expected a JSON object)")
+    meta = obj.pop("__metadata__", None) or {}
+    tensors: dict[str, TensorInfo] = {}
+    data_len = size - 8 - n
+    for name, info in obj.items():
+        try:
+            dt, shape, offs = info["dtype"], tuple(int(s) for s in info["shape"]), tuple(int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: corrupt safetensors header entry for {name!r}") from None
+        if offs[1] > data_len or offs[0] > offs[1]:
+            raise CheckpointError(
+                f"{path} is truncated: tensor {name!r} needs bytes {offs[0]}..{offs[1]} of the data section but "
+                f"the file has only {data_len}; re-download the file")
+        tensors[name] = TensorInfo(dt, shape, offs)
+    return Header(path=path, tensors=tensors, metadata=dict(meta), data_start=8 + n)
+
+
+# ---------------------------------------------------------------------------------------------
+# detection
+# ---------------------------------------------------------------------------------------------
+
+SCHEMES = ("comfy", "diffusers", "raw")
+
+
+def detect_scheme(keys) -> str:
+    """Naming scheme of an H3 DiT state dict: 'comfy' (ComfyUI / original), 'diffusers' or 'raw'.
+
+    ``raw`` is the original MiniMax release: ComfyUI names but QKV stored per-head interleaved. The two
+    cannot be told apart from names; a raw release is recognised by its safetensors metadata
+    (``format: raw`` / ``qkv_layout: per_head``) or chosen explicitly by the caller.
+    """
+    keys = set(_strip_prefix(k) for k in keys)
+    if "video_patch_proj.weight" in keys and "audio_patch_proj.weight" in keys:
+        return "comfy"
+    if "proj_in.weight" in keys and "audio_proj_in.weight" in keys:
+        return "diffusers"
+    sample = sorted(keys)[:8]
+    raise CheckpointError(
+        "unknown naming scheme: expected an H3 DiT with video_patch_proj.weight + audio_patch_proj.weight "
+        f"(ComfyUI/original) or proj_in.weight + audio_proj_in.weight (diffusers); found keys like {sample}. "
+        "Is this a VAE, text encoder or another model?")
+
+
+_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "transformer.", "model.")
+
+
+def _strip_prefix(k: str) -> str:
+    for p in _PREFIXES:
+        if k.startswith(p):
+            return k[len(p):]
+    return k
+
+
+def config_from_shapes(shapes: dict[str, tuple[int, ...]], scheme: str | None = None,
+                       metadata: dict[str, str] | None = None) -> H3Config:
+    """Derive H3Config from tensor names and shapes (no data).
+
+    ``shapes`` may be in any scheme; ``metadata`` is the safetensors ``__metadata__`` whose ``config``
+    entry (JSON, optionally under ``transformer``) overrides the derived values.
+    """
+    shapes = {_strip_prefix(k): tuple(v) for k, v in shapes.items()}
+    scheme = scheme or detect_scheme(shapes)
+    if scheme == "diffusers":
+        from .checkpoint import diffusers_to_comfy_name
+
+        conv: dict[str, tuple[int, ...]] = {}
+        for k, s in shapes.items():
+            ck = diffusers_to_comfy_name(k)
+            if ck is None:
+                continue
+            if ck.endswith("qkv_proj.weight"):
+                prev = conv.get(ck)
+                s = (s[0] + (prev[0] if prev else 0),) + tuple(s[1:])
+            conv[ck] = s
+        shapes = conv
+
+    def need(k):
+        if k not in shapes:
+            raise CheckpointError(f"missing key {k!r} needed to detect the H3 config")
+        return shapes[k]
+
+    def count(prefix):
+        idx = set()
+        for k in shapes:
+            if k.startswith(prefix):
+                rest = k[len(prefix):].split(".", 1)[0]
+                if rest.isdigit():
+                    idx.add(int(rest))
+        return (max(idx) + 1) if idx else 0
+
+    kw: dict[str, Any] = {}
+    hidden, patch_dim = need("video_patch_proj.weight")
+    kw["hidden_size"] = hidden
+    kw["num_layers"] = count("blocks.")
+    kw["num_refiner_layers"] = count("token_refiner.blocks.")
+    audio_ch = need("final_layer.audio_out.weight")[0]
+    ain = need("audio_patch_proj.weight")[1]
+    kw["audio_channels"] = ain
+    patch_area = 4
+    kw["video_channels"] = patch_dim // patch_area
+    vout = need("final_layer.video_out.weight")[0]
+    bank = vout // patch_dim
+    if bank * patch_dim != vout or audio_ch % ain:
+        raise CheckpointError(f"final_layer.video_out.weight has {vout} rows; expected a multiple of {patch_dim}")
+    kw["head_bank"] = bank
+    head_dim = need("blocks.0.attn.q_norm.weight")[0] if kw["num_layers"] else need("token_refiner.blocks.0.attn.q_norm.weight")[0]
+    kw["head_dim"] = head_dim
+    qkv_key = "blocks.0.attn.qkv_proj.weight" if kw["num_layers"] else "token_refiner.blocks.0.attn.qkv_proj.weight"
+    kw["num_heads"] = need(qkv_key)[0] // (3 * head_dim)
+    fc1 = "blocks.0.mlp.fc1.weight" if kw["num_layers"] else "token_refiner.blocks.0.mlp.fc1.weight"
+    kw["ffn_hidden_size"] = need(fc1)[0] // 2
+    kw["text_dim"] = need("condition_proj.weight")[1]
+    if "adaln_t_table" in shapes:
+        grid, k = shapes["adaln_t_table"]
+        kw["adaln_curve_grid"] = grid
+        kw["time_embed_dim"] = k
+    else:
+        kw["time_embed_dim"] = need("time_embedder.proj_out.weight")[0]
+        th, tin = need("time_embedder.proj_in.weight")
+        kw["timestep_input_dim"] = tin
+        kw["time_embed_hidden_size"] = th
+    if "rope.inv_freq" in shapes:
+        kw["rope_inv_freq_len"] = shapes["rope.inv_freq"][0]
+    else:
+        kw["rope_inv_freq_len"] = (head_dim * 3 // 4) // 6  # diffusers drops the buffer; H3 rotates 3/4 of a head
+    kw["gate_compress"] = "blocks.0.attn.to_gate_compress.weight" in shapes
+    cfg = H3Config(**kw)
+    if metadata and metadata.get("config"):
+        try:
+            over = json.loads(metadata["config"])
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"safetensors metadata 'config' is not JSON ({e})") from None
+        if isinstance(over, dict) and isinstance(over.get("transformer"), dict):
+            over = over["transformer"]
+        cfg = H3Config.from_dict({**cfg.to_dict(), **_normalise_override(over)})
+    return cfg.validate()
+
+
+# ComfyUI / diffusers config names -> ours
+_OVERRIDE_NAMES = {
+    "num_attention_heads": "num_heads", "attention_head_dim": "head_dim", "latents_dim": "video_channels",
+    "in_channels": "video_channels", "audio_latents_dim": "audio_channels", "audio_in_channels": "audio_channels",
+    "token_refiner_num_layers": "num_refiner_layers", "ffn_dim": "ffn_hidden_size",
+    "freq_dim": "timestep_input_dim", "time_embed_hidden_dim": "time_embed_hidden_size",
+    "rope_freq_dim": "rope_inv_freq_len", "norm_eps": "eps",
+}
+
+
+def _normalise_override(d: dict) -> dict:
+    out = {}
+    for k, v in d.items():
+        out[_OVERRIDE_NAMES.get(k, k)] = v
+    return out
+
+
+def detect_config(path: str | Path) -> tuple[H3Config, str, Header]:
+    """(config, naming scheme, header) for a safetensors file or a sharded ``*.index.json``; reads headers only."""
+    from .checkpoint import open_checkpoint
+
+    ck = open_checkpoint(path)
+    return ck.config, ck.scheme, ck.headers[0]

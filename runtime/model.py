@@ -1,0 +1,472 @@
+"""The MiniMax H3 DiT: plain PyTorch reference (fp32 and bf16) that every fast path is tested against.
+
+Parameter names are ComfyUI's checkpoint keys (``blocks.N.attn.qkv_proj.weight`` ...), so a ComfyUI-named
+state dict loads with no renaming. Conventions (ComfyUI core ``comfy/ldm/minimax/model.py``):
+
+- fp32 islands: ``video_patch_proj``, ``audio_patch_proj``, ``time_embedder``, ``final_layer.video_out`` /
+  ``audio_out``, ``rope.inv_freq``, ``adaln_t_table`` and, in curve form, every ``adaln_proj``. The rest runs
+  at the compute dtype.
+- qkv_proj output is contiguous thirds ``[q_all | k_all | v_all]``; per-head RMSNorm of q and k, then
+  split-half RoPE on the first ``rope_dim`` (96 of 128) channels of each head.
+- AdaLN rows are addressed ``t_index * 3 + modality_tag`` (0 video, 1 text, 2 audio); the six chunks are
+  shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp; modulation is ``norm(x) * (1 + scale) + shift``.
+- fc1 output is ``[gate | up]``; the MLP is ``fc2(silu(gate) * up)``.
+- Final layer: shift then scale, fp32 heads, optional PDD head bank; the model returns the NEGATED network
+  output (ComfyUI's CONST velocity ``eps - x0``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import H3Config
+from .layout import (KeyframeSpec, LayoutError, PackedLayout, StepTimes, build_layout, pack_audio, pad_video,
+                     patchify_video, step_times, time_shift_sigma, unpack_audio, unpatchify_video)
+
+AttentionFn = Callable[[torch.Tensor, int, int], torch.Tensor]
+
+
+# ---------------------------------------------------------------------------------------------
+# reference ops
+# ---------------------------------------------------------------------------------------------
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dim, computed in fp32, returned in x.dtype."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.float()).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype=None, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+
+    def forward(self, x):
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rope_tables(position_ids: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[S, 3] float64 positions -> (cos, sin) [S, 6F] fp32: angles (t | h | w) x inv_freq, duplicated halves."""
+    pos = position_ids.to(torch.float32).to(inv_freq.device)
+    ang = (pos.unsqueeze(-1) * inv_freq.float().view(1, 1, -1)).flatten(1)  # [S, 3F], axis-major
+    ang = torch.cat([ang, ang], dim=-1)
+    return ang.cos(), ang.sin()
+
+
+def norm_rope_reference(qkv: torch.Tensor, q_weight, k_weight, cos, sin, heads: int, head_dim: int,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, k, v) [S, H, D] from the fused qkv [S, 3*H*D]: per-head RMSNorm of q, k then split-half RoPE on the
+    first cos.shape[-1] channels; fp32 math, cast once to qkv.dtype. v is a view of the buffer."""
+    s = qkv.shape[0]
+    q, k, v = qkv.view(s, 3, heads, head_dim).unbind(1)
+    r = cos.shape[-1]
+    c, sn = cos.float()[:, None, :], sin.float()[:, None, :]
+
+    def one(x, w):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()
+        xr = xf[..., :r]
+        x1, x2 = xr[..., : r // 2], xr[..., r // 2:]
+        rot = xr * c + torch.cat([-x2, x1], dim=-1) * sn
+        return torch.cat([rot, xf[..., r:]], dim=-1).to(qkv.dtype)
+
+    return one(q, q_weight), one(k, k_weight), v
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Full unmasked attention; q, k, v [S, H, D] -> [S, H*D] (softmax scale 1/sqrt(D))."""
+    out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                                         v.transpose(0, 1).unsqueeze(0))
+    return out[0].transpose(0, 1).reshape(q.shape[0], -1)
+
+
+def timestep_sinusoid(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """[M] t in [0, 1] (unscaled) -> [M, dim] fp32, cos before sin, freqs exp(-ln(1e4) * i / (dim/2))."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+    args = t.float()[:, None] * freqs[None]
+    return torch.cat([args.cos(), args.sin()], dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# modules (names = ComfyUI checkpoint keys)
+# ---------------------------------------------------------------------------------------------
+
+class Attention(nn.Module):
+    def __init__(self, cfg: H3Config, dtype, device=None, gate_compress=False):
+        super().__init__()
+        self.heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        inner = cfg.inner_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, 3 * inner, bias=False, dtype=dtype, device=device)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.eps, dtype=dtype, device=device)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.eps, dtype=dtype, device=device)
+        self.out_proj = nn.Linear(inner, cfg.hidden_size, bias=False, dtype=dtype, device=device)
+        if gate_compress:
+            # VSA gate; unused by the dense forward (kept so such checkpoints load)
+            self.to_gate_compress = nn.Linear(cfg.hidden_size, inner, bias=False, dtype=dtype, device=device)
+
+    def forward(self, h: torch.Tensor, cos=None, sin=None, attn_fn: AttentionFn | None = None) -> torch.Tensor:
+        qkv = self.qkv_proj(h)
+        if cos is None:  # token refiner: q/k norm, no rope
+            s = qkv.shape[0]
+            q, k, v = qkv.view(s, 3, self.heads, self.head_dim).unbind(1)
+            q, k = self.q_norm(q), self.k_norm(k)
+        else:
+            q, k, v = norm_rope_reference(qkv, self.q_norm.weight, self.k_norm.weight, cos, sin,
+                                          self.heads, self.head_dim, self.q_norm.eps)
+        if attn_fn is not None:
+            qkv2 = torch.stack([q, k, v], dim=1).reshape(qkv.shape)
+            o = attn_fn(qkv2, self.heads, self.head_dim)
+        else:
+            o = attention_reference(q, k, v)
+        return self.out_proj(o)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: H3Config, dtype, device=None):
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.hidden_size, 2 * cfg.ffn_hidden_size, bias=False, dtype=dtype, device=device)
+        self.fc2 = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=False, dtype=dtype, device=device)
+
+    def forward(self, h):
+        gate, up = self.fc1(h).chunk(2, dim=-1)
+        return self.fc2(F.silu(gate) * up)
+
+
+class AdalnProj(nn.Module):
+    """t_emb [M, t_dim] -> [M * modalities, expand * hidden] (SiLU first in full form, not in curve form)."""
+
+    def __init__(self, t_dim, hidden, expand, modalities, apply_silu, dtype, device=None):
+        super().__init__()
+        self.expand, self.modalities, self.hidden, self.apply_silu = expand, modalities, hidden, apply_silu
+        self.linear = nn.Linear(t_dim, expand * hidden * modalities, bias=True, dtype=dtype, device=device)
+
+    def forward(self, t_emb):
+        x = F.silu(t_emb) if self.apply_silu else t_emb
+        x = self.linear(x.to(self.linear.weight.dtype))
+        return x.reshape(x.shape[0] * self.modalities, self.expand * self.hidden)
+
+
+class RefinerBlock(nn.Module):
+    def __init__(self, cfg: H3Config, dtype, device=None):
+        super().__init__()
+        self.norm1 = RMSNorm(cfg.hidden_size, cfg.eps, dtype=dtype, device=device)
+        self.norm2 = RMSNorm(cfg.hidden_size, cfg.eps, dtype=dtype, device=device)
+        self.attn = Attention(cfg, dtype, device)
+        self.mlp = MLP(cfg, dtype, device)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class TokenRefiner(nn.Module):
+    def __init__(self, cfg: H3Config, dtype, device=None):
+        super().__init__()
+        self.blocks = nn.ModuleList([RefinerBlock(cfg, dtype, device) for _ in range(cfg.num_refiner_layers)])
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.eps, dtype=dtype, device=device)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.final_norm(x)
+
+
+class TimeEmbedder(nn.Module):
+    def __init__(self, cfg: H3Config, device=None):
+        super().__init__()
+        self.freq_dim = cfg.timestep_input_dim
+        self.proj_in = nn.Linear(cfg.timestep_input_dim, cfg.time_embed_hidden_size, dtype=torch.float32, device=device)
+        self.proj_out = nn.Linear(cfg.time_embed_hidden_size, cfg.time_embed_dim, dtype=torch.float32, device=device)
+
+    def forward(self, t):
+        return self.proj_out(F.silu(self.proj_in(timestep_sinusoid(t, self.freq_dim))))
+
+
+def modulate_(h: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, segments) -> torch.Tensor:
+    """In place, per segment (a, b, row): h[a:b] = h[a:b] * (1 + scale[row]) + shift[row] at h's dtype."""
+    for a, b, r in segments:
+        h[a:b].mul_(1.0 + scale[r].to(h.dtype)).add_(shift[r].to(h.dtype))
+    return h
+
+
+def gate_add_(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, segments) -> torch.Tensor:
+    """In place, per segment: x[a:b] += gate[row] * y[a:b] (at x's dtype)."""
+    for a, b, r in segments:
+        x[a:b].addcmul_(y[a:b], gate[r].to(x.dtype))
+    return x
+
+
+class DiTBlock(nn.Module):
+    def __init__(self, cfg: H3Config, dtype, adaln_dtype, device=None):
+        super().__init__()
+        self.hidden = cfg.hidden_size
+        self.norm1 = RMSNorm(cfg.hidden_size, cfg.eps, dtype=dtype, device=device)
+        self.norm2 = RMSNorm(cfg.hidden_size, cfg.eps, dtype=dtype, device=device)
+        self.attn = Attention(cfg, dtype, device, gate_compress=cfg.gate_compress)
+        self.mlp = MLP(cfg, dtype, device)
+        self.adaln_proj = AdalnProj(cfg.time_embed_dim, cfg.hidden_size, 6, 3, not cfg.curve_form, adaln_dtype, device)
+
+    def forward(self, x, mod: torch.Tensor, segments, cos, sin, attn_fn=None):
+        """x [S, hidden] (updated in place and returned); mod [M*3, 6*hidden] from adaln_proj."""
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mod.chunk(6, dim=-1)
+        h = modulate_(self.norm1(x), shift_msa, scale_msa, segments)
+        gate_add_(x, self.attn(h, cos, sin, attn_fn), gate_msa, segments)
+        h = modulate_(self.norm2(x), shift_mlp, scale_mlp, segments)
+        return gate_add_(x, self.mlp(h), gate_mlp, segments)
+
+
+class FinalLayer(nn.Module):
+    def __init__(self, cfg: H3Config, dtype, adaln_dtype, device=None):
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.eps, dtype=dtype, device=device)
+        self.adaln_proj = AdalnProj(cfg.time_embed_dim, cfg.hidden_size, 2, 1, not cfg.curve_form, adaln_dtype, device)
+        n = cfg.head_bank
+        self.video_out = nn.Linear(cfg.hidden_size, n * cfg.video_patch_dim, dtype=torch.float32, device=device)
+        self.audio_out = nn.Linear(cfg.hidden_size, n * cfg.audio_channels, dtype=torch.float32, device=device)
+
+
+def pdd_head_weights(weight: torch.Tensor, bias: torch.Tensor, n: int, start: int, stop: int, shift: float):
+    """PDD head bank -> the (weight, bias) one step uses.
+
+    weight [n*out, in]: block 0 is a full head, blocks 1..n-1 deltas from it. The step spans base-grid
+    intervals [start, stop) of linspace(1, 0, n+1); interval j's weight is its dt under the flow shift,
+    normalised over the span; block 0's own interval contributes no delta.
+    """
+    grid = torch.linspace(1.0, 0.0, n + 1, dtype=torch.float64)
+    shifted = shift * grid / (1.0 + (shift - 1.0) * grid)
+    dt = (1.0 - shifted).diff()[start:stop]
+    w = (dt / dt.sum()).to(weight.dtype).to(weight.device)
+    rows = weight.reshape(n, -1, weight.shape[1])
+    brows = bias.reshape(n, -1)
+    first = max(start, 1)
+    wd = w[first - start:]
+    return (rows[0] + torch.einsum("n,noi->oi", wd, rows[first:stop]),
+            brows[0] + torch.einsum("n,no->o", wd, brows[first:stop]))
+
+
+def pdd_span(sigma: float, sigma_next: float, n: int, shift_v: float) -> tuple[int, int]:
+    """Base-grid interval [start, stop) of one step (sigma -> sigma_next) for an n-head bank."""
+    start, stop = (round(float(1.0 - time_shift_sigma(s, shift_v, 1.0)) * n) for s in (sigma, sigma_next))
+    start = min(start, n - 1)
+    return start, max(stop, start + 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# the model
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class RunPlan:
+    """Everything of one sampling run that depends only on its shapes, conditioning and schedule.
+
+    Built once per run by ``H3Model.plan``; each step then costs only the block stack.
+    text: refined text rows [L, hidden] (compute dtype); cond_embed: embedded keyframe rows or None;
+    cos/sin [S, rope_dim] fp32; times[i] / mods[i][block] / final_mod[i] / heads[i] per step i.
+    """
+
+    layout: PackedLayout
+    text: torch.Tensor
+    cond_embed: torch.Tensor | None
+    cos: torch.Tensor
+    sin: torch.Tensor
+    sigmas: list
+    shifts: tuple
+    times: list = field(default_factory=list)
+    mods: list = field(default_factory=list)
+    final_mod: list = field(default_factory=list)
+    heads: list = field(default_factory=list)
+    orig_hw: tuple = (0, 0)
+
+
+class H3Model(nn.Module):
+    """MiniMax H3 DiT (batch 1). ``forward`` is one evaluation; ``plan`` + ``evaluate`` serve a sampling run."""
+
+    def __init__(self, cfg: H3Config, dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        self.cfg = cfg.validate()
+        self.dtype = dtype
+        adaln_dtype = torch.float32 if cfg.curve_form else dtype
+        self.video_patch_proj = nn.Linear(cfg.video_patch_dim, cfg.hidden_size, dtype=torch.float32, device=device)
+        self.audio_patch_proj = nn.Linear(cfg.audio_channels, cfg.hidden_size, dtype=torch.float32, device=device)
+        self.condition_proj = nn.Linear(cfg.text_dim, cfg.hidden_size, dtype=dtype, device=device)
+        if cfg.curve_form:
+            self.register_buffer("adaln_t_table", torch.zeros(cfg.adaln_curve_grid, cfg.time_embed_dim,
+                                                              dtype=torch.float32, device=device))
+        else:
+            self.time_embedder = TimeEmbedder(cfg, device)
+        self.rope = nn.Module()
+        inv = cfg.rope_theta ** (-torch.arange(cfg.rope_inv_freq_len, dtype=torch.float64) / cfg.rope_inv_freq_len)
+        self.rope.register_buffer("inv_freq", inv.to(torch.float32).to(device))
+        self.token_refiner = TokenRefiner(cfg, dtype, device)
+        self.blocks = nn.ModuleList([DiTBlock(cfg, dtype, adaln_dtype, device) for _ in range(cfg.num_layers)])
+        self.final_layer = FinalLayer(cfg, dtype, adaln_dtype, device)
+        # attention backend for the block stack (None = reference SDPA); set by the loader
+        self.attn_fn: AttentionFn | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.condition_proj.weight.device
+
+    # -- pieces computed once per run ----------------------------------------------------------
+    def refine_text(self, text_states: torch.Tensor) -> torch.Tensor:
+        """[1, L, text_dim] Qwen states -> [L, hidden] refined rows; rows already at hidden width pass through."""
+        x = text_states[0].to(self.device)
+        if x.shape[-1] == self.cfg.hidden_size and self.cfg.text_dim != self.cfg.hidden_size:
+            return x.to(self.dtype)
+        if x.shape[-1] != self.cfg.text_dim:
+            raise ValueError(f"text states have width {x.shape[-1]}; this model expects {self.cfg.text_dim} "
+                             f"(Qwen3-VL hidden states [1, L, {self.cfg.text_dim}])")
+        if x.shape[0] == 0:
+            return x.new_zeros(0, self.cfg.hidden_size, dtype=self.dtype)
+        return self.token_refiner(self.condition_proj(x.to(self.dtype)))
+
+    def time_embedding(self, t_values) -> torch.Tensor:
+        """Distinct t values -> t_emb [M, time_embed_dim]: time embedder (cast to the compute dtype, as core) or
+        the curve table's linear interpolation (fp32, no SiLU downstream)."""
+        t = torch.tensor([float(v) for v in t_values], dtype=torch.float32, device=self.device)
+        if self.cfg.curve_form:
+            table = self.adaln_t_table
+            pos = t.clamp(0.0, 1.0) * (table.shape[0] - 1)
+            i0 = pos.floor().long().clamp(max=table.shape[0] - 2)
+            return torch.lerp(table[i0], table[i0 + 1], (pos - i0).unsqueeze(1))
+        return self.time_embedder(t).to(self.dtype)
+
+    def embed_video_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.video_patch_proj(rows.float()).to(self.dtype)
+
+    def embed_audio_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.audio_patch_proj(rows.float()).to(self.dtype)
+
+    def plan(self, text_states: torch.Tensor, video_shape, audio_shape, sigmas, token_tags=None,
+             keyframes=None, shifts=None, seed: int = 0, visual_cond_noise_aug: float = 0.999,
+             steps: list | None = None) -> RunPlan:
+        """Precompute a run. ``sigmas`` are the video sigmas the model will be evaluated at (one per step; for
+        a PDD bank the schedule's next sigma is taken from this list). ``keyframes`` is a list of dicts
+        ``{"resolved_frame_index": int, "latent": [1, C, t, h, w]}`` (fl2va)."""
+        cfg = self.cfg
+        shifts = tuple(shifts or (cfg.shift_video, cfg.shift_audio))
+        _, c, t, h, w = video_shape
+        if c != cfg.video_channels:
+            raise ValueError(f"video latent has {c} channels; this model expects {cfg.video_channels}")
+        if audio_shape[1] != cfg.audio_channels or audio_shape[2] != 2:
+            raise ValueError(f"audio latent has shape {list(audio_shape)}; expected [1, {cfg.audio_channels}, 2, Ta]")
+        specs, cond_rows = [], []
+        for kf in keyframes or ():
+            if kf.get("audio_latent") is not None:
+                raise NotImplementedError("audio keyframes (cond_audio) are not supported yet; drop the audio of the guide")
+            lat = kf.get("latent")
+            if lat is None:
+                continue
+            lat = pad_video(lat.float())
+            if lat.shape[3] != h + h % 2 or lat.shape[4] != w + w % 2:
+                raise LayoutError(f"keyframe latent {list(lat.shape)} does not match the target grid {h}x{w}")
+            specs.append(KeyframeSpec(int(kf["resolved_frame_index"]), lat.shape[2]))
+            rows = patchify_video(lat)
+            if visual_cond_noise_aug < 1.0:
+                # every keyframe restarts the same CPU stream (core's rule)
+                noise = torch.randn(rows.shape, generator=torch.Generator("cpu").manual_seed(int(seed)),
+                                    dtype=torch.float32)
+                rows = visual_cond_noise_aug * rows + (1.0 - visual_cond_noise_aug) * noise
+            cond_rows.append(rows)
+        layout = build_layout(text_states.shape[1], t, h, w, audio_shape[3], specs)
+        text = self.refine_text(text_states)
+        cond_embed = self.embed_video_rows(torch.cat(cond_rows).to(self.device)) if cond_rows else None
+        cos, sin = rope_tables(layout.position_ids, self.rope.inv_freq)
+        tags = None if token_tags is None else [int(v) for v in token_tags.view(-1).tolist()]
+        p = RunPlan(layout, text, cond_embed, cos, sin, [float(s) for s in sigmas], shifts, orig_hw=(h, w))
+        for i, sigma in enumerate(p.sigmas):
+            st = step_times(layout, sigma, shifts[0], shifts[1], tags,
+                            visual_cond_t=visual_cond_noise_aug)
+            p.times.append(st)
+            t_emb = self.time_embedding(st.t_values)
+            p.mods.append([b.adaln_proj(t_emb) for b in self.blocks])
+            shift, scale = self.final_layer.adaln_proj(t_emb).chunk(2, dim=-1)
+            p.final_mod.append((shift, scale))
+            p.heads.append(self._heads_for(sigma, p.sigmas, i, shifts))
+        return p
+
+    def _heads_for(self, sigma, sigmas, i, shifts):
+        fl, n = self.final_layer, self.cfg.head_bank
+        if n == 1:
+            return (fl.video_out.weight, fl.video_out.bias, fl.audio_out.weight, fl.audio_out.bias)
+        nxt = sigmas[i + 1] if i + 1 < len(sigmas) else 0.0
+        start, stop = pdd_span(sigma, nxt, n, shifts[0])
+        vw, vb = pdd_head_weights(fl.video_out.weight, fl.video_out.bias, n, start, stop, shifts[0])
+        aw, ab = pdd_head_weights(fl.audio_out.weight, fl.audio_out.bias, n, start, stop, shifts[1])
+        return (vw, vb, aw, ab)
+
+    # -- one evaluation -------------------------------------------------------------------------
+    def pack(self, plan: RunPlan, video: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:
+        """Assemble the packed residual stream x [S, hidden] (compute dtype) for the current latents."""
+        lay = plan.layout
+        x = torch.empty(lay.seq_len, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
+        a, b = lay.segment("text")
+        x[a:b] = plan.text
+        if plan.cond_embed is not None:
+            off = 0
+            for a, b, kind in lay.segments:
+                if kind == "cond":
+                    x[a:b] = plan.cond_embed[off:off + b - a]
+                    off += b - a
+        a, b = lay.segment("audio")
+        x[a:b] = self.embed_audio_rows(pack_audio(audio.to(self.device)))
+        a, b = lay.segment("video")
+        x[a:b] = self.embed_video_rows(patchify_video(pad_video(video.to(self.device).float())))
+        return x
+
+    def run_blocks(self, x: torch.Tensor, plan: RunPlan, i: int) -> torch.Tensor:
+        segs = plan.times[i].mod_segments
+        for blk, mod in zip(self.blocks, plan.mods[i]):
+            x = blk(x, mod, segs, plan.cos, plan.sin, self.attn_fn)
+        return x
+
+    def head(self, x: torch.Tensor, plan: RunPlan, i: int):
+        """Final layer on the target segments -> negated (video [1,C,T,H,W], audio [1,Ca,2,Ta]) in fp32."""
+        lay, st = plan.layout, plan.times[i]
+        shift, scale = plan.final_mod[i]
+        vw, vb, aw, ab = plan.heads[i]
+
+        def mod(kind, row):
+            a, b = lay.segment(kind)
+            return (self.final_layer.norm(x[a:b]) * (1.0 + scale[row]) + shift[row]).float()
+
+        v = F.linear(mod("video", st.video_t_index), vw, vb)
+        a = F.linear(mod("audio", st.audio_t_index), aw, ab)
+        h, w = plan.orig_hw
+        video = unpatchify_video(v, lay.latent_t, lay.lat_h, lay.lat_w, self.cfg.video_channels)[..., :h, :w]
+        return -video, -unpack_audio(a)
+
+    def evaluate(self, plan: RunPlan, i: int, video: torch.Tensor, audio: torch.Tensor):
+        """Model output at step i of a plan: negated velocity (video, audio), fp32, no audio carry."""
+        x = self.pack(plan, video, audio)
+        x = self.run_blocks(x, plan, i)
+        return self.head(x, plan, i)
+
+    @torch.no_grad()
+    def forward(self, video, audio, text_states, sigma: float, token_tags=None, keyframes=None, shifts=None,
+                sample_sigmas=None, seed: int = 0):
+        """One evaluation in the t2va/fl2va layout: exactly ComfyUI core's H3 output with no audio carry.
+
+        video [1, C, T, H, W], audio [1, Ca, 2, Ta], text_states [1, L, text_dim] (fp32 ok), sigma: video sigma.
+        sample_sigmas: the run's schedule (needed only by PDD head banks). Returns (video, audio) fp32.
+        """
+        sigma = float(sigma)
+        sig = [sigma]
+        if sample_sigmas is not None:
+            ss = [float(s) for s in sample_sigmas]
+            j = min(range(len(ss)), key=lambda k: abs(ss[k] - sigma))
+            sig = ss[j:j + 2]
+            sig[0] = sigma
+        plan = self.plan(text_states, tuple(video.shape), tuple(audio.shape), sig, token_tags=token_tags,
+                         keyframes=keyframes, shifts=shifts, seed=seed)
+        plan.sigmas = sig
+        return self.evaluate(plan, 0, video, audio)

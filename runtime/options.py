@@ -1,0 +1,106 @@
+"""RuntimeOptions: the one place that reads configuration.
+
+Node widgets, CLI flags and the seed's ``H3_*`` environment variables all land here. Nothing else in
+the runtime reads ``os.environ``. Precedence: explicit keyword > environment variable > default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+# name of the field -> (environment variable, parser)
+_ENV = {
+    "scale_backend": ("H3_NVFP4_SCALE_BACKEND", str),
+    "scale_version": ("H3_NVFP4_SCALE_VERSION", str),
+    "fused_elementwise": ("H3_FUSED_ELEMENTWISE", "bool"),
+    "modulate_fusion": ("H3_NVFP4_MODULATE_FUSION", "bool"),
+    "swiglu_fusion": ("H3_NVFP4_SWIGLU_FUSION", "bool"),
+    "fc2_lt": ("H3_NVFP4_FC2_LT_SPLITK1", "bool"),
+    "fc2_lt_strict": ("H3_NVFP4_FC2_LT_STRICT", "bool"),
+    "qkv_layout": ("H3_SAGE_QKV_LAYOUT", str),
+    "attention": ("H3_ATTENTION", str),
+    "gemm": ("H3_GEMM", str),
+    "act_scale": ("H3_NVFP4_ACT_SCALE", str),
+    "adaln_cache": ("H3_ADALN_CACHE", "bool"),
+    "cache_dir": ("H3_CACHE_DIR", str),
+}
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _parse_bool(name: str, v: str) -> bool:
+    s = v.strip().lower()
+    if s in _TRUE:
+        return True
+    if s in _FALSE:
+        return False
+    raise ValueError(f"{name}={v!r}: expected 1/0, true/false, yes/no or on/off")
+
+
+@dataclass
+class RuntimeOptions:
+    """Backend choices and switches for one loaded model.
+
+    attention: auto | sage2 | sage1 | sdpa | reference
+    gemm:      auto | native | emulated | fp8 | bf16 | reference   (NVFP4 linear backend)
+    act_scale: dynamic (amax per call) | calibrated (checkpoint input_scale when present)
+    fc2_lt:    the guarded cuBLASLt FC2 path (H3_NVFP4_FC2_LT_SPLITK1); strict raises instead of falling back
+    dtype:     compute dtype of the block stack (bfloat16 on GPU, float32 on CPU by default)
+    """
+
+    device: str = "auto"
+    dtype: str = "auto"
+    attention: str = "auto"
+    gemm: str = "auto"
+    quantize: bool = True  # quantize bf16/fp8 sources to NVFP4 at load (False = keep source precision)
+    act_scale: str = "dynamic"
+    scale_backend: str = "vortex"
+    scale_version: str = "1"
+    fused_elementwise: bool = True
+    modulate_fusion: bool = True
+    swiglu_fusion: bool = True
+    fc2_lt: bool = True
+    fc2_lt_strict: bool = False
+    qkv_layout: str = "strided_nhd"
+    adaln_cache: bool = True
+    cache_dir: str = field(default_factory=lambda: os.path.join(os.path.expanduser("~"), ".cache", "h3_blackwell"))
+
+    _CHOICES = {
+        "attention": ("auto", "sage2", "sage1", "sdpa", "reference"),
+        "gemm": ("auto", "native", "emulated", "fp8", "bf16", "reference"),
+        "act_scale": ("dynamic", "calibrated"),
+        "qkv_layout": ("strided_nhd", "contiguous"),
+        "dtype": ("auto", "float32", "bfloat16", "float16"),
+    }
+
+    def __post_init__(self):
+        for name, choices in self._CHOICES.items():
+            v = getattr(self, name)
+            if v not in choices:
+                raise ValueError(f"option {name}={v!r}: expected one of {', '.join(choices)}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "RuntimeOptions":
+        """Defaults <- ``H3_*`` environment variables <- explicit ``overrides`` (None values ignored)."""
+        env = os.environ if env is None else env
+        kw: dict[str, Any] = {}
+        for name, (var, kind) in _ENV.items():
+            if var in env:
+                kw[name] = _parse_bool(var, env[var]) if kind == "bool" else kind(env[var])
+        kw.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**kw)
+
+    def as_env(self) -> dict[str, str]:
+        """The seed-profile ``configuration`` block: every H3_* option in force, as strings."""
+        out = {}
+        for name, (var, kind) in _ENV.items():
+            v = getattr(self, name)
+            out[var] = ("1" if v else "0") if kind == "bool" else str(v)
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
