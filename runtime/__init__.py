@@ -1,0 +1,18 @@
+"""h3-blackwell runtime: pure PyTorch (+ Triton, + an optional cuBLASLt extension). Never imports ComfyUI.
+
+Public surface::
+
+    from h3_blackwell.runtime import load_model, sample, RuntimeOptions
+    rt = load_model("h3.safetensors")            # or load_model(None): the embedded tiny model
+    res = sample(rt, text_states, token_tags, video, audio, seed=1, steps=20)
+    res.video, res.audio, res.report
+"""
+
+from .config import H3Config
+from .engine import H3Runtime, load_model
+from .errors import H3Error, Interrupted
+from .options import RuntimeOptions
+from .sampler import SampleResult, sample
+
+__all__ = ["H3Config", "H3Runtime", "load_model", "H3Error", "Interrupted", "RuntimeOptions", "SampleResult",
+           "sample"]

@@ -14,7 +14,10 @@ from pathlib import Path
 from typing import Any
 
 
-class CheckpointError(ValueError):
+from .errors import H3Error
+
+
+class CheckpointError(H3Error):
     """A checkpoint could not be read or does not describe an H3 DiT. The message says what to do."""
 
 

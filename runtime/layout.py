@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .errors import H3Error
+
 FRAME_RESCALE = 5.0 / 3.0
 FRAME_PER_TOKEN = (1, 4, 4, 4, 4)
 SPATIAL_SCALE = 32.0
@@ -35,7 +37,7 @@ CANVAS_MULTIPLE = 32
 VAE_SPATIAL = 16
 
 
-class LayoutError(ValueError):
+class LayoutError(H3Error):
     """Bad request geometry (frames off the 17k+5 grid, width not a multiple of 32, ...)."""
 
 

@@ -55,6 +55,9 @@ def _check_norm_rope(qkv, q_weight, k_weight, cos, sin, rope_dim):
         raise ValueError(
             f"q_weight and k_weight must both be [D]; found {tuple(q_weight.shape)} and {tuple(k_weight.shape)}"
         )
+    for name, t in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if t.dtype not in _FLOAT_DTYPES or t.stride(0) != 1:
+            raise ValueError(f"{name} must be a contiguous float vector; found {t.dtype}, stride {t.stride()}")
     d = q_weight.shape[0]
     s, cols = qkv.shape
     if cols % (3 * d) != 0:
@@ -162,6 +165,9 @@ def gate_add_reference(
 # ----------------------------------------------------------------------------------------------
 
 
+_OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
 def _next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
@@ -187,9 +193,33 @@ def _check_kernel_device(t: torch.Tensor, what: str) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _kernels():
-    global tl, triton  # the jit functions below resolve `tl` through this module's globals
+    # The jit functions resolve names (tl, _store_rtne) through this module's globals.
+    global tl, triton, _store_rtne, _f32
     import triton
     import triton.language as tl
+
+    @triton.jit
+    def _f32(v, KIND: tl.constexpr):
+        """Exact upcast to fp32 (KIND 1: bf16 by bit shift, which the CPU interpreter also gets right)."""
+        if KIND == 1:
+            return (v.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        else:
+            return v.to(tl.float32)
+
+    @triton.jit
+    def _store_rtne(ptr, v, mask, OUT_KIND: tl.constexpr):
+        """Store fp32 ``v`` as the buffer dtype, rounding to nearest even (OUT_KIND 0 fp32, 1 bf16,
+        2 fp16). bf16 is rounded with integer ops (torch's formula, NaN kept NaN) because Triton's
+        CPU interpreter truncates fp32->bf16; on the GPU the result equals cvt.rn.bf16.f32."""
+        if OUT_KIND == 1:
+            bits = v.to(tl.uint32, bitcast=True)
+            rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            rounded = tl.where(v != v, (bits >> 16) | 0x40, rounded)
+            tl.store(ptr, rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+        elif OUT_KIND == 2:
+            tl.store(ptr, v.to(tl.float16), mask=mask)
+        else:
+            tl.store(ptr, v, mask=mask)
 
     @triton.jit
     def norm_rope_kernel(
@@ -197,7 +227,7 @@ def _kernels():
         S, stride_row, stride_cos, stride_sin, eps,
         H: tl.constexpr, D: tl.constexpr,
         HALF: tl.constexpr, HALF_P: tl.constexpr, PASS: tl.constexpr, PASS_P: tl.constexpr,
-        HEADS_PER_PROG: tl.constexpr, BLOCK_S: tl.constexpr,
+        HEADS_PER_PROG: tl.constexpr, BLOCK_S: tl.constexpr, OUT_KIND: tl.constexpr, W_KIND: tl.constexpr,
     ):
         # program_id(0) walks the 2H q/k heads fastest, so the programs that share a row block (and
         # its cos/sin rows) run back to back and find cos/sin in L2.
@@ -221,32 +251,32 @@ def _kernels():
             if j < 2 * H:
                 is_k = j >= H
                 base = qkv_ptr + rows64[:, None] * stride_row + j * D
-                x1 = tl.load(base + c_h[None, :], mask=mh, other=0.0).to(tl.float32)
-                x2 = tl.load(base + HALF + c_h[None, :], mask=mh, other=0.0).to(tl.float32)
-                xp = tl.load(base + 2 * HALF + c_p[None, :], mask=mp, other=0.0).to(tl.float32)
+                x1 = _f32(tl.load(base + c_h[None, :], mask=mh, other=0.0), OUT_KIND)
+                x2 = _f32(tl.load(base + HALF + c_h[None, :], mask=mh, other=0.0), OUT_KIND)
+                xp = _f32(tl.load(base + 2 * HALF + c_p[None, :], mask=mp, other=0.0), OUT_KIND)
                 ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1) + tl.sum(xp * xp, axis=1)
                 r = tl.rsqrt(ss / D + eps)
-                w1 = tl.where(is_k, tl.load(kw_ptr + c_h, mask=c_h < HALF, other=0.0),
-                              tl.load(qw_ptr + c_h, mask=c_h < HALF, other=0.0)).to(tl.float32)
-                w2 = tl.where(is_k, tl.load(kw_ptr + HALF + c_h, mask=c_h < HALF, other=0.0),
-                              tl.load(qw_ptr + HALF + c_h, mask=c_h < HALF, other=0.0)).to(tl.float32)
-                wp = tl.where(is_k, tl.load(kw_ptr + 2 * HALF + c_p, mask=c_p < PASS, other=0.0),
-                              tl.load(qw_ptr + 2 * HALF + c_p, mask=c_p < PASS, other=0.0)).to(tl.float32)
+                w1 = tl.where(is_k, _f32(tl.load(kw_ptr + c_h, mask=c_h < HALF, other=0.0), W_KIND),
+                              _f32(tl.load(qw_ptr + c_h, mask=c_h < HALF, other=0.0), W_KIND))
+                w2 = tl.where(is_k, _f32(tl.load(kw_ptr + HALF + c_h, mask=c_h < HALF, other=0.0), W_KIND),
+                              _f32(tl.load(qw_ptr + HALF + c_h, mask=c_h < HALF, other=0.0), W_KIND))
+                wp = tl.where(is_k, _f32(tl.load(kw_ptr + 2 * HALF + c_p, mask=c_p < PASS, other=0.0), W_KIND),
+                              _f32(tl.load(qw_ptr + 2 * HALF + c_p, mask=c_p < PASS, other=0.0), W_KIND))
                 n1 = x1 * r[:, None] * w1[None, :]
                 n2 = x2 * r[:, None] * w2[None, :]
                 npass = xp * r[:, None] * wp[None, :]
                 o1 = n1 * cos1 - n2 * sin1
                 o2 = n2 * cos2 + n1 * sin2
-                ty = qkv_ptr.dtype.element_ty
-                tl.store(base + c_h[None, :], o1.to(ty), mask=mh)
-                tl.store(base + HALF + c_h[None, :], o2.to(ty), mask=mh)
-                tl.store(base + 2 * HALF + c_p[None, :], npass.to(ty), mask=mp)
+                _store_rtne(base + c_h[None, :], o1, mh, OUT_KIND)
+                _store_rtne(base + HALF + c_h[None, :], o2, mh, OUT_KIND)
+                _store_rtne(base + 2 * HALF + c_p[None, :], npass, mp, OUT_KIND)
 
     @triton.jit
     def gate_add_kernel(
         x_ptr, y_ptr, g_ptr, seg_ptr,
         S, N, stride_x, stride_y, stride_g,
         N_SEG: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+        OUT_KIND: tl.constexpr, Y_KIND: tl.constexpr, G_KIND: tl.constexpr,
     ):
         pid_s = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -263,12 +293,12 @@ def _kernels():
         m = rmask[:, None] & (cols[None, :] < N)
         rows64 = rows.to(tl.int64)
         xo = rows64[:, None] * stride_x + cols[None, :]
-        xv = tl.load(x_ptr + xo, mask=m, other=0.0).to(tl.float32)
-        yv = tl.load(y_ptr + rows64[:, None] * stride_y + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        gv = tl.load(g_ptr + grow.to(tl.int64)[:, None] * stride_g + cols[None, :], mask=m, other=0.0)
+        xv = _f32(tl.load(x_ptr + xo, mask=m, other=0.0), OUT_KIND)
+        yv = _f32(tl.load(y_ptr + rows64[:, None] * stride_y + cols[None, :], mask=m, other=0.0), Y_KIND)
+        gv = _f32(tl.load(g_ptr + grow.to(tl.int64)[:, None] * stride_g + cols[None, :], mask=m, other=0.0), G_KIND)
         # launched with enable_fp_fusion=False: product and sum round separately, as in the reference
-        out = xv + gv.to(tl.float32) * yv
-        tl.store(x_ptr + xo, out.to(x_ptr.dtype.element_ty), mask=m)
+        out = xv + gv * yv
+        _store_rtne(x_ptr + xo, out, m, OUT_KIND)
 
     return norm_rope_kernel, gate_add_kernel
 
@@ -307,7 +337,9 @@ def norm_rope_(
         qkv, q_weight, k_weight, cos, sin,
         s, qkv.stride(0), cos.stride(0), sin.stride(0), float(eps),
         H=h, D=d, HALF=half, HALF_P=_next_pow2(half), PASS=pas, PASS_P=_next_pow2(pas),
-        HEADS_PER_PROG=heads_per_program, BLOCK_S=block_s, num_warps=num_warps,
+        HEADS_PER_PROG=heads_per_program, BLOCK_S=block_s, OUT_KIND=_OUT_KIND[qkv.dtype],
+        W_KIND=_OUT_KIND[q_weight.dtype],
+        num_warps=num_warps,
     )
     return qkv
 
@@ -352,7 +384,8 @@ def gate_add_(
     kernel[grid](
         x, y, gate_rows, table,
         s, n, x.stride(0), y.stride(0), gate_rows.stride(0),
-        N_SEG=len(segs), BLOCK_S=block_s, BLOCK_N=block_n,
+        N_SEG=len(segs), BLOCK_S=block_s, BLOCK_N=block_n, OUT_KIND=_OUT_KIND[x.dtype],
+        Y_KIND=_OUT_KIND[y.dtype], G_KIND=_OUT_KIND[gate_rows.dtype],
         num_warps=num_warps, enable_fp_fusion=False,
     )
     return x

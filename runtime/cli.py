@@ -1,0 +1,280 @@
+"""``h3-blackwell``: generate | forward | make-tiny | quantize | tune-fc2 | comfy-run.
+
+Every user error ends as one line ``error: ...`` on stderr and exit status 2; nothing partial is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from .errors import H3Error, Interrupted
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class CliError(H3Error):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+
+def _atomic_dir_write(out_dir: Path, files: dict[str, callable]) -> None:
+    """Write files into a temp dir beside ``out_dir`` then move them in, so a failure leaves nothing partial."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".h3-tmp-", dir=out_dir))
+    try:
+        for name, writer in files.items():
+            writer(tmp / name)
+        for name in files:
+            os.replace(tmp / name, out_dir / name)
+    finally:
+        for p in tmp.glob("*"):
+            p.unlink()
+        tmp.rmdir()
+
+
+class Progress:
+    """A one-line progress bar on stderr (only when stderr is a terminal or the run is long)."""
+
+    def __init__(self, label: str, force: bool = False):
+        self.label, self.t0 = label, time.perf_counter()
+        self.enabled = force or sys.stderr.isatty()
+
+    def __call__(self, done: int, total: int):
+        if not self.enabled and time.perf_counter() - self.t0 < 5.0:
+            return
+        w = 30
+        fill = int(w * done / max(total, 1))
+        el = time.perf_counter() - self.t0
+        sys.stderr.write(f"\r{self.label} [{'#' * fill}{'.' * (w - fill)}] {done}/{total} {el:6.1f}s")
+        if done == total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def _load_text_states(path: str, text_dim: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    from safetensors import safe_open
+
+    from .config import read_header
+
+    hdr = read_header(path)  # clear errors for missing / not safetensors
+    if "text_states" not in hdr.tensors:
+        raise CliError(f"{path}: expected a tensor 'text_states' [1, L, {text_dim}]; found {sorted(hdr.tensors)[:5]}")
+    with safe_open(path, "pt") as f:
+        ts = f.get_tensor("text_states").float()
+        tags = f.get_tensor("token_tags").long() if "token_tags" in hdr.tensors else None
+    if ts.dim() == 2:
+        ts = ts[None]
+    if ts.dim() != 3 or ts.shape[0] != 1 or ts.shape[-1] != text_dim:
+        raise CliError(f"{path}: text_states has shape {list(ts.shape)}; expected [1, L, {text_dim}]")
+    if tags is not None and tags.numel() != ts.shape[1]:
+        raise CliError(f"{path}: token_tags has {tags.numel()} entries for {ts.shape[1]} text tokens")
+    return ts, tags
+
+
+# ---------------------------------------------------------------------------------------------
+# generate
+# ---------------------------------------------------------------------------------------------
+
+def cmd_generate(a) -> int:
+    from safetensors.torch import save_file
+
+    from .engine import load_model
+    from .layout import check_canvas, check_frames, latent_shapes, snap_frames
+    from .options import RuntimeOptions
+    from .sampler import sample
+
+    tiny = a.model is None
+    width = a.width or (256 if tiny else 1344)
+    height = a.height or (256 if tiny else 768)
+    frames = a.frames or (22 if tiny else 124)
+    steps = a.steps or (8 if tiny else 20)
+    check_canvas(width, height)
+    if a.snap:
+        frames = snap_frames(frames)
+    check_frames(frames)
+    if a.model is not None and not Path(a.model).exists():
+        raise CliError(f"model file not found: {a.model}")
+    if a.text_states is not None and not Path(a.text_states).exists():
+        raise CliError(f"text states file not found: {a.text_states}")
+    fc2 = {"on": (True, False), "off": (False, False), "strict": (True, True)}[a.fc2]
+    opts = RuntimeOptions.from_env(device=a.device, dtype=a.dtype, attention=a.attention, gemm=a.gemm,
+                                   fc2_lt=fc2[0], fc2_lt_strict=fc2[1])
+    rt = load_model(a.model, opts, tiny_seed=a.tiny_seed)
+    print(rt.describe(), file=sys.stderr)
+    if a.text_states:
+        text, tags = _load_text_states(a.text_states, rt.config.text_dim)
+    else:
+        g = torch.Generator().manual_seed(1234)
+        text = torch.randn(1, a.text_tokens, rt.config.text_dim, generator=g)
+        tags = None
+    vshape, ashape = latent_shapes(width, height, frames, rt.config.video_channels, rt.config.audio_channels)
+    video, audio = torch.zeros(vshape), torch.zeros(ashape)
+    prog = Progress("sampling", force=a.progress)
+    res = sample(rt, text, tags, video, audio, seed=a.seed, steps=steps, sampler=a.sampler, scheduler=a.scheduler,
+                 denoise=a.denoise, runs=a.runs, warmup=a.warmup, progress=prog,
+                 workload_extra={"frames": frames, "text_source": a.text_states or "random (seed 1234)"})
+    out = Path(a.output)
+    report = res.report
+    report["command"] = " ".join(["h3-blackwell"] + sys.argv[1:]) if sys.argv else "h3-blackwell generate"
+    _atomic_dir_write(out, {
+        "latents.safetensors": lambda p: save_file({"video": res.video.contiguous(), "audio": res.audio.contiguous()},
+                                                   str(p)),
+        "report.json": lambda p: p.write_text(json.dumps(report, indent=2)),
+    })
+    from .diagnostics import summary
+
+    print(summary(report))
+    print(f"wrote {out / 'latents.safetensors'} and {out / 'report.json'}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# forward / make-tiny
+# ---------------------------------------------------------------------------------------------
+
+def cmd_forward(a) -> int:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from .config import read_header
+    from .engine import load_model
+    from .options import RuntimeOptions
+
+    hdr = read_header(a.inputs)
+    need = ["video", "audio", "text_states", "sigma"]
+    missing = [k for k in need if k not in hdr.tensors]
+    if missing:
+        raise CliError(f"{a.inputs}: missing {missing}; expected video [1,C,T,H,W], audio [1,Ca,2,Ta], "
+                       "text_states [1,L,text_dim], sigma [1] (optional token_tags [L])")
+    with safe_open(a.inputs, "pt") as f:
+        t = {k: f.get_tensor(k) for k in hdr.tensors}
+    opts = RuntimeOptions.from_env(device=a.device, dtype=a.dtype)
+    rt = load_model(a.model, opts)
+    with torch.no_grad():
+        v, au = rt.model(t["video"].float(), t["audio"].float(), t["text_states"].float(), float(t["sigma"].flatten()[0]),
+                         token_tags=t.get("token_tags"))
+    _atomic_dir_write(Path(a.out).parent, {Path(a.out).name: lambda p: save_file(
+        {"video": v.float().cpu().contiguous(), "audio": au.float().cpu().contiguous()}, str(p))})
+    print(f"wrote {a.out}: video {list(v.shape)}, audio {list(au.shape)}")
+    return 0
+
+
+def cmd_make_tiny(a) -> int:
+    from .tiny import save_tiny
+
+    p = save_tiny(a.out, seed=a.seed, dtype=DTYPES[a.dtype])
+    print(f"wrote {p} ({p.stat().st_size} bytes)")
+    return 0
+
+
+def cmd_quantize(a) -> int:
+    from .quantize import quantize_checkpoint
+
+    prog = Progress("quantize", force=a.progress)
+    quantize_checkpoint(a.input, a.output, device=a.device, progress=lambda i, n, name: prog(i + 1, n))
+    print(f"wrote {a.output}")
+    return 0
+
+
+def cmd_tune_fc2(argv) -> int:
+    from .tune_fc2 import main as tune_main
+
+    return int(tune_main(argv) or 0)
+
+
+def cmd_comfy_run(argv) -> int:
+    from .comfy_run import main as run_main
+
+    return int(run_main(argv) or 0)
+
+
+# ---------------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="h3-blackwell", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="sample latents (default: the embedded tiny model, random text states)")
+    g.add_argument("--output", required=True, help="directory for latents.safetensors and report.json")
+    g.add_argument("--model", help="H3 DiT checkpoint (.safetensors or sharded .index.json); default: embedded tiny")
+    g.add_argument("--tiny-seed", type=int, default=0)
+    g.add_argument("--text-states", help="safetensors with text_states [1,L,5120] and optional token_tags [L]")
+    g.add_argument("--text-tokens", type=int, default=32, help="length of the random text states (no --text-states)")
+    g.add_argument("--width", type=int)
+    g.add_argument("--height", type=int)
+    g.add_argument("--frames", type=int)
+    g.add_argument("--snap", action="store_true", help="snap --frames up to the 17k+5 grid")
+    g.add_argument("--steps", type=int)
+    g.add_argument("--seed", type=int, default=440420)
+    g.add_argument("--sampler", default="res_multistep", choices=["euler", "res_multistep"])
+    g.add_argument("--scheduler", default="simple", choices=["simple"])
+    g.add_argument("--denoise", type=float, default=1.0)
+    g.add_argument("--runs", type=int, default=1)
+    g.add_argument("--warmup", type=int, default=0)
+    g.add_argument("--device", default=None, help="auto | cpu | cuda[:N]")
+    g.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"])
+    g.add_argument("--attention", default=None, choices=["auto", "sage2", "sage1", "sdpa", "reference"])
+    g.add_argument("--gemm", default=None, choices=["auto", "native", "emulated", "fp8", "bf16", "reference"])
+    g.add_argument("--fc2", default="on", choices=["on", "off", "strict"])
+    g.add_argument("--progress", action="store_true", help="always show the progress bar")
+    g.set_defaults(fn=cmd_generate)
+
+    f = sub.add_parser("forward", help="one model evaluation in the t2va layout")
+    f.add_argument("--model", required=True)
+    f.add_argument("--inputs", required=True)
+    f.add_argument("--out", required=True)
+    f.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    f.add_argument("--device", default="cpu")
+    f.set_defaults(fn=cmd_forward)
+
+    t = sub.add_parser("make-tiny", help="write a tiny random H3 checkpoint in ComfyUI naming")
+    t.add_argument("out")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    t.set_defaults(fn=cmd_make_tiny)
+
+    q = sub.add_parser("quantize", help="convert an H3 checkpoint to NVFP4 (comfy_quant format)")
+    q.add_argument("input")
+    q.add_argument("output")
+    q.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    q.add_argument("--progress", action="store_true")
+    q.set_defaults(fn=cmd_quantize)
+
+    sub.add_parser("tune-fc2", help="sweep cuBLASLt configurations for FC2 on this GPU", add_help=False)
+    sub.add_parser("comfy-run", help="submit a workflow to a running ComfyUI server", add_help=False)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv and argv[0] == "tune-fc2":
+            return cmd_tune_fc2(argv[1:])
+        if argv and argv[0] == "comfy-run":
+            return cmd_comfy_run(argv[1:])
+        a = build_parser().parse_args(argv)
+        return a.fn(a)
+    except (H3Error, FileNotFoundError, NotImplementedError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Interrupted as e:
+        print(f"interrupted: {e}; nothing was written", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print("interrupted; nothing was written", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""The run report, in the field names of the seed's GB10 production profile.
+
+Counters are per run; hashes are sha256 of the contiguous bytes of each returned latent (dtype and shape
+recorded beside them); step times come from events recorded without a per-step synchronisation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+def latent_sha256(t: torch.Tensor) -> str:
+    """sha256 of the contiguous CPU bytes of a tensor."""
+    t = t.detach().to("cpu").contiguous()
+    return hashlib.sha256(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()
+
+
+class StepTimer:
+    """Per-step times: CUDA events with one synchronisation at the end, or perf_counter on the CPU."""
+
+    def __init__(self, device: torch.device, steps: int):
+        self.cuda = device.type == "cuda"
+        self.steps = steps
+        if self.cuda:
+            self.events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                           for _ in range(steps)]
+        else:
+            self.marks = [[0.0, 0.0] for _ in range(steps)]
+
+    def start(self, i):
+        if self.cuda:
+            self.events[i][0].record()
+        else:
+            self.marks[i][0] = time.perf_counter()
+
+    def stop(self, i):
+        if self.cuda:
+            self.events[i][1].record()
+        else:
+            self.marks[i][1] = time.perf_counter()
+
+    def seconds(self) -> list:
+        """[{step, seconds}] (synchronises once on CUDA)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            vals = [a.elapsed_time(b) / 1000.0 for a, b in self.events]
+        else:
+            vals = [b - a for a, b in self.marks]
+        return [{"step": i + 1, "seconds": v} for i, v in enumerate(vals)]
+
+
+@dataclass
+class RunRecord:
+    sampling_seconds: float
+    per_step_seconds: list
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    video_sha256: str
+    audio_sha256: str
+    fc2: dict = field(default_factory=lambda: {"attempts": 0, "successes": 0, "fallbacks": 0})
+
+
+def device_info(device: torch.device) -> tuple[str, str]:
+    if device.type == "cuda":
+        cc = torch.cuda.get_device_capability(device)
+        return torch.cuda.get_device_name(device), f"SM{cc[0]}{cc[1]}"
+    return f"CPU ({platform.processor() or platform.machine()})", "cpu"
+
+
+def tools_info(rt=None) -> dict:
+    tools = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()}
+    fc2 = getattr(rt, "fc2", None) if rt is not None else None
+    info = getattr(fc2, "build_info", None)
+    if callable(info):
+        try:
+            bi = info()
+            if bi and bi.get("cublaslt_runtime_version"):
+                tools["cublaslt_runtime"] = bi["cublaslt_runtime_version"]
+        except Exception as e:  # a report never fails because an optional probe did
+            tools["cublaslt_runtime"] = f"unavailable: {e}"
+    return tools
+
+
+def build_report(rt, workload: dict, measured: list, warmup_runs: int, video: torch.Tensor,
+                 audio: torch.Tensor, fc2_required: int, fc2_status: dict | None = None) -> dict:
+    """The seed-schema report for ``measured`` runs (RunRecord list, warm-ups excluded)."""
+    dev_name, cc = device_info(rt.device)
+    secs = [r.sampling_seconds for r in measured]
+    videos = {r.video_sha256 for r in measured}
+    audios = {r.audio_sha256 for r in measured}
+    runs_fc2 = [dict(r.fc2) for r in measured]
+    fc2 = {"required_per_run": fc2_required, "runs": runs_fc2,
+           "all_passed": bool(fc2_required) and all(
+               r["attempts"] == fc2_required and r["successes"] == fc2_required and r["fallbacks"] == 0
+               for r in runs_fc2)}
+    if fc2_status:
+        fc2.update(fc2_status)
+    config = rt.options.as_env()
+    config.update({f"backend_{k}": v["choice"] for k, v in rt.backends.items()})
+    config["dtype"] = str(rt.dtype).replace("torch.", "")
+    return {
+        "name": "h3-blackwell-run",
+        "measurement_date": time.strftime("%Y-%m-%d"),
+        "device": dev_name,
+        "compute_capability": cc,
+        "tools": tools_info(rt),
+        "model": {"source": rt.source, "blocks": rt.config.num_layers, "hidden": rt.config.hidden_size},
+        "workload": workload,
+        "configuration": config,
+        "backends": rt.backends,
+        "sampling_seconds": secs,
+        "median_sampling_seconds": statistics.median(secs) if secs else None,
+        "per_step_seconds": [r.per_step_seconds for r in measured],
+        "peak_allocated_bytes": [r.peak_allocated_bytes for r in measured],
+        "peak_reserved_bytes": [r.peak_reserved_bytes for r in measured],
+        "latent_checksums": {
+            "video_sha256": measured[-1].video_sha256,
+            "audio_sha256": measured[-1].audio_sha256,
+            "video": {"dtype": str(video.dtype).replace("torch.", ""), "shape": list(video.shape)},
+            "audio": {"dtype": str(audio.dtype).replace("torch.", ""), "shape": list(audio.shape)},
+            "exact_across_measured_runs": len(videos) == 1 and len(audios) == 1,
+        },
+        "fc2_dispatch": fc2,
+        "measurement_policy": {
+            "canonical_warmup_runs": warmup_runs,
+            "measured_runs": len(measured),
+            "authoritative_timing": "median synchronized resident sampling_seconds",
+            "step_timing": ("deferred CUDA event elapsed time; no per-step synchronization"
+                            if rt.device.type == "cuda" else "perf_counter per step (CPU)"),
+            "profiling": False,
+        },
+    }
+
+
+def summary(report: dict) -> str:
+    w = report["workload"]
+    lc = report["latent_checksums"]
+    med = report["median_sampling_seconds"]
+    steps = w.get("steps") or 1
+    return (f"{report['device']} ({report['compute_capability']}): {w['resolution'][0]}x{w['resolution'][1]}, "
+            f"{w['frames']} frames, {w['packed_tokens']} packed rows, {steps} steps -> median {med:.3f} s "
+            f"({med / steps:.3f} s/step) over {len(report['sampling_seconds'])} run(s)\n"
+            f"video sha256 {lc['video_sha256'][:16]}..  audio sha256 {lc['audio_sha256'][:16]}..  "
+            f"exact across runs: {lc['exact_across_measured_runs']}")

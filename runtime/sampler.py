@@ -1,0 +1,171 @@
+"""The resident sampling loop: noise as ComfyUI draws it, the flow schedule, euler / res_multistep, the
+audio carry, keyframes, deferred step timing, progress and interruption.
+
+Initial noise (ComfyUI ``prepare_noise`` for the nested H3 latent): one CPU generator seeded with
+``seed`` draws ``randn(video.shape)`` and then ``randn(audio.shape)``, fp32. The sampler starts from
+``sigma0 * noise + (1 - sigma0) * latent`` with the audio slice scaled by audio_scale (the carry).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .diagnostics import RunRecord, StepTimer, build_report, latent_sha256
+from .errors import H3Error, Interrupted
+from .schedule import Stepper, audio_scale, carry_in, carry_out, get_sigmas, model_sigma
+
+
+@dataclass
+class SampleResult:
+    """video [1, C, T, H, W] and audio [1, Ca, 2, Ta] fp32 on the CPU; report: the seed-schema dict."""
+
+    video: torch.Tensor
+    audio: torch.Tensor
+    report: dict
+
+
+def initial_noise(seed: int, video_shape, audio_shape) -> tuple[torch.Tensor, torch.Tensor]:
+    """ComfyUI's noise for a nested (video, audio) latent: one CPU generator, video first, fp32."""
+    g = torch.Generator("cpu").manual_seed(int(seed))
+    return (torch.randn(tuple(video_shape), generator=g, dtype=torch.float32),
+            torch.randn(tuple(audio_shape), generator=g, dtype=torch.float32))
+
+
+def _check_inputs(rt, text_states, token_tags, video, audio):
+    cfg = rt.config
+    if text_states.dim() != 3 or text_states.shape[0] != 1:
+        raise H3Error(f"text states must be [1, L, {cfg.text_dim}]; found {list(text_states.shape)}")
+    if text_states.shape[-1] not in (cfg.text_dim, cfg.hidden_size):
+        raise H3Error(f"text states have width {text_states.shape[-1]}; this model expects {cfg.text_dim} "
+                      f"(Qwen3-VL states for H3 are [1, L, 5120])")
+    if token_tags is not None and token_tags.numel() != text_states.shape[1]:
+        raise H3Error(f"token_tags has {token_tags.numel()} entries; text states have {text_states.shape[1]} tokens")
+    if video.dim() != 5 or video.shape[0] != 1 or video.shape[1] != cfg.video_channels:
+        raise H3Error(f"video latent must be [1, {cfg.video_channels}, T, H, W]; found {list(video.shape)}")
+    if audio.dim() != 4 or audio.shape[0] != 1 or audio.shape[1] != cfg.audio_channels or audio.shape[2] != 2:
+        raise H3Error(f"audio latent must be [1, {cfg.audio_channels}, 2, Ta]; found {list(audio.shape)}")
+
+
+def _peak_reset(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peaks(device) -> tuple[int, int]:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+    return 0, 0
+
+
+@torch.no_grad()
+def _run_once(rt, plan, sigmas, sampler, video0, audio0, noise_v, noise_a, scale, shifts, progress, interrupt,
+              run_index: int, total_runs: int):
+    model = rt.model
+    dev = rt.device
+    steps = len(sigmas) - 1
+    s0 = sigmas[0]
+    xv = (s0 * noise_v + (1.0 - s0) * video0).to(dev)
+    y = (s0 * noise_a + (1.0 - s0) * (audio0 * scale)).to(dev)
+    stepper = Stepper(sampler, sigmas.to(dev))
+    timer = StepTimer(dev, steps)
+    fc2 = rt.fc2
+    if fc2 is not None:
+        fc2.begin_run()
+    _peak_reset(dev)
+    t0 = time.perf_counter()
+    for i in range(steps):
+        if interrupt is not None and interrupt():
+            raise Interrupted(f"interrupted before step {i + 1} of {steps}")
+        timer.start(i)
+        s = sigmas[i].to(dev)
+        sm = model_sigma(s)
+        xa = carry_in(y, sm, *shifts) if scale != 1.0 else y
+        vv, va = model.evaluate(plan, i, xv, xa)
+        vy = carry_out(va, xa, sm, shifts[0], shifts[1], scale) if scale != 1.0 else va
+        den = [xv - vv * s, y - vy * s]
+        xv, y = stepper.step(i, [xv, y], den)
+        timer.stop(i)
+        if progress is not None:
+            progress(i + 1, steps)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    secs = time.perf_counter() - t0
+    video = xv.float().cpu()
+    audio = (y / scale).float().cpu() if scale != 1.0 else y.float().cpu()
+    pa, pr = _peaks(dev)
+    counts = fc2.end_run() if fc2 is not None else {"attempts": 0, "successes": 0, "fallbacks": 0}
+    rec = RunRecord(secs, timer.seconds(), pa, pr, latent_sha256(video), latent_sha256(audio),
+                    {k: counts[k] for k in ("attempts", "successes", "fallbacks")})
+    return video, audio, rec
+
+
+def sample(rt, text_states: torch.Tensor, token_tags: torch.Tensor | None, video: torch.Tensor,
+           audio: torch.Tensor, seed: int, steps: int, sampler: str = "res_multistep", scheduler: str = "simple",
+           shift_video: float | None = None, shift_audio: float | None = None, denoise: float = 1.0,
+           keyframes: list | None = None, progress: Callable[[int, int], None] | None = None,
+           interrupt: Callable[[], bool] | None = None, runs: int = 1, warmup: int = 0,
+           workload_extra: dict | None = None) -> SampleResult:
+    """Sample H3 latents with a resident model (ComfyUI core's math; see module docstring).
+
+    text_states [1, L, text_dim] fp32; token_tags LongTensor [L] (1 text, 0 vision) or None (all text);
+    video [1, C, T, H, W] / audio [1, Ca, 2, Ta]: the input latent (zeros for t2va);
+    keyframes: [{"resolved_frame_index": int, "latent": [1, C, t, H, W]}] (fl2va).
+    runs / warmup: the seed's measurement policy (median of ``runs`` after ``warmup`` resident runs).
+    The layout, RoPE tables, refined text and the modulation rows of every (step, block) are computed once.
+    Raises Interrupted between steps when ``interrupt()`` is true; nothing is returned or written then.
+    """
+    cfg = rt.config
+    _check_inputs(rt, text_states, token_tags, video, audio)
+    if runs < 1 or warmup < 0:
+        raise H3Error(f"runs={runs}, warmup={warmup}: need runs >= 1 and warmup >= 0")
+    shifts = (float(shift_video if shift_video is not None else cfg.shift_video),
+              float(shift_audio if shift_audio is not None else cfg.shift_audio))
+    scale = audio_scale(*shifts)
+    sigmas = get_sigmas(scheduler, steps, shifts[0], denoise)
+    model_sigmas = [float(model_sigma(s)) for s in sigmas[:-1]]
+    with torch.no_grad():
+        plan = rt.model.plan(text_states.float(), tuple(video.shape), tuple(audio.shape), model_sigmas,
+                             token_tags=token_tags, keyframes=keyframes, shifts=shifts, seed=seed)
+    noise_v, noise_a = initial_noise(seed, video.shape, audio.shape)
+    video0, audio0 = video.float().cpu(), audio.float().cpu()
+    records = []
+    out = None
+    total = warmup + runs
+    for r in range(total):
+        out = _run_once(rt, plan, sigmas, sampler, video0, audio0, noise_v, noise_a, scale, shifts, progress,
+                        interrupt, r, total)
+        if r >= warmup:
+            records.append(out[2])
+    lay = plan.layout
+    workload = {
+        "resolution": [video.shape[4] * 16, video.shape[3] * 16],
+        "frames": workload_extra.get("frames") if workload_extra else None,
+        "latent_frames": video.shape[2],
+        "audio_frames": audio.shape[3],
+        "packed_tokens": lay.seq_len,
+        "text_tokens": lay.text_len,
+        "cond_tokens": lay.cond_rows,
+        "steps": steps,
+        "seed": int(seed),
+        "sampler": sampler,
+        "scheduler": scheduler,
+        "denoise": denoise,
+        "shifts": list(shifts),
+        "attention": rt.backends.get("attention", {}).get("choice"),
+    }
+    if workload_extra:
+        workload.update({k: v for k, v in workload_extra.items() if k not in workload or workload[k] is None})
+    fc2_status = None
+    if rt.fc2 is not None and hasattr(rt.fc2, "status"):
+        fc2_status = rt.fc2.status()
+    report = build_report(rt, workload, records, warmup, out[0], out[1],
+                          fc2_required=cfg.num_layers * steps, fc2_status=fc2_status)
+    if rt.fc2 is None:
+        report["fc2_dispatch"]["status"] = "not active: the block stack runs dense linears (no NVFP4 FC2 path)"
+    report["load_seconds"] = rt.load_seconds
+    return SampleResult(out[0], out[1], report)
