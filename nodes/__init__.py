@@ -1,0 +1,25 @@
+"""ComfyUI nodes of h3-blackwell: thin adapters from ComfyUI's types to ``h3_blackwell.runtime``.
+
+One table gives each node its id (prefixed ``H3B_``, since clashing ids are dropped silently by ComfyUI),
+its class and its menu name. Importing this package needs no ComfyUI: ComfyUI modules are imported inside
+the node functions.
+"""
+
+from .conditioning import H3TextStatesLoader
+from .diagnostics import H3Diagnostics
+from .latents import H3EmptyLatent
+from .loader import H3ModelLoader
+from .sampler import H3Sampler
+
+NODES = {
+    "H3B_ModelLoader": H3ModelLoader,
+    "H3B_Sampler": H3Sampler,
+    "H3B_Diagnostics": H3Diagnostics,
+    "H3B_EmptyLatent": H3EmptyLatent,
+    "H3B_TextStatesLoader": H3TextStatesLoader,
+}
+
+NODE_CLASS_MAPPINGS = dict(NODES)
+NODE_DISPLAY_NAME_MAPPINGS = {node_id: cls.TITLE for node_id, cls in NODES.items()}
+
+__all__ = ["NODES", "NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"]

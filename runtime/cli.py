@@ -110,14 +110,18 @@ def cmd_generate(a) -> int:
     fc2 = {"on": (True, False), "off": (False, False), "strict": (True, True)}[a.fc2]
     opts = RuntimeOptions.from_env(device=a.device, dtype=a.dtype, attention=a.attention, gemm=a.gemm,
                                    fc2_lt=fc2[0], fc2_lt_strict=fc2[1])
-    rt = load_model(a.model, opts, tiny_seed=a.tiny_seed)
-    print(rt.describe(), file=sys.stderr)
+    # validate every input before the (possibly long) model load
+    from .config import TINY, detect_config
+
+    text_dim = TINY.text_dim if a.model is None else detect_config(a.model)[0].text_dim
     if a.text_states:
-        text, tags = _load_text_states(a.text_states, rt.config.text_dim)
+        text, tags = _load_text_states(a.text_states, text_dim)
     else:
         g = torch.Generator().manual_seed(1234)
-        text = torch.randn(1, a.text_tokens, rt.config.text_dim, generator=g)
+        text = torch.randn(1, a.text_tokens, text_dim, generator=g)
         tags = None
+    rt = load_model(a.model, opts, tiny_seed=a.tiny_seed)
+    print(rt.describe(), file=sys.stderr)
     vshape, ashape = latent_shapes(width, height, frames, rt.config.video_channels, rt.config.audio_channels)
     video, audio = torch.zeros(vshape), torch.zeros(ashape)
     prog = Progress("sampling", force=a.progress)

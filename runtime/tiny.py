@@ -63,6 +63,8 @@ def save_tiny(path: str | Path, cfg: H3Config = TINY, seed: int = 0, dtype: torc
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     sd = tiny_state_dict(cfg, seed, dtype)
-    save_file(dict(sorted(sd.items())), str(path), metadata={"h3_blackwell": "tiny", "seed": str(seed),
-                                                               "config": json.dumps(cfg.to_dict())})
+    # one metadata entry: safetensors stores metadata in a hash map, so several keys would make the byte
+    # order (and the file hash) differ between runs
+    meta = {"config": json.dumps({"transformer": cfg.to_dict(), "h3_blackwell_tiny_seed": seed}, sort_keys=True)}
+    save_file(dict(sorted(sd.items())), str(path), metadata=meta)
     return path

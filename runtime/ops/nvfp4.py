@@ -65,7 +65,7 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -
 
 # Rows quantized per step in quantize(): a multiple of 128 so each step owns whole swizzle tiles; it
 # bounds the fp32 temporaries to ~ROW_CHUNK * K * 4 bytes each whatever the tensor size.
-ROW_CHUNK = 1024
+ROW_CHUNK = 256
 
 
 def roundup(x: int, m: int) -> int:
@@ -106,13 +106,10 @@ def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
-def _boundaries(device) -> torch.Tensor:
-    # |q| is rounded to the E2M1 grid with ties to the even code. torch.bucketize(right=False) counts the
-    # boundaries strictly below |q|; where a tie must round UP (to the even code above) the boundary is
-    # the float just below the midpoint, so the midpoint itself already counts.
-    below = lambda v: torch.nextafter(torch.tensor(v), torch.tensor(0.0)).item()  # noqa: E731
-    b = [0.25, below(0.75), 1.25, below(1.75), 2.5, below(3.5), 5.0]
-    return torch.tensor(b, dtype=torch.float32, device=device)
+# |q| is rounded to the E2M1 grid {0, .5, 1, 1.5, 2, 3, 4, 6} with ties to the even code: the code is
+# the number of midpoints below |q|, where a midpoint whose upper neighbour has the even code counts when
+# |q| equals it (>=) and the others only when |q| exceeds it (>). Beyond 5 everything saturates to 6.
+_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
 
 
 def e2m1_encode(q: torch.Tensor) -> torch.Tensor:
@@ -120,8 +117,12 @@ def e2m1_encode(q: torch.Tensor) -> torch.Tensor:
     the sign of ``q`` (``-0.0`` and tiny negatives give code 8, as comfy-kitchen and torchao do)."""
     if q.dtype != torch.float32:
         raise TypeError(f"e2m1_encode expects float32; found {q.dtype}")
-    mag = torch.bucketize(q.abs(), _boundaries(q.device), right=False).to(torch.uint8)
-    return mag | (torch.signbit(q).to(torch.uint8) << 3)
+    a = q.abs()
+    code = torch.zeros(q.shape, dtype=torch.uint8, device=q.device)
+    for mid, inclusive in _MIDPOINTS:
+        code += ((a >= mid) if inclusive else (a > mid)).view(torch.uint8)
+    code |= torch.signbit(q).view(torch.uint8) << 3
+    return code
 
 
 def e2m1_decode(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -245,15 +246,18 @@ def _quantize_rows(x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torc
     """x [r, Kp] float (Kp % 16 == 0) -> (packed uint8 [r, Kp/2], linear e4m3 scales [r, Kp/16])."""
     r, kp = x.shape
     xb = x.reshape(r, kp // BLOCK, BLOCK)
-    amax = xb.abs().amax(-1).float()  # the max picks an element: exact in the source dtype
+    lo, hi = torch.aminmax(xb, dim=-1)
+    amax = torch.maximum(hi, lo.neg()).float()  # the max picks an element: exact in the source dtype
     s = amax / _const(E2M1_MAX, x.device)
     s = torch.clamp(s / g, max=E4M3_MAX)
     s8 = s.to(torch.float8_e4m3fn)  # round to nearest even
     total = g * s8.float()
     zero = total == 0
-    q = xb.float() / torch.where(zero, _const(1.0, x.device), total).unsqueeze(-1)
-    q = torch.where(zero.unsqueeze(-1), _const(0.0, x.device), q)
-    q = torch.clamp(q, -E2M1_MAX, E2M1_MAX)
+    q = xb.to(torch.float32, copy=True)
+    q.div_(total.masked_fill(zero, 1.0).unsqueeze(-1))
+    if bool(zero.any()):  # blocks whose scale rounds to 0 encode as +0 (not -0), like comfy-kitchen
+        q.masked_fill_(zero.unsqueeze(-1), 0.0)
+    # no clamp to +-6 needed: e2m1_encode saturates everything above 5 to code 7
     return pack_codes(e2m1_encode(q).reshape(r, kp)), s8
 
 

@@ -1,0 +1,324 @@
+#!/usr/bin/env python3
+"""Attention backends and the fused norm+RoPE / gate+add kernels at the canonical shape, one GPU, one run.
+
+    python3 bench/attention_h200.py [--out bench/results/attention-h200.json]
+
+Writes ``{"S", "heads", "head_dim", "device", "backends": {"sage2": {"ms", "tflops", "rel_l2", ...},
+"sdpa_cudnn": ..., "sdpa_flash": ..., "sage1": ...}, "norm_rope": ..., "gate_add": ..., "copy_bandwidth":
+..., "versions": ..., "command": ...}``. Every backend reads q, k, v as strided NHD views of one
+``[S, 3*H*D]`` bf16 buffer. A backend that is missing or fails is recorded with its reason.
+
+* ms: median of ``--iters`` timed calls (CUDA events) after ``--warmup`` calls; tflops = 4*S^2*D*H / time.
+* rel_l2: against the fp32 reference (IEEE fp32, no TF32) on ``--ref-rows`` evenly spaced query rows
+  (all keys); inputs are N(0,1), the worst case for the quantized kernels (see TOLERANCE).
+* copies: CUDA kernels with "copy" in their name during one call (torch profiler), the peak-memory
+  delta of one call, and the same for ``layout="contiguous"`` (which copies q, k, v) as the contrast.
+* norm_rope: GB/s = bytes the kernel must move (read + write the q and k thirds, read cos and sin) / time,
+  next to the device copy bandwidth measured in the same run on the same number of bytes.
+
+SageAttention2 comes from the environment (scripts/device_build_sage2.sh); sageattention 1.0.6 from
+``--sage1`` (default: the newest .whl/sageattention-1.*.whl of this checkout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import traceback
+import types
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _import_package():
+    try:
+        import h3_blackwell.runtime.ops.attention  # noqa: F401
+    except ImportError:  # a plain checkout (the device copy): make the repo root the package
+        pkg = types.ModuleType("h3_blackwell")
+        pkg.__path__ = [str(ROOT)]
+        sys.modules["h3_blackwell"] = pkg
+
+
+_import_package()
+
+from h3_blackwell.runtime.ops import attention as A  # noqa: E402
+from h3_blackwell.runtime.ops import elementwise as E  # noqa: E402
+
+
+def time_ms(fn, iters: int, warmup: int) -> dict:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for a, b in ev:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    ts = [a.elapsed_time(b) for a, b in ev]
+    return {"median": statistics.median(ts), "min": min(ts), "all": [round(t, 4) for t in ts]}
+
+
+def copy_kernels(fn) -> list[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA and "copy" in e.name.lower()]
+
+
+def peak_delta(fn, dev) -> int:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(dev)
+    base = torch.cuda.memory_allocated(dev)
+    out = fn()
+    torch.cuda.synchronize()
+    d = torch.cuda.max_memory_allocated(dev) - base
+    del out
+    return d
+
+
+def err_text(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0][:400] if lines else ''}"
+
+
+def versions() -> dict:
+    v = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None}
+    try:
+        import triton
+
+        v["triton"] = triton.__version__
+    except Exception as e:
+        v["triton"] = err_text(e)
+    mod, ver = A._sage2_module()
+    v["sageattention2"] = ver if mod is not None else f"absent: {ver}"
+    mod1, src = A._sage1_module()
+    v["sageattention1"] = src if mod1 is not None else f"absent: {src}"
+    try:
+        v["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                     capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
+    except Exception:
+        v["driver"] = None
+    try:
+        v["git_commit"] = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
+                                         text=True, timeout=20).stdout.strip() or None
+    except Exception:
+        v["git_commit"] = None
+    return v
+
+
+def bench_attention(args, dev, qkv, ref, rows, before) -> dict:
+    s, h, d = args.seq, args.heads, args.head_dim
+    flops = A.attention_flops(s, h, d)
+    third = s * h * d * qkv.element_size()
+    out = {}
+    for b in args.backends:
+        ok, why = A._available(b, dev, d, qkv.dtype, probe=False)
+        if not ok:
+            out[b] = {"available": False, "reason": why}
+            print(f"{b:12s} unavailable: {why}", flush=True)
+            continue
+        rec = {"available": True, "what": why}
+        try:
+            call = lambda: A.attention(qkv, h, d, b)  # noqa: E731
+            t = time_ms(call, args.iters, args.warmup)
+            o = call()
+            torch.cuda.synchronize()
+            rec.update(ms=round(t["median"], 3), ms_min=round(t["min"], 3), ms_all=t["all"],
+                       tflops=round(flops / (t["median"] * 1e-3) / 1e12, 1),
+                       rel_l2=round(A.rel_l2(o[rows].float(), ref), 5),
+                       tolerance=A.TOLERANCE[b][0],
+                       qkv_buffer_untouched=bool(torch.equal(qkv, before)))
+            del o
+            ck = copy_kernels(call)
+            strided = peak_delta(call, dev)
+            contiguous = peak_delta(lambda: A.attention(qkv, h, d, b, layout="contiguous"), dev)
+            rec["copies"] = {
+                "copy_kernels_in_one_call": ck,
+                "peak_delta_mib": round(strided / 2**20, 1),
+                "contiguous_layout_peak_delta_mib": round(contiguous / 2**20, 1),
+                "qkv_third_mib": round(third / 2**20, 1),
+                "strided_saves_thirds": round((contiguous - strided) / third, 2),
+            }
+            print(f"{b:12s} {rec['ms']:8.2f} ms {rec['tflops']:6.1f} TFLOP/s rel_l2 {rec['rel_l2']:.4f} "
+                  f"copy kernels {len(ck)} peak {rec['copies']['peak_delta_mib']} MiB", flush=True)
+        except Exception as e:
+            rec["error"] = err_text(e)
+            rec["traceback_tail"] = traceback.format_exc().splitlines()[-6:]
+            print(f"{b:12s} FAILED {rec['error']}", flush=True)
+        out[b] = rec
+        torch.cuda.empty_cache()
+    return out
+
+
+def bench_copy(dev, nbytes: int, iters: int, warmup: int) -> dict:
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev).normal_()
+    dst = torch.empty_like(src)
+    t = time_ms(lambda: dst.copy_(src), iters, warmup)
+    return {"bytes_copied": nbytes, "ms": round(t["median"], 4),
+            "GBps_read_plus_write": round(2 * nbytes / (t["median"] * 1e-3) / 1e9, 1)}
+
+
+def bench_norm_rope(args, dev) -> dict:
+    s, h, d, r = args.seq, args.heads, args.head_dim, args.rope_dim
+    g = torch.Generator(device=dev).manual_seed(7)
+    qkv = (torch.randn(s, 3 * h * d, generator=g, device=dev) * 3 + 0.5).to(torch.bfloat16)
+    qw = torch.rand(d, generator=g, device=dev) + 0.5
+    kw = torch.rand(d, generator=g, device=dev) + 0.5
+    ang = torch.rand(s, r // 2, generator=g, device=dev) * 50
+    ang = torch.cat([ang, ang], 1)
+    cos, sin = ang.cos().contiguous(), ang.sin().contiguous()
+    ref = E.norm_rope_reference(qkv, qw, kw, cos, sin, 1e-5, r)
+    work = qkv.clone()
+    E.norm_rope_(work, qw, kw, cos, sin, 1e-5, r)
+    diff = (work.float() - ref.float()).abs()
+    fi = torch.finfo(torch.bfloat16)
+    ulp = torch.exp2(torch.floor(torch.log2(ref.float().abs().clamp_min(fi.tiny)))) * fi.eps
+    check = {"within_1ulp_plus_1e-6": bool((diff <= ulp + 1e-6).all()),
+             "fraction_differs": float((work != ref).float().mean()), "max_abs_diff": float(diff.max())}
+    del ref, diff, ulp
+    qk_bytes = 2 * s * h * d * qkv.element_size()
+    moved = 2 * qk_bytes + 2 * s * r * 4  # read + write q and k thirds, read cos and sin
+    configs = []
+    for bs, hpp, nw in [(32, 2, 4), (16, 1, 4), (16, 2, 4), (32, 4, 4), (64, 2, 8), (8, 2, 2)]:
+        try:
+            t = time_ms(lambda: E.norm_rope_(work, qw, kw, cos, sin, 1e-5, r, block_s=bs,
+                                             heads_per_program=hpp, num_warps=nw), args.iters * 2, args.warmup)
+            configs.append({"block_s": bs, "heads_per_program": hpp, "num_warps": nw, "ms": round(t["median"], 4),
+                            "GBps": round(moved / (t["median"] * 1e-3) / 1e9, 1)})
+        except Exception as e:
+            configs.append({"block_s": bs, "heads_per_program": hpp, "num_warps": nw, "error": err_text(e)})
+    ok = [c for c in configs if "GBps" in c]
+    best = max(ok, key=lambda c: c["GBps"]) if ok else None
+    # the same bytes moved by a plain device copy, and by a copy out of the strided q|k columns
+    plain = bench_copy(dev, qk_bytes, args.iters * 2, args.warmup)
+    dst = torch.empty(s, 2 * h * d, dtype=qkv.dtype, device=dev)
+    t = time_ms(lambda: dst.copy_(qkv[:, : 2 * h * d]), args.iters * 2, args.warmup)
+    strided = {"ms": round(t["median"], 4), "GBps_read_plus_write": round(2 * qk_bytes / (t["median"] * 1e-3) / 1e9, 1)}
+    res = {"shape": {"S": s, "heads": h, "head_dim": d, "rope_dim": r, "dtype": "bfloat16"},
+           "bytes_moved": moved, "configs": configs, "best": best, "vs_reference": check,
+           "copy_same_bytes": plain, "copy_strided_qk_columns": strided}
+    if best:
+        res["fraction_of_copy_bandwidth"] = round(best["GBps"] / plain["GBps_read_plus_write"], 3)
+    return res
+
+
+def bench_gate_add(args, dev) -> dict:
+    s, hidden = args.seq, args.hidden
+    segs = [(0, 37296, 0), (37296, 37710, 1), (37710, 37810, 2)] if s == 37810 else [(0, s, 0)]
+    g = torch.Generator(device=dev).manual_seed(8)
+    x = torch.randn(s, hidden, generator=g, device=dev).to(torch.bfloat16)
+    y = (torch.randn(s, hidden, generator=g, device=dev) * 2).to(torch.bfloat16)
+    gate = (torch.randn(len(segs), hidden, generator=g, device=dev) * 0.5).float()
+    ref = E.gate_add_reference(x, y, gate, segs)
+    x1 = x.clone()
+    E.gate_add_(x1, y, gate, segs)
+    exact = bool(torch.equal(x1, ref))
+    del ref, x1
+    moved = 3 * s * hidden * x.element_size()
+    t = time_ms(lambda: E.gate_add_(x, y, gate, segs), args.iters * 2, args.warmup)
+    return {"shape": {"S": s, "hidden": hidden, "segments": segs, "x": "bfloat16", "gate": "float32"},
+            "exact_vs_reference": exact, "ms": round(t["median"], 4),
+            "GBps": round(moved / (t["median"] * 1e-3) / 1e9, 1), "bytes_moved": moved}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seq", type=int, default=37810)
+    p.add_argument("--heads", type=int, default=56)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--rope-dim", type=int, default=96)
+    p.add_argument("--hidden", type=int, default=5376)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--ref-rows", type=int, default=512)
+    p.add_argument("--backends", nargs="+", default=["sage2", "sdpa_cudnn", "sdpa_flash", "sage1"])
+    p.add_argument("--sage1", default=None, help="sageattention 1.x wheel or folder (default: .whl/sageattention-1.*.whl)")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "attention-h200.json"))
+    args = p.parse_args(argv)
+
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda", torch.cuda.current_device())
+    sage1_path = args.sage1 or (sorted(glob.glob(str(ROOT / ".whl" / "sageattention-1.*.whl"))) or [None])[-1]
+    sage1_note = None
+    if sage1_path:
+        try:
+            A.use_sage1_from(sage1_path)
+        except Exception as e:
+            sage1_note = f"could not load {sage1_path}: {err_text(e)}"
+
+    props = torch.cuda.get_device_properties(dev)
+    cc = torch.cuda.get_device_capability(dev)
+    s, h, d = args.seq, args.heads, args.head_dim
+    result = {
+        "S": s, "heads": h, "head_dim": d,
+        "device": f"{props.name} (sm_{cc[0]}{cc[1]}, {props.multi_processor_count} SMs, "
+                  f"{props.total_memory / 2**30:.0f} GiB)",
+        "dtype": "bfloat16",
+        "layout": "q, k, v as strided NHD views of one [S, 3*H*D] buffer (H3_SAGE_QKV_LAYOUT=strided_nhd)",
+        "tflops_counted_as": "4*S*S*head_dim*heads / median time",
+        "command": shlex.join([os.path.basename(sys.executable)] + sys.argv),
+        "cwd": os.getcwd(),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "versions": versions(),
+    }
+    if sage1_note:
+        result["sage1_note"] = sage1_note
+    print(json.dumps({k: result[k] for k in ("device", "versions")}, indent=1), flush=True)
+
+    try:
+        name, why = A.choose_attention_backend(dev, head_dim=d)
+        result["auto_choice"] = {"backend": name, "reason": why}
+    except Exception as e:
+        result["auto_choice"] = {"error": err_text(e)}
+
+    g = torch.Generator(device=dev).manual_seed(440420)
+    qkv = torch.randn(s, 3 * h * d, generator=g, device=dev, dtype=torch.float32).to(torch.bfloat16)
+    before = qkv.clone()
+    rows = torch.linspace(0, s - 1, min(args.ref_rows, s), device=dev).round().long().unique()
+    ref = A.attention_reference(*A.qkv_views(qkv, h, d), rows=rows)
+    result["reference"] = {"rows": int(rows.numel()), "math": "fp32 IEEE (no TF32), all keys"}
+
+    result["backends"] = bench_attention(args, dev, qkv, ref, rows, before)
+    del qkv, before, ref
+    torch.cuda.empty_cache()
+    for name, fn in (("norm_rope", bench_norm_rope), ("gate_add", bench_gate_add)):
+        try:
+            result[name] = fn(args, dev)
+            print(f"{name}: {json.dumps(result[name].get('best') or {k: result[name][k] for k in ('ms', 'GBps')})}",
+                  flush=True)
+        except Exception as e:
+            result[name] = {"error": err_text(e), "traceback_tail": traceback.format_exc().splitlines()[-6:]}
+            print(f"{name} FAILED {result[name]['error']}", flush=True)
+        torch.cuda.empty_cache()
+    try:
+        result["copy_bandwidth"] = bench_copy(dev, 1 << 31, args.iters * 2, args.warmup)
+    except Exception as e:
+        result["copy_bandwidth"] = {"error": err_text(e)}
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

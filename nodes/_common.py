@@ -1,0 +1,64 @@
+"""What every H3 node shares: the category, the user-facing error type, lazy access to ComfyUI modules.
+
+ComfyUI modules (``comfy.*``, ``folder_paths``) are imported inside functions, never at module import, so
+``import h3_blackwell`` works in a plain Python environment (the CLI, the tests) and the node classes can
+be exercised there with stand-in modules.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+from ..runtime.errors import H3Error
+
+CATEGORY = "H3 Blackwell"
+
+
+class H3NodeError(H3Error):
+    """An input problem inside a node, worded for the person at the graph: the node, what was expected,
+    what was found, what to do. ComfyUI shows ``str(exc)`` as the error of the failing node."""
+
+
+def node_error(title: str, message: str) -> H3NodeError:
+    return H3NodeError(f"{title}: {message}")
+
+
+def comfy_module(name: str):
+    """Import a ComfyUI module by name when the node runs (``comfy.utils``, ``folder_paths``, ...)."""
+    return importlib.import_module(name)
+
+
+def optional_comfy_module(name: str):
+    """The module, or None outside ComfyUI (headless use of the node classes, or an older ComfyUI)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+def intermediate_device():
+    """Where ComfyUI keeps latents between nodes (``model_management.intermediate_device()``); CPU outside it."""
+    mm = optional_comfy_module("comfy.model_management")
+    if mm is None or not hasattr(mm, "intermediate_device"):
+        return "cpu"
+    return mm.intermediate_device()
+
+
+def input_directory() -> str | None:
+    fp = optional_comfy_module("folder_paths")
+    return fp.get_input_directory() if fp is not None else None
+
+
+def list_input_files(extensions: tuple[str, ...]) -> list[str]:
+    """Files under ComfyUI's input folder with one of ``extensions``, as relative '/'-separated names."""
+    root = input_directory()
+    if not root or not os.path.isdir(root):
+        return []
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for f in filenames:
+            if f.lower().endswith(extensions):
+                out.append(os.path.relpath(os.path.join(dirpath, f), root).replace(os.sep, "/"))
+    return sorted(out)

@@ -1,0 +1,110 @@
+"""H3 CONDITIONING: reading core's format for the sampler, and the H3 Text States Loader node.
+
+Core's H3 CONDITIONING (CLIPLoader type "minimax" + CLIPTextEncode, or MiniMaxH3ImageToVideo)::
+
+    [[cond [1, L, 5120] float32, {"minimax_token_tags": LongTensor [L]  (1 text, 0 vision tokens),
+                                  "minimax_keyframes": [{"resolved_frame_index", "latent", ...}]  (fl2va, optional),
+                                  "pooled_output": ...}]]
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ._common import CATEGORY, input_directory, list_input_files, node_error
+
+EMBEDDED_STATES = "embedded random (seed 1234, 32 tokens)"
+# The same states as `h3-blackwell generate` without --text-states: a CPU generator seeded 1234, randn [1, 32, 5120].
+EMBEDDED_SEED, EMBEDDED_TOKENS, TEXT_DIM = 1234, 32, 5120
+
+
+def read_conditioning(positive, text_dim: int, title: str) -> tuple[torch.Tensor, torch.Tensor | None, list | None]:
+    """Core's H3 CONDITIONING -> (text_states [1, L, text_dim] fp32, token_tags LongTensor [L] or None,
+    keyframes list or None). Raises H3NodeError for anything the H3 sampler cannot take."""
+    if not isinstance(positive, (list, tuple)) or not positive:
+        raise node_error(title, f"positive must be a CONDITIONING list [[cond, {{...}}]]; got {type(positive).__name__}")
+    if len(positive) != 1:
+        raise node_error(title, f"H3 takes one conditioning entry; got {len(positive)} (from ConditioningCombine or "
+                                "area/timestep nodes). Connect a single text encode.")
+    entry = positive[0]
+    if not isinstance(entry, (list, tuple)) or len(entry) != 2 or not isinstance(entry[0], torch.Tensor):
+        raise node_error(title, "positive is not a CONDITIONING entry [cond tensor, dict]")
+    cond, extra = entry[0], entry[1] or {}
+    if cond.dim() != 3 or cond.shape[0] != 1 or cond.shape[-1] != text_dim:
+        raise node_error(title, f"the conditioning is {list(cond.shape)}; H3 needs [1, L, {text_dim}] "
+                                f"(Qwen3-VL-32B states). Encode the prompt with CLIPLoader type 'minimax', or load "
+                                f"precomputed states with H3 Text States Loader.")
+    tags = extra.get("minimax_token_tags")
+    if tags is not None:
+        tags = torch.as_tensor(tags).reshape(-1).long()
+        if tags.numel() != cond.shape[1]:
+            raise node_error(title, f"minimax_token_tags has {tags.numel()} entries for {cond.shape[1]} text tokens")
+    if extra.get("minimax_refs"):
+        raise node_error(title, "reference conditioning (minimax_refs, from MiniMaxH3ReferenceToVideo) is not "
+                                "supported by the H3 Sampler yet; use t2va / fl2va conditioning")
+    keyframes = extra.get("minimax_keyframes") or None
+    return cond.float(), tags, keyframes
+
+
+def _embedded_states() -> torch.Tensor:
+    g = torch.Generator().manual_seed(EMBEDDED_SEED)
+    return torch.randn(1, EMBEDDED_TOKENS, TEXT_DIM, generator=g)
+
+
+class H3TextStatesLoader:
+    """Precomputed text-encoder states -> H3 CONDITIONING, for ComfyUI versions without the minimax text
+    encoder and for headless runs. File: safetensors with ``text_states`` [1, L, 5120] (or [L, 5120]) and
+    optional ``token_tags`` [L] (1 text, 0 vision)."""
+
+    TITLE = "H3 Text States Loader"
+    DESCRIPTION = ("Loads precomputed Qwen3-VL text states (safetensors: text_states [1, L, 5120], optional "
+                   "token_tags [L]) from ComfyUI's input folder as H3 CONDITIONING. The embedded entry is random "
+                   "states for smoke tests, the same as `h3-blackwell generate` without --text-states.")
+    CATEGORY = CATEGORY
+    RETURN_TYPES = ("CONDITIONING",)
+    RETURN_NAMES = ("positive",)
+    FUNCTION = "load"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        files = list_input_files((".safetensors",))
+        return {"required": {
+            "text_states": ([EMBEDDED_STATES] + files, {
+                "default": EMBEDDED_STATES,
+                "tooltip": "a .safetensors file in ComfyUI's input folder, or the embedded random states"}),
+        }}
+
+    def load(self, text_states: str):
+        if text_states == EMBEDDED_STATES:
+            return ([[_embedded_states(), {}]],)
+        path = text_states if os.path.isabs(text_states) else os.path.join(input_directory() or "", text_states)
+        if not os.path.isfile(path):
+            raise node_error(self.TITLE, f"text states file '{text_states}' was not found (looked for {path}); put "
+                                         "it in ComfyUI's input folder")
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(path, "pt") as f:
+                keys = set(f.keys())
+                if "text_states" not in keys:
+                    raise node_error(self.TITLE, f"{text_states}: expected a tensor 'text_states' [1, L, {TEXT_DIM}]; "
+                                                 f"found {sorted(keys)[:8]}")
+                states = f.get_tensor("text_states").float()
+                tags = f.get_tensor("token_tags").long() if "token_tags" in keys else None
+        except SafetensorError as e:
+            raise node_error(self.TITLE, f"{text_states} is not a readable safetensors file ({e})") from e
+        if states.dim() == 2:
+            states = states.unsqueeze(0)
+        if states.dim() != 3 or states.shape[0] != 1 or states.shape[-1] != TEXT_DIM:
+            raise node_error(self.TITLE, f"{text_states}: text_states is {list(states.shape)}; expected "
+                                         f"[1, L, {TEXT_DIM}] (Qwen3-VL-32B hidden states)")
+        extra = {}
+        if tags is not None:
+            tags = tags.reshape(-1)
+            if tags.numel() != states.shape[1]:
+                raise node_error(self.TITLE, f"{text_states}: token_tags has {tags.numel()} entries for "
+                                             f"{states.shape[1]} text tokens")
+            extra["minimax_token_tags"] = tags
+        return ([[states, extra]],)

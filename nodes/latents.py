@@ -1,0 +1,142 @@
+"""The H3 audio+video LATENT, in ComfyUI core's format or this pack's fallback, and the H3 Empty Latent node.
+
+Core's format (ComfyUI with MiniMax H3 support, ``comfy/nested_tensor.py`` present)::
+
+    {"samples": comfy.nested_tensor.NestedTensor((video [1, 24, T, H/16, W/16], audio [1, 32, 2, Ta]))}
+
+float32, on ``model_management.intermediate_device()``. ``VAEDecode`` takes ``unbind()[0]``,
+``VAEDecodeAudio`` ``unbind()[-1]``.
+
+Fallback (a ComfyUI without ``comfy.nested_tensor``, e.g. releases before core H3 support)::
+
+    {"samples": video [1, 24, T, H/16, W/16], "h3_audio": audio [1, 32, 2, Ta]}
+
+``samples`` stays a plain tensor, so generic latent nodes (save, preview, copy) keep working on the video
+stream, and the audio rides beside it under a key that only this pack reads. Such a latent flows between
+this pack's nodes only: an older core has no H3 VAE to decode it anyway.
+
+Every H3 node accepts both forms as input and outputs core's form whenever the running ComfyUI has it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..runtime.layout import audio_frames, latent_frames, snap_frames
+from ._common import CATEGORY, intermediate_device, node_error, optional_comfy_module
+
+VIDEO_CHANNELS = 24
+AUDIO_CHANNELS = 32
+AUDIO_KEY = "h3_audio"  # the fallback form's audio stream
+
+
+def nested_tensor_class():
+    """core's ``comfy.nested_tensor.NestedTensor``, or None when the running ComfyUI predates it."""
+    mod = optional_comfy_module("comfy.nested_tensor")
+    return getattr(mod, "NestedTensor", None) if mod is not None else None
+
+
+def make_latent(video: torch.Tensor, audio: torch.Tensor) -> dict:
+    """(video [1, 24, T, H, W], audio [1, 32, 2, Ta]) -> a LATENT dict: core's nested form when available."""
+    dev = intermediate_device()
+    video = video.to(device=dev, dtype=torch.float32)
+    audio = audio.to(device=dev, dtype=torch.float32)
+    nested = nested_tensor_class()
+    if nested is not None:
+        return {"samples": nested((video, audio))}
+    return {"samples": video, AUDIO_KEY: audio}
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a tensor of shape {list(x.shape)} ({str(x.dtype).replace('torch.', '')})"
+    if getattr(x, "is_nested", False) and hasattr(x, "tensors"):
+        return "a nested latent of " + ", ".join(_describe(t) for t in x.tensors)
+    return f"a {type(x).__name__}"
+
+
+def read_latent(latent, title: str, video_channels: int = VIDEO_CHANNELS,
+                audio_channels: int = AUDIO_CHANNELS) -> tuple[torch.Tensor, torch.Tensor]:
+    """A LATENT (core's nested form or the fallback) -> (video [1, C, T, H, W], audio [1, Ca, 2, Ta]).
+
+    Raises H3NodeError naming what was found when the latent is not an H3 audio+video latent of batch 1.
+    """
+    what = ("an H3 audio+video LATENT (video [1, {v}, T, H, W] + audio [1, {a}, 2, Ta]) from "
+            "EmptyMiniMaxH3LatentAV, MiniMaxH3ImageToVideo or H3 Empty Latent").format(v=video_channels,
+                                                                                      a=audio_channels)
+    if not isinstance(latent, dict) or "samples" not in latent:
+        raise node_error(title, f"expected {what}; got {_describe(latent)} without a 'samples' entry")
+    if latent.get("noise_mask") is not None:
+        raise node_error(title, "the latent carries a noise_mask (inpainting); the H3 Sampler does not support "
+                                "masked denoising yet. Remove the mask node.")
+    samples = latent["samples"]
+    if isinstance(samples, torch.Tensor) and not samples.is_nested:
+        if AUDIO_KEY not in latent:
+            raise node_error(title, f"expected {what}; got {_describe(samples)}, which is an image or video-only "
+                                    "latent, not an H3 audio+video latent")
+        video, audio = samples, latent[AUDIO_KEY]
+    elif getattr(samples, "is_nested", False) and hasattr(samples, "tensors"):
+        tensors = list(samples.tensors)
+        if len(tensors) != 2:
+            raise node_error(title, f"expected {what}; got a nested latent with {len(tensors)} streams")
+        video, audio = tensors
+    else:
+        raise node_error(title, f"expected {what}; got {_describe(samples)}")
+    if not isinstance(video, torch.Tensor) or video.dim() != 5 or video.shape[1] != video_channels:
+        raise node_error(title, f"expected {what}; its video stream is {_describe(video)}")
+    if not isinstance(audio, torch.Tensor) or audio.dim() != 4 or audio.shape[1] != audio_channels \
+            or audio.shape[2] != 2:
+        raise node_error(title, f"expected {what}; its audio stream is {_describe(audio)}")
+    if video.shape[0] != 1 or audio.shape[0] != 1:
+        raise node_error(title, f"H3 samples one clip at a time (batch 1); the latent has batch "
+                                f"{video.shape[0]} (video) / {audio.shape[0]} (audio)")
+    return video, audio
+
+
+def pixel_frames(latent_t: int) -> int | None:
+    """Latent frames (5k+2) -> pixel frames (17k+5); None off that grid."""
+    if latent_t == 2:
+        return 5
+    if latent_t < 2 or (latent_t - 2) % 5:
+        return None
+    return 5 + (latent_t - 2) // 5 * 17
+
+
+class H3EmptyLatent:
+    """Zeros in the H3 audio+video layout for a canvas and a frame count (t2va), like core's
+    EmptyMiniMaxH3LatentAV, but it refuses frame counts off the 17k+5 grid instead of snapping them."""
+
+    TITLE = "H3 Empty Latent"
+    DESCRIPTION = ("An empty H3 audio+video latent: video [1, 24, T, H/16, W/16] + audio [1, 32, 2, Ta] "
+                   "(frames 17k+5 -> T = 5k+2, Ta = round(frames / 24 * 40)).")
+    CATEGORY = CATEGORY
+    RETURN_TYPES = ("LATENT",)
+    RETURN_NAMES = ("latent",)
+    OUTPUT_TOOLTIPS = ("core's nested H3 latent when ComfyUI has it, else {'samples': video, 'h3_audio': audio}",)
+    FUNCTION = "create"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "width": ("INT", {"default": 1344, "min": 32, "max": 8192, "step": 32,
+                              "tooltip": "canvas width in pixels, a multiple of 32"}),
+            "height": ("INT", {"default": 768, "min": 32, "max": 8192, "step": 32,
+                               "tooltip": "canvas height in pixels, a multiple of 32"}),
+            "frames": ("INT", {"default": 124, "min": 5, "max": 3600, "step": 17,
+                               "tooltip": "pixel frames at 24 fps on the 17k+5 grid (5, 22, 39, ..., 124 = 5.2 s)"}),
+        }}
+
+    def create(self, width: int, height: int, frames: int):
+        for name, v in (("width", width), ("height", height)):
+            if v < 32 or v % 32:
+                raise node_error(self.TITLE, f"{name}={v} must be a positive multiple of 32 "
+                                             f"(nearest: {max(32, round(v / 32) * 32)})")
+        if frames < 5 or (frames - 5) % 17:
+            up = snap_frames(frames)
+            down = up - 17 if up - 17 >= 5 else None
+            hint = f"use {up}" + (f" or {down}" if down else "")
+            raise node_error(self.TITLE, f"frames={frames} is not on H3's 17k+5 grid (5, 22, 39, ..., 124, ...): "
+                                         f"{hint}")
+        video = torch.zeros(1, VIDEO_CHANNELS, latent_frames(frames), height // 16, width // 16)
+        audio = torch.zeros(1, AUDIO_CHANNELS, 2, audio_frames(frames))
+        return (make_latent(video, audio),)

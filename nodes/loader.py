@@ -1,0 +1,116 @@
+"""H3 NVFP4 Model Loader: a resident H3 DiT for the sampler (type H3_MODEL = runtime.H3Runtime).
+
+The model stays loaded across prompts. It is reloaded only when an input changes (file, backends, switches)
+or the file on disk changes (size / mtime); the previous model is released first, so at most one H3 DiT
+loaded by this node is resident. ComfyUI's model management does not see it: "Unload models" does not free it.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+
+from ..runtime.errors import H3Error
+from ._common import CATEGORY, comfy_module, node_error, optional_comfy_module
+
+TINY_CHOICE = "embedded tiny (seed 0)"
+GEMM_CHOICES = ["auto", "native", "emulated", "fp8", "bf16", "reference"]
+ATTENTION_CHOICES = ["auto", "sage2", "sage1", "sdpa", "reference"]
+FC2_CHOICES = ["on", "off", "strict"]
+
+# One resident model, keyed on everything that determines it.
+_RESIDENT: dict = {"key": None, "model": None}
+log = logging.getLogger("h3_blackwell")
+
+
+def _diffusion_models() -> list[str]:
+    fp = optional_comfy_module("folder_paths")
+    return list(fp.get_filename_list("diffusion_models")) if fp is not None else []
+
+
+def resident_model():
+    """The model this node keeps resident (None before the first load); for tests and diagnostics."""
+    return _RESIDENT["model"]
+
+
+def release_resident() -> None:
+    """Drop the resident model (the next load reads the file again)."""
+    _RESIDENT["key"] = None
+    _RESIDENT["model"] = None
+    gc.collect()
+
+
+def _load_progress():
+    """ComfyUI's progress bar fed by load_model's per-tensor callback (done, total, name)."""
+    utils = optional_comfy_module("comfy.utils")
+    if utils is None:
+        return None
+    bar = {}
+
+    def progress(done: int, total: int, name: str = "") -> None:
+        if "bar" not in bar:
+            bar["bar"] = utils.ProgressBar(total)
+        bar["bar"].update_absolute(done, total)
+
+    return progress
+
+
+class H3ModelLoader:
+    TITLE = "H3 NVFP4 Model Loader"
+    DESCRIPTION = ("Loads an H3 DiT from models/diffusion_models (bf16, fp8, int8-convrot or NVFP4 safetensors) "
+                   "or the embedded tiny random model, picks the GEMM / attention backends once, and keeps the "
+                   "model resident across prompts (reloaded only when an input or the file changes).")
+    CATEGORY = CATEGORY
+    RETURN_TYPES = ("H3_MODEL",)
+    RETURN_NAMES = ("model",)
+    OUTPUT_TOOLTIPS = ("the resident H3 model with its backend choices",)
+    FUNCTION = "load"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "model": ([TINY_CHOICE] + _diffusion_models(), {
+                "default": TINY_CHOICE,
+                "tooltip": "an H3 DiT file in models/diffusion_models, or the embedded tiny random model (tests)"}),
+            "gemm": (GEMM_CHOICES, {"default": "auto", "tooltip": "NVFP4 linear backend (auto picks per GPU)"}),
+            "attention": (ATTENTION_CHOICES, {"default": "auto", "tooltip": "attention backend (auto picks per GPU)"}),
+            "fc2_lt": (FC2_CHOICES, {"default": "on", "tooltip": "guarded cuBLASLt FC2 path: on (fall back when the "
+                                                                 "guard fails), off, strict (fail instead)"}),
+            "adaln_cache": ("BOOLEAN", {"default": True, "tooltip": "compute the AdaLN modulation rows of every "
+                                                                    "(step, block) once per run"}),
+        }}
+
+    def load(self, model: str, gemm: str, attention: str, fc2_lt: str, adaln_cache: bool):
+        from ..runtime import RuntimeOptions, load_model
+
+        if fc2_lt not in FC2_CHOICES:
+            raise node_error(self.TITLE, f"fc2_lt={fc2_lt!r}: expected one of {', '.join(FC2_CHOICES)}")
+        if model == TINY_CHOICE:
+            path, stamp = None, None
+        else:
+            fp = comfy_module("folder_paths")
+            path = fp.get_full_path("diffusion_models", model)
+            if path is None or not os.path.exists(path):
+                folders = ", ".join(fp.get_folder_paths("diffusion_models")) or "(none configured)"
+                raise node_error(self.TITLE, f"model file '{model}' was not found in diffusion_models (searched "
+                                             f"{folders}). Put the .safetensors file there and refresh, or pick "
+                                             f"'{TINY_CHOICE}'.")
+            st = os.stat(path)
+            stamp = (st.st_size, st.st_mtime_ns)
+        try:
+            options = RuntimeOptions.from_env(gemm=gemm, attention=attention, fc2_lt=fc2_lt != "off",
+                                              fc2_lt_strict=fc2_lt == "strict", adaln_cache=bool(adaln_cache))
+        except ValueError as e:
+            raise node_error(self.TITLE, str(e)) from e
+        key = (model, path, stamp, tuple(sorted(options.to_dict().items())))
+        if _RESIDENT["key"] == key and _RESIDENT["model"] is not None:
+            return (_RESIDENT["model"],)
+        release_resident()
+        try:
+            rt = load_model(path, options, tiny_seed=0, progress=_load_progress())
+        except H3Error as e:
+            raise node_error(self.TITLE, str(e)) from e
+        log.info("[h3-blackwell] %s", rt.describe())
+        _RESIDENT["key"], _RESIDENT["model"] = key, rt
+        return (rt,)

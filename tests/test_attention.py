@@ -1,0 +1,363 @@
+"""Attention over strided views of the fused qkv buffer: CPU tests.
+
+Real kernels (sage1/sage2/cuDNN/flash) need a GPU: tests/gpu/test_attention_gpu.py. Here:
+* the fp32 reference against an fp64 computation of the same formula (tolerance: TOLERANCE["reference"]);
+* torch SDPA (math kernel on CPU) against the reference (fp32 inputs 1e-5: summation order only;
+  bf16 inputs TOLERANCE["sdpa"]: bf16 output rounding);
+* the wrapper's contract with stand-in SageAttention modules that record what they are handed: the
+  per-architecture dispatch, that q/k/v reach the backend as views of qkv (no copies), and that a
+  sage1 that subtracts K's mean IN PLACE (as 1.0.6 does) cannot change the caller's buffer;
+* choose_attention_backend: explicit reasons, never a silent downgrade.
+"""
+
+import os
+import sys
+import types
+import zipfile
+
+import pytest
+import torch
+
+import h3_blackwell.runtime.ops.attention as A
+from h3_blackwell.runtime.ops.attention import (
+    TOLERANCE,
+    attention,
+    attention_reference,
+    choose_attention_backend,
+    qkv_views,
+    rel_l2,
+    use_sage1_from,
+)
+
+
+def _qkv(s, h, d, dtype=torch.float32, seed=0, row_pad=0):
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(s, 3 * h * d + row_pad, generator=g).to(dtype)
+    return base[:, : 3 * h * d]
+
+
+def _fp64_attention(qkv, h, d):
+    """Straight fp64 softmax(q k^T / sqrt(D)) v, written independently of the module."""
+    s = qkv.shape[0]
+    x = qkv.double().reshape(s, 3, h, d)
+    q, k, v = x[:, 0].transpose(0, 1), x[:, 1].transpose(0, 1), x[:, 2].transpose(0, 1)  # [H, S, D]
+    p = torch.softmax(q @ k.transpose(1, 2) / d**0.5, dim=-1)
+    return (p @ v).transpose(0, 1).reshape(s, h * d)
+
+
+# ---------------------------------------------------------------------------------------------- views
+
+
+def test_qkv_views_are_views_with_the_model_layout():
+    s, h, d = 6, 3, 8
+    qkv = _qkv(s, h, d, row_pad=5)
+    q, k, v = qkv_views(qkv, h, d)
+    row = qkv.stride(0)
+    for i, t in enumerate((q, k, v)):
+        assert t.shape == (1, s, h, d)
+        assert t.stride() == (s * row, row, d, 1)
+        assert t.data_ptr() == qkv.data_ptr() + i * h * d * qkv.element_size()
+    # head 2 of k is columns [H*D + 2*D, H*D + 3*D) of the buffer
+    assert torch.equal(k[0, :, 2], qkv[:, h * d + 2 * d : h * d + 3 * d])
+
+
+def test_shape_errors_say_expected_and_found():
+    with pytest.raises(ValueError, match="3\\*H\\*D = 48"):
+        attention(torch.randn(4, 40), 2, 8, "reference")
+    with pytest.raises(ValueError, match="expected one of"):
+        attention(torch.randn(4, 48), 2, 8, "flash3")
+
+
+# ---------------------------------------------------------------------------------------------- reference
+
+
+@pytest.mark.parametrize("s", [1, 7, 130, 257])
+def test_reference_vs_fp64(s):
+    h, d = 3, 16
+    qkv = _qkv(s, h, d, seed=s)
+    ref64 = _fp64_attention(qkv, h, d)
+    # max_elems small: the query loop runs in many chunks
+    out = attention_reference(*qkv_views(qkv, h, d), max_elems=h * s * 5)
+    assert out.dtype == torch.float32 and out.shape == (s, h * d)
+    assert rel_l2(out, ref64) <= TOLERANCE["reference"][0]
+
+
+def test_reference_row_subset_equals_full_rows():
+    s, h, d = 97, 2, 16
+    qkv = _qkv(s, h, d, seed=5)
+    rows = torch.tensor([0, 13, 50, 96])
+    full = attention_reference(*qkv_views(qkv, h, d))
+    sub = attention_reference(*qkv_views(qkv, h, d), rows=rows)
+    torch.testing.assert_close(sub, full[rows], rtol=1e-6, atol=1e-7)
+
+
+def test_reference_backend_returns_input_dtype():
+    qkv = _qkv(33, 2, 16, dtype=torch.bfloat16)
+    out = attention(qkv, 2, 16, "reference")
+    assert out.dtype == torch.bfloat16 and out.shape == (33, 32)
+    assert rel_l2(out.float(), _fp64_attention(qkv, 2, 16)) <= TOLERANCE["sdpa"][0]
+
+
+# ---------------------------------------------------------------------------------------------- sdpa
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "sdpa_math"])
+@pytest.mark.parametrize("s", [5, 64, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sdpa_vs_reference(backend, s, dtype):
+    h, d = 4, 32
+    qkv = _qkv(s, h, d, dtype=dtype, seed=s + 1)
+    before = qkv.clone()
+    out = attention(qkv, h, d, backend)
+    assert out.dtype == dtype and out.shape == (s, h * d)
+    ref = attention_reference(*qkv_views(qkv, h, d))
+    tol = 1e-5 if dtype == torch.float32 else TOLERANCE[backend][0]
+    assert rel_l2(out.float(), ref) <= tol
+    assert torch.equal(qkv, before)
+
+
+def test_strided_path_hands_views_to_sdpa(monkeypatch):
+    import torch.nn.functional as F
+
+    s, h, d = 16, 2, 8
+    qkv = _qkv(s, h, d, seed=3)
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        seen.append((q.data_ptr(), k.data_ptr(), v.data_ptr(), q.untyped_storage().data_ptr()))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    attention(qkv, h, d, "sdpa")
+    es = qkv.element_size()
+    base = qkv.data_ptr()
+    assert seen[-1] == (base, base + h * d * es, base + 2 * h * d * es, qkv.untyped_storage().data_ptr())
+    # the contiguous layout really copies (so the check above can tell the two apart)
+    attention(qkv, h, d, "sdpa", layout="contiguous")
+    assert seen[-1][3] != qkv.untyped_storage().data_ptr()
+
+
+# ---------------------------------------------------------------------------------------------- stand-in SageAttention
+
+
+def _math_nhd(q, k, v, sm_scale):
+    """[1, S, H, D] in -> [1, S, H, D] out (q dtype), fp32 math: what a Sage kernel computes, minus quantization."""
+    o = attention_reference(q, k, v, scale=sm_scale).to(q.dtype)
+    return o.view(1, q.shape[1], q.shape[2], q.shape[3])
+
+
+def _fake_sage2(calls, sm90=True, sm89=True):
+    mod = types.ModuleType("sageattention")
+
+    def make(name):
+        def fn(q, k, v, tensor_layout="HND", is_causal=False, qk_quant_gran="per_thread", sm_scale=None,
+               pv_accum_dtype="fp32", smooth_k=True, **kw):
+            calls.append(dict(fn=name, q=q, k=k, v=v, tensor_layout=tensor_layout, is_causal=is_causal,
+                              qk_quant_gran=qk_quant_gran, pv_accum_dtype=pv_accum_dtype, sm_scale=sm_scale))
+            return _math_nhd(q, k, v, sm_scale)
+
+        return fn
+
+    mod.sageattn_qk_int8_pv_fp8_cuda_sm90 = make("sm90")
+    mod.sageattn_qk_int8_pv_fp8_cuda = make("fp8")
+    mod.sageattn = make("dispatch")
+    mod.core = types.SimpleNamespace(SM90_ENABLED=sm90, SM89_ENABLED=sm89)
+    return mod
+
+
+def _sage1_source():
+    # what sageattention 1.0.6 does to K before quantizing (core.py: `k -= km`), then exact attention
+    return (
+        "import torch\n"
+        "from h3_blackwell.runtime.ops.attention import attention_reference\n"
+        "calls = []\n"
+        "def sageattn(q, k, v, tensor_layout='HND', is_causal=False, sm_scale=None, smooth_k=True, **kw):\n"
+        "    assert tensor_layout == 'NHD' and not is_causal\n"
+        "    calls.append(dict(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), k_storage=k.untyped_storage().data_ptr()))\n"
+        "    if smooth_k:\n"
+        "        k -= k.mean(dim=1, keepdim=True)\n"
+        "    o = attention_reference(q, k, v, scale=sm_scale).to(q.dtype)\n"
+        "    return o.view(q.shape)\n"
+    )
+
+
+@pytest.fixture
+def clean_sage(monkeypatch):
+    """Isolate the module caches and sys.modules['sageattention'] per test."""
+    A._sage2_module.cache_clear()
+    monkeypatch.setitem(A._SAGE1, "module", None)
+    monkeypatch.setitem(A._SAGE1, "source", None)
+    monkeypatch.setattr(A, "_PROBES", {})
+    monkeypatch.delitem(sys.modules, "sageattention", raising=False)
+    yield monkeypatch
+    A._sage2_module.cache_clear()
+
+
+@pytest.fixture
+def fake_sage1(tmp_path, clean_sage):
+    pkg = tmp_path / "site" / "sageattention"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(_sage1_source())
+    (tmp_path / "site" / "sageattention-1.0.6.dist-info").mkdir()
+    return tmp_path / "site"
+
+
+@pytest.mark.parametrize(
+    "cc,fn,gran,accum",
+    [
+        ((9, 0), "sm90", "per_warp", "fp32+fp32"),
+        ((8, 9), "fp8", "per_warp", "fp32+fp16"),
+        ((10, 0), "fp8", "per_warp", "fp32+fp16"),  # sageattn() raises here; the fp8 kernel is built for 100a
+        ((12, 0), "fp8", "per_warp", "fp32+fp16"),
+        ((12, 1), "fp8", "per_warp", "fp32+fp16"),
+    ],
+)
+def test_sage2_dispatch_and_views(clean_sage, cc, fn, gran, accum):
+    calls = []
+    clean_sage.setitem(sys.modules, "sageattention", _fake_sage2(calls))
+    clean_sage.setattr(A, "_capability", lambda device: cc)
+    s, h, d = 50, 2, 16
+    qkv = _qkv(s, h, d, dtype=torch.bfloat16, seed=9)
+    before = qkv.clone()
+    out = attention(qkv, h, d, "sage2")
+    assert len(calls) == 1
+    c = calls[0]
+    assert (c["fn"], c["qk_quant_gran"], c["pv_accum_dtype"], c["tensor_layout"], c["is_causal"]) == (
+        fn, gran, accum, "NHD", False)
+    assert c["sm_scale"] == pytest.approx(d**-0.5)
+    es = qkv.element_size()
+    for i, name in enumerate("qkv"):
+        t = c[name]
+        assert t.data_ptr() == qkv.data_ptr() + i * h * d * es, f"{name} is not a view of qkv"
+        assert t.stride() == (s * 3 * h * d, 3 * h * d, d, 1)
+    assert out.shape == (s, h * d) and out.dtype == torch.bfloat16
+    assert rel_l2(out.float(), attention_reference(*qkv_views(qkv, h, d))) <= TOLERANCE["sdpa"][0]
+    assert torch.equal(qkv, before)
+
+
+def test_sage2_unwired_arch_and_fp32_are_refused(clean_sage):
+    clean_sage.setitem(sys.modules, "sageattention", _fake_sage2([]))
+    clean_sage.setattr(A, "_capability", lambda device: (8, 0))
+    with pytest.raises(RuntimeError, match="no kernel path wired for sm_80"):
+        attention(_qkv(8, 1, 16, dtype=torch.bfloat16), 1, 16, "sage2")
+    with pytest.raises(ValueError, match="fp16 or bf16"):
+        attention(_qkv(8, 1, 16), 1, 16, "sage2")
+
+
+def test_sage1_fake_really_mutates_a_view(fake_sage1):
+    """Control: the stand-in reproduces 1.0.6's trap, so the next test means something."""
+    use_sage1_from(str(fake_sage1))
+    qkv = _qkv(40, 2, 16, dtype=torch.bfloat16, seed=4) + 0.5  # non-zero K mean
+    before = qkv.clone()
+    q, k, v = qkv_views(qkv, 2, 16)
+    A._SAGE1["module"].sageattn(q, k, v, tensor_layout="NHD", sm_scale=0.25)
+    assert not torch.equal(qkv, before), "stand-in sage1 should have written K through the view"
+
+
+@pytest.mark.parametrize("s", [1, 40, 129])
+def test_sage1_never_changes_the_callers_buffer(fake_sage1, s):
+    version = use_sage1_from(str(fake_sage1))
+    assert version == "1.0.6"
+    h, d = 2, 16
+    qkv = _qkv(s, h, d, dtype=torch.bfloat16, seed=s) + 0.5
+    before = qkv.clone()
+    out = attention(qkv, h, d, "sage1")
+    assert torch.equal(qkv, before), "sage1 changed the caller's qkv buffer"
+    c = A._SAGE1["module"].calls[-1]
+    es = qkv.element_size()
+    assert c["q"] == qkv.data_ptr() and c["v"] == qkv.data_ptr() + 2 * h * d * es, "q and v should stay views"
+    assert c["k_storage"] != qkv.untyped_storage().data_ptr(), "K must be a private copy"
+    # K's mean subtraction does not change softmax(q k^T): the output is still the attention of the buffer
+    assert rel_l2(out.float(), attention_reference(*qkv_views(qkv, h, d))) <= TOLERANCE["sdpa"][0]
+
+
+def test_use_sage1_from_wheel(tmp_path, clean_sage):
+    whl = tmp_path / "sageattention-1.0.6-py3-none-any.whl"
+    with zipfile.ZipFile(whl, "w") as zf:
+        zf.writestr("sageattention/__init__.py", _sage1_source())
+        zf.writestr("sageattention-1.0.6.dist-info/METADATA", "Name: sageattention\nVersion: 1.0.6\n")
+    assert use_sage1_from(str(whl)) == "1.0.6"
+    qkv = _qkv(20, 1, 16, dtype=torch.bfloat16) + 0.5
+    before = qkv.clone()
+    attention(qkv, 1, 16, "sage1")
+    assert torch.equal(qkv, before)
+
+
+def test_use_sage1_from_refuses_sage2(tmp_path, clean_sage):
+    pkg = tmp_path / "sageattention"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("def sageattn(*a, **k): pass\ndef sageattn_qk_int8_pv_fp8_cuda(*a, **k): pass\n")
+    with pytest.raises(ValueError, match="not SageAttention 1"):
+        use_sage1_from(str(tmp_path))
+
+
+def test_real_sage1_wheel_loads_if_present(clean_sage):
+    """The PyPI 1.0.6 wheel (not committed; `pip download sageattention==1.0.6 --no-deps -d .whl/`)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    whl = os.path.join(root, ".whl", "sageattention-1.0.6-py3-none-any.whl")
+    if not os.path.isfile(whl):
+        pytest.skip(f"{whl} not present")
+    pytest.importorskip("triton")
+    assert use_sage1_from(whl) == "1.0.6"
+    assert callable(A._SAGE1["module"].sageattn)
+
+
+# ---------------------------------------------------------------------------------------------- selection
+
+
+def test_choose_cpu_and_unknown():
+    assert choose_attention_backend("cpu")[0] == "reference"
+    with pytest.raises(ValueError, match="expected auto or one of"):
+        choose_attention_backend("cpu", "flash3")
+
+
+def test_choose_never_downgrades_silently(clean_sage):
+    name, why = choose_attention_backend("cpu", "sdpa_cudnn")
+    assert name == "reference" and why.startswith("requested sdpa_cudnn unavailable: ") and "CUDA" in why
+    with pytest.raises(RuntimeError, match="sdpa_cudnn.*unavailable"):
+        choose_attention_backend("cpu", "sdpa_cudnn", strict=True)
+    assert choose_attention_backend("cpu", "sdpa_math") == (
+        "sdpa_math", f"torch {torch.__version__} scaled_dot_product_attention (math kernel)")
+
+
+def test_choose_hopper_without_sage2_says_why(clean_sage):
+    clean_sage.setitem(sys.modules, "sageattention", None)  # import raises ImportError
+    clean_sage.setattr(A, "_capability", lambda device: (9, 0))
+    name, why = choose_attention_backend("cuda:0", probe=False)
+    assert name == "sdpa_cudnn"
+    assert "sage2 not installed" in why and "cuDNN" in why
+    name, why = choose_attention_backend("cuda:0", "sage2", probe=False)
+    assert name == "sdpa_cudnn" and why.startswith("requested sage2 unavailable: sage2 not installed")
+
+
+def test_choose_sage2_when_present_and_built(clean_sage):
+    clean_sage.setitem(sys.modules, "sageattention", _fake_sage2([]))
+    clean_sage.setattr(A, "_capability", lambda device: (9, 0))
+    name, why = choose_attention_backend("cuda:0", probe=False)
+    assert name == "sage2" and "sageattn_qk_int8_pv_fp8_cuda_sm90" in why
+
+
+def test_choose_sage2_built_without_this_arch(clean_sage):
+    clean_sage.setitem(sys.modules, "sageattention", _fake_sage2([], sm90=False))
+    clean_sage.setattr(A, "_capability", lambda device: (9, 0))
+    name, why = choose_attention_backend("cuda:0", probe=False)
+    assert name == "sdpa_cudnn" and "SM90_ENABLED is False" in why and "TORCH_CUDA_ARCH_LIST=9.0" in why
+
+
+def test_choose_sees_sage1_installed_under_the_sage2_name(clean_sage):
+    sa1 = types.ModuleType("sageattention")
+    sa1.sageattn = lambda *a, **k: None
+    clean_sage.setitem(sys.modules, "sageattention", sa1)
+    clean_sage.setattr(A, "_capability", lambda device: (12, 1))
+    name, why = choose_attention_backend("cuda:0", probe=False)
+    assert name == "sdpa" and "is SageAttention 1" in why
+
+
+def test_choose_blackwell_sage2_and_unwired_arch(clean_sage):
+    clean_sage.setitem(sys.modules, "sageattention", _fake_sage2([]))
+    clean_sage.setattr(A, "_capability", lambda device: (12, 1))
+    assert choose_attention_backend("cuda:0", probe=False)[0] == "sage2"
+    clean_sage.setattr(A, "_capability", lambda device: (7, 5))
+    name, why = choose_attention_backend("cuda:0", probe=False)
+    assert name == "sdpa" and "no kernel path wired for sm_75" in why
