@@ -195,7 +195,7 @@ def bench_norm_rope(args, dev) -> dict:
     qk_bytes = 2 * s * h * d * qkv.element_size()
     moved = 2 * qk_bytes + 2 * s * r * 4  # read + write q and k thirds, read cos and sin
     configs = []
-    for bs, hpp, nw in [(32, 2, 4), (16, 1, 4), (16, 2, 4), (32, 4, 4), (64, 2, 8), (8, 2, 2)]:
+    for bs, hpp, nw in [(32, 2, 4), (16, 1, 4), (16, 2, 4), (32, 4, 4), (32, 8, 4), (64, 2, 8), (64, 4, 8), (8, 2, 2)]:
         try:
             t = time_ms(lambda: E.norm_rope_(work, qw, kw, cos, sin, 1e-5, r, block_s=bs,
                                              heads_per_program=hpp, num_warps=nw), args.iters * 2, args.warmup)

@@ -70,7 +70,8 @@ class RuntimeOptions:
     cache_dir: str = field(default_factory=lambda: os.path.join(os.path.expanduser("~"), ".cache", "h3_blackwell"))
 
     _CHOICES = {
-        "attention": ("auto", "sage2", "sage1", "sdpa", "reference"),
+        "attention": ("auto", "sage2", "sage1", "sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math",
+                      "reference"),
         "gemm": ("auto", "native", "emulated", "fp8", "bf16", "reference"),
         "act_scale": ("dynamic", "calibrated"),
         "qkv_layout": ("strided_nhd", "contiguous"),

@@ -361,3 +361,14 @@ def test_choose_blackwell_sage2_and_unwired_arch(clean_sage):
     clean_sage.setattr(A, "_capability", lambda device: (7, 5))
     name, why = choose_attention_backend("cuda:0", probe=False)
     assert name == "sdpa" and "no kernel path wired for sm_75" in why
+
+
+def test_use_sage1_from_reloads_submodules(tmp_path, clean_sage):
+    """Loading a second SA1 copy must not reuse the first copy's cached submodules."""
+    for tag in ("one", "two"):
+        pkg = tmp_path / tag / "sageattention"
+        pkg.mkdir(parents=True)
+        (pkg / "core.py").write_text(f"TAG = {tag!r}\ndef sageattn(*a, **k): return TAG\n")
+        (pkg / "__init__.py").write_text("from .core import sageattn, TAG\n")
+        use_sage1_from(str(tmp_path / tag))
+        assert A._SAGE1["module"].TAG == tag

@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import importlib
 import importlib.util
 import math
 import os
+import shutil
 import sys
 import tempfile
 import zipfile
@@ -224,11 +226,18 @@ def _sage2_module() -> tuple[Any, str]:
 def _load_sage1_from(path: str):
     path = os.path.abspath(path)
     if path.endswith(".whl"):
-        # a pure-Python wheel: unpack once next to the temp dir; Triton needs real source files
-        dest = os.path.join(tempfile.gettempdir(), "h3_sage1_" + os.path.basename(path)[:-4])
+        # a pure-Python wheel: unpack it once (Triton needs real source files), keyed by its content
+        with open(path, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()[:16]
+        dest = os.path.join(tempfile.gettempdir(), f"h3_sage1_{os.path.basename(path)[:-4]}_{digest}")
         if not os.path.isfile(os.path.join(dest, "sageattention", "__init__.py")):
+            tmp = tempfile.mkdtemp(prefix="h3_sage1_", dir=tempfile.gettempdir())
             with zipfile.ZipFile(path) as zf:
-                zf.extractall(dest)
+                zf.extractall(tmp)
+            try:
+                os.replace(tmp, dest)
+            except OSError:  # another process got there first
+                shutil.rmtree(tmp, ignore_errors=True)
         path = dest
     pkg = path if os.path.isfile(os.path.join(path, "__init__.py")) else os.path.join(path, "sageattention")
     init = os.path.join(pkg, "__init__.py")
@@ -240,6 +249,8 @@ def _load_sage1_from(path: str):
         if name.startswith("sageattention-") and name.endswith((".dist-info", ".egg-info")):
             version = name[len("sageattention-") :].rsplit(".", 1)[0].split("-")[0]
     name = "_h3_sage1_sageattention"
+    for m in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+        del sys.modules[m]  # a previous load's submodules would otherwise be reused
     spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[pkg])
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod

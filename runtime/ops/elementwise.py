@@ -11,9 +11,10 @@ Conventions (the model's; the references implement exactly these):
 * per-head RMSNorm of q and k: ``n = x * rsqrt(mean(x^2 over D) + eps) * weight[D]`` in fp32.
 * split-half RoPE on the first ``R = rope_dim`` channels of each head, from the fp32 normed values:
   ``out_r = n_r * cos + cat(-n2, n1) * sin`` with ``n1 = n[:R/2]``, ``n2 = n[R/2:R]``; ``cos``/``sin``
-  are fp32 ``[S, R]``; channels ``R..D`` pass through (normed). ONE cast to the buffer dtype at the end
-  (no bf16 rounding between norm and RoPE; diffusers' bf16 module rounds in between, which differs
-  by at most about one bf16 ulp).
+  are fp32 ``[S, R]``; channels ``R..D`` pass through (normed). ONE cast to the buffer dtype at the end.
+  (diffusers' module, run in bf16, rounds the normed values to bf16 and applies RoPE in bf16
+  arithmetic; this fp32 path is the more accurate of the two and differs from it by bf16 rounding
+  noise. In fp32 the two are the same math.)
 * gate + residual add: ``x[a:b] = dtype(fp32(x[a:b]) + fp32(gate_rows[row]) * fp32(y[a:b]))`` for each
   segment ``(a, b, row)``; the segments tile ``[0, S)``. The product and the sum are rounded separately
   in fp32 (no FMA), so the kernel equals the reference bit for bit.
@@ -173,14 +174,11 @@ def _next_pow2(n: int) -> int:
 
 
 def _interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1, Triton's own switch)."""
     import triton
 
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    import os  # older Triton without knobs: the interpreter switch is Triton's own variable
-
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    knobs = getattr(triton, "knobs", None)  # Triton >= 3.4
+    return bool(knobs is not None and knobs.runtime.interpret)
 
 
 def _check_kernel_device(t: torch.Tensor, what: str) -> None:
