@@ -42,7 +42,7 @@ if "comfy_api.latest" in sys.modules:
                     return classes
 
             return H3BlackwellExtension()
-    except Exception:  # noqa: BLE001 - any V3 API drift must not cost the pack its nodes
+    except Exception:  # any V3 API drift must not cost the pack its nodes
         logging.getLogger("h3_blackwell").exception(
             "h3-blackwell: building the V3 node classes failed; registering the V1 classes instead")
         NODE_CLASS_MAPPINGS = dict(NODES)

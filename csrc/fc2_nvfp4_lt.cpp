@@ -286,7 +286,8 @@ class Problem {
     cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
     set_desc(CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta), "TRANSA");
     set_desc(CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb), "TRANSB");
-    cublasLtPointerMode_t pm = pmode_ == PointerMode::kDevice ? CUBLASLT_POINTER_MODE_DEVICE : CUBLASLT_POINTER_MODE_HOST;
+    cublasLtPointerMode_t pm =
+        pmode_ == PointerMode::kDevice ? CUBLASLT_POINTER_MODE_DEVICE : CUBLASLT_POINTER_MODE_HOST;
     set_desc(CUBLASLT_MATMUL_DESC_POINTER_MODE, &pm, sizeof(pm), "POINTER_MODE");
     if (smode_ != ScaleMode::kNone) {
       cublasLtMatmulMatrixScale_t sm = CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
@@ -502,9 +503,12 @@ class Plan {
     switch (p.kind_) {
       case Kind::kNvfp4: {
         const std::string xn = c10::toString(x.scalar_type()), wn = c10::toString(w.scalar_type());
-        need(xn == "Byte" || xn == "Float4_e2m1fn_x2", where("x", x) + ": expected packed E2M1 (uint8 or float4_e2m1fn_x2)");
-        need(wn == "Byte" || wn == "Float4_e2m1fn_x2", where("w", w) + ": expected packed E2M1 (uint8 or float4_e2m1fn_x2)");
-        need(x_scale.has_value() && w_scale.has_value(), "nvfp4 needs x_scale and w_scale (swizzled UE4M3 block scales)");
+        need(xn == "Byte" || xn == "Float4_e2m1fn_x2",
+             where("x", x) + ": expected packed E2M1 (uint8 or float4_e2m1fn_x2)");
+        need(wn == "Byte" || wn == "Float4_e2m1fn_x2",
+             where("w", w) + ": expected packed E2M1 (uint8 or float4_e2m1fn_x2)");
+        need(x_scale.has_value() && w_scale.has_value(),
+             "nvfp4 needs x_scale and w_scale (swizzled UE4M3 block scales)");
         const int64_t sc = round_up(k / 16, 4);
         const at::Tensor& xs = *x_scale;
         const at::Tensor& ws = *w_scale;
@@ -838,7 +842,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "Capabilities of one algorithm id: tiles, stages, split-K support, reduction mask, swizzle, "
            "custom-option range, pointer modes, minimum alignments.")
       .def("heuristic",
-           [](const Problem& p, int count, uint64_t ws, bool red_none) { return heuristic_list(p, count, ws, red_none); },
+           [](const Problem& p, int count, uint64_t ws, bool red_none) {
+             return heuristic_list(p, count, ws, red_none);
+           },
            py::arg("count") = 8, py::arg("workspace_limit") = 0, py::arg("reduction_none") = false)
       .def("pinned_plan",
            [](std::shared_ptr<Problem> p, const py::dict& cfg, uint64_t ws) { return make_pinned_plan(p, cfg, ws); },

@@ -20,6 +20,11 @@ class H3NodeError(H3Error):
     what was found, what to do. ComfyUI shows ``str(exc)`` as the error of the failing node."""
 
 
+# ComfyUI reports an exception's type as module + name, and imports a custom-node pack under its folder path;
+# a fixed module keeps the type readable ("h3_blackwell.nodes.H3NodeError") wherever the pack is installed.
+H3NodeError.__module__ = "h3_blackwell.nodes"
+
+
 def node_error(title: str, message: str) -> H3NodeError:
     return H3NodeError(f"{title}: {message}")
 
@@ -56,7 +61,7 @@ def list_input_files(extensions: tuple[str, ...]) -> list[str]:
     if not root or not os.path.isdir(root):
         return []
     out = []
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+    for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         for f in filenames:
             if f.lower().endswith(extensions):

@@ -61,9 +61,8 @@ def read_latent(latent, title: str, video_channels: int = VIDEO_CHANNELS,
 
     Raises H3NodeError naming what was found when the latent is not an H3 audio+video latent of batch 1.
     """
-    what = ("an H3 audio+video LATENT (video [1, {v}, T, H, W] + audio [1, {a}, 2, Ta]) from "
-            "EmptyMiniMaxH3LatentAV, MiniMaxH3ImageToVideo or H3 Empty Latent").format(v=video_channels,
-                                                                                      a=audio_channels)
+    what = (f"an H3 audio+video LATENT (video [1, {video_channels}, T, H, W] + audio [1, {audio_channels}, 2, Ta]) "
+            "from EmptyMiniMaxH3LatentAV, MiniMaxH3ImageToVideo or H3 Empty Latent")
     if not isinstance(latent, dict) or "samples" not in latent:
         raise node_error(title, f"expected {what}; got {_describe(latent)} without a 'samples' entry")
     if latent.get("noise_mask") is not None:

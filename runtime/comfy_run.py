@@ -110,7 +110,7 @@ def ui_to_api(graph: dict, object_info: dict) -> dict:
     """A UI graph (the editor's saved workflow) -> an API prompt, using the server's node definitions.
 
     Handles links, Reroute, PrimitiveNode, muted (mode 2) and bypassed (mode 4) nodes, the editor's
-    control-after-generate values, and widget inputs turned into sockets. Refuses (ConversionError) groups
+    control-after-generate values, and widget inputs turned into sockets. Refuses (ConversionError) group
     nodes / subgraphs, node types the server lacks, and nodes whose widget values do not line up with the
     server's definition.
     """
@@ -130,7 +130,7 @@ def ui_to_api(graph: dict, object_info: dict) -> dict:
         """The API input value for a link: [node id, slot], a literal (from a PrimitiveNode), or None."""
         if link_id is None or link_id not in links:
             return None
-        from_id, from_slot, _, _, ltype = links[link_id]
+        from_id, from_slot = links[link_id][:2]
         if from_id in seen:
             raise ConversionError(f"link {link_id} loops through node {from_id}")
         src = nodes.get(from_id)
@@ -189,8 +189,9 @@ def ui_to_api(graph: dict, object_info: dict) -> dict:
                     elif pos < len(values):
                         value, have_value = values[pos], True
                         pos += 1
+                        opts = spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
                         if _extra_values(name, spec) and pos < len(values) and (
-                                values[pos] in CONTROL_VALUES or any(spec[1].get(f) for f in UPLOAD_FLAGS)):
+                                values[pos] in CONTROL_VALUES or any(opts.get(f) for f in UPLOAD_FLAGS)):
                             pos += 1
                 link = (sockets.get(name) or {}).get("link")
                 if link is not None:
@@ -329,8 +330,9 @@ def _execution_failure(history_entry: dict, verbose: bool) -> str | None:
     messages = status.get("messages") or []
     for event, data in messages:
         if event == "execution_error":
+            etype = str(data.get("exception_type") or "error").rsplit(".", 1)[-1]
             text = (f"node {data.get('node_id')} ({data.get('node_type')}) failed: "
-                    f"{data.get('exception_type', 'error')}: {data.get('exception_message', '').strip()}")
+                    f"{etype}: {str(data.get('exception_message', '')).strip()}")
             if verbose and data.get("traceback"):
                 text += "\n" + "".join(data["traceback"])
             return text
@@ -482,6 +484,9 @@ def run(args) -> int:
                   file=sys.stderr)
             return EXIT_FAILED
         prompt_id = answer["prompt_id"]
+        if answer.get("node_errors"):  # queued, but some output nodes failed validation and will not run
+            lines = format_node_errors({"error": "some outputs will not run", "node_errors": answer["node_errors"]})
+            print("warning: " + lines.replace("ComfyUI rejected the prompt: ", "", 1), file=sys.stderr)
         _say(f"queued prompt {prompt_id} on {client.server}", args.quiet)
         deadline = time.monotonic() + args.timeout
         try:

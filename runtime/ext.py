@@ -134,7 +134,7 @@ def _candidate_include_roots(extra: Iterable[str] | None) -> list[Path]:
         roots.append(nv / "cu13" / "include")
     home = _cuda_home()
     if home is not None:
-        roots += [home / "include", home / "targets" / "x86_64-linux" / "include", home / "targets" / "sbsa-linux" / "include"]
+        roots += [home / "include"] + [home / "targets" / t / "include" for t in ("x86_64-linux", "sbsa-linux")]
     roots.append(Path("/usr/local/cuda/include"))
     out: list[Path] = []
     for r in roots:
@@ -149,7 +149,7 @@ def _candidate_lib_dirs(extra: Iterable[str] | None) -> list[Path]:
         dirs.append(nv / "cu13" / "lib")
     home = _cuda_home()
     if home is not None:
-        dirs += [home / "lib64", home / "lib", home / "targets" / "x86_64-linux" / "lib", home / "targets" / "sbsa-linux" / "lib"]
+        dirs += [home / "lib64", home / "lib"] + [home / "targets" / t / "lib" for t in ("x86_64-linux", "sbsa-linux")]
     dirs += [Path("/usr/local/cuda/lib64")]
     out: list[Path] = []
     for d in dirs:
@@ -228,7 +228,8 @@ def find_cuda(include_dirs: Iterable[str] | None = None, lib_dirs: Iterable[str]
             chosen.append(str(hit))
     if missing:
         raise ExtensionUnavailable(
-            f"CUDA headers missing: {', '.join(missing)}; searched {[str(r) for r in roots] or 'nothing'}; {INSTALL_HINT}"
+            f"CUDA headers missing: {', '.join(missing)}; searched {[str(r) for r in roots] or 'nothing'}; "
+            f"{INSTALL_HINT}"
         )
     cuda_hdr, cublas_hdr = _header_versions(chosen)
     if cuda_hdr < 12080 or cublas_hdr < 120800:
@@ -349,10 +350,10 @@ def load(
             log.write_text(text)
         except OSError:
             pass
-        first = next(
-            (ln.strip() for ln in text.splitlines() if " error" in ln.lower() or "error:" in ln.lower()),
-            text.splitlines()[0] if text else "unknown error",
-        )
+        lines = text.splitlines()
+        # the compiler's or linker's own diagnostic, not ninja's echo of the command line
+        first = next((ln.strip() for ln in lines if "error:" in ln or "undefined reference" in ln),
+                     lines[0] if lines else "unknown error")
         compile_failed = "Error building extension" in text
         if compile_failed:
             try:

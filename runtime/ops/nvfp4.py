@@ -247,7 +247,8 @@ def _quantize_rows(x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torc
     r, kp = x.shape
     xb = x.reshape(r, kp // BLOCK, BLOCK)
     lo, hi = torch.aminmax(xb, dim=-1)
-    amax = torch.maximum(hi, lo.neg()).float()  # the max picks an element: exact in the source dtype
+    # max(|x|) without an |x| temporary; exact in the source dtype; abs() makes an all-zero block +0, not -0
+    amax = torch.maximum(hi, lo.neg()).abs().float()
     s = amax / _const(E2M1_MAX, x.device)
     s = torch.clamp(s / g, max=E4M3_MAX)
     s8 = s.to(torch.float8_e4m3fn)  # round to nearest even

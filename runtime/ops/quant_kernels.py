@@ -1,0 +1,713 @@
+"""NVFP4 Triton kernels: the producers (the seed's "vortex" family) and the consumers the GEMM backends use.
+
+Producers (each writes EXACTLY the bytes of the reference quantizer ``nvfp4.quantize`` applied to its
+fp32 reference input; the tests compare bytes):
+
+* ``quantize(x, g)``: x [S, K] -> NVFP4 (packed [S, Kp/2] low nibble first, swizzled e4m3 scales).
+* ``rms_modulate_quantize(x, weight, scale_rows, shift_rows, segments, eps, g)``: RMSNorm -> per-segment
+  modulate ``h = n * (1 + scale[row]) + shift[row]`` -> quantize; input of the QKV and FC1 GEMMs.
+* ``swiglu_quantize(h, g)``: h [S, 2F] = [gate | up] -> ``silu(gate) * up`` -> quantize; input of FC2.
+
+Consumers: ``dequantize_bf16`` (NVFP4 -> bf16 scratch, optionally times a device scalar), ``to_fp8_rowwise``
+(NVFP4 -> e4m3 with one fp32 scale per row) and ``nvfp4_gemm`` (the exact-product "emulated" GEMM).
+
+Fused-op arithmetic (the ``*_reference`` functions are the definition; every step is one correctly
+rounded IEEE operation, no FMA contraction, so the kernel and the torch reference agree bit for bit):
+
+* RMSNorm: ``ss = sum(fp64(x)^2)`` (fp64, so the summation order cannot change the fp32 result except
+  in ~1e-16-relative ties), ``rstd = fp32(1 / sqrt(ss / K + eps))`` in fp64, ``n = fp32(x) * rstd``,
+  then ``n = n * weight`` when there is a weight, then ``h = n * (1 + scale) + shift`` in fp32. h is
+  quantized from fp32 (never rounded to bf16 first).
+* SwiGLU: ``silu(a) = a / (1 + exp(-a))`` with ``exp`` our own fp32 routine (Cody-Waite reduction,
+  degree-7 polynomial, argument clamped to [-80, 80]; a few ulp from the true exp) so GPU, CPU and
+  interpreter compute the same bits; ``y = silu(gate) * up``; |y| < 2^-126 is flushed to a signed zero.
+
+Activation global scale (the ``act_scale`` option): ``g=None`` -> dynamic, ``g = amax(|input|) / 2688``
+computed on the device in an extra read pass (no host sync) so nothing saturates; a tensor ``g`` ->
+calibrated (the checkpoint's ``input_scale``, decode direction): one pass less, values above
+``2688 * g`` saturate to +-6 * 448 * g.
+
+Triton is imported on first use only. On CPU the kernels run under ``TRITON_INTERPRET=1`` (tests);
+``backend="auto"`` picks Triton for CUDA tensors and the torch reference otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import torch
+
+from . import nvfp4 as nv
+from .elementwise import check_segments
+
+__all__ = [
+    "triton_status", "activation_global_scale",
+    "quantize", "rms_modulate_quantize", "swiglu_quantize",
+    "rms_modulate_reference", "swiglu_reference", "exp_reference", "silu_reference",
+    "dequantize_bf16", "dequantize_bf16_reference", "to_fp8_rowwise", "to_fp8_rowwise_reference",
+    "nvfp4_gemm",
+]
+
+# Bound on first use (see _kernels): the kernel sources below resolve `tl` and the helper names through
+# this module's globals, exactly as decorated kernels would.
+tl = None
+triton = None
+
+_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_FLOATS = tuple(_KIND)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton availability
+# ----------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _import_triton():
+    try:
+        import triton as _triton  # noqa: F401
+    except ImportError as e:  # the reason is reported by triton_status()
+        return None, f"triton is not installed ({e})"
+    return _triton, ""
+
+
+def _interpreting() -> bool:
+    t, _ = _import_triton()
+    if t is None:
+        return False
+    knobs = getattr(t, "knobs", None)
+    return bool(knobs.runtime.interpret) if knobs is not None else False
+
+
+def triton_status(device: torch.device | str) -> tuple[bool, str]:
+    """(usable, reason): whether the Triton kernels can run on tensors of ``device``."""
+    t, why = _import_triton()
+    if t is None:
+        return False, why
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return True, f"triton {t.__version__} on CUDA"
+    if _interpreting():
+        return True, f"triton {t.__version__} interpreter (TRITON_INTERPRET=1)"
+    return False, f"Triton kernels need a CUDA device (found {dev}); set TRITON_INTERPRET=1 to interpret them on CPU"
+
+
+def _pick_backend(backend: str, device: torch.device) -> str:
+    if backend not in ("auto", "triton", "reference"):
+        raise ValueError(f"backend={backend!r}: expected auto, triton or reference")
+    if backend == "reference":
+        return backend
+    ok, why = triton_status(device)
+    if backend == "triton" and not ok:
+        raise RuntimeError(f"backend='triton' is not usable: {why}")
+    return "triton" if ok and (backend == "triton" or device.type == "cuda") else "reference"
+
+
+# ----------------------------------------------------------------------------------------------
+# device code (plain functions; _kernels() turns them into Triton JIT functions)
+# ----------------------------------------------------------------------------------------------
+
+def _ld_f32(ptr, mask, KIND: tl.constexpr):
+    """Load and upcast exactly to fp32 (bf16 by bit shift, which the CPU interpreter also gets right)."""
+    if KIND == 1:
+        raw = tl.load(ptr, mask=mask, other=0.0)
+        return (raw.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+
+
+def _bf16_rne_bits(v):
+    """fp32 -> bf16 bit pattern (uint16), round to nearest even (finite inputs)."""
+    b = v.to(tl.uint32, bitcast=True)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.uint16)
+
+
+def _e4m3_rne(s):
+    """s fp32 in [0, 448] -> (e4m3 code int32, its value fp32), round to nearest even."""
+    b = s.to(tl.int32, bitcast=True)
+    r = (b + 0x7FFFF + ((b >> 20) & 1)) & -1048576  # keep 3 mantissa bits (RNE); -1048576 = 0xFFF00000
+    code_n = (r >> 20) - 960  # rebias the exponent 127 -> 7: (e - 120) << 3 | m
+    t = s * 512.0  # subnormals: multiples of 2^-9
+    k = (t + 8388608.0) - 8388608.0  # round to nearest even integer (t < 2^22)
+    sub = s < 0.015625
+    return tl.where(sub, k.to(tl.int32), code_n), tl.where(sub, k * 0.001953125, r.to(tl.float32, bitcast=True))
+
+
+def _e2m1_code(q):
+    """fp32 -> E2M1 code (int32 0..15): round to nearest even, saturate above 5 to 6, sign bit from q."""
+    a = tl.abs(q)
+    c = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+         + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32))
+    return c | (((q.to(tl.int32, bitcast=True) >> 31) & 1) << 3)
+
+
+def _e2m1_value_2m14(c):
+    """E2M1 code (int32) -> value * 2^-14 as fp32, exactly (the code's bits placed in an fp16)."""
+    return (((c & 7) << 9) | ((c & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+def _e4m3_value_2m8(b):
+    """UE4M3 byte (int32, sign bit ignored) -> value * 2^-8 as fp32, exactly."""
+    return ((b & 0x7F) << 7).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+def _swz(rows, scol, CP):
+    """Flat offsets of block scales (rows [R,1], scale columns [1,C]) in the 128x4 tiled layout."""
+    return ((rows // 128) * (CP // 4) + scol // 4) * 512 + (rows % 32) * 16 + ((rows % 128) // 32) * 4 + scol % 4
+
+
+def _quant_store(v, g, rows, col0, packed_ptr, stride_p, scales_ptr, R_PACK, R_SCALE, KP, CP,
+                 BM: tl.constexpr, BK: tl.constexpr):
+    """Quantize the fp32 tile v [BM, BK] (columns col0.., col0 % BK == 0, BK % 64 == 0) with global scale
+    g; store the packed bytes (rows < R_PACK, bytes < KP/2) and the scale bytes (swizzled, cols < CP)."""
+    NB: tl.constexpr = BK // 16
+    v3 = tl.reshape(v, [BM, NB, 16])
+    amax = tl.max(tl.abs(v3), axis=2)
+    s = tl.div_rn(tl.div_rn(amax, tl.full([BM, NB], 6.0, tl.float32)), tl.broadcast_to(g, [BM, NB]))
+    code_s, sval = _e4m3_rne(tl.minimum(s, 448.0))
+    total = g * sval
+    zero = total == 0.0
+    den = tl.where(zero, 1.0, total)
+    q3 = tl.div_rn(v3, tl.broadcast_to(tl.expand_dims(den, 2), [BM, NB, 16]))
+    q3 = tl.where(tl.expand_dims(zero, 2), 0.0, q3)
+    c = _e2m1_code(tl.reshape(q3, [BM, BK]))
+    lo, hi = tl.split(tl.reshape(c, [BM, BK // 2, 2]))
+    byte = (lo | (hi << 4)).to(tl.uint8)
+    r2 = tl.expand_dims(rows, 1)
+    bcols = tl.expand_dims(col0 // 2 + tl.arange(0, BK // 2), 0)
+    tl.store(packed_ptr + r2.to(tl.int64) * stride_p + bcols, byte, mask=(r2 < R_PACK) & (bcols < KP // 2))
+    scol = tl.expand_dims(col0 // 16 + tl.arange(0, NB), 0)
+    tl.store(scales_ptr + _swz(r2.to(tl.int64), scol, CP), code_s.to(tl.uint8), mask=(r2 < R_SCALE) & (scol < CP))
+
+
+def _quantize_kernel(x_ptr, g_ptr, packed_ptr, scales_ptr, S, K, stride_x, stride_p, R_PACK, R_SCALE, KP, CP,
+                     X_KIND: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    col0 = tl.program_id(1) * BK
+    cols = col0 + tl.arange(0, BK)
+    mask = tl.expand_dims(rows < S, 1) & tl.expand_dims(cols < K, 0)
+    ptrs = x_ptr + tl.expand_dims(rows.to(tl.int64), 1) * stride_x + tl.expand_dims(cols, 0)
+    v = _ld_f32(ptrs, mask, X_KIND)
+    _quant_store(v, tl.load(g_ptr), rows, col0, packed_ptr, stride_p, scales_ptr, R_PACK, R_SCALE, KP, CP, BM, BK)
+
+
+def _rms_modulate_kernel(x_ptr, w_ptr, sc_ptr, sh_ptr, seg_ptr, eps_ptr, g_ptr, packed_ptr, scales_ptr,
+                         amax_ptr, S, K, stride_x, stride_sc, stride_sh, stride_p, R_PACK, R_SCALE, KP, CP,
+                         MODE: tl.constexpr, HAS_W: tl.constexpr, X_KIND: tl.constexpr, W_KIND: tl.constexpr,
+                         T_KIND: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, NKT: tl.constexpr,
+                         NKT_OUT: tl.constexpr, NSEG: tl.constexpr):
+    # MODE 0: store each row's amax(|h|) (the dynamic global scale's pass); MODE 1: quantize h.
+    # Loop counts are constexpr (NKT = cdiv(K, BK); NKT_OUT = cdiv(CP*16, BK) in MODE 1, else NKT; NSEG >=
+    # the segment count, unused entries empty): Triton's interpreter cannot loop over runtime scalars with numpy >= 2.
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    rmask = rows < S
+    r2 = tl.expand_dims(rows.to(tl.int64), 1)
+    ss = tl.zeros([BM], dtype=tl.float64)
+    for kt in range(NKT):
+        cols = kt * BK + tl.arange(0, BK)
+        m = tl.expand_dims(rmask, 1) & tl.expand_dims(cols < K, 0)
+        v = _ld_f32(x_ptr + r2 * stride_x + tl.expand_dims(cols, 0), m, X_KIND).to(tl.float64)
+        ss += tl.sum(v * v, axis=1)
+    rstd = (1.0 / tl.sqrt(ss / K + tl.load(eps_ptr))).to(tl.float32)  # fp64: sqrt.rn.f64, div.rn.f64
+    trow = tl.zeros([BM], dtype=tl.int32)
+    for i in range(NSEG):
+        a = tl.load(seg_ptr + 3 * i)
+        b = tl.load(seg_ptr + 3 * i + 1)
+        trow = tl.where((rows >= a) & (rows < b), tl.load(seg_ptr + 3 * i + 2), trow)
+    t2 = tl.expand_dims(trow.to(tl.int64), 1)
+    amax = tl.zeros([BM], dtype=tl.float32)
+    if MODE == 1:
+        g = tl.load(g_ptr)
+    else:
+        g = 1.0
+    for kt in range(NKT_OUT):  # MODE 1 also covers the zero columns of the scale padding
+        k0 = kt * BK
+        cols = k0 + tl.arange(0, BK)
+        c2 = tl.expand_dims(cols, 0)
+        m = tl.expand_dims(rmask, 1) & (c2 < K)
+        n = _ld_f32(x_ptr + r2 * stride_x + c2, m, X_KIND) * tl.expand_dims(rstd, 1)
+        if HAS_W:
+            n = n * _ld_f32(w_ptr + c2, c2 < K, W_KIND)
+        sc = _ld_f32(sc_ptr + t2 * stride_sc + c2, m, T_KIND)
+        sh = _ld_f32(sh_ptr + t2 * stride_sh + c2, m, T_KIND)
+        h = n * (1.0 + sc)
+        h = h + sh
+        h = tl.where(m, h, 0.0)
+        if MODE == 0:
+            amax = tl.maximum(amax, tl.max(tl.abs(h), axis=1))
+        else:
+            _quant_store(h, g, rows, k0, packed_ptr, stride_p, scales_ptr, R_PACK, R_SCALE, KP, CP, BM, BK)
+    if MODE == 0:
+        tl.store(amax_ptr + rows, amax, mask=rmask)
+
+
+def _exp_f32(t):
+    """exp(t) in fp32 by the fixed operation sequence of exp_reference."""
+    t = tl.minimum(tl.maximum(t, -80.0), 80.0)
+    n = t * 1.4426950408889634
+    n = (n + 12582912.0) - 12582912.0  # round to nearest even integer
+    r = t - n * 0.693145751953125
+    r = r - n * 1.428606765330187e-06
+    p = r * 1.984126984126984e-04 + 1.388888888888889e-03
+    p = p * r + 8.333333333333333e-03
+    p = p * r + 4.166666666666667e-02
+    p = p * r + 1.666666666666667e-01
+    p = p * r + 0.5
+    p = p * r + 1.0
+    p = p * r + 1.0
+    return p * ((n.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
+
+
+def _swiglu_kernel(h_ptr, g_ptr, packed_ptr, scales_ptr, amax_ptr, S, F, stride_h, stride_p, R_PACK, R_SCALE,
+                   KP, CP, MODE: tl.constexpr, H_KIND: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_m * BM + tl.arange(0, BM)
+    col0 = pid_k * BK
+    c2 = tl.expand_dims(col0 + tl.arange(0, BK), 0)
+    m = tl.expand_dims(rows < S, 1) & (c2 < F)
+    base = h_ptr + tl.expand_dims(rows.to(tl.int64), 1) * stride_h + c2
+    a = _ld_f32(base, m, H_KIND)
+    up = _ld_f32(base + F, m, H_KIND)
+    e = _exp_f32(0.0 - a)
+    y = tl.div_rn(a, 1.0 + e) * up
+    y = tl.where(tl.abs(y) < 1.1754943508222875e-38, y * 0.0, y)
+    y = tl.where(m, y, 0.0)
+    if MODE == 0:
+        tl.store(amax_ptr + pid_m * tl.num_programs(1) + pid_k, tl.max(tl.max(tl.abs(y), axis=1), axis=0))
+    else:
+        _quant_store(y, tl.load(g_ptr), rows, col0, packed_ptr, stride_p, scales_ptr, R_PACK, R_SCALE, KP, CP, BM, BK)
+
+
+def _decode_halves(p_ptr, s_ptr, rows, k0, R, KP, CP, stride_p, BR: tl.constexpr, BK: tl.constexpr):
+    """Bytes [BR, BK/2] at byte column k0/2 -> (v*s of the LOW nibbles, v*s of the HIGH nibbles), each
+    fp32 [BR, BK/2], exact. Low nibble j is element k0 + 2j, high nibble j element k0 + 2j + 1."""
+    HB: tl.constexpr = BK // 2
+    NB: tl.constexpr = BK // 16
+    r2 = tl.expand_dims(rows, 1)
+    bc = tl.expand_dims(k0 // 2 + tl.arange(0, HB), 0)
+    byte = tl.load(p_ptr + r2.to(tl.int64) * stride_p + bc, mask=(r2 < R) & (bc < KP // 2), other=0).to(tl.int32)
+    sc = tl.expand_dims(k0 // 16 + tl.arange(0, NB), 0)
+    sb = tl.load(s_ptr + _swz(r2.to(tl.int64), sc, CP), mask=(r2 < R) & (sc < CP), other=0).to(tl.int32)
+    s3 = tl.expand_dims(_e4m3_value_2m8(sb) * 4194304.0, 2)  # * 2^22 undoes both 2^-14 and 2^-8
+    lo = tl.reshape(tl.reshape(_e2m1_value_2m14(byte & 15), [BR, NB, 8]) * s3, [BR, HB])
+    hi = tl.reshape(tl.reshape(_e2m1_value_2m14(byte >> 4), [BR, NB, 8]) * s3, [BR, HB])
+    return lo, hi
+
+
+def _dequant_kernel(p_ptr, s_ptr, gm_ptr, out_ptr, R, K, KP, CP, stride_p, stride_o,
+                    HAS_G: tl.constexpr, OUT_KIND: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    k0 = tl.program_id(1) * BK
+    lo, hi = _decode_halves(p_ptr, s_ptr, rows, k0, R, KP, CP, stride_p, BM, BK)
+    v = tl.reshape(tl.join(lo, hi), [BM, BK])
+    if HAS_G:
+        v = v * tl.load(gm_ptr)
+    r2 = tl.expand_dims(rows, 1)
+    c2 = tl.expand_dims(k0 + tl.arange(0, BK), 0)
+    ptrs = out_ptr + r2.to(tl.int64) * stride_o + c2
+    mask = (r2 < R) & (c2 < K)
+    if OUT_KIND == 1:
+        tl.store(ptrs, _bf16_rne_bits(v).to(tl.bfloat16, bitcast=True), mask=mask)
+    else:
+        tl.store(ptrs, v, mask=mask)
+
+
+def _fp8_rowwise_kernel(p_ptr, s_ptr, out_ptr, rs_ptr, R, K, KP, CP, stride_p, stride_o,
+                        BM: tl.constexpr, BK: tl.constexpr, NKT: tl.constexpr):
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    r2 = tl.expand_dims(rows, 1)
+    NB: tl.constexpr = BK // 16
+    smax = tl.zeros([BM], dtype=tl.float32)
+    for kt in range(NKT):
+        k0 = kt * BK
+        sc = tl.expand_dims(k0 // 16 + tl.arange(0, NB), 0)
+        sb = tl.load(s_ptr + _swz(r2.to(tl.int64), sc, CP), mask=(r2 < R) & (sc < KP // 16), other=0).to(tl.int32)
+        smax = tl.maximum(smax, tl.max(_e4m3_value_2m8(sb) * 256.0, axis=1))
+    ra = tl.div_rn(smax * 6.0, tl.full([BM], 448.0, tl.float32))
+    ra = tl.where(ra == 0.0, 1.0, ra)
+    tl.store(rs_ptr + rows, ra, mask=rows < R)
+    ra3 = tl.broadcast_to(tl.expand_dims(ra, 1), [BM, BK])
+    for kt in range(NKT):
+        k0 = kt * BK
+        lo, hi = _decode_halves(p_ptr, s_ptr, rows, k0, R, KP, CP, stride_p, BM, BK)
+        y = tl.div_rn(tl.reshape(tl.join(lo, hi), [BM, BK]), ra3)
+        code, _ = _e4m3_rne(tl.minimum(tl.abs(y), 448.0))
+        code = code | (((y.to(tl.int32, bitcast=True) >> 31) & 1) << 7)
+        c2 = tl.expand_dims(k0 + tl.arange(0, BK), 0)
+        tl.store(out_ptr + r2.to(tl.int64) * stride_o + c2, code.to(tl.uint8), mask=(r2 < R) & (c2 < K))
+
+
+def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, ga_ptr, gb_ptr, o_ptr, M, N, KP, A_CP, B_CP,
+                 stride_a, stride_b, stride_o, OUT_KIND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr, GROUP_M: tl.constexpr, NKT: tl.constexpr, DOT_BF16: tl.constexpr):
+    # out[m, n] = ga * gb * sum_k (va*sa)[m, k] * (vb*sb)[n, k]: operands decoded to bf16 exactly (v*s has
+    # <= 6 significant bits), products exact, fp32 accumulation. The low and high nibbles of each byte
+    # go to two separate dots (the same K permutation on both operands, so no interleave is needed).
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    group = GROUP_M * num_n
+    first_m = (pid // group) * GROUP_M
+    gsize = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % gsize
+    pid_n = (pid % group) // gsize
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for kt in range(NKT):
+        k0 = kt * BK
+        a_lo, a_hi = _decode_halves(a_ptr, as_ptr, rm, k0, M, KP, A_CP, stride_a, BM, BK)
+        b_lo, b_hi = _decode_halves(b_ptr, bs_ptr, rn, k0, N, KP, B_CP, stride_b, BN, BK)
+        if DOT_BF16:  # exact conversions; bf16 tensor-core MMA with fp32 accumulation
+            acc = tl.dot(a_lo.to(tl.bfloat16), tl.trans(b_lo.to(tl.bfloat16)), acc)
+            acc = tl.dot(a_hi.to(tl.bfloat16), tl.trans(b_hi.to(tl.bfloat16)), acc)
+        else:  # the CPU interpreter's bf16 dot is wrong; fp32 IEEE dot is the same math there
+            acc = tl.dot(a_lo, tl.trans(b_lo), acc, input_precision="ieee")
+            acc = tl.dot(a_hi, tl.trans(b_hi), acc, input_precision="ieee")
+    acc = acc * (tl.load(ga_ptr) * tl.load(gb_ptr))
+    r2 = tl.expand_dims(rm, 1)
+    c2 = tl.expand_dims(rn, 0)
+    ptrs = o_ptr + r2.to(tl.int64) * stride_o + c2
+    mask = (r2 < M) & (c2 < N)
+    if OUT_KIND == 1:
+        tl.store(ptrs, _bf16_rne_bits(acc).to(tl.bfloat16, bitcast=True), mask=mask)
+    else:
+        tl.store(ptrs, acc, mask=mask)
+
+
+_HELPERS = ("_ld_f32", "_bf16_rne_bits", "_e4m3_rne", "_e2m1_code", "_e2m1_value_2m14", "_e4m3_value_2m8",
+            "_swz", "_quant_store", "_exp_f32", "_decode_halves")
+_KERNELS = ("_quantize_kernel", "_rms_modulate_kernel", "_swiglu_kernel", "_dequant_kernel",
+            "_fp8_rowwise_kernel", "_gemm_kernel")
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels() -> dict:
+    """Import Triton and JIT the functions above (once). Returns {name: kernel}."""
+    t, why = _import_triton()
+    if t is None:
+        raise RuntimeError(why)
+    import triton.language as _tl
+
+    g = globals()
+    g["triton"], g["tl"] = t, _tl
+    plain = {name: g[name] for name in _HELPERS + _KERNELS}
+    for name in _HELPERS:
+        g[name] = t.jit(plain[name])
+    return {name: t.jit(plain[name]) for name in _KERNELS}
+
+
+def _launch(name: str, grid, *args, **kw):
+    # fp fusion off: the references round every multiply and add separately (no FMA), and so must we.
+    _kernels()[name][grid](*args, enable_fp_fusion=False, **kw)
+
+
+def _tiles(device: torch.device) -> dict:
+    """Tile sizes (any BM dividing 128 and BK a multiple of 64 give the same bytes)."""
+    if device.type == "cuda":
+        return dict(q=(32, 256, 4), norm=(16, 256, 8), glu=(32, 256, 4), deq=(32, 256, 4), fp8=(16, 256, 4),
+                    gemm=(128, 128, 128, 8, 8, 3))
+    return dict(q=(32, 64, 1), norm=(32, 64, 1), glu=(32, 64, 1), deq=(32, 64, 1), fp8=(32, 64, 1),
+                gemm=(16, 16, 32, 4, 1, 1))
+
+
+# ----------------------------------------------------------------------------------------------
+# references (pure torch; the definition the kernels are tested against)
+# ----------------------------------------------------------------------------------------------
+
+def _t(v: float, like: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    # 0-dim tensor on the data's device: CUDA turns `tensor / python_scalar` into a multiply by the
+    # reciprocal, which is not the correctly rounded quotient the kernels compute.
+    return torch.tensor(v, dtype=dtype, device=like.device)
+
+
+def exp_reference(t: torch.Tensor) -> torch.Tensor:
+    """fp32 exp by the fixed operation sequence the kernels use (see module docstring)."""
+    t = torch.clamp(t.float(), -80.0, 80.0)
+    n = torch.round(t * 1.4426950408889634)
+    r = t - n * 0.693145751953125
+    r = r - n * 1.428606765330187e-06
+    p = r * 1.984126984126984e-04 + 1.388888888888889e-03
+    for c in (8.333333333333333e-03, 4.166666666666667e-02, 1.666666666666667e-01, 0.5, 1.0, 1.0):
+        p = p * r + c
+    return p * ((n.to(torch.int32) + 127) << 23).view(torch.float32)
+
+
+def silu_reference(a: torch.Tensor) -> torch.Tensor:
+    a = a.float()
+    return a / (exp_reference(-a) + 1.0)
+
+
+def swiglu_reference(h: torch.Tensor) -> torch.Tensor:
+    """h [S, 2F] = [gate | up] (any float dtype) -> fp32 [S, F] = silu(gate) * up, as the kernel computes it."""
+    f = h.shape[1] // 2
+    y = silu_reference(h[:, :f]) * h[:, f:].float()
+    return torch.where(y.abs() < 1.1754943508222875e-38, y * 0.0, y)
+
+
+def rms_modulate_reference(x: torch.Tensor, weight: torch.Tensor | None, scale_rows: torch.Tensor,
+                           shift_rows: torch.Tensor, segments: Sequence[Sequence[int]], eps: float) -> torch.Tensor:
+    """x [S, K] -> fp32 h [S, K]: RMSNorm (fp64 sum of squares) * weight, then per segment (a, b, row)
+    ``h[a:b] = n[a:b] * (1 + scale_rows[row]) + shift_rows[row]`` (module docstring has the exact steps)."""
+    segs = _check_norm_inputs(x, weight, scale_rows, shift_rows, segments)
+    k = x.shape[1]
+    xf = x.float()
+    ss = xf.double().pow(2).sum(-1)
+    rstd = torch.div(_t(1.0, x, torch.float64),
+                     torch.sqrt(ss / _t(k, x, torch.float64) + _t(eps, x, torch.float64))).float()
+    n = xf * rstd.unsqueeze(1)
+    if weight is not None:
+        n = n * weight.float()
+    h = torch.empty_like(n)
+    for a, b, r in segs:
+        h[a:b] = n[a:b] * (scale_rows[r].float() + 1.0) + shift_rows[r].float()
+    return h
+
+
+def dequantize_bf16_reference(t: nv.NVFP4Tensor, multiplier: torch.Tensor | None = None) -> torch.Tensor:
+    """[N, K] bf16 = bf16(v * s [* multiplier]) (fp32 product, one rounding); exact without multiplier."""
+    v = nv.dequantize_blocks(t, torch.float32)
+    if multiplier is not None:
+        v = v * multiplier.float()
+    return v.to(torch.bfloat16)
+
+
+def to_fp8_rowwise_reference(t: nv.NVFP4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 [N, K] -> (e4m3 [N, K], fp32 row scales [N]) with ``v*s ~= e4m3 * row_scale``:
+    ``row_scale = 6 * max(block scales of the row) / 448`` (1 for an all-zero row), each element
+    ``e4m3_rne(v * s / row_scale)`` (one rounding to 3 mantissa bits; relative error <= 2^-4)."""
+    v = nv.dequantize_blocks(t, torch.float32)
+    smax = t.linear_scales().float().amax(1) if v.shape[1] else torch.zeros(v.shape[0], device=v.device)
+    ra = torch.div(smax * 6.0, _t(448.0, v))
+    ra = torch.where(ra == 0, _t(1.0, v), ra)
+    return torch.div(v, ra.unsqueeze(1)).to(torch.float8_e4m3fn), ra
+
+
+# ----------------------------------------------------------------------------------------------
+# policy and validation
+# ----------------------------------------------------------------------------------------------
+
+def activation_global_scale(policy: str, input_scale: torch.Tensor | None) -> tuple[torch.Tensor | None, str]:
+    """Resolve the ``act_scale`` option for one layer -> (g or None for dynamic, reason).
+
+    "dynamic": amax per call. "calibrated": the layer's ``input_scale`` (decode direction); a layer
+    without one falls back to dynamic and the reason says so.
+    """
+    if policy == "dynamic":
+        return None, "dynamic: amax(|input|) / 2688 per call"
+    if policy == "calibrated":
+        if input_scale is None:
+            return None, "dynamic: act_scale=calibrated but this layer has no input_scale"
+        return input_scale.reshape(()).float(), "calibrated: the checkpoint's input_scale"
+    raise ValueError(f"act_scale={policy!r}: expected dynamic or calibrated")
+
+
+def _check_2d(x: torch.Tensor, name: str) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [S, K]; found shape {tuple(x.shape)}")
+    if x.dtype not in _FLOATS:
+        raise TypeError(f"{name} must be float32/bfloat16/float16; found {x.dtype}")
+    if x.stride(1) != 1:
+        raise ValueError(f"{name} needs unit column stride; found strides {x.stride()}")
+
+
+def _check_norm_inputs(x, weight, scale_rows, shift_rows, segments):
+    _check_2d(x, "x")
+    k = x.shape[1]
+    if weight is not None and (weight.dim() != 1 or weight.shape[0] != k):
+        raise ValueError(f"norm weight must be [K={k}]; found {tuple(weight.shape)}")
+    for name, t in (("scale_rows", scale_rows), ("shift_rows", shift_rows)):
+        if t.dim() != 2 or t.shape[1] != k:
+            raise ValueError(f"{name} must be [rows, K={k}]; found {tuple(t.shape)}")
+        if t.dtype not in _FLOATS or t.stride(1) != 1:
+            raise ValueError(f"{name} must be a float table with unit column stride; found {t.dtype}, {t.stride()}")
+    if scale_rows.shape[0] != shift_rows.shape[0]:
+        raise ValueError(f"scale_rows has {scale_rows.shape[0]} rows, shift_rows {shift_rows.shape[0]}")
+    for name, t in (("weight", weight), ("scale_rows", scale_rows), ("shift_rows", shift_rows)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, x on {x.device}")
+    return check_segments(segments, x.shape[0], scale_rows.shape[0])
+
+
+def _global(g, x: torch.Tensor) -> torch.Tensor:
+    g = torch.as_tensor(g, dtype=torch.float32, device=x.device).reshape(())
+    return g
+
+
+def _outputs(s: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    packed = torch.empty(nv.packed_shape(s, k, 1), dtype=torch.uint8, device=device)
+    scales = torch.empty(nv.scale_shape(s, k), dtype=torch.uint8, device=device)
+    return packed, scales
+
+
+def _geometry(s: int, k: int) -> tuple[int, int, int, int]:
+    kp = nv.roundup(k, nv.BLOCK)
+    rs, cp = nv.scale_shape(s, k)
+    return s, rs, kp, cp
+
+
+# ----------------------------------------------------------------------------------------------
+# producers
+# ----------------------------------------------------------------------------------------------
+
+def quantize(x: torch.Tensor, global_scale: torch.Tensor | float | None = None, *, backend: str = "auto"
+             ) -> nv.NVFP4Tensor:
+    """x [S, K] float -> NVFP4 (packed [S, roundup(K,16)/2], swizzled scales [roundup(S,128), ...]).
+    global_scale None: dynamic amax; else the calibrated decode-direction scale."""
+    _check_2d(x, "x")
+    g = nv.global_scale(x) if global_scale is None else _global(global_scale, x)
+    if _pick_backend(backend, x.device) == "reference":
+        return nv.quantize(x, g, pad_rows=1)
+    s, k = x.shape
+    packed, scales = _outputs(s, k, x.device)
+    rp, rs, kp, cp = _geometry(s, k)
+    bm, bk, nw = _tiles(x.device)["q"]
+    grid = (triton_cdiv(rs, bm), triton_cdiv(cp * 16, bk))
+    _launch("_quantize_kernel", grid, x, g, packed, scales, s, k, x.stride(0), packed.stride(0), rp, rs, kp, cp,
+            X_KIND=_KIND[x.dtype], BM=bm, BK=bk, num_warps=nw)
+    return nv.NVFP4Tensor(packed, scales.view(torch.float8_e4m3fn), g, (s, k))
+
+
+def rms_modulate_quantize(x: torch.Tensor, weight: torch.Tensor | None, scale_rows: torch.Tensor,
+                          shift_rows: torch.Tensor, segments: Sequence[Sequence[int]], eps: float,
+                          global_scale: torch.Tensor | float | None = None, *, backend: str = "auto"
+                          ) -> nv.NVFP4Tensor:
+    """RMSNorm(x) * weight -> per-segment modulate -> NVFP4, in one kernel (two with dynamic scale).
+
+    x [S, K] float; weight [K] or None; scale_rows / shift_rows [rows, K] (e.g. the block's
+    scale_msa / shift_msa rows for every (t, modality) row); segments: (start, stop, row) triples that
+    tile [0, S) in order. Output bytes equal ``nvfp4.quantize(rms_modulate_reference(...), g, pad_rows=1)``.
+    """
+    segs = _check_norm_inputs(x, weight, scale_rows, shift_rows, segments)
+    if _pick_backend(backend, x.device) == "reference":
+        h = rms_modulate_reference(x, weight, scale_rows, shift_rows, segs, eps)
+        g = nv.global_scale(h) if global_scale is None else _global(global_scale, x)
+        return nv.quantize(h, g, pad_rows=1)
+    s, k = x.shape
+    rp, rs, kp, cp = _geometry(s, k)
+    bm, bk, nw = _tiles(x.device)["norm"]
+    nseg = 1 << (len(segs) - 1).bit_length()  # a power of two: few recompiles as layouts change
+    seg = torch.tensor(segs + [(0, 0, 0)] * (nseg - len(segs)), dtype=torch.int32, device=x.device).reshape(-1)
+    nkt = triton_cdiv(k, bk)
+    eps_t = _t(eps, x, torch.float64)
+    w = weight if weight is not None else x  # unused pointer when HAS_W is False
+    common = dict(HAS_W=weight is not None, X_KIND=_KIND[x.dtype], W_KIND=_KIND[w.dtype],
+                  T_KIND=_KIND[scale_rows.dtype], BM=bm, BK=bk, NKT=nkt, NSEG=nseg, num_warps=nw)
+    if shift_rows.dtype != scale_rows.dtype:
+        raise TypeError(f"scale_rows ({scale_rows.dtype}) and shift_rows ({shift_rows.dtype}) must share a dtype")
+    packed, scales = _outputs(s, k, x.device)
+    if global_scale is None:
+        row_amax = torch.empty(s, dtype=torch.float32, device=x.device)
+        _launch("_rms_modulate_kernel", (triton_cdiv(s, bm),), x, w, scale_rows, shift_rows, seg, eps_t,
+                eps_t, packed, scales, row_amax, s, k, x.stride(0), scale_rows.stride(0), shift_rows.stride(0),
+                packed.stride(0), rp, rs, kp, cp, MODE=0, NKT_OUT=nkt, **common)
+        g = nv.global_scale_from_amax(row_amax.amax())
+    else:
+        g = _global(global_scale, x)
+    _launch("_rms_modulate_kernel", (triton_cdiv(rs, bm),), x, w, scale_rows, shift_rows, seg, eps_t, g,
+            packed, scales, g, s, k, x.stride(0), scale_rows.stride(0), shift_rows.stride(0), packed.stride(0),
+            rp, rs, kp, cp, MODE=1, NKT_OUT=triton_cdiv(cp * 16, bk), **common)
+    return nv.NVFP4Tensor(packed, scales.view(torch.float8_e4m3fn), g, (s, k))
+
+
+def swiglu_quantize(h: torch.Tensor, global_scale: torch.Tensor | float | None = None, *, backend: str = "auto"
+                    ) -> nv.NVFP4Tensor:
+    """h [S, 2F] = [gate | up] (fc1's output) -> NVFP4 of silu(gate) * up, [S, F]. Output bytes equal
+    ``nvfp4.quantize(swiglu_reference(h), g, pad_rows=1)``."""
+    _check_2d(h, "h")
+    if h.shape[1] % 2:
+        raise ValueError(f"h must be [S, 2F] = [gate | up]; found an odd width {h.shape[1]}")
+    if _pick_backend(backend, h.device) == "reference":
+        y = swiglu_reference(h)
+        g = nv.global_scale(y) if global_scale is None else _global(global_scale, h)
+        return nv.quantize(y, g, pad_rows=1)
+    s, f = h.shape[0], h.shape[1] // 2
+    rp, rs, kp, cp = _geometry(s, f)
+    bm, bk, nw = _tiles(h.device)["glu"]
+    packed, scales = _outputs(s, f, h.device)
+    if global_scale is None:
+        grid0 = (triton_cdiv(s, bm), triton_cdiv(f, bk))
+        part = torch.empty(grid0[0] * grid0[1], dtype=torch.float32, device=h.device)
+        _launch("_swiglu_kernel", grid0, h, part, packed, scales, part, s, f, h.stride(0), packed.stride(0), rp, rs,
+                kp, cp, MODE=0, H_KIND=_KIND[h.dtype], BM=bm, BK=bk, num_warps=nw)
+        g = nv.global_scale_from_amax(part.amax())
+    else:
+        g = _global(global_scale, h)
+    grid = (triton_cdiv(rs, bm), triton_cdiv(cp * 16, bk))
+    _launch("_swiglu_kernel", grid, h, g, packed, scales, g, s, f, h.stride(0), packed.stride(0), rp, rs, kp, cp,
+            MODE=1, H_KIND=_KIND[h.dtype], BM=bm, BK=bk, num_warps=nw)
+    return nv.NVFP4Tensor(packed, scales.view(torch.float8_e4m3fn), g, (s, f))
+
+
+# ----------------------------------------------------------------------------------------------
+# consumers (GEMM backends)
+# ----------------------------------------------------------------------------------------------
+
+def triton_cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def dequantize_bf16(t: nv.NVFP4Tensor, multiplier: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
+                    backend: str = "auto") -> torch.Tensor:
+    """NVFP4 [N, K] -> bf16 [N, K] = bf16(v * s [* multiplier]) written into ``out`` (a reusable scratch
+    buffer, at least [N, K]; its leading [N, K] view is returned). multiplier: fp32 device scalar."""
+    n, k = t.shape
+    if out is None:
+        out = torch.empty((n, k), dtype=torch.bfloat16, device=t.device)
+    if out.dtype != torch.bfloat16 or out.numel() < n * k:
+        raise ValueError(f"scratch must be bfloat16 with >= {n}x{k} elements; found {out.dtype} {tuple(out.shape)}")
+    view = out.reshape(-1)[: n * k].view(n, k)
+    if _pick_backend(backend, t.device) == "reference":
+        view.copy_(dequantize_bf16_reference(t, multiplier))
+        return view
+    bm, bk, nw = _tiles(t.device)["deq"]
+    gm = multiplier if multiplier is not None else t.global_scale
+    _launch("_dequant_kernel", (triton_cdiv(n, bm), triton_cdiv(k, bk)), t.packed, t.scales.view(torch.uint8), gm, view,
+            n, k, t.k_padded, t.scales.shape[1], t.packed.stride(0), view.stride(0), HAS_G=multiplier is not None,
+            OUT_KIND=1, BM=bm, BK=bk, num_warps=nw)
+    return view
+
+
+def to_fp8_rowwise(t: nv.NVFP4Tensor, *, out: torch.Tensor | None = None, backend: str = "auto"
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 [N, K] -> (float8_e4m3fn [N, K] in ``out`` (reusable scratch), fp32 row scales [N]); see
+    ``to_fp8_rowwise_reference`` for the arithmetic."""
+    n, k = t.shape
+    if out is None:
+        out = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=t.device)
+    if out.dtype != torch.float8_e4m3fn or out.numel() < n * k:
+        raise ValueError(f"scratch must be float8_e4m3fn with >= {n}x{k} elements; found {out.dtype} {tuple(out.shape)}")
+    view = out.reshape(-1)[: n * k].view(n, k)
+    if _pick_backend(backend, t.device) == "reference":
+        q, ra = to_fp8_rowwise_reference(t)
+        view.copy_(q)
+        return view, ra
+    ra = torch.empty(n, dtype=torch.float32, device=t.device)
+    bm, bk, nw = _tiles(t.device)["fp8"]
+    _launch("_fp8_rowwise_kernel", (triton_cdiv(n, bm),), t.packed, t.scales.view(torch.uint8), view.view(torch.uint8),
+            ra, n, k, t.k_padded, t.scales.shape[1], t.packed.stride(0), view.stride(0), BM=bm, BK=bk,
+            NKT=triton_cdiv(t.k_padded, bk), num_warps=nw)
+    return view, ra
+
+
+def nvfp4_gemm(a: nv.NVFP4Tensor, b: nv.NVFP4Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Triton: a [M, K] x b [N, K]^T -> [M, N] = ga * gb * sum_k (va*sa)(vb*sb): each product exact,
+    fp32 accumulation (tensor-core bf16 MMA), one rounding to ``out_dtype`` (bf16 or fp32)."""
+    (m, k), (n, kb) = a.shape, b.shape
+    if k != kb:
+        raise ValueError(f"nvfp4_gemm: a is [M, {k}] but b is [N, {kb}]; K must match")
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"nvfp4_gemm writes bfloat16 or float32; asked for {out_dtype}")
+    ok, why = triton_status(a.device)
+    if not ok:
+        raise RuntimeError(f"nvfp4_gemm is a Triton kernel: {why}")
+    bm, bn, bk, gm, nw, ns = _tiles(a.device)["gemm"]
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    grid = (triton_cdiv(m, bm) * triton_cdiv(n, bn),)
+    _launch("_gemm_kernel", grid, a.packed, a.scales.view(torch.uint8), b.packed, b.scales.view(torch.uint8),
+            a.global_scale, b.global_scale, out, m, n, a.k_padded, a.scales.shape[1], b.scales.shape[1],
+            a.packed.stride(0), b.packed.stride(0), out.stride(0), OUT_KIND=1 if out_dtype == torch.bfloat16 else 0,
+            BM=bm, BN=bn, BK=bk, GROUP_M=gm, NKT=triton_cdiv(a.k_padded, bk), DOT_BF16=a.device.type == "cuda",
+            num_warps=nw, num_stages=ns)
+    return out

@@ -1,0 +1,221 @@
+"""Convert an H3 checkpoint to NVFP4 (ComfyUI ``comfy_quant`` format), streaming tensor by tensor.
+
+The block linears ``blocks.N.attn.qkv_proj``, ``blocks.N.attn.out_proj``, ``blocks.N.mlp.fc1`` and
+``blocks.N.mlp.fc2`` (weights in bf16/fp16/fp32) become nvfp4 layers: ``.weight`` (uint8, high nibble
+first, 16-row padded), ``.weight_scale`` (e4m3, swizzled), ``.weight_scale_2`` (fp32), ``.comfy_quant``
+(``{"format": "nvfp4"}``), also listed in the safetensors metadata ``_quantization_metadata``. Everything
+else (norms, AdaLN, embeddings, heads, biases, layers that are already nvfp4) is written unchanged at its
+source precision. The output is ComfyUI naming with QKV stacked ``[q; k; v]`` and fc1 ``[gate; up]``.
+
+Streaming: with the source shapes known (``shapes=``, which ``quantize_checkpoint`` takes from the
+source header) the output header is computed and written first, then each tensor's bytes as it is
+converted; host memory stays near one source tensor plus its NVFP4 form (quantization works 256 rows at a
+time). Without shapes the bytes go to a spool file beside the output and the header is prepended at the
+end (one extra sequential copy on disk, still one tensor in memory). The file is written as
+``OUT.partial`` and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Callable, Iterable, Mapping
+
+import torch
+
+from .checkpoint import QUANT_LINEARS as QUANTIZED_LINEAR
+from .checkpoint import TORCH_TO_ST as ST_DTYPE
+from .errors import H3Error
+from .ops import nvfp4 as nv
+
+__all__ = ["QUANTIZED_LINEAR", "quantize_state_dict_streaming", "quantize_checkpoint", "plan_output"]
+
+# QUANTIZED_LINEAR: the block linears that become NVFP4 (ComfyUI names without ".weight"), shared with
+# the loader: blocks.N.attn.qkv_proj, blocks.N.attn.out_proj, blocks.N.mlp.fc1, blocks.N.mlp.fc2.
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+             "F8_E4M3": 1, "F8_E5M2": 1}
+_FLOAT_SOURCES = ("F32", "F16", "BF16")
+# source metadata that would make a reader treat our ComfyUI-layout output as another layout
+_DROP_META = ("qkv_layout", "format", "_quantization_metadata")
+
+Progress = Callable[[int, int, str], None]
+
+
+def _target_layer(name: str) -> str | None:
+    if not name.endswith(".weight"):
+        return None
+    layer = name[: -len(".weight")]
+    return layer if QUANTIZED_LINEAR.match(layer) else None
+
+
+def _check_target(name: str, dtype: str, shape: tuple) -> bool:
+    """True when ``name`` is a block-linear weight to quantize; raises for sources we cannot convert."""
+    if _target_layer(name) is None:
+        return False
+    if dtype == "U8":  # already nvfp4: passed through unchanged with its scales and marker
+        return False
+    if dtype not in _FLOAT_SOURCES:
+        raise H3Error(f"{name} is stored as {dtype}: an already-quantized source (fp8/int8). The converter reads "
+                      "bf16/fp16/fp32 (or nvfp4) checkpoints; convert from the original bf16 release instead")
+    if len(shape) != 2:
+        raise H3Error(f"{name} has shape {list(shape)}; a linear weight must be 2-D [out, in]")
+    return True
+
+
+def plan_output(shapes: Mapping[str, tuple[tuple[int, ...], str]]) -> list[tuple[str, str, tuple[int, ...]]]:
+    """Source (name -> (shape, safetensors dtype)) in iteration order -> output entries (name, dtype, shape)
+    in write order."""
+    out = []
+    for name, (shape, dtype) in shapes.items():
+        shape = tuple(int(s) for s in shape)
+        if _check_target(name, dtype, shape):
+            layer = name[: -len(".weight")]
+            for suffix, (dt, shp) in nv.comfy_quant_shapes(*shape).items():
+                out.append((layer + suffix, dt, tuple(shp)))
+        else:
+            out.append((name, dtype, shape))
+    return out
+
+
+def _nbytes(dtype: str, shape: tuple) -> int:
+    n = _ITEMSIZE[dtype]
+    for s in shape:
+        n *= s
+    return n
+
+
+def _header_bytes(entries: list[tuple[str, str, tuple]], metadata: Mapping[str, str]) -> bytes:
+    head: dict = {"__metadata__": dict(metadata)} if metadata else {}
+    off = 0
+    for name, dtype, shape in entries:
+        n = _nbytes(dtype, shape)
+        head[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + n]}
+        off += n
+    raw = json.dumps(head, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as the reference writer pads it
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _write_tensor(f, t: torch.Tensor) -> int:
+    t = t.detach().to("cpu").contiguous()
+    if t.numel() == 0:
+        return 0
+    mv = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    f.write(mv)
+    return len(mv)
+
+
+def _metadata(source: Mapping[str, str] | None, layers: dict[str, dict]) -> dict[str, str]:
+    meta = {k: str(v) for k, v in (source or {}).items() if k not in _DROP_META}
+    merged = nv.parse_quantization_metadata(source)
+    merged.update(layers)
+    meta["format"] = "pt"
+    if merged:
+        meta["_quantization_metadata"] = nv.quantization_metadata(merged)
+    return meta
+
+
+def _convert(name: str, t: torch.Tensor, device) -> list[tuple[str, torch.Tensor]]:
+    """One source tensor -> the output tensors (on CPU) that replace it, in write order."""
+    dt = ST_DTYPE.get(t.dtype)
+    if dt is None:
+        raise H3Error(f"{name}: dtype {t.dtype} cannot be stored in safetensors by this writer")
+    if not _check_target(name, dt, tuple(t.shape)):
+        return [(name, t)]
+    layer = name[: -len(".weight")]
+    q = nv.quantize(t.to(device))
+    parts = nv.to_comfy_quant(q, layer)
+    del q
+    return [(k, v.to("cpu")) for k, v in parts.items()]
+
+
+def quantize_state_dict_streaming(tensor_iter: Iterable[tuple[str, torch.Tensor]], out_path: str | os.PathLike,
+                                  device: str | torch.device = "cpu", progress: Progress | None = None, *,
+                                  shapes: Mapping[str, tuple[tuple[int, ...], str]] | None = None,
+                                  metadata: Mapping[str, str] | None = None) -> dict:
+    """Stream ``(comfy_name, tensor)`` pairs into an NVFP4 safetensors file at ``out_path``.
+
+    device: where the block linears are quantized ("cpu" or "cuda"; the bytes are identical).
+    progress(i, total, name): called before each source tensor (total 0 when shapes are unknown).
+    shapes: optional ``{name: (shape, safetensors dtype)}`` of the source in iteration order: the header
+    is then written first. metadata: source safetensors metadata to carry over (layout keys dropped,
+    ``_quantization_metadata`` merged). Returns a summary dict (layers, tensors, bytes, path).
+    """
+    out_path = Path(out_path)
+    partial = out_path.with_name(out_path.name + ".partial")
+    device = torch.device(device)
+    layers: dict[str, dict] = {}
+    written = 0
+    try:
+        if shapes is not None:
+            plan = plan_output(shapes)
+            for name, (shape, dtype) in shapes.items():
+                if _check_target(name, dtype, tuple(shape)):
+                    layers[name[: -len(".weight")]] = {"format": "nvfp4"}
+            expected = {n: (d, s) for n, d, s in plan}
+            order = [n for n, _, _ in plan]
+            total = len(shapes)
+            with open(partial, "wb") as f:
+                f.write(_header_bytes(plan, _metadata(metadata, layers)))
+                pos = 0
+                for i, (name, t) in enumerate(tensor_iter):
+                    if progress:
+                        progress(i, total, name)
+                    for oname, ot in _convert(name, t, device):
+                        if pos >= len(order) or order[pos] != oname:
+                            want = order[pos] if pos < len(order) else "nothing (the plan is complete)"
+                            raise H3Error(f"source yielded {oname!r} but the header planned {want!r} next; pass "
+                                          "shapes in the iteration order of the tensors")
+                        d, s = expected[oname]
+                        if ST_DTYPE[ot.dtype] != d or tuple(ot.shape) != s:
+                            raise H3Error(f"{oname}: header planned {d} {list(s)}, found {ST_DTYPE[ot.dtype]} "
+                                          f"{list(ot.shape)}; the shapes given do not match the tensors")
+                        written += _write_tensor(f, ot)
+                        pos += 1
+                        del ot
+                    del t
+                if pos != len(order):
+                    raise H3Error(f"source ended after {pos} of {len(order)} planned tensors; next missing: "
+                                  f"{order[pos]!r}")
+        else:
+            spool = out_path.with_name(out_path.name + ".spool")
+            entries = []
+            try:
+                with open(spool, "wb") as f:
+                    for i, (name, t) in enumerate(tensor_iter):
+                        if progress:
+                            progress(i, 0, name)
+                        for oname, ot in _convert(name, t, device):
+                            if oname.endswith(".comfy_quant") and oname != name:
+                                layers[oname[: -len(".comfy_quant")]] = {"format": "nvfp4"}
+                            entries.append((oname, ST_DTYPE[ot.dtype], tuple(ot.shape)))
+                            written += _write_tensor(f, ot)
+                            del ot
+                        del t
+                with open(partial, "wb") as f, open(spool, "rb") as src:
+                    f.write(_header_bytes(entries, _metadata(metadata, layers)))
+                    while chunk := src.read(64 << 20):
+                        f.write(chunk)
+            finally:
+                spool.unlink(missing_ok=True)
+        os.replace(partial, out_path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    return {"path": str(out_path), "quantized_layers": len(layers), "bytes": written}
+
+
+def quantize_checkpoint(in_path: str | os.PathLike, out_path: str | os.PathLike, device: str = "cpu",
+                        progress: Progress | None = None, scheme: str | None = None) -> dict:
+    """``h3-blackwell quantize IN OUT``: open any H3 checkpoint (ComfyUI, diffusers or raw-release naming,
+    single file or sharded index) and write its NVFP4 ComfyUI form, header first."""
+    from .checkpoint import open_checkpoint
+
+    if Path(in_path).resolve() == Path(out_path).resolve():
+        raise H3Error(f"input and output are the same file ({in_path}); choose another output path")
+    ck = open_checkpoint(in_path, scheme=scheme)
+    shapes = {k: (tuple(ck.shape(k)), ck.dtype_name(k)) for k in ck.keys()}
+    return quantize_state_dict_streaming(ck.iter_tensors("cpu"), out_path, device, progress,
+                                         shapes=shapes, metadata=ck.metadata)

@@ -1,0 +1,528 @@
+"""Node contract tests, without ComfyUI: INPUT_TYPES / RETURN_TYPES / FUNCTION of every node, and each node's
+function run against minimal stand-ins for the ComfyUI modules it touches (``comfy``, ``comfy.utils``,
+``comfy.model_management``, ``comfy.nested_tensor``, ``folder_paths``), installed through sys.modules.
+
+The NestedTensor stand-in has core's interface (``comfy/nested_tensor.py``): ``NestedTensor(tensors)`` keeps
+``list(tensors)`` in ``.tensors``, ``is_nested = True``, ``unbind()`` returns the list, ``shape`` / ``dtype`` /
+``device`` are the first tensor's. Core's EmptyMiniMaxH3LatentAV builds
+``{"samples": NestedTensor((zeros [B,24,T,H/16,W/16], zeros [B,32,2,Ta]))}`` on the intermediate device.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+import h3_blackwell
+from h3_blackwell.nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS, NODES
+from h3_blackwell.nodes import loader as loader_mod
+from h3_blackwell.nodes._common import H3NodeError
+from h3_blackwell.nodes.conditioning import EMBEDDED_STATES, H3TextStatesLoader
+from h3_blackwell.nodes.diagnostics import H3Diagnostics
+from h3_blackwell.nodes.latents import H3EmptyLatent
+from h3_blackwell.nodes.loader import TINY_CHOICE, H3ModelLoader
+from h3_blackwell.nodes.sampler import H3Sampler
+from h3_blackwell.runtime import sample as runtime_sample
+
+# ---------------------------------------------------------------------------------------------
+# stand-ins for the ComfyUI modules
+# ---------------------------------------------------------------------------------------------
+
+class FakeNestedTensor:
+    """core's comfy.nested_tensor.NestedTensor, the parts the H3 nodes and core's VAE nodes use."""
+
+    def __init__(self, tensors):
+        self.tensors = list(tensors)
+        self.is_nested = True
+
+    def unbind(self):
+        return self.tensors
+
+    @property
+    def shape(self):
+        return self.tensors[0].shape
+
+    @property
+    def dtype(self):
+        return self.tensors[0].dtype
+
+    @property
+    def device(self):
+        return self.tensors[0].device
+
+
+class InterruptProcessingException(Exception):
+    pass
+
+
+class FakeComfy:
+    """The stand-in modules and what the nodes did with them."""
+
+    def __init__(self, root: Path, nested: bool = True):
+        self.root = root
+        self.output_dir = root / "output"
+        self.input_dir = root / "input"
+        self.models_dir = root / "models" / "diffusion_models"
+        for d in (self.output_dir, self.input_dir, self.models_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        self.progress: list[tuple[int, int]] = []
+        self.interrupt_flag = False
+        self.modules = self._build(nested)
+
+    def _build(self, nested: bool) -> dict:
+        fake = self
+        comfy = types.ModuleType("comfy")
+        utils = types.ModuleType("comfy.utils")
+
+        class ProgressBar:
+            def __init__(self, total):
+                self.total, self.current = total, 0
+
+            def update_absolute(self, value, total=None, preview=None):
+                self.current = value
+                fake.progress.append((value, total if total is not None else self.total))
+
+            def update(self, n):
+                self.update_absolute(self.current + n)
+
+        utils.ProgressBar = ProgressBar
+        mm = types.ModuleType("comfy.model_management")
+        mm.InterruptProcessingException = InterruptProcessingException
+        mm.intermediate_device = lambda: torch.device("cpu")
+        mm.processing_interrupted = lambda: fake.interrupt_flag
+
+        def throw_exception_if_processing_interrupted():
+            if fake.interrupt_flag:
+                fake.interrupt_flag = False
+                raise InterruptProcessingException()
+
+        mm.throw_exception_if_processing_interrupted = throw_exception_if_processing_interrupted
+        comfy.utils, comfy.model_management = utils, mm
+        fp = types.ModuleType("folder_paths")
+        fp.get_output_directory = lambda: str(fake.output_dir)
+        fp.get_input_directory = lambda: str(fake.input_dir)
+        fp.get_folder_paths = lambda key: [str(fake.models_dir)] if key == "diffusion_models" else []
+        fp.get_filename_list = lambda key: sorted(os.listdir(fake.models_dir)) if key == "diffusion_models" else []
+
+        def get_full_path(key, name):
+            p = fake.models_dir / name
+            return str(p) if key == "diffusion_models" and p.is_file() else None
+
+        def get_save_image_path(prefix, output_dir, w=0, h=0):
+            sub = os.path.dirname(os.path.normpath(prefix))
+            name = os.path.basename(os.path.normpath(prefix))
+            folder = os.path.join(output_dir, sub)
+            os.makedirs(folder, exist_ok=True)
+            counter = 1 + sum(1 for f in os.listdir(folder) if f.startswith(name + "_"))
+            return folder, name, counter, sub, prefix
+
+        fp.get_full_path, fp.get_save_image_path = get_full_path, get_save_image_path
+        mods = {"comfy": comfy, "comfy.utils": utils, "comfy.model_management": mm, "folder_paths": fp}
+        if nested:
+            nt = types.ModuleType("comfy.nested_tensor")
+            nt.NestedTensor = FakeNestedTensor
+            comfy.nested_tensor = nt
+            mods["comfy.nested_tensor"] = nt
+        return mods
+
+
+def _install(monkeypatch, tmp_path, nested=True) -> FakeComfy:
+    fake = FakeComfy(tmp_path, nested=nested)
+    for name in ("comfy", "comfy.utils", "comfy.model_management", "comfy.nested_tensor", "folder_paths"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    for name, mod in fake.modules.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    return fake
+
+
+@pytest.fixture
+def comfy(monkeypatch, tmp_path):
+    """A ComfyUI with core H3 support (NestedTensor present)."""
+    return _install(monkeypatch, tmp_path, nested=True)
+
+
+@pytest.fixture
+def old_comfy(monkeypatch, tmp_path):
+    """A ComfyUI that predates core H3 (no comfy.nested_tensor)."""
+    return _install(monkeypatch, tmp_path, nested=False)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    loader_mod.release_resident()
+    (rt,) = H3ModelLoader().load(TINY_CHOICE, "auto", "auto", "on", True)
+    return rt
+
+
+def core_empty_latent(width, height, length):
+    """What core's EmptyMiniMaxH3LatentAV returns (length already on the 17k+5 grid here)."""
+    t = 2 if length <= 5 else (length - 5) // 17 * 5 + 2
+    video = torch.zeros([1, 24, t, height // 16, width // 16])
+    audio = torch.zeros([1, 32, 2, round(length / 24 * 40)])
+    return {"samples": FakeNestedTensor((video, audio))}
+
+
+def core_conditioning(tokens=12, width=5120, seed=0, tags=True):
+    g = torch.Generator().manual_seed(seed)
+    cond = torch.randn(1, tokens, width, generator=g)
+    extra = {"pooled_output": None}
+    if tags:
+        t = torch.ones(tokens, dtype=torch.long)
+        t[2:5] = 0  # a vision block inside the text span
+        extra["minimax_token_tags"] = t
+    return [[cond, extra]]
+
+
+SAMPLE_ARGS = {"seed": 7, "steps": 2, "sampler": "res_multistep", "scheduler": "simple", "shift_video": 12.0,
+               "shift_audio": 3.0, "denoise": 1.0}
+
+
+# ---------------------------------------------------------------------------------------------
+# contracts
+# ---------------------------------------------------------------------------------------------
+
+def test_registration_table():
+    assert set(NODE_CLASS_MAPPINGS) == {"H3B_ModelLoader", "H3B_Sampler", "H3B_Diagnostics", "H3B_EmptyLatent",
+                                        "H3B_TextStatesLoader"}
+    assert h3_blackwell.NODE_CLASS_MAPPINGS == NODE_CLASS_MAPPINGS  # V1 outside a running ComfyUI
+    assert h3_blackwell.NODE_DISPLAY_NAME_MAPPINGS == NODE_DISPLAY_NAME_MAPPINGS
+    assert NODE_DISPLAY_NAME_MAPPINGS["H3B_ModelLoader"] == "H3 NVFP4 Model Loader"
+    assert NODE_DISPLAY_NAME_MAPPINGS["H3B_Sampler"] == "H3 Sampler"
+    assert not hasattr(h3_blackwell, "comfy_entrypoint")
+
+
+@pytest.mark.parametrize("node_id", sorted(NODES))
+def test_node_contract(node_id):
+    cls = NODES[node_id]
+    spec = cls.INPUT_TYPES()
+    assert set(spec) <= {"required", "optional", "hidden"} and spec["required"]
+    assert cls.CATEGORY == "H3 Blackwell"
+    assert isinstance(cls.RETURN_TYPES, tuple) and cls.RETURN_TYPES
+    assert len(cls.RETURN_NAMES) == len(cls.RETURN_TYPES)
+    fn = getattr(cls, cls.FUNCTION)
+    params = inspect.signature(fn).parameters
+    for section in ("required", "optional"):
+        for name, s in spec.get(section, {}).items():
+            assert name in params, f"{node_id}.{cls.FUNCTION} lacks parameter {name}"
+            assert isinstance(s, tuple) and 1 <= len(s) <= 2
+            kind, opts = s[0], (s[1] if len(s) > 1 else {})
+            assert isinstance(kind, (list, str))
+            assert "tooltip" in opts or kind in ("INT", "FLOAT", "STRING", "BOOLEAN") or isinstance(kind, list)
+            if isinstance(kind, list):
+                assert opts.get("default", kind[0]) in kind
+            if kind in ("INT", "FLOAT"):
+                assert opts["min"] <= opts["default"] <= opts["max"]
+    required = [p for p, v in params.items() if p != "self" and v.default is inspect.Parameter.empty]
+    assert set(required) <= set(spec["required"])
+
+
+def test_types():
+    assert H3ModelLoader.RETURN_TYPES == ("H3_MODEL",)
+    assert H3Sampler.RETURN_TYPES == ("LATENT", "H3_DIAGNOSTICS")
+    s = H3Sampler.INPUT_TYPES()["required"]
+    assert [s[k][0] for k in ("model", "positive", "latent")] == ["H3_MODEL", "CONDITIONING", "LATENT"]
+    assert s["sampler"][0] == ["euler", "res_multistep"] and s["scheduler"][0] == ["simple"]
+    assert s["shift_video"][1]["default"] == 12.0 and s["shift_audio"][1]["default"] == 3.0
+    assert s["seed"][1]["control_after_generate"] is True
+    loader = H3ModelLoader.INPUT_TYPES()["required"]
+    assert loader["gemm"][0] == ["auto", "native", "emulated", "fp8", "bf16", "reference"]
+    assert loader["attention"][0] == ["auto", "sage2", "sage1", "sdpa", "reference"]
+    assert loader["fc2_lt"][0] == ["on", "off", "strict"] and loader["adaln_cache"][0] == "BOOLEAN"
+    assert H3Diagnostics.OUTPUT_NODE is True
+    assert H3Diagnostics.INPUT_TYPES()["required"]["diagnostics"][0] == "H3_DIAGNOSTICS"
+    assert "expected_video_sha256" in H3Diagnostics.INPUT_TYPES()["optional"]
+    assert H3EmptyLatent.RETURN_TYPES == ("LATENT",) and H3TextStatesLoader.RETURN_TYPES == ("CONDITIONING",)
+
+
+def test_import_needs_no_comfyui():
+    code = ("import sys, h3_blackwell; "
+            "bad = [m for m in sys.modules if m == 'comfy' or m.startswith(('comfy.', 'comfy_api')) "
+            "or m == 'folder_paths']; "
+            "assert not bad, bad; "
+            "assert len(h3_blackwell.NODE_CLASS_MAPPINGS) == 5; print('ok')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# loader
+# ---------------------------------------------------------------------------------------------
+
+def test_loader_lists_diffusion_models(comfy):
+    (comfy.models_dir / "h3_nvfp4.safetensors").write_bytes(b"")
+    choices = H3ModelLoader.INPUT_TYPES()["required"]["model"][0]
+    assert choices == [TINY_CHOICE, "h3_nvfp4.safetensors"]
+
+
+def test_loader_keeps_model_resident_and_reloads_on_change(comfy):
+    loader_mod.release_resident()
+    a = H3ModelLoader().load(TINY_CHOICE, "auto", "auto", "on", True)[0]
+    b = H3ModelLoader().load(TINY_CHOICE, "auto", "auto", "on", True)[0]
+    assert a is b and loader_mod.resident_model() is a
+    assert a.options.fc2_lt is True and a.options.fc2_lt_strict is False and a.options.adaln_cache is True
+    c = H3ModelLoader().load(TINY_CHOICE, "auto", "auto", "strict", False)[0]
+    assert c is not a and c.options.fc2_lt_strict is True and c.options.adaln_cache is False
+    assert loader_mod.resident_model() is c
+    d = H3ModelLoader().load(TINY_CHOICE, "auto", "auto", "off", False)[0]
+    assert d.options.fc2_lt is False
+
+
+def test_loader_file_reloads_when_the_file_changes(comfy):
+    from h3_blackwell.runtime.tiny import save_tiny
+
+    path = comfy.models_dir / "tiny.safetensors"
+    save_tiny(path, seed=3)
+    loader_mod.release_resident()
+    a = H3ModelLoader().load("tiny.safetensors", "reference", "reference", "off", True)[0]
+    assert a.source == str(path) and a.config.text_dim == 5120
+    assert H3ModelLoader().load("tiny.safetensors", "reference", "reference", "off", True)[0] is a
+    save_tiny(path, seed=4)
+    os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 10**9))
+    assert H3ModelLoader().load("tiny.safetensors", "reference", "reference", "off", True)[0] is not a
+    loader_mod.release_resident()
+
+
+def test_loader_missing_file_is_one_clear_message(comfy):
+    with pytest.raises(H3NodeError) as e:
+        H3ModelLoader().load("gone.safetensors", "auto", "auto", "on", True)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg.startswith("H3 NVFP4 Model Loader: model file 'gone.safetensors' was not found in diffusion_models")
+    assert str(comfy.models_dir) in msg and TINY_CHOICE in msg
+
+
+def test_loader_bad_checkpoint_is_reported_on_the_node(comfy):
+    (comfy.models_dir / "junk.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(H3NodeError, match=r"^H3 NVFP4 Model Loader: .*junk\.safetensors"):
+        H3ModelLoader().load("junk.safetensors", "auto", "auto", "on", True)
+
+
+# ---------------------------------------------------------------------------------------------
+# latents
+# ---------------------------------------------------------------------------------------------
+
+def test_empty_latent_has_core_layout(comfy):
+    (lat,) = H3EmptyLatent().create(256, 128, 22)
+    assert set(lat) == {"samples"} and isinstance(lat["samples"], FakeNestedTensor)
+    video, audio = lat["samples"].unbind()
+    ref_v, ref_a = core_empty_latent(256, 128, 22)["samples"].unbind()
+    assert video.shape == ref_v.shape == (1, 24, 7, 8, 16) and audio.shape == ref_a.shape == (1, 32, 2, 37)
+    assert video.dtype == audio.dtype == torch.float32
+    assert not video.any() and not audio.any()
+
+
+def test_empty_latent_fallback_without_nested_tensor(old_comfy):
+    (lat,) = H3EmptyLatent().create(64, 64, 5)
+    assert set(lat) == {"samples", "h3_audio"}
+    assert lat["samples"].shape == (1, 24, 2, 4, 4) and lat["h3_audio"].shape == (1, 32, 2, 8)
+
+
+def test_empty_latent_rejects_frames_off_grid(comfy):
+    with pytest.raises(H3NodeError) as e:
+        H3EmptyLatent().create(256, 256, 100)
+    assert str(e.value) == ("H3 Empty Latent: frames=100 is not on H3's 17k+5 grid (5, 22, 39, ..., 124, ...): "
+                            "use 107 or 90")
+    with pytest.raises(H3NodeError, match="width=250 must be a positive multiple of 32"):
+        H3EmptyLatent().create(250, 256, 22)
+
+
+# ---------------------------------------------------------------------------------------------
+# sampler
+# ---------------------------------------------------------------------------------------------
+
+def test_sampler_takes_core_latent_and_returns_core_layout(comfy, tiny):
+    latent = core_empty_latent(64, 64, 5)
+    cond = core_conditioning()
+    out, report = H3Sampler().sample(tiny, cond, latent, **SAMPLE_ARGS)
+    assert set(out) == {"samples"} and isinstance(out["samples"], FakeNestedTensor)
+    video, audio = out["samples"].unbind()
+    assert len(out["samples"].tensors) == 2
+    assert video.shape == (1, 24, 2, 4, 4) and audio.shape == (1, 32, 2, 8)
+    assert video.dtype == audio.dtype == torch.float32 and video.device.type == "cpu"
+    assert comfy.progress == [(1, 2), (2, 2)]
+    # the adapter adds nothing: the same call on the runtime gives the same bytes
+    ref = runtime_sample(tiny, cond[0][0], cond[0][1]["minimax_token_tags"], torch.zeros(1, 24, 2, 4, 4),
+                         torch.zeros(1, 32, 2, 8), seed=7, steps=2, sampler="res_multistep", scheduler="simple",
+                         shift_video=12.0, shift_audio=3.0)
+    assert report["latent_checksums"]["video_sha256"] == ref.report["latent_checksums"]["video_sha256"]
+    assert torch.equal(video, ref.video) and torch.equal(audio, ref.audio)
+    assert report["workload"]["frames"] == 5 and report["workload"]["text_tokens"] == 12
+
+
+def test_sampler_output_chains_into_a_second_sampler(comfy, tiny):
+    """Our LATENT is accepted back (denoise < 1 refinement), in both formats."""
+    out, _ = H3Sampler().sample(tiny, core_conditioning(), core_empty_latent(64, 64, 5), **SAMPLE_ARGS)
+    again, _ = H3Sampler().sample(tiny, core_conditioning(), out, **{**SAMPLE_ARGS, "denoise": 0.5})
+    assert again["samples"].unbind()[0].shape == (1, 24, 2, 4, 4)
+
+
+def test_sampler_fallback_latent_between_own_nodes(old_comfy, tiny):
+    (lat,) = H3EmptyLatent().create(64, 64, 5)
+    out, report = H3Sampler().sample(tiny, H3TextStatesLoader().load(EMBEDDED_STATES)[0], lat, **SAMPLE_ARGS)
+    assert set(out) == {"samples", "h3_audio"}
+    assert out["samples"].shape == (1, 24, 2, 4, 4) and out["h3_audio"].shape == (1, 32, 2, 8)
+    assert out["samples"].dtype == torch.float32
+    assert report["latent_checksums"]["video"]["shape"] == [1, 24, 2, 4, 4]
+
+
+def test_sampler_runs_headless_without_comfy_modules(tiny):
+    (lat,) = H3EmptyLatent().create(64, 64, 5)
+    out, _ = H3Sampler().sample(tiny, core_conditioning(), lat, **SAMPLE_ARGS)
+    assert "h3_audio" in out  # no comfy.nested_tensor here: the fallback form
+
+
+def test_sampler_passes_keyframes(comfy, tiny):
+    cond = core_conditioning()
+    key = {"resolved_frame_index": 0, "latent": torch.randn(1, 24, 1, 4, 4, generator=torch.Generator().manual_seed(1))}
+    cond_kf = [[cond[0][0], {**cond[0][1], "minimax_keyframes": [key]}]]
+    _, plain = H3Sampler().sample(tiny, cond, core_empty_latent(64, 64, 5), **SAMPLE_ARGS)
+    _, kf = H3Sampler().sample(tiny, cond_kf, core_empty_latent(64, 64, 5), **SAMPLE_ARGS)
+    assert kf["workload"]["cond_tokens"] > 0
+    assert kf["latent_checksums"]["video_sha256"] != plain["latent_checksums"]["video_sha256"]
+
+
+def test_sampler_token_tags_as_row_vector(comfy, tiny):
+    cond = core_conditioning()
+    tags = cond[0][1]["minimax_token_tags"]
+    _, a = H3Sampler().sample(tiny, cond, core_empty_latent(64, 64, 5), **SAMPLE_ARGS)
+    cond[0][1]["minimax_token_tags"] = tags[None]
+    _, b = H3Sampler().sample(tiny, cond, core_empty_latent(64, 64, 5), **SAMPLE_ARGS)
+    assert a["latent_checksums"] == b["latent_checksums"]
+
+
+def _error(fn, *args, **kw) -> str:
+    with pytest.raises(H3NodeError) as e:
+        fn(*args, **kw)
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    return msg
+
+
+def test_sampler_rejects_conditioning_of_the_wrong_width(comfy, tiny):
+    msg = _error(H3Sampler().sample, tiny, core_conditioning(width=768), core_empty_latent(64, 64, 5), **SAMPLE_ARGS)
+    assert msg == ("H3 Sampler: the conditioning is [1, 12, 768]; H3 needs [1, L, 5120] (Qwen3-VL-32B states). Encode "
+                   "the prompt with CLIPLoader type 'minimax', or load precomputed states with H3 Text States Loader.")
+
+
+def test_sampler_rejects_a_latent_that_is_not_h3(comfy, tiny):
+    msg = _error(H3Sampler().sample, tiny, core_conditioning(), {"samples": torch.zeros(1, 4, 64, 64)}, **SAMPLE_ARGS)
+    assert msg.startswith("H3 Sampler: expected an H3 audio+video LATENT")
+    assert "got a tensor of shape [1, 4, 64, 64] (float32), which is an image or video-only latent" in msg
+    wan = {"samples": torch.zeros(1, 16, 5, 8, 8)}
+    assert "[1, 16, 5, 8, 8]" in _error(H3Sampler().sample, tiny, core_conditioning(), wan, **SAMPLE_ARGS)
+    nested_wrong = {"samples": FakeNestedTensor((torch.zeros(1, 128, 5, 8, 8), torch.zeros(1, 8, 20)))}
+    assert "its video stream is a tensor of shape [1, 128, 5, 8, 8]" in _error(
+        H3Sampler().sample, tiny, core_conditioning(), nested_wrong, **SAMPLE_ARGS)
+    batch2 = {"samples": FakeNestedTensor((torch.zeros(2, 24, 2, 4, 4), torch.zeros(2, 32, 2, 8)))}
+    assert "batch 1" in _error(H3Sampler().sample, tiny, core_conditioning(), batch2, **SAMPLE_ARGS)
+    masked = {**core_empty_latent(64, 64, 5), "noise_mask": torch.ones(1, 1, 4, 4)}
+    assert "noise_mask" in _error(H3Sampler().sample, tiny, core_conditioning(), masked, **SAMPLE_ARGS)
+
+
+def test_sampler_rejects_other_conditioning_shapes(comfy, tiny):
+    lat = core_empty_latent(64, 64, 5)
+    two = core_conditioning() + core_conditioning(seed=1)
+    assert "one conditioning entry; got 2" in _error(H3Sampler().sample, tiny, two, lat, **SAMPLE_ARGS)
+    bad_tags = core_conditioning()
+    bad_tags[0][1]["minimax_token_tags"] = torch.ones(5, dtype=torch.long)
+    assert "5 entries for 12 text tokens" in _error(H3Sampler().sample, tiny, bad_tags, lat, **SAMPLE_ARGS)
+    refs = core_conditioning()
+    refs[0][1]["minimax_refs"] = [{"kind": "image"}]
+    assert "minimax_refs" in _error(H3Sampler().sample, tiny, refs, lat, **SAMPLE_ARGS)
+    assert "H3 NVFP4 Model Loader" in _error(H3Sampler().sample, "not a model", core_conditioning(), lat,
+                                             **SAMPLE_ARGS)
+
+
+def test_sampler_runtime_errors_reach_the_node(comfy, tiny):
+    msg = _error(H3Sampler().sample, tiny, core_conditioning(), core_empty_latent(64, 64, 5),
+                 **{**SAMPLE_ARGS, "steps": 0})
+    assert msg.startswith("H3 Sampler: ")
+
+
+def test_sampler_interrupt_becomes_comfy_interrupt(comfy, tiny):
+    comfy.interrupt_flag = True
+    with pytest.raises(InterruptProcessingException):
+        H3Sampler().sample(tiny, core_conditioning(), core_empty_latent(64, 64, 5), **SAMPLE_ARGS)
+    assert comfy.interrupt_flag is False  # consumed, as ComfyUI's own check does
+    out, _ = H3Sampler().sample(tiny, core_conditioning(), core_empty_latent(64, 64, 5), **SAMPLE_ARGS)
+    assert out["samples"].unbind()[0].shape == (1, 24, 2, 4, 4)  # the resident model is still usable
+
+
+# ---------------------------------------------------------------------------------------------
+# diagnostics
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def report(comfy, tiny):
+    return H3Sampler().sample(tiny, core_conditioning(), core_empty_latent(64, 64, 5), **SAMPLE_ARGS)[1]
+
+
+def test_diagnostics_shows_text_and_writes_json(comfy, report):
+    out = H3Diagnostics().report(report, "h3_blackwell/diag")
+    files = out["ui"]["h3_report"]
+    assert files == [{"filename": "diag_00001_.json", "subfolder": "h3_blackwell", "type": "output"}]
+    written = json.loads((comfy.output_dir / "h3_blackwell" / "diag_00001_.json").read_text())
+    assert written["latent_checksums"] == report["latent_checksums"]
+    text = out["ui"]["text"][0]
+    assert report["latent_checksums"]["video_sha256"][:16] in text and "attention:" in text
+    assert json.loads(out["result"][0]) == json.loads(json.dumps(report, default=str))
+    second = H3Diagnostics().report(report, "h3_blackwell/diag")
+    assert second["ui"]["h3_report"][0]["filename"] == "diag_00002_.json"
+
+
+def test_diagnostics_expected_hash(comfy, report):
+    good = report["latent_checksums"]["video_sha256"]
+    H3Diagnostics().report(report, "h3_blackwell/diag", expected_video_sha256=good.upper() + " ")
+    msg = _error(H3Diagnostics().report, report, "h3_blackwell/diag", expected_video_sha256="0" * 64)
+    assert msg.startswith(f"H3 Diagnostics: video latent sha256 mismatch: expected {'0' * 64}, got {good}")
+    assert "diag_00002_.json" in msg and (comfy.output_dir / "h3_blackwell" / "diag_00002_.json").exists()
+    assert "64 hex digits" in _error(H3Diagnostics().report, report, "x", expected_video_sha256="abc")
+    assert "from H3 Sampler" in _error(H3Diagnostics().report, {"nope": 1}, "x")
+
+
+# ---------------------------------------------------------------------------------------------
+# text states
+# ---------------------------------------------------------------------------------------------
+
+def test_text_states_loader_reads_a_file(comfy):
+    from safetensors.torch import save_file
+
+    states = torch.randn(1, 9, 5120)
+    tags = torch.tensor([1, 1, 0, 0, 0, 1, 1, 1, 1])
+    save_file({"text_states": states.to(torch.bfloat16), "token_tags": tags}, str(comfy.input_dir / "a.safetensors"))
+    (comfy.input_dir / "sub").mkdir()
+    save_file({"text_states": states[0]}, str(comfy.input_dir / "sub" / "b.safetensors"))
+    assert H3TextStatesLoader.INPUT_TYPES()["required"]["text_states"][0] == [EMBEDDED_STATES, "a.safetensors",
+                                                                               "sub/b.safetensors"]
+    (cond,) = H3TextStatesLoader().load("a.safetensors")
+    assert len(cond) == 1 and cond[0][0].shape == (1, 9, 5120) and cond[0][0].dtype == torch.float32
+    assert torch.equal(cond[0][1]["minimax_token_tags"], tags)
+    (cond_b,) = H3TextStatesLoader().load("sub/b.safetensors")
+    assert cond_b[0][0].shape == (1, 9, 5120) and cond_b[0][1] == {}
+
+
+def test_text_states_loader_errors(comfy):
+    from safetensors.torch import save_file
+
+    assert "was not found" in _error(H3TextStatesLoader().load, "missing.safetensors")
+    save_file({"text_states": torch.zeros(1, 4, 4096)}, str(comfy.input_dir / "narrow.safetensors"))
+    assert "is [1, 4, 4096]; expected [1, L, 5120]" in _error(H3TextStatesLoader().load, "narrow.safetensors")
+    save_file({"hidden": torch.zeros(1, 4, 5120)}, str(comfy.input_dir / "other.safetensors"))
+    assert "expected a tensor 'text_states'" in _error(H3TextStatesLoader().load, "other.safetensors")
+    (comfy.input_dir / "junk.safetensors").write_bytes(b"\x00" * 16)
+    assert "not a readable safetensors file" in _error(H3TextStatesLoader().load, "junk.safetensors")
+
+
+def test_embedded_states_match_the_cli():
+    (cond,) = H3TextStatesLoader().load(EMBEDDED_STATES)
+    g = torch.Generator().manual_seed(1234)
+    assert torch.equal(cond[0][0], torch.randn(1, 32, 5120, generator=g))
+    assert cond[0][1] == {}

@@ -1,0 +1,151 @@
+"""Nvfp4Linear: the backend capability table, and every GEMM backend vs an fp64 dequant reference.
+
+The reference is the exact NVFP4 product P = ga*gw * sum_k (va*sa)(vw*sw), computed in float64 from the
+same quantized activation the layer produced. Tolerances (u = 2^-24, A = sum_k |a_k||w_k| * ga*gw):
+
+* emulated / reference: exact products, fp32 (resp. fp64) accumulation: |y - P| <= (K + 2) u A
+  (Higham's gamma_K plus the two roundings of the global-scale multiply), plus one rounding of the
+  output dtype (2^-8 |P| for bf16 outputs).
+* bf16: the weight is rounded once to bf16 after the global scales are folded in (<= 2^-9 relative per
+  element) and the GEMM output is rounded to bf16 before leaving torch.mm: |y - P| <= (K + 2) u A
+  + 2^-9 A + 2^-8 |P|.
+* fp8: both operands re-expressed as rowwise e4m3 (bounded per element in test_quant_kernels); given
+  those operands the GEMM is exact products + fp32 accumulation, so the test rebuilds the e4m3 operands
+  with the reference conversion and applies the emulated bound to them.
+"""
+
+import pytest
+import torch
+
+from h3_blackwell.runtime.ops import linear as L
+from h3_blackwell.runtime.ops import nvfp4 as nv
+from h3_blackwell.runtime.ops import quant_kernels as qk
+
+U = 2.0 ** -24
+
+
+def _rand(shape, seed, scale=1.0, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * scale).to(dtype)
+
+
+def _exact(a: nv.NVFP4Tensor, w: nv.NVFP4Tensor):
+    a64, w64 = nv.dequantize(a, torch.float64), nv.dequantize(w, torch.float64)
+    return a64 @ w64.T, a64.abs() @ w64.abs().T
+
+
+def test_capability_table_on_cpu_says_why():
+    table = {c.backend: c for c in L.gemm_capability_table("cpu")}
+    assert set(table) == set(L.BACKENDS)
+    assert not table["native"].available and "refused" in table["native"].reason
+    assert L.choose_gemm_backend("cpu")[0] == "emulated"
+    name, why = L.choose_gemm_backend("cpu", "native")
+    assert name == "emulated" and why.startswith("requested native unavailable: native: refused")
+    with pytest.raises(RuntimeError, match="unavailable: native: refused"):
+        L.choose_gemm_backend("cpu", "native", strict=True)
+    with pytest.raises(ValueError, match="expected auto or one of"):
+        L.choose_gemm_backend("cpu", "int4")
+
+
+@pytest.mark.parametrize("cc, auto, native_reason", [
+    ((9, 0), "fp8", "native: refused, compute capability 9.0 < 10.0"),
+    ((8, 6), "bf16", "native: refused, compute capability 8.6 < 10.0"),
+    ((12, 1), "native", "native: cuBLASLt block-scaled FP4"),
+])
+def test_capability_table_per_compute_capability(monkeypatch, cc, auto, native_reason):
+    """The table's decisions for the GPUs we target, without one: the H200 (9.0) refuses native with the
+    reason naming its compute capability; GB10 (12.1) takes it."""
+    monkeypatch.setattr(L, "_cc", lambda device: cc)
+    dev = torch.device("cuda", 0)
+    table = {c.backend: c for c in L.gemm_capability_table(dev)}
+    assert table["native"].reason.startswith(native_reason)
+    assert table["fp8"].available == (cc >= (8, 9))
+    name, why = L.choose_gemm_backend(dev)
+    assert name == auto
+    if auto != "native":
+        assert native_reason in why  # the choice records why native was not taken
+
+
+@pytest.mark.parametrize("backend", ["emulated", "bf16", "fp8", "reference"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_backend_forward_within_stated_bound(backend, out_dtype):
+    m, n, k = 45, 72, 160
+    w = _rand((n, k), seed=1)
+    x = _rand((m, k), seed=2, scale=3.0)
+    lin = L.Nvfp4Linear.from_float(w, backend=backend, out_dtype=out_dtype, strict=True)
+    assert lin.backend == backend
+    y = lin(x)
+    assert y.shape == (m, n) and y.dtype == out_dtype
+    a = qk.quantize(x)
+    ref, absprod = _exact(a, lin.weight)
+    out_round = 0.0 if out_dtype == torch.float32 else 2 ** -8
+    if backend == "fp8":
+        a8, ra = qk.to_fp8_rowwise_reference(a)
+        w8, rw = qk.to_fp8_rowwise_reference(lin.weight)
+        a64 = a8.double() * (ra.double() * a.global_scale.double()).unsqueeze(1)
+        w64 = w8.double() * (rw.double() * lin.global_scale.double()).unsqueeze(1)
+        ref, absprod = a64 @ w64.T, a64.abs() @ w64.abs().T
+        bound = (k + 2) * U * absprod + out_round * ref.abs()
+    elif backend == "bf16":
+        bound = (k + 2) * U * absprod + 2 ** -9 * absprod + 2 ** -8 * ref.abs()
+    else:
+        bound = (k + 2) * U * absprod + out_round * ref.abs()
+    err = (y.double() - ref).abs()
+    assert (err <= bound).all(), f"max excess {(err - bound).max().item():.3g}"
+
+
+def test_forward_swiglu_and_forward_quantized():
+    f, n, s = 96, 40, 33
+    lin = L.Nvfp4Linear.from_float(_rand((n, f), seed=3), backend="reference", out_dtype=torch.float32)
+    h = _rand((s, 2 * f), seed=4, scale=2.0)
+    a = qk.swiglu_quantize(h)
+    ref, _ = _exact(a, lin.weight)
+    assert torch.equal(lin.forward_swiglu(h), ref.float())
+    assert torch.equal(lin.forward_quantized(a.packed, a.scales, a.global_scale), ref.float())
+    x = _rand((s, f), seed=5)
+    assert torch.equal(lin(x), lin.forward_quantized(*(lambda t: (t.packed, t.scales, t.global_scale))(qk.quantize(x))))
+
+
+def test_from_comfy_quant_calibrated_scale_pre_quant_scale_and_bias():
+    n, k = 48, 64
+    w = nv.quantize(_rand((n, k), seed=6))
+    ins = torch.tensor(0.002)
+    pqs = torch.rand(k) + 0.5
+    sd = nv.to_comfy_quant(w, "blocks.0.attn.out_proj", input_scale=ins, pre_quant_scale=pqs)
+    sd["blocks.0.attn.out_proj.bias"] = _rand((n,), seed=7, dtype=torch.float32)
+    lin = L.Nvfp4Linear.from_comfy_quant(sd, "blocks.0.attn.out_proj", shape=(n, k), backend="reference",
+                                         act_scale="calibrated", out_dtype=torch.float32)
+    assert torch.equal(lin.packed, w.packed) and lin.act_scale_reason.startswith("calibrated")
+    x = _rand((2, 5, k), seed=8)  # any leading dims
+    y = lin(x)
+    assert y.shape == (2, 5, n)
+    a = qk.quantize((x.reshape(10, k) * pqs.to(x.dtype)), ins)  # smoothing first, then the calibrated scale
+    assert torch.equal(a.global_scale, ins)
+    ref, _ = _exact(a, w)
+    assert torch.equal(y.reshape(10, n), (ref.float() + sd["blocks.0.attn.out_proj.bias"]))
+    dyn = L.Nvfp4Linear(w, act_scale="calibrated", backend="reference")
+    assert "no input_scale" in dyn.act_scale_reason  # falls back to dynamic and says so
+
+
+def test_validation_messages():
+    lin = L.Nvfp4Linear.from_float(_rand((16, 32), seed=9), backend="reference")
+    with pytest.raises(ValueError, match="input has 31 features; this layer expects 32"):
+        lin(torch.randn(4, 31))
+    with pytest.raises(ValueError, match=r"\[S, 2F\] = \[gate \| up\] with F = 32"):
+        lin.forward_swiglu(torch.randn(4, 32))
+    with pytest.raises(TypeError, match="needs an NVFP4Tensor"):
+        L.Nvfp4Linear(torch.randn(4, 4))
+    with pytest.raises(ValueError, match=r"bias must be \[16\]"):
+        L.Nvfp4Linear(lin.weight, bias=torch.zeros(3))
+    assert "backend=reference" in repr(lin)
+
+
+def test_scratch_is_reused_across_layers():
+    scratch = L.Scratch()
+    big = L.Nvfp4Linear.from_float(_rand((64, 96), seed=10), backend="bf16", scratch=scratch)
+    small = L.Nvfp4Linear.from_float(_rand((32, 96), seed=11), backend="bf16", scratch=scratch)
+    x = _rand((8, 96), seed=12)
+    big(x)
+    held = scratch.nbytes()
+    small(x)
+    assert scratch.nbytes() == held  # the smaller layer expands into the same buffers

@@ -1,0 +1,307 @@
+"""Every workflow in workflows/ checked against the node definitions: links type-check, widget values are legal,
+the UI graph converts (with comfy-run's converter) to exactly its API twin, and the smoke workflow runs
+in-process through this pack's nodes.
+
+Core nodes used by the workflows, as defined by ComfyUI core (nodes.py, comfy_extras/nodes_audio.py,
+comfy_extras/nodes_video.py, comfy_extras/nodes_minimax_h3.py; the "minimax" CLIP type from the newest core):
+
+| node                    | inputs (widgets in order)                                               | outputs  |
+|-------------------------|-------------------------------------------------------------------------|----------|
+| CLIPLoader              | clip_name (text_encoders file), type (... "minimax"), opt. device        | CLIP     |
+| CLIPTextEncode          | text STRING multiline, clip CLIP                                        | CONDITIONING |
+| VAELoader               | vae_name (vae file)                                                     | VAE      |
+| VAEDecode               | samples LATENT, vae VAE                                                 | IMAGE    |
+| VAEDecodeAudio          | samples LATENT, vae VAE                                                 | AUDIO    |
+| CreateVideo             | images IMAGE, fps FLOAT (30, 1..120), opt. audio AUDIO                  | VIDEO    |
+| SaveVideo (output node) | video VIDEO, filename_prefix STRING, format [auto, mp4], codec [auto, h264] | -    |
+| EmptyMiniMaxH3LatentAV  | width INT (1344, 32.., step 32), height INT (768), length INT (124, 5..3600, step 17) | LATENT |
+
+File-list combos (model folders) accept any model file name: the list is the user's folder.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from h3_blackwell.nodes import NODES
+from h3_blackwell.runtime import sample as runtime_sample
+from h3_blackwell.runtime.comfy_run import is_api_prompt, is_ui_graph, ui_to_api
+
+from test_nodes import _install  # the ComfyUI stand-ins
+
+WORKFLOWS = Path(__file__).resolve().parents[1] / "workflows"
+MODEL_EXTENSIONS = (".safetensors", ".sft", ".ckpt", ".pt", ".pth", ".bin", ".gguf")
+FILES = ("COMBO", {"file_list": True})
+
+CLIP_TYPES = ["stable_diffusion", "stable_cascade", "sd3", "stable_audio", "mochi", "ltxv", "pixart", "cosmos",
+              "lumina2", "wan", "hidream", "chroma", "ace", "omnigen2", "qwen_image", "hunyuan_image", "flux2",
+              "ovis", "longcat_image", "cogvideox", "lens", "pixeldit", "ideogram4", "boogu", "krea2", "joyimage",
+              "mage", "minimax"]
+
+
+def _core(required, outputs, optional=None, output_node=False, names=None):
+    return {"input": {"required": required, "optional": optional or {}},
+            "input_order": {"required": list(required), "optional": list(optional or {})},
+            "output": list(outputs), "output_name": list(names or outputs), "output_node": output_node}
+
+
+CORE_NODES = {
+    "CLIPLoader": _core({"clip_name": FILES, "type": (CLIP_TYPES, {})}, ["CLIP"],
+                        optional={"device": (["default", "cpu"], {})}),
+    "CLIPTextEncode": _core({"text": ("STRING", {"multiline": True}), "clip": ("CLIP", {})}, ["CONDITIONING"]),
+    "VAELoader": _core({"vae_name": FILES}, ["VAE"]),
+    "VAEDecode": _core({"samples": ("LATENT", {}), "vae": ("VAE", {})}, ["IMAGE"]),
+    "VAEDecodeAudio": _core({"samples": ("LATENT", {}), "vae": ("VAE", {})}, ["AUDIO"]),
+    "CreateVideo": _core({"images": ("IMAGE", {}), "fps": ("FLOAT", {"default": 30.0, "min": 1.0, "max": 120.0,
+                                                                      "step": 1.0})},
+                         ["VIDEO"], optional={"audio": ("AUDIO", {})}),
+    "SaveVideo": _core({"video": ("VIDEO", {}), "filename_prefix": ("STRING", {"default": "video/ComfyUI"}),
+                        "format": (["auto", "mp4"], {}), "codec": (["auto", "h264"], {})}, [], output_node=True),
+    "EmptyMiniMaxH3LatentAV": _core({"width": ("INT", {"default": 1344, "min": 32, "max": 16384, "step": 32}),
+                                     "height": ("INT", {"default": 768, "min": 32, "max": 16384, "step": 32}),
+                                     "length": ("INT", {"default": 124, "min": 5, "max": 3600, "step": 17})},
+                                    ["LATENT"]),
+}
+
+# this pack's inputs whose choices come from a folder
+OWN_FILE_LISTS = {("H3B_ModelLoader", "model"), ("H3B_TextStatesLoader", "text_states")}
+
+
+def object_info() -> dict:
+    """/object_info as a ComfyUI with this pack (V1 classes) and the core nodes above would serve it."""
+    info = copy.deepcopy(CORE_NODES)
+    for node_id, cls in NODES.items():
+        spec = cls.INPUT_TYPES()
+        info[node_id] = {"input": spec,
+                         "input_order": {s: list(spec.get(s, {})) for s in ("required", "optional")},
+                         "output": list(cls.RETURN_TYPES), "output_name": list(cls.RETURN_NAMES),
+                         "output_node": bool(getattr(cls, "OUTPUT_NODE", False)), "display_name": cls.TITLE}
+    return info
+
+
+def _types_match(out_type: str, in_type: str) -> bool:
+    if "*" in (out_type, in_type):
+        return True
+    return bool(set(out_type.split(",")) & set(in_type.split(",")))
+
+
+def check_widget(class_type: str, name: str, spec, value) -> str | None:
+    """None when ``value`` is legal for the widget, else why not."""
+    kind, opts = spec[0], (spec[1] if len(spec) > 1 else {})
+    if isinstance(kind, list):
+        if (class_type, name) in OWN_FILE_LISTS and isinstance(value, str) and value.endswith(MODEL_EXTENSIONS):
+            return None
+        return None if value in kind else f"{value!r} not in {kind}"
+    if kind == "COMBO" and opts.get("file_list"):
+        return None if isinstance(value, str) and value.endswith(MODEL_EXTENSIONS) else f"{value!r} is not a model file"
+    if kind == "INT":
+        if not isinstance(value, int) or isinstance(value, bool):
+            return f"{value!r} is not an INT"
+    elif kind == "FLOAT":
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return f"{value!r} is not a FLOAT"
+    elif kind == "BOOLEAN":
+        return None if isinstance(value, bool) else f"{value!r} is not a BOOLEAN"
+    elif kind == "STRING":
+        return None if isinstance(value, str) else f"{value!r} is not a STRING"
+    else:
+        return f"{kind} is a socket, got the literal {value!r}"
+    if "min" in opts and value < opts["min"]:
+        return f"{value} is below the minimum {opts['min']}"
+    if "max" in opts and value > opts["max"]:
+        return f"{value} is above the maximum {opts['max']}"
+    return None
+
+
+def validate_api(prompt: dict, info: dict) -> list[str]:
+    """Every problem ComfyUI's /prompt validation would find (and a few it would not), as strings."""
+    problems = []
+    if not is_api_prompt(prompt):
+        return ["not an API prompt"]
+    outputs = 0
+    for nid, node in prompt.items():
+        ct = node["class_type"]
+        if ct not in info:
+            problems.append(f"{nid}: unknown node type {ct}")
+            continue
+        d = info[ct]
+        outputs += bool(d.get("output_node"))
+        specs = {**d["input"].get("required", {}), **d["input"].get("optional", {})}
+        for name in d["input"].get("required", {}):
+            if name not in node["inputs"]:
+                problems.append(f"{nid} ({ct}): required input {name} missing")
+        for name, value in node["inputs"].items():
+            if name not in specs:
+                problems.append(f"{nid} ({ct}): unknown input {name}")
+                continue
+            spec = specs[name]
+            if isinstance(value, list) and len(value) == 2 and isinstance(value[0], str) and isinstance(value[1], int):
+                src = prompt.get(value[0])
+                if src is None or src["class_type"] not in info:
+                    problems.append(f"{nid}.{name}: link to missing node {value[0]}")
+                    continue
+                outs = info[src["class_type"]]["output"]
+                if value[1] >= len(outs):
+                    problems.append(f"{nid}.{name}: {src['class_type']} has no output {value[1]}")
+                    continue
+                in_type = "COMBO" if isinstance(spec[0], list) else spec[0]
+                if not _types_match(outs[value[1]], in_type):
+                    problems.append(f"{nid}.{name}: {outs[value[1]]} output linked to a {in_type} input")
+            else:
+                why = check_widget(ct, name, spec, value)
+                if why:
+                    problems.append(f"{nid} ({ct}).{name}: {why}")
+    if not outputs:
+        problems.append("no output node")
+    return problems
+
+
+def validate_ui(graph: dict, info: dict) -> list[str]:
+    """Link bookkeeping of a UI graph: both ends agree on ids, slots and types, and match the definitions."""
+    problems = []
+    nodes = {n["id"]: n for n in graph["nodes"]}
+    for link in graph["links"]:
+        lid, a, aslot, b, bslot, ltype = link
+        na, nb = nodes.get(a), nodes.get(b)
+        if na is None or nb is None:
+            problems.append(f"link {lid}: missing node")
+            continue
+        out, inp = na["outputs"][aslot], nb["inputs"][bslot]
+        if lid not in (out.get("links") or []) or inp.get("link") != lid:
+            problems.append(f"link {lid}: the two ends do not list it")
+        if not (out["type"] == inp["type"] == ltype):
+            problems.append(f"link {lid}: types {out['type']} -> {inp['type']} (link says {ltype})")
+        decl_out = info[na["type"]]["output"][aslot]
+        decl_in = {**info[nb["type"]]["input"]["required"], **info[nb["type"]]["input"].get("optional", {})}
+        if inp["name"] not in decl_in:
+            problems.append(f"link {lid}: {nb['type']} has no input {inp['name']}")
+        elif not _types_match(decl_out, decl_in[inp["name"]][0]):
+            problems.append(f"link {lid}: {na['type']} gives {decl_out}, {nb['type']}.{inp['name']} wants "
+                            f"{decl_in[inp['name']][0]}")
+    ids = [link[0] for link in graph["links"]]
+    if len(ids) != len(set(ids)) or graph.get("last_link_id", 0) < max(ids, default=0):
+        problems.append("link ids are not unique or exceed last_link_id")
+    if graph.get("last_node_id", 0) < max(nodes, default=0):
+        problems.append("node ids exceed last_node_id")
+    return problems
+
+
+def _load(name):
+    return json.loads((WORKFLOWS / name).read_text())
+
+
+def _strip(prompt):
+    return {k: {"class_type": v["class_type"], "inputs": v["inputs"]} for k, v in prompt.items()}
+
+
+def test_every_workflow_is_checked():
+    assert sorted(p.name for p in WORKFLOWS.glob("*.json")) == [
+        "h3_smoke_tiny.api.json", "h3_t2va_nvfp4.api.json", "h3_t2va_nvfp4.json"]
+
+
+@pytest.mark.parametrize("name", ["h3_smoke_tiny.api.json", "h3_t2va_nvfp4.api.json"])
+def test_api_workflows_validate(name):
+    prompt = _load(name)
+    assert is_api_prompt(prompt)
+    assert validate_api(prompt, object_info()) == []
+
+
+def test_ui_workflow_validates_and_converts_to_its_api_twin():
+    graph = _load("h3_t2va_nvfp4.json")
+    assert is_ui_graph(graph) and not is_api_prompt(graph)
+    info = object_info()
+    assert validate_ui(graph, info) == []
+    converted = ui_to_api(graph, info)
+    assert validate_api(converted, info) == []
+    assert _strip(converted) == _strip(_load("h3_t2va_nvfp4.api.json"))
+
+
+def test_t2va_workflow_shape():
+    prompt = _load("h3_t2va_nvfp4.api.json")
+    by_type = {}
+    for nid, n in prompt.items():
+        by_type.setdefault(n["class_type"], []).append(nid)
+    assert prompt[by_type["CLIPLoader"][0]]["inputs"]["type"] == "minimax"
+    assert len(by_type["VAELoader"]) == 2
+    assert prompt[by_type["CreateVideo"][0]]["inputs"]["fps"] == 24.0
+    sampler = by_type["H3B_Sampler"][0]
+    # the sampler's LATENT feeds both decoders, its diagnostics the diagnostics node
+    assert prompt[by_type["VAEDecode"][0]]["inputs"]["samples"] == [sampler, 0]
+    assert prompt[by_type["VAEDecodeAudio"][0]]["inputs"]["samples"] == [sampler, 0]
+    assert prompt[by_type["H3B_Diagnostics"][0]]["inputs"]["diagnostics"] == [sampler, 1]
+    assert prompt[by_type["CreateVideo"][0]]["inputs"]["audio"] == [by_type["VAEDecodeAudio"][0], 0]
+    assert {"H3B_ModelLoader", "H3B_Sampler", "H3B_Diagnostics", "SaveVideo"} <= set(by_type)
+
+
+def test_core_latent_node_can_feed_the_sampler():
+    prompt = _load("h3_t2va_nvfp4.api.json")
+    prompt["4"] = {"class_type": "EmptyMiniMaxH3LatentAV", "inputs": {"width": 1344, "height": 768, "length": 124}}
+    assert validate_api(prompt, object_info()) == []
+
+
+def test_validator_catches_mistakes():
+    info = object_info()
+    prompt = _load("h3_t2va_nvfp4.api.json")
+    prompt["5"]["inputs"]["steps"] = 500
+    prompt["5"]["inputs"]["sampler"] = "dpmpp_2m"
+    prompt["5"]["inputs"]["positive"] = ["7", 0]  # a VAE into CONDITIONING
+    prompt["3"]["inputs"]["gemm"] = "int4"
+    problems = validate_api(prompt, info)
+    assert any("above the maximum 200" in p for p in problems)
+    assert any("'dpmpp_2m' not in" in p for p in problems)
+    assert any("VAE output linked to a CONDITIONING input" in p for p in problems)
+    assert any("'int4' not in" in p for p in problems)
+    graph = _load("h3_t2va_nvfp4.json")
+    graph["links"][0][5] = "MODEL"
+    assert validate_ui(graph, info)
+
+
+def test_smoke_workflow_uses_only_this_pack():
+    prompt = _load("h3_smoke_tiny.api.json")
+    assert {n["class_type"] for n in prompt.values()} <= set(NODES)
+    assert prompt["1"]["inputs"]["model"] == "embedded tiny (seed 0)"
+
+
+def _execute(prompt: dict) -> dict:
+    """ComfyUI's execution in miniature: output nodes and what they depend on, each node once."""
+    results, ui = {}, {}
+
+    def run(nid):
+        if nid in results:
+            return results[nid]
+        node = prompt[nid]
+        cls = NODES[node["class_type"]]
+        kwargs = {k: (run(v[0])[v[1]] if isinstance(v, list) else v) for k, v in node["inputs"].items()}
+        out = getattr(cls(), cls.FUNCTION)(**kwargs)
+        if isinstance(out, dict):
+            ui[nid] = out.get("ui")
+            out = out["result"]
+        results[nid] = out
+        return out
+
+    for nid, node in prompt.items():
+        if getattr(NODES[node["class_type"]], "OUTPUT_NODE", False):
+            run(nid)
+    return {"results": results, "ui": ui}
+
+
+def test_smoke_workflow_runs_in_process(monkeypatch, tmp_path):
+    """The smoke prompt through the node classes gives the bytes `h3-blackwell generate` gives by default
+    (tiny model, random states seed 1234, 256x256, 22 frames, 8 steps, seed 440420)."""
+    fake = _install(monkeypatch, tmp_path, nested=True)
+    prompt = _load("h3_smoke_tiny.api.json")
+    run = _execute(prompt)
+    (entry,) = run["ui"]["5"]["h3_report"]
+    written = json.loads((fake.output_dir / entry["subfolder"] / entry["filename"]).read_text())
+    video, audio = run["results"]["4"][0]["samples"].unbind()
+    assert video.shape == (1, 24, 7, 16, 16) and audio.shape == (1, 32, 2, 37)
+    rt = run["results"]["1"][0]
+    ref = runtime_sample(rt, torch.randn(1, 32, 5120, generator=torch.Generator().manual_seed(1234)), None,
+                         torch.zeros(1, 24, 7, 16, 16), torch.zeros(1, 32, 2, 37), seed=440420, steps=8)
+    assert written["latent_checksums"]["video_sha256"] == ref.report["latent_checksums"]["video_sha256"]
+    assert written["latent_checksums"]["audio_sha256"] == ref.report["latent_checksums"]["audio_sha256"]
