@@ -77,6 +77,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fp8", action="store_true", help="also tune an fp8_e4m3 (tensorwise) entry")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--max-candidates", type=int, default=300)
+    ap.add_argument("--check-seconds", type=float, default=40.0, help="AlgoCheck sweep time limit per tune")
+    ap.add_argument("--run-seconds", type=float, default=60.0, help="exactness-run time limit per tune")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: needs a CUDA device", file=sys.stderr)
@@ -149,7 +151,8 @@ def main(argv=None) -> int:
         attempts = []
         for ws_mb in (0, 32):
             r = tune(dtype=dtype, options=options, device=dev, workspace_limit=ws_mb << 20, rounds=a.rounds,
-                     max_candidates=a.max_candidates, command=res["command"],
+                     max_candidates=a.max_candidates, check_seconds=a.check_seconds, run_seconds=a.run_seconds,
+                     command=res["command"],
                      say=lambda s: print(s, file=sys.stderr), **CANONICAL)
             attempts.append({"workspace_mb": ws_mb, "found": r["entry"] is not None})
             if r["entry"] is not None:

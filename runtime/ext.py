@@ -136,6 +136,8 @@ def _candidate_include_roots(extra: Iterable[str] | None) -> list[Path]:
     if home is not None:
         roots += [home / "include"] + [home / "targets" / t / "include" for t in ("x86_64-linux", "sbsa-linux")]
     roots.append(Path("/usr/local/cuda/include"))
+    # CUDA 13 toolkits may keep CCCL (nv/target) only under include/cccl, which nvcc adds by itself
+    roots += [r / "cccl" for r in list(roots)]
     out: list[Path] = []
     for r in roots:
         if r.is_dir() and r not in out:

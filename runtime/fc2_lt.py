@@ -17,11 +17,19 @@ Accepted entries come from evidence, never from inference:
   ``RuntimeOptions.cache_dir/fc2_lt/table/`` or loaded explicitly.
 
 Guard order (the first failing condition is the recorded reason, ``code: detail``):
-``disabled`` -> call: ``contract`` ``dtype`` ``role`` ``lora`` ``bias`` ``out_dtype`` ``producer``
-``k`` ``n`` ``m_logical`` ``m_padded`` -> device: ``extension`` ``no_device`` ``cc`` ``sm_count``
-``cuda_header`` ``cublas_header`` ``cuda_runtime`` ``cublaslt_runtime`` -> plan: ``capture``
-``policy`` ``init`` ``config`` ``check`` ``workspace`` ``readback`` ``self_test`` -> run: ``contract``
-``execute``. With several entries the reason comes from the entry that got furthest.
+
+- switch: ``disabled``;
+- operands: ``contract`` (malformed), ``dtype`` (no plan kind for it);
+- the call vs each entry: ``role`` ``lora`` ``bias`` ``out_dtype`` ``dtype`` ``producer`` ``k`` ``n``
+  ``m_logical`` ``m_padded`` (``empty_table`` when nothing is loaded);
+- the device vs the entries left: ``extension`` ``no_device`` ``cc`` ``sm_count`` ``cuda_header``
+  ``cublas_header`` ``cuda_runtime`` ``cublaslt_runtime``;
+- the plan: ``capture`` (not prepared before graph capture), ``policy`` ``init`` ``config`` ``check``
+  ``workspace`` ``readback`` (the extension's stages), ``descriptors``, ``plan`` (anything else),
+  ``self_test``;
+- the run: ``contract`` (the extension refused a tensor), ``execute``; ``internal`` for a bug.
+
+With several entries the reason comes from the entry that got furthest through these checks.
 
 Counters: every call is an attempt; it ends as a success or a fallback (or, in strict mode, an
 error raised as :class:`Fc2LtError`). ``begin_run()``/``end_run()`` bracket one sampling run;
@@ -36,6 +44,7 @@ pass a fake. Measured compatibility (plan checks, self-tests) is cached on disk 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -58,6 +67,8 @@ ROLE_FC2 = "fc2"
 # (the seed's `vortex_native_quantize_swiglu_nvfp4`). Callers pass it as ``producer=``.
 PRODUCER_SWIGLU_NVFP4 = "swiglu_nvfp4"
 KINDS = ("nvfp4", "fp8_e4m3", "bf16")
+# The extension's plan stages: a refusal at one of them is a property of (device, versions, algo, shape),
+# so it is remembered on disk. "descriptors" (handle or scratch allocation failed) is not.
 PLAN_STAGES = ("policy", "init", "config", "check", "workspace", "readback", "heuristic")
 
 _FLOAT4 = getattr(torch, "float4_e2m1fn_x2", None)
@@ -174,9 +185,14 @@ class Fc2Entry:
         return (self.role, self.cc, self.sm_count, self.cublaslt_runtime, self.dtype, self.out_dtype,
                 self.m_logical, self.m_padded, self.n, self.k)
 
-    def fingerprint(self) -> str:
+    @functools.cached_property
+    def _fingerprint(self) -> str:
         body = json.dumps({k: v for k, v in self.to_json().items() if k not in ("evidence", "source")}, sort_keys=True)
         return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+    def fingerprint(self) -> str:
+        """Identifies the conditions and the algo (not the evidence): keys the plan and compat caches."""
+        return self._fingerprint
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -364,6 +380,7 @@ class Fc2Environment:
     device_name: str = ""
     device_index: int | None = None
     device_error: str | None = None
+    cuda_driver: int | None = None  # not a guard condition; part of the compatibility-cache key
 
     @classmethod
     def from_build_info(cls, info: Mapping[str, Any]) -> "Fc2Environment":
@@ -379,6 +396,7 @@ class Fc2Environment:
             device_name=dev.get("name", ""),
             device_index=dev.get("index"),
             device_error=info.get("device_error"),
+            cuda_driver=info.get("cuda_driver"),
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -558,7 +576,7 @@ def describe_call(ops: Fc2Operands, *, role: str, out_dtype: torch.dtype, lora_a
 
 
 class PlanError(Exception):
-    """A plan could not be built or run. ``stage`` is one of PLAN_STAGES, ``contract`` or ``execute``."""
+    """A plan could not be built or run. ``stage``: one of PLAN_STAGES, ``descriptors``, ``contract``, ``execute``."""
 
     def __init__(self, stage: str, message: str, info: Mapping[str, Any] | None = None):
         super().__init__(f"{stage}: {message}")
@@ -651,7 +669,7 @@ class LtPlanLayer:
             try:
                 prob = mod.Problem(entry.dtype, entry.m_padded, entry.n, entry.k, entry.pointer_mode, entry.scale_mode)
             except (RuntimeError, ValueError) as e:
-                raise PlanError("init", f"cuBLASLt descriptors: {e}") from None
+                raise PlanError("descriptors", f"cuBLASLt handle/descriptors: {e}") from None
             plan = prob.pinned_plan(entry.algo.as_dict(), entry.workspace_bytes)
             info = dict(plan.info())
             if not plan.ok:
@@ -675,7 +693,9 @@ class LtPlanLayer:
             alpha_h = float(a)
             if plan.entry.pointer_mode == "device":
                 alpha_t = plan.alpha_cache.get(alpha_h)
-                if alpha_t is None:
+                if alpha_t is None:  # prefer a device tensor: a float costs a small upload per new value
+                    if len(plan.alpha_cache) > 16:
+                        plan.alpha_cache.clear()
                     alpha_t = torch.full((1,), alpha_h, dtype=torch.float32, device=plan.device)
                     plan.alpha_cache[alpha_h] = alpha_t
         stream = torch.cuda.current_stream(plan.device).cuda_stream
@@ -716,6 +736,7 @@ class CompatCache:
             "cublaslt_runtime": env.cublaslt_runtime,
             "cuda_header": env.cuda_header,
             "cublas_header": env.cublas_header,
+            "cuda_driver": env.cuda_driver,
             "torch": torch.__version__,
             "layer": layer_tag,
         }
@@ -877,10 +898,14 @@ class Fc2Dispatcher:
         except PlanError as e:
             r = Refusal(e.stage, f"{e.message} [entry {entry.name}]")
             self._plans[key] = r
-            if self.compat is not None:
+            if self.compat is not None and e.stage in PLAN_STAGES:  # deterministic refusals only
                 self.compat.store_entry(env, tag, entry.fingerprint(),
                                         {"entry": entry.name, "status": "refused", "code": e.stage,
                                          "detail": e.message, "plan": e.info})
+            return r
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory for the workspace: refuse, do not cache on disk
+            r = Refusal("plan", f"building the plan raised {type(e).__name__}: {e} [entry {entry.name}]")
+            self._plans[key] = r
             return r
         self._plans[key] = plan
         if self.compat is not None:
@@ -899,14 +924,23 @@ class Fc2Dispatcher:
         """
         out: dict[str, Any] = {"enabled": self.options.fc2_lt, "entries": {}}
         self.prepared = out
+        try:
+            self._prepare(out, device, self_test, reference)
+        except Exception as e:  # noqa: BLE001 - preparing an optional fast path must not fail a model load
+            out["reason"] = f"internal: {type(e).__name__}: {e}"
+            log.warning("FC2 cuBLASLt prepare failed: %s", out["reason"])
+        return out
+
+    def _prepare(self, out: dict[str, Any], device: torch.device | str | None, self_test: bool,
+                 reference: Callable[[Fc2Operands, Fc2Entry], torch.Tensor] | None) -> None:
         if not self.options.fc2_lt:
             out["reason"] = "disabled (H3_NVFP4_FC2_LT_SPLITK1=0)"
-            return out
+            return
         why = self.layer.unavailable_reason()
         if why is not None:
             out["reason"] = f"extension: {why}"
             log.warning("FC2 cuBLASLt path unavailable: %s", why)
-            return out
+            return
         if device is None:
             device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         device = torch.device(device)
@@ -926,15 +960,18 @@ class Fc2Dispatcher:
                 out["entries"][entry.name] = {"status": "refused", "reason": str(plan)}
                 continue
             res: dict[str, Any] = {"status": "ready", "plan": self.layer.plan_info(plan)}
-            if self_test and device.type == "cuda":
-                res["self_test"] = self._self_test(entry, env, tag, plan, device, reference)
-                if not res["self_test"].get("passed"):
-                    r = Refusal("self_test", f"{res['self_test'].get('detail')} [entry {entry.name}]")
+            if self_test:
+                st = res["self_test"] = self._self_test(entry, env, tag, plan, device, reference)
+                if not st.get("passed"):
+                    r = Refusal("self_test", f"{st.get('detail')} [entry {entry.name}]")
                     self._plans[(entry.fingerprint(), str(device))] = r
                     res["status"] = "refused"
                     res["reason"] = str(r)
+                    if self.compat is not None and reference is None and "mismatched_elements" in st:
+                        # different bytes from the reference are a property of (device, versions, algo): remember
+                        self.compat.store_entry(env, tag, entry.fingerprint(),
+                                                {"status": "refused", "code": "self_test", "detail": st["detail"]})
             out["entries"][entry.name] = res
-        return out
 
     def _self_test(self, entry: Fc2Entry, env: Fc2Environment, tag: str, plan: Any, device: torch.device,
                    reference: Callable[[Fc2Operands, Fc2Entry], torch.Tensor] | None) -> dict[str, Any]:
@@ -951,8 +988,10 @@ class Fc2Dispatcher:
                                      seed=1234, scale_mode=entry.scale_mode)
             out = torch.full((entry.m_padded, entry.n), float("nan"), dtype=torch.bfloat16, device=device)
             self.layer.run(plan, ops, out)
-            ref = reference(ops, entry) if reference is not None else reference_gemm(ops, entry.dtype, entry.scale_mode)
-            torch.cuda.synchronize(device)
+            ref = (reference(ops, entry) if reference is not None
+                   else reference_gemm(ops, entry.dtype, entry.scale_mode))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             cmp = compare_bytes(out, ref)
             res = {"passed": cmp["equal"], "mismatched_elements": cmp["mismatched"],
                    "reference": "caller" if reference is not None else "torch",
@@ -984,7 +1023,11 @@ class Fc2Dispatcher:
         """
         ops = Fc2Operands(x=x, w=w, x_scale=x_scale, w_scale=w_scale, alpha=alpha, m_logical=m_logical, bias=bias)
         self._count("attempts")
-        result = self._try(ops, role=role, out_dtype=out_dtype, lora_active=lora_active, producer=producer, out=out)
+        try:
+            result = self._try(ops, role=role, out_dtype=out_dtype, lora_active=lora_active, producer=producer,
+                               out=out)
+        except Exception as e:  # noqa: BLE001 - never take a run down: record it, fall back (or raise if strict)
+            result = Refusal("internal", f"{type(e).__name__}: {e}")
         if isinstance(result, torch.Tensor):
             self._count("successes")
             return result

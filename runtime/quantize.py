@@ -117,8 +117,10 @@ def _metadata(source: Mapping[str, str] | None, layers: dict[str, dict]) -> dict
     return meta
 
 
-def _convert(name: str, t: torch.Tensor, device) -> list[tuple[str, torch.Tensor]]:
-    """One source tensor -> the output tensors (on CPU) that replace it, in write order."""
+def _convert(name: str, box: list, device) -> list[tuple[str, torch.Tensor]]:
+    """One source tensor (handed over in ``box`` so the only reference can be dropped as soon as it is
+    quantized) -> the output tensors (on CPU) that replace it, in write order."""
+    t = box.pop()
     dt = ST_DTYPE.get(t.dtype)
     if dt is None:
         raise H3Error(f"{name}: dtype {t.dtype} cannot be stored in safetensors by this writer")
@@ -126,6 +128,7 @@ def _convert(name: str, t: torch.Tensor, device) -> list[tuple[str, torch.Tensor
         return [(name, t)]
     layer = name[: -len(".weight")]
     q = nv.quantize(t.to(device))
+    del t  # the source is freed here (when the iterator keeps no reference), before the on-disk copy
     parts = nv.to_comfy_quant(q, layer)
     del q
     return [(k, v.to("cpu")) for k, v in parts.items()]
@@ -159,11 +162,14 @@ def quantize_state_dict_streaming(tensor_iter: Iterable[tuple[str, torch.Tensor]
             total = len(shapes)
             with open(partial, "wb") as f:
                 f.write(_header_bytes(plan, _metadata(metadata, layers)))
-                pos = 0
-                for i, (name, t) in enumerate(tensor_iter):
+                pos = i = 0
+                for name, t in tensor_iter:  # not enumerate(): its cached result tuple would keep the
+                    box = [t]                # previous tensor alive while the next one is made
+                    del t
                     if progress:
                         progress(i, total, name)
-                    for oname, ot in _convert(name, t, device):
+                    i += 1
+                    for oname, ot in _convert(name, box, device):
                         if pos >= len(order) or order[pos] != oname:
                             want = order[pos] if pos < len(order) else "nothing (the plan is complete)"
                             raise H3Error(f"source yielded {oname!r} but the header planned {want!r} next; pass "
@@ -175,7 +181,6 @@ def quantize_state_dict_streaming(tensor_iter: Iterable[tuple[str, torch.Tensor]
                         written += _write_tensor(f, ot)
                         pos += 1
                         del ot
-                    del t
                 if pos != len(order):
                     raise H3Error(f"source ended after {pos} of {len(order)} planned tensors; next missing: "
                                   f"{order[pos]!r}")
@@ -184,16 +189,19 @@ def quantize_state_dict_streaming(tensor_iter: Iterable[tuple[str, torch.Tensor]
             entries = []
             try:
                 with open(spool, "wb") as f:
-                    for i, (name, t) in enumerate(tensor_iter):
+                    i = 0
+                    for name, t in tensor_iter:
+                        box = [t]
+                        del t
                         if progress:
                             progress(i, 0, name)
-                        for oname, ot in _convert(name, t, device):
+                        i += 1
+                        for oname, ot in _convert(name, box, device):
                             if oname.endswith(".comfy_quant") and oname != name:
                                 layers[oname[: -len(".comfy_quant")]] = {"format": "nvfp4"}
                             entries.append((oname, ST_DTYPE[ot.dtype], tuple(ot.shape)))
                             written += _write_tensor(f, ot)
                             del ot
-                        del t
                 with open(partial, "wb") as f, open(spool, "rb") as src:
                     f.write(_header_bytes(entries, _metadata(metadata, layers)))
                     while chunk := src.read(64 << 20):

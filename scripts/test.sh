@@ -4,6 +4,6 @@
 # GPU-marked tests skip without CUDA. Extra arguments go to pytest.
 set -euo pipefail
 source "$(dirname "$0")/_env.sh"
-"$PY" -m pip install -q -e "$ROOT[test]"
+"$PY" -m pip install -q -e "$ROOT[test,cuda-headers]"
 cd "$ROOT"
 "$PY" -m pytest -q -ra "$@"

@@ -44,9 +44,11 @@ class FakeLayer:
 
     name = "fake"
 
-    def __init__(self, env=GB10_ENV, *, unavailable=None, fail_build=None, fail_run=None, tag="fake-1"):
+    def __init__(self, env=GB10_ENV, *, unavailable=None, fail_build=None, fail_run=None, tag="fake-1",
+                 compute=False, perturb=False):
         self.env, self.unavailable, self.tag = env, unavailable, tag
         self.fail_build, self.fail_run = fail_build, fail_run
+        self.compute, self.perturb = compute, perturb  # compute: write torch's GEMM (small shapes only)
         self.builds = 0
         self.runs: list = []
 
@@ -69,6 +71,10 @@ class FakeLayer:
         self.runs.append(ops)
         if self.fail_run:
             raise PlanError("execute", self.fail_run)
+        if self.compute:
+            out.copy_(torch.nn.functional.linear(ops.x, ops.w))
+            if self.perturb:
+                out.view(torch.int16)[3, 5] ^= 1  # one bf16 ulp somewhere
 
     def build_info(self):
         return {"cublaslt_runtime": self.env.cublaslt_runtime}
@@ -443,7 +449,8 @@ def test_compat_key_covers_device_and_versions(tmp_path):
     c = CompatCache(tmp_path)
     base = c.path(GB10_ENV, "t")
     for change in [dict(cc=(12, 0)), dict(sm_count=84), dict(cuda_runtime=13010), dict(cublaslt_runtime=130100),
-                   dict(cuda_header=13010), dict(cublas_header=130200), dict(device_name="other")]:
+                   dict(cuda_header=13010), dict(cublas_header=130200), dict(device_name="other"),
+                   dict(cuda_driver=13020)]:
         assert c.path(dataclasses.replace(GB10_ENV, **change), "t") != base, change
     assert c.path(GB10_ENV, "t2") != base
 
@@ -451,7 +458,7 @@ def test_compat_key_covers_device_and_versions(tmp_path):
 def test_prepare_builds_matching_entries_and_explains_the_others(tmp_path):
     o = opts(tmp_path)
     d = Fc2Dispatcher(o, table=Fc2Table([GB10_CANONICAL, h200_bf16_entry()]), plan_layer=FakeLayer())
-    p = d.prepare(torch.device("cpu"))
+    p = d.prepare(torch.device("cpu"), self_test=False)
     assert p["entries"][GB10_CANONICAL.name]["status"] == "ready"
     h = p["entries"]["nvidia-h200-fc2-bf16-m37810"]
     assert h["status"] == "not this device" and h["reason"].startswith("cc:")
@@ -635,3 +642,43 @@ def test_tuner_writes_nothing_when_no_config_is_exact(tmp_path):
                module=_FakeLtModule(exact_exists=False), rounds=2, seeds=2, say=lambda s: None)
     assert res["entry"] is None and res["evidence"]["sweep"]["exact_seed0"] == 0
     assert res["evidence"]["inexact_examples"]
+
+
+def test_prepare_self_test_compares_bytes_and_caches_the_result(tmp_path):
+    small = h200_bf16_entry(name="small-bf16", m_logical=30, m_padded=32, n=16, k=64)
+    o = opts(tmp_path)
+    ok_layer = FakeLayer(H200_ENV, compute=True)
+    p = Fc2Dispatcher(o, table=Fc2Table([small]), plan_layer=ok_layer).prepare(torch.device("cpu"))
+    st = p["entries"]["small-bf16"]["self_test"]
+    assert p["entries"]["small-bf16"]["status"] == "ready" and st["passed"] and st["mismatched_elements"] == 0
+    p2 = Fc2Dispatcher(o, table=Fc2Table([small]), plan_layer=ok_layer).prepare(torch.device("cpu"))
+    assert p2["entries"]["small-bf16"]["self_test"].get("cached") is True  # measured once per device/versions
+
+    o2 = opts(tmp_path / "other")
+    bad = FakeLayer(H200_ENV, compute=True, perturb=True)
+    d = Fc2Dispatcher(o2, table=Fc2Table([small]), plan_layer=bad)
+    p3 = d.prepare(torch.device("cpu"))
+    e = p3["entries"]["small-bf16"]
+    assert e["status"] == "refused" and e["reason"].startswith("self_test: 1 of 512 bf16 elements differ")
+    from h3_blackwell.runtime.tune_fc2 import synthetic_operands
+
+    ops = synthetic_operands("bf16", 30, 32, 16, 64, "cpu", seed=9)
+    _, fb = dispatch(d, operands=dict(x=ops.x, w=ops.w), m_logical=30, producer=None)
+    assert len(fb.calls) == 1 and reasons(d)[0].startswith("self_test:")
+    healthy = FakeLayer(H200_ENV, compute=True)
+    d2 = Fc2Dispatcher(o2, table=Fc2Table([small]), plan_layer=healthy)
+    _, fb = dispatch(d2, operands=dict(x=ops.x, w=ops.w), m_logical=30, producer=None)
+    assert len(fb.calls) == 1 and healthy.builds == 0 and "cached compatibility result" in reasons(d2)[0]
+
+
+def test_unexpected_exceptions_fall_back_as_internal(tmp_path):
+    class Broken(FakeLayer):
+        def run(self, plan, ops, out):
+            raise TypeError("a bug")
+
+    d = Fc2Dispatcher(opts(tmp_path), table=Fc2Table([GB10_CANONICAL]), plan_layer=Broken())
+    _, fb = dispatch(d)
+    assert len(fb.calls) == 1 and reasons(d)[0] == "internal: TypeError: a bug"
+    strict = Fc2Dispatcher(opts(tmp_path, fc2_lt_strict=True), table=Fc2Table([GB10_CANONICAL]), plan_layer=Broken())
+    with pytest.raises(Fc2LtError):
+        dispatch(strict)

@@ -120,17 +120,21 @@ _RSS_CHILD = textwrap.dedent("""
     SMALL = [("norm1.weight", (H,)), ("norm2.weight", (H,)), ("attn.q_norm.weight", (128,))]
     spec = [(f"blocks.{b}.{n}", s) for b in range(BLOCKS) for n, s in LINEARS + SMALL]
 
-    def source():  # each tensor made when asked for, random bf16, never all in memory
-        g = torch.Generator().manual_seed(0)
-        buf = torch.empty(1 << 22)
+    g = torch.Generator().manual_seed(0)
+    pool = torch.randn(1 << 23, generator=g).bfloat16()  # random values, copied at random offsets (fast)
+
+    def make(shape):
+        t = torch.empty(shape, dtype=torch.bfloat16)
+        flat, step = t.view(-1), 1 << 22
+        for i in range(0, flat.numel(), step):
+            n = min(step, flat.numel() - i)
+            o = int(torch.randint(0, pool.numel() - n + 1, (1,), generator=g))
+            flat[i:i + n] = pool[o:o + n]
+        return t
+
+    def source():  # each tensor made when asked for and not kept by the generator: never the model in RAM
         for name, shape in spec:
-            t = torch.empty(shape, dtype=torch.bfloat16)
-            flat = t.view(-1)
-            for i in range(0, flat.numel(), buf.numel()):
-                n = min(buf.numel(), flat.numel() - i)
-                flat[i:i + n] = torch.randn(n, generator=g, out=buf[:n])
-            yield name, t
-            del t, flat
+            yield name, make(shape)
 
     def rss():
         with open("/proc/self/statm") as f:

@@ -88,10 +88,18 @@ def scale_shape(rows: int, k: int) -> tuple[int, int]:
 
 def swap_nibbles(packed: torch.Tensor) -> torch.Tensor:
     """uint8 -> uint8 with the two nibbles of every byte exchanged (0xAB -> 0xBA): converts between
-    low-nibble-first (ours, torch, cuBLASLt, ModelOpt) and high-nibble-first (comfy-kitchen default)."""
+    low-nibble-first (ours, torch, cuBLASLt, ModelOpt) and high-nibble-first (comfy-kitchen default).
+    Works in 16M-byte pieces, so a large weight needs no full-size temporaries."""
     if packed.dtype != torch.uint8:
         raise TypeError(f"swap_nibbles needs uint8 packed NVFP4 data; found {packed.dtype}")
-    return (packed << 4) | (packed >> 4)
+    src = packed.contiguous()
+    out = torch.empty_like(src)
+    fi, fo = src.view(-1), out.view(-1)
+    step = 1 << 24
+    for i in range(0, fi.numel(), step):
+        torch.bitwise_left_shift(fi[i:i + step], 4, out=fo[i:i + step])
+        fo[i:i + step] |= fi[i:i + step] >> 4
+    return out
 
 
 def pack_codes(codes: torch.Tensor) -> torch.Tensor:
@@ -118,10 +126,13 @@ def e2m1_encode(q: torch.Tensor) -> torch.Tensor:
     if q.dtype != torch.float32:
         raise TypeError(f"e2m1_encode expects float32; found {q.dtype}")
     a = q.abs()
+    mask = torch.empty(q.shape, dtype=torch.bool, device=q.device)
     code = torch.zeros(q.shape, dtype=torch.uint8, device=q.device)
-    for mid, inclusive in _MIDPOINTS:
-        code += ((a >= mid) if inclusive else (a > mid)).view(torch.uint8)
-    code |= torch.signbit(q).view(torch.uint8) << 3
+    for mid, inclusive in _MIDPOINTS:  # in place, one comparison pass per midpoint, no allocations
+        (torch.ge if inclusive else torch.gt)(a, mid, out=mask)
+        code += mask.view(torch.uint8)
+    torch.signbit(q, out=mask)
+    code |= mask.view(torch.uint8) << 3
     return code
 
 
@@ -238,8 +249,12 @@ def global_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
 
 
 def global_scale(x: torch.Tensor) -> torch.Tensor:
-    """The per-tensor NVFP4 global scale of ``x`` (fp32 ``[]``, decode direction, on x's device)."""
-    return global_scale_from_amax(x.abs().amax())
+    """The per-tensor NVFP4 global scale of ``x`` (fp32 ``[]``, decode direction, on x's device).
+    amax(|x|) comes from one min/max pass (no |x| temporary the size of x)."""
+    if x.numel() == 0:
+        return global_scale_from_amax(torch.zeros((), device=x.device))
+    lo, hi = torch.aminmax(x)
+    return global_scale_from_amax(torch.maximum(hi, lo.neg()).abs())
 
 
 def _quantize_rows(x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
