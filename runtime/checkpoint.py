@@ -371,13 +371,15 @@ def unrotate_convrot(w: torch.Tensor, g: int) -> torch.Tensor:
 
 
 def load_state(model, ck: Checkpoint, device="cpu", progress: Callable[[int, int, str], None] | None = None,
-               strict: bool = True) -> list[str]:
+               strict: bool = True, keep_nvfp4: dict | None = None) -> list[str]:
     """Stream a checkpoint into a model built on the meta device or on ``device``.
 
     Each tensor is read, converted to the parameter's dtype and assigned on ``device``, one at a time.
     Quantized layers are dequantized (the NVFP4 runtime path replaces this with resident NVFP4 weights).
-    Returns the checkpoint keys that were not used. Raises CheckpointError naming missing keys and
-    wrong shapes (expected vs found).
+    ``keep_nvfp4``: when a dict, NVFP4 (comfy_quant nvfp4) layers are not dequantized: their stored tensors
+    are put in it as ``{layer: {"<layer>.weight": ..., ...}}`` for Nvfp4Linear, and the dense weight stays
+    unloaded. Returns the checkpoint keys that were not used. Raises CheckpointError naming missing keys
+    and wrong shapes (expected vs found).
     """
     want = dict(model.state_dict(keep_vars=True))
     have = set(ck.keys())
@@ -405,6 +407,11 @@ def load_state(model, ck: Checkpoint, device="cpu", progress: Callable[[int, int
         layer = k[:-7] if k.endswith(".weight") else None
         if layer in quant_layers:
             fmt = ck.quant_format(layer) or {"format": "int8_tensorwise"}
+            if keep_nvfp4 is not None and fmt.get("format") == "nvfp4":
+                mine = sorted(x for x in have if x.startswith(layer + ".") and x.count(".") == layer.count(".") + 1)
+                keep_nvfp4[layer] = {x: ck.tensor(x, device) for x in mine}
+                used.update(mine)
+                continue
             t = dequantize_layer(ck, layer, fmt, device)
             used.update(x for x in have if x.startswith(layer + "."))
         elif k in have or k == "rope.inv_freq":

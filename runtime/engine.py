@@ -91,7 +91,12 @@ def load_model(path: str | Path | None = None, options: RuntimeOptions | None = 
         ck = open_checkpoint(path)
         cfg = ck.config
         model = H3Model(cfg, dtype, device="meta")
-        load_state(model, ck, device, progress=progress)
+        stored = {} if options.quantize else None
+        load_state(model, ck, device, progress=progress, keep_nvfp4=stored)
+        if stored:
+            from .stack import quantize_block_linears
+
+            quantize_block_linears(model, options.gemm, options.act_scale, stored=stored)
         left = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
         if left:
             raise CheckpointError(f"{path}: no tensor for {left[:5]}")
@@ -99,6 +104,37 @@ def load_model(path: str | Path | None = None, options: RuntimeOptions | None = 
     model.eval().requires_grad_(False)
     rt = H3Runtime(model, cfg, device, dtype, options, source)
     rt.backends["attention"] = _choose_attention(model, options, device)
-    rt.backends["gemm"] = {"choice": "dense", "reason": f"reference linears at {str(dtype).replace('torch.', '')}"}
+    if options.quantize:
+        prepare_nvfp4(rt)
+    else:
+        rt.backends["gemm"] = {"choice": "dense",
+                               "reason": f"quantize off: dense linears at {str(dtype).replace('torch.', '')}"}
     rt.load_seconds = time.perf_counter() - t0
     return rt
+
+
+def prepare_nvfp4(rt: H3Runtime) -> None:
+    """Make the block linears NVFP4 (quantized on the device, one layer at a time, unless already NVFP4),
+    install the NVFP4 block stack and, on CUDA, the guarded FC2 dispatcher (prepared before any capture)."""
+    from .stack import Nvfp4Stack, quantize_block_linears
+
+    o = rt.options
+    reasons = quantize_block_linears(rt.model, o.gemm, o.act_scale)
+    blk = rt.model.blocks[0] if len(rt.model.blocks) else None
+    if blk is not None:
+        lin = blk.mlp.fc2
+        rt.backends["gemm"] = {"choice": lin.backend, "reason": "; ".join(reasons)}
+        rt.backends["act_scale"] = {"choice": o.act_scale, "reason": lin.act_scale_reason}
+    if rt.device.type == "cuda":
+        from .fc2_lt import Fc2Dispatcher
+
+        rt.fc2 = Fc2Dispatcher(o)
+        prep = rt.fc2.prepare(rt.device)
+        rt.backends["fc2_lt"] = {"choice": "dispatcher" if o.fc2_lt else "off",
+                                 "reason": prep.get("reason") or "prepared: " + ", ".join(
+                                     f"{k}: {v.get('status', v) if isinstance(v, dict) else v}"
+                                     for k, v in prep.get("entries", {}).items())}
+    else:
+        rt.backends["fc2_lt"] = {"choice": "off", "reason": "cpu: no cuBLASLt; FC2 runs the fallback GEMM"}
+    attn = rt.backends.get("attention", {}).get("choice", "reference")
+    rt.model.stack = Nvfp4Stack(rt.model, attn, rt.fc2, o.act_scale)

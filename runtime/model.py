@@ -309,8 +309,10 @@ class H3Model(nn.Module):
         self.token_refiner = TokenRefiner(cfg, dtype, device)
         self.blocks = nn.ModuleList([DiTBlock(cfg, dtype, adaln_dtype, device) for _ in range(cfg.num_layers)])
         self.final_layer = FinalLayer(cfg, dtype, adaln_dtype, device)
-        # attention backend for the block stack (None = reference SDPA); set by the loader
+        # attention backend for the reference block stack (None = SDPA); set by the loader
         self.attn_fn: AttentionFn | None = None
+        # the NVFP4 block stack (runtime.stack.Nvfp4Stack); None = the reference blocks
+        self.stack = None
 
     @property
     def device(self) -> torch.device:
@@ -424,6 +426,8 @@ class H3Model(nn.Module):
         return x
 
     def run_blocks(self, x: torch.Tensor, plan: RunPlan, i: int) -> torch.Tensor:
+        if self.stack is not None:
+            return self.stack.run(x, plan, i)
         segs = plan.times[i].mod_segments
         for blk, mod in zip(self.blocks, plan.mods[i]):
             x = blk(x, mod, segs, plan.cos, plan.sin, self.attn_fn)

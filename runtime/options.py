@@ -26,6 +26,7 @@ _ENV = {
     "act_scale": ("H3_NVFP4_ACT_SCALE", str),
     "adaln_cache": ("H3_ADALN_CACHE", "bool"),
     "cache_dir": ("H3_CACHE_DIR", str),
+    "quantize": ("H3_NVFP4", "bool"),
 }
 
 _TRUE = {"1", "true", "yes", "on"}

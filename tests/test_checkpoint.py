@@ -20,7 +20,7 @@ from h3_blackwell.runtime.engine import load_model
 from h3_blackwell.runtime.options import RuntimeOptions
 from h3_blackwell.runtime.tiny import save_tiny, tiny_state_dict
 
-CPU = RuntimeOptions(device="cpu", dtype="float32")
+CPU = RuntimeOptions(device="cpu", dtype="float32", quantize=False)  # dense: these tests read weights
 
 
 def _save_raw_sharded(sd, cfg, d):

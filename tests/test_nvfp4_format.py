@@ -1,13 +1,18 @@
 """NVFP4 reference format vs comfy-kitchen (the on-disk oracle): bytes, scales, swizzle, nibble order, I/O."""
 
 import json
+import os
 
-import comfy_kitchen as ck
-import pytest
 import torch
-from comfy_kitchen.float_utils import _f32_to_floatx_unpacked
 
-from h3_blackwell.runtime.ops import nvfp4 as nv
+if not torch.cuda.is_available():  # before anything imports triton (comfy_kitchen does, at import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import comfy_kitchen as ck  # noqa: E402
+import pytest  # noqa: E402
+from comfy_kitchen.float_utils import _f32_to_floatx_unpacked  # noqa: E402
+
+from h3_blackwell.runtime.ops import nvfp4 as nv  # noqa: E402
 
 
 def _weights(shape, dtype=torch.bfloat16, seed=0):

@@ -14,12 +14,18 @@ same quantized activation the layer produced. Tolerances (u = 2^-24, A = sum_k |
   with the reference conversion and applies the emulated bound to them.
 """
 
-import pytest
+import os
+
 import torch
 
-from h3_blackwell.runtime.ops import linear as L
-from h3_blackwell.runtime.ops import nvfp4 as nv
-from h3_blackwell.runtime.ops import quant_kernels as qk
+if not torch.cuda.is_available():  # before anything imports triton (comfy_kitchen does, at import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from h3_blackwell.runtime.ops import linear as L  # noqa: E402
+from h3_blackwell.runtime.ops import nvfp4 as nv  # noqa: E402
+from h3_blackwell.runtime.ops import quant_kernels as qk  # noqa: E402
 
 U = 2.0 ** -24
 

@@ -7,17 +7,21 @@ import subprocess
 import sys
 import textwrap
 
-import comfy_kitchen as ck
-import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
-from h3_blackwell.runtime.checkpoint import comfy_to_diffusers_state_dict, dequantize_layer, open_checkpoint
-from h3_blackwell.runtime.errors import H3Error
-from h3_blackwell.runtime.ops import nvfp4 as nv
-from h3_blackwell.runtime.quantize import QUANTIZED_LINEAR, quantize_checkpoint, quantize_state_dict_streaming
-from h3_blackwell.runtime.tiny import save_tiny, tiny_state_dict
+if not torch.cuda.is_available():  # before anything imports triton (comfy_kitchen does, at import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import comfy_kitchen as ck  # noqa: E402
+import pytest  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+from h3_blackwell.runtime.checkpoint import comfy_to_diffusers_state_dict, dequantize_layer, open_checkpoint  # noqa: E402
+from h3_blackwell.runtime.errors import H3Error  # noqa: E402
+from h3_blackwell.runtime.ops import nvfp4 as nv  # noqa: E402
+from h3_blackwell.runtime.quantize import QUANTIZED_LINEAR, quantize_checkpoint, quantize_state_dict_streaming  # noqa: E402
+from h3_blackwell.runtime.tiny import save_tiny, tiny_state_dict  # noqa: E402
 
 
 def _read(path):
@@ -156,16 +160,16 @@ _RSS_CHILD = textwrap.dedent("""
 
 def test_streaming_keeps_host_memory_near_one_tensor(tmp_path):
     """Two full-width blocks (1.5 GB of bf16 block linears; the largest, fc1, is 308 MB) convert with the
-    process growing by less than twice the largest tensor: the source tensor, its NVFP4 form and the
-    fixed-size quantization temporaries, never the model. Measured in a fresh process (peak RSS)."""
+    process growing by less than 1.75x the largest tensor (the source tensor, its NVFP4 form and the
+    fixed-size 256-row quantization temporaries), never the model. Peak RSS of a fresh process."""
     out = tmp_path / "big.safetensors"
     proc = subprocess.run([sys.executable, "-c", _RSS_CHILD, str(out), "2"], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "OMP_NUM_THREADS": "2"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     grown = r["peak"] - r["base"]
-    assert grown < 2 * r["largest"], r
-    assert grown < 0.4 * r["total"], r
+    assert grown < 1.75 * r["largest"], r  # measured ~1.45x: source + packed + 256-row temporaries
+    assert grown < 0.35 * r["total"], r
     with safe_open(str(out), "pt") as f:
         assert f.get_slice("blocks.1.mlp.fc1.weight").get_shape() == [28672, 2688]
         assert f.get_slice("blocks.1.mlp.fc1.weight_scale").get_shape() == [28672, 336]

@@ -1,0 +1,696 @@
+"""LoRA on the resident H3 model: merged (re-quantized NVFP4 or dense) or a bf16 low-rank side path.
+
+``apply_loras(rt, [(path, strength, mode), ...])`` makes the resident model carry exactly that stack
+(replacing whatever was applied before; ``[]`` removes everything) and returns a report. Files are read
+and validated first (``lora_keys``: every key form, one LoraError per bad stack); the model changes only
+when all of them fit. Several LoRAs stack in list order, each with its own strength and mode.
+
+Modes, per LoRA:
+
+- ``merge``: the update goes into the weights. For every targeted weight W0 (the layer's source
+  weight, see below) the merged weight is
+
+      W = fp32( W0 + sum_i s_i * (alpha_i / r_i) * B_i @ A_i  [+ s_j * diff_j] )
+
+  evaluated in float64 (W0, A, B as stored, exact products; terms added in stack order, then in
+  (module, rows) order) and rounded ONCE to fp32. An NVFP4 layer (``Nvfp4Linear``) then holds
+  ``nvfp4.quantize(W)``, the reference quantizer's bytes, written in place over its buffers. When the
+  dense reference stack is active (no NVFP4 layers) the update is merged into the dense weights:
+  the parameter holds ``W.to(its dtype)``. No run-time cost either way.
+- ``side``: the layer keeps its weights; its output gets ``y[:, a:b] += s * (alpha/r) * (x @ A^T) @ B^T``
+  computed with A and B at the layer's compute dtype (bf16 in production: tensor-core GEMMs with fp32
+  accumulation, the [S, r] intermediate rounded to bf16, the sum written with one rounding), on top of
+  the NVFP4 or dense GEMM output. Exact LoRA math, no re-quantization. ``.diff``/``.diff_b`` tensors have
+  no low-rank form and are always merged (the report says so).
+
+The source weight W0 of an NVFP4 layer is read back from the checkpoint file the model came from
+(``rt.source``): bf16/fp16/fp32 as stored, NVFP4 dequantized exactly (float64), fp8/int8 dequantized as
+the loader does. Without a readable file (the embedded tiny model) it is the resident NVFP4 weight
+dequantized exactly, and the report says which. Dense layers merge into their resident weights.
+
+Removal restores every patched tensor bit for bit: from the checkpoint file when it reproduces the
+resident original exactly (checked when the layer is first patched; no memory held), else from a host
+copy taken then. Side paths are unhooked. ``remove_loras(rt)`` = ``apply_loras(rt, [])``.
+
+FC2 guard: a side path on ``blocks.N.mlp.fc2`` makes every FC2 call of that block go through the
+runtime's dispatcher (``rt.fc2``, when the NVFP4 stack has one) with ``lora_active=True``, so the guard
+refuses its pinned cuBLASLt path (reason ``lora: LoRA side-path active on fc2 ...``), the call falls back
+on the same activation bytes and the run's FC2 counters record it. Code that calls the dispatcher
+itself should pass ``lora_active=side_active(mlp.fc2)`` and add ``lora_side(mlp.fc2).add_(act, y)``.
+
+Side paths hook a layer's ``forward`` (and ``forward_swiglu`` of an Nvfp4Linear) per instance: module
+names, types and state-dict keys stay as they are. ``forward_quantized`` (pre-quantized input bytes)
+has no bf16 activation to feed the side path; its callers add it with ``lora_side(module).add_``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+import torch.nn as nn
+
+from .lora_keys import DIFF, DIFF_B, LOWRANK, LoraError, LoraMatch, LoraUpdate, match_lora, read_lora_file
+
+__all__ = ["MODES", "LoraError", "LoraSpec", "LoraSide", "LoraView", "parse_lora_arg", "apply_loras",
+           "remove_loras", "sync_loras", "with_lora", "lora_side", "side_active", "lora_report"]
+
+MODES = ("merge", "side")
+_STATE = "_h3_lora_state"
+_SIDE = "_h3_lora_side"
+_FC2 = re.compile(r"^blocks\.\d+\.mlp\.fc2$")
+_ROW_CHUNK = 2048  # rows merged per float64 step (bounds the temporaries whatever the layer size)
+
+
+# ---------------------------------------------------------------------------------------------
+# the stack
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """One entry of a LoRA stack: a ``.safetensors`` file, its strength, ``merge`` or ``side``."""
+
+    path: str
+    strength: float = 1.0
+    mode: str = "merge"
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise LoraError(f"LoRA mode {self.mode!r}: expected one of {', '.join(MODES)}")
+        s = float(self.strength)
+        if not math.isfinite(s):
+            raise LoraError(f"LoRA strength {self.strength!r} is not a finite number")
+        object.__setattr__(self, "strength", s)
+        object.__setattr__(self, "path", str(self.path))
+
+    def signature(self) -> tuple:
+        """Identifies this entry and the file's bytes (size, mtime) for ``sync_loras``."""
+        p = Path(self.path)
+        try:
+            st = p.stat()
+            stamp = (st.st_size, st.st_mtime_ns)
+        except OSError:
+            stamp = None
+        return (str(p.resolve()), stamp, self.strength, self.mode)
+
+
+def _as_spec(s) -> LoraSpec:
+    if isinstance(s, LoraSpec):
+        return s
+    if isinstance(s, (str, os.PathLike)):
+        return LoraSpec(str(s))
+    if isinstance(s, (tuple, list)) and 1 <= len(s) <= 3:
+        return LoraSpec(*s)
+    raise LoraError(f"a LoRA entry must be (path, strength, mode) or a LoraSpec; found {s!r}")
+
+
+def parse_lora_arg(text: str) -> LoraSpec:
+    """``FILE:STRENGTH[:MODE]`` (the CLI's ``--lora``) -> LoraSpec. FILE may itself contain ':' (``C:\\...``);
+    the fields are taken from the right. The file must exist."""
+    parts = text.split(":")
+    mode = "merge"
+    if len(parts) >= 3 and parts[-1] in MODES:
+        mode = parts.pop()
+    if len(parts) < 2:
+        raise LoraError(f"--lora {text!r}: expected FILE:STRENGTH[:MODE], e.g. turbo.safetensors:1.0:merge "
+                        f"(MODE one of {', '.join(MODES)})")
+    try:
+        strength = float(parts[-1])
+    except ValueError:
+        raise LoraError(f"--lora {text!r}: strength {parts[-1]!r} is not a number (expected FILE:STRENGTH[:MODE], "
+                        f"MODE one of {', '.join(MODES)})") from None
+    path = ":".join(parts[:-1])
+    if not Path(path).is_file():
+        raise LoraError(f"--lora {text!r}: LoRA file not found: {path}")
+    return LoraSpec(path, strength, mode)
+
+
+# ---------------------------------------------------------------------------------------------
+# the side path
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class _SideTerm:
+    down: torch.Tensor  # [r, K] at the side dtype
+    up: torch.Tensor  # [b - a, r]
+    scale: float  # strength * alpha / r
+    rows: tuple[int, int]
+    source: str
+
+
+class LoraSide:
+    """The low-rank terms added to one layer's output: ``y[..., a:b] += scale * (x @ A^T) @ B^T``.
+
+    dtype: the layer's compute dtype (A, B and the [S, r] intermediate); x [..., K] any float dtype,
+    y [..., N] the layer's output, updated in place (the fp32-accumulating GEMM writes ``y + scale * t @ B^T``
+    with one rounding when y has the side dtype).
+    """
+
+    def __init__(self, module_name: str, in_features: int, out_features: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.module_name, self.in_features, self.out_features = module_name, in_features, out_features
+        self.dtype, self.device = dtype, device
+        self.terms: list[_SideTerm] = []
+
+    def add_term(self, u: LoraUpdate, strength: float, source: str) -> None:
+        self.terms.append(_SideTerm(u.down.to(self.device, self.dtype).contiguous(),
+                                    u.up.to(self.device, self.dtype).contiguous(),
+                                    strength * u.unit_scale, u.rows, source))
+
+    @property
+    def active(self) -> bool:
+        return bool(self.terms)
+
+    def add_(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y += the side path of x (in place; returns y)."""
+        if x.shape[-1] != self.in_features or y.shape[-1] != self.out_features:
+            raise ValueError(f"LoRA side path of {self.module_name}: x [..., {x.shape[-1]}] / y [..., {y.shape[-1]}]; "
+                             f"expected [..., {self.in_features}] / [..., {self.out_features}]")
+        xs = x.reshape(-1, self.in_features).to(self.dtype)
+        y2 = y if y.dim() == 2 else y.view(-1, self.out_features)
+        for t in self.terms:
+            h = xs @ t.down.t()  # [S, r]
+            ys = y2[:, t.rows[0]:t.rows[1]]
+            if ys.dtype == h.dtype:
+                ys.addmm_(h, t.up.t(), alpha=t.scale)
+            else:
+                ys.add_((h @ t.up.t()).to(ys.dtype), alpha=t.scale)
+        return y
+
+    def nbytes(self) -> int:
+        return sum(t.down.numel() * t.down.element_size() + t.up.numel() * t.up.element_size() for t in self.terms)
+
+
+def lora_side(module: nn.Module) -> LoraSide | None:
+    """The side path active on ``module`` (None when there is none)."""
+    s = getattr(module, _SIDE, None)
+    return s if isinstance(s, LoraSide) and s.active else None
+
+
+def side_active(module: nn.Module) -> bool:
+    """True while a side-path LoRA is active on ``module`` (the FC2 guard's ``lora_active``)."""
+    return lora_side(module) is not None
+
+
+def _nvfp4_linear_cls():
+    from .ops.linear import Nvfp4Linear
+
+    return Nvfp4Linear
+
+
+def _fc2_guarded(module, dispatcher, x: torch.Tensor | None = None, h: torch.Tensor | None = None) -> torch.Tensor:
+    """One FC2 call of an Nvfp4Linear through the guarded dispatcher with ``lora_active=True``.
+
+    x [..., K]: the activation (quantized here), or h [..., 2K] = [gate | up] (SwiGLU producer). The
+    fallback runs the layer's own GEMM backend on the very bytes quantized here.
+    """
+    from .fc2_lt import PRODUCER_SWIGLU_NVFP4, ROLE_FC2
+    from .ops import quant_kernels as qk
+    from .ops.linear import nvfp4_matmul
+
+    g, _ = qk.activation_global_scale(module.act_scale, module.input_scale)
+    if h is not None:
+        prefix, h2 = tuple(h.shape[:-1]), h.reshape(-1, h.shape[-1])
+        out_dtype = module.out_dtype or h.dtype
+        if module.pre_quant_scale is not None:
+            a = qk.quantize((qk.swiglu_reference(h2) * module.pre_quant_scale.float()).to(h.dtype), g)
+            producer = None
+        else:
+            a, producer = qk.swiglu_quantize(h2, g), PRODUCER_SWIGLU_NVFP4
+    else:
+        prefix, x2 = tuple(x.shape[:-1]), x.reshape(-1, x.shape[-1])
+        out_dtype = module.out_dtype or x.dtype
+        if module.pre_quant_scale is not None:
+            x2 = x2 * module.pre_quant_scale.to(x2.dtype)
+        a, producer = qk.quantize(x2.contiguous(), g), None
+    w = module.weight
+
+    def fallback(ops):  # the same bytes: no second quantization
+        y = nvfp4_matmul(a, w, module.backend, out_dtype, module.scratch)
+        return y + module.bias.to(y.dtype) if module.bias is not None else y
+
+    y = dispatcher(a.packed, w.packed, m_logical=a.shape[0], fallback=fallback, x_scale=a.scales,
+                   w_scale=w.scales, alpha=a.global_scale * w.global_scale, role=ROLE_FC2, lora_active=True,
+                   producer=producer, out_dtype=out_dtype)
+    return y.reshape(*prefix, module.out_features)
+
+
+def _install_side(rt, name: str, module: nn.Module, side: LoraSide) -> dict:
+    """Hook ``module``'s forward (and forward_swiglu) to add ``side``; returns what ``_uninstall_side`` needs."""
+    prev = {k: module.__dict__.get(k) for k in ("forward", "forward_swiglu")}
+    cls = type(module)
+    is_nv = isinstance(module, _nvfp4_linear_cls())
+    guarded = is_nv and bool(_FC2.match(name))
+
+    def call(kind, arg):
+        f = prev[kind]
+        return f(arg) if f is not None else getattr(cls, kind)(module, arg)
+
+    def forward(x):
+        disp = getattr(rt, "fc2", None) if guarded else None
+        y = _fc2_guarded(module, disp, x=x) if disp is not None else call("forward", x)
+        side.add_(x, y)
+        return y
+
+    module.forward = forward
+    if is_nv and hasattr(cls, "forward_swiglu"):
+        from .ops import quant_kernels as qk
+
+        def forward_swiglu(h):
+            disp = getattr(rt, "fc2", None) if guarded else None
+            y = _fc2_guarded(module, disp, h=h) if disp is not None else call("forward_swiglu", h)
+            side.add_(qk.swiglu_reference(h.reshape(-1, h.shape[-1])), y)
+            return y
+
+        module.forward_swiglu = forward_swiglu
+    setattr(module, _SIDE, side)
+    return prev
+
+
+def _uninstall_side(module: nn.Module, prev: dict) -> None:
+    for k, f in prev.items():
+        module.__dict__.pop(k, None)
+        if f is not None:
+            module.__dict__[k] = f
+    module.__dict__.pop(_SIDE, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# source weights and originals
+# ---------------------------------------------------------------------------------------------
+
+class _Source:
+    """The checkpoint file the resident model came from (``rt.source``), opened lazily, headers only."""
+
+    def __init__(self, rt):
+        src = getattr(rt, "source", None)
+        self.path = Path(src) if isinstance(src, (str, os.PathLike)) and Path(src).is_file() else None
+        self._ck = None
+        self._stamp = None
+
+    @property
+    def available(self) -> bool:
+        return self.path is not None
+
+    def _stamps(self, ck) -> tuple:
+        return tuple((str(h.path), h.path.stat().st_size, h.path.stat().st_mtime_ns) for h in ck.headers)
+
+    def ck(self):
+        if self._ck is None:
+            from .checkpoint import open_checkpoint
+
+            self._ck = open_checkpoint(self.path)
+            self._stamp = self._stamps(self._ck)
+        return self._ck
+
+    def check_unchanged(self, stamp: tuple) -> None:
+        ck = self.ck()
+        if self._stamps(ck) != stamp:
+            raise LoraError(f"the checkpoint {self.path} changed on disk since its layers were patched, so the "
+                            "original weights cannot be restored from it; reload the model")
+
+    def stamp(self) -> tuple:
+        self.ck()
+        return self._stamp
+
+    def has(self, name: str) -> bool:
+        if not self.available:
+            return False
+        ck = self.ck()
+        return name in ck.keys()
+
+    def dense(self, param: str, like: torch.Tensor) -> torch.Tensor | None:
+        """The parameter as ``checkpoint.load_state`` assigns it (dtype and device of ``like``), or None."""
+        from .checkpoint import dequantize_layer
+
+        if not self.available:
+            return None
+        ck = self.ck()
+        layer = param[: -len(".weight")] if param.endswith(".weight") else None
+        fmt = ck.quant_format(layer) if layer and layer + ".weight" in ck.keys() else None
+        if fmt is None and param.endswith(".weight") and ck.dtype_name(param) in ("F8_E4M3", "F8_E5M2", "I8", "U8"):
+            fmt = {"format": "int8_tensorwise"}
+        if fmt is not None:
+            t = dequantize_layer(ck, layer, fmt, like.device)
+        elif param in ck.keys():
+            t = ck.tensor(param, like.device)
+        else:
+            return None
+        return t.to(device=like.device, dtype=like.dtype) if tuple(t.shape) == tuple(like.shape) else None
+
+    def nvfp4_parts(self, layer: str, shape: tuple[int, int], device):
+        """(stored NVFP4Tensor or None, float W0 at source precision or None) of a block linear."""
+        from .checkpoint import dequantize_layer
+        from .ops import nvfp4 as nv
+
+        if not self.available or layer + ".weight" not in self.ck().keys():
+            return None, None
+        ck = self.ck()
+        fmt = ck.quant_format(layer)
+        if fmt is not None and fmt.get("format") == "nvfp4":
+            q = nv.from_comfy_quant(*(ck.tensor(layer + s, device) for s in (".weight", ".weight_scale",
+                                                                                ".weight_scale_2")), shape=shape)
+            return q, None
+        if fmt is not None:
+            return None, dequantize_layer(ck, layer, fmt, device)
+        t = ck.tensor(layer + ".weight", device)
+        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.uint8):
+            return None, dequantize_layer(ck, layer, {"format": "int8_tensorwise"}, device)
+        return None, t if tuple(t.shape) == tuple(shape) else None
+
+
+@dataclass
+class _Original:
+    """How to put one patched tensor (a dense parameter, or an NVFP4 layer's three buffers) back."""
+
+    kind: str  # "dense" | "nvfp4"
+    backup: dict | None = None  # host copies when the checkpoint cannot reproduce the original
+    stamp: tuple | None = None  # the checkpoint files' (path, size, mtime) when it can
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.backup or {}).values())
+
+
+def _nv_equal(a, b) -> bool:
+    return (a.shape == b.shape and torch.equal(a.packed, b.packed) and torch.equal(a.scales.view(torch.uint8),
+            b.scales.view(torch.uint8)) and torch.equal(a.global_scale, b.global_scale))
+
+
+def _quantize_like(w: torch.Tensor, module):
+    """nvfp4.quantize with the row padding of ``module``'s packed buffer."""
+    from .ops import nvfp4 as nv
+
+    n = module.out_features
+    pad = 16 if module.packed.shape[0] == nv.roundup(n, 16) else 1
+    q = nv.quantize(w, pad_rows=pad)
+    if q.packed.shape != module.packed.shape:
+        raise LoraError(f"re-quantizing {n}x{module.in_features}: packed {list(q.packed.shape)} does not fit the "
+                        f"layer's buffer {list(module.packed.shape)}")
+    return q
+
+
+# ---------------------------------------------------------------------------------------------
+# merging
+# ---------------------------------------------------------------------------------------------
+
+def merged_weight(w0: torch.Tensor, entries: Sequence[tuple[float, LoraUpdate]]) -> torch.Tensor:
+    """The merge contract: fp32(W0 + sum s*(alpha/r)*B@A (+ s*diff)) in float64, rounded once.
+
+    w0 [N, K] or [N] any float dtype (computed on its device); entries: (strength, update) in stack order.
+    Row-chunked so the float64 temporaries stay ~_ROW_CHUNK rows whatever N is.
+    """
+    n = w0.shape[0]
+    out = torch.empty(w0.shape, dtype=torch.float32, device=w0.device)
+    dev = w0.device
+    ups = [(s, u, (u.down.to(dev, torch.float64) if u.kind == LOWRANK else None)) for s, u in entries]
+    for r0 in range(0, n, _ROW_CHUNK):
+        r1 = min(n, r0 + _ROW_CHUNK)
+        acc = w0[r0:r1].to(torch.float64)
+        for s, u, down in ups:
+            a, b = u.rows
+            i0, i1 = max(r0, a), min(r1, b)
+            if i0 >= i1:
+                continue
+            if u.kind == LOWRANK:
+                acc[i0 - r0:i1 - r0] += (u.up[i0 - a:i1 - a].to(dev, torch.float64) @ down) * (s * u.unit_scale)
+            else:
+                acc[i0 - r0:i1 - r0] += u.delta[i0 - a:i1 - a].to(dev, torch.float64) * s
+        out[r0:r1] = acc.to(torch.float32)
+    return out
+
+
+@dataclass
+class _State:
+    originals: dict = field(default_factory=dict)  # tensor name -> _Original
+    sides: dict = field(default_factory=dict)  # module name -> (module, prev hooks)
+    signature: tuple = ()
+    report: dict | None = None
+
+
+def _state(model: nn.Module) -> _State:
+    st = model.__dict__.get(_STATE)
+    if st is None:
+        st = _State()
+        model.__dict__[_STATE] = st
+    return st
+
+
+def _base(rt):
+    return rt._base if isinstance(rt, LoraView) else rt
+
+
+def _restore_all(rt, st: _State, source: _Source) -> None:
+    model = rt.model
+    mods = dict(model.named_modules())
+    for name, (module, prev) in list(st.sides.items()):
+        _uninstall_side(module, prev)
+        del st.sides[name]
+    for tname, rec in list(st.originals.items()):
+        if rec.kind == "nvfp4":
+            module = mods[tname]
+            if rec.backup is not None:
+                parts = rec.backup
+            else:
+                source.check_unchanged(rec.stamp)
+                stored, w = source.nvfp4_parts(tname, (module.out_features, module.in_features), module.packed.device)
+                q = stored if stored is not None else _quantize_like(w.float() if w.dtype == torch.float64 else w,
+                                                                     module)
+                parts = {"packed": q.packed, "scales": q.scales, "global_scale": q.global_scale}
+            for k in ("packed", "scales", "global_scale"):
+                getattr(module, k).copy_(parts[k])
+        else:
+            mod_name, pname = tname.rsplit(".", 1)
+            p = getattr(mods[mod_name], pname)
+            if rec.backup is not None:
+                p.data.copy_(rec.backup["t"])
+            else:
+                source.check_unchanged(rec.stamp)
+                p.data.copy_(source.dense(tname, p.data))
+        del st.originals[tname]
+
+
+def _record_dense(st: _State, tname: str, p: torch.Tensor, source: _Source) -> _Original:
+    rec = st.originals.get(tname)
+    if rec is None:
+        ref = source.dense(tname, p.data) if source.available else None
+        if ref is not None and torch.equal(ref, p.data):
+            rec = _Original("dense", stamp=source.stamp())
+        else:
+            rec = _Original("dense", backup={"t": p.detach().to("cpu", copy=True)})
+        st.originals[tname] = rec
+    return rec
+
+
+def _merge_nvfp4(st: _State, name: str, module, entries, source: _Source, report: dict) -> None:
+    from .ops import nvfp4 as nv
+
+    if module.pre_quant_scale is not None:
+        raise LoraError(f"{name} is an AWQ-smoothed NVFP4 layer (pre_quant_scale); merging into it is not supported. "
+                        "Use mode 'side' for this LoRA")
+    shape = (module.out_features, module.in_features)
+    stored, w0 = source.nvfp4_parts(name, shape, module.packed.device)
+    resident = module.weight
+    if name not in st.originals:
+        exact = stored if stored is not None else (_quantize_like(w0, module) if w0 is not None else None)
+        if exact is not None and _nv_equal(exact, resident):
+            st.originals[name] = _Original("nvfp4", stamp=source.stamp())
+        else:
+            st.originals[name] = _Original("nvfp4", backup={k: getattr(module, k).detach().to("cpu", copy=True)
+                                                             for k in ("packed", "scales", "global_scale")})
+    if stored is not None:
+        base, origin = nv.dequantize(stored, torch.float64), "checkpoint (NVFP4, dequantized exactly)"
+    elif w0 is not None:
+        base, origin = w0, f"checkpoint ({str(w0.dtype).replace('torch.', '')})"
+    else:
+        base, origin = nv.dequantize(resident, torch.float64), "resident NVFP4 (no checkpoint file to read)"
+    q = _quantize_like(merged_weight(base, entries), module)
+    module.packed.copy_(q.packed)
+    module.scales.copy_(q.scales)
+    module.global_scale.copy_(q.global_scale)
+    report["merged_nvfp4"].append(name)
+    report["base_weights"][origin] = report["base_weights"].get(origin, 0) + 1
+
+
+def _merge_dense(st: _State, tname: str, p: torch.Tensor, entries, source: _Source, report: dict) -> None:
+    _record_dense(st, tname, p, source)
+    p.data.copy_(merged_weight(p.data, entries).to(p.dtype))
+    report["merged_dense"].append(tname)
+
+
+# ---------------------------------------------------------------------------------------------
+# the public entry points
+# ---------------------------------------------------------------------------------------------
+
+def _read_all(rt, specs: list[LoraSpec]) -> list[LoraMatch]:
+    errors, matches = [], []
+    for sp in specs:
+        try:
+            matches.append(match_lora(read_lora_file(sp.path), rt.model, rt.config))
+        except LoraError as e:
+            errors.append(str(e))
+    if errors:
+        raise LoraError(" | ".join(errors) if len(errors) > 1 else errors[0])
+    return matches
+
+
+@torch.no_grad()
+def apply_loras(rt, specs: Iterable) -> dict:
+    """Make the resident model of ``rt`` carry exactly ``specs`` and return the report.
+
+    rt: an H3Runtime (or a LoraView: its base is used); specs: ``[(path, strength, mode)]`` or LoraSpec,
+    stacked in order; ``[]`` removes every LoRA. Every file is read and validated before the model
+    changes: a bad stack raises ONE LoraError and leaves the model as it was. The report is also put in
+    ``rt.backends["lora"]`` (so every run report carries it).
+    """
+    rt = _base(rt)
+    specs = [_as_spec(s) for s in specs]
+    t0 = time.perf_counter()
+    matches = _read_all(rt, specs)
+    model = rt.model
+    mods = dict(model.named_modules())
+    nv_cls = _nvfp4_linear_cls()
+    st = _state(model)
+    source = _Source(rt)
+    # group the updates: merges per tensor, side terms per module, in stack order
+    merges: dict[tuple[str, str], list] = {}
+    sides: dict[str, list] = {}
+    report = {"loras": [], "merged_nvfp4": [], "merged_dense": [], "side": [], "skipped": [], "base_weights": {},
+              "notes": [], "fc2_side": []}
+    for sp, m in zip(specs, matches):
+        entry = {"file": m.file.name, "path": m.file.path, "strength": sp.strength, "mode": sp.mode,
+                 "naming": m.forms, "alpha": m.alpha_source, "targets": len(m.targets), "updates": len(m.updates),
+                 "skipped": len(m.skipped)}
+        report["loras"].append(entry)
+        report["skipped"].extend(dict(s, lora=m.file.name) for s in m.skipped)
+        if sp.strength == 0.0:
+            entry["applied"] = "no (strength 0)"
+            continue
+        diffs_merged = 0
+        for u in m.updates:
+            if sp.mode == "side" and u.kind == LOWRANK:
+                sides.setdefault(u.module, []).append((sp.strength, u, m.file.name))
+            else:
+                merges.setdefault((u.module, u.param), []).append((sp.strength, u))
+                diffs_merged += sp.mode == "side"
+        if diffs_merged:
+            report["notes"].append(f"{m.file.name}: {diffs_merged} full-weight diff tensors have no low-rank form "
+                                   "and were merged although the mode is 'side'")
+    try:
+        _restore_all(rt, st, source)
+        for (mname, pname), entries in merges.items():
+            module = mods[mname]
+            if pname == "weight" and isinstance(module, nv_cls):
+                _merge_nvfp4(st, mname, module, entries, source, report)
+            else:
+                _merge_dense(st, f"{mname}.{pname}", getattr(module, pname), entries, source, report)
+        for mname, terms in sides.items():
+            module = mods[mname]
+            side_dtype = (module.out_dtype or rt.dtype) if isinstance(module, nv_cls) else module.weight.dtype
+            dev = module.packed.device if isinstance(module, nv_cls) else module.weight.device
+            side = LoraSide(mname, module.in_features, module.out_features, side_dtype, dev)
+            for s, u, fname in terms:
+                side.add_term(u, s, fname)
+            st.sides[mname] = (module, _install_side(rt, mname, module, side))
+            report["side"].append(mname)
+            if _FC2.match(mname):
+                report["fc2_side"].append(mname)
+    except BaseException:
+        _restore_all(rt, st, source)  # never leave a half-applied stack behind
+        st.signature, st.report = (), None
+        rt.backends.pop("lora", None)
+        raise
+    report["originals"] = {"from_checkpoint": sum(r.backup is None for r in st.originals.values()),
+                           "host_copies": sum(r.backup is not None for r in st.originals.values()),
+                           "host_copy_bytes": sum(r.nbytes() for r in st.originals.values())}
+    report["side_bytes"] = sum(m.__dict__[_SIDE].nbytes() for m, _ in st.sides.values())
+    report["stack"] = "dense reference stack (merge = into the dense weights)" if not any(
+        isinstance(m, nv_cls) for m in mods.values()) else "NVFP4 stack (merge = re-quantized NVFP4)"
+    if report["fc2_side"]:
+        disp = getattr(rt, "fc2", None) is not None
+        report["fc2_guard"] = ("refused on every FC2 call of " + ", ".join(report["fc2_side"])
+                               + ": reason 'lora: LoRA side-path active on fc2' (the pinned GEMM has no LoRA term)"
+                               + ("" if disp else "; no FC2 dispatcher is active on this stack"))
+    report["seconds"] = round(time.perf_counter() - t0, 3)
+    st.signature = tuple(sp.signature() for sp in specs)
+    st.report = report
+    _publish(rt, report, specs)
+    return report
+
+
+def _publish(rt, report: dict, specs: list[LoraSpec]) -> None:
+    if not specs:
+        rt.backends.pop("lora", None)
+        return
+    modes = sorted({sp.mode for sp in specs if sp.strength != 0.0})
+    choice = "+".join(modes) or "none"
+    parts = [f"{e['file']} x{e['strength']:g} {e['mode']}" for e in report["loras"]]
+    why = f"{len(specs)} LoRA{'s' if len(specs) > 1 else ''}: {', '.join(parts)}"
+    n_m = len(report["merged_nvfp4"]) + len(report["merged_dense"])
+    why += f"; {n_m} tensors merged, {len(report['side'])} side paths"
+    if report["skipped"]:
+        why += f"; {len(report['skipped'])} tensors skipped ({report['skipped'][0]['reason']})"
+    if report["fc2_side"]:
+        why += "; FC2 cuBLASLt path refused (LoRA side path on fc2)"
+    rt.backends["lora"] = {"choice": choice, "reason": why, "report": report}
+
+
+def remove_loras(rt) -> dict:
+    """Remove every LoRA: all patched tensors restored bit for bit, side paths unhooked."""
+    return apply_loras(rt, [])
+
+
+def lora_report(rt) -> dict | None:
+    """The report of the stack the resident model carries now (None when it carries none)."""
+    st = _base(rt).model.__dict__.get(_STATE)
+    return st.report if st is not None and st.signature else None
+
+
+def sync_loras(rt, specs: Iterable | None = None) -> dict | None:
+    """Apply ``specs`` (default: ``rt.lora_stack`` of a LoraView, else none) only if the resident model does
+    not already carry exactly that stack (same files, sizes, mtimes, strengths, modes)."""
+    if specs is None:
+        specs = getattr(rt, "lora_stack", ())
+    specs = [_as_spec(s) for s in specs]
+    base = _base(rt)
+    st = base.model.__dict__.get(_STATE)
+    sig = tuple(sp.signature() for sp in specs)
+    if (st.signature if st is not None else ()) == sig:
+        return st.report if st is not None else None
+    return apply_loras(base, specs)
+
+
+class LoraView:
+    """A resident runtime seen with a LoRA stack (what the "H3 LoRA" node outputs).
+
+    It shares the resident model; every access to ``.model`` first makes that model carry exactly
+    ``lora_stack`` (``sync_loras``: no work when it already does). Everything else is the base runtime's.
+    """
+
+    def __init__(self, base, stack: Iterable):
+        self._base = _base(base)
+        self.lora_stack = tuple(_as_spec(s) for s in stack)
+
+    @property
+    def model(self):
+        sync_loras(self._base, self.lora_stack)
+        return self._base.model
+
+    def __getattr__(self, name):
+        if name.startswith("__") or name == "_base":
+            raise AttributeError(name)
+        return getattr(self._base, name)
+
+    def describe(self) -> str:
+        sync_loras(self._base, self.lora_stack)
+        return self._base.describe()
+
+
+def with_lora(rt, path: str, strength: float = 1.0, mode: str = "merge") -> LoraView:
+    """``rt`` plus one more LoRA on top of its stack (a LoraView; nothing is applied until ``.model``)."""
+    return LoraView(rt, tuple(getattr(rt, "lora_stack", ())) + (LoraSpec(path, strength, mode),))
