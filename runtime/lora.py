@@ -459,8 +459,7 @@ def _restore_all(rt, st: _State, source: _Source) -> None:
             else:
                 source.check_unchanged(rec.stamp)
                 stored, w = source.nvfp4_parts(tname, (module.out_features, module.in_features), module.packed.device)
-                q = stored if stored is not None else _quantize_like(w.float() if w.dtype == torch.float64 else w,
-                                                                     module)
+                q = stored if stored is not None else _quantize_like(w, module)
                 parts = {"packed": q.packed, "scales": q.scales, "global_scale": q.global_scale}
             for k in ("packed", "scales", "global_scale"):
                 getattr(module, k).copy_(parts[k])
@@ -490,9 +489,6 @@ def _record_dense(st: _State, tname: str, p: torch.Tensor, source: _Source) -> _
 def _merge_nvfp4(st: _State, name: str, module, entries, source: _Source, report: dict) -> None:
     from .ops import nvfp4 as nv
 
-    if module.pre_quant_scale is not None:
-        raise LoraError(f"{name} is an AWQ-smoothed NVFP4 layer (pre_quant_scale); merging into it is not supported. "
-                        "Use mode 'side' for this LoRA")
     shape = (module.out_features, module.in_features)
     stored, w0 = source.nvfp4_parts(name, shape, module.packed.device)
     resident = module.weight
@@ -581,6 +577,11 @@ def apply_loras(rt, specs: Iterable) -> dict:
         if diffs_merged:
             report["notes"].append(f"{m.file.name}: {diffs_merged} full-weight diff tensors have no low-rank form "
                                    "and were merged although the mode is 'side'")
+    for (mname, pname) in merges:
+        pqs = getattr(mods[mname], "pre_quant_scale", None) if isinstance(mods[mname], nv_cls) else None
+        if pname == "weight" and pqs is not None:
+            raise LoraError(f"{mname} is an AWQ-smoothed NVFP4 layer (pre_quant_scale); merging a LoRA into it is not "
+                            "supported. Nothing was changed; use mode 'side' for this LoRA")
     try:
         _restore_all(rt, st, source)
         for (mname, pname), entries in merges.items():

@@ -328,9 +328,9 @@ def match_lora(lf: LoraFile, model: nn.Module, cfg) -> LoraMatch:
         forms.add(form)
         mod = res.modules[name]
         dims = _linear_dims(mod)
-        bad_dtype = [k for k, t in g.tensors.values() if not t.is_floating_point()]
+        bad_dtype = [f"{k} ({t.dtype})" for k, t in g.tensors.values() if not t.is_floating_point()]
         if bad_dtype:
-            problems["dtype"].extend(f"{k} ({g.tensors[_role_of(g, k)][1].dtype})" for k in bad_dtype)
+            problems["dtype"].extend(bad_dtype)
             continue
         rows_of = _rows(part, dims[0]) if dims else None
         has_ab = "down" in g.tensors or "up" in g.tensors
@@ -395,7 +395,6 @@ def match_lora(lf: LoraFile, model: nn.Module, cfg) -> LoraMatch:
                 continue
             key, d = g.tensors[role]
             pname = "bias" if kind == DIFF_B else "weight"
-            p = getattr(mod, pname, None)
             if curve_skip and kind == DIFF and d.dim() == 2 and d.shape[1] != dims[1]:
                 skipped.append({"key": key, "reason": f"curve-form (pruned) checkpoint: {name} takes the "
                                 f"{dims[1]}-wide adaln_t_table row, this diff is {d.shape[1]} wide"})
@@ -412,7 +411,6 @@ def match_lora(lf: LoraFile, model: nn.Module, cfg) -> LoraMatch:
                 problems["shape"].append(name)
                 shape_examples.append(f"{key}: delta {list(d.shape)}, the {pname} part is {list(want)}")
                 continue
-            del p
             u = LoraUpdate(name, kind, (lo, hi), (key,), delta=d)
             if _dup(seen, u, problems):
                 continue
@@ -422,10 +420,6 @@ def match_lora(lf: LoraFile, model: nn.Module, cfg) -> LoraMatch:
     updates.sort(key=LoraUpdate.sort_key)
     alpha_source = "; ".join(sorted(alpha_sources)) or "n/a (no low-rank pairs)"
     return LoraMatch(lf, updates, skipped, sorted(forms), alpha_source)
-
-
-def _role_of(g: _Group, key: str) -> str:
-    return next(r for r, (k, _) in g.tensors.items() if k == key)
 
 
 def _rows(part: tuple, out: int) -> tuple[int, int] | None:
