@@ -9,6 +9,7 @@ from .conditioning import H3TextStatesLoader
 from .diagnostics import H3Diagnostics
 from .latents import H3EmptyLatent
 from .loader import H3ModelLoader
+from .lora import H3LoRA
 from .sampler import H3Sampler
 
 NODES = {
@@ -17,6 +18,7 @@ NODES = {
     "H3B_Diagnostics": H3Diagnostics,
     "H3B_EmptyLatent": H3EmptyLatent,
     "H3B_TextStatesLoader": H3TextStatesLoader,
+    "H3B_LoRA": H3LoRA,
 }
 
 NODE_CLASS_MAPPINGS = dict(NODES)

@@ -112,6 +112,9 @@ def cmd_generate(a) -> int:
                                    fc2_lt=fc2[0], fc2_lt_strict=fc2[1], quantize=False if a.dense else None)
     # validate every input before the (possibly long) model load
     from .config import TINY, detect_config
+    from .lora import apply_loras, parse_lora_arg
+
+    loras = [parse_lora_arg(s) for s in a.lora]
 
     text_dim = TINY.text_dim if a.model is None else detect_config(a.model)[0].text_dim
     if a.text_states:
@@ -121,6 +124,8 @@ def cmd_generate(a) -> int:
         text = torch.randn(1, a.text_tokens, text_dim, generator=g)
         tags = None
     rt = load_model(a.model, opts, tiny_seed=a.tiny_seed)
+    if loras:
+        apply_loras(rt, loras)
     print(rt.describe(), file=sys.stderr)
     vshape, ashape = latent_shapes(width, height, frames, rt.config.video_channels, rt.config.audio_channels)
     video, audio = torch.zeros(vshape), torch.zeros(ashape)
@@ -233,6 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fc2", default="on", choices=["on", "off", "strict"])
     g.add_argument("--dense", action="store_true", help="keep dense linears (no NVFP4; the reference stack)")
     g.add_argument("--progress", action="store_true", help="always show the progress bar")
+    g.add_argument("--lora", action="append", default=[], metavar="FILE:STRENGTH[:MODE]",
+                   help="apply a LoRA after loading (repeat to stack); MODE merge (default: into the weights, "
+                        "NVFP4 re-quantized) or side (bf16 low-rank path per step)")
     g.set_defaults(fn=cmd_generate)
 
     f = sub.add_parser("forward", help="one model evaluation in the t2va layout")

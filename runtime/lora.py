@@ -23,24 +23,31 @@ Modes, per LoRA:
   the NVFP4 or dense GEMM output. Exact LoRA math, no re-quantization. ``.diff``/``.diff_b`` tensors have
   no low-rank form and are always merged (the report says so).
 
-The source weight W0 of an NVFP4 layer is read back from the checkpoint file the model came from
-(``rt.source``): bf16/fp16/fp32 as stored, NVFP4 dequantized exactly (float64), fp8/int8 dequantized as
-the loader does. Without a readable file (the embedded tiny model) it is the resident NVFP4 weight
-dequantized exactly, and the report says which. Dense layers merge into their resident weights.
+The source weight W0 of an NVFP4 layer is read again from where the model came from: the checkpoint
+file ``rt.source`` (bf16/fp16/fp32 as stored, NVFP4 dequantized exactly in float64, fp8/int8
+dequantized as the loader does), or for the embedded tiny model its seed. Without a source it is the
+resident NVFP4 weight dequantized exactly; the report says which (``base_weights``).
 
-Removal restores every patched tensor bit for bit: from the checkpoint file when it reproduces the
-resident original exactly (checked when the layer is first patched; no memory held), else from a host
-copy taken then. Side paths are unhooked. ``remove_loras(rt)`` = ``apply_loras(rt, [])``.
+Removal restores every patched tensor bit for bit: from the source when it reproduces the resident
+original exactly (checked when the layer is first patched; no memory held), else from a host copy taken
+then. Side paths are unhooked. ``remove_loras(rt)`` = ``apply_loras(rt, [])``; ``sync_loras`` applies
+only when the stack differs; a ``LoraView`` (what the "H3 LoRA" node outputs) syncs its stack whenever
+its ``.model`` is used.
 
-FC2 guard: a side path on ``blocks.N.mlp.fc2`` makes every FC2 call of that block go through the
-runtime's dispatcher (``rt.fc2``, when the NVFP4 stack has one) with ``lora_active=True``, so the guard
-refuses its pinned cuBLASLt path (reason ``lora: LoRA side-path active on fc2 ...``), the call falls back
-on the same activation bytes and the run's FC2 counters record it. Code that calls the dispatcher
-itself should pass ``lora_active=side_active(mlp.fc2)`` and add ``lora_side(mlp.fc2).add_(act, y)``.
+Where the side path is added:
 
-Side paths hook a layer's ``forward`` (and ``forward_swiglu`` of an Nvfp4Linear) per instance: module
-names, types and state-dict keys stay as they are. ``forward_quantized`` (pre-quantized input bytes)
-has no bf16 activation to feed the side path; its callers add it with ``lora_side(module).add_``.
+- layers called as modules (dense linears of the reference blocks, the refiner, AdaLN, condition_proj,
+  and out_proj in the NVFP4 stack): a per-instance ``forward`` hook; names, types and state-dict keys
+  stay as they are;
+- qkv_proj, fc1, fc2 in the NVFP4 block stack (``runtime.stack.Nvfp4Stack``), which feeds them bytes
+  from its fused producers: the model's stack is wrapped (``_LoraStack``) and a block whose qkv/fc1/fc2
+  carries a side path runs the stack's block step for step with the side terms added on the exact fp32
+  activations the producers quantize; other blocks run the stack's own ``block``.
+
+FC2 guard: the stack's ``lora_on_fc2`` callable is pointed at ``side_active(blocks[i].mlp.fc2)``, so
+with a side path on a block's fc2 the guarded dispatcher refuses its pinned cuBLASLt path on every call
+of that block (reason ``lora: LoRA side-path active on fc2; the pinned GEMM has no LoRA term``), falls
+back on the same activation bytes and the run's FC2 counters record it.
 """
 
 from __future__ import annotations
@@ -204,71 +211,18 @@ def _nvfp4_linear_cls():
     return Nvfp4Linear
 
 
-def _fc2_guarded(module, dispatcher, x: torch.Tensor | None = None, h: torch.Tensor | None = None) -> torch.Tensor:
-    """One FC2 call of an Nvfp4Linear through the guarded dispatcher with ``lora_active=True``.
-
-    x [..., K]: the activation (quantized here), or h [..., 2K] = [gate | up] (SwiGLU producer). The
-    fallback runs the layer's own GEMM backend on the very bytes quantized here.
-    """
-    from .fc2_lt import PRODUCER_SWIGLU_NVFP4, ROLE_FC2
-    from .ops import quant_kernels as qk
-    from .ops.linear import nvfp4_matmul
-
-    g, _ = qk.activation_global_scale(module.act_scale, module.input_scale)
-    if h is not None:
-        prefix, h2 = tuple(h.shape[:-1]), h.reshape(-1, h.shape[-1])
-        out_dtype = module.out_dtype or h.dtype
-        if module.pre_quant_scale is not None:
-            a = qk.quantize((qk.swiglu_reference(h2) * module.pre_quant_scale.float()).to(h.dtype), g)
-            producer = None
-        else:
-            a, producer = qk.swiglu_quantize(h2, g), PRODUCER_SWIGLU_NVFP4
-    else:
-        prefix, x2 = tuple(x.shape[:-1]), x.reshape(-1, x.shape[-1])
-        out_dtype = module.out_dtype or x.dtype
-        if module.pre_quant_scale is not None:
-            x2 = x2 * module.pre_quant_scale.to(x2.dtype)
-        a, producer = qk.quantize(x2.contiguous(), g), None
-    w = module.weight
-
-    def fallback(ops):  # the same bytes: no second quantization
-        y = nvfp4_matmul(a, w, module.backend, out_dtype, module.scratch)
-        return y + module.bias.to(y.dtype) if module.bias is not None else y
-
-    y = dispatcher(a.packed, w.packed, m_logical=a.shape[0], fallback=fallback, x_scale=a.scales,
-                   w_scale=w.scales, alpha=a.global_scale * w.global_scale, role=ROLE_FC2, lora_active=True,
-                   producer=producer, out_dtype=out_dtype)
-    return y.reshape(*prefix, module.out_features)
-
-
-def _install_side(rt, name: str, module: nn.Module, side: LoraSide) -> dict:
-    """Hook ``module``'s forward (and forward_swiglu) to add ``side``; returns what ``_uninstall_side`` needs."""
-    prev = {k: module.__dict__.get(k) for k in ("forward", "forward_swiglu")}
+def _install_side(name: str, module: nn.Module, side: LoraSide) -> dict:
+    """Hook ``module``'s forward to add ``side`` (per instance; returns what ``_uninstall_side`` needs)."""
+    prev = {"forward": module.__dict__.get("forward")}
     cls = type(module)
-    is_nv = isinstance(module, _nvfp4_linear_cls())
-    guarded = is_nv and bool(_FC2.match(name))
-
-    def call(kind, arg):
-        f = prev[kind]
-        return f(arg) if f is not None else getattr(cls, kind)(module, arg)
 
     def forward(x):
-        disp = getattr(rt, "fc2", None) if guarded else None
-        y = _fc2_guarded(module, disp, x=x) if disp is not None else call("forward", x)
+        f = prev["forward"]
+        y = f(x) if f is not None else cls.forward(module, x)
         side.add_(x, y)
         return y
 
     module.forward = forward
-    if is_nv and hasattr(cls, "forward_swiglu"):
-        from .ops import quant_kernels as qk
-
-        def forward_swiglu(h):
-            disp = getattr(rt, "fc2", None) if guarded else None
-            y = _fc2_guarded(module, disp, h=h) if disp is not None else call("forward_swiglu", h)
-            side.add_(qk.swiglu_reference(h.reshape(-1, h.shape[-1])), y)
-            return y
-
-        module.forward_swiglu = forward_swiglu
     setattr(module, _SIDE, side)
     return prev
 
@@ -282,23 +236,143 @@ def _uninstall_side(module: nn.Module, prev: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# the NVFP4 block stack with side paths
+# ---------------------------------------------------------------------------------------------
+
+_STACK_SIDE = (("attn", "qkv_proj"), ("mlp", "fc1"), ("mlp", "fc2"))
+
+
+class _LoraStack:
+    """``runtime.stack.Nvfp4Stack`` plus the side paths of qkv_proj, fc1 and fc2.
+
+    The stack feeds those three GEMMs bytes from its fused producers (``forward_quantized``), so the
+    layer hooks never see a bf16 activation. Blocks where one of them carries a side path run
+    ``_lora_block`` (the stack's own block, step for step, with the side terms added on the exact fp32
+    activations the producers quantize); every other block runs the stack's ``block`` untouched.
+    out_proj is called as a module by the stack, so its side path is its forward hook.
+    """
+
+    def __init__(self, stack):
+        self.inner = stack
+
+    def __getattr__(self, name):
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def run(self, x: torch.Tensor, plan, step: int) -> torch.Tensor:
+        segs = plan.times[step].mod_segments
+        st = self.inner
+        for i, (blk, mod) in enumerate(zip(st.model.blocks, plan.mods[step])):
+            if any(side_active(getattr(getattr(blk, p), n)) for p, n in _STACK_SIDE):
+                x = _lora_block(st, i, blk, x, mod, segs, plan.cos, plan.sin)
+            else:
+                x = st.block(i, blk, x, mod, segs, plan.cos, plan.sin)
+        return x
+
+
+def _lora_block(st, i: int, blk, x: torch.Tensor, mod: torch.Tensor, segs, cos, sin) -> torch.Tensor:
+    """``Nvfp4Stack.block`` with side paths: qkv/fc1 get ``rms_modulate_reference(x, ...)`` (the fp32 values
+    the fused producer quantizes), fc2 gets ``swiglu_reference(h)`` (likewise); the FC2 guard sees
+    ``lora_active`` through the stack's ``lora_on_fc2``. With no side terms this is ``st.block`` bit for bit
+    (tests/test_lora.py checks it, so a change to the stack's block shows up there)."""
+    from .ops import quant_kernels as qk
+    from .ops.attention import attention
+
+    c = st.cfg
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mod.chunk(6, dim=-1)
+    s_qkv, s_fc1, s_fc2 = (lora_side(getattr(getattr(blk, p), n)) for p, n in _STACK_SIDE)
+    a = qk.rms_modulate_quantize(x, blk.norm1.weight, scale_msa, shift_msa, segs, c.eps,
+                                 st._input_scale(blk.attn.qkv_proj))
+    qkv = blk.attn.qkv_proj.forward_quantized(a.packed, a.scales, a.global_scale)
+    del a
+    if s_qkv is not None:
+        s_qkv.add_(qk.rms_modulate_reference(x, blk.norm1.weight, scale_msa, shift_msa, segs, c.eps), qkv)
+    st._norm_rope(blk, qkv, cos, sin)
+    o = attention(qkv, c.num_heads, c.head_dim, st.attention_backend)
+    del qkv
+    y = blk.attn.out_proj(o)
+    del o
+    st._gate_add(x, y, gate_msa, segs)
+    del y
+    a = qk.rms_modulate_quantize(x, blk.norm2.weight, scale_mlp, shift_mlp, segs, c.eps,
+                                 st._input_scale(blk.mlp.fc1))
+    h = blk.mlp.fc1.forward_quantized(a.packed, a.scales, a.global_scale)
+    del a
+    if s_fc1 is not None:
+        s_fc1.add_(qk.rms_modulate_reference(x, blk.norm2.weight, scale_mlp, shift_mlp, segs, c.eps), h)
+    s_q = qk.swiglu_quantize(h, st._input_scale(blk.mlp.fc2))
+    m = st._fc2(i, blk, s_q)
+    del s_q
+    if s_fc2 is not None:
+        s_fc2.add_(qk.swiglu_reference(h), m)
+    del h
+    st._gate_add(x, m, gate_mlp, segs)
+    return x
+
+
+def _install_stack(model, st: "_State") -> None:
+    """Wrap the model's NVFP4 stack (if any) and tell its FC2 guard which blocks carry a side path on fc2."""
+    stack = getattr(model, "stack", None)
+    if stack is None or isinstance(stack, _LoraStack):
+        return
+    blocks = model.blocks
+    st.stack = (stack, stack.__dict__.get("lora_on_fc2"))
+    stack.lora_on_fc2 = lambda i: side_active(blocks[i].mlp.fc2)
+    model.stack = _LoraStack(stack)
+
+
+def _uninstall_stack(model, st: "_State") -> None:
+    if st.stack is None:
+        return
+    stack, prev = st.stack
+    if prev is not None:
+        stack.lora_on_fc2 = prev
+    if isinstance(getattr(model, "stack", None), _LoraStack) and model.stack.inner is stack:
+        model.stack = stack
+    st.stack = None
+
+
+# ---------------------------------------------------------------------------------------------
 # source weights and originals
 # ---------------------------------------------------------------------------------------------
 
-class _Source:
-    """The checkpoint file the resident model came from (``rt.source``), opened lazily, headers only."""
+_TINY_SOURCE = re.compile(r"^embedded tiny \(seed (-?\d+)\)$")
 
-    def __init__(self, rt):
+
+class _Source:
+    """Where the resident model's source weights can be read again.
+
+    - the checkpoint file ``rt.source`` (opened lazily, headers only; files stamped by size and mtime);
+    - the embedded tiny model (``rt.source == "embedded tiny (seed N)"`` with the TINY config): its
+      weights are a pure function of the seed (``tiny.tiny_state_dict``);
+    - nothing (``available`` False): merges into NVFP4 layers start from the resident NVFP4 weights and
+      originals are kept as host copies.
+    """
+
+    def __init__(self, rt, cache: dict | None = None):
+        from .config import TINY
+
+        self.cache = cache if cache is not None else {}
         src = getattr(rt, "source", None)
         self.path = Path(src) if isinstance(src, (str, os.PathLike)) and Path(src).is_file() else None
+        m = _TINY_SOURCE.match(src) if isinstance(src, str) and self.path is None else None
+        self.tiny_seed = int(m.group(1)) if m and rt.config == TINY else None
+        self.dtype = rt.dtype
         self._ck = None
         self._stamp = None
+        self._tiny = None
 
     @property
     def available(self) -> bool:
-        return self.path is not None
+        return self.path is not None or self.tiny_seed is not None
 
-    def _stamps(self, ck) -> tuple:
+    @property
+    def label(self) -> str:
+        return "checkpoint" if self.path is not None else "embedded tiny weights (from the seed)"
+
+    @staticmethod
+    def _stamps(ck) -> tuple:
         return tuple((str(h.path), h.path.stat().st_size, h.path.stat().st_mtime_ns) for h in ck.headers)
 
     def ck(self):
@@ -309,60 +383,76 @@ class _Source:
             self._stamp = self._stamps(self._ck)
         return self._ck
 
-    def check_unchanged(self, stamp: tuple) -> None:
-        ck = self.ck()
-        if self._stamps(ck) != stamp:
-            raise LoraError(f"the checkpoint {self.path} changed on disk since its layers were patched, so the "
-                            "original weights cannot be restored from it; reload the model")
+    def tiny(self) -> dict:
+        if self._tiny is None:
+            from .config import TINY
+            from .tiny import tiny_state_dict
+
+            key = ("tiny", self.tiny_seed, self.dtype)
+            if key not in self.cache:
+                self.cache.clear()
+                self.cache[key] = tiny_state_dict(TINY, self.tiny_seed, self.dtype)
+            self._tiny = self.cache[key]
+        return self._tiny
 
     def stamp(self) -> tuple:
+        if self.path is None:
+            return ("tiny", self.tiny_seed)
         self.ck()
         return self._stamp
 
-    def has(self, name: str) -> bool:
-        if not self.available:
-            return False
-        ck = self.ck()
-        return name in ck.keys()
+    def check_unchanged(self, stamp: tuple) -> None:
+        if self.stamp() != stamp:
+            raise LoraError(f"the checkpoint {self.path} changed on disk since its layers were patched, so the "
+                            "original weights cannot be restored from it; reload the model")
 
     def dense(self, param: str, like: torch.Tensor) -> torch.Tensor | None:
-        """The parameter as ``checkpoint.load_state`` assigns it (dtype and device of ``like``), or None."""
+        """The parameter as the loader assigned it (dtype and device of ``like``), or None."""
         from .checkpoint import dequantize_layer
 
         if not self.available:
             return None
-        ck = self.ck()
-        layer = param[: -len(".weight")] if param.endswith(".weight") else None
-        fmt = ck.quant_format(layer) if layer and layer + ".weight" in ck.keys() else None
-        if fmt is None and param.endswith(".weight") and ck.dtype_name(param) in ("F8_E4M3", "F8_E5M2", "I8", "U8"):
-            fmt = {"format": "int8_tensorwise"}
-        if fmt is not None:
-            t = dequantize_layer(ck, layer, fmt, like.device)
-        elif param in ck.keys():
-            t = ck.tensor(param, like.device)
+        if self.path is None:
+            t = self.tiny().get(param)
         else:
+            ck = self.ck()
+            layer = param[: -len(".weight")] if param.endswith(".weight") else None
+            fmt = ck.quant_format(layer) if layer and param in ck.keys() else None
+            if fmt is None and layer and param in ck.keys() and ck.dtype_name(param) in ("F8_E4M3", "F8_E5M2", "I8",
+                                                                                           "U8"):
+                fmt = {"format": "int8_tensorwise"}
+            if fmt is not None:
+                t = dequantize_layer(ck, layer, fmt, like.device)
+            elif param in ck.keys():
+                t = ck.tensor(param, like.device)
+            else:
+                t = None
+        if t is None or tuple(t.shape) != tuple(like.shape):
             return None
-        return t.to(device=like.device, dtype=like.dtype) if tuple(t.shape) == tuple(like.shape) else None
+        return t.to(device=like.device, dtype=like.dtype)
 
     def nvfp4_parts(self, layer: str, shape: tuple[int, int], device):
-        """(stored NVFP4Tensor or None, float W0 at source precision or None) of a block linear."""
+        """(stored NVFP4Tensor or None, float source W0 or None) of a block linear."""
         from .checkpoint import dequantize_layer
         from .ops import nvfp4 as nv
 
-        if not self.available or layer + ".weight" not in self.ck().keys():
+        if not self.available:
             return None, None
+        if self.path is None:
+            t = self.tiny().get(layer + ".weight")
+            return None, (t.to(device) if t is not None and tuple(t.shape) == tuple(shape) else None)
         ck = self.ck()
+        if layer + ".weight" not in ck.keys():
+            return None, None
         fmt = ck.quant_format(layer)
         if fmt is not None and fmt.get("format") == "nvfp4":
             q = nv.from_comfy_quant(*(ck.tensor(layer + s, device) for s in (".weight", ".weight_scale",
                                                                                 ".weight_scale_2")), shape=shape)
             return q, None
-        if fmt is not None:
-            return None, dequantize_layer(ck, layer, fmt, device)
-        t = ck.tensor(layer + ".weight", device)
-        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.uint8):
-            return None, dequantize_layer(ck, layer, {"format": "int8_tensorwise"}, device)
-        return None, t if tuple(t.shape) == tuple(shape) else None
+        if fmt is None and ck.dtype_name(layer + ".weight") in ("F8_E4M3", "F8_E5M2", "I8", "U8"):
+            fmt = {"format": "int8_tensorwise"}
+        t = dequantize_layer(ck, layer, fmt, device) if fmt is not None else ck.tensor(layer + ".weight", device)
+        return None, (t if tuple(t.shape) == tuple(shape) else None)
 
 
 @dataclass
@@ -411,7 +501,7 @@ def merged_weight(w0: torch.Tensor, entries: Sequence[tuple[float, LoraUpdate]])
     ups = [(s, u, (u.down.to(dev, torch.float64) if u.kind == LOWRANK else None)) for s, u in entries]
     for r0 in range(0, n, _ROW_CHUNK):
         r1 = min(n, r0 + _ROW_CHUNK)
-        acc = w0[r0:r1].to(torch.float64)
+        acc = w0[r0:r1].to(torch.float64, copy=True)
         for s, u, down in ups:
             a, b = u.rows
             i0, i1 = max(r0, a), min(r1, b)
@@ -429,6 +519,9 @@ def merged_weight(w0: torch.Tensor, entries: Sequence[tuple[float, LoraUpdate]])
 class _State:
     originals: dict = field(default_factory=dict)  # tensor name -> _Original
     sides: dict = field(default_factory=dict)  # module name -> (module, prev hooks)
+    stack: tuple | None = None  # (the model's Nvfp4Stack, its previous lora_on_fc2) while wrapped
+    verified: dict = field(default_factory=dict)  # tensor name -> source stamp that reproduces it exactly
+    source_cache: dict = field(default_factory=dict)  # the embedded tiny model's source weights
     signature: tuple = ()
     report: dict | None = None
 
@@ -448,6 +541,7 @@ def _base(rt):
 def _restore_all(rt, st: _State, source: _Source) -> None:
     model = rt.model
     mods = dict(model.named_modules())
+    _uninstall_stack(model, st)
     for name, (module, prev) in list(st.sides.items()):
         _uninstall_side(module, prev)
         del st.sides[name]
@@ -477,9 +571,13 @@ def _restore_all(rt, st: _State, source: _Source) -> None:
 def _record_dense(st: _State, tname: str, p: torch.Tensor, source: _Source) -> _Original:
     rec = st.originals.get(tname)
     if rec is None:
-        ref = source.dense(tname, p.data) if source.available else None
-        if ref is not None and torch.equal(ref, p.data):
-            rec = _Original("dense", stamp=source.stamp())
+        stamp = source.stamp() if source.available else None
+        if stamp is not None and st.verified.get(tname) != stamp:
+            ref = source.dense(tname, p.data)
+            if ref is not None and torch.equal(ref, p.data):
+                st.verified[tname] = stamp
+        if stamp is not None and st.verified.get(tname) == stamp:
+            rec = _Original("dense", stamp=stamp)
         else:
             rec = _Original("dense", backup={"t": p.detach().to("cpu", copy=True)})
         st.originals[tname] = rec
@@ -493,18 +591,22 @@ def _merge_nvfp4(st: _State, name: str, module, entries, source: _Source, report
     stored, w0 = source.nvfp4_parts(name, shape, module.packed.device)
     resident = module.weight
     if name not in st.originals:
-        exact = stored if stored is not None else (_quantize_like(w0, module) if w0 is not None else None)
-        if exact is not None and _nv_equal(exact, resident):
-            st.originals[name] = _Original("nvfp4", stamp=source.stamp())
+        stamp = source.stamp() if source.available else None
+        if stamp is not None and st.verified.get(name) != stamp:
+            exact = stored if stored is not None else (_quantize_like(w0, module) if w0 is not None else None)
+            if exact is not None and _nv_equal(exact, resident):
+                st.verified[name] = stamp
+        if stamp is not None and st.verified.get(name) == stamp:
+            st.originals[name] = _Original("nvfp4", stamp=stamp)
         else:
             st.originals[name] = _Original("nvfp4", backup={k: getattr(module, k).detach().to("cpu", copy=True)
                                                              for k in ("packed", "scales", "global_scale")})
     if stored is not None:
-        base, origin = nv.dequantize(stored, torch.float64), "checkpoint (NVFP4, dequantized exactly)"
+        base, origin = nv.dequantize(stored, torch.float64), "checkpoint NVFP4 (dequantized exactly)"
     elif w0 is not None:
-        base, origin = w0, f"checkpoint ({str(w0.dtype).replace('torch.', '')})"
+        base, origin = w0, f"{source.label} ({str(w0.dtype).replace('torch.', '')})"
     else:
-        base, origin = nv.dequantize(resident, torch.float64), "resident NVFP4 (no checkpoint file to read)"
+        base, origin = nv.dequantize(resident, torch.float64), "resident NVFP4 (no source weights to read)"
     q = _quantize_like(merged_weight(base, entries), module)
     module.packed.copy_(q.packed)
     module.scales.copy_(q.scales)
@@ -552,7 +654,7 @@ def apply_loras(rt, specs: Iterable) -> dict:
     mods = dict(model.named_modules())
     nv_cls = _nvfp4_linear_cls()
     st = _state(model)
-    source = _Source(rt)
+    source = _Source(rt, st.source_cache)
     # group the updates: merges per tensor, side terms per module, in stack order
     merges: dict[tuple[str, str], list] = {}
     sides: dict[str, list] = {}
@@ -597,23 +699,26 @@ def apply_loras(rt, specs: Iterable) -> dict:
             side = LoraSide(mname, module.in_features, module.out_features, side_dtype, dev)
             for s, u, fname in terms:
                 side.add_term(u, s, fname)
-            st.sides[mname] = (module, _install_side(rt, mname, module, side))
+            st.sides[mname] = (module, _install_side(mname, module, side))
             report["side"].append(mname)
             if _FC2.match(mname):
                 report["fc2_side"].append(mname)
+        if st.sides:
+            _install_stack(model, st)
     except BaseException:
         _restore_all(rt, st, source)  # never leave a half-applied stack behind
         st.signature, st.report = (), None
         rt.backends.pop("lora", None)
         raise
-    report["originals"] = {"from_checkpoint": sum(r.backup is None for r in st.originals.values()),
+    report["originals"] = {"from_source": sum(r.backup is None for r in st.originals.values()),
                            "host_copies": sum(r.backup is not None for r in st.originals.values()),
                            "host_copy_bytes": sum(r.nbytes() for r in st.originals.values())}
     report["side_bytes"] = sum(m.__dict__[_SIDE].nbytes() for m, _ in st.sides.values())
     report["stack"] = "dense reference stack (merge = into the dense weights)" if not any(
         isinstance(m, nv_cls) for m in mods.values()) else "NVFP4 stack (merge = re-quantized NVFP4)"
     if report["fc2_side"]:
-        disp = getattr(rt, "fc2", None) is not None
+        stack = getattr(model, "stack", None)
+        disp = (getattr(rt, "fc2", None) or getattr(stack, "fc2", None)) is not None
         report["fc2_guard"] = ("refused on every FC2 call of " + ", ".join(report["fc2_side"])
                                + ": reason 'lora: LoRA side-path active on fc2' (the pinned GEMM has no LoRA term)"
                                + ("" if disp else "; no FC2 dispatcher is active on this stack"))

@@ -261,18 +261,19 @@ class _Resolver:
             return (name, (), form) if name else None
         if raw in self.modules and raw:
             return raw, (), form
+        dform = "peft" if form == "peft" else "diffusers"
         m = _D_QKV.match(raw)
         if m:
-            return f"{self._block(m)}.attn.qkv_proj", ("third", "qkv".index(m.group(3))), "diffusers"
+            return f"{self._block(m)}.attn.qkv_proj", ("third", "qkv".index(m.group(3))), dform
         m = _D_QKV_FUSED.match(raw)
         if m:
-            return f"{self._block(m)}.attn.qkv_proj", (), "diffusers"
+            return f"{self._block(m)}.attn.qkv_proj", (), dform
         m = _D_FC1.match(raw)
         if m:
-            return f"{self._block(m)}.mlp.fc1", ("swap",), "diffusers"
+            return f"{self._block(m)}.mlp.fc1", ("swap",), dform
         c = diffusers_to_comfy_name(raw + ".weight")
         if c is not None and c.endswith(".weight"):
-            return c[: -len(".weight")], (), "diffusers"
+            return c[: -len(".weight")], (), dform
         return None
 
     @staticmethod
@@ -309,7 +310,7 @@ def match_lora(lf: LoraFile, model: nn.Module, cfg) -> LoraMatch:
     res = _Resolver(model)
     problems: dict[str, list[str]] = {"nothing": [], "incomplete": [], "rank": [], "shape": [], "dtype": [],
                                       "duplicate": []}
-    shape_examples: list[str] = []
+    shape_examples: dict[str, str] = {}  # module -> the first example of its wrong shape
     updates: list[LoraUpdate] = []
     forms: set[str] = set()
     alpha_sources: set[str] = set()
@@ -317,11 +318,11 @@ def match_lora(lf: LoraFile, model: nn.Module, cfg) -> LoraMatch:
     for g in groups.values():
         keys = tuple(k for k, _ in g.tensors.values())
         r = res.resolve(g.raw, g.form)
-        if r is None:
-            if g.raw in ("time_embedder.proj_in", "time_embedder.proj_out") and cfg.curve_form:
-                skipped.extend({"key": k, "reason": "curve-form checkpoint: it has no time_embedder (the "
-                                "adaln_t_table replaces it), so this time-embedder LoRA cannot apply"} for k in keys)
-                continue
+        if r is not None and r[0] in ("time_embedder.proj_in", "time_embedder.proj_out") and cfg.curve_form:
+            skipped.extend({"key": k, "reason": "curve-form (pruned) checkpoint: it has no time_embedder (the "
+                            "adaln_t_table replaces it), so this time-embedder LoRA cannot apply"} for k in keys)
+            continue
+        if r is None or r[0] not in res.modules:
             problems["nothing"].extend(keys)
             continue
         name, part, form = r
@@ -365,9 +366,9 @@ def match_lora(lf: LoraFile, model: nn.Module, cfg) -> LoraMatch:
             want_rows = rows_of[1] - rows_of[0] if rows_of else None
             if rows_of is None or down.shape[1] != dims[1] or up.shape[0] != want_rows:
                 problems["shape"].append(name)
-                shape_examples.append(f"{name}: LoRA down {list(down.shape)} / up {list(up.shape)}, the layer is "
-                                      f"[{dims[0]}, {dims[1]}] (in {dims[1]}, out {dims[0]}"
-                                      + (f", this part {want_rows} rows)" if part else ")"))
+                shape_examples.setdefault(name, f"{name}: LoRA down {list(down.shape)} / up {list(up.shape)}, the "
+                                                f"layer is [{dims[0]}, {dims[1]}] (in {dims[1]}, out {dims[0]}"
+                                                + (f", this part {want_rows} rows)" if part else ")"))
                 continue
             if "alpha" in g.tensors:
                 a = g.tensors["alpha"][1]
@@ -409,7 +410,7 @@ def match_lora(lf: LoraFile, model: nn.Module, cfg) -> LoraMatch:
                 d = torch.cat([d[d.shape[0] // 2:], d[: d.shape[0] // 2]])
             if tuple(d.shape) != want:
                 problems["shape"].append(name)
-                shape_examples.append(f"{key}: delta {list(d.shape)}, the {pname} part is {list(want)}")
+                shape_examples.setdefault(name, f"{key}: delta {list(d.shape)}, the {pname} part is {list(want)}")
                 continue
             u = LoraUpdate(name, kind, (lo, hi), (key,), delta=d)
             if _dup(seen, u, problems):
@@ -492,12 +493,12 @@ def _raise_if_problems(lf, cfg, problems, shape_examples, unrecognized, lycoris,
     if problems["duplicate"]:
         parts.append(f"{len(problems['duplicate'])} updates are given twice (the same module under two names): "
                      f"{_examples(problems['duplicate'], 2)}")
-    n_shape = len(problems["shape"])
-    if n_shape:
-        total = n_shape + len({u.module for u in updates})
-        other = " — it was made for another model (or another H3 size)" if n_shape == total else ""
-        ex = "; ".join(shape_examples[:2]) or _examples(problems["shape"], 2)
-        parts.append(f"{n_shape} of {total} targets have the wrong shape{other}: {ex}")
+    bad = sorted(set(problems["shape"]))
+    if bad:
+        total = len(set(bad) | {u.module for u in updates})
+        other = " - it was made for another model (or another H3 size)" if len(bad) == total else ""
+        ex = "; ".join(list(shape_examples.values())[:2]) or _examples(bad, 2)
+        parts.append(f"{len(bad)} of {total} target layers have the wrong shape{other}: {ex}")
     if not parts and not updates:
         if skipped:
             reasons = sorted({s["reason"] for s in skipped})

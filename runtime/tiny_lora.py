@@ -233,7 +233,7 @@ def lora_state_dict(truth: LoraTruth, form: str) -> tuple[dict[str, torch.Tensor
         alphas = {p.alpha / p.rank for p in truth.parts}
         if len(alphas) > 1:
             raise ValueError("the peft form stores one alpha for all modules")
-    return {k: v.contiguous() for k, v in sd.items()}, meta
+    return {k: v.clone().contiguous() for k, v in sd.items()}, meta
 
 
 def save_tiny_lora(path: str | Path, truth: LoraTruth, form: str) -> Path:

@@ -215,7 +215,7 @@ def entry_name(device_name: str, role: str, dtype: str, m_logical: int) -> str:
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
-        _sync(device)
+        torch.cuda.synchronize(device)
 
 
 def _time_ms(fn: Callable[[], Any], device: torch.device) -> float:

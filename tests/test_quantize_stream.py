@@ -114,7 +114,7 @@ def test_quantized_and_inconsistent_sources_are_refused(tmp_path):
 
 
 _RSS_CHILD = textwrap.dedent("""
-    import json, resource, sys, time
+    import json, sys, time
     import torch
     from h3_blackwell.runtime.quantize import quantize_state_dict_streaming
 
@@ -151,7 +151,9 @@ _RSS_CHILD = textwrap.dedent("""
     t0 = time.time()
     quantize_state_dict_streaming(source(), sys.argv[1], "cpu",
                                   shapes={n: (s, "BF16") for n, s in spec})
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # VmHWM: this process image's own peak (ru_maxrss would carry the forking parent's peak across exec)
+    with open("/proc/self/status") as f:
+        peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
     largest = max(2 * s[0] * (s[1] if len(s) > 1 else 1) for _, s in spec)
     total = sum(2 * s[0] * (s[1] if len(s) > 1 else 1) for _, s in spec)
     print(json.dumps({"base": base, "peak": peak, "largest": largest, "total": total, "s": time.time() - t0}))
@@ -161,7 +163,7 @@ _RSS_CHILD = textwrap.dedent("""
 def test_streaming_keeps_host_memory_near_one_tensor(tmp_path):
     """Two full-width blocks (1.5 GB of bf16 block linears; the largest, fc1, is 308 MB) convert with the
     process growing by less than 1.75x the largest tensor (the source tensor, its NVFP4 form and the
-    fixed-size 256-row quantization temporaries), never the model. Peak RSS of a fresh process."""
+    fixed-size 256-row quantization temporaries), never the model. Peak RSS (VmHWM) of a fresh process."""
     out = tmp_path / "big.safetensors"
     proc = subprocess.run([sys.executable, "-c", _RSS_CHILD, str(out), "2"], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "OMP_NUM_THREADS": "2"})

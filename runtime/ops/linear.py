@@ -14,12 +14,13 @@ emulated     CUDA: Triton kernel;           exact: both operands decoded to ``v*
                                             ``ga*gw``, one rounding to the output dtype
 bf16         any (the Hopper fast path)     activation ``v*s`` exact in bf16; weight expanded per call into a
                                             reusable bf16 scratch as ``bf16(v*s*ga*gw)`` (one rounding,
-                                            <= 2^-9 relative per element); cuBLAS bf16 GEMM, fp32 accumulation
+                                            <= 2^-9 relative per element); cuBLAS bf16 GEMM, fp32 accumulation,
+                                            bf16 result (converted if another output dtype is asked for)
 fp8          CUDA cc >= 8.9, CPU            both operands re-expressed per call, in reusable scratch, as e4m3 with
              (the faster Hopper path)       one fp32 scale per row: ``e4m3_rne(v*s / r)``, ``r = 6 * max block
                                             scale / 448`` (<= 2^-4 relative per element, or 2^-10 * r absolute
                                             in e4m3's subnormal range); ``torch._scaled_mm`` rowwise, fp32
-                                            accumulation (no fast accumulation)
+                                            accumulation (no fast accumulation), bf16 result
 reference    any                            float64: ``dequantize(a, fp64) @ dequantize(w, fp64).T`` (exact
                                             operands, fp64 accumulation); the oracle of the tests
 ============ ============================= ==================================================================
@@ -189,9 +190,10 @@ def _fp8(a: nv.NVFP4Tensor, w: nv.NVFP4Tensor, out_dtype: torch.dtype, scratch: 
     (m, k), (n, _) = a.shape, w.shape
     a8, ra = qk.to_fp8_rowwise(a, out=scratch.get("a", m * k, torch.float8_e4m3fn, a.device))
     w8, rw = qk.to_fp8_rowwise(w, out=scratch.get("w", n * k, torch.float8_e4m3fn, a.device))
-    odt = out_dtype if out_dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
+    # rowwise-scaled fp8 cuBLASLt GEMMs produce bf16 (the one output type every torch version accepts)
     out = torch._scaled_mm(a8, w8.t(), scale_a=(ra * a.global_scale).unsqueeze(1),
-                           scale_b=(rw * w.global_scale).unsqueeze(0), out_dtype=odt, use_fast_accum=False)
+                           scale_b=(rw * w.global_scale).unsqueeze(0), out_dtype=torch.bfloat16,
+                           use_fast_accum=False)
     return out.to(out_dtype)
 
 
@@ -282,7 +284,10 @@ class Nvfp4Linear(nn.Module):
     # -- construction ----------------------------------------------------------------------------
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, **kw) -> "Nvfp4Linear":
-        """Quantize a float weight [N, K] with the reference quantizer (global scale amax / 2688)."""
+        """Quantize a float weight [N, K] (global scale amax / 2688): the Triton quantizer on CUDA, the
+        reference elsewhere; both write the reference's bytes."""
+        if weight.is_cuda:
+            return cls(qk.quantize(weight.contiguous()), bias=bias, **kw)
         return cls(nv.quantize(weight), bias=bias, **kw)
 
     @classmethod
@@ -293,6 +298,13 @@ class Nvfp4Linear(nn.Module):
         q = nv.from_comfy_quant_tensors(tensors, layer, shape=shape, metadata=metadata)
         return cls(q.weight, bias=tensors.get(f"{layer}.bias"), input_scale=q.input_scale,
                    pre_quant_scale=q.pre_quant_scale, **kw)
+
+    def comfy_quant_tensors(self, layer: str) -> dict[str, torch.Tensor]:
+        """This layer as ComfyUI ``comfy_quant`` nvfp4 state-dict entries (``<layer>.weight`` ...)."""
+        out = nv.to_comfy_quant(self.weight, layer, input_scale=self.input_scale, pre_quant_scale=self.pre_quant_scale)
+        if self.bias is not None:
+            out[f"{layer}.bias"] = self.bias.clone()
+        return out
 
     @property
     def weight(self) -> nv.NVFP4Tensor:

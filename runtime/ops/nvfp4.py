@@ -64,8 +64,10 @@ GLOBAL_SCALE_DIVISOR = E2M1_MAX * E4M3_MAX  # 2688
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 # Rows quantized per step in quantize(): a multiple of 128 so each step owns whole swizzle tiles; it
-# bounds the fp32 temporaries to ~ROW_CHUNK * K * 4 bytes each whatever the tensor size.
+# bounds the fp32 temporaries to ~ROW_CHUNK * K * 4 bytes each whatever the tensor size (on CUDA a larger
+# step keeps the kernel launches few).
 ROW_CHUNK = 256
+ROW_CHUNK_CUDA = 8192
 
 
 def roundup(x: int, m: int) -> int:
@@ -176,7 +178,7 @@ def swizzled_offset(r: torch.Tensor, c: torch.Tensor, cols_padded: int) -> torch
 # the tensor
 # ----------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class NVFP4Tensor:
     """A quantized 2-D tensor of logical shape ``shape = (N, K)``.
 
@@ -280,13 +282,14 @@ def _quantize_rows(x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torc
 def quantize_into(x: torch.Tensor, g: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> None:
     """Quantize ``x`` [N, K] with global scale ``g`` into preallocated ``packed`` [R >= N, Kp/2] (rows
     >= N must already be zero) and ``scales`` (e4m3, swizzled, zero-filled). Works ROW_CHUNK rows at a
-    time so temporaries stay small whatever N is."""
+    time (ROW_CHUNK_CUDA on CUDA) so temporaries stay small whatever N is."""
     n, k = x.shape
     kp = roundup(k, BLOCK)
     cp = scales.shape[1]
     su = scales.view(torch.uint8)
-    for r0 in range(0, n, ROW_CHUNK):
-        r1 = min(n, r0 + ROW_CHUNK)
+    step = ROW_CHUNK_CUDA if x.device.type == "cuda" else ROW_CHUNK
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
         xc = x[r0:r1]
         if kp != k:
             xc = F.pad(xc, (0, kp - k))

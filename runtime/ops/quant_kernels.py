@@ -407,7 +407,7 @@ def _tiles(device: torch.device) -> dict:
     """Tile sizes (any BM dividing 128 and BK a multiple of 64 give the same bytes)."""
     if device.type == "cuda":
         return dict(q=(32, 256, 4), norm=(16, 256, 8), glu=(32, 256, 4), deq=(32, 256, 4), fp8=(16, 256, 4),
-                    gemm=(128, 128, 128, 8, 8, 3))
+                    gemm=(128, 128, 64, 8, 8, 3))
     return dict(q=(32, 64, 1), norm=(32, 64, 1), glu=(32, 64, 1), deq=(32, 64, 1), fp8=(32, 64, 1),
                 gemm=(16, 16, 32, 4, 1, 1))
 
@@ -531,8 +531,11 @@ def _check_norm_inputs(x, weight, scale_rows, shift_rows, segments):
 
 
 def _global(g, x: torch.Tensor) -> torch.Tensor:
-    g = torch.as_tensor(g, dtype=torch.float32, device=x.device).reshape(())
-    return g
+    return torch.as_tensor(g, dtype=torch.float32, device=x.device).reshape(())
+
+
+def _cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
 
 
 def _outputs(s: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -563,7 +566,7 @@ def quantize(x: torch.Tensor, global_scale: torch.Tensor | float | None = None, 
     packed, scales = _outputs(s, k, x.device)
     rp, rs, kp, cp = _geometry(s, k)
     bm, bk, nw = _tiles(x.device)["q"]
-    grid = (triton_cdiv(rs, bm), triton_cdiv(cp * 16, bk))
+    grid = (_cdiv(rs, bm), _cdiv(cp * 16, bk))
     _launch("_quantize_kernel", grid, x, g, packed, scales, s, k, x.stride(0), packed.stride(0), rp, rs, kp, cp,
             X_KIND=_KIND[x.dtype], BM=bm, BK=bk, num_warps=nw)
     return nv.NVFP4Tensor(packed, scales.view(torch.float8_e4m3fn), g, (s, k))
@@ -589,7 +592,7 @@ def rms_modulate_quantize(x: torch.Tensor, weight: torch.Tensor | None, scale_ro
     bm, bk, nw = _tiles(x.device)["norm"]
     nseg = 1 << (len(segs) - 1).bit_length()  # a power of two: few recompiles as layouts change
     seg = torch.tensor(segs + [(0, 0, 0)] * (nseg - len(segs)), dtype=torch.int32, device=x.device).reshape(-1)
-    nkt = triton_cdiv(k, bk)
+    nkt = _cdiv(k, bk)
     eps_t = _t(eps, x, torch.float64)
     w = weight if weight is not None else x  # unused pointer when HAS_W is False
     common = dict(HAS_W=weight is not None, X_KIND=_KIND[x.dtype], W_KIND=_KIND[w.dtype],
@@ -599,15 +602,15 @@ def rms_modulate_quantize(x: torch.Tensor, weight: torch.Tensor | None, scale_ro
     packed, scales = _outputs(s, k, x.device)
     if global_scale is None:
         row_amax = torch.empty(s, dtype=torch.float32, device=x.device)
-        _launch("_rms_modulate_kernel", (triton_cdiv(s, bm),), x, w, scale_rows, shift_rows, seg, eps_t,
+        _launch("_rms_modulate_kernel", (_cdiv(s, bm),), x, w, scale_rows, shift_rows, seg, eps_t,
                 eps_t, packed, scales, row_amax, s, k, x.stride(0), scale_rows.stride(0), shift_rows.stride(0),
                 packed.stride(0), rp, rs, kp, cp, MODE=0, NKT_OUT=nkt, **common)
         g = nv.global_scale_from_amax(row_amax.amax())
     else:
         g = _global(global_scale, x)
-    _launch("_rms_modulate_kernel", (triton_cdiv(rs, bm),), x, w, scale_rows, shift_rows, seg, eps_t, g,
+    _launch("_rms_modulate_kernel", (_cdiv(rs, bm),), x, w, scale_rows, shift_rows, seg, eps_t, g,
             packed, scales, g, s, k, x.stride(0), scale_rows.stride(0), shift_rows.stride(0), packed.stride(0),
-            rp, rs, kp, cp, MODE=1, NKT_OUT=triton_cdiv(cp * 16, bk), **common)
+            rp, rs, kp, cp, MODE=1, NKT_OUT=_cdiv(cp * 16, bk), **common)
     return nv.NVFP4Tensor(packed, scales.view(torch.float8_e4m3fn), g, (s, k))
 
 
@@ -627,14 +630,14 @@ def swiglu_quantize(h: torch.Tensor, global_scale: torch.Tensor | float | None =
     bm, bk, nw = _tiles(h.device)["glu"]
     packed, scales = _outputs(s, f, h.device)
     if global_scale is None:
-        grid0 = (triton_cdiv(s, bm), triton_cdiv(f, bk))
+        grid0 = (_cdiv(s, bm), _cdiv(f, bk))
         part = torch.empty(grid0[0] * grid0[1], dtype=torch.float32, device=h.device)
         _launch("_swiglu_kernel", grid0, h, part, packed, scales, part, s, f, h.stride(0), packed.stride(0), rp, rs,
                 kp, cp, MODE=0, H_KIND=_KIND[h.dtype], BM=bm, BK=bk, num_warps=nw)
         g = nv.global_scale_from_amax(part.amax())
     else:
         g = _global(global_scale, h)
-    grid = (triton_cdiv(rs, bm), triton_cdiv(cp * 16, bk))
+    grid = (_cdiv(rs, bm), _cdiv(cp * 16, bk))
     _launch("_swiglu_kernel", grid, h, g, packed, scales, g, s, f, h.stride(0), packed.stride(0), rp, rs, kp, cp,
             MODE=1, H_KIND=_KIND[h.dtype], BM=bm, BK=bk, num_warps=nw)
     return nv.NVFP4Tensor(packed, scales.view(torch.float8_e4m3fn), g, (s, f))
@@ -643,10 +646,6 @@ def swiglu_quantize(h: torch.Tensor, global_scale: torch.Tensor | float | None =
 # ----------------------------------------------------------------------------------------------
 # consumers (GEMM backends)
 # ----------------------------------------------------------------------------------------------
-
-def triton_cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b
-
 
 def dequantize_bf16(t: nv.NVFP4Tensor, multiplier: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
                     backend: str = "auto") -> torch.Tensor:
@@ -663,7 +662,7 @@ def dequantize_bf16(t: nv.NVFP4Tensor, multiplier: torch.Tensor | None = None, *
         return view
     bm, bk, nw = _tiles(t.device)["deq"]
     gm = multiplier if multiplier is not None else t.global_scale
-    _launch("_dequant_kernel", (triton_cdiv(n, bm), triton_cdiv(k, bk)), t.packed, t.scales.view(torch.uint8), gm, view,
+    _launch("_dequant_kernel", (_cdiv(n, bm), _cdiv(k, bk)), t.packed, t.scales.view(torch.uint8), gm, view,
             n, k, t.k_padded, t.scales.shape[1], t.packed.stride(0), view.stride(0), HAS_G=multiplier is not None,
             OUT_KIND=1, BM=bm, BK=bk, num_warps=nw)
     return view
@@ -685,9 +684,9 @@ def to_fp8_rowwise(t: nv.NVFP4Tensor, *, out: torch.Tensor | None = None, backen
         return view, ra
     ra = torch.empty(n, dtype=torch.float32, device=t.device)
     bm, bk, nw = _tiles(t.device)["fp8"]
-    _launch("_fp8_rowwise_kernel", (triton_cdiv(n, bm),), t.packed, t.scales.view(torch.uint8), view.view(torch.uint8),
+    _launch("_fp8_rowwise_kernel", (_cdiv(n, bm),), t.packed, t.scales.view(torch.uint8), view.view(torch.uint8),
             ra, n, k, t.k_padded, t.scales.shape[1], t.packed.stride(0), view.stride(0), BM=bm, BK=bk,
-            NKT=triton_cdiv(t.k_padded, bk), num_warps=nw)
+            NKT=_cdiv(t.k_padded, bk), num_warps=nw)
     return view, ra
 
 
@@ -704,10 +703,10 @@ def nvfp4_gemm(a: nv.NVFP4Tensor, b: nv.NVFP4Tensor, out_dtype: torch.dtype = to
         raise RuntimeError(f"nvfp4_gemm is a Triton kernel: {why}")
     bm, bn, bk, gm, nw, ns = _tiles(a.device)["gemm"]
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
-    grid = (triton_cdiv(m, bm) * triton_cdiv(n, bn),)
+    grid = (_cdiv(m, bm) * _cdiv(n, bn),)
     _launch("_gemm_kernel", grid, a.packed, a.scales.view(torch.uint8), b.packed, b.scales.view(torch.uint8),
             a.global_scale, b.global_scale, out, m, n, a.k_padded, a.scales.shape[1], b.scales.shape[1],
             a.packed.stride(0), b.packed.stride(0), out.stride(0), OUT_KIND=1 if out_dtype == torch.bfloat16 else 0,
-            BM=bm, BN=bn, BK=bk, GROUP_M=gm, NKT=triton_cdiv(a.k_padded, bk), DOT_BF16=a.device.type == "cuda",
+            BM=bm, BN=bn, BK=bk, GROUP_M=gm, NKT=_cdiv(a.k_padded, bk), DOT_BF16=a.device.type == "cuda",
             num_warps=nw, num_stages=ns)
     return out

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# One batched H200 session (run through the device tool from the repo root):
+#   bash scripts/device_session.sh A    sage2 build (background) + NVFP4 tests/bench + attention tests/bench
+#                                       + the 50-block canonical forward
+#   bash scripts/device_session.sh B    FC2 extension tests/bench + tiny generate on CUDA + the diffusers peer
+# Carry .sage (SageAttention source) and .whl (diffusers + deps, sageattention 1.0.6). Logs and JSONs go to
+# $OUT (at most 8 files come back).
+set -u
+export PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/h3_blackwell
+export PYTHONPATH=/tmp/site:/tmp/pkg
+LOG="$OUT/log.txt"
+phase() { echo "=== $1 $(date +%T)" | tee -a "$LOG"; }
+phase setup
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >> "$LOG" 2>&1
+python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" >> "$LOG" 2>&1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/diffusers-*.whl \
+  .whl/importlib_metadata-*.whl .whl/zipp-*.whl >> "$LOG" 2>&1
+case "${1:-A}" in
+A)
+  ( bash scripts/device_build_sage2.sh .sage /tmp/site > "$OUT/sage_build.log" 2>&1; echo "sage build rc=$?" >> "$OUT/sage_build.log" ) &
+  SAGE=$!
+  phase nvfp4-gpu-tests
+  timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_nvfp4_gpu.py -rs 2>&1 | tail -25 >> "$LOG"
+  phase nvfp4-bench
+  timeout 150 python3 bench/nvfp4_h200.py 2>&1 | tail -15 >> "$LOG"
+  wait $SAGE; tail -3 "$OUT/sage_build.log" >> "$LOG"
+  python3 -c "import sageattention, sys; print('sageattention', getattr(sageattention, '__version__', '?'), sageattention.__file__)" >> "$LOG" 2>&1
+  phase attention-gpu-tests
+  timeout 120 python3 -m pytest -q -m gpu tests/gpu/test_attention_gpu.py -rs 2>&1 | tail -25 >> "$LOG"
+  phase attention-bench
+  timeout 120 python3 bench/attention_h200.py 2>&1 | tail -15 >> "$LOG"
+  phase forward50
+  timeout 200 python3 bench/forward50_h200.py 2>&1 | tail -15 >> "$LOG"
+  cp bench/results/nvfp4-h200.json bench/results/attention-h200.json bench/results/forward50-h200.json "$OUT/" 2>>"$LOG"
+  ;;
+B)
+  phase fc2-gpu-tests
+  timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_fc2_gpu.py -rs 2>&1 | tail -25 >> "$LOG"
+  phase fc2-bench
+  timeout 270 python3 bench/fc2_h200.py 2>&1 | tail -20 >> "$LOG"
+  phase generate-tiny-cuda
+  timeout 60 python3 -m h3_blackwell.runtime.cli generate --output /tmp/tiny --runs 2 --warmup 1 2>&1 | tail -8 >> "$LOG"
+  cp /tmp/tiny/report.json "$OUT/tiny-cuda-report.json" 2>>"$LOG"
+  phase peer
+  NL=4 timeout 150 python3 bench/diffusers_peer.py 2>&1 | tail -3 >> "$LOG"
+  cp bench/results/fc2-h200.json "$OUT/" 2>>"$LOG"
+  ;;
+esac
+phase done
