@@ -38,54 +38,11 @@ except ImportError:
     pkg.__path__ = [str(ROOT)]
     sys.modules["h3_blackwell"] = pkg
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _h3bench import build, component, is_annotation  # noqa: E402
+
 from h3_blackwell.runtime.config import FULL, TINY  # noqa: E402
-from h3_blackwell.runtime.engine import H3Runtime, _choose_attention, prepare_nvfp4  # noqa: E402
-from h3_blackwell.runtime.model import H3Model  # noqa: E402
 from h3_blackwell.runtime.options import RuntimeOptions  # noqa: E402
-
-COMPONENTS = [
-    ("attention", ("attn", "sage", "fmha", "flash", "cudnn", "softmax")),
-    ("norm_and_rope", ("norm_rope",)),
-    ("remaining_gate_add", ("gate_add",)),
-    ("nvfp4_packing", ("_rms_modulate", "_swiglu", "_quantize_kernel", "_fp8_rowwise", "_dequant", "amax",
-                       "reduce_kernel")),
-    ("nvfp4_gemms", ("gemm", "cutlass", "xmma", "nvjet", "sm90_", "_gemm_kernel", "matmul")),
-    ("copies", ("copy", "memcpy", "cat", "pad")),
-]
-
-
-def component(name: str) -> str:
-    low = name.lower()
-    for comp, keys in COMPONENTS:
-        if any(k in low for k in keys):
-            return comp
-    return "other"
-
-
-def build(opts: RuntimeOptions, seed: int, cfg=FULL):
-    dev = torch.device(opts.device)
-    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    with torch.device("meta"):
-        m = H3Model(cfg, dt)
-    m = m.to_empty(device=dev)
-    g = torch.Generator(device=dev).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if p.dim() == 1 and "norm" in name:
-                p.fill_(1.0)
-            elif p.dim() == 1:
-                p.normal_(0.0, 0.02, generator=g)
-            else:
-                std = p.shape[1] ** -0.5 * (0.3 if "adaln" in name else 1.0)
-                p.normal_(0.0, std, generator=g)
-        inv = cfg.rope_theta ** (-torch.arange(cfg.rope_inv_freq_len, dtype=torch.float64) / cfg.rope_inv_freq_len)
-        m.rope.inv_freq = inv.float().to(dev)
-    m.eval().requires_grad_(False)
-    rt = H3Runtime(m, cfg, dev, dt, opts, f"random {'full-size' if cfg is FULL else 'tiny'} (seed {seed})")
-    rt.backends["attention"] = _choose_attention(m, opts, dev)
-    prepare_nvfp4(rt)
-    return rt
-
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
@@ -136,7 +93,7 @@ def main(argv=None) -> int:
     kernel_names = defaultdict(float)
     copies_in_attention = defaultdict(int)
     for ev in prof.events():
-        if ev.device_type.name == "CUDA":
+        if ev.device_type.name == "CUDA" and not is_annotation(ev.name):
             c = component(ev.name)
             comps[c]["milliseconds"] += ev.device_time / 1000 if hasattr(ev, "device_time") else ev.cuda_time / 1000
             comps[c]["launches"] += 1

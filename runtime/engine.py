@@ -138,3 +138,12 @@ def prepare_nvfp4(rt: H3Runtime) -> None:
         rt.backends["fc2_lt"] = {"choice": "off", "reason": "cpu: no cuBLASLt; FC2 runs the fallback GEMM"}
     attn = rt.backends.get("attention", {}).get("choice", "reference")
     rt.model.stack = Nvfp4Stack(rt.model, attn, rt.fc2, o.act_scale)
+    if o.adaln_cache and rt.device.type == "cuda" and not rt.config.curve_form:
+        moved = rt.model.offload_adaln()
+        rt.backends["adaln"] = {"choice": "rows per run",
+                                "reason": f"modulation rows precomputed per run; {moved / 1e9:.2f} GB of full-form "
+                                          "AdaLN weights kept in pinned host memory"}
+    else:
+        rt.backends["adaln"] = {"choice": "resident",
+                                "reason": "curve form (small tables)" if rt.config.curve_form else
+                                "adaln_cache off or not CUDA: AdaLN weights stay with the model"}

@@ -211,6 +211,12 @@ def _nvfp4_linear_cls():
     return Nvfp4Linear
 
 
+def _module_device(module: nn.Module) -> torch.device:
+    t = getattr(module, "packed", None)
+    t = t if isinstance(t, torch.Tensor) else getattr(module, "weight", None)
+    return t.device if isinstance(t, torch.Tensor) else torch.device("cpu")
+
+
 def _install_side(name: str, module: nn.Module, side: LoraSide) -> dict:
     """Hook ``module``'s forward to add ``side`` (per instance; returns what ``_uninstall_side`` needs)."""
     prev = {"forward": module.__dict__.get("forward")}
@@ -637,17 +643,23 @@ def _read_all(rt, specs: list[LoraSpec]) -> list[LoraMatch]:
     return matches
 
 
-@torch.no_grad()
 def apply_loras(rt, specs: Iterable) -> dict:
     """Make the resident model of ``rt`` carry exactly ``specs`` and return the report.
 
-    rt: an H3Runtime (or a LoraView: its base is used); specs: ``[(path, strength, mode)]`` or LoraSpec,
-    stacked in order; ``[]`` removes every LoRA. Every file is read and validated before the model
-    changes: a bad stack raises ONE LoraError and leaves the model as it was. The report is also put in
-    ``rt.backends["lora"]`` (so every run report carries it).
+    rt: an H3Runtime or a LoraView; specs: ``[(path, strength, mode)]`` or LoraSpec, stacked in order;
+    ``[]`` removes every LoRA. The stack is recorded as ``rt.lora_stack`` (what ``sync_loras(rt)`` restores
+    later; a view records it on itself, not on the runtime it shares). Every file is read and validated
+    before the model changes: a bad stack raises ONE LoraError and leaves the model as it was. The report
+    is also put in ``rt.backends["lora"]`` (so every run report carries it).
     """
-    rt = _base(rt)
     specs = [_as_spec(s) for s in specs]
+    rep = _apply(_base(rt), specs)
+    rt.lora_stack = tuple(specs)
+    return rep
+
+
+@torch.no_grad()
+def _apply(rt, specs: list[LoraSpec]) -> dict:
     t0 = time.perf_counter()
     matches = _read_all(rt, specs)
     model = rt.model
@@ -655,6 +667,7 @@ def apply_loras(rt, specs: Iterable) -> dict:
     nv_cls = _nvfp4_linear_cls()
     st = _state(model)
     source = _Source(rt, st.source_cache)
+    model_device = model.device
     # group the updates: merges per tensor, side terms per module, in stack order
     merges: dict[tuple[str, str], list] = {}
     sides: dict[str, list] = {}
@@ -669,16 +682,23 @@ def apply_loras(rt, specs: Iterable) -> dict:
         if sp.strength == 0.0:
             entry["applied"] = "no (strength 0)"
             continue
-        diffs_merged = 0
+        diffs_merged, off_device = 0, set()
         for u in m.updates:
-            if sp.mode == "side" and u.kind == LOWRANK:
+            if sp.mode == "side" and u.kind == LOWRANK and _module_device(mods[u.module]) != model_device:
+                off_device.add(u.module)  # computed outside its module (offloaded AdaLN): no hook would run
+            if sp.mode == "side" and u.kind == LOWRANK and u.module not in off_device:
                 sides.setdefault(u.module, []).append((sp.strength, u, m.file.name))
             else:
                 merges.setdefault((u.module, u.param), []).append((sp.strength, u))
-                diffs_merged += sp.mode == "side"
+                diffs_merged += sp.mode == "side" and u.kind != LOWRANK
         if diffs_merged:
             report["notes"].append(f"{m.file.name}: {diffs_merged} full-weight diff tensors have no low-rank form "
                                    "and were merged although the mode is 'side'")
+        if off_device:
+            report["notes"].append(f"{m.file.name}: {len(off_device)} layers live off the device (AdaLN kept in host "
+                                   "memory, computed once per run outside the module), so their side-mode updates "
+                                   "were merged: " + ", ".join(sorted(off_device)[:3])
+                                   + (" ..." if len(off_device) > 3 else ""))
     for (mname, pname) in merges:
         pqs = getattr(mods[mname], "pre_quant_scale", None) if isinstance(mods[mname], nv_cls) else None
         if pname == "weight" and pqs is not None:
@@ -747,7 +767,7 @@ def _publish(rt, report: dict, specs: list[LoraSpec]) -> None:
 
 
 def remove_loras(rt) -> dict:
-    """Remove every LoRA: all patched tensors restored bit for bit, side paths unhooked."""
+    """Remove every LoRA (``apply_loras(rt, [])``): patched tensors restored bit for bit, side paths unhooked."""
     return apply_loras(rt, [])
 
 
@@ -758,8 +778,9 @@ def lora_report(rt) -> dict | None:
 
 
 def sync_loras(rt, specs: Iterable | None = None) -> dict | None:
-    """Apply ``specs`` (default: ``rt.lora_stack`` of a LoraView, else none) only if the resident model does
-    not already carry exactly that stack (same files, sizes, mtimes, strengths, modes)."""
+    """Make the shared resident model carry ``specs`` (default: ``rt.lora_stack``, i.e. the view's stack, or
+    for a plain runtime the stack last applied to it, none by default), doing nothing when it already
+    does (same files, sizes, mtimes, strengths, modes). Call it before sampling with ``rt``."""
     if specs is None:
         specs = getattr(rt, "lora_stack", ())
     specs = [_as_spec(s) for s in specs]
@@ -768,7 +789,7 @@ def sync_loras(rt, specs: Iterable | None = None) -> dict | None:
     sig = tuple(sp.signature() for sp in specs)
     if (st.signature if st is not None else ()) == sig:
         return st.report if st is not None else None
-    return apply_loras(base, specs)
+    return _apply(base, specs)
 
 
 class LoraView:
@@ -779,7 +800,7 @@ class LoraView:
     """
 
     def __init__(self, base, stack: Iterable):
-        self._base = _base(base)
+        object.__setattr__(self, "_base", _base(base))
         self.lora_stack = tuple(_as_spec(s) for s in stack)
 
     @property

@@ -385,16 +385,53 @@ class H3Model(nn.Module):
         cos, sin = rope_tables(layout.position_ids, self.rope.inv_freq)
         tags = None if token_tags is None else [int(v) for v in token_tags.view(-1).tolist()]
         p = RunPlan(layout, text, cond_embed, cos, sin, [float(s) for s in sigmas], shifts, orig_hw=(h, w))
+        t_embs = []
         for i, sigma in enumerate(p.sigmas):
             st = step_times(layout, sigma, shifts[0], shifts[1], tags,
                             visual_cond_t=visual_cond_noise_aug)
             p.times.append(st)
-            t_emb = self.time_embedding(st.t_values)
-            p.mods.append([b.adaln_proj(t_emb) for b in self.blocks])
-            shift, scale = self.final_layer.adaln_proj(t_emb).chunk(2, dim=-1)
+            t_embs.append(self.time_embedding(st.t_values))
+            shift, scale = self.final_layer.adaln_proj(t_embs[-1]).chunk(2, dim=-1)
             p.final_mod.append((shift, scale))
             p.heads.append(self._heads_for(sigma, p.sigmas, i, shifts))
+        # modulation rows of every (step, block), block-major so an offloaded AdaLN weight crosses to the
+        # device once per run
+        per_block = [self._block_mods(b, t_embs) for b in self.blocks]
+        p.mods = [[per_block[j][i] for j in range(len(self.blocks))] for i in range(len(p.sigmas))]
         return p
+
+    def _block_mods(self, blk, t_embs):
+        lin = blk.adaln_proj.linear
+        if lin.weight.device == self.device:
+            return [blk.adaln_proj(t) for t in t_embs]
+        # AdaLN weights kept in host memory (offload_adaln): bring this block's weight over once
+        w = lin.weight.to(self.device, non_blocking=True)
+        b = lin.bias.to(self.device, non_blocking=True)
+        ap = blk.adaln_proj
+        out = []
+        for t in t_embs:
+            x = F.silu(t) if ap.apply_silu else t
+            y = F.linear(x.to(w.dtype), w, b)
+            out.append(y.reshape(y.shape[0] * ap.modalities, ap.expand * ap.hidden))
+        return out
+
+    def offload_adaln(self) -> int:
+        """Keep every block's AdaLN projection in pinned host memory (26 GB for the full-form model) instead of
+        on the device; ``plan`` streams each block's weight over once per run. Returns the bytes moved."""
+        if self.device.type != "cuda":
+            return 0
+        moved = 0
+        for blk in self.blocks:
+            lin = blk.adaln_proj.linear
+            for name in ("weight", "bias"):
+                t = getattr(lin, name)
+                if t.device.type == "cuda":
+                    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                    host.copy_(t)
+                    setattr(lin, name, nn.Parameter(host, requires_grad=False))
+                    moved += t.numel() * t.element_size()
+        torch.cuda.empty_cache()
+        return moved
 
     def _heads_for(self, sigma, sigmas, i, shifts):
         fl, n = self.final_layer, self.cfg.head_bank

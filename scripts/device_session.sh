@@ -48,5 +48,16 @@ B)
   NL=4 timeout 150 python3 bench/diffusers_peer.py 2>&1 | tail -3 >> "$LOG"
   cp bench/results/fc2-h200.json "$OUT/" 2>>"$LOG"
   ;;
+C)
+  ( bash scripts/device_build_sage2.sh .sage /tmp/site > "$OUT/sage_build.log" 2>&1; echo "sage build rc=$?" >> "$OUT/sage_build.log" ) &
+  SAGE=$!
+  phase fc2-bench
+  timeout 140 python3 bench/fc2_h200.py 2>&1 | tail -12 >> "$LOG"
+  cp bench/results/fc2-h200.json "$OUT/" 2>>"$LOG"
+  wait $SAGE; tail -2 "$OUT/sage_build.log" >> "$LOG"
+  phase canonical
+  # written straight into $OUT after every stage, so a run cut short still returns what it measured
+  timeout "${CANON_TIMEOUT:-390}" python3 bench/canonical.py --out "$OUT/canonical-h200.json" ${CANON_ARGS:-} 2>&1 | tail -8 >> "$LOG"
+  ;;
 esac
 phase done

@@ -1,7 +1,13 @@
-"""Shared test setup: gpu-marked tests skip cleanly without CUDA."""
+"""Shared test setup: gpu-marked tests skip cleanly without CUDA; without CUDA, Triton kernels run in
+its interpreter (the variable must be set before anything imports triton, comfy_kitchen included)."""
+
+import os
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -422,6 +422,40 @@ def test_mixed_modes_stack_on_one_layer(files, d32):
     assert float(err) < 1e-5 * float(exact.abs().max())
 
 
+def test_side_mode_merges_layers_computed_outside_their_module(files, d32, monkeypatch):
+    """AdaLN weights offloaded to host memory (CUDA, adaln_cache) are applied by ``plan`` with F.linear, outside
+    the module, where no hook runs: side-mode updates on such layers are merged, and the report says so."""
+    path, truth = files["comfy"]
+    off = {"blocks.1.adaln_proj.linear", "final_layer.adaln_proj.linear"}
+    mods = dict(d32.model.named_modules())
+    real = L._module_device
+    monkeypatch.setattr(L, "_module_device", lambda m: torch.device("meta") if any(m is mods[n] for n in off)
+                        else real(m))
+    before = _sd(d32)
+    rep = L.apply_loras(d32, [(path, 0.3, "side")])
+    assert not off & set(rep["side"]) and {n + ".weight" for n in off} <= set(rep["merged_dense"])
+    assert any("live off the device" in n for n in rep["notes"])
+    for n in off:
+        t = n + ".weight"
+        assert torch.equal(d32.model.state_dict()[t], expected_merge(before[t], [(truth, 0.3)], t))
+    assert L.side_active(mods["blocks.0.adaln_proj.linear"])
+
+
+def test_sync_restores_the_stack_each_runtime_owns(files, d32):
+    """apply_loras records the stack on the runtime; a view records its own. sync_loras(rt) makes the shared
+    model carry the caller's stack: the CLI's stays, a graph without LoRA nodes gets none."""
+    (pa, _), (pb, _) = files["comfy"], files["diffusers"]
+    L.apply_loras(d32, [(pa, 0.5, "merge")])  # e.g. the CLI
+    view = L.with_lora(d32, str(pb), 0.2, "side")
+    assert [s.path for s in view.lora_stack] == [str(pa), str(pb)]
+    view.model
+    assert len(L.lora_report(d32)["loras"]) == 2 and len(d32.lora_stack) == 1
+    L.sync_loras(d32)
+    assert [e["file"] for e in L.lora_report(d32)["loras"]] == ["comfy.safetensors"]
+    rep = L.sync_loras(d32)  # already there: nothing is redone
+    assert rep is L.lora_report(d32)
+
+
 # ---------------------------------------------------------------------------------------------
 # errors: one clear message, nothing changed
 # ---------------------------------------------------------------------------------------------

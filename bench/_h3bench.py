@@ -1,0 +1,75 @@
+"""Shared pieces of the H200 benches: a random full-size H3 built through the runtime's own load path, and
+the map from kernel names to the seed profile's components."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+try:
+    import h3_blackwell.runtime  # noqa: F401
+except ImportError:  # a plain checkout (the device copy): make the repo root the package
+    pkg = types.ModuleType("h3_blackwell")
+    pkg.__path__ = [str(ROOT)]
+    sys.modules["h3_blackwell"] = pkg
+
+from h3_blackwell.runtime.config import FULL  # noqa: E402
+from h3_blackwell.runtime.engine import H3Runtime, _choose_attention, prepare_nvfp4  # noqa: E402
+from h3_blackwell.runtime.model import H3Model  # noqa: E402
+
+COMPONENTS = [
+    # Sage2's own helper kernels (int8/fp8 quantization of q, k, v, V's pad and transpose) count as attention,
+    # as the seed's "sage2" component did (5 launches per block)
+    ("attention", ("attn", "sage", "fmha", "flash", "cudnn", "softmax", "quantint8", "meanscale",
+                   "transposepad", "catarray")),
+    ("norm_and_rope", ("norm_rope",)),
+    ("remaining_gate_add", ("gate_add",)),
+    ("nvfp4_packing", ("_rms_modulate", "_swiglu", "_quantize_kernel", "_fp8_rowwise", "_dequant", "amax",
+                       "reduce_kernel")),
+    ("nvfp4_gemms", ("gemm", "cutlass", "xmma", "nvjet", "sm90_", "_gemm_kernel", "matmul")),
+    ("copies", ("copy", "memcpy", "cat", "pad")),
+]
+
+
+def is_annotation(name: str) -> bool:
+    """Our record_function ranges (``h3.*``) also show up on the GPU timeline: not kernels."""
+    return name.startswith("h3.")
+
+
+def component(name: str) -> str:
+    low = name.lower()
+    for comp, keys in COMPONENTS:
+        if any(k in low for k in keys):
+            return comp
+    return "other"
+
+
+def build(opts: RuntimeOptions, seed: int, cfg=FULL):
+    dev = torch.device(opts.device)
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    with torch.device("meta"):
+        m = H3Model(cfg, dt)
+    m = m.to_empty(device=dev)
+    g = torch.Generator(device=dev).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if p.dim() == 1 and "norm" in name:
+                p.fill_(1.0)
+            elif p.dim() == 1:
+                p.normal_(0.0, 0.02, generator=g)
+            else:
+                std = p.shape[1] ** -0.5 * (0.3 if "adaln" in name else 1.0)
+                p.normal_(0.0, std, generator=g)
+        inv = cfg.rope_theta ** (-torch.arange(cfg.rope_inv_freq_len, dtype=torch.float64) / cfg.rope_inv_freq_len)
+        m.rope.inv_freq = inv.float().to(dev)
+    m.eval().requires_grad_(False)
+    rt = H3Runtime(m, cfg, dev, dt, opts, f"random {'full-size' if cfg is FULL else 'tiny'} (seed {seed})")
+    rt.backends["attention"] = _choose_attention(m, opts, dev)
+    prepare_nvfp4(rt)
+    return rt
+
+

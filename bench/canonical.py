@@ -1,0 +1,235 @@
+#!/usr/bin/env python3
+"""The canonical H3 benchmark on one GPU, the seed's measurement policy.
+
+    python3 bench/canonical.py [--runs 3 --warmup 1] [--steps 12] [--peer-blocks 4] [--out bench/results/canonical-h200.json]
+
+1. A full-size H3 (50 blocks) with random weights, quantized to NVFP4 on the GPU by the runtime's own
+   prepare step (no download); full-form AdaLN weights kept in host memory, modulation rows per run.
+2. The canonical workload: 1344x768, 124 frames -> 37,810 packed rows (100 text), 12 steps, seed
+   440420, res_multistep; --warmup resident warm-up runs then --runs measured runs (median), per-step
+   deferred CUDA events, peak allocated/reserved, latent hashes compared across runs, FC2 dispatch counts.
+3. One warmed step under torch.profiler: kernel time per seed component (attention/sage2, nvfp4_gemms,
+   nvfp4_packing, norm_and_rope, remaining_gate_add, other) with launch counts and launch gaps.
+4. Accuracy of one full-width forward at the canonical shape against a bf16 dense reference on the same
+   dequantized weights (exact SDPA attention): the benchmarked configuration and the exact NVFP4 W4A4
+   emulation (emulated GEMMs, exact attention).
+5. The peer in the same run: diffusers' MiniMaxH3Transformer3DModel in BF16 with its default SDPA
+   (bench/diffusers_peer.py, per-block extrapolation to 50 blocks), after our model is freed.
+The JSON is rewritten after every stage, so a run cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _h3bench import ROOT, build, component, is_annotation  # noqa: E402
+
+from h3_blackwell.runtime.options import RuntimeOptions  # noqa: E402
+from h3_blackwell.runtime.sampler import initial_noise, sample  # noqa: E402
+
+SEED_COMPONENTS = {"attention": "sage2"}  # the seed's name for our attention component when it is Sage2
+
+
+def write(res: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1, default=str))
+
+
+def profile_step(model, plan, video, audio) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        model.evaluate(plan, 0, video, audio)  # warm
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            e0.record()
+            model.evaluate(plan, 0, video, audio)
+            e1.record()
+            torch.cuda.synchronize()
+    step_ms = e0.elapsed_time(e1)
+    kernels = [ev for ev in prof.events() if ev.device_type.name == "CUDA" and not is_annotation(ev.name)]
+    comps = defaultdict(lambda: {"milliseconds": 0.0, "launches": 0})
+    for ev in kernels:
+        c = component(ev.name)
+        c = SEED_COMPONENTS.get(c, c) if model.stack and model.stack.attention_backend == "sage2" else c
+        c = "other" if c == "copies" else c
+        comps[c]["milliseconds"] += ev.device_time / 1000
+        comps[c]["launches"] += 1
+    total = sum(v["milliseconds"] for v in comps.values())
+    for v in comps.values():
+        v["percent_of_kernel_time"] = 100 * v["milliseconds"] / total if total else 0.0
+    spans = sorted((ev.time_range.start, ev.time_range.end) for ev in kernels)
+    gaps = [b[0] - a[1] for a, b in zip(spans, spans[1:]) if b[0] > a[1]]
+    span_ms = (spans[-1][1] - spans[0][0]) / 1000 if spans else 0.0
+    return {"step_ms_events": step_ms, "gpu_span_ms": span_ms, "kernel_time_ms": total,
+            "kernel_count": len(kernels),
+            "kernel_busy_percent_of_span": 100 * total / span_ms if span_ms else None,
+            "launch_gaps": {"positive_gap_count": len(gaps), "total_us": sum(gaps),
+                            "maximum_us": max(gaps) if gaps else 0},
+            "components": dict(comps),
+            "components_sum_vs_step": total / step_ms if step_ms else None}
+
+
+def accuracy(rt, plan, video, audio) -> dict:
+    """rel-L2 of one forward vs a bf16 dense reference on the same dequantized weights."""
+    import torch.nn as nn
+
+    from h3_blackwell.runtime.ops import nvfp4 as nv
+    from h3_blackwell.runtime.stack import LINEARS
+
+    m = rt.model
+
+    def rel(a, b):
+        return float((a.double() - b.double()).norm() / b.double().norm())
+
+    with torch.no_grad():
+        cfg_out = m.evaluate(plan, 0, video, audio)
+        lins = [getattr(getattr(blk, p), n) for blk in m.blocks for p, n in LINEARS]
+        saved = [(lin, lin.backend) for lin in lins]
+        for lin in lins:
+            lin.backend = "emulated"
+        attn = m.stack.attention_backend
+        m.stack.attention_backend = "sdpa"
+        emu_out = m.evaluate(plan, 0, video, audio)
+        for lin, b in saved:
+            lin.backend = b
+        m.stack.attention_backend = attn
+        # bf16 dense reference: dequantized weights, reference blocks, SDPA attention
+        stack, attn_fn = m.stack, m.attn_fn
+        m.stack, m.attn_fn = None, None
+        keep = []
+        for blk in m.blocks:
+            for p, n in LINEARS:
+                q = getattr(getattr(blk, p), n)
+                dense = nn.Linear(q.in_features, q.out_features, bias=False, device=rt.device, dtype=torch.bfloat16)
+                dense.weight.data.copy_(nv.dequantize(q.weight, torch.float32).to(torch.bfloat16))
+                keep.append((getattr(blk, p), n, q))
+                setattr(getattr(blk, p), n, dense)
+        ref_out = m.evaluate(plan, 0, video, audio)
+        for owner, n, q in keep:
+            setattr(owner, n, q)
+        m.stack, m.attn_fn = stack, attn_fn
+        torch.cuda.empty_cache()
+    r = {"benchmarked": {"video_rel_l2": rel(cfg_out[0], ref_out[0]), "audio_rel_l2": rel(cfg_out[1], ref_out[1])},
+         "nvfp4_w4a4_emulation": {"video_rel_l2": rel(emu_out[0], ref_out[0]),
+                                  "audio_rel_l2": rel(emu_out[1], ref_out[1])},
+         "reference": "bf16 dense blocks on the dequantized NVFP4 weights, SDPA attention; same plan and inputs",
+         "emulation": "emulated NVFP4 GEMMs (exact products, fp32 accumulation), SDPA attention"}
+    r["ratio_video"] = r["benchmarked"]["video_rel_l2"] / r["nvfp4_w4a4_emulation"]["video_rel_l2"]
+    r["benchmarked_no_less_accurate"] = r["ratio_video"] <= 1.5
+    return r
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--peer-blocks", type=int, default=4)
+    ap.add_argument("--attention", default="auto")
+    ap.add_argument("--gemm", default="auto")
+    ap.add_argument("--skip", default="", help="comma list of stages to skip: profile,accuracy,peer")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "canonical-h200.json"))
+    a = ap.parse_args(argv)
+    skip = set(filter(None, a.skip.split(",")))
+    out = Path(a.out)
+    res = {"name": "canonical-h200",
+           "command": "python3 " + " ".join(shlex.quote(x) for x in [sys.argv[0], *(argv or sys.argv[1:])]),
+           "date": datetime.datetime.now().isoformat(timespec="seconds"),
+           "device": torch.cuda.get_device_name(),
+           "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()}}
+    t0 = time.perf_counter()
+    opts = RuntimeOptions.from_env(device="cuda", attention=a.attention, gemm=a.gemm)
+    rt = build(opts, 0)
+    torch.cuda.synchronize()
+    res["build_seconds"] = time.perf_counter() - t0
+    res["backends"] = rt.backends
+    res["resident_bytes_after_prepare"] = torch.cuda.memory_allocated()
+    write(res, out)
+
+    g = torch.Generator().manual_seed(440420)
+    text = torch.randn(1, 100, rt.config.text_dim, generator=g)
+    vshape, ashape = (1, 24, 37, 48, 84), (1, 32, 2, 207)
+    video, audio = torch.zeros(vshape), torch.zeros(ashape)
+    r = sample(rt, text, None, video, audio, seed=440420, steps=a.steps, sampler="res_multistep",
+               runs=a.runs, warmup=a.warmup, workload_extra={"frames": 124, "text_source": "random (seed 440420)"})
+    rep = r.report
+    steps_flat = [[s["seconds"] for s in run] for run in rep["per_step_seconds"]]
+    res.update({
+        "workload": rep["workload"],
+        "sampling_seconds": rep["sampling_seconds"],
+        "median_sampling_seconds": rep["median_sampling_seconds"],
+        "median_step_seconds": statistics.median(x for run in steps_flat for x in run),
+        "per_step_seconds": rep["per_step_seconds"],
+        "peak_allocated_bytes": max(rep["peak_allocated_bytes"]),
+        "peak_reserved_bytes": max(rep["peak_reserved_bytes"]),
+        "latent_checksums": rep["latent_checksums"],
+        "fc2_dispatch": rep["fc2_dispatch"],
+        "configuration": rep["configuration"],
+        "measurement_policy": rep["measurement_policy"],
+    })
+    write(res, out)
+
+    m = rt.model
+    nv_, na_ = initial_noise(440420, vshape, ashape)
+    with torch.no_grad():
+        plan = m.plan(text, vshape, ashape, [0.95])
+    if "profile" not in skip:
+        prof = profile_step(m, plan, nv_, na_)
+        res["one_warmed_step"] = prof
+        res["components"] = prof["components"]
+        write(res, out)
+    if "accuracy" not in skip:
+        try:
+            res["accuracy"] = accuracy(rt, plan, nv_, na_)
+        except Exception as e:  # noqa: BLE001 - keep the timing results
+            res["accuracy"] = {"error": f"{type(e).__name__}: {e}"}
+        write(res, out)
+
+    if "peer" not in skip:
+        del m, plan, rt, r
+        torch.cuda.empty_cache()
+        env = {**os.environ, "NL": str(a.peer_blocks)}
+        p = subprocess.run([sys.executable, str(ROOT / "bench" / "diffusers_peer.py")], capture_output=True,
+                           text=True, env=env, timeout=400)
+        line = next((ln for ln in p.stdout.splitlines() if ln.startswith("{")), None)
+        if line:
+            peer = json.loads(line)
+            res["peer"] = peer
+            res["peer_step_seconds"] = peer["est_step_s_50_blocks"]
+            res["speedup_vs_peer"] = res["peer_step_seconds"] / res["median_step_seconds"]
+        else:
+            res["peer"] = {"error": p.stderr[-2000:]}
+    res["acceptance"] = {
+        "median_step_seconds_le_4.2": res["median_step_seconds"] <= 4.2,
+        "speedup_ge_1.5": (res.get("speedup_vs_peer") or 0) >= 1.5,
+        "peak_allocated_le_20e9": res["peak_allocated_bytes"] <= 20e9,
+        "hashes_exact_across_runs": res["latent_checksums"]["exact_across_measured_runs"],
+        "components_sum_within_5pct": (abs(res["one_warmed_step"]["components_sum_vs_step"] - 1) <= 0.05
+                                       if "one_warmed_step" in res else None),
+        "accuracy_no_worse_than_1.5x_emulation": res.get("accuracy", {}).get("benchmarked_no_less_accurate"),
+    }
+    res["total_seconds"] = time.perf_counter() - t0
+    write(res, out)
+    print(json.dumps({k: res.get(k) for k in ("median_step_seconds", "peer_step_seconds", "speedup_vs_peer",
+                                               "peak_allocated_bytes", "acceptance")}, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
