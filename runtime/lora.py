@@ -41,8 +41,9 @@ Where the side path is added:
   stay as they are;
 - qkv_proj, fc1, fc2 in the NVFP4 block stack (``runtime.stack.Nvfp4Stack``), which feeds them bytes
   from its fused producers: the model's stack is wrapped (``_LoraStack``) and a block whose qkv/fc1/fc2
-  carries a side path runs the stack's block step for step with the side terms added on the exact fp32
-  activations the producers quantize; other blocks run the stack's own ``block``.
+  carries a side path runs the stack's block step for step with the side terms added on the reference
+  block's activations (``modulate(norm(x))``, ``silu(gate) * up`` at the compute dtype); other blocks run
+  the stack's own ``block``.
 
 FC2 guard: the stack's ``lora_on_fc2`` callable is pointed at ``side_active(blocks[i].mlp.fc2)``, so
 with a side path on a block's fc2 the guarded dispatcher refuses its pinned cuBLASLt path on every call
@@ -63,7 +64,7 @@ from typing import Iterable, Sequence
 import torch
 import torch.nn as nn
 
-from .lora_keys import DIFF, DIFF_B, LOWRANK, LoraError, LoraMatch, LoraUpdate, match_lora, read_lora_file
+from .lora_keys import LOWRANK, LoraError, LoraMatch, LoraUpdate, match_lora, read_lora_file
 
 __all__ = ["MODES", "LoraError", "LoraSpec", "LoraSide", "LoraView", "parse_lora_arg", "apply_loras",
            "remove_loras", "sync_loras", "with_lora", "lora_side", "side_active", "lora_report"]
@@ -180,7 +181,7 @@ class LoraSide:
             raise ValueError(f"LoRA side path of {self.module_name}: x [..., {x.shape[-1]}] / y [..., {y.shape[-1]}]; "
                              f"expected [..., {self.in_features}] / [..., {self.out_features}]")
         xs = x.reshape(-1, self.in_features).to(self.dtype)
-        y2 = y if y.dim() == 2 else y.view(-1, self.out_features)
+        y2 = y if y.dim() == 2 else y.reshape(-1, self.out_features)
         for t in self.terms:
             h = xs @ t.down.t()  # [S, r]
             ys = y2[:, t.rows[0]:t.rows[1]]
@@ -188,6 +189,8 @@ class LoraSide:
                 ys.addmm_(h, t.up.t(), alpha=t.scale)
             else:
                 ys.add_((h @ t.up.t()).to(ys.dtype), alpha=t.scale)
+        if y2.data_ptr() != y.data_ptr():  # reshape had to copy (a non-viewable y): write back
+            y.copy_(y2.view(y.shape))
         return y
 
     def nbytes(self) -> int:
@@ -277,11 +280,21 @@ class _LoraStack:
         return x
 
 
+def _modulated(x: torch.Tensor, norm, shift, scale, segs) -> torch.Tensor:
+    """The reference block's linear input ``modulate(norm(x))`` at x's dtype (RMSNorm in fp32, as model.py)."""
+    from .model import modulate_, rms_norm
+
+    return modulate_(rms_norm(x, norm.weight, norm.eps), shift, scale, segs)
+
+
 def _lora_block(st, i: int, blk, x: torch.Tensor, mod: torch.Tensor, segs, cos, sin) -> torch.Tensor:
-    """``Nvfp4Stack.block`` with side paths: qkv/fc1 get ``rms_modulate_reference(x, ...)`` (the fp32 values
-    the fused producer quantizes), fc2 gets ``swiglu_reference(h)`` (likewise); the FC2 guard sees
-    ``lora_active`` through the stack's ``lora_on_fc2``. With no side terms this is ``st.block`` bit for bit
+    """``Nvfp4Stack.block`` with side paths. Their inputs are the reference block's activations at the compute
+    dtype: ``modulate(norm(x))`` for qkv/fc1 (the values the fused producer quantizes, before its fp32
+    rounding to the compute dtype) and ``silu(gate) * up`` for fc2. The FC2 guard sees ``lora_active``
+    through the stack's ``lora_on_fc2``. With no side terms this is ``st.block`` bit for bit
     (tests/test_lora.py checks it, so a change to the stack's block shows up there)."""
+    import torch.nn.functional as F
+
     from .ops import quant_kernels as qk
     from .ops.attention import attention
 
@@ -293,7 +306,7 @@ def _lora_block(st, i: int, blk, x: torch.Tensor, mod: torch.Tensor, segs, cos, 
     qkv = blk.attn.qkv_proj.forward_quantized(a.packed, a.scales, a.global_scale)
     del a
     if s_qkv is not None:
-        s_qkv.add_(qk.rms_modulate_reference(x, blk.norm1.weight, scale_msa, shift_msa, segs, c.eps), qkv)
+        s_qkv.add_(_modulated(x, blk.norm1, shift_msa, scale_msa, segs), qkv)
     st._norm_rope(blk, qkv, cos, sin)
     o = attention(qkv, c.num_heads, c.head_dim, st.attention_backend)
     del qkv
@@ -306,12 +319,13 @@ def _lora_block(st, i: int, blk, x: torch.Tensor, mod: torch.Tensor, segs, cos, 
     h = blk.mlp.fc1.forward_quantized(a.packed, a.scales, a.global_scale)
     del a
     if s_fc1 is not None:
-        s_fc1.add_(qk.rms_modulate_reference(x, blk.norm2.weight, scale_mlp, shift_mlp, segs, c.eps), h)
+        s_fc1.add_(_modulated(x, blk.norm2, shift_mlp, scale_mlp, segs), h)
     s_q = qk.swiglu_quantize(h, st._input_scale(blk.mlp.fc2))
     m = st._fc2(i, blk, s_q)
     del s_q
     if s_fc2 is not None:
-        s_fc2.add_(qk.swiglu_reference(h), m)
+        gate, up = h.chunk(2, dim=-1)
+        s_fc2.add_(F.silu(gate) * up, m)
     del h
     st._gate_add(x, m, gate_mlp, segs)
     return x
@@ -495,19 +509,21 @@ def _quantize_like(w: torch.Tensor, module):
 # merging
 # ---------------------------------------------------------------------------------------------
 
-def merged_weight(w0: torch.Tensor, entries: Sequence[tuple[float, LoraUpdate]]) -> torch.Tensor:
+def merged_weight(w0: torch.Tensor, entries: Sequence[tuple[float, LoraUpdate]],
+                  device: torch.device | None = None) -> torch.Tensor:
     """The merge contract: fp32(W0 + sum s*(alpha/r)*B@A (+ s*diff)) in float64, rounded once.
 
-    w0 [N, K] or [N] any float dtype (computed on its device); entries: (strength, update) in stack order.
-    Row-chunked so the float64 temporaries stay ~_ROW_CHUNK rows whatever N is.
+    w0 [N, K] or [N] any float dtype; entries: (strength, update) in stack order; device: where the
+    float64 math runs (default w0's; the result is on w0's device). Row-chunked so the float64 temporaries
+    stay ~_ROW_CHUNK rows whatever N is.
     """
     n = w0.shape[0]
     out = torch.empty(w0.shape, dtype=torch.float32, device=w0.device)
-    dev = w0.device
+    dev = torch.device(device) if device is not None else w0.device
     ups = [(s, u, (u.down.to(dev, torch.float64) if u.kind == LOWRANK else None)) for s, u in entries]
     for r0 in range(0, n, _ROW_CHUNK):
         r1 = min(n, r0 + _ROW_CHUNK)
-        acc = w0[r0:r1].to(torch.float64, copy=True)
+        acc = w0[r0:r1].to(dev, torch.float64, copy=True)
         for s, u, down in ups:
             a, b = u.rows
             i0, i1 = max(r0, a), min(r1, b)
@@ -517,7 +533,7 @@ def merged_weight(w0: torch.Tensor, entries: Sequence[tuple[float, LoraUpdate]])
                 acc[i0 - r0:i1 - r0] += (u.up[i0 - a:i1 - a].to(dev, torch.float64) @ down) * (s * u.unit_scale)
             else:
                 acc[i0 - r0:i1 - r0] += u.delta[i0 - a:i1 - a].to(dev, torch.float64) * s
-        out[r0:r1] = acc.to(torch.float32)
+        out[r0:r1] = acc.to(torch.float32).to(out.device)
     return out
 
 
@@ -621,9 +637,12 @@ def _merge_nvfp4(st: _State, name: str, module, entries, source: _Source, report
     report["base_weights"][origin] = report["base_weights"].get(origin, 0) + 1
 
 
-def _merge_dense(st: _State, tname: str, p: torch.Tensor, entries, source: _Source, report: dict) -> None:
+def _merge_dense(st: _State, tname: str, p: torch.Tensor, entries, source: _Source, report: dict,
+                 device: torch.device) -> None:
+    """Merge into a dense tensor in place (it stays where it lives, e.g. offloaded AdaLN in pinned host
+    memory); the float64 math runs on the model's device."""
     _record_dense(st, tname, p, source)
-    p.data.copy_(merged_weight(p.data, entries).to(p.dtype))
+    p.data.copy_(merged_weight(p.data, entries, device).to(p.dtype))
     report["merged_dense"].append(tname)
 
 
@@ -711,7 +730,7 @@ def _apply(rt, specs: list[LoraSpec]) -> dict:
             if pname == "weight" and isinstance(module, nv_cls):
                 _merge_nvfp4(st, mname, module, entries, source, report)
             else:
-                _merge_dense(st, f"{mname}.{pname}", getattr(module, pname), entries, source, report)
+                _merge_dense(st, f"{mname}.{pname}", getattr(module, pname), entries, source, report, model_device)
         for mname, terms in sides.items():
             module = mods[mname]
             side_dtype = (module.out_dtype or rt.dtype) if isinstance(module, nv_cls) else module.weight.dtype

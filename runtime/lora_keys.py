@@ -243,7 +243,8 @@ def _as_matrix(t: torch.Tensor) -> torch.Tensor:
 def _model_name(cfg) -> str:
     form = f"curve-form AdaLN (table {cfg.adaln_curve_grid}x{cfg.time_embed_dim})" if cfg.curve_form \
         else f"full-form AdaLN (time embedding {cfg.time_embed_dim})"
-    return f"H3 DiT hidden {cfg.hidden_size}, {cfg.num_layers} blocks, inner {cfg.inner_dim}, FFN {cfg.ffn_hidden_size}, {form}"
+    return (f"H3 DiT hidden {cfg.hidden_size}, {cfg.num_layers} blocks, inner {cfg.inner_dim}, "
+            f"FFN {cfg.ffn_hidden_size}, {form}")
 
 
 class _Resolver:
@@ -347,8 +348,9 @@ def match_lora(lf: LoraFile, model: nn.Module, cfg) -> LoraMatch:
         if has_ab:
             down, up = _as_matrix(g.tensors["down"][1]), _as_matrix(g.tensors["up"][1])
             if down.dim() != 2 or up.dim() != 2:
-                problems["shape"].append(f"{name}: lora down {list(down.shape)} / up {list(up.shape)} are not "
-                                         "2-D matrices")
+                problems["shape"].append(name)
+                shape_examples.setdefault(name, f"{name}: lora down {list(down.shape)} / up {list(up.shape)} are "
+                                                "not 2-D matrices")
                 continue
             if down.shape[0] != up.shape[1]:
                 problems["rank"].append(f"{name}: {g.tensors['down'][0]} has rank {down.shape[0]} but "
@@ -360,8 +362,9 @@ def match_lora(lf: LoraFile, model: nn.Module, cfg) -> LoraMatch:
                     f"LoRA was made for the {down.shape[1]}-wide full-form time embedding")} for k in keys)
                 continue
             if dims is None:
-                problems["shape"].append(f"{name} is not a linear layer ({type(mod).__name__}); a low-rank "
-                                         "update needs one")
+                problems["shape"].append(name)
+                shape_examples.setdefault(name, f"{name} is not a linear layer ({type(mod).__name__}); a low-rank "
+                                                "update needs one")
                 continue
             want_rows = rows_of[1] - rows_of[0] if rows_of else None
             if rows_of is None or down.shape[1] != dims[1] or up.shape[0] != want_rows:
@@ -373,7 +376,9 @@ def match_lora(lf: LoraFile, model: nn.Module, cfg) -> LoraMatch:
             if "alpha" in g.tensors:
                 a = g.tensors["alpha"][1]
                 if a.numel() != 1:
-                    problems["shape"].append(f"{g.tensors['alpha'][0]} has shape {list(a.shape)}; alpha is a scalar")
+                    problems["shape"].append(name)
+                    shape_examples.setdefault(name, f"{g.tensors['alpha'][0]} has shape {list(a.shape)}; alpha is "
+                                                    "a scalar")
                     continue
                 alpha, src = float(a.float().reshape(())), "alpha tensors"
             elif meta_alpha is not None:
@@ -381,7 +386,8 @@ def match_lora(lf: LoraFile, model: nn.Module, cfg) -> LoraMatch:
             else:
                 alpha, src = float(down.shape[0]), "none in the file: alpha = rank (scale 1, as ComfyUI)"
             if not math.isfinite(alpha):
-                problems["shape"].append(f"{name}: alpha is {alpha}")
+                problems["shape"].append(name)
+                shape_examples.setdefault(name, f"{name}: alpha is {alpha}")
                 continue
             alpha_sources.add(src)
             if part == ("swap",):
@@ -402,7 +408,8 @@ def match_lora(lf: LoraFile, model: nn.Module, cfg) -> LoraMatch:
                 continue
             shape = tuple(_param_shape(mod, pname) or ())
             if not shape:
-                problems["shape"].append(f"{key}: {name} has no {pname}")
+                problems["shape"].append(name)
+                shape_examples.setdefault(name, f"{key}: {name} has no {pname}")
                 continue
             lo, hi = rows_of if rows_of else (0, shape[0])
             want = (hi - lo,) + shape[1:]

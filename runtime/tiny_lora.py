@@ -137,9 +137,11 @@ def _diffusers_name(module: str) -> str:
     for c, d in (("token_refiner.blocks.", "token_refiner.refiner_blocks."), ("blocks.", "transformer_blocks.")):
         if module.startswith(c):
             head, rest = module[len(c):].split(".", 1)
-            rest = {"attn.out_proj": "attn.to_out.0", "mlp.fc2": "ff.net.2", "mlp.fc1": "ff.net.0.proj"}.get(rest, rest)
+            rest = {"attn.out_proj": "attn.to_out.0", "mlp.fc2": "ff.net.2",
+                    "mlp.fc1": "ff.net.0.proj"}.get(rest, rest)
             return f"{d}{head}.{rest}"
-    return {"final_layer.adaln_proj.linear": "norm_out.linear", "condition_proj": "context_embedder"}.get(module, module)
+    top = {"final_layer.adaln_proj.linear": "norm_out.linear", "condition_proj": "context_embedder"}
+    return top.get(module, module)
 
 
 def _fused(parts: list[LoraPart]) -> tuple[torch.Tensor, torch.Tensor, float]:
