@@ -75,6 +75,7 @@ class H3Sampler:
     def sample(self, model, positive, latent, seed: int, steps: int, sampler: str, scheduler: str,
                shift_video: float, shift_audio: float, denoise: float):
         from ..runtime import sample as run_sample
+        from ..runtime.lora import sync_loras
 
         if not hasattr(model, "config") or not hasattr(model, "model"):
             raise node_error(self.TITLE, f"model must come from H3 NVFP4 Model Loader; got {type(model).__name__}")
@@ -85,6 +86,9 @@ class H3Sampler:
             raise node_error(self.TITLE, f"sampler={sampler!r}, scheduler={scheduler!r}: expected a sampler in "
                                          f"{SAMPLERS} and a scheduler in {SCHEDULERS}")
         progress, interrupt = _progress_and_interrupt(int(steps))
+        # the loader's model is shared and resident: make it carry exactly this graph's LoRAs (none if the
+        # graph has no LoRA node), so a LoRA from an earlier prompt never leaks into this one
+        sync_loras(model)
         try:
             res = run_sample(model, text, tags, video, audio, seed=int(seed), steps=int(steps), sampler=sampler,
                              scheduler=scheduler, shift_video=float(shift_video), shift_audio=float(shift_audio),

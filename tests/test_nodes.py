@@ -191,7 +191,7 @@ SAMPLE_ARGS = {"seed": 7, "steps": 2, "sampler": "res_multistep", "scheduler": "
 
 def test_registration_table():
     assert set(NODE_CLASS_MAPPINGS) == {"H3B_ModelLoader", "H3B_Sampler", "H3B_Diagnostics", "H3B_EmptyLatent",
-                                        "H3B_TextStatesLoader"}
+                                        "H3B_TextStatesLoader", "H3B_LoRA"}
     assert h3_blackwell.NODE_CLASS_MAPPINGS == NODE_CLASS_MAPPINGS  # V1 outside a running ComfyUI
     assert h3_blackwell.NODE_DISPLAY_NAME_MAPPINGS == NODE_DISPLAY_NAME_MAPPINGS
     assert NODE_DISPLAY_NAME_MAPPINGS["H3B_ModelLoader"] == "H3 NVFP4 Model Loader"
@@ -247,7 +247,7 @@ def test_import_needs_no_comfyui():
             "bad = [m for m in sys.modules if m == 'comfy' or m.startswith(('comfy.', 'comfy_api')) "
             "or m == 'folder_paths']; "
             "assert not bad, bad; "
-            "assert len(h3_blackwell.NODE_CLASS_MAPPINGS) == 5; print('ok')")
+            "assert len(h3_blackwell.NODE_CLASS_MAPPINGS) == 6; print('ok')")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
