@@ -320,7 +320,7 @@ def _lora_block(st, i: int, blk, x: torch.Tensor, mod: torch.Tensor, segs, cos, 
     del a
     if s_fc1 is not None:
         s_fc1.add_(_modulated(x, blk.norm2, shift_mlp, scale_mlp, segs), h)
-    s_q = qk.swiglu_quantize(h, st._input_scale(blk.mlp.fc2))
+    s_q = qk.swiglu_quantize(h, st._input_scale(blk.mlp.fc2), pad_rows=16)
     m = st._fc2(i, blk, s_q)
     del s_q
     if s_fc2 is not None:

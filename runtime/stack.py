@@ -71,8 +71,15 @@ class Nvfp4Stack:
         return g
 
     def _fc2(self, i: int, blk, s_q) -> torch.Tensor:
+        """FC2 on the SwiGLU producer's bytes: the guarded cuBLASLt dispatcher, whose fallback runs the
+        layer's GEMM backend on the same bytes. s_q.packed has roundup(S, 16) rows (zero padding), the
+        packed M the seed's pinned configuration requires; results are cut back to S rows."""
         fc2: Nvfp4Linear = blk.mlp.fc2
-        fallback = lambda ops: fc2.forward_quantized(s_q.packed, s_q.scales, s_q.global_scale)  # noqa: E731
+        rows = s_q.shape[0]
+
+        def fallback(ops):
+            return fc2.forward_quantized(s_q.packed, s_q.scales, s_q.global_scale)[:rows]
+
         if self.fc2 is None:
             return fallback(None)
         from .fc2_lt import PRODUCER_SWIGLU_NVFP4
@@ -103,7 +110,7 @@ class Nvfp4Stack:
                                      self._input_scale(blk.mlp.fc1))
         h = blk.mlp.fc1.forward_quantized(a.packed, a.scales, a.global_scale)
         del a
-        s_q = qk.swiglu_quantize(h, self._input_scale(blk.mlp.fc2))
+        s_q = qk.swiglu_quantize(h, self._input_scale(blk.mlp.fc2), pad_rows=16)
         del h
         m = self._fc2(i, blk, s_q)
         del s_q

@@ -121,3 +121,30 @@ def test_nvfp4_file_loads_without_requantization(tmp_path, monkeypatch):
         lin = getattr(getattr(rt.model.blocks[int(bi)], parent), name)
         assert torch.equal(lin.packed[: q.packed.shape[0]], q.packed)
         assert torch.equal(lin.global_scale, q.global_scale)
+
+
+def test_fc2_gets_producer_bytes_padded_to_16_rows():
+    """The stack hands the FC2 dispatcher the SwiGLU producer's own bytes with packed M = roundup(S, 16)
+    (the seed's guard needs packed 37824 for logical 37810) and m_logical = S; the fallback result equals
+    the plain NVFP4 GEMM of those bytes, cut to S rows."""
+    rt = load_model(None, RuntimeOptions(**CPU))
+    m = rt.model
+    calls = []
+
+    class FakeDispatcher:
+        def __call__(self, x, w, *, m_logical, fallback, **kw):
+            calls.append((tuple(x.shape), m_logical, kw["producer"], kw["lora_active"]))
+            return fallback(None)
+
+    m.stack.fc2 = FakeDispatcher()
+    g = torch.Generator().manual_seed(2)
+    out_fake = m(torch.randn(1, 24, 2, 6, 8, generator=g), torch.randn(1, 32, 2, 5, generator=g),
+                 torch.randn(1, 7, 5120, generator=g), 0.5)
+    s = 7 + 2 * 5 + 2 * 3 * 4
+    assert len(calls) == len(m.blocks)
+    assert all(c == ((48, TINY.ffn_hidden_size // 2), s, "swiglu_nvfp4", False) for c in calls), calls[0]
+    m.stack.fc2 = None
+    g = torch.Generator().manual_seed(2)
+    out_plain = m(torch.randn(1, 24, 2, 6, 8, generator=g), torch.randn(1, 32, 2, 5, generator=g),
+                  torch.randn(1, 7, 5120, generator=g), 0.5)
+    assert torch.equal(out_fake[0], out_plain[0]) and torch.equal(out_fake[1], out_plain[1])

@@ -538,8 +538,10 @@ def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
-def _outputs(s: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    packed = torch.empty(nv.packed_shape(s, k, 1), dtype=torch.uint8, device=device)
+def _outputs(s: int, k: int, device, pad_rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    packed = torch.empty(nv.packed_shape(s, k, pad_rows), dtype=torch.uint8, device=device)
+    if packed.shape[0] > s:
+        packed[s:].zero_()  # padding rows hold zero codes (the kernels write rows < s only)
     scales = torch.empty(nv.scale_shape(s, k), dtype=torch.uint8, device=device)
     return packed, scales
 
@@ -614,21 +616,22 @@ def rms_modulate_quantize(x: torch.Tensor, weight: torch.Tensor | None, scale_ro
     return nv.NVFP4Tensor(packed, scales.view(torch.float8_e4m3fn), g, (s, k))
 
 
-def swiglu_quantize(h: torch.Tensor, global_scale: torch.Tensor | float | None = None, *, backend: str = "auto"
-                    ) -> nv.NVFP4Tensor:
+def swiglu_quantize(h: torch.Tensor, global_scale: torch.Tensor | float | None = None, *, backend: str = "auto",
+                    pad_rows: int = 1) -> nv.NVFP4Tensor:
     """h [S, 2F] = [gate | up] (fc1's output) -> NVFP4 of silu(gate) * up, [S, F]. Output bytes equal
-    ``nvfp4.quantize(swiglu_reference(h), g, pad_rows=1)``."""
+    ``nvfp4.quantize(swiglu_reference(h), g, pad_rows=pad_rows)``: ``pad_rows=16`` gives the packed
+    ``[roundup(S, 16), F/2]`` (zero rows) that the pinned FC2 configurations of the seed require."""
     _check_2d(h, "h")
     if h.shape[1] % 2:
         raise ValueError(f"h must be [S, 2F] = [gate | up]; found an odd width {h.shape[1]}")
     if _pick_backend(backend, h.device) == "reference":
         y = swiglu_reference(h)
         g = nv.global_scale(y) if global_scale is None else _global(global_scale, h)
-        return nv.quantize(y, g, pad_rows=1)
+        return nv.quantize(y, g, pad_rows=pad_rows)
     s, f = h.shape[0], h.shape[1] // 2
     rp, rs, kp, cp = _geometry(s, f)
     bm, bk, nw = _tiles(h.device)["glu"]
-    packed, scales = _outputs(s, f, h.device)
+    packed, scales = _outputs(s, f, h.device, pad_rows)
     if global_scale is None:
         grid0 = (_cdiv(s, bm), _cdiv(f, bk))
         part = torch.empty(grid0[0] * grid0[1], dtype=torch.float32, device=h.device)
