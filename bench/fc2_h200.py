@@ -49,10 +49,11 @@ from h3_blackwell.runtime.fc2_lt import (  # noqa: E402
 from h3_blackwell.runtime.options import RuntimeOptions  # noqa: E402
 from h3_blackwell.runtime.tune_fc2 import (  # noqa: E402
     CANONICAL,
+    TuneCrash,
     compare_bytes,
     reference_gemm,
     synthetic_operands,
-    tune,
+    tune_subprocess,
 )
 
 BLOCKS, STEPS = 50, 12
@@ -79,6 +80,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-candidates", type=int, default=300)
     ap.add_argument("--check-seconds", type=float, default=40.0, help="AlgoCheck sweep time limit per tune")
     ap.add_argument("--run-seconds", type=float, default=60.0, help="exactness-run time limit per tune")
+    ap.add_argument("--tune-timeout", type=float, default=None, help="wall-clock limit of one tune subprocess")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: needs a CUDA device", file=sys.stderr)
@@ -148,12 +150,22 @@ def main(argv=None) -> int:
                 "strict_raised": strict_msg}
 
     def do_tune(dtype: str) -> dict:
+        """tune-fc2 in a subprocess: a crash (e.g. SIGSEGV inside cuBLASLt) is recorded with its signal and
+        the last traced cublasLtMatmul arguments, and the remaining sections still run."""
         attempts = []
+        r: dict = {"entry": None, "evidence": None}
         for ws_mb in (0, 32):
-            r = tune(dtype=dtype, options=options, device=dev, workspace_limit=ws_mb << 20, rounds=a.rounds,
-                     max_candidates=a.max_candidates, check_seconds=a.check_seconds, run_seconds=a.run_seconds,
-                     command=res["command"],
-                     say=lambda s: print(s, file=sys.stderr), **CANONICAL)
+            log = Path(a.cache_dir) / f"tune-{dtype}-ws{ws_mb}.log"
+            try:
+                r = tune_subprocess(dtype=dtype, cache_dir=a.cache_dir, device=str(dev), workspace_limit=ws_mb << 20,
+                                    rounds=a.rounds, max_candidates=a.max_candidates, check_seconds=a.check_seconds,
+                                    run_seconds=a.run_seconds, timeout=a.tune_timeout, log_path=str(log),
+                                    say=lambda s: print(s, file=sys.stderr), **CANONICAL)
+            except TuneCrash as e:
+                attempts.append({"workspace_mb": ws_mb, "found": False, "crash": str(e), "returncode": e.returncode,
+                                 "log": str(log), "log_tail": e.log_tail[-3000:]})
+                r = {"entry": None, "evidence": None, "error": str(e)}
+                break  # the same crash would repeat with more workspace; keep the device time
             attempts.append({"workspace_mb": ws_mb, "found": r["entry"] is not None})
             if r["entry"] is not None:
                 break

@@ -33,6 +33,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <sstream>
@@ -246,6 +247,31 @@ std::vector<uint32_t> get_cap_array(const cublasLtMatmulAlgo_t& algo, cublasLtMa
     return {};
   v.resize(written / sizeof(uint32_t));
   return v;
+}
+
+// H3_FC2_LT_TRACE=1 prints the cublasLtMatmul arguments of the first 64 run() calls to stderr (flushed)
+// before the call, so a crash inside cuBLASLt leaves the last arguments in the log.
+bool trace_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("H3_FC2_LT_TRACE");
+    return v != nullptr && *v != '\0' && std::strcmp(v, "0") != 0;
+  }();
+  return on;
+}
+
+// "host", "device", "managed" or "unregistered" (trace only).
+const char* pointer_kind(const void* ptr) {
+  cudaPointerAttributes a;
+  if (cudaPointerGetAttributes(&a, ptr) != cudaSuccess) {
+    cudaGetLastError();
+    return "unknown";
+  }
+  switch (a.type) {
+    case cudaMemoryTypeDevice: return "device";
+    case cudaMemoryTypeManaged: return "managed";
+    case cudaMemoryTypeHost: return "host";
+    default: return "unregistered-host";
+  }
 }
 
 std::string library_path(const void* symbol) {
@@ -463,6 +489,7 @@ class Plan {
           const std::optional<at::Tensor>& w_scale, const std::optional<at::Tensor>& alpha, double alpha_host,
           const std::optional<at::Tensor>& workspace, int64_t stream) {
     if (!ok) throw py::value_error("run() on a plan that did not pass (" + stage + ": " + message + ")");
+    if (!prob) throw py::value_error("run() on a plan without a problem");
     Problem& p = *prob;
     const int64_t m = p.m_, n = p.n_, k = p.k_;
     const int64_t kb = p.kind_ == Kind::kNvfp4 ? k / 2 : k;  // row length in elements of x/w tensors
@@ -588,12 +615,32 @@ class Plan {
       need(!alpha.has_value(), "pointer_mode=host takes alpha as a Python float, not a tensor");
     }
 
+    static int traced = 0;
+    const bool trace = trace_enabled() && traced++ < 64;
+    if (trace) {
+      std::fprintf(stderr,
+                   "[h3_fc2_lt] run kind=%s pmode=%s m=%lld n=%lld k=%lld handle=%p desc=%p alpha=%p(%s) "
+                   "beta=%p A(w)=%p B(x)=%p D(out)=%p a_scale(w)=%p b_scale(x)=%p algo=%p pinned=%d "
+                   "ws=%p ws_bytes=%llu ws_required=%llu stream=0x%llx device=%d\n",
+                   kind_name(p.kind_), p.pmode_ == PointerMode::kDevice ? "device" : "host",
+                   static_cast<long long>(m), static_cast<long long>(n), static_cast<long long>(k),
+                   static_cast<void*>(p.handle_), static_cast<void*>(p.desc_), alpha_ptr,
+                   pointer_kind(alpha_ptr), beta_ptr, w.data_ptr(), x.data_ptr(), out.data_ptr(), w_scale_ptr,
+                   x_scale_ptr, static_cast<const void*>(&algo), pinned ? 1 : 0, ws_ptr,
+                   static_cast<unsigned long long>(ws_bytes), static_cast<unsigned long long>(workspace_required),
+                   static_cast<unsigned long long>(stream), p.device_);
+      std::fflush(stderr);
+    }
     // The scale pointers live in the shared descriptor: reset them on every call.
     if (x_scale_ptr != nullptr) p.set_scale_pointers(w_scale_ptr, x_scale_ptr);
     cublasStatus_t s = cublasLtMatmul(p.handle_, p.desc_, alpha_ptr, w.data_ptr(), p.a_, x.data_ptr(), p.b_, beta_ptr,
                                       out.data_ptr(), p.c_, out.data_ptr(), p.d_, &algo, ws_ptr, ws_bytes,
                                       reinterpret_cast<cudaStream_t>(stream));
     if (x_scale_ptr != nullptr) p.set_scale_pointers(p.dummy_scale(), p.dummy_scale());
+    if (trace) {
+      std::fprintf(stderr, "[h3_fc2_lt] run returned %s\n", status_str(s).c_str());
+      std::fflush(stderr);
+    }
     return static_cast<int>(s);
   }
 
@@ -702,7 +749,19 @@ std::shared_ptr<Plan> make_heuristic_plan(std::shared_ptr<Problem> prob, int ind
     return plan;
   }
   plan->algo = res[static_cast<size_t>(index)].algo;
+  const uint64_t heur_ws = static_cast<uint64_t>(res[static_cast<size_t>(index)].workspaceSize);
   if (!plan->check_and_measure()) return plan;
+  // AlgoCheck and the heuristic may disagree on the workspace of an unpinned (split-K / stream-K) algo;
+  // run() must never hand cuBLASLt less than either asked for.
+  if (heur_ws > plan->workspace_required) {
+    plan->workspace_required = heur_ws;
+    if (heur_ws > ws_limit) {
+      plan->fail("workspace", CUBLAS_STATUS_SUCCESS,
+                 "heuristic algo needs " + std::to_string(heur_ws) + " bytes of workspace, limit is " +
+                     std::to_string(ws_limit));
+      return plan;
+    }
+  }
   std::string err;
   if (!read_config(plan->algo, &plan->actual, &err)) {
     plan->fail("readback", CUBLAS_STATUS_INVALID_VALUE, err);

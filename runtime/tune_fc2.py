@@ -241,6 +241,85 @@ class TuneError(RuntimeError):
     pass
 
 
+class TuneCrash(TuneError):
+    """The tuner's subprocess died (a signal such as SIGSEGV inside cuBLASLt) or ended without a result."""
+
+    def __init__(self, message: str, returncode: int | None, log_tail: str):
+        super().__init__(message)
+        self.returncode = returncode
+        self.log_tail = log_tail
+
+
+def tune_subprocess(*, dtype: str, m_logical: int, m_padded: int, n: int, k: int, cache_dir: str,
+                    role: str = ROLE_FC2, workspace_limit: int = 0, heuristic_workspace: int = 32 << 20,
+                    scale_mode: str | None = None, max_candidates: int = 300, top: int = 6, rounds: int = 20,
+                    seeds: int = 3, check_seconds: float = 90.0, run_seconds: float = 120.0, device: str = "cuda",
+                    timeout: float | None = None, trace: bool = True, log_path: str | None = None,
+                    say: Callable[[str], None] = print) -> dict[str, Any]:
+    """:func:`tune` in a child process (the ``tune-fc2`` command line), so that a crash inside cuBLASLt is
+    reported as a :class:`TuneCrash` naming the signal instead of killing the caller.
+
+    Returns ``{"entry": <entry JSON or None>, "evidence": {...}}`` like :func:`tune`. The child runs with
+    ``-X faulthandler`` and, with ``trace``, ``H3_FC2_LT_TRACE=1`` (every cublasLtMatmul argument on stderr);
+    its stderr goes to ``log_path`` (default: a temporary file) and its tail into errors.
+    """
+    import os
+    import signal
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="tune-fc2-") as td:
+        evidence = Path(td) / "result.json"
+        entry_out = Path(td) / "entry.json"
+        log = Path(log_path) if log_path else Path(td) / "stderr.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        args = ["--dtype", dtype, "--role", role, "--m", str(m_logical), "--m-padded", str(m_padded), "--n", str(n),
+                "--k", str(k), "--workspace-mb", repr(workspace_limit / (1 << 20)),
+                "--heuristic-workspace-mb", repr(heuristic_workspace / (1 << 20)),
+                "--max-candidates", str(max_candidates), "--top", str(top), "--rounds", str(rounds),
+                "--seeds", str(seeds), "--check-seconds", str(check_seconds), "--run-seconds", str(run_seconds),
+                "--device", str(device), "--cache-dir", str(cache_dir), "--out", str(entry_out),
+                "--evidence", str(evidence)]
+        if scale_mode:
+            args += ["--scale-mode", scale_mode]
+        code = ("import sys; from h3_blackwell.runtime.tune_fc2 import main; "
+                "sys.exit(main(sys.argv[1:]))")
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        env["PYTHONUNBUFFERED"] = "1"
+        if trace:
+            env["H3_FC2_LT_TRACE"] = "1"
+        say(f"tune-fc2 subprocess: {dtype} M={m_logical}/{m_padded} N={n} K={k} workspace {workspace_limit} "
+            f"(log {log})")
+        t0 = time.perf_counter()
+        with open(log, "w") as errf:
+            try:
+                proc = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code, *args], stdout=subprocess.PIPE,
+                                      stderr=errf, text=True, env=env, timeout=timeout)
+                rc: int | None = proc.returncode
+            except subprocess.TimeoutExpired:
+                rc = None
+        text = log.read_text(errors="replace")
+        tail = text[-6000:]
+        for line in text.splitlines()[-40:]:
+            say(f"  | {line}")
+        secs = time.perf_counter() - t0
+        if rc is None:
+            raise TuneCrash(f"tune-fc2 subprocess timed out after {timeout} s", None, tail)
+        if rc < 0:
+            try:
+                sig = signal.Signals(-rc).name
+            except ValueError:
+                sig = f"signal {-rc}"
+            last = [ln for ln in text.splitlines() if ln.startswith("[h3_fc2_lt] run ")][-1:]
+            raise TuneCrash(f"tune-fc2 subprocess killed by {sig} after {secs:.1f} s"
+                            + (f"; last cuBLASLt call: {last[0]}" if last else ""), rc, tail)
+        if rc in (0, 1) and evidence.is_file():
+            return json.loads(evidence.read_text())
+        raise TuneCrash(f"tune-fc2 subprocess exited with status {rc} and no result: "
+                        + (text.strip().splitlines() or ["(no output)"])[-1], rc, tail)
+
+
 def tune(*, dtype: str, m_logical: int, m_padded: int, n: int, k: int, role: str = ROLE_FC2,
          options: RuntimeOptions | None = None, device: torch.device | str = "cuda", workspace_limit: int = 0,
          scale_mode: str | None = None, producer: str | None = None, max_candidates: int = 300, top: int = 6,

@@ -24,7 +24,13 @@ from h3_blackwell.runtime.fc2_lt import (
     LtPlanLayer,
 )
 from h3_blackwell.runtime.options import RuntimeOptions
-from h3_blackwell.runtime.tune_fc2 import compare_bytes, reference_gemm, synthetic_operands, tune
+from h3_blackwell.runtime.tune_fc2 import (
+    TuneCrash,
+    compare_bytes,
+    reference_gemm,
+    synthetic_operands,
+    tune_subprocess,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -103,13 +109,27 @@ _TUNED: dict = {}
 
 
 def _tuned(options, dtype):
-    """One small tune per dtype per session (the heuristic's picks are tried first, so 40 suffice)."""
+    """One small tune per dtype per session (the heuristic's picks are tried first, so 40 suffice).
+
+    The tuner runs in a subprocess: a crash inside cuBLASLt (SIGSEGV) fails these tests with the signal
+    and the last traced cublasLtMatmul arguments instead of killing pytest. A failure is remembered, so
+    the next test that needs the entry fails at once instead of tuning (and crashing) again.
+    """
     if dtype not in _TUNED:
-        res = tune(dtype=dtype, options=options, max_candidates=40, top=3, rounds=3, seeds=2, check_seconds=10,
-                   run_seconds=20, say=print, **SMALL)
-        assert res["entry"] is not None, json.dumps(res["evidence"], indent=1, default=str)[:4000]
-        _TUNED[dtype] = (Fc2Entry.from_json(res["entry"]), res["evidence"])
-    return _TUNED[dtype]
+        try:
+            res = tune_subprocess(dtype=dtype, cache_dir=str(options.cache_dir), max_candidates=40, top=3, rounds=3,
+                                  seeds=2, check_seconds=10, run_seconds=20, timeout=300, say=print, **SMALL)
+        except TuneCrash as e:
+            _TUNED[dtype] = f"{e}\n--- tuner stderr tail ---\n{e.log_tail[-3000:]}"
+        else:
+            if res["entry"] is None:
+                _TUNED[dtype] = "no entry: " + json.dumps(res["evidence"], indent=1, default=str)[:4000]
+            else:
+                _TUNED[dtype] = (Fc2Entry.from_json(res["entry"]), res["evidence"])
+    got = _TUNED[dtype]
+    if isinstance(got, str):
+        pytest.fail(f"tune-fc2 ({dtype}) failed: {got}", pytrace=False)
+    return got
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8_e4m3"])
