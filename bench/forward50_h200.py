@@ -1,7 +1,11 @@
 #!/usr/bin/env python3
 """A 50-block forward of the full-size H3 (random weights, NVFP4 on the GPU) at the canonical shape.
 
-    python3 bench/forward50_h200.py [--attention auto] [--gemm auto] [--out bench/results/forward50-h200.json]
+    python3 bench/forward50_h200.py [--attention auto] [--gemm auto] [--act-format nvfp4|fp8]
+                                    [--fp8-scheme auto|loop|row] [--out bench/results/forward50-h200.json]
+
+--act-format fp8 runs the Hopper W4A8 block (e4m3 rowwise activations, needs the fp8 GEMM backend; refused
+loudly otherwise); --fp8-scheme picks the W4A8 producers' tiling (runtime.ops.fp8_producers).
 
 Uses the runtime's own path: the full model is materialised in bf16 on the GPU with random weights
 (no download), ``prepare_nvfp4`` quantizes the block linears one layer at a time and installs the NVFP4
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import platform
 import shlex
@@ -48,15 +53,27 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--attention", default="auto")
     ap.add_argument("--gemm", default="auto")
+    ap.add_argument("--act-format", default=None, choices=("nvfp4", "fp8"),
+                    help="activation format of the block stack (default: H3_ACT_FORMAT, else nvfp4)")
+    ap.add_argument("--fp8-scheme", default="auto", choices=("auto", "loop", "row"),
+                    help="tiling of the fp8 producers when --act-format fp8")
     ap.add_argument("--iters", type=int, default=2)
     ap.add_argument("--tiny", action="store_true", help="smoke-test this script with the tiny config (CPU ok)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "forward50-h200.json"))
     a = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     cfg = TINY if a.tiny else FULL
-    opts = RuntimeOptions.from_env(device="cuda" if cuda else "cpu", attention=a.attention, gemm=a.gemm)
+    opts = RuntimeOptions.from_env(device="cuda" if cuda else "cpu", attention=a.attention, gemm=a.gemm,
+                                   act_format=a.act_format)
     t0 = datetime.datetime.now()
     rt = build(opts, 0, cfg)
+    rt.backends["act_format"] = rt.model.stack.set_act_format(opts.act_format, strict=True)
+    if a.fp8_scheme != "auto":
+        from h3_blackwell.runtime.ops import fp8_producers
+
+        for fn in ("rms_modulate_fp8", "swiglu_fp8", "quantize_fp8"):
+            setattr(fp8_producers, fn, functools.partial(getattr(fp8_producers, fn), scheme=a.fp8_scheme))
+        rt.backends["act_format"]["fp8_scheme"] = a.fp8_scheme
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sync()
     weights_gb = torch.cuda.memory_allocated() / 1e9 if cuda else 0.0
@@ -130,6 +147,7 @@ def main(argv=None) -> int:
                             "an empty dict means q, k, v reached the attention kernel as strided views"),
         "top_kernels_ms": top,
         "fc2": rt.fc2.status() if rt.fc2 is not None else None,
+        "fc2_stack": rt.model.stack.fc2_status(),
     }
     if a.tiny:
         res["name"] = "forward-tiny-smoke"

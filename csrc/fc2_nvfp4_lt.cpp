@@ -493,10 +493,14 @@ class Plan {
     Problem& p = *prob;
     const int64_t m = p.m_, n = p.n_, k = p.k_;
     const int64_t kb = p.kind_ == Kind::kNvfp4 ? k / 2 : k;  // row length in elements of x/w tensors
+    // Messages are built with std::string only: std::ostream formatting inside this extension crashed on the
+    // H200 (SIGSEGV in basic_ostream::_M_insert<long>, seen with cuda-gdb), so no iostreams in the hot path.
     auto where = [](const char* name, const at::Tensor& t) {
-      std::ostringstream os;
-      os << name << " " << t.sizes() << " " << t.scalar_type() << " on " << t.device();
-      return os.str();
+      std::string s = std::string(name) + " [";
+      for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
+      s += std::string("] ") + c10::toString(t.scalar_type());
+      s += t.is_cuda() ? " on cuda:" + std::to_string(t.get_device()) : std::string(" on cpu");
+      return s;
     };
     auto need = [&](bool cond, const std::string& msg) {
       if (!cond) throw py::value_error(msg);
@@ -711,15 +715,15 @@ std::shared_ptr<Plan> make_pinned_plan(std::shared_ptr<Problem> prob, const py::
     return plan;
   }
   if (!(plan->actual == rq)) {
-    std::ostringstream os;
-    os << "read-back config differs from the requested one: requested id " << rq.id << " tile " << rq.tile
-       << " stages " << rq.stages << " split-K " << rq.splitk << " reduction " << rq.reduction << " swizzle "
-       << rq.swizzle << " custom " << rq.custom << " cluster " << rq.cluster << " inner " << rq.inner
-       << "; read id " << plan->actual.id << " tile " << plan->actual.tile << " stages " << plan->actual.stages
-       << " split-K " << plan->actual.splitk << " reduction " << plan->actual.reduction << " swizzle "
-       << plan->actual.swizzle << " custom " << plan->actual.custom << " cluster " << plan->actual.cluster
-       << " inner " << plan->actual.inner;
-    plan->fail("readback", CUBLAS_STATUS_SUCCESS, os.str());
+    auto cfg = [](const char* what, const auto& c) {
+      return std::string(what) + " id " + std::to_string(c.id) + " tile " + std::to_string(c.tile) + " stages " +
+             std::to_string(c.stages) + " split-K " + std::to_string(c.splitk) + " reduction " +
+             std::to_string(c.reduction) + " swizzle " + std::to_string(c.swizzle) + " custom " +
+             std::to_string(c.custom) + " cluster " + std::to_string(c.cluster) + " inner " + std::to_string(c.inner);
+    };
+    plan->fail("readback", CUBLAS_STATUS_SUCCESS,
+               "read-back config differs from the requested one: " + cfg("requested", rq) + "; " +
+                   cfg("read", plan->actual));
     return plan;
   }
   plan->read_alignment();

@@ -24,6 +24,7 @@ _ENV = {
     "attention": ("H3_ATTENTION", str),
     "gemm": ("H3_GEMM", str),
     "act_scale": ("H3_NVFP4_ACT_SCALE", str),
+    "act_format": ("H3_ACT_FORMAT", str),
     "adaln_cache": ("H3_ADALN_CACHE", "bool"),
     "cache_dir": ("H3_CACHE_DIR", str),
     "quantize": ("H3_NVFP4", "bool"),
@@ -49,6 +50,8 @@ class RuntimeOptions:
     attention: auto | sage2 | sage1 | sdpa | reference
     gemm:      auto | native | emulated | fp8 | bf16 | reference   (NVFP4 linear backend)
     act_scale: dynamic (amax per call) | calibrated (checkpoint input_scale when present)
+    act_format: nvfp4 (W4A4: NVFP4 activations) | fp8 (W4A8, Hopper: e4m3 activations with one fp32 scale
+               per row from the fused producers; used only with the fp8 GEMM backend, see runtime.stack)
     fc2_lt:    the guarded cuBLASLt FC2 path (H3_NVFP4_FC2_LT_SPLITK1); strict raises instead of falling back
     dtype:     compute dtype of the block stack (bfloat16 on GPU, float32 on CPU by default)
     """
@@ -59,6 +62,7 @@ class RuntimeOptions:
     gemm: str = "auto"
     quantize: bool = True  # quantize bf16/fp8 sources to NVFP4 at load (False = keep source precision)
     act_scale: str = "dynamic"
+    act_format: str = "nvfp4"
     scale_backend: str = "vortex"
     scale_version: str = "1"
     fused_elementwise: bool = True
@@ -75,6 +79,7 @@ class RuntimeOptions:
                       "reference"),
         "gemm": ("auto", "native", "emulated", "fp8", "bf16", "reference"),
         "act_scale": ("dynamic", "calibrated"),
+        "act_format": ("nvfp4", "fp8"),
         "qkv_layout": ("strided_nhd", "contiguous"),
         "dtype": ("auto", "float32", "bfloat16", "float16"),
     }

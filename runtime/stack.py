@@ -15,6 +15,18 @@ One block (x [S, hidden] bf16 residual, updated in place):
 
 On the CPU every step runs its torch reference (the producers' references write the same bytes), so the
 whole stack is testable without a GPU.
+
+W4A8 (``act_format="fp8"``, Hopper; RuntimeOptions.act_format / H3_ACT_FORMAT): the same block with the
+activation producers of ``ops.fp8_producers`` (a: ``rms_modulate_fp8``, e: ``quantize_fp8``, g:
+``rms_modulate_fp8``, i: ``swiglu_fp8``), each one launch writing e4m3 with one fp32 scale per row (row amax
+/ 448, no global-amax pass), fed to ``Nvfp4Linear.forward_fp8`` (the NVFP4 weight expanded per layer to
+rowwise e4m3 scratch, ``torch._scaled_mm`` rowwise). Activations are rounded once to e4m3 (<= 2^-4 relative
+per element), strictly more accurate than NVFP4 activations. Only with the fp8 GEMM backend on every block
+linear; otherwise the stack keeps nvfp4 and ``act_format_reason`` says why. ``act_scale`` is not used (the
+scales are row-local). FC2 calls the layer directly: the guarded cuBLASLt FC2 path takes NVFP4 bytes, so it
+is not applicable (``fc2_status()`` says "not applicable (act_format fp8)"; the dispatcher is not called, so
+its counters record no attempt). Blocks that LoRA runs through ``lora._lora_block`` (a side path on qkv, fc1
+or fc2) keep the NVFP4 activation path; an out_proj side path is added as its forward hook would add it.
 """
 
 from __future__ import annotations
@@ -24,11 +36,14 @@ from typing import Callable
 import torch
 
 from .ops import elementwise as el
+from .ops import fp8_producers as f8
 from .ops import quant_kernels as qk
 from .ops.attention import attention
 from .ops.linear import Nvfp4Linear, Scratch
 
 LINEARS = (("attn", "qkv_proj"), ("attn", "out_proj"), ("mlp", "fc1"), ("mlp", "fc2"))
+ACT_FORMATS = ("nvfp4", "fp8")
+FC2_NOT_APPLICABLE = "not applicable (act_format fp8)"
 
 
 def _on_cuda(t: torch.Tensor) -> bool:
@@ -39,17 +54,55 @@ class Nvfp4Stack:
     """Runs the block stack of an H3Model whose block linears are Nvfp4Linear.
 
     attention: backend name for ``attention()``; fc2: an Fc2Dispatcher or None; lora_on_fc2: callable
-    telling whether a side-path LoRA is active on a block's fc2 (the guard refuses the Lt path then).
+    telling whether a side-path LoRA is active on a block's fc2 (the guard refuses the Lt path then);
+    act_format: "nvfp4" (W4A4) or "fp8" (W4A8, see the module docstring; strict raises when it cannot run).
     """
 
     def __init__(self, model, attention_backend: str, fc2=None, act_scale: str = "dynamic",
-                 lora_on_fc2: Callable[[int], bool] | None = None):
+                 lora_on_fc2: Callable[[int], bool] | None = None, act_format: str = "nvfp4",
+                 strict: bool = False):
         self.model = model
         self.cfg = model.cfg
         self.attention_backend = attention_backend
         self.fc2 = fc2
         self.act_scale = act_scale
         self.lora_on_fc2 = lora_on_fc2 or (lambda i: False)
+        self.fc2_direct_calls = 0  # FC2 GEMMs run without the dispatcher (act_format fp8)
+        self.set_act_format(act_format, strict=strict)
+
+    # -- activation format ---------------------------------------------------------------------------
+    def set_act_format(self, requested: str, *, strict: bool = False) -> dict:
+        """Choose the activation format -> {"choice", "reason"} (also kept as act_format /
+        act_format_reason). fp8 needs the fp8 GEMM backend on every block linear; otherwise nvfp4 is
+        kept with the reason (strict: raise instead)."""
+        if requested not in ACT_FORMATS:
+            raise ValueError(f"act_format={requested!r}: expected one of {', '.join(ACT_FORMATS)}")
+        if requested == "nvfp4":
+            self.act_format, self.act_format_reason = "nvfp4", "nvfp4: NVFP4 activations (W4A4)"
+        else:
+            bad = [f"blocks.{i}.{p}.{n} runs {getattr(getattr(getattr(b, p), n), 'backend', 'a dense linear')}"
+                   for i, b in enumerate(self.model.blocks) for p, n in LINEARS
+                   if getattr(getattr(getattr(b, p), n), "backend", None) != "fp8"]
+            if bad:
+                why = (f"requested fp8 unavailable: W4A8 needs the fp8 GEMM backend on every block linear "
+                       f"({bad[0]}{f' and {len(bad) - 1} more' if len(bad) > 1 else ''})")
+                if strict:
+                    raise RuntimeError(why)
+                self.act_format, self.act_format_reason = "nvfp4", why + "; using nvfp4"
+            else:
+                self.act_format, self.act_format_reason = "fp8", (
+                    "fp8 (W4A8): e4m3 activations, one fp32 scale per row (row amax / 448), written by the fused "
+                    "producers; NVFP4 weights expanded per layer to rowwise e4m3; act_scale not used")
+        return {"choice": self.act_format, "reason": self.act_format_reason}
+
+    def fc2_status(self) -> dict:
+        """How this stack runs FC2 (for the run report, next to the dispatcher's own counters)."""
+        if self.act_format == "fp8":
+            return {"lt_path": FC2_NOT_APPLICABLE, "direct_calls": self.fc2_direct_calls,
+                    "reason": "the pinned cuBLASLt FC2 takes NVFP4 bytes; with e4m3 rowwise activations FC2 runs "
+                              "Nvfp4Linear.forward_fp8 directly and the dispatcher is not called (no attempts)"}
+        return {"lt_path": "dispatcher" if self.fc2 is not None else "none (fallback GEMM)",
+                "direct_calls": self.fc2_direct_calls}
 
     # -- pieces (each with a reference on the CPU) ---------------------------------------------------
     def _norm_rope(self, blk, qkv, cos, sin):
@@ -92,6 +145,8 @@ class Nvfp4Stack:
 
     # -- one block -----------------------------------------------------------------------------------
     def block(self, i: int, blk, x: torch.Tensor, mod: torch.Tensor, segs, cos, sin) -> torch.Tensor:
+        if self.act_format == "fp8":
+            return self.block_fp8(i, blk, x, mod, segs, cos, sin)
         c = self.cfg
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mod.chunk(6, dim=-1)
         a = qk.rms_modulate_quantize(x, blk.norm1.weight, scale_msa, shift_msa, segs, c.eps,
@@ -114,6 +169,48 @@ class Nvfp4Stack:
         del h
         m = self._fc2(i, blk, s_q)
         del s_q
+        self._gate_add(x, m, gate_mlp, segs)
+        return x
+
+    def _out_proj_fp8(self, lin: Nvfp4Linear, o: torch.Tensor) -> torch.Tensor:
+        """e: quantize_fp8(o) -> out_proj, plus what calling the module would add: pre_quant_scale and a
+        LoRA side path (which lora.py installs as the module's forward hook)."""
+        src = o
+        if lin.pre_quant_scale is not None:
+            o = o * lin.pre_quant_scale.to(o.dtype)
+        o8, ro = f8.quantize_fp8(o if o.stride(-1) == 1 else o.contiguous())
+        y = lin.forward_fp8(o8, ro)
+        del o8, ro
+        from .lora import lora_side
+
+        side = lora_side(lin)
+        if side is not None:
+            side.add_(src, y)
+        return y
+
+    def block_fp8(self, i: int, blk, x: torch.Tensor, mod: torch.Tensor, segs, cos, sin) -> torch.Tensor:
+        """The W4A8 block: the steps of ``block`` with e4m3 rowwise activations (module docstring)."""
+        c = self.cfg
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mod.chunk(6, dim=-1)
+        a8, ra = f8.rms_modulate_fp8(x, blk.norm1.weight, scale_msa, shift_msa, segs, c.eps)
+        qkv = blk.attn.qkv_proj.forward_fp8(a8, ra)
+        del a8, ra
+        self._norm_rope(blk, qkv, cos, sin)
+        with torch.profiler.record_function("h3.attention"):
+            o = attention(qkv, c.num_heads, c.head_dim, self.attention_backend)
+        del qkv
+        y = self._out_proj_fp8(blk.attn.out_proj, o)
+        del o
+        self._gate_add(x, y, gate_msa, segs)
+        del y
+        a8, ra = f8.rms_modulate_fp8(x, blk.norm2.weight, scale_mlp, shift_mlp, segs, c.eps)
+        h = blk.mlp.fc1.forward_fp8(a8, ra)
+        del a8, ra
+        s8, rs = f8.swiglu_fp8(h)
+        del h
+        m = blk.mlp.fc2.forward_fp8(s8, rs)  # FC2 Lt path not applicable (act_format fp8): no dispatcher
+        self.fc2_direct_calls += 1
+        del s8, rs
         self._gate_add(x, m, gate_mlp, segs)
         return x
 

@@ -233,6 +233,8 @@ class Nvfp4Linear(nn.Module):
     forward_swiglu(h [S, 2F] = [gate | up]) -> [S, N] with K = F: fused silu(gate)*up -> quantize, GEMM.
     forward_quantized(packed uint8 [S, Kp/2] low nibble first, scales e4m3 swizzled [roundup(S,128), Cp],
     global_scale fp32 []) -> [S, N]: for callers whose producer already wrote the bytes.
+    forward_fp8(a8 e4m3 [S, K], row_scale fp32 [S]) -> [S, N]: W4A8 on Hopper (fp8 backend only), for
+    the rowwise e4m3 activations of ``fp8_producers``.
     The output dtype is ``out_dtype`` if given, else x's dtype (bf16 for forward_quantized).
     """
 
@@ -354,3 +356,32 @@ class Nvfp4Linear(nn.Module):
         a = nv.NVFP4Tensor(packed, scales, global_scale, (packed.shape[0], self.in_features))
         y = nvfp4_matmul(a, self.weight, self.backend, self.out_dtype or torch.bfloat16, self.scratch)
         return self._finish(y, (packed.shape[0],))
+
+    def forward_fp8(self, a8: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
+        """W4A8 (Hopper): a8 float8_e4m3fn [S, K] with one fp32 scale per row (activation = a8 *
+        row_scale[:, None], as ``fp8_producers`` write it) -> [S, N]. The NVFP4 weight is re-expressed as
+        rowwise e4m3 in the reusable scratch exactly as the fp8 backend does (``to_fp8_rowwise``), then
+        ``torch._scaled_mm`` rowwise: scale_a = row_scale[:, None], scale_b = (weight row scale *
+        weight global scale)[None, :], fp32 accumulation, no fast accumulation. Its result is bf16 on
+        CUDA (the rowwise cuBLASLt output type) and, on CPU, fp32 when this layer's output is fp32;
+        then converted to the output dtype (``out_dtype``, else bf16). Needs the fp8 GEMM backend."""
+        if self.backend != "fp8":
+            raise RuntimeError(f"forward_fp8 needs the fp8 GEMM backend; this layer runs {self.backend} "
+                               f"({self.backend_reason})")
+        s = a8.shape[0] if a8.dim() == 2 else -1
+        if a8.dtype != torch.float8_e4m3fn or a8.dim() != 2 or a8.shape[1] != self.in_features \
+                or not a8.is_contiguous():
+            raise ValueError(f"forward_fp8 expects a contiguous float8_e4m3fn [S, {self.in_features}]; found "
+                             f"{a8.dtype} {tuple(a8.shape)} strides {a8.stride()}")
+        if row_scale.dtype != torch.float32 or tuple(row_scale.shape) != (s,) or row_scale.device != a8.device:
+            raise ValueError(f"row_scale must be float32 [{s}] on {a8.device}; found {row_scale.dtype} "
+                             f"{tuple(row_scale.shape)} on {row_scale.device}")
+        out_dtype = self.out_dtype or torch.bfloat16
+        scratch = self.scratch if self.scratch is not None else DEFAULT_SCRATCH
+        n, k = self.out_features, self.in_features
+        w8, rw = qk.to_fp8_rowwise(self.weight, out=scratch.get("w", n * k, torch.float8_e4m3fn, a8.device))
+        mm_dtype = torch.float32 if a8.device.type != "cuda" and out_dtype == torch.float32 else torch.bfloat16
+        y = torch._scaled_mm(a8, w8.t(), scale_a=row_scale.unsqueeze(1),
+                             scale_b=(rw * self.global_scale).unsqueeze(0), out_dtype=mm_dtype,
+                             use_fast_accum=False)
+        return self._finish(y.to(out_dtype), (s,))

@@ -1,0 +1,381 @@
+"""Hopper W4A8 activation producers: e4m3 with ONE fp32 scale per row, written directly by the fused ops.
+
+The NVFP4 producers of ``quant_kernels`` write NVFP4 with a global scale (an extra amax pass over the
+whole tensor), and on Hopper the fp8 GEMM backend then re-expresses those bytes as rowwise e4m3
+(``to_fp8_rowwise``). The producers here skip both: each is ONE kernel launch that reads its input and
+writes ``float8_e4m3fn [S, K]`` plus ``row_scale fp32 [S]`` with ``value ~= e4m3 * row_scale[row]``.
+Weights stay NVFP4 (``Nvfp4Linear.forward_fp8`` expands them per layer, as the fp8 backend does).
+
+* ``quantize_fp8(x)``: x [S, K] -> e4m3 rowwise; the out_proj input.
+* ``rms_modulate_fp8(x, weight, scale_rows, shift_rows, segments, eps)``: RMSNorm -> per-segment modulate
+  (the exact arithmetic of ``quant_kernels.rms_modulate_reference``) -> e4m3 rowwise; QKV and FC1 inputs.
+* ``swiglu_fp8(h)``: h [S, 2F] = [gate | up] -> ``silu(gate) * up`` (``quant_kernels.swiglu_reference``'s
+  arithmetic) -> e4m3 rowwise; the FC2 input.
+
+Numerics (``fp8_rowwise_reference`` is the definition; the kernels write its bytes exactly). For the fp32
+row y of the fused op (never rounded to bf16 first):
+
+  amax      = max_k |y[k]|
+  row_scale = amax / 448 (one correctly rounded fp32 division); where that is 0 or subnormal
+              (amax < 448 * 2^-126 ~ 5.3e-36, the all-zero row included) row_scale = 1 instead, so the
+              scale is never 0, NaN or subnormal; such a row's elements then all round to +-0
+  code[k]   = e4m3_rne(min(|y[k] / row_scale|, 448)) with y[k]'s sign: the quotient correctly rounded in
+              fp32, then ONE rounding to 3 mantissa bits (nearest, ties to even; e4m3 subnormals below 2^-6)
+
+So every activation is rounded once to e4m3: relative error <= 2^-4 per element (absolute <= 2^-10 *
+row_scale in e4m3's subnormal range, i.e. for |y| < amax / 28672). That is strictly more accurate than the
+NVFP4 activation path it replaces, whose elements get E2M1 (1 mantissa bit, relative error up to 2^-2 at
+the block scale's top, and coarser below it) under an e4m3 block scale -- and the fp8 GEMM backend then
+rounds those values AGAIN to rowwise e4m3 (a second 2^-4). Finite inputs only (an inf/NaN row is not
+defined). The GEMM side is unchanged: ``torch._scaled_mm`` rowwise, fp32 accumulation.
+
+Scheme (one launch, input read once from HBM): a program owns BM whole rows.
+
+* ``loop``: the program walks the row in BK-wide tiles twice -- pass 1 computes the fused op and the row
+  amax (RMSNorm has one more pass before it, for the sum of squares), pass 2 recomputes the op and writes
+  the codes. The row block is re-read (from L2 when it is still there, else HBM) and the fused op is
+  evaluated twice, but registers stay bounded for any width, and no temporary leaves the program.
+* ``row``: BK = next_pow2(K), one tile per row: the fused op is evaluated once and kept in registers
+  between the amax and the write (no recompute, no re-read); costs lanes on padding (14336 -> 16384 is
+  12.5 %, 5376 -> 8192 is 34 %) and registers (BM=1 row spread over 16 warps: 32 fp32 per thread).
+
+``auto`` picks ``row`` for SwiGLU on CUDA when F <= 16384 (compute bound: the polynomial exp and two IEEE
+divisions per element make a second evaluation the dominant cost of ``loop``), ``loop`` everywhere else
+(RMSNorm and quantize are memory/latency bound and ``loop`` uses the tile shapes already measured on the
+H200 for the NVFP4 producers). Both schemes write identical bytes (tests check both); the H200 bench
+picks between them with ``--fp8-scheme``.
+
+Every step is one correctly rounded IEEE operation (``tl.div_rn``, no FMA contraction: launches pass
+``enable_fp_fusion=False``), so kernel, interpreter and torch reference agree bit for bit. Triton is
+imported on first use; on CPU the kernels run under ``TRITON_INTERPRET=1`` (tests), ``backend="auto"``
+picks Triton for CUDA tensors and the torch reference otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import torch
+
+from . import quant_kernels as qk
+
+__all__ = ["E4M3_MAX", "SCHEMES", "fp8_rowwise_reference", "quantize_fp8", "rms_modulate_fp8", "swiglu_fp8",
+           "quantize_fp8_reference", "rms_modulate_fp8_reference", "swiglu_fp8_reference"]
+
+E4M3_MAX = 448.0
+SCHEMES = ("auto", "loop", "row")
+_MIN_NORMAL = 1.1754943508222875e-38  # 2^-126
+
+# Bound on first use (see _kernels), as in quant_kernels: the sources resolve `tl` and the helpers through
+# this module's globals; the shared helpers (_ld_f32, _e4m3_rne, _exp_f32) are quant_kernels' own JIT
+# functions, read from that module.
+tl = None
+triton = None
+
+
+# ----------------------------------------------------------------------------------------------
+# device code
+# ----------------------------------------------------------------------------------------------
+
+def _row_scale(amax, BM: tl.constexpr):
+    """Row amax [BM] -> row scale: amax / 448 correctly rounded; 1 where that is zero or subnormal."""
+    ra = tl.div_rn(amax, tl.full([BM], 448.0, tl.float32))
+    return tl.where(ra < 1.1754943508222875e-38, 1.0, ra)
+
+
+def _e4m3_store(v, ra, r2, c2, m, out_ptr, stride_o, BM: tl.constexpr, BK: tl.constexpr):
+    """Codes of the fp32 tile v [BM, BK] under row scales ra [BM] -> out (uint8 view of e4m3), masked."""
+    q = tl.div_rn(v, tl.broadcast_to(tl.expand_dims(ra, 1), [BM, BK]))
+    code, _ = _e4m3_rne(tl.minimum(tl.abs(q), 448.0))
+    code = code | (((v.to(tl.int32, bitcast=True) >> 31) & 1) << 7)
+    tl.store(out_ptr + r2 * stride_o + c2, code.to(tl.uint8), mask=m)
+
+
+def _modulate(xv, rstd, w_ptr, sc_ptr, sh_ptr, t2, c2, m, K, stride_sc, stride_sh, HAS_W: tl.constexpr,
+              W_KIND: tl.constexpr, T_KIND: tl.constexpr):
+    """h = (x * rstd [* w]) * (1 + scale[row]) + shift[row] in fp32, each step rounded; 0 outside m."""
+    n = xv * tl.expand_dims(rstd, 1)
+    if HAS_W:
+        n = n * _ld_f32(w_ptr + c2, c2 < K, W_KIND)
+    sc = _ld_f32(sc_ptr + t2 * stride_sc + c2, m, T_KIND)
+    sh = _ld_f32(sh_ptr + t2 * stride_sh + c2, m, T_KIND)
+    h = n * (1.0 + sc)
+    h = h + sh
+    return tl.where(m, h, 0.0)
+
+
+def _silu_mul(a, up, m):
+    """silu(a) * up as swiglu_reference computes it (|y| < 2^-126 -> signed zero); 0 outside m."""
+    e = _exp_f32(0.0 - a)
+    y = tl.div_rn(a, 1.0 + e) * up
+    y = tl.where(tl.abs(y) < 1.1754943508222875e-38, y * 0.0, y)
+    return tl.where(m, y, 0.0)
+
+
+def _quantize_fp8_kernel(x_ptr, out_ptr, rs_ptr, S, K, stride_x, stride_o, X_KIND: tl.constexpr,
+                         BM: tl.constexpr, BK: tl.constexpr, NKT: tl.constexpr):
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    rmask = rows < S
+    r2 = tl.expand_dims(rows.to(tl.int64), 1)
+    if NKT == 1:  # the row stays in registers
+        c2 = tl.expand_dims(tl.arange(0, BK), 0)
+        m = tl.expand_dims(rmask, 1) & (c2 < K)
+        v = _ld_f32(x_ptr + r2 * stride_x + c2, m, X_KIND)
+        ra = _row_scale(tl.max(tl.abs(v), axis=1), BM)
+        tl.store(rs_ptr + rows, ra, mask=rmask)
+        _e4m3_store(v, ra, r2, c2, m, out_ptr, stride_o, BM, BK)
+    else:
+        amax = tl.zeros([BM], dtype=tl.float32)
+        for kt in range(NKT):
+            c2 = tl.expand_dims(kt * BK + tl.arange(0, BK), 0)
+            m = tl.expand_dims(rmask, 1) & (c2 < K)
+            amax = tl.maximum(amax, tl.max(tl.abs(_ld_f32(x_ptr + r2 * stride_x + c2, m, X_KIND)), axis=1))
+        ra = _row_scale(amax, BM)
+        tl.store(rs_ptr + rows, ra, mask=rmask)
+        for kt in range(NKT):
+            c2 = tl.expand_dims(kt * BK + tl.arange(0, BK), 0)
+            m = tl.expand_dims(rmask, 1) & (c2 < K)
+            _e4m3_store(_ld_f32(x_ptr + r2 * stride_x + c2, m, X_KIND), ra, r2, c2, m, out_ptr, stride_o, BM, BK)
+
+
+def _rms_fp8_kernel(x_ptr, w_ptr, sc_ptr, sh_ptr, seg_ptr, eps_ptr, out_ptr, rs_ptr, S, K, stride_x, stride_sc,
+                    stride_sh, stride_o, HAS_W: tl.constexpr, X_KIND: tl.constexpr, W_KIND: tl.constexpr,
+                    T_KIND: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, NKT: tl.constexpr,
+                    NSEG: tl.constexpr):
+    # Loop counts are constexpr (NKT = cdiv(K, BK), NSEG >= the segment count with empty padding entries):
+    # Triton's interpreter cannot loop over runtime scalars with numpy >= 2.
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    rmask = rows < S
+    r2 = tl.expand_dims(rows.to(tl.int64), 1)
+    trow = tl.zeros([BM], dtype=tl.int32)
+    for i in range(NSEG):
+        a = tl.load(seg_ptr + 3 * i)
+        b = tl.load(seg_ptr + 3 * i + 1)
+        trow = tl.where((rows >= a) & (rows < b), tl.load(seg_ptr + 3 * i + 2), trow)
+    t2 = tl.expand_dims(trow.to(tl.int64), 1)
+    eps = tl.load(eps_ptr)
+    if NKT == 1:  # the row stays in registers: x read once
+        c2 = tl.expand_dims(tl.arange(0, BK), 0)
+        m = tl.expand_dims(rmask, 1) & (c2 < K)
+        xv = _ld_f32(x_ptr + r2 * stride_x + c2, m, X_KIND)
+        xd = xv.to(tl.float64)
+        ss = tl.sum(xd * xd, axis=1)
+        rstd = (1.0 / tl.sqrt(ss / K + eps)).to(tl.float32)  # fp64: sqrt.rn.f64, div.rn.f64
+        h = _modulate(xv, rstd, w_ptr, sc_ptr, sh_ptr, t2, c2, m, K, stride_sc, stride_sh, HAS_W, W_KIND, T_KIND)
+        ra = _row_scale(tl.max(tl.abs(h), axis=1), BM)
+        tl.store(rs_ptr + rows, ra, mask=rmask)
+        _e4m3_store(h, ra, r2, c2, m, out_ptr, stride_o, BM, BK)
+    else:
+        ss = tl.zeros([BM], dtype=tl.float64)
+        for kt in range(NKT):
+            c2 = tl.expand_dims(kt * BK + tl.arange(0, BK), 0)
+            m = tl.expand_dims(rmask, 1) & (c2 < K)
+            v = _ld_f32(x_ptr + r2 * stride_x + c2, m, X_KIND).to(tl.float64)
+            ss += tl.sum(v * v, axis=1)
+        rstd = (1.0 / tl.sqrt(ss / K + eps)).to(tl.float32)
+        amax = tl.zeros([BM], dtype=tl.float32)
+        for kt in range(NKT):
+            c2 = tl.expand_dims(kt * BK + tl.arange(0, BK), 0)
+            m = tl.expand_dims(rmask, 1) & (c2 < K)
+            xv = _ld_f32(x_ptr + r2 * stride_x + c2, m, X_KIND)
+            h = _modulate(xv, rstd, w_ptr, sc_ptr, sh_ptr, t2, c2, m, K, stride_sc, stride_sh, HAS_W, W_KIND,
+                          T_KIND)
+            amax = tl.maximum(amax, tl.max(tl.abs(h), axis=1))
+        ra = _row_scale(amax, BM)
+        tl.store(rs_ptr + rows, ra, mask=rmask)
+        for kt in range(NKT):
+            c2 = tl.expand_dims(kt * BK + tl.arange(0, BK), 0)
+            m = tl.expand_dims(rmask, 1) & (c2 < K)
+            xv = _ld_f32(x_ptr + r2 * stride_x + c2, m, X_KIND)
+            h = _modulate(xv, rstd, w_ptr, sc_ptr, sh_ptr, t2, c2, m, K, stride_sc, stride_sh, HAS_W, W_KIND,
+                          T_KIND)
+            _e4m3_store(h, ra, r2, c2, m, out_ptr, stride_o, BM, BK)
+
+
+def _swiglu_fp8_kernel(h_ptr, out_ptr, rs_ptr, S, F, stride_h, stride_o, H_KIND: tl.constexpr, BM: tl.constexpr,
+                       BK: tl.constexpr, NKT: tl.constexpr):
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    rmask = rows < S
+    r2 = tl.expand_dims(rows.to(tl.int64), 1)
+    base = h_ptr + r2 * stride_h
+    if NKT == 1:  # silu evaluated once, the row kept in registers
+        c2 = tl.expand_dims(tl.arange(0, BK), 0)
+        m = tl.expand_dims(rmask, 1) & (c2 < F)
+        y = _silu_mul(_ld_f32(base + c2, m, H_KIND), _ld_f32(base + F + c2, m, H_KIND), m)
+        ra = _row_scale(tl.max(tl.abs(y), axis=1), BM)
+        tl.store(rs_ptr + rows, ra, mask=rmask)
+        _e4m3_store(y, ra, r2, c2, m, out_ptr, stride_o, BM, BK)
+    else:
+        amax = tl.zeros([BM], dtype=tl.float32)
+        for kt in range(NKT):
+            c2 = tl.expand_dims(kt * BK + tl.arange(0, BK), 0)
+            m = tl.expand_dims(rmask, 1) & (c2 < F)
+            y = _silu_mul(_ld_f32(base + c2, m, H_KIND), _ld_f32(base + F + c2, m, H_KIND), m)
+            amax = tl.maximum(amax, tl.max(tl.abs(y), axis=1))
+        ra = _row_scale(amax, BM)
+        tl.store(rs_ptr + rows, ra, mask=rmask)
+        for kt in range(NKT):
+            c2 = tl.expand_dims(kt * BK + tl.arange(0, BK), 0)
+            m = tl.expand_dims(rmask, 1) & (c2 < F)
+            y = _silu_mul(_ld_f32(base + c2, m, H_KIND), _ld_f32(base + F + c2, m, H_KIND), m)
+            _e4m3_store(y, ra, r2, c2, m, out_ptr, stride_o, BM, BK)
+
+
+_SHARED = ("_ld_f32", "_e4m3_rne", "_exp_f32")  # quant_kernels' helpers, used read-only
+_HELPERS = ("_row_scale", "_e4m3_store", "_modulate", "_silu_mul")
+_KERNELS = ("_quantize_fp8_kernel", "_rms_fp8_kernel", "_swiglu_fp8_kernel")
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels() -> dict:
+    """JIT the functions above (once), after quant_kernels has JIT-ed the helpers shared with it."""
+    qk._kernels()  # binds triton/tl in quant_kernels and turns its helpers into JIT functions
+    g = globals()
+    g["triton"], g["tl"] = qk.triton, qk.tl
+    for name in _SHARED:
+        g[name] = getattr(qk, name)
+    plain = {name: g[name] for name in _HELPERS + _KERNELS}
+    for name in _HELPERS:
+        g[name] = qk.triton.jit(plain[name])
+    return {name: qk.triton.jit(plain[name]) for name in _KERNELS}
+
+
+def _launch(name: str, grid, *args, **kw):
+    # fp fusion off: the references round every multiply and add separately (no FMA), and so must we.
+    _kernels()[name][grid](*args, enable_fp_fusion=False, **kw)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _check_scheme(scheme: str) -> None:
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme={scheme!r}: expected one of {', '.join(SCHEMES)}")
+
+
+def _tiles(op: str, k: int, device: torch.device, scheme: str) -> tuple[str, int, int, int, int]:
+    """-> (scheme, BM, BK, NKT, num_warps) for op in {quantize, rms, swiglu} and row width k."""
+    _check_scheme(scheme)
+    cuda = device.type == "cuda"
+    if scheme == "auto":
+        scheme = "row" if cuda and op == "swiglu" and k <= 16384 else "loop"
+    if scheme == "row":
+        bk = max(16, _pow2(k))
+        if cuda:
+            return scheme, 1, bk, 1, min(16, max(4, bk // 1024))
+        return scheme, 4, bk, 1, 1
+    if cuda:
+        bm, bk, nw = {"quantize": (16, 256, 4), "rms": (16, 256, 8), "swiglu": (16, 256, 4)}[op]
+    else:
+        bm, bk, nw = 8, 64, 1
+    return scheme, bm, bk, qk._cdiv(k, bk), nw
+
+
+# ----------------------------------------------------------------------------------------------
+# references (pure torch; the definition the kernels are tested against)
+# ----------------------------------------------------------------------------------------------
+
+def fp8_rowwise_reference(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 y [S, K] -> (float8_e4m3fn [S, K], fp32 row_scale [S]); see the module docstring."""
+    y = y.float()
+    if y.shape[1] == 0:
+        raise ValueError("fp8 rowwise quantization needs K >= 1")
+    amax = y.abs().amax(1)
+    ra = torch.div(amax, qk._t(E4M3_MAX, y))
+    ra = torch.where(ra < _MIN_NORMAL, qk._t(1.0, y), ra)
+    q = torch.div(y, ra.unsqueeze(1)).clamp(-E4M3_MAX, E4M3_MAX)
+    return q.to(torch.float8_e4m3fn), ra
+
+
+def quantize_fp8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return fp8_rowwise_reference(x.float())
+
+
+def rms_modulate_fp8_reference(x, weight, scale_rows, shift_rows, segments, eps) -> tuple[torch.Tensor, torch.Tensor]:
+    return fp8_rowwise_reference(qk.rms_modulate_reference(x, weight, scale_rows, shift_rows, segments, eps))
+
+
+def swiglu_fp8_reference(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return fp8_rowwise_reference(qk.swiglu_reference(h))
+
+
+# ----------------------------------------------------------------------------------------------
+# producers
+# ----------------------------------------------------------------------------------------------
+
+def _outputs(s: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty((s, k), dtype=torch.float8_e4m3fn, device=device),
+            torch.empty(s, dtype=torch.float32, device=device))
+
+
+def quantize_fp8(x: torch.Tensor, *, backend: str = "auto", scheme: str = "auto"
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [S, K] float -> (float8_e4m3fn [S, K], fp32 row_scale [S]), one launch."""
+    _check_scheme(scheme)
+    qk._check_2d(x, "x")
+    s, k = x.shape
+    if k == 0:
+        raise ValueError("quantize_fp8 needs K >= 1")
+    if qk._pick_backend(backend, x.device) == "reference":
+        return quantize_fp8_reference(x)
+    out, rs = _outputs(s, k, x.device)
+    if s == 0:
+        return out, rs
+    _, bm, bk, nkt, nw = _tiles("quantize", k, x.device, scheme)
+    _launch("_quantize_fp8_kernel", (qk._cdiv(s, bm),), x, out.view(torch.uint8), rs, s, k, x.stride(0),
+            out.stride(0), X_KIND=qk._KIND[x.dtype], BM=bm, BK=bk, NKT=nkt, num_warps=nw)
+    return out, rs
+
+
+def rms_modulate_fp8(x: torch.Tensor, weight: torch.Tensor | None, scale_rows: torch.Tensor,
+                     shift_rows: torch.Tensor, segments: Sequence[Sequence[int]], eps: float, *,
+                     backend: str = "auto", scheme: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm(x) * weight -> per-segment modulate -> e4m3 rowwise, in one kernel launch.
+
+    Arguments as ``quant_kernels.rms_modulate_quantize`` (segments: (start, stop, row) triples tiling
+    [0, S) in order). Output equals ``fp8_rowwise_reference(rms_modulate_reference(...))`` bit for bit.
+    """
+    _check_scheme(scheme)
+    segs = qk._check_norm_inputs(x, weight, scale_rows, shift_rows, segments)
+    if shift_rows.dtype != scale_rows.dtype:
+        raise TypeError(f"scale_rows ({scale_rows.dtype}) and shift_rows ({shift_rows.dtype}) must share a dtype")
+    s, k = x.shape
+    if k == 0:
+        raise ValueError("rms_modulate_fp8 needs K >= 1")
+    if qk._pick_backend(backend, x.device) == "reference":
+        return rms_modulate_fp8_reference(x, weight, scale_rows, shift_rows, segs, eps)
+    out, rs = _outputs(s, k, x.device)
+    if s == 0:
+        return out, rs
+    _, bm, bk, nkt, nw = _tiles("rms", k, x.device, scheme)
+    nseg = 1 << (len(segs) - 1).bit_length()  # a power of two: few recompiles as layouts change
+    seg = torch.tensor(segs + [(0, 0, 0)] * (nseg - len(segs)), dtype=torch.int32, device=x.device).reshape(-1)
+    eps_t = qk._t(eps, x, torch.float64)
+    w = weight if weight is not None else x  # unused pointer when HAS_W is False
+    _launch("_rms_fp8_kernel", (qk._cdiv(s, bm),), x, w, scale_rows, shift_rows, seg, eps_t, out.view(torch.uint8),
+            rs, s, k, x.stride(0), scale_rows.stride(0), shift_rows.stride(0), out.stride(0),
+            HAS_W=weight is not None, X_KIND=qk._KIND[x.dtype], W_KIND=qk._KIND[w.dtype],
+            T_KIND=qk._KIND[scale_rows.dtype], BM=bm, BK=bk, NKT=nkt, NSEG=nseg, num_warps=nw)
+    return out, rs
+
+
+def swiglu_fp8(h: torch.Tensor, *, backend: str = "auto", scheme: str = "auto"
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """h [S, 2F] = [gate | up] (fc1's output) -> e4m3 rowwise of silu(gate) * up, [S, F], one launch.
+    Output equals ``fp8_rowwise_reference(swiglu_reference(h))`` bit for bit."""
+    _check_scheme(scheme)
+    qk._check_2d(h, "h")
+    if h.shape[1] % 2 or h.shape[1] == 0:
+        raise ValueError(f"h must be [S, 2F] = [gate | up] with F >= 1; found width {h.shape[1]}")
+    s, f = h.shape[0], h.shape[1] // 2
+    if qk._pick_backend(backend, h.device) == "reference":
+        return swiglu_fp8_reference(h)
+    out, rs = _outputs(s, f, h.device)
+    if s == 0:
+        return out, rs
+    _, bm, bk, nkt, nw = _tiles("swiglu", f, h.device, scheme)
+    _launch("_swiglu_fp8_kernel", (qk._cdiv(s, bm),), h, out.view(torch.uint8), rs, s, f, h.stride(0),
+            out.stride(0), H_KIND=qk._KIND[h.dtype], BM=bm, BK=bk, NKT=nkt, num_warps=nw)
+    return out, rs
