@@ -20,6 +20,7 @@ except ImportError:  # a plain checkout (the device copy): make the repo root th
 from h3_blackwell.runtime.config import FULL  # noqa: E402
 from h3_blackwell.runtime.engine import H3Runtime, _choose_attention, prepare_nvfp4  # noqa: E402
 from h3_blackwell.runtime.model import H3Model  # noqa: E402
+from h3_blackwell.runtime.options import RuntimeOptions  # noqa: E402
 
 COMPONENTS = [
     # Sage2's own helper kernels (int8/fp8 quantization of q, k, v, V's pad and transpose) count as attention,

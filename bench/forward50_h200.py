@@ -29,22 +29,13 @@ import shlex
 import statistics
 import sys
 import time
-import types
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-try:
-    import h3_blackwell.runtime  # noqa: F401
-except ImportError:
-    pkg = types.ModuleType("h3_blackwell")
-    pkg.__path__ = [str(ROOT)]
-    sys.modules["h3_blackwell"] = pkg
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _h3bench import build, component, is_annotation  # noqa: E402
+from _h3bench import ROOT, build, component, is_annotation  # noqa: E402
 
 from h3_blackwell.runtime.config import FULL, TINY  # noqa: E402
 from h3_blackwell.runtime.options import RuntimeOptions  # noqa: E402

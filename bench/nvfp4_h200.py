@@ -31,7 +31,6 @@ import shlex
 import statistics
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import torch
@@ -39,16 +38,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _import_package():
-    try:
-        import h3_blackwell.runtime.ops.nvfp4  # noqa: F401
-    except ImportError:  # a plain checkout (the device copy): make the repo root the package
-        pkg = types.ModuleType("h3_blackwell")
-        pkg.__path__ = [str(ROOT)]
-        sys.modules["h3_blackwell"] = pkg
-
-
-_import_package()
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _h3bench  # noqa: E402,F401  (makes the checkout importable as h3_blackwell)
 
 from h3_blackwell.runtime.ops import linear as L  # noqa: E402
 from h3_blackwell.runtime.ops import nvfp4 as nv  # noqa: E402

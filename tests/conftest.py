@@ -2,9 +2,19 @@
 its interpreter (the variable must be set before anything imports triton, comfy_kitchen included)."""
 
 import os
+import sys
+import types
+from pathlib import Path
 
 import pytest
 import torch
+
+try:  # a plain checkout (e.g. the device copy) that is not pip-installed: the repo root is the package
+    import h3_blackwell  # noqa: F401
+except ImportError:
+    _pkg = types.ModuleType("h3_blackwell")
+    _pkg.__path__ = [str(Path(__file__).resolve().parents[1])]
+    sys.modules["h3_blackwell"] = _pkg
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

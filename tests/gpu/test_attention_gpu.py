@@ -22,17 +22,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _import_package():
-    """Import h3_blackwell from this checkout even when it is not pip-installed (the device copy)."""
-    try:
-        import h3_blackwell.runtime.ops.attention  # noqa: F401
-    except ImportError:
-        pkg = types.ModuleType("h3_blackwell")
-        pkg.__path__ = [str(ROOT)]
-        sys.modules["h3_blackwell"] = pkg
-
-
-_import_package()
 
 from h3_blackwell.runtime.ops import attention as A  # noqa: E402
 from h3_blackwell.runtime.ops.attention import (  # noqa: E402

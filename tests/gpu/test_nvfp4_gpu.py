@@ -19,17 +19,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _import_package():
-    """Import h3_blackwell from this checkout even when it is not pip-installed (the device copy)."""
-    try:
-        import h3_blackwell.runtime.ops.nvfp4  # noqa: F401
-    except ImportError:
-        pkg = types.ModuleType("h3_blackwell")
-        pkg.__path__ = [str(ROOT)]
-        sys.modules["h3_blackwell"] = pkg
-
-
-_import_package()
 
 from h3_blackwell.runtime.ops import linear as L  # noqa: E402
 from h3_blackwell.runtime.ops import nvfp4 as nv  # noqa: E402
