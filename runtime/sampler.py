@@ -163,6 +163,9 @@ def sample(rt, text_states: torch.Tensor, token_tags: torch.Tensor | None, video
     fc2_status = None
     if rt.fc2 is not None and hasattr(rt.fc2, "status"):
         fc2_status = rt.fc2.status()
+    stack = getattr(rt.model, "stack", None)
+    if stack is not None and callable(getattr(stack, "fc2_status", None)):
+        fc2_status = {**(fc2_status or {}), **stack.fc2_status()}
     report = build_report(rt, workload, records, warmup, out[0], out[1],
                           fc2_required=cfg.num_layers * steps, fc2_status=fc2_status)
     if rt.fc2 is None:

@@ -22,7 +22,6 @@ from h3_blackwell.runtime import RuntimeOptions, load_model  # noqa: E402
 from h3_blackwell.runtime import lora as lora_mod  # noqa: E402
 from h3_blackwell.runtime.ops import fp8_producers as f8  # noqa: E402
 from h3_blackwell.runtime.ops import linear as L  # noqa: E402
-from h3_blackwell.runtime.ops import nvfp4 as nv  # noqa: E402
 from h3_blackwell.runtime.ops import quant_kernels as qk  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

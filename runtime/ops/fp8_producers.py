@@ -23,11 +23,12 @@ row y of the fused op (never rounded to bf16 first):
               fp32, then ONE rounding to 3 mantissa bits (nearest, ties to even; e4m3 subnormals below 2^-6)
 
 So every activation is rounded once to e4m3: relative error <= 2^-4 per element (absolute <= 2^-10 *
-row_scale in e4m3's subnormal range, i.e. for |y| < amax / 28672). That is strictly more accurate than the
-NVFP4 activation path it replaces, whose elements get E2M1 (1 mantissa bit, relative error up to 2^-2 at
-the block scale's top, and coarser below it) under an e4m3 block scale -- and the fp8 GEMM backend then
-rounds those values AGAIN to rowwise e4m3 (a second 2^-4). Finite inputs only (an inf/NaN row is not
-defined). The GEMM side is unchanged: ``torch._scaled_mm`` rowwise, fp32 accumulation.
+row_scale in e4m3's subnormal range, i.e. for |y| < amax / 28672). That is strictly more accurate (as a
+per-element worst-case bound) than the NVFP4 activation path it replaces, whose elements get E2M1 (one
+mantissa bit: relative error up to 1/5..1/3, and values under a quarter of their block's scale unit
+flushed to 0) under an e4m3 block scale -- and on Hopper the fp8 GEMM backend then rounds those values
+AGAIN to rowwise e4m3 (a second 2^-4). Finite inputs only (an inf/NaN row is not defined). The GEMM side
+is unchanged: ``torch._scaled_mm`` rowwise, fp32 accumulation, no fast accumulation.
 
 Scheme (one launch, input read once from HBM): a program owns BM whole rows.
 
@@ -72,6 +73,7 @@ _MIN_NORMAL = 1.1754943508222875e-38  # 2^-126
 # functions, read from that module.
 tl = None
 triton = None
+_ld_f32 = _e4m3_rne = _exp_f32 = None  # quant_kernels' JIT helpers, bound in _kernels()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -9,31 +9,12 @@
 * The tiny model on the GPU: W4A8 (act_format fp8) no less accurate than W4A4 against the dense model.
 """
 
-import sys
-import types
-from pathlib import Path
-
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _import_package():
-    """Import h3_blackwell from this checkout even when it is not pip-installed (the device copy)."""
-    try:
-        import h3_blackwell.runtime.ops.nvfp4  # noqa: F401
-    except ImportError:
-        pkg = types.ModuleType("h3_blackwell")
-        pkg.__path__ = [str(ROOT)]
-        sys.modules["h3_blackwell"] = pkg
-
-
-_import_package()
-
-from h3_blackwell.runtime.ops import fp8_producers as f8  # noqa: E402
-from h3_blackwell.runtime.ops import linear as L  # noqa: E402
-from h3_blackwell.runtime.ops import quant_kernels as qk  # noqa: E402
+from h3_blackwell.runtime.ops import fp8_producers as f8
+from h3_blackwell.runtime.ops import linear as L
+from h3_blackwell.runtime.ops import quant_kernels as qk
 
 pytestmark = [
     pytest.mark.gpu,
