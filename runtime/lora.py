@@ -40,10 +40,8 @@ Where the side path is added:
   and out_proj in the NVFP4 stack): a per-instance ``forward`` hook; names, types and state-dict keys
   stay as they are;
 - qkv_proj, fc1, fc2 in the NVFP4 block stack (``runtime.stack.Nvfp4Stack``), which feeds them bytes
-  from its fused producers: the model's stack is wrapped (``_LoraStack``) and a block whose qkv/fc1/fc2
-  carries a side path runs the stack's block step for step with the side terms added on the reference
-  block's activations (``modulate(norm(x))``, ``silu(gate) * up`` at the compute dtype); other blocks run
-  the stack's own ``block``.
+  from its fused producers: the stack's block adds their side terms itself (``Nvfp4Stack._sides``) on the
+  reference block's activations (``modulate(norm(x))``, ``silu(gate) * up`` at the compute dtype).
 
 FC2 guard: the stack's ``lora_on_fc2`` callable is pointed at ``side_active(blocks[i].mlp.fc2)``, so
 with a side path on a block's fc2 the guarded dispatcher refuses its pinned cuBLASLt path on every call
@@ -248,98 +246,15 @@ def _uninstall_side(module: nn.Module, prev: dict) -> None:
 # the NVFP4 block stack with side paths
 # ---------------------------------------------------------------------------------------------
 
-_STACK_SIDE = (("attn", "qkv_proj"), ("mlp", "fc1"), ("mlp", "fc2"))
-
-
-class _LoraStack:
-    """``runtime.stack.Nvfp4Stack`` plus the side paths of qkv_proj, fc1 and fc2.
-
-    The stack feeds those three GEMMs bytes from its fused producers (``forward_quantized``), so the
-    layer hooks never see a bf16 activation. Blocks where one of them carries a side path run
-    ``_lora_block`` (the stack's own block, step for step, with the side terms added on the exact fp32
-    activations the producers quantize); every other block runs the stack's ``block`` untouched.
-    out_proj is called as a module by the stack, so its side path is its forward hook.
-    """
-
-    def __init__(self, stack):
-        self.inner = stack
-
-    def __getattr__(self, name):
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    def run(self, x: torch.Tensor, plan, step: int) -> torch.Tensor:
-        segs = plan.times[step].mod_segments
-        st = self.inner
-        for i, (blk, mod) in enumerate(zip(st.model.blocks, plan.mods[step])):
-            if any(side_active(getattr(getattr(blk, p), n)) for p, n in _STACK_SIDE):
-                x = _lora_block(st, i, blk, x, mod, segs, plan.cos, plan.sin)
-            else:
-                x = st.block(i, blk, x, mod, segs, plan.cos, plan.sin)
-        return x
-
-
-def _modulated(x: torch.Tensor, norm, shift, scale, segs) -> torch.Tensor:
-    """The reference block's linear input ``modulate(norm(x))`` at x's dtype (RMSNorm in fp32, as model.py)."""
-    from .model import modulate_, rms_norm
-
-    return modulate_(rms_norm(x, norm.weight, norm.eps), shift, scale, segs)
-
-
-def _lora_block(st, i: int, blk, x: torch.Tensor, mod: torch.Tensor, segs, cos, sin) -> torch.Tensor:
-    """``Nvfp4Stack.block`` with side paths. Their inputs are the reference block's activations at the compute
-    dtype: ``modulate(norm(x))`` for qkv/fc1 (the values the fused producer quantizes, before its fp32
-    rounding to the compute dtype) and ``silu(gate) * up`` for fc2. The FC2 guard sees ``lora_active``
-    through the stack's ``lora_on_fc2``. With no side terms this is ``st.block`` bit for bit
-    (tests/test_lora.py checks it, so a change to the stack's block shows up there)."""
-    import torch.nn.functional as F
-
-    from .ops import quant_kernels as qk
-    from .ops.attention import attention
-
-    c = st.cfg
-    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mod.chunk(6, dim=-1)
-    s_qkv, s_fc1, s_fc2 = (lora_side(getattr(getattr(blk, p), n)) for p, n in _STACK_SIDE)
-    a = qk.rms_modulate_quantize(x, blk.norm1.weight, scale_msa, shift_msa, segs, c.eps,
-                                 st._input_scale(blk.attn.qkv_proj))
-    qkv = blk.attn.qkv_proj.forward_quantized(a.packed, a.scales, a.global_scale)
-    del a
-    if s_qkv is not None:
-        s_qkv.add_(_modulated(x, blk.norm1, shift_msa, scale_msa, segs), qkv)
-    st._norm_rope(blk, qkv, cos, sin)
-    o = attention(qkv, c.num_heads, c.head_dim, st.attention_backend)
-    del qkv
-    y = blk.attn.out_proj(o)
-    del o
-    st._gate_add(x, y, gate_msa, segs)
-    del y
-    a = qk.rms_modulate_quantize(x, blk.norm2.weight, scale_mlp, shift_mlp, segs, c.eps,
-                                 st._input_scale(blk.mlp.fc1))
-    h = blk.mlp.fc1.forward_quantized(a.packed, a.scales, a.global_scale)
-    del a
-    if s_fc1 is not None:
-        s_fc1.add_(_modulated(x, blk.norm2, shift_mlp, scale_mlp, segs), h)
-    s_q = qk.swiglu_quantize(h, st._input_scale(blk.mlp.fc2), pad_rows=16)
-    m = st._fc2(i, blk, s_q)
-    del s_q
-    if s_fc2 is not None:
-        gate, up = h.chunk(2, dim=-1)
-        s_fc2.add_(F.silu(gate) * up, m)
-    del h
-    st._gate_add(x, m, gate_mlp, segs)
-    return x
-
-
 def _install_stack(model, st: "_State") -> None:
-    """Wrap the model's NVFP4 stack (if any) and tell its FC2 guard which blocks carry a side path on fc2."""
+    """Tell the NVFP4 stack's FC2 guard which blocks carry a side path on fc2 (the stack adds the side terms
+    of qkv/fc1/fc2 itself: ``Nvfp4Stack._sides``)."""
     stack = getattr(model, "stack", None)
-    if stack is None or isinstance(stack, _LoraStack):
+    if stack is None or st.stack is not None:
         return
     blocks = model.blocks
     st.stack = (stack, stack.__dict__.get("lora_on_fc2"))
     stack.lora_on_fc2 = lambda i: side_active(blocks[i].mlp.fc2)
-    model.stack = _LoraStack(stack)
 
 
 def _uninstall_stack(model, st: "_State") -> None:
@@ -348,8 +263,6 @@ def _uninstall_stack(model, st: "_State") -> None:
     stack, prev = st.stack
     if prev is not None:
         stack.lora_on_fc2 = prev
-    if isinstance(getattr(model, "stack", None), _LoraStack) and model.stack.inner is stack:
-        model.stack = stack
     st.stack = None
 
 

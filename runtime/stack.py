@@ -25,8 +25,7 @@ per element), strictly more accurate than NVFP4 activations. Only with the fp8 G
 linear; otherwise the stack keeps nvfp4 and ``act_format_reason`` says why. ``act_scale`` is not used (the
 scales are row-local). FC2 calls the layer directly: the guarded cuBLASLt FC2 path takes NVFP4 bytes, so it
 is not applicable (``fc2_status()`` says "not applicable (act_format fp8)"; the dispatcher is not called, so
-its counters record no attempt). Blocks that LoRA runs through ``lora._lora_block`` (a side path on qkv, fc1
-or fc2) keep the NVFP4 activation path; an out_proj side path is added as its forward hook would add it.
+its counters record no attempt).
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from .ops import elementwise as el
 from .ops import fp8_producers as f8
@@ -143,16 +143,36 @@ class Nvfp4Stack:
                         producer=PRODUCER_SWIGLU_NVFP4, lora_active=self.lora_on_fc2(i), bias=fc2.bias,
                         fallback=fallback)
 
+    # -- LoRA side paths (runtime.lora installs them on the layers) ----------------------------------
+    @staticmethod
+    def _sides(blk) -> tuple:
+        """The side paths active on this block's qkv_proj, fc1 and fc2 (None where there is none). These
+        three GEMMs get the producers' bytes, never a bf16 activation, so the stack adds their terms itself;
+        out_proj is called as a module and its side path is the module's forward hook."""
+        from .lora import lora_side
+
+        return (lora_side(blk.attn.qkv_proj), lora_side(blk.mlp.fc1), lora_side(blk.mlp.fc2))
+
+    @staticmethod
+    def _modulated(x, norm, shift, scale, segs) -> torch.Tensor:
+        """The side path's input for qkv/fc1: the reference block's ``modulate(norm(x))`` at x's dtype."""
+        from .model import modulate_, rms_norm
+
+        return modulate_(rms_norm(x, norm.weight, norm.eps), shift, scale, segs)
+
     # -- one block -----------------------------------------------------------------------------------
     def block(self, i: int, blk, x: torch.Tensor, mod: torch.Tensor, segs, cos, sin) -> torch.Tensor:
         if self.act_format == "fp8":
             return self.block_fp8(i, blk, x, mod, segs, cos, sin)
         c = self.cfg
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mod.chunk(6, dim=-1)
+        s_qkv, s_fc1, s_fc2 = self._sides(blk)
         a = qk.rms_modulate_quantize(x, blk.norm1.weight, scale_msa, shift_msa, segs, c.eps,
                                      self._input_scale(blk.attn.qkv_proj))
         qkv = blk.attn.qkv_proj.forward_quantized(a.packed, a.scales, a.global_scale)
         del a
+        if s_qkv is not None:
+            s_qkv.add_(self._modulated(x, blk.norm1, shift_msa, scale_msa, segs), qkv)
         self._norm_rope(blk, qkv, cos, sin)
         with torch.profiler.record_function("h3.attention"):  # a named range for the profiler's copy count
             o = attention(qkv, c.num_heads, c.head_dim, self.attention_backend)
@@ -165,10 +185,15 @@ class Nvfp4Stack:
                                      self._input_scale(blk.mlp.fc1))
         h = blk.mlp.fc1.forward_quantized(a.packed, a.scales, a.global_scale)
         del a
+        if s_fc1 is not None:
+            s_fc1.add_(self._modulated(x, blk.norm2, shift_mlp, scale_mlp, segs), h)
         s_q = qk.swiglu_quantize(h, self._input_scale(blk.mlp.fc2), pad_rows=16)
-        del h
         m = self._fc2(i, blk, s_q)
         del s_q
+        if s_fc2 is not None:
+            gate, up = h.chunk(2, dim=-1)
+            s_fc2.add_(F.silu(gate) * up, m)
+        del h
         self._gate_add(x, m, gate_mlp, segs)
         return x
 
@@ -192,9 +217,12 @@ class Nvfp4Stack:
         """The W4A8 block: the steps of ``block`` with e4m3 rowwise activations (module docstring)."""
         c = self.cfg
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mod.chunk(6, dim=-1)
+        s_qkv, s_fc1, s_fc2 = self._sides(blk)
         a8, ra = f8.rms_modulate_fp8(x, blk.norm1.weight, scale_msa, shift_msa, segs, c.eps)
         qkv = blk.attn.qkv_proj.forward_fp8(a8, ra)
         del a8, ra
+        if s_qkv is not None:
+            s_qkv.add_(self._modulated(x, blk.norm1, shift_msa, scale_msa, segs), qkv)
         self._norm_rope(blk, qkv, cos, sin)
         with torch.profiler.record_function("h3.attention"):
             o = attention(qkv, c.num_heads, c.head_dim, self.attention_backend)
@@ -206,11 +234,16 @@ class Nvfp4Stack:
         a8, ra = f8.rms_modulate_fp8(x, blk.norm2.weight, scale_mlp, shift_mlp, segs, c.eps)
         h = blk.mlp.fc1.forward_fp8(a8, ra)
         del a8, ra
+        if s_fc1 is not None:
+            s_fc1.add_(self._modulated(x, blk.norm2, shift_mlp, scale_mlp, segs), h)
         s8, rs = f8.swiglu_fp8(h)
-        del h
         m = blk.mlp.fc2.forward_fp8(s8, rs)  # FC2 Lt path not applicable (act_format fp8): no dispatcher
         self.fc2_direct_calls += 1
         del s8, rs
+        if s_fc2 is not None:
+            gate, up = h.chunk(2, dim=-1)
+            s_fc2.add_(F.silu(gate) * up, m)
+        del h
         self._gate_add(x, m, gate_mlp, segs)
         return x
 
