@@ -74,3 +74,18 @@ def build(opts: RuntimeOptions, seed: int, cfg=FULL):
     return rt
 
 
+def time_ms(fn, iters: int, warmup: int) -> dict:
+    """CUDA-event times of ``iters`` calls after ``warmup`` calls: {"median", "min", "all"} in ms."""
+    import statistics
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for a, b in ev:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    ts = [a.elapsed_time(b) for a, b in ev]
+    return {"median": statistics.median(ts), "min": min(ts), "all": [round(t, 4) for t in ts]}

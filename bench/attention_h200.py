@@ -41,24 +41,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _h3bench  # noqa: E402,F401  (makes the checkout importable as h3_blackwell)
+from _h3bench import time_ms  # noqa: E402  (also makes the checkout importable as h3_blackwell)
 
 from h3_blackwell.runtime.ops import attention as A  # noqa: E402
 from h3_blackwell.runtime.ops import elementwise as E  # noqa: E402
 
 
-def time_ms(fn, iters: int, warmup: int) -> dict:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for a, b in ev:
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    ts = [a.elapsed_time(b) for a, b in ev]
-    return {"median": statistics.median(ts), "min": min(ts), "all": [round(t, 4) for t in ts]}
 
 
 def copy_kernels(fn) -> list[str]:

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _h3bench  # noqa: E402,F401  (makes the checkout importable as h3_blackwell)
+from _h3bench import time_ms  # noqa: E402  (also makes the checkout importable as h3_blackwell)
 
 from h3_blackwell.runtime.ops import linear as L  # noqa: E402
 from h3_blackwell.runtime.ops import nvfp4 as nv  # noqa: E402
@@ -50,18 +50,6 @@ HIDDEN, INNER, FFN = 5376, 7168, 14336
 LAYERS = {"qkv": (HIDDEN, 3 * INNER), "out_proj": (INNER, HIDDEN), "fc1": (HIDDEN, 2 * FFN), "fc2": (FFN, HIDDEN)}
 
 
-def time_ms(fn, iters: int, warmup: int) -> dict:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for a, b in ev:
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    ts = [a.elapsed_time(b) for a, b in ev]
-    return {"median": statistics.median(ts), "min": min(ts)}
 
 
 def err_text(e: BaseException) -> str:

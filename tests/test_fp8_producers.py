@@ -23,6 +23,7 @@ from h3_blackwell.runtime import lora as lora_mod  # noqa: E402
 from h3_blackwell.runtime.ops import fp8_producers as f8  # noqa: E402
 from h3_blackwell.runtime.ops import linear as L  # noqa: E402
 from h3_blackwell.runtime.ops import quant_kernels as qk  # noqa: E402
+from refblock import reference_block  # noqa: E402  (tests/refblock.py)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 CPU = dict(device="cpu", dtype="float32")
@@ -222,49 +223,6 @@ class _Act:
         return got.double() * ra.double()[:, None]
 
 
-def _rms(x, w, eps):
-    xd = x.double()
-    return xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * w.double()
-
-
-def w4a8_block(blk, x, mod, segs, cos, sin, cfg, wq, act):
-    """One block in float64 from the formulas: every linear input e4m3 rowwise (``act``, see _Act), every
-    weight its NVFP4 value re-expressed as rowwise e4m3 (``wq``), attention exact."""
-    h_, d, r = cfg.num_heads, cfg.head_dim, cfg.rope_dim
-    sh1, sc1, g1, sh2, sc2, g2 = [t.double() for t in mod.chunk(6, dim=-1)]
-
-    def modulate(n, sh, sc):
-        out = n.clone()
-        for a, b, row in segs:
-            out[a:b] = n[a:b] * (1 + sc[row]) + sh[row]
-        return out
-
-    def gate(x, y, g):
-        out = x.clone()
-        for a, b, row in segs:
-            out[a:b] = x[a:b] + g[row] * y[a:b]
-        return out
-
-    x = x.double()
-    qkv = act(modulate(_rms(x, blk.norm1.weight, cfg.eps), sh1, sc1)) @ wq["qkv_proj"].T
-    s = qkv.shape[0]
-    q, k, v = qkv.view(s, 3, h_, d).unbind(1)
-
-    def nr(t, w):
-        t = _rms(t, w, cfg.eps)
-        tr = t[..., :r]
-        rot = torch.cat([-tr[..., r // 2:], tr[..., : r // 2]], -1)
-        return torch.cat([tr * cos[:, None].double() + rot * sin[:, None].double(), t[..., r:]], -1)
-
-    q, k = nr(q, blk.attn.q_norm.weight), nr(k, blk.attn.k_norm.weight)
-    att = torch.softmax(torch.einsum("shd,thd->hst", q, k) / d ** 0.5, -1)
-    o = torch.einsum("hst,thd->shd", att, v).reshape(s, -1)
-    x = gate(x, act(o) @ wq["out_proj"].T, g1)
-    f = act(modulate(_rms(x, blk.norm2.weight, cfg.eps), sh2, sc2)) @ wq["fc1"].T
-    gt, up = f.chunk(2, -1)
-    return gate(x, act(gt * torch.sigmoid(gt) * up) @ wq["fc2"].T, g2)
-
-
 def _inputs(m, seed):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(1, 24, 2, 6, 8, generator=g), torch.randn(1, 32, 2, 5, generator=g),
@@ -298,7 +256,7 @@ def test_w4a8_block_equals_float64_reference(monkeypatch, seed):
             wq[n] = w8.double() * (rw.double() * lin.global_scale.double())[:, None]
         mod = plan.mods[0][i]
         got = m.stack.block(i, blk, x.clone(), mod, segs, plan.cos, plan.sin)
-        expect = w4a8_block(blk, x, mod, segs, plan.cos, plan.sin, m.cfg, wq, act)
+        expect = reference_block(blk, x, mod, segs, plan.cos, plan.sin, m.cfg, wq, act)
         assert act.used == len(act.fed) == 4 * (i + 1)  # qkv, out_proj, fc1, fc2: each input checked
         # The same e4m3 codes on both sides (checked by act); what differs is fp32 (stack) vs fp64 (here)
         # arithmetic in norms, attention and the fp32 GEMM accumulation (measured ~1e-6 on the block's

@@ -20,6 +20,7 @@ from h3_blackwell.runtime import lora as L
 from h3_blackwell.runtime.config import FULL, TINY
 from h3_blackwell.runtime.engine import H3Runtime
 from h3_blackwell.runtime.lora_keys import LoraError, match_lora, read_lora_file
+from refblock import reference_block  # the float64 block from the formulas (tests/refblock.py)
 from h3_blackwell.runtime.model import H3Model
 from h3_blackwell.runtime.ops import nvfp4 as nv
 from h3_blackwell.runtime.ops import quant_kernels as qk
@@ -299,51 +300,6 @@ def _q(x):
     return nv.dequantize(nv.quantize(x.float(), nv.global_scale(x.float()), pad_rows=1), torch.float64)
 
 
-def _rms(x, w, eps):
-    xd = x.double()
-    return xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * w.double()
-
-
-def w4a4_lora_block(blk, x, mod, segs, cos, sin, cfg, wq, side):
-    """One NVFP4 block in float64 from the formulas, each linear = NVFP4 GEMM on the quantized input plus
-    the exact LoRA term on the UNquantized input: ``_q(h) @ Wq^T + h @ side[name]^T``."""
-    heads, d, r = cfg.num_heads, cfg.head_dim, cfg.rope_dim
-    sh1, sc1, g1, sh2, sc2, g2 = [t.double() for t in mod.chunk(6, dim=-1)]
-
-    def lin(name, h):
-        y = _q(h) @ wq[name].T
-        return y + h @ side[name].T if name in side else y
-
-    def modulate(n, sh, sc):
-        out = n.clone()
-        for a, b, row in segs:
-            out[a:b] = n[a:b] * (1 + sc[row]) + sh[row]
-        return out
-
-    def gate(x, y, gv):
-        out = x.clone()
-        for a, b, row in segs:
-            out[a:b] = x[a:b] + gv[row] * y[a:b]
-        return out
-
-    def norm_rope(t, w):
-        t = _rms(t, w, cfg.eps)
-        tr = t[..., :r]
-        rot = torch.cat([-tr[..., r // 2:], tr[..., : r // 2]], -1)
-        return torch.cat([tr * cos[:, None].double() + rot * sin[:, None].double(), t[..., r:]], -1)
-
-    x = x.double()
-    qkv = lin("qkv_proj", modulate(_rms(x, blk.norm1.weight, cfg.eps), sh1, sc1))
-    s = qkv.shape[0]
-    q, k, v = qkv.view(s, 3, heads, d).unbind(1)
-    q, k = norm_rope(q, blk.attn.q_norm.weight), norm_rope(k, blk.attn.k_norm.weight)
-    att = torch.softmax(torch.einsum("shd,thd->hst", q, k) / d ** 0.5, -1)
-    x = gate(x, lin("out_proj", torch.einsum("hst,thd->shd", att, v).reshape(s, -1)), g1)
-    f = lin("fc1", modulate(_rms(x, blk.norm2.weight, cfg.eps), sh2, sc2))
-    gt, up = f.chunk(2, -1)
-    return gate(x, lin("fc2", gt * torch.sigmoid(gt) * up), g2)
-
-
 def test_side_path_in_the_nvfp4_stack_equals_the_w4a4_oracle(files, fp4):
     """NVFP4 block stack + side path on all four block linears, every block: equals the float64 W4A4 oracle
     with the exact LoRA term on the unquantized activations. Same NVFP4 codes on both sides, so only fp32 vs
@@ -365,8 +321,8 @@ def test_side_path_in_the_nvfp4_stack_equals_the_w4a4_oracle(files, fp4):
                                              torch.float64) for n in BLOCK_LINEARS}
         side = {n.split(".")[1]: s * truth.delta(f"blocks.{i}.{n}.weight", tuple(wq[n.split(".")[1]].shape))
                 for n in BLOCK_LINEARS}
-        expect = w4a4_lora_block(blk, expect, plan.mods[0][i], plan.times[0].mod_segments, plan.cos, plan.sin,
-                                 m.cfg, wq, side)
+        expect = reference_block(blk, expect, plan.mods[0][i], plan.times[0].mod_segments, plan.cos, plan.sin,
+                                 m.cfg, wq, _q, side)
     rel = float((got.double() - expect).norm() / expect.norm())
     upd = float(((got.double() - x.double()) - (expect - x.double())).norm() / (expect - x.double()).norm())
     assert rel < 1e-6 and upd < 1e-5, (rel, upd)

@@ -8,6 +8,7 @@ from h3_blackwell.runtime import RuntimeOptions, load_model
 from h3_blackwell.runtime.config import TINY
 from h3_blackwell.runtime.ops import nvfp4 as nv
 from h3_blackwell.runtime.tiny import tiny_state_dict
+from refblock import reference_block  # the float64 block from the formulas (tests/refblock.py)
 
 CPU = dict(device="cpu", dtype="float32")
 
@@ -15,52 +16,6 @@ CPU = dict(device="cpu", dtype="float32")
 def _q(x):
     """The W4A4 activation path: dynamic global scale, reference quantizer, dequantized (exact values)."""
     return nv.dequantize(nv.quantize(x.float(), nv.global_scale(x.float()), pad_rows=1), torch.float64)
-
-
-def _rms(x, w, eps):
-    xd = x.double()
-    return xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * w.double()
-
-
-def w4a4_block(blk, x, mod, segs, cos, sin, cfg, wq):
-    """One block in float64 from the formulas: every linear input NVFP4-quantized (dynamic scale), every
-    weight NVFP4 (``wq``: name -> dequantized weight), attention exact."""
-    h_, d, r = cfg.num_heads, cfg.head_dim, cfg.rope_dim
-    sh1, sc1, g1, sh2, sc2, g2 = [t.double() for t in mod.chunk(6, dim=-1)]
-
-    def modulate(n, sh, sc):
-        out = n.clone()
-        for a, b, row in segs:
-            out[a:b] = n[a:b] * (1 + sc[row]) + sh[row]
-        return out
-
-    def gate(x, y, g):
-        out = x.clone()
-        for a, b, row in segs:
-            out[a:b] = x[a:b] + g[row] * y[a:b]
-        return out
-
-    x = x.double()
-    h = modulate(_rms(x, blk.norm1.weight, cfg.eps), sh1, sc1)
-    qkv = _q(h) @ wq["qkv_proj"].T
-    s = qkv.shape[0]
-    q, k, v = qkv.view(s, 3, h_, d).unbind(1)
-
-    def nr(t, w):
-        t = _rms(t, w, cfg.eps)
-        tr = t[..., :r]
-        rot = torch.cat([-tr[..., r // 2:], tr[..., : r // 2]], -1)
-        return torch.cat([tr * cos[:, None].double() + rot * sin[:, None].double(), t[..., r:]], -1)
-
-    q, k = nr(q, blk.attn.q_norm.weight), nr(k, blk.attn.k_norm.weight)
-    att = torch.softmax(torch.einsum("shd,thd->hst", q, k) / d ** 0.5, -1)
-    o = torch.einsum("hst,thd->shd", att, v).reshape(s, -1)
-    x = gate(x, _q(o) @ wq["out_proj"].T, g1)
-    h = modulate(_rms(x, blk.norm2.weight, cfg.eps), sh2, sc2)
-    f = _q(h) @ wq["fc1"].T
-    gt, up = f.chunk(2, -1)
-    m = _q(gt * torch.sigmoid(gt) * up) @ wq["fc2"].T
-    return gate(x, m, g2)
 
 
 def test_stack_block_equals_w4a4_reference():
@@ -75,7 +30,7 @@ def test_stack_block_equals_w4a4_reference():
     blk = m.blocks[0]
     wq = {n: nv.dequantize(getattr(getattr(blk, p), n).weight, torch.float64)
           for p, n in (("attn", "qkv_proj"), ("attn", "out_proj"), ("mlp", "fc1"), ("mlp", "fc2"))}
-    expect = w4a4_block(blk, x, plan.mods[0][0], plan.times[0].mod_segments, plan.cos, plan.sin, m.cfg, wq)
+    expect = reference_block(blk, x, plan.mods[0][0], plan.times[0].mod_segments, plan.cos, plan.sin, m.cfg, wq, _q)
     got = m.stack.block(0, blk, x.clone(), plan.mods[0][0], plan.times[0].mod_segments, plan.cos, plan.sin)
     # The same NVFP4 codes on both sides; the differences are fp32 (stack) vs fp64 (here) arithmetic in
     # norms, attention and the fp32 GEMM accumulation (measured: 4e-8 on the output, 8e-7 on the update).
