@@ -94,7 +94,13 @@ def cmd_generate(a) -> int:
     from .options import RuntimeOptions
     from .sampler import sample
 
-    tiny = a.model is None
+    from .config import TINY, detect_config
+
+    if a.model is not None and not Path(a.model).exists():
+        raise CliError(f"model file not found: {a.model}")
+    model_cfg = TINY if a.model is None else detect_config(a.model)[0]
+    # small models (the embedded tiny one, make-tiny files) default to a small canvas that runs in seconds
+    tiny = model_cfg.hidden_size <= 512
     width = a.width or (256 if tiny else 1344)
     height = a.height or (256 if tiny else 768)
     frames = a.frames or (22 if tiny else 124)
@@ -111,12 +117,11 @@ def cmd_generate(a) -> int:
     opts = RuntimeOptions.from_env(device=a.device, dtype=a.dtype, attention=a.attention, gemm=a.gemm,
                                    fc2_lt=fc2[0], fc2_lt_strict=fc2[1], quantize=False if a.dense else None)
     # validate every input before the (possibly long) model load
-    from .config import TINY, detect_config
     from .lora import apply_loras, parse_lora_arg
 
     loras = [parse_lora_arg(s) for s in a.lora]
 
-    text_dim = TINY.text_dim if a.model is None else detect_config(a.model)[0].text_dim
+    text_dim = model_cfg.text_dim
     if a.text_states:
         text, tags = _load_text_states(a.text_states, text_dim)
     else:
