@@ -143,6 +143,8 @@ def main(argv=None) -> int:
     ap.add_argument("--peer-blocks", type=int, default=4)
     ap.add_argument("--attention", default="auto")
     ap.add_argument("--gemm", default="auto")
+    ap.add_argument("--act-format", default=None, choices=["nvfp4", "fp8"],
+                    help="activation format of the block stack (default: RuntimeOptions / H3_ACT_FORMAT)")
     ap.add_argument("--skip", default="", help="comma list of stages to skip: profile,accuracy,peer")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "canonical-h200.json"))
     a = ap.parse_args(argv)
@@ -154,7 +156,7 @@ def main(argv=None) -> int:
            "device": torch.cuda.get_device_name(),
            "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()}}
     t0 = time.perf_counter()
-    opts = RuntimeOptions.from_env(device="cuda", attention=a.attention, gemm=a.gemm)
+    opts = RuntimeOptions.from_env(device="cuda", attention=a.attention, gemm=a.gemm, act_format=a.act_format)
     rt = build(opts, 0)
     torch.cuda.synchronize()
     res["build_seconds"] = time.perf_counter() - t0

@@ -3,6 +3,9 @@
 #   bash scripts/device_session.sh A    sage2 build (background) + NVFP4 tests/bench + attention tests/bench
 #                                       + the 50-block canonical forward
 #   bash scripts/device_session.sh B    FC2 extension tests/bench + tiny generate on CUDA + the diffusers peer
+#   bash scripts/device_session.sh C    sage2 build + FC2 bench + the canonical benchmark (CANON_ARGS, CANON_TIMEOUT)
+#   bash scripts/device_session.sh D    sage2 build + W4A8 producer GPU tests + 50-block forward for both
+#                                       activation formats (the next step of bench/NOTES.md)
 # Carry .sage (SageAttention source) and .whl (diffusers + deps, sageattention 1.0.6). Logs and JSONs go to
 # $OUT (at most 8 files come back).
 set -u
@@ -58,6 +61,17 @@ C)
   phase canonical
   # written straight into $OUT after every stage, so a run cut short still returns what it measured
   timeout "${CANON_TIMEOUT:-390}" python3 bench/canonical.py --out "$OUT/canonical-h200.json" ${CANON_ARGS:-} 2>&1 | tail -8 >> "$LOG"
+  ;;
+D)
+  ( bash scripts/device_build_sage2.sh .sage /tmp/site > "$OUT/sage_build.log" 2>&1; echo "sage build rc=$?" >> "$OUT/sage_build.log" ) &
+  SAGE=$!
+  phase fp8-producer-gpu-tests
+  timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_fp8_producers_gpu.py -rs 2>&1 | tail -20 >> "$LOG"
+  wait $SAGE; tail -2 "$OUT/sage_build.log" >> "$LOG"
+  for fmt in nvfp4 fp8; do
+    phase "forward50-$fmt"
+    timeout 180 python3 bench/forward50_h200.py --gemm fp8 --act-format $fmt --out "$OUT/forward50-$fmt.json" 2>&1 | tail -4 >> "$LOG"
+  done
   ;;
 esac
 phase done
