@@ -137,7 +137,8 @@ def prepare_nvfp4(rt: H3Runtime) -> None:
     else:
         rt.backends["fc2_lt"] = {"choice": "off", "reason": "cpu: no cuBLASLt; FC2 runs the fallback GEMM"}
     attn = rt.backends.get("attention", {}).get("choice", "reference")
-    rt.model.stack = Nvfp4Stack(rt.model, attn, rt.fc2, o.act_scale, act_format=o.act_format)
+    rt.model.stack = Nvfp4Stack(rt.model, attn, rt.fc2, o.act_scale, act_format=o.act_format,
+                                sage_v_pad=o.sage_v_pad)
     rt.backends["act_format"] = {"choice": rt.model.stack.act_format, "reason": rt.model.stack.act_format_reason}
     if o.adaln_cache and rt.device.type == "cuda" and not rt.config.curve_form:
         moved = rt.model.offload_adaln()

@@ -21,6 +21,7 @@ _ENV = {
     "fc2_lt": ("H3_NVFP4_FC2_LT_SPLITK1", "bool"),
     "fc2_lt_strict": ("H3_NVFP4_FC2_LT_STRICT", "bool"),
     "qkv_layout": ("H3_SAGE_QKV_LAYOUT", str),
+    "sage_v_pad": ("H3_SAGE_V_PAD", str),
     "attention": ("H3_ATTENTION", str),
     "gemm": ("H3_GEMM", str),
     "act_scale": ("H3_NVFP4_ACT_SCALE", str),
@@ -52,6 +53,9 @@ class RuntimeOptions:
     act_scale: dynamic (amax per call) | calibrated (checkpoint input_scale when present)
     act_format: nvfp4 (W4A4: NVFP4 activations) | fp8 (W4A8, Hopper: e4m3 activations with one fp32 scale
                per row from the fused producers; used only with the fp8 GEMM backend, see runtime.stack)
+    sage_v_pad: library (SageAttention2's sm90 wrapper pads V with torch.cat: one copy of V per call) |
+               buffer (sm90 sage2 only: the QKV GEMM writes roundup(S, 128) rows, zero tail, and the
+               wrapper calls Sage2's stages itself on that buffer: no copy; see ops.attention)
     fc2_lt:    the guarded cuBLASLt FC2 path (H3_NVFP4_FC2_LT_SPLITK1); strict raises instead of falling back
     dtype:     compute dtype of the block stack (bfloat16 on GPU, float32 on CPU by default)
     """
@@ -71,6 +75,7 @@ class RuntimeOptions:
     fc2_lt: bool = True
     fc2_lt_strict: bool = False
     qkv_layout: str = "strided_nhd"
+    sage_v_pad: str = "library"
     adaln_cache: bool = True
     cache_dir: str = field(default_factory=lambda: os.path.join(os.path.expanduser("~"), ".cache", "h3_blackwell"))
 
@@ -81,6 +86,7 @@ class RuntimeOptions:
         "act_scale": ("dynamic", "calibrated"),
         "act_format": ("nvfp4", "fp8"),
         "qkv_layout": ("strided_nhd", "contiguous"),
+        "sage_v_pad": ("library", "buffer"),
         "dtype": ("auto", "float32", "bfloat16", "float16"),
     }
 

@@ -26,6 +26,12 @@ linear; otherwise the stack keeps nvfp4 and ``act_format_reason`` says why. ``ac
 scales are row-local). FC2 calls the layer directly: the guarded cuBLASLt FC2 path takes NVFP4 bytes, so it
 is not applicable (``fc2_status()`` says "not applicable (act_format fp8)"; the dispatcher is not called, so
 its counters record no attempt).
+
+``sage_v_pad="buffer"`` (RuntimeOptions.sage_v_pad / H3_SAGE_V_PAD; only with the sage2 backend on sm_90,
+otherwise a no-op): step a pads its output to roundup(S, 128) rows of zero codes, so step b writes a qkv
+buffer of roundup(S, 128) rows whose rows >= S are zero (zero activation rows, no bias); c and the LoRA
+side path run on its first S rows (a view), and d hands the whole buffer with ``seq_len=S`` to
+``attention``, whose V is then a view of it: no ``torch.cat`` copy of V inside SageAttention2's sm_90 wrapper.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from .ops.linear import Nvfp4Linear, Scratch
 LINEARS = (("attn", "qkv_proj"), ("attn", "out_proj"), ("mlp", "fc1"), ("mlp", "fc2"))
 ACT_FORMATS = ("nvfp4", "fp8")
 FC2_NOT_APPLICABLE = "not applicable (act_format fp8)"
+SAGE_V_PADS = ("library", "buffer")
 
 
 def _on_cuda(t: torch.Tensor) -> bool:
@@ -60,7 +67,7 @@ class Nvfp4Stack:
 
     def __init__(self, model, attention_backend: str, fc2=None, act_scale: str = "dynamic",
                  lora_on_fc2: Callable[[int], bool] | None = None, act_format: str = "nvfp4",
-                 strict: bool = False):
+                 strict: bool = False, sage_v_pad: str = "library"):
         self.model = model
         self.cfg = model.cfg
         self.attention_backend = attention_backend
@@ -68,6 +75,10 @@ class Nvfp4Stack:
         self.act_scale = act_scale
         self.lora_on_fc2 = lora_on_fc2 or (lambda i: False)
         self.fc2_direct_calls = 0  # FC2 GEMMs run without the dispatcher (act_format fp8)
+        if sage_v_pad not in SAGE_V_PADS:
+            raise ValueError(f"sage_v_pad={sage_v_pad!r}: expected one of {', '.join(SAGE_V_PADS)}")
+        self.sage_v_pad = sage_v_pad
+        self._pad_cache: dict = {}
         self.set_act_format(act_format, strict=strict)
 
     # -- activation format ---------------------------------------------------------------------------
@@ -103,6 +114,41 @@ class Nvfp4Stack:
                               "Nvfp4Linear.forward_fp8 directly and the dispatcher is not called (no attempts)"}
         return {"lt_path": "dispatcher" if self.fc2 is not None else "none (fallback GEMM)",
                 "direct_calls": self.fc2_direct_calls}
+
+    # -- sage_v_pad ----------------------------------------------------------------------------------
+    def qkv_pad_rows(self, device: torch.device) -> int:
+        """Rows the QKV buffer is padded to a multiple of: 128 when sage_v_pad="buffer" and attention runs
+        SageAttention2's sm_90 kernel (head_dim 64/128) on ``device``; else 1 (today's path)."""
+        if self.sage_v_pad != "buffer" or self.attention_backend != "sage2" or device.type != "cuda" \
+                or self.cfg.head_dim not in (64, 128):
+            return 1
+        key = str(device)
+        if key not in self._pad_cache:
+            from .ops import attention as A
+
+            try:
+                fn = A._sage2_plan(A._capability(device))[0]
+            except RuntimeError:
+                fn = None
+            self._pad_cache[key] = A.SAGE2_V_ROWS if fn == A.SAGE2_SM90_FN else 1
+        return self._pad_cache[key]
+
+    def _attention(self, qkv_buf: torch.Tensor, s: int, pad: int) -> torch.Tensor:
+        c = self.cfg
+        with torch.profiler.record_function("h3.attention"):  # a named range for the profiler's copy count
+            if pad > 1:
+                return attention(qkv_buf, c.num_heads, c.head_dim, self.attention_backend, seq_len=s,
+                                 sage_v_pad="buffer")
+            return attention(qkv_buf, c.num_heads, c.head_dim, self.attention_backend)
+
+    @staticmethod
+    def _logical(qkv_buf: torch.Tensor, s: int, pad: int, lin) -> torch.Tensor:
+        """The first S rows of the (padded) QKV output, as a view; a bias would make the tail nonzero."""
+        if pad == 1:
+            return qkv_buf
+        if getattr(lin, "bias", None) is not None:
+            qkv_buf[s:].zero_()
+        return qkv_buf[:s]
 
     # -- pieces (each with a reference on the CPU) ---------------------------------------------------
     def _norm_rope(self, blk, qkv, cos, sin):
@@ -167,16 +213,17 @@ class Nvfp4Stack:
         c = self.cfg
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mod.chunk(6, dim=-1)
         s_qkv, s_fc1, s_fc2 = self._sides(blk)
+        pad = self.qkv_pad_rows(x.device)
         a = qk.rms_modulate_quantize(x, blk.norm1.weight, scale_msa, shift_msa, segs, c.eps,
-                                     self._input_scale(blk.attn.qkv_proj))
-        qkv = blk.attn.qkv_proj.forward_quantized(a.packed, a.scales, a.global_scale)
+                                     self._input_scale(blk.attn.qkv_proj), **({"pad_rows": pad} if pad > 1 else {}))
+        qkv_buf = blk.attn.qkv_proj.forward_quantized(a.packed, a.scales, a.global_scale)
         del a
+        qkv = self._logical(qkv_buf, x.shape[0], pad, blk.attn.qkv_proj)
         if s_qkv is not None:
             s_qkv.add_(self._modulated(x, blk.norm1, shift_msa, scale_msa, segs), qkv)
         self._norm_rope(blk, qkv, cos, sin)
-        with torch.profiler.record_function("h3.attention"):  # a named range for the profiler's copy count
-            o = attention(qkv, c.num_heads, c.head_dim, self.attention_backend)
-        del qkv
+        o = self._attention(qkv_buf, x.shape[0], pad)
+        del qkv, qkv_buf
         y = blk.attn.out_proj(o)
         del o
         self._gate_add(x, y, gate_msa, segs)
@@ -218,15 +265,17 @@ class Nvfp4Stack:
         c = self.cfg
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mod.chunk(6, dim=-1)
         s_qkv, s_fc1, s_fc2 = self._sides(blk)
-        a8, ra = f8.rms_modulate_fp8(x, blk.norm1.weight, scale_msa, shift_msa, segs, c.eps)
-        qkv = blk.attn.qkv_proj.forward_fp8(a8, ra)
+        pad = self.qkv_pad_rows(x.device)
+        a8, ra = f8.rms_modulate_fp8(x, blk.norm1.weight, scale_msa, shift_msa, segs, c.eps,
+                                     **({"pad_rows": pad} if pad > 1 else {}))
+        qkv_buf = blk.attn.qkv_proj.forward_fp8(a8, ra)
         del a8, ra
+        qkv = self._logical(qkv_buf, x.shape[0], pad, blk.attn.qkv_proj)
         if s_qkv is not None:
             s_qkv.add_(self._modulated(x, blk.norm1, shift_msa, scale_msa, segs), qkv)
         self._norm_rope(blk, qkv, cos, sin)
-        with torch.profiler.record_function("h3.attention"):
-            o = attention(qkv, c.num_heads, c.head_dim, self.attention_backend)
-        del qkv
+        o = self._attention(qkv_buf, x.shape[0], pad)
+        del qkv, qkv_buf
         y = self._out_proj_fp8(blk.attn.out_proj, o)
         del o
         self._gate_add(x, y, gate_msa, segs)

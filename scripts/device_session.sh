@@ -68,9 +68,11 @@ D)
   phase fp8-producer-gpu-tests
   timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_fp8_producers_gpu.py -rs 2>&1 | tail -20 >> "$LOG"
   wait $SAGE; tail -2 "$OUT/sage_build.log" >> "$LOG"
+  phase sage-v-pad-buffer-tests
+  timeout 120 python3 -m pytest -q -m gpu tests/gpu/test_attention_gpu.py -k "v_pad_buffer or strided_path_makes_no_qkv_copies" -rs 2>&1 | tail -8 >> "$LOG"
   for fmt in nvfp4 fp8; do
-    phase "forward50-$fmt"
-    timeout 180 python3 bench/forward50_h200.py --gemm fp8 --act-format $fmt --out "$OUT/forward50-$fmt.json" 2>&1 | tail -4 >> "$LOG"
+    phase "forward50-$fmt (H3_SAGE_V_PAD=buffer: no V copy)"
+    H3_SAGE_V_PAD=buffer timeout 180 python3 bench/forward50_h200.py --gemm fp8 --act-format $fmt --out "$OUT/forward50-$fmt.json" 2>&1 | tail -4 >> "$LOG"
   done
   ;;
 esac

@@ -372,3 +372,130 @@ def test_use_sage1_from_reloads_submodules(tmp_path, clean_sage):
         (pkg / "__init__.py").write_text("from .core import sageattn, TAG\n")
         use_sage1_from(str(tmp_path / tag))
         assert A._SAGE1["module"].TAG == tag
+
+
+# ---------------------------------------------------------------------------------------------- sage_v_pad="buffer"
+
+
+def _fake_sage2_stages(calls):
+    """A stand-in SageAttention2 whose ``core`` exposes the sm90 wrapper's stages; each records its call.
+    The 'quantizers' pass values through; the 'kernel' attends over the first kv_len (= K's rows) of V."""
+    mod = _fake_sage2(calls)
+
+    def per_warp_int8_cuda(q, k, km, tensor_layout="HND", BLKQ=128, WARPQ=32, BLKK=64):
+        calls.append(dict(fn="per_warp_int8", q=q, k=k, km=km, tensor_layout=tensor_layout, BLKQ=BLKQ, WARPQ=WARPQ,
+                          BLKK=BLKK))
+        return q, "q_scale", k - km, "k_scale"
+
+    def per_channel_fp8(v, tensor_layout="HND", scale_max=448.0, smooth_v=True):
+        calls.append(dict(fn="per_channel_fp8", v=v, tensor_layout=tensor_layout, smooth_v=smooth_v))
+        return v, "v_scale", None
+
+    def kernel(q8, k8, v8, o, qs, ks, vs, layout, causal, gran, sm_scale, lse):
+        calls.append(dict(fn="sm90_kernel", scales=(qs, ks, vs), args=(layout, causal, gran, sm_scale, lse), o=o,
+                          v8=v8, kv_len=k8.shape[1]))
+        o.copy_(_math_nhd(q8, k8, v8[:, : k8.shape[1]], sm_scale))
+        return None
+
+    mod.core = types.SimpleNamespace(SM90_ENABLED=True, SM89_ENABLED=True, per_warp_int8_cuda=per_warp_int8_cuda,
+                                     per_channel_fp8=per_channel_fp8,
+                                     sm90_compile=types.SimpleNamespace(
+                                         qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf=kernel))
+    return mod
+
+
+def _padded_qkv(s, h, d, seed=0, dtype=torch.bfloat16):
+    rows = A.padded_rows(s)
+    buf = torch.zeros(rows, 3 * h * d, dtype=dtype)
+    buf[:s] = _qkv(s, h, d, dtype=dtype, seed=seed)
+    return buf
+
+
+@pytest.mark.parametrize("s", [200, 256, 37])
+def test_sage2_sm90_v_pad_buffer_calls_the_stages_on_views(clean_sage, s):
+    calls = []
+    clean_sage.setitem(sys.modules, "sageattention", _fake_sage2_stages(calls))
+    clean_sage.setattr(A, "_capability", lambda device: (9, 0))
+    h, d = 2, 128
+    buf = _padded_qkv(s, h, d, seed=5)
+    before = buf.clone()
+
+    def no_copy(*a, **k):
+        raise AssertionError("torch.cat / F.pad called: V was copied")
+
+    clean_sage.setattr(torch, "cat", no_copy)
+    clean_sage.setattr(torch.nn.functional, "pad", no_copy)
+    out = attention(buf, h, d, "sage2", seq_len=s, sage_v_pad="buffer")
+    clean_sage.undo()  # restore torch.cat before the checks below (also re-clears the sage cache)
+
+    assert [c["fn"] for c in calls] == ["per_warp_int8", "per_channel_fp8", "sm90_kernel"]
+    qz, vc, kc = calls[0], calls[1], calls[2]
+    es, row = buf.element_size(), 3 * h * d
+    # per-warp int8 of q and k: views of the first S rows, the k mean over the sequence (smooth_k)
+    assert (qz["tensor_layout"], qz["BLKQ"], qz["WARPQ"], qz["BLKK"]) == ("NHD", 64, 16, 128)
+    assert qz["q"].data_ptr() == buf.data_ptr() and qz["k"].data_ptr() == buf.data_ptr() + h * d * es
+    assert qz["q"].shape == qz["k"].shape == (1, s, h, d) and qz["q"].stride() == (s * row, row, d, 1)
+    assert qz["km"].shape == (1, 1, h, d)
+    assert torch.equal(qz["km"], qz["k"].mean(dim=1, keepdim=True))
+    # V: a view of the caller's buffer with roundup(S, 128) rows whose tail is zero; no smoothing
+    v = vc["v"]
+    rows = A.padded_rows(s)
+    assert (vc["tensor_layout"], vc["smooth_v"]) == ("NHD", False)
+    assert v.data_ptr() == buf.data_ptr() + 2 * h * d * es, "V is not a view of the caller's buffer"
+    assert v.shape == (1, rows, h, d) and v.stride()[1:] == (row, d, 1)
+    assert v.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+    assert not v[:, s:].any()
+    # the sm90 kernel: NHD=0, non-causal=0, per_warp=2, sm_scale 1/sqrt(128), no lse; o is [1, S, H, D]
+    assert kc["args"] == (0, 0, 2, pytest.approx(d**-0.5), 0)
+    assert kc["scales"] == ("q_scale", "k_scale", "v_scale") and kc["kv_len"] == s
+    assert kc["o"].shape == (1, s, h, d) and kc["v8"] is v
+    assert out.shape == (s, h * d) and out.dtype == torch.bfloat16
+    ref = attention_reference(*qkv_views(buf[:s], h, d))
+    assert rel_l2(out.float(), ref) <= TOLERANCE["sdpa"][0]
+    assert torch.equal(buf, before)
+
+
+def test_sage2_v_pad_library_default_unchanged_and_buffer_needs_rows(clean_sage):
+    calls = []
+    clean_sage.setitem(sys.modules, "sageattention", _fake_sage2_stages(calls))
+    clean_sage.setattr(A, "_capability", lambda device: (9, 0))
+    h, d, s = 2, 128, 200
+    buf = _padded_qkv(s, h, d, seed=6)
+    attention(buf[:s], h, d, "sage2")  # default: the library wrapper, one call, V of S rows
+    assert [c["fn"] for c in calls] == ["sm90"] and calls[0]["v"].shape[1] == s
+    calls.clear()
+    attention(buf, h, d, "sage2", seq_len=s)  # library with a padded buffer: still S rows handed over
+    assert [c["fn"] for c in calls] == ["sm90"] and calls[0]["q"].shape[1] == s
+    with pytest.raises(ValueError, match="roundup"):
+        attention(buf[: s + 3], h, d, "sage2", seq_len=s, sage_v_pad="buffer")
+    with pytest.raises(ValueError, match="sage_v_pad"):
+        attention(buf, h, d, "sage2", seq_len=s, sage_v_pad="nope")
+
+
+@pytest.mark.parametrize("cc", [(8, 9), (10, 0), (12, 0)])
+def test_sage2_v_pad_buffer_is_a_no_op_off_sm90(clean_sage, cc):
+    calls = []
+    clean_sage.setitem(sys.modules, "sageattention", _fake_sage2_stages(calls))
+    clean_sage.setattr(A, "_capability", lambda device: cc)
+    h, d, s = 2, 128, 200
+    buf = _padded_qkv(s, h, d, seed=7)
+    out = attention(buf, h, d, "sage2", seq_len=s, sage_v_pad="buffer")
+    assert [c["fn"] for c in calls] == ["fp8"] and calls[0]["v"].shape[1] == s
+    assert out.shape == (s, h * d)
+
+
+def test_reference_with_seq_len_equals_unpadded():
+    h, d, s = 2, 16, 50
+    buf = _padded_qkv(s, h, d, seed=8, dtype=torch.float32)
+    assert torch.equal(attention(buf, h, d, "reference", seq_len=s, sage_v_pad="buffer"),
+                       attention(buf[:s].clone(), h, d, "reference"))
+
+
+def test_sage_v_pad_option():
+    from h3_blackwell.runtime.options import RuntimeOptions
+
+    assert RuntimeOptions().sage_v_pad == "library"
+    assert RuntimeOptions.from_env({"H3_SAGE_V_PAD": "buffer"}).sage_v_pad == "buffer"
+    assert RuntimeOptions(sage_v_pad="buffer").as_env()["H3_SAGE_V_PAD"] == "buffer"
+    with pytest.raises(ValueError, match="sage_v_pad"):
+        RuntimeOptions(sage_v_pad="cat")

@@ -103,3 +103,67 @@ def test_fc2_gets_producer_bytes_padded_to_16_rows():
     out_plain = m(torch.randn(1, 24, 2, 6, 8, generator=g), torch.randn(1, 32, 2, 5, generator=g),
                   torch.randn(1, 7, 5120, generator=g), 0.5)
     assert torch.equal(out_fake[0], out_plain[0]) and torch.equal(out_fake[1], out_plain[1])
+
+
+def _stack_forward(opts, monkeypatch=None, pad=None):
+    rt = load_model(None, opts, tiny_seed=5)
+    m = rt.model
+    if pad is not None:  # force the padded-buffer plumbing on the CPU (attention stays the reference)
+        monkeypatch.setattr(m.stack, "qkv_pad_rows", lambda device: pad)
+    g = torch.Generator().manual_seed(3)
+    args = (torch.randn(1, 24, 2, 6, 8, generator=g), torch.randn(1, 32, 2, 5, generator=g),
+            torch.randn(1, 7, 5120, generator=g), 0.6)
+    return m, m(*args)
+
+
+def test_sage_v_pad_buffer_is_a_no_op_with_reference_attention():
+    """sage_v_pad='buffer' only acts with sage2 on sm_90; on the CPU (reference attention) the stack
+    output is identical to the default."""
+    m_off, (v0, a0) = _stack_forward(RuntimeOptions(**CPU))
+    m_on, (v1, a1) = _stack_forward(RuntimeOptions(**CPU, sage_v_pad="buffer"))
+    assert m_on.stack.sage_v_pad == "buffer" and m_on.stack.qkv_pad_rows(torch.device("cpu")) == 1
+    assert torch.equal(v0, v1) and torch.equal(a0, a1)
+
+
+def test_sage_v_pad_buffer_plumbing_zero_tail_equals_default(monkeypatch):
+    """The padded path forced on the CPU: the QKV producer pads its rows to 128 with zero codes, the GEMM
+    writes a zero tail, norm+RoPE run on the first S rows and attention gets the buffer with seq_len=S."""
+    import h3_blackwell.runtime.stack as st
+
+    seen = []
+    real = st.attention
+
+    def spy(qkv, heads, head_dim, backend, **kw):
+        seen.append((qkv.shape[0], kw.get("seq_len"), kw.get("sage_v_pad"), bool(qkv[kw.get("seq_len") or 0:].any())))
+        return real(qkv, heads, head_dim, backend, **kw)
+
+    monkeypatch.setattr(st, "attention", spy)
+    _, (v0, a0) = _stack_forward(RuntimeOptions(**CPU))
+    ref_seen = list(seen)
+    seen.clear()
+    _, (v1, a1) = _stack_forward(RuntimeOptions(**CPU, sage_v_pad="buffer"), monkeypatch, pad=128)
+    assert ref_seen and all(r[1] is None and r[2] is None for r in ref_seen)
+    assert len(seen) == len(ref_seen)
+    for (rows, s, mode, tail_nonzero), (s0, *_rest) in zip(seen, ref_seen):
+        assert (s, mode) == (s0, "buffer") and rows == -(-s0 // 128) * 128 and not tail_nonzero
+    # same NVFP4 codes; the GEMM may sum in another order with more rows: fp32 rounding at most
+    for a, b in ((v0, v1), (a0, a1)):
+        assert float((a - b).norm() / b.norm()) < 1e-6
+
+
+def test_qkv_producers_pad_rows_zero_tail():
+    from h3_blackwell.runtime.ops import fp8_producers as f8
+    from h3_blackwell.runtime.ops import quant_kernels as qk
+
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(50, 64, generator=g), torch.randn(64, generator=g)
+    sc, sh = torch.randn(1, 64, generator=g), torch.randn(1, 64, generator=g)
+    segs = [(0, 50, 0)]
+    a1 = qk.rms_modulate_quantize(x, w, sc, sh, segs, 1e-6)
+    a128 = qk.rms_modulate_quantize(x, w, sc, sh, segs, 1e-6, pad_rows=128)
+    assert a128.packed.shape[0] == 128 and torch.equal(a128.packed[:50], a1.packed) and not a128.packed[50:].any()
+    o1, r1 = f8.rms_modulate_fp8(x, w, sc, sh, segs, 1e-6)
+    o128, r128 = f8.rms_modulate_fp8(x, w, sc, sh, segs, 1e-6, pad_rows=128)
+    assert o128.shape == (128, 64) and r128.shape == (128,)
+    assert torch.equal(o128[:50].view(torch.uint8), o1.view(torch.uint8)) and torch.equal(r128[:50], r1)
+    assert not o128[50:].view(torch.uint8).any() and torch.equal(r128[50:], torch.ones(78))

@@ -20,6 +20,14 @@ sage1          sageattention 1.0.6 (PyPI, Triton). It subtracts K's mean IN PLAC
                gets a private contiguous copy of K; q and v stay views. One [S, H*D] copy per call.
 ============== ===========================================================================================
 
+V padding on sm_90 (``sage_v_pad``, RuntimeOptions.sage_v_pad / H3_SAGE_V_PAD). SA2's sm_90 wrapper pads V to
+a multiple of 128 rows with ``torch.cat`` when ``S % 128 != 0`` (one copy of V per call; at S = 37,810 always).
+``"library"`` (default) calls the wrapper as above. ``"buffer"`` (sm_90 sage2, head_dim 64 or 128, strided
+layout; a no-op elsewhere) has the caller pass a qkv buffer of at least ``roundup(S, 128)`` rows whose rows
+``>= S`` are ZERO plus the logical ``seq_len=S``; the wrapper then runs the wrapper's own stages itself
+(:func:`_sage2_sm90_buffer`: K mean, per-warp int8 q/k, ``per_channel_fp8`` of V, the sm_90 kernel) with V a
+``roundup(S, 128)``-row view of the buffer: the same inputs the library builds with its copy, so no copy.
+
 SageAttention 1 and 2 are both the Python package ``sageattention``; they cannot share a
 site-packages. Install SA2 normally; load SA1 from its wheel or an unpacked folder with
 :func:`use_sage1_from` (it is imported under a private module name).
@@ -50,6 +58,7 @@ __all__ = [
     "attention_flops",
     "backend_table",
     "choose_attention_backend",
+    "padded_rows",
     "qkv_views",
     "rel_l2",
     "use_sage1_from",
@@ -57,6 +66,9 @@ __all__ = [
 
 BACKENDS = ("sage2", "sage1", "sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math", "reference")
 LAYOUTS = ("strided_nhd", "contiguous")
+SAGE_V_PADS = ("library", "buffer")
+SAGE2_SM90_FN = "sageattn_qk_int8_pv_fp8_cuda_sm90"
+SAGE2_V_ROWS = 128  # the sm_90 wrapper pads V's sequence dimension to a multiple of this
 
 # rel-L2 of each backend's output against the fp32 reference on random N(0,1) q, k, v (bf16), with the
 # reason. Random Gaussian inputs are the worst case for the quantized kernels: the softmax is nearly flat,
@@ -76,7 +88,7 @@ TOLERANCE: dict[str, tuple[float, str]] = {
 
 _SAGE2_PLANS = {
     # compute capability -> (function, kwargs, extension flag in sageattention.core)
-    (9, 0): ("sageattn_qk_int8_pv_fp8_cuda_sm90", {"qk_quant_gran": "per_warp", "pv_accum_dtype": "fp32+fp32"}, "SM90_ENABLED"),
+    (9, 0): (SAGE2_SM90_FN, {"qk_quant_gran": "per_warp", "pv_accum_dtype": "fp32+fp32"}, "SM90_ENABLED"),
     (8, 9): ("sageattn_qk_int8_pv_fp8_cuda", {"qk_quant_gran": "per_warp", "pv_accum_dtype": "fp32+fp16"}, "SM89_ENABLED"),
     (10, 0): ("sageattn_qk_int8_pv_fp8_cuda", {"qk_quant_gran": "per_warp", "pv_accum_dtype": "fp32+fp16"}, "SM89_ENABLED"),
     (12, 0): ("sageattn_qk_int8_pv_fp8_cuda", {"qk_quant_gran": "per_warp", "pv_accum_dtype": "fp32+fp16"}, "SM89_ENABLED"),
@@ -323,6 +335,8 @@ def attention(
     *,
     scale: Optional[float] = None,
     layout: str = "strided_nhd",
+    seq_len: Optional[int] = None,
+    sage_v_pad: str = "library",
 ) -> torch.Tensor:
     """Full unmasked attention over ``qkv [S, 3*H*D]`` -> ``[S, H*D]`` in qkv's dtype.
 
@@ -330,8 +344,22 @@ def attention(
     :func:`choose_attention_backend`). ``layout="strided_nhd"`` hands the backend views of qkv (no
     copies of q, k or v; sage1 alone gets a private copy of K). ``layout="contiguous"`` copies q, k, v
     first (diagnostics / A-B only). The caller's ``qkv`` is never modified.
+
+    ``seq_len``: the logical S when ``qkv`` has more rows (a padded buffer); only its first S rows are
+    attended and returned. ``sage_v_pad``: ``"library"`` | ``"buffer"`` (module docstring): with
+    ``"buffer"`` on sm_90 sage2, ``qkv`` must have at least ``roundup(S, 128)`` rows and rows ``>= S``
+    must be zero (not checked: that would cost a pass and a sync); elsewhere it changes nothing.
     """
     s = _check_qkv(qkv, heads, head_dim)
+    if sage_v_pad not in SAGE_V_PADS:
+        raise ValueError(f"sage_v_pad {sage_v_pad!r}: expected one of {', '.join(SAGE_V_PADS)}")
+    buf = qkv
+    if seq_len is not None:
+        if not 0 < int(seq_len) <= s:
+            raise ValueError(f"seq_len={seq_len}: expected 1..{s} (the rows of qkv)")
+        if int(seq_len) != s:
+            s = int(seq_len)
+            qkv = qkv[:s]  # a view: the logical rows
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r}: expected one of {', '.join(BACKENDS)}")
     if layout not in LAYOUTS:
@@ -366,6 +394,8 @@ def attention(
         if mod is None:
             raise RuntimeError(why)
         fn_name, kwargs, _ = _sage2_plan(_capability(qkv.device))
+        if sage_v_pad == "buffer" and fn_name == SAGE2_SM90_FN and layout == "strided_nhd" and head_dim in (64, 128):
+            return _sage2_sm90_buffer(mod, buf, s, heads, head_dim, scale).reshape(s, hd)
         o = getattr(mod, fn_name)(q, k, v, tensor_layout="NHD", is_causal=False, sm_scale=scale, smooth_k=True, **kwargs)
         return o.reshape(s, hd)
 
@@ -376,6 +406,42 @@ def attention(
     k_own = k.clone(memory_format=torch.contiguous_format)
     o = mod.sageattn(q, k_own, v, tensor_layout="NHD", is_causal=False, sm_scale=scale, smooth_k=True)
     return o.reshape(s, hd)
+
+
+def padded_rows(seq: int) -> int:
+    """roundup(seq, 128): the rows of V that SageAttention2's sm_90 kernel reads."""
+    return -(-seq // SAGE2_V_ROWS) * SAGE2_V_ROWS
+
+
+def _sage2_sm90_buffer(mod, buf: torch.Tensor, s: int, heads: int, head_dim: int, scale: float) -> torch.Tensor:
+    """The stages of ``sageattn_qk_int8_pv_fp8_cuda_sm90`` for our one configuration (NHD, non-causal,
+    per_warp q/k, fp32+fp32 PV, smooth_k, no lse, head_dim 64 or 128 so no head padding), called in its
+    order with its arguments, except that V is a ``[1, roundup(S,128), H, D]`` view of the caller's
+    zero-tailed buffer instead of ``torch.cat([v, zeros])``: the same values, so the same outputs, and no
+    copy. Returns o ``[1, S, H, D]``."""
+    rows = padded_rows(s)
+    if buf.shape[0] < rows:
+        raise ValueError(
+            f"sage_v_pad='buffer' needs a qkv buffer of at least roundup(S, 128) = {rows} rows (rows >= S zero) "
+            f"for S={s}; found {buf.shape[0]} rows")
+    core = getattr(mod, "core", None)
+    missing = [n for n in ("per_warp_int8_cuda", "per_channel_fp8", "sm90_compile") if not hasattr(core, n)]
+    if missing:
+        raise RuntimeError(f"sage_v_pad='buffer': sageattention.core lacks {', '.join(missing)} "
+                           f"(installed {_dist_version()}); use sage_v_pad='library'")
+    q, k, _ = qkv_views(buf[:s], heads, head_dim)
+    v = qkv_views(buf[:rows], heads, head_dim)[2]  # rows >= s are zero: the library's padding, in place
+    if v.is_cuda:
+        torch.cuda.set_device(v.device)  # as the library wrapper does
+    km = k.mean(dim=1, keepdim=True)  # smooth_k; NHD: sequence dim 1; H_q == H_kv so no repeat
+    q_int8, q_scale, k_int8, k_scale = core.per_warp_int8_cuda(q, k, km, tensor_layout="NHD", BLKQ=64, WARPQ=16,
+                                                               BLKK=128)
+    o = torch.empty(q.size(), dtype=q.dtype, device=q.device)
+    v_fp8, v_scale, _ = core.per_channel_fp8(v, tensor_layout="NHD", smooth_v=False)
+    # (q_int8, k_int8, v_fp8, o, q_scale, k_scale, v_scale, layout NHD=0, causal=0, per_warp=2, sm_scale, lse=0)
+    core.sm90_compile.qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf(
+        q_int8, k_int8, v_fp8, o, q_scale, k_scale, v_scale, 0, 0, 2, scale, 0)
+    return o
 
 
 # ----------------------------------------------------------------------------------------------

@@ -331,13 +331,38 @@ def quantize_fp8(x: torch.Tensor, *, backend: str = "auto", scheme: str = "auto"
     return out, rs
 
 
+def _pad_outputs(out: torch.Tensor, rs: torch.Tensor, s: int, pad_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[S, K] e4m3 and [S] scales -> [roundup(S, pad_rows), K] / [roundup(S, pad_rows)]: zero codes and scale
+    1.0 past S (the reference path; the kernel path allocates the padded outputs up front)."""
+    rows = qk._cdiv(s, pad_rows) * pad_rows
+    if rows == s:
+        return out, rs
+    o2, r2 = _padded_outputs(s, out.shape[1], out.device, pad_rows)
+    o2[:s].copy_(out)
+    r2[:s].copy_(rs)
+    return o2, r2
+
+
+def _padded_outputs(s: int, k: int, device, pad_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = qk._cdiv(s, pad_rows) * pad_rows
+    out = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=device)
+    rs = torch.empty(rows, dtype=torch.float32, device=device)
+    if rows > s:
+        out[s:].view(torch.uint8).zero_()  # zero codes: a GEMM on them writes zero rows (no bias)
+        rs[s:].fill_(1.0)
+    return out, rs
+
+
 def rms_modulate_fp8(x: torch.Tensor, weight: torch.Tensor | None, scale_rows: torch.Tensor,
                      shift_rows: torch.Tensor, segments: Sequence[Sequence[int]], eps: float, *,
-                     backend: str = "auto", scheme: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+                     backend: str = "auto", scheme: str = "auto", pad_rows: int = 1
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm(x) * weight -> per-segment modulate -> e4m3 rowwise, in one kernel launch.
 
     Arguments as ``quant_kernels.rms_modulate_quantize`` (segments: (start, stop, row) triples tiling
     [0, S) in order). Output equals ``fp8_rowwise_reference(rms_modulate_reference(...))`` bit for bit.
+    ``pad_rows`` > 1: outputs of ``roundup(S, pad_rows)`` rows, zero codes and row scale 1.0 past S (the
+    zero-tailed qkv buffer of ``RuntimeOptions.sage_v_pad="buffer"``).
     """
     _check_scheme(scheme)
     segs = qk._check_norm_inputs(x, weight, scale_rows, shift_rows, segments)
@@ -347,8 +372,9 @@ def rms_modulate_fp8(x: torch.Tensor, weight: torch.Tensor | None, scale_rows: t
     if k == 0:
         raise ValueError("rms_modulate_fp8 needs K >= 1")
     if qk._pick_backend(backend, x.device) == "reference":
-        return rms_modulate_fp8_reference(x, weight, scale_rows, shift_rows, segs, eps)
-    out, rs = _outputs(s, k, x.device)
+        out, rs = rms_modulate_fp8_reference(x, weight, scale_rows, shift_rows, segs, eps)
+        return _pad_outputs(out, rs, s, pad_rows) if pad_rows > 1 else (out, rs)
+    out, rs = _outputs(s, k, x.device) if pad_rows <= 1 else _padded_outputs(s, k, x.device, pad_rows)
     if s == 0:
         return out, rs
     _, bm, bk, nkt, nw = _tiles("rms", k, x.device, scheme)

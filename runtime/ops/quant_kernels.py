@@ -576,19 +576,21 @@ def quantize(x: torch.Tensor, global_scale: torch.Tensor | float | None = None, 
 
 def rms_modulate_quantize(x: torch.Tensor, weight: torch.Tensor | None, scale_rows: torch.Tensor,
                           shift_rows: torch.Tensor, segments: Sequence[Sequence[int]], eps: float,
-                          global_scale: torch.Tensor | float | None = None, *, backend: str = "auto"
-                          ) -> nv.NVFP4Tensor:
+                          global_scale: torch.Tensor | float | None = None, *, backend: str = "auto",
+                          pad_rows: int = 1) -> nv.NVFP4Tensor:
     """RMSNorm(x) * weight -> per-segment modulate -> NVFP4, in one kernel (two with dynamic scale).
 
     x [S, K] float; weight [K] or None; scale_rows / shift_rows [rows, K] (e.g. the block's
     scale_msa / shift_msa rows for every (t, modality) row); segments: (start, stop, row) triples that
-    tile [0, S) in order. Output bytes equal ``nvfp4.quantize(rms_modulate_reference(...), g, pad_rows=1)``.
+    tile [0, S) in order. Output bytes equal ``nvfp4.quantize(rms_modulate_reference(...), g, pad_rows=pad_rows)``:
+    ``pad_rows=128`` gives packed ``[roundup(S, 128), K/2]`` with zero rows, so a GEMM on it writes zero rows
+    past S (the zero-tailed qkv buffer of ``RuntimeOptions.sage_v_pad="buffer"``).
     """
     segs = _check_norm_inputs(x, weight, scale_rows, shift_rows, segments)
     if _pick_backend(backend, x.device) == "reference":
         h = rms_modulate_reference(x, weight, scale_rows, shift_rows, segs, eps)
         g = nv.global_scale(h) if global_scale is None else _global(global_scale, x)
-        return nv.quantize(h, g, pad_rows=1)
+        return nv.quantize(h, g, pad_rows=pad_rows)
     s, k = x.shape
     rp, rs, kp, cp = _geometry(s, k)
     bm, bk, nw = _tiles(x.device)["norm"]
@@ -601,7 +603,7 @@ def rms_modulate_quantize(x: torch.Tensor, weight: torch.Tensor | None, scale_ro
                   T_KIND=_KIND[scale_rows.dtype], BM=bm, BK=bk, NKT=nkt, NSEG=nseg, num_warps=nw)
     if shift_rows.dtype != scale_rows.dtype:
         raise TypeError(f"scale_rows ({scale_rows.dtype}) and shift_rows ({shift_rows.dtype}) must share a dtype")
-    packed, scales = _outputs(s, k, x.device)
+    packed, scales = _outputs(s, k, x.device, pad_rows)
     if global_scale is None:
         row_amax = torch.empty(s, dtype=torch.float32, device=x.device)
         _launch("_rms_modulate_kernel", (_cdiv(s, bm),), x, w, scale_rows, shift_rows, seg, eps_t,

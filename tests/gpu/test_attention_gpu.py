@@ -206,3 +206,29 @@ def test_gate_add_kernel_canonical_exact(g_dtype):
     ref = gate_add_reference(x, y, gate, segs)
     gate_add_(x, y, gate, segs)
     assert torch.equal(x, ref), f"{int((x != ref).sum())} elements differ"
+
+
+@pytest.mark.parametrize("s", [CANONICAL[0], 8192])
+def test_sage2_sm90_v_pad_buffer_equals_library_without_copies(s):
+    """sage_v_pad='buffer' vs 'library' on the same q, k, v: expected BITWISE equal — the buffer path runs
+    the same stages with the same arguments, and V's values (S rows then zeros to roundup(S, 128)) are the
+    same; only where they live differs (a view of the caller's buffer vs the library's torch.cat copy). And
+    no copy kernel at all on the buffer path (the library path has one CatArrayBatchedCopy when S % 128)."""
+    _need("sage2")
+    if torch.cuda.get_device_capability(DEV) != (9, 0):
+        pytest.skip("sage_v_pad='buffer' acts on sm_90 only")
+    h, d = CANONICAL[1], CANONICAL[2]
+    rows = A.padded_rows(s)
+    buf = torch.zeros(rows, 3 * h * d, device=DEV, dtype=torch.bfloat16)
+    buf[:s] = _qkv(s, h, d, seed=3)
+    before = buf.clone()
+    lib = attention(buf[:s], h, d, "sage2")
+    got = attention(buf, h, d, "sage2", seq_len=s, sage_v_pad="buffer")
+    torch.cuda.synchronize()
+    assert torch.equal(got, lib), f"max |diff| {float((got.float() - lib.float()).abs().max())}"
+    assert torch.equal(buf, before)
+    kernels = _copy_kernels(lambda: attention(buf, h, d, "sage2", seq_len=s, sage_v_pad="buffer"))
+    lib_kernels = _copy_kernels(lambda: attention(buf[:s], h, d, "sage2"))
+    print(f"\nS={s}: buffer copy kernels {kernels}; library copy kernels {lib_kernels}")
+    assert kernels == []
+    assert len(lib_kernels) == (1 if s % 128 else 0)
