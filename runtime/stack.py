@@ -206,43 +206,31 @@ class Nvfp4Stack:
 
         return modulate_(rms_norm(x, norm.weight, norm.eps), shift, scale, segs)
 
-    # -- one block -----------------------------------------------------------------------------------
-    def block(self, i: int, blk, x: torch.Tensor, mod: torch.Tensor, segs, cos, sin) -> torch.Tensor:
+    # -- the three steps that depend on the activation format ---------------------------------------
+    def _norm_linear(self, lin: Nvfp4Linear, x, norm, shift, scale, segs, pad_rows: int = 1) -> torch.Tensor:
+        """a/g + b/h: RMSNorm(x) -> modulate -> quantize (NVFP4, or e4m3 rowwise for act_format fp8) in one
+        producer, then the layer's GEMM on those bytes. pad_rows > 1: zero activation rows past S, so the
+        GEMM output has zero rows there too (no bias)."""
         if self.act_format == "fp8":
-            return self.block_fp8(i, blk, x, mod, segs, cos, sin)
-        c = self.cfg
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mod.chunk(6, dim=-1)
-        s_qkv, s_fc1, s_fc2 = self._sides(blk)
-        pad = self.qkv_pad_rows(x.device)
-        a = qk.rms_modulate_quantize(x, blk.norm1.weight, scale_msa, shift_msa, segs, c.eps,
-                                     self._input_scale(blk.attn.qkv_proj), **({"pad_rows": pad} if pad > 1 else {}))
-        qkv_buf = blk.attn.qkv_proj.forward_quantized(a.packed, a.scales, a.global_scale)
-        del a
-        qkv = self._logical(qkv_buf, x.shape[0], pad, blk.attn.qkv_proj)
-        if s_qkv is not None:
-            s_qkv.add_(self._modulated(x, blk.norm1, shift_msa, scale_msa, segs), qkv)
-        self._norm_rope(blk, qkv, cos, sin)
-        o = self._attention(qkv_buf, x.shape[0], pad)
-        del qkv, qkv_buf
-        y = blk.attn.out_proj(o)
-        del o
-        self._gate_add(x, y, gate_msa, segs)
-        del y
-        a = qk.rms_modulate_quantize(x, blk.norm2.weight, scale_mlp, shift_mlp, segs, c.eps,
-                                     self._input_scale(blk.mlp.fc1))
-        h = blk.mlp.fc1.forward_quantized(a.packed, a.scales, a.global_scale)
-        del a
-        if s_fc1 is not None:
-            s_fc1.add_(self._modulated(x, blk.norm2, shift_mlp, scale_mlp, segs), h)
+            a8, ra = f8.rms_modulate_fp8(x, norm.weight, scale, shift, segs, self.cfg.eps, pad_rows=pad_rows)
+            return lin.forward_fp8(a8, ra)
+        a = qk.rms_modulate_quantize(x, norm.weight, scale, shift, segs, self.cfg.eps, self._input_scale(lin),
+                                     pad_rows=pad_rows)
+        return lin.forward_quantized(a.packed, a.scales, a.global_scale)
+
+    def _out_proj(self, lin: Nvfp4Linear, o: torch.Tensor) -> torch.Tensor:
+        """e: quantize(o) -> out_proj (called as a module for NVFP4 activations, so its hooks run)."""
+        return self._out_proj_fp8(lin, o) if self.act_format == "fp8" else lin(o)
+
+    def _mlp_out(self, i: int, blk, h: torch.Tensor) -> torch.Tensor:
+        """i + j: silu(gate) * up -> quantize -> FC2. NVFP4: through the guarded dispatcher on the producer's
+        bytes (padded to 16 rows); fp8: the layer directly (the pinned FC2 takes NVFP4 bytes only)."""
+        if self.act_format == "fp8":
+            s8, rs = f8.swiglu_fp8(h)
+            self.fc2_direct_calls += 1
+            return blk.mlp.fc2.forward_fp8(s8, rs)
         s_q = qk.swiglu_quantize(h, self._input_scale(blk.mlp.fc2), pad_rows=16)
-        m = self._fc2(i, blk, s_q)
-        del s_q
-        if s_fc2 is not None:
-            gate, up = h.chunk(2, dim=-1)
-            s_fc2.add_(F.silu(gate) * up, m)
-        del h
-        self._gate_add(x, m, gate_mlp, segs)
-        return x
+        return self._fc2(i, blk, s_q)
 
     def _out_proj_fp8(self, lin: Nvfp4Linear, o: torch.Tensor) -> torch.Tensor:
         """e: quantize_fp8(o) -> out_proj, plus what calling the module would add: pre_quant_scale and a
@@ -260,35 +248,27 @@ class Nvfp4Stack:
             side.add_(src, y)
         return y
 
-    def block_fp8(self, i: int, blk, x: torch.Tensor, mod: torch.Tensor, segs, cos, sin) -> torch.Tensor:
-        """The W4A8 block: the steps of ``block`` with e4m3 rowwise activations (module docstring)."""
-        c = self.cfg
+    # -- one block -----------------------------------------------------------------------------------
+    def block(self, i: int, blk, x: torch.Tensor, mod: torch.Tensor, segs, cos, sin) -> torch.Tensor:
+        """One block, in place on x (module docstring); the activation format picks the producers and GEMMs."""
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mod.chunk(6, dim=-1)
         s_qkv, s_fc1, s_fc2 = self._sides(blk)
         pad = self.qkv_pad_rows(x.device)
-        a8, ra = f8.rms_modulate_fp8(x, blk.norm1.weight, scale_msa, shift_msa, segs, c.eps,
-                                     **({"pad_rows": pad} if pad > 1 else {}))
-        qkv_buf = blk.attn.qkv_proj.forward_fp8(a8, ra)
-        del a8, ra
+        qkv_buf = self._norm_linear(blk.attn.qkv_proj, x, blk.norm1, shift_msa, scale_msa, segs, pad)
         qkv = self._logical(qkv_buf, x.shape[0], pad, blk.attn.qkv_proj)
         if s_qkv is not None:
             s_qkv.add_(self._modulated(x, blk.norm1, shift_msa, scale_msa, segs), qkv)
         self._norm_rope(blk, qkv, cos, sin)
         o = self._attention(qkv_buf, x.shape[0], pad)
         del qkv, qkv_buf
-        y = self._out_proj_fp8(blk.attn.out_proj, o)
+        y = self._out_proj(blk.attn.out_proj, o)
         del o
         self._gate_add(x, y, gate_msa, segs)
         del y
-        a8, ra = f8.rms_modulate_fp8(x, blk.norm2.weight, scale_mlp, shift_mlp, segs, c.eps)
-        h = blk.mlp.fc1.forward_fp8(a8, ra)
-        del a8, ra
+        h = self._norm_linear(blk.mlp.fc1, x, blk.norm2, shift_mlp, scale_mlp, segs)
         if s_fc1 is not None:
             s_fc1.add_(self._modulated(x, blk.norm2, shift_mlp, scale_mlp, segs), h)
-        s8, rs = f8.swiglu_fp8(h)
-        m = blk.mlp.fc2.forward_fp8(s8, rs)  # FC2 Lt path not applicable (act_format fp8): no dispatcher
-        self.fc2_direct_calls += 1
-        del s8, rs
+        m = self._mlp_out(i, blk, h)
         if s_fc2 is not None:
             gate, up = h.chunk(2, dim=-1)
             s_fc2.add_(F.silu(gate) * up, m)
