@@ -89,3 +89,12 @@ def time_ms(fn, iters: int, warmup: int) -> dict:
     torch.cuda.synchronize()
     ts = [a.elapsed_time(b) for a, b in ev]
     return {"median": statistics.median(ts), "min": min(ts), "all": [round(t, 4) for t in ts]}
+
+
+def bench_copy(dev, nbytes: int, iters: int, warmup: int) -> dict:
+    """Device copy bandwidth on ``nbytes`` (read + write), the reference the producers are compared to."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev).normal_()
+    dst = torch.empty_like(src)
+    t = time_ms(lambda: dst.copy_(src), iters, warmup)
+    return {"bytes_copied": nbytes, "ms": round(t["median"], 4),
+            "GBps_read_plus_write": round(2 * nbytes / (t["median"] * 1e-3) / 1e9, 1)}

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _h3bench import time_ms  # noqa: E402  (also makes the checkout importable as h3_blackwell)
+from _h3bench import bench_copy, time_ms  # noqa: E402  (also makes the checkout importable as h3_blackwell)
 
 from h3_blackwell.runtime.ops import linear as L  # noqa: E402
 from h3_blackwell.runtime.ops import nvfp4 as nv  # noqa: E402
@@ -73,13 +73,6 @@ def versions() -> dict:
             v[key] = None
     return v
 
-
-def bench_copy(dev, nbytes: int, iters: int, warmup: int) -> dict:
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev).normal_()
-    dst = torch.empty_like(src)
-    t = time_ms(lambda: dst.copy_(src), iters, warmup)
-    return {"bytes_copied": nbytes, "ms": round(t["median"], 4),
-            "GBps_read_plus_write": round(2 * nbytes / (t["median"] * 1e-3) / 1e9, 1)}
 
 
 def _gemm_entry(t: dict, flops: float, **extra) -> dict:
