@@ -113,6 +113,29 @@ def load_model(path: str | Path | None = None, options: RuntimeOptions | None = 
     return rt
 
 
+def apply_tile_table(path: str | Path) -> dict:
+    """Install the producer tile table at ``path`` (written by bench/producers_h200.py --tiles-out) ->
+    {"choice", "reason"}. Tiles change speed only. A missing or malformed file raises H3Error naming it."""
+    import json
+
+    from .errors import H3Error
+    from .ops import fp8_producers as f8
+    from .ops import quant_kernels as qk
+
+    try:
+        table = json.loads(Path(path).read_text())
+        if not isinstance(table, dict):
+            raise ValueError(f"expected a JSON object, found {type(table).__name__}")
+        installed = f8.set_tile_table(table)
+        fp8 = qk.set_fp8_tiles(table.get("to_fp8_rowwise"))
+    except (OSError, ValueError) as e:
+        raise H3Error(f"producer tile table {path}: {e}; write one with bench/producers_h200.py --tiles-out, "
+                      "or unset H3_PRODUCER_TILES for the built-in tiles") from e
+    if fp8:
+        installed["to_fp8_rowwise"] = list(fp8)
+    return {"choice": str(path), "reason": f"measured on {table.get('device', '?')}: {installed}"}
+
+
 def prepare_nvfp4(rt: H3Runtime) -> None:
     """Make the block linears NVFP4 (quantized on the device, one layer at a time, unless already NVFP4),
     install the NVFP4 block stack and, on CUDA, the guarded FC2 dispatcher (prepared before any capture)."""
@@ -140,6 +163,8 @@ def prepare_nvfp4(rt: H3Runtime) -> None:
     rt.model.stack = Nvfp4Stack(rt.model, attn, rt.fc2, o.act_scale, act_format=o.act_format,
                                 sage_v_pad=o.sage_v_pad)
     rt.backends["act_format"] = {"choice": rt.model.stack.act_format, "reason": rt.model.stack.act_format_reason}
+    if o.producer_tiles:
+        rt.backends["producer_tiles"] = apply_tile_table(o.producer_tiles)
     if o.adaln_cache and rt.device.type == "cuda" and not rt.config.curve_form:
         moved = rt.model.offload_adaln()
         rt.backends["adaln"] = {"choice": "rows per run",

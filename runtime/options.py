@@ -29,6 +29,7 @@ _ENV = {
     "adaln_cache": ("H3_ADALN_CACHE", "bool"),
     "cache_dir": ("H3_CACHE_DIR", str),
     "quantize": ("H3_NVFP4", "bool"),
+    "producer_tiles": ("H3_PRODUCER_TILES", str),
 }
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -56,6 +57,8 @@ class RuntimeOptions:
     sage_v_pad: library (SageAttention2's sm90 wrapper pads V with torch.cat: one copy of V per call) |
                buffer (sm90 sage2 only: the QKV GEMM writes roundup(S, 128) rows, zero tail, and the
                wrapper calls Sage2's stages itself on that buffer: no copy; see ops.attention)
+    producer_tiles: path of a measured tile table for the producers (bench/producers_h200.py
+               --tiles-out); speed only, the bytes are the same with any tiles
     fc2_lt:    the guarded cuBLASLt FC2 path (H3_NVFP4_FC2_LT_SPLITK1); strict raises instead of falling back
     dtype:     compute dtype of the block stack (bfloat16 on GPU, float32 on CPU by default)
     """
@@ -77,6 +80,7 @@ class RuntimeOptions:
     qkv_layout: str = "strided_nhd"
     sage_v_pad: str = "library"
     adaln_cache: bool = True
+    producer_tiles: str = ""  # a tile table JSON from bench/producers_h200.py --tiles-out ("" = built-in tiles)
     cache_dir: str = field(default_factory=lambda: os.path.join(os.path.expanduser("~"), ".cache", "h3_blackwell"))
 
     _CHOICES = {

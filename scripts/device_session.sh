@@ -6,6 +6,9 @@
 #   bash scripts/device_session.sh C    sage2 build + FC2 bench + the canonical benchmark (CANON_ARGS, CANON_TIMEOUT)
 #   bash scripts/device_session.sh D    sage2 build + W4A8 producer GPU tests + 50-block forward for both
 #                                       activation formats (the next step of bench/NOTES.md)
+#   bash scripts/device_session.sh E    sage2 build + producer tile sweep (-> tile table) + W4A8/V-pad GPU tests
+#                                       + the W4A8 50-block forward with the measured tiles and no V copy
+#   bash scripts/device_session.sh F    the canonical benchmark alone (CANON_ARGS; sage2 built if missing)
 # Carry .sage (SageAttention source) and .whl (diffusers + deps, sageattention 1.0.6). Logs and JSONs go to
 # $OUT (at most 8 files come back).
 set -u
@@ -74,6 +77,32 @@ D)
     phase "forward50-$fmt (H3_SAGE_V_PAD=buffer: no V copy)"
     H3_SAGE_V_PAD=buffer timeout 180 python3 bench/forward50_h200.py --gemm fp8 --act-format $fmt --out "$OUT/forward50-$fmt.json" 2>&1 | tail -4 >> "$LOG"
   done
+  ;;
+E)
+  # producers: tile sweep -> a measured tile table (H3_PRODUCER_TILES), bytes vs the reference on the GPU;
+  # then the Sage2 V-pad buffer tests and the W4A8 50-block forward with both
+  ( bash scripts/device_build_sage2.sh .sage /tmp/site > "$OUT/sage_build.log" 2>&1; echo "sage build rc=$?" >> "$OUT/sage_build.log" ) &
+  SAGE=$!
+  phase producers-sweep
+  timeout 240 python3 bench/producers_h200.py --out "$OUT/producers-h200.json" --tiles-out /tmp/tiles.json 2>&1 | tail -12 >> "$LOG"
+  cp /tmp/tiles.json "$OUT/producer-tiles-h200.json" 2>>"$LOG"
+  phase fp8-producer-gpu-tests
+  timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_fp8_producers_gpu.py -rs 2>&1 | tail -8 >> "$LOG"
+  timeout 120 python3 -m pytest -q tests/test_fp8_producers.py tests/test_quant_kernels.py -k "fp8 or tie or tile" 2>&1 | tail -6 >> "$LOG"
+  timeout 100 python3 -m pytest -q -m gpu tests/gpu/test_nvfp4_gpu.py -k "fp8" 2>&1 | tail -4 >> "$LOG"
+  wait $SAGE; tail -2 "$OUT/sage_build.log" >> "$LOG"
+  phase sage-v-pad-buffer-tests
+  timeout 120 python3 -m pytest -q -m gpu tests/gpu/test_attention_gpu.py -k "v_pad_buffer or strided_path_makes_no_qkv_copies" -rs 2>&1 | tail -8 >> "$LOG"
+  phase "forward50-fp8 (H3_SAGE_V_PAD=buffer, measured tiles)"
+  H3_PRODUCER_TILES=/tmp/tiles.json H3_SAGE_V_PAD=buffer timeout 200 python3 bench/forward50_h200.py --gemm fp8 \
+    --act-format fp8 --out "$OUT/forward50-h200.json" 2>&1 | tail -4 >> "$LOG"
+  ;;
+F)
+  # the canonical benchmark with CANON_ARGS and the environment given (e.g. H3_PRODUCER_TILES, H3_SAGE_V_PAD);
+  # on a machine still warm from E the sage build is already there
+  bash scripts/device_build_sage2.sh .sage /tmp/site > "$OUT/sage_build.log" 2>&1; tail -2 "$OUT/sage_build.log" >> "$LOG"
+  phase canonical
+  timeout "${CANON_TIMEOUT:-$(( 585 - SECONDS ))}" python3 bench/canonical.py --out "$OUT/canonical-h200.json" ${CANON_ARGS:-} 2>&1 | tail -8 >> "$LOG"
   ;;
 esac
 phase done

@@ -154,6 +154,51 @@ def test_producers_reject_bad_inputs():
 
 
 # ----------------------------------------------------------------------------------------------
+# measured tile tables (bench/producers_h200.py --tiles-out -> H3_PRODUCER_TILES)
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cand", [("row", 2, 128, 1, 4), ("loop", 4, 32, 3, 2), ("loop", 1, 16, 5, 1)])
+def test_any_tile_configuration_writes_the_same_bytes(monkeypatch, cand):
+    """A tile table only changes speed: other row blocks / tile widths (including ones the bench sweeps)
+    give the reference's bytes (K=70: not a multiple of any tile)."""
+    monkeypatch.setattr(f8, "_tiles", lambda op, k, device, scheme: cand)
+    x = _magnitudes(_rand((9, 70), torch.bfloat16, 11), 12)
+    _same(f8.quantize_fp8(x, backend="triton"), f8.quantize_fp8(x, backend="reference"))
+    h = _rand((9, 140), torch.bfloat16, 13, 3.0)
+    _same(f8.swiglu_fp8(h, backend="triton"), f8.swiglu_fp8(h, backend="reference"))
+
+
+def test_tile_table_is_used_for_auto_on_cuda_only(tmp_path):
+    from h3_blackwell.runtime.engine import apply_tile_table
+    from h3_blackwell.runtime.errors import H3Error
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    builtin = f8._tiles("rms", 5376, cuda, "auto")
+    try:
+        p = tmp_path / "tiles.json"
+        p.write_text('{"device": "NVIDIA H200", "rms": ["row", 1, 8192, 16], "swiglu": ["loop", 8, 512, 4], '
+                     '"to_fp8_rowwise": [8, 512, 4]}')
+        got = apply_tile_table(p)
+        assert "NVIDIA H200" in got["reason"] and got["choice"] == str(p)
+        assert f8._tiles("rms", 5376, cuda, "auto") == ("row", 1, 8192, 1, 16)
+        assert f8._tiles("swiglu", 14336, cuda, "auto") == ("loop", 8, 512, 28, 4)
+        assert f8._tiles("rms", 5376, cuda, "loop") != ("row", 1, 8192, 1, 16)  # an explicit scheme wins
+        assert f8._tiles("rms", 5376, cpu, "auto")[0] == "loop"  # CPU keeps its own tiles
+        assert qk._tiles(cuda)["fp8"] == (8, 512, 4)
+        for bad, word in (('{"rms": ["row", 1, 8000, 16]}', "powers of two"), ('[1, 2]', "JSON object"),
+                          ('{"to_fp8_rowwise": [8, 32, 4]}', "BK >= 64"), ("{", "Expecting")):
+            p.write_text(bad)
+            with pytest.raises(H3Error, match=word):
+                apply_tile_table(p)
+        with pytest.raises(H3Error, match="(?i)no such file.*--tiles-out"):
+            apply_tile_table(tmp_path / "missing.json")
+    finally:
+        f8.set_tile_table(None)
+        qk.set_fp8_tiles(None)
+    assert f8._tiles("rms", 5376, cuda, "auto") == builtin and qk._tiles(cuda)["fp8"] == (16, 256, 4)
+
+
+# ----------------------------------------------------------------------------------------------
 # the GEMM
 # ----------------------------------------------------------------------------------------------
 

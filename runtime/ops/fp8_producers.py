@@ -19,8 +19,11 @@ row y of the fused op (never rounded to bf16 first):
   row_scale = amax / 448 (one correctly rounded fp32 division); where that is 0 or subnormal
               (amax < 448 * 2^-126 ~ 5.3e-36, the all-zero row included) row_scale = 1 instead, so the
               scale is never 0, NaN or subnormal; such a row's elements then all round to +-0
-  code[k]   = e4m3_rne(min(|y[k] / row_scale|, 448)) with y[k]'s sign: the quotient correctly rounded in
-              fp32, then ONE rounding to 3 mantissa bits (nearest, ties to even; e4m3 subnormals below 2^-6)
+  inv       = 1 / row_scale, correctly rounded in fp32 (once per row)
+  code[k]   = e4m3_rne(clamp(y[k] * inv, +-448)): the product rounded in fp32 (within 2 ulp of the exact
+              quotient; a multiply instead of a per-element IEEE division), then ONE rounding to 3 mantissa
+              bits (nearest, ties to even; e4m3 subnormals below 2^-6). On CUDA that rounding is the
+              hardware conversion (cvt.rn.satfinite), elsewhere integer arithmetic; the bytes are the same.
 
 So every activation is rounded once to e4m3: relative error <= 2^-4 per element (absolute <= 2^-10 *
 row_scale in e4m3's subnormal range, i.e. for |y| < amax / 28672). That is strictly more accurate (as a
@@ -46,7 +49,7 @@ divisions per element make a second evaluation the dominant cost of ``loop``), `
 H200 for the NVFP4 producers). Both schemes write identical bytes (tests check both); the H200 bench
 picks between them with ``--fp8-scheme``.
 
-Every step is one correctly rounded IEEE operation (``tl.div_rn``, no FMA contraction: launches pass
+Every step is one correctly rounded IEEE operation (``tl.div_rn`` where it divides, no FMA contraction: launches pass
 ``enable_fp_fusion=False``), so kernel, interpreter and torch reference agree bit for bit. Triton is
 imported on first use; on CPU the kernels run under ``TRITON_INTERPRET=1`` (tests), ``backend="auto"``
 picks Triton for CUDA tensors and the torch reference otherwise.
@@ -69,11 +72,11 @@ SCHEMES = ("auto", "loop", "row")
 _MIN_NORMAL = 1.1754943508222875e-38  # 2^-126
 
 # Bound on first use (see _kernels), as in quant_kernels: the sources resolve `tl` and the helpers through
-# this module's globals; the shared helpers (_ld_f32, _e4m3_rne, _exp_f32) are quant_kernels' own JIT
+# this module's globals; the shared helpers (_ld_f32, _e4m3_code, _exp_f32) are quant_kernels' own JIT
 # functions, read from that module.
 tl = None
 triton = None
-_ld_f32 = _e4m3_rne = _exp_f32 = None  # quant_kernels' JIT helpers, bound in _kernels()
+_ld_f32 = _e4m3_code = _exp_f32 = None  # quant_kernels' JIT helpers, bound in _kernels()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -86,11 +89,12 @@ def _row_scale(amax, BM: tl.constexpr):
     return tl.where(ra < 1.1754943508222875e-38, 1.0, ra)
 
 
-def _e4m3_store(v, ra, r2, c2, m, out_ptr, stride_o, BM: tl.constexpr, BK: tl.constexpr):
-    """Codes of the fp32 tile v [BM, BK] under row scales ra [BM] -> out (uint8 view of e4m3), masked."""
-    q = tl.div_rn(v, tl.broadcast_to(tl.expand_dims(ra, 1), [BM, BK]))
-    code, _ = _e4m3_rne(tl.minimum(tl.abs(q), 448.0))
-    code = code | (((v.to(tl.int32, bitcast=True) >> 31) & 1) << 7)
+def _e4m3_store(v, ra, r2, c2, m, out_ptr, stride_o, BM: tl.constexpr, BK: tl.constexpr, HW: tl.constexpr):
+    """Codes of the fp32 tile v [BM, BK] under row scales ra [BM] -> out (uint8 view of e4m3), masked:
+    e4m3_rne(clamp(v * (1 / ra), +-448)), the reciprocal correctly rounded once per row."""
+    inv = tl.div_rn(tl.full([BM], 1.0, tl.float32), ra)
+    q = v * tl.broadcast_to(tl.expand_dims(inv, 1), [BM, BK])
+    code = _e4m3_code(tl.minimum(tl.maximum(q, -448.0), 448.0), HW)
     tl.store(out_ptr + r2 * stride_o + c2, code.to(tl.uint8), mask=m)
 
 
@@ -116,7 +120,7 @@ def _silu_mul(a, up, m):
 
 
 def _quantize_fp8_kernel(x_ptr, out_ptr, rs_ptr, S, K, stride_x, stride_o, X_KIND: tl.constexpr,
-                         BM: tl.constexpr, BK: tl.constexpr, NKT: tl.constexpr):
+                         BM: tl.constexpr, BK: tl.constexpr, NKT: tl.constexpr, HW: tl.constexpr):
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     rmask = rows < S
     r2 = tl.expand_dims(rows.to(tl.int64), 1)
@@ -126,7 +130,7 @@ def _quantize_fp8_kernel(x_ptr, out_ptr, rs_ptr, S, K, stride_x, stride_o, X_KIN
         v = _ld_f32(x_ptr + r2 * stride_x + c2, m, X_KIND)
         ra = _row_scale(tl.max(tl.abs(v), axis=1), BM)
         tl.store(rs_ptr + rows, ra, mask=rmask)
-        _e4m3_store(v, ra, r2, c2, m, out_ptr, stride_o, BM, BK)
+        _e4m3_store(v, ra, r2, c2, m, out_ptr, stride_o, BM, BK, HW)
     else:
         amax = tl.zeros([BM], dtype=tl.float32)
         for kt in range(NKT):
@@ -138,13 +142,13 @@ def _quantize_fp8_kernel(x_ptr, out_ptr, rs_ptr, S, K, stride_x, stride_o, X_KIN
         for kt in range(NKT):
             c2 = tl.expand_dims(kt * BK + tl.arange(0, BK), 0)
             m = tl.expand_dims(rmask, 1) & (c2 < K)
-            _e4m3_store(_ld_f32(x_ptr + r2 * stride_x + c2, m, X_KIND), ra, r2, c2, m, out_ptr, stride_o, BM, BK)
+            _e4m3_store(_ld_f32(x_ptr + r2 * stride_x + c2, m, X_KIND), ra, r2, c2, m, out_ptr, stride_o, BM, BK, HW)
 
 
 def _rms_fp8_kernel(x_ptr, w_ptr, sc_ptr, sh_ptr, seg_ptr, eps_ptr, out_ptr, rs_ptr, S, K, stride_x, stride_sc,
                     stride_sh, stride_o, HAS_W: tl.constexpr, X_KIND: tl.constexpr, W_KIND: tl.constexpr,
                     T_KIND: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, NKT: tl.constexpr,
-                    NSEG: tl.constexpr):
+                    NSEG: tl.constexpr, HW: tl.constexpr):
     # Loop counts are constexpr (NKT = cdiv(K, BK), NSEG >= the segment count with empty padding entries):
     # Triton's interpreter cannot loop over runtime scalars with numpy >= 2.
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -167,7 +171,7 @@ def _rms_fp8_kernel(x_ptr, w_ptr, sc_ptr, sh_ptr, seg_ptr, eps_ptr, out_ptr, rs_
         h = _modulate(xv, rstd, w_ptr, sc_ptr, sh_ptr, t2, c2, m, K, stride_sc, stride_sh, HAS_W, W_KIND, T_KIND)
         ra = _row_scale(tl.max(tl.abs(h), axis=1), BM)
         tl.store(rs_ptr + rows, ra, mask=rmask)
-        _e4m3_store(h, ra, r2, c2, m, out_ptr, stride_o, BM, BK)
+        _e4m3_store(h, ra, r2, c2, m, out_ptr, stride_o, BM, BK, HW)
     else:
         ss = tl.zeros([BM], dtype=tl.float64)
         for kt in range(NKT):
@@ -192,11 +196,11 @@ def _rms_fp8_kernel(x_ptr, w_ptr, sc_ptr, sh_ptr, seg_ptr, eps_ptr, out_ptr, rs_
             xv = _ld_f32(x_ptr + r2 * stride_x + c2, m, X_KIND)
             h = _modulate(xv, rstd, w_ptr, sc_ptr, sh_ptr, t2, c2, m, K, stride_sc, stride_sh, HAS_W, W_KIND,
                           T_KIND)
-            _e4m3_store(h, ra, r2, c2, m, out_ptr, stride_o, BM, BK)
+            _e4m3_store(h, ra, r2, c2, m, out_ptr, stride_o, BM, BK, HW)
 
 
 def _swiglu_fp8_kernel(h_ptr, out_ptr, rs_ptr, S, F, stride_h, stride_o, H_KIND: tl.constexpr, BM: tl.constexpr,
-                       BK: tl.constexpr, NKT: tl.constexpr):
+                       BK: tl.constexpr, NKT: tl.constexpr, HW: tl.constexpr):
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     rmask = rows < S
     r2 = tl.expand_dims(rows.to(tl.int64), 1)
@@ -207,7 +211,7 @@ def _swiglu_fp8_kernel(h_ptr, out_ptr, rs_ptr, S, F, stride_h, stride_o, H_KIND:
         y = _silu_mul(_ld_f32(base + c2, m, H_KIND), _ld_f32(base + F + c2, m, H_KIND), m)
         ra = _row_scale(tl.max(tl.abs(y), axis=1), BM)
         tl.store(rs_ptr + rows, ra, mask=rmask)
-        _e4m3_store(y, ra, r2, c2, m, out_ptr, stride_o, BM, BK)
+        _e4m3_store(y, ra, r2, c2, m, out_ptr, stride_o, BM, BK, HW)
     else:
         amax = tl.zeros([BM], dtype=tl.float32)
         for kt in range(NKT):
@@ -221,10 +225,10 @@ def _swiglu_fp8_kernel(h_ptr, out_ptr, rs_ptr, S, F, stride_h, stride_o, H_KIND:
             c2 = tl.expand_dims(kt * BK + tl.arange(0, BK), 0)
             m = tl.expand_dims(rmask, 1) & (c2 < F)
             y = _silu_mul(_ld_f32(base + c2, m, H_KIND), _ld_f32(base + F + c2, m, H_KIND), m)
-            _e4m3_store(y, ra, r2, c2, m, out_ptr, stride_o, BM, BK)
+            _e4m3_store(y, ra, r2, c2, m, out_ptr, stride_o, BM, BK, HW)
 
 
-_SHARED = ("_ld_f32", "_e4m3_rne", "_exp_f32")  # quant_kernels' helpers, used read-only
+_SHARED = ("_ld_f32", "_e4m3_code", "_exp_f32")  # quant_kernels' helpers, used read-only
 _HELPERS = ("_row_scale", "_e4m3_store", "_modulate", "_silu_mul")
 _KERNELS = ("_quantize_fp8_kernel", "_rms_fp8_kernel", "_swiglu_fp8_kernel")
 
@@ -243,9 +247,9 @@ def _kernels() -> dict:
     return {name: qk.triton.jit(plain[name]) for name in _KERNELS}
 
 
-def _launch(name: str, grid, *args, **kw):
+def _launch(name: str, grid, device, *args, **kw):
     # fp fusion off: the references round every multiply and add separately (no FMA), and so must we.
-    _kernels()[name][grid](*args, enable_fp_fusion=False, **kw)
+    _kernels()[name][grid](*args, HW=qk.hw_cvt(device), enable_fp_fusion=False, **kw)
 
 
 def _pow2(n: int) -> int:
@@ -257,10 +261,41 @@ def _check_scheme(scheme: str) -> None:
         raise ValueError(f"scheme={scheme!r}: expected one of {', '.join(SCHEMES)}")
 
 
+# A measured tile table (bench/producers_h200.py --tiles-out; RuntimeOptions.producer_tiles): consulted for
+# scheme="auto" on CUDA. Tiles change speed only: every configuration writes the same bytes (the tests run
+# both schemes, the bench checks each configuration it times against the reference).
+_TABLE: dict = {}
+TILE_OPS = ("quantize", "rms", "swiglu")
+
+
+def set_tile_table(table) -> dict:
+    """Install a tile table ``{op: [scheme, BM, BK, num_warps]}`` for op in TILE_OPS (other keys, e.g.
+    ``to_fp8_rowwise`` or ``device``, are left to their owners); {} or None restores the built-in tiles.
+    Returns the entries installed. Raises ValueError naming the bad entry."""
+    new = {}
+    for op, v in dict(table or {}).items():
+        if op not in TILE_OPS:
+            continue
+        ok = (isinstance(v, (list, tuple)) and len(v) == 4 and v[0] in ("loop", "row")
+              and all(isinstance(n, int) and n > 0 and n & (n - 1) == 0 for n in v[1:]))
+        if not ok:
+            raise ValueError(f"tile table entry {op}={v!r}: expected [scheme (loop|row), BM, BK, num_warps] "
+                             "with powers of two")
+        new[op] = tuple(v)
+    _TABLE.clear()
+    _TABLE.update(new)
+    return dict(new)
+
+
 def _tiles(op: str, k: int, device: torch.device, scheme: str) -> tuple[str, int, int, int, int]:
     """-> (scheme, BM, BK, NKT, num_warps) for op in {quantize, rms, swiglu} and row width k."""
     _check_scheme(scheme)
     cuda = device.type == "cuda"
+    if scheme == "auto" and cuda and op in _TABLE:
+        sch, bm, bk, nw = _TABLE[op]
+        if sch == "row":
+            bk = max(bk, _pow2(k))  # a row tile holds the whole row
+        return sch, bm, bk, 1 if sch == "row" else qk._cdiv(k, bk), nw
     if scheme == "auto":
         scheme = "row" if cuda and op == "swiglu" and k <= 16384 else "loop"
     if scheme == "row":
@@ -287,7 +322,8 @@ def fp8_rowwise_reference(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = y.abs().amax(1)
     ra = torch.div(amax, qk._t(E4M3_MAX, y))
     ra = torch.where(ra < _MIN_NORMAL, qk._t(1.0, y), ra)
-    q = torch.div(y, ra.unsqueeze(1)).clamp(-E4M3_MAX, E4M3_MAX)
+    inv = torch.div(qk._t(1.0, y), ra)
+    q = torch.mul(y, inv.unsqueeze(1)).clamp(-E4M3_MAX, E4M3_MAX)
     return q.to(torch.float8_e4m3fn), ra
 
 
@@ -326,7 +362,7 @@ def quantize_fp8(x: torch.Tensor, *, backend: str = "auto", scheme: str = "auto"
     if s == 0:
         return out, rs
     _, bm, bk, nkt, nw = _tiles("quantize", k, x.device, scheme)
-    _launch("_quantize_fp8_kernel", (qk._cdiv(s, bm),), x, out.view(torch.uint8), rs, s, k, x.stride(0),
+    _launch("_quantize_fp8_kernel", (qk._cdiv(s, bm),), x.device, x, out.view(torch.uint8), rs, s, k, x.stride(0),
             out.stride(0), X_KIND=qk._KIND[x.dtype], BM=bm, BK=bk, NKT=nkt, num_warps=nw)
     return out, rs
 
@@ -382,7 +418,7 @@ def rms_modulate_fp8(x: torch.Tensor, weight: torch.Tensor | None, scale_rows: t
     seg = torch.tensor(segs + [(0, 0, 0)] * (nseg - len(segs)), dtype=torch.int32, device=x.device).reshape(-1)
     eps_t = qk._t(eps, x, torch.float64)
     w = weight if weight is not None else x  # unused pointer when HAS_W is False
-    _launch("_rms_fp8_kernel", (qk._cdiv(s, bm),), x, w, scale_rows, shift_rows, seg, eps_t, out.view(torch.uint8),
+    _launch("_rms_fp8_kernel", (qk._cdiv(s, bm),), x.device, x, w, scale_rows, shift_rows, seg, eps_t, out.view(torch.uint8),
             rs, s, k, x.stride(0), scale_rows.stride(0), shift_rows.stride(0), out.stride(0),
             HAS_W=weight is not None, X_KIND=qk._KIND[x.dtype], W_KIND=qk._KIND[w.dtype],
             T_KIND=qk._KIND[scale_rows.dtype], BM=bm, BK=bk, NKT=nkt, NSEG=nseg, num_warps=nw)
@@ -404,6 +440,6 @@ def swiglu_fp8(h: torch.Tensor, *, backend: str = "auto", scheme: str = "auto"
     if s == 0:
         return out, rs
     _, bm, bk, nkt, nw = _tiles("swiglu", f, h.device, scheme)
-    _launch("_swiglu_fp8_kernel", (qk._cdiv(s, bm),), h, out.view(torch.uint8), rs, s, f, h.stride(0),
+    _launch("_swiglu_fp8_kernel", (qk._cdiv(s, bm),), h.device, h, out.view(torch.uint8), rs, s, f, h.stride(0),
             out.stride(0), H_KIND=qk._KIND[h.dtype], BM=bm, BK=bk, NKT=nkt, num_warps=nw)
     return out, rs

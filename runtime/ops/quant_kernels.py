@@ -92,6 +92,11 @@ def triton_status(device: torch.device | str) -> tuple[bool, str]:
     return False, f"Triton kernels need a CUDA device (found {dev}); set TRITON_INTERPRET=1 to interpret them on CPU"
 
 
+def hw_cvt(device: torch.device) -> bool:
+    """Whether kernels on ``device`` use the hardware fp32 -> e4m3 conversion (CUDA, not interpreted)."""
+    return torch.device(device).type == "cuda" and not _interpreting()
+
+
 def _pick_backend(backend: str, device: torch.device) -> str:
     if backend not in ("auto", "triton", "reference"):
         raise ValueError(f"backend={backend!r}: expected auto, triton or reference")
@@ -131,6 +136,18 @@ def _e4m3_rne(s):
     k = (t + 8388608.0) - 8388608.0  # round to nearest even integer (t < 2^22)
     sub = s < 0.015625
     return tl.where(sub, k.to(tl.int32), code_n), tl.where(sub, k * 0.001953125, r.to(tl.float32, bitcast=True))
+
+
+def _e4m3_code(q, HW: tl.constexpr):
+    """q fp32 in [-448, 448] -> e4m3 code (int32 0..255), round to nearest even, sign kept (-0 -> 0x80).
+    HW: the hardware conversion (cvt.rn.satfinite.e4m3x2.f32 on sm_89+; Triton's interpreter rounds some
+    values near binade boundaries wrongly, so it gets the integer arithmetic of _e4m3_rne instead). The
+    two give the same bytes (tests/gpu compare the hardware path with the torch reference)."""
+    if HW:
+        return q.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True).to(tl.int32)
+    else:
+        code, _ = _e4m3_rne(tl.abs(q))
+        return code | (((q.to(tl.int32, bitcast=True) >> 31) & 1) << 7)
 
 
 def _e2m1_code(q):
@@ -314,7 +331,7 @@ def _dequant_kernel(p_ptr, s_ptr, gm_ptr, out_ptr, R, K, KP, CP, stride_p, strid
 
 
 def _fp8_rowwise_kernel(p_ptr, s_ptr, out_ptr, rs_ptr, R, K, KP, CP, stride_p, stride_o,
-                        BM: tl.constexpr, BK: tl.constexpr, NKT: tl.constexpr):
+                        BM: tl.constexpr, BK: tl.constexpr, NKT: tl.constexpr, HW: tl.constexpr):
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     r2 = tl.expand_dims(rows, 1)
     NB: tl.constexpr = BK // 16
@@ -327,13 +344,12 @@ def _fp8_rowwise_kernel(p_ptr, s_ptr, out_ptr, rs_ptr, R, K, KP, CP, stride_p, s
     ra = tl.div_rn(smax * 6.0, tl.full([BM], 448.0, tl.float32))
     ra = tl.where(ra == 0.0, 1.0, ra)
     tl.store(rs_ptr + rows, ra, mask=rows < R)
-    ra3 = tl.broadcast_to(tl.expand_dims(ra, 1), [BM, BK])
+    inv3 = tl.broadcast_to(tl.expand_dims(tl.div_rn(tl.full([BM], 1.0, tl.float32), ra), 1), [BM, BK])
     for kt in range(NKT):
         k0 = kt * BK
         lo, hi = _decode_halves(p_ptr, s_ptr, rows, k0, R, KP, CP, stride_p, BM, BK)
-        y = tl.div_rn(tl.reshape(tl.join(lo, hi), [BM, BK]), ra3)
-        code, _ = _e4m3_rne(tl.minimum(tl.abs(y), 448.0))
-        code = code | (((y.to(tl.int32, bitcast=True) >> 31) & 1) << 7)
+        y = tl.reshape(tl.join(lo, hi), [BM, BK]) * inv3
+        code = _e4m3_code(tl.minimum(tl.maximum(y, -448.0), 448.0), HW)
         c2 = tl.expand_dims(k0 + tl.arange(0, BK), 0)
         tl.store(out_ptr + r2.to(tl.int64) * stride_o + c2, code.to(tl.uint8), mask=(r2 < R) & (c2 < K))
 
@@ -376,7 +392,7 @@ def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, ga_ptr, gb_ptr, o_ptr, M, N, KP, 
         tl.store(ptrs, acc, mask=mask)
 
 
-_HELPERS = ("_ld_f32", "_bf16_rne_bits", "_e4m3_rne", "_e2m1_code", "_e2m1_value_2m14", "_e4m3_value_2m8",
+_HELPERS = ("_ld_f32", "_bf16_rne_bits", "_e4m3_rne", "_e4m3_code", "_e2m1_code", "_e2m1_value_2m14", "_e4m3_value_2m8",
             "_swz", "_quant_store", "_exp_f32", "_decode_halves")
 _KERNELS = ("_quantize_kernel", "_rms_modulate_kernel", "_swiglu_kernel", "_dequant_kernel",
             "_fp8_rowwise_kernel", "_gemm_kernel")
@@ -403,11 +419,29 @@ def _launch(name: str, grid, *args, **kw):
     _kernels()[name][grid](*args, enable_fp_fusion=False, **kw)
 
 
+_FP8_TILES: list = []  # [(BM, BK, num_warps)] of a measured tile table (set_fp8_tiles), else empty
+
+
+def set_fp8_tiles(entry) -> tuple | None:
+    """``to_fp8_rowwise``'s CUDA tiles from a tile table entry [BM, BK, num_warps] (powers of two, BK >= 64);
+    None restores the built-in ones. Tiles change speed only, never the bytes."""
+    _FP8_TILES.clear()
+    if entry is None:
+        return None
+    ok = (isinstance(entry, (list, tuple)) and len(entry) == 3
+          and all(isinstance(n, int) and n > 0 and n & (n - 1) == 0 for n in entry) and entry[1] >= 64)
+    if not ok:
+        raise ValueError(f"tile table entry to_fp8_rowwise={entry!r}: expected [BM, BK, num_warps], powers of "
+                         "two, BK >= 64")
+    _FP8_TILES.append(tuple(entry))
+    return tuple(entry)
+
+
 def _tiles(device: torch.device) -> dict:
     """Tile sizes (any BM dividing 128 and BK a multiple of 64 give the same bytes)."""
     if device.type == "cuda":
-        return dict(q=(32, 256, 4), norm=(16, 256, 8), glu=(32, 256, 4), deq=(32, 256, 4), fp8=(16, 256, 4),
-                    gemm=(128, 128, 64, 8, 8, 3))
+        return dict(q=(32, 256, 4), norm=(16, 256, 8), glu=(32, 256, 4), deq=(32, 256, 4),
+                    fp8=_FP8_TILES[0] if _FP8_TILES else (16, 256, 4), gemm=(128, 128, 64, 8, 8, 3))
     return dict(q=(32, 64, 1), norm=(32, 64, 1), glu=(32, 64, 1), deq=(32, 64, 1), fp8=(32, 64, 1),
                 gemm=(16, 16, 32, 4, 1, 1))
 
@@ -476,12 +510,15 @@ def dequantize_bf16_reference(t: nv.NVFP4Tensor, multiplier: torch.Tensor | None
 def to_fp8_rowwise_reference(t: nv.NVFP4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """NVFP4 [N, K] -> (e4m3 [N, K], fp32 row scales [N]) with ``v*s ~= e4m3 * row_scale``:
     ``row_scale = 6 * max(block scales of the row) / 448`` (1 for an all-zero row), each element
-    ``e4m3_rne(v * s / row_scale)`` (one rounding to 3 mantissa bits; relative error <= 2^-4)."""
+    ``e4m3_rne(clamp(v * s * inv, +-448))`` with ``inv = 1 / row_scale`` correctly rounded in fp32 (a
+    multiply, not a per-element division: cheaper on the GPU; the fp32 product is within 2 ulp of the
+    quotient, and one rounding to 3 mantissa bits follows: relative error <= 2^-4)."""
     v = nv.dequantize_blocks(t, torch.float32)
     smax = t.linear_scales().float().amax(1) if v.shape[1] else torch.zeros(v.shape[0], device=v.device)
     ra = torch.div(smax * 6.0, _t(448.0, v))
     ra = torch.where(ra == 0, _t(1.0, v), ra)
-    return torch.div(v, ra.unsqueeze(1)).to(torch.float8_e4m3fn), ra
+    inv = torch.div(_t(1.0, v), ra)
+    return torch.mul(v, inv.unsqueeze(1)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), ra
 
 
 # ----------------------------------------------------------------------------------------------
@@ -691,7 +728,7 @@ def to_fp8_rowwise(t: nv.NVFP4Tensor, *, out: torch.Tensor | None = None, backen
     bm, bk, nw = _tiles(t.device)["fp8"]
     _launch("_fp8_rowwise_kernel", (_cdiv(n, bm),), t.packed, t.scales.view(torch.uint8), view.view(torch.uint8),
             ra, n, k, t.k_padded, t.scales.shape[1], t.packed.stride(0), view.stride(0), BM=bm, BK=bk,
-            NKT=_cdiv(t.k_padded, bk), num_warps=nw)
+            NKT=_cdiv(t.k_padded, bk), HW=hw_cvt(t.device), num_warps=nw)
     return view, ra
 
 
