@@ -29,8 +29,8 @@ COMPONENTS = [
                    "transposepad", "catarray")),
     ("norm_and_rope", ("norm_rope",)),
     ("remaining_gate_add", ("gate_add",)),
-    ("nvfp4_packing", ("_rms_modulate", "_swiglu", "_quantize_kernel", "_fp8_rowwise", "_dequant", "amax",
-                       "reduce_kernel")),
+    ("nvfp4_packing", ("_rms_modulate", "_rms_fp8", "_swiglu", "_quantize_kernel", "_quantize_fp8", "_fp8_rowwise",
+                       "_dequant", "amax", "reduce_kernel")),
     ("nvfp4_gemms", ("gemm", "cutlass", "xmma", "nvjet", "sm90_", "_gemm_kernel", "matmul")),
     ("copies", ("copy", "memcpy", "cat", "pad")),
 ]

@@ -87,6 +87,29 @@ def tools_info(rt=None) -> dict:
     return tools
 
 
+def fc2_consistency(fc2: dict, required: int, runs: list) -> tuple[bool, str]:
+    """Whether every measured run's FC2 counts are what the configuration implies -> (ok, what was expected).
+
+    W4A8 (``lt_path`` "not applicable ..."): no dispatcher attempts, ``required`` direct calls per run. The
+    NVFP4 stack with the dispatcher: ``required`` attempts per run, each a success or a fallback (strict
+    mode: successes only; the guard's refusals are fallbacks, not errors). No dispatcher (dense or CPU
+    stacks): no attempts."""
+    lt = str(fc2.get("lt_path", ""))
+    if lt.startswith("not applicable"):
+        want = f"0 dispatcher attempts and {required} direct FC2 calls per run ({lt})"
+        ok = all(r["attempts"] == 0 and r.get("direct_calls") == required for r in runs)
+    elif lt == "dispatcher":  # (also when the path is off: each call is then an attempt and a fallback)
+        strict = bool(fc2.get("strict"))
+        want = (f"{required} attempts per run, all successes (strict)" if strict else
+                f"{required} attempts per run, each a success or a fallback")
+        ok = all(r["attempts"] == required and r["successes"] + r["fallbacks"] == required
+                 and (not strict or r["successes"] == required) for r in runs)
+    else:
+        want = "no dispatcher attempts (FC2 runs without the guarded path)"
+        ok = all(r["attempts"] == 0 for r in runs)
+    return bool(runs) and ok, want
+
+
 def build_report(rt, workload: dict, measured: list, warmup_runs: int, video: torch.Tensor,
                  audio: torch.Tensor, fc2_required: int, fc2_status: dict | None = None) -> dict:
     """The seed-schema report for ``measured`` runs (RunRecord list, warm-ups excluded)."""
@@ -101,6 +124,7 @@ def build_report(rt, workload: dict, measured: list, warmup_runs: int, video: to
                for r in runs_fc2)}
     if fc2_status:
         fc2.update(fc2_status)
+    fc2["consistent_with_configuration"], fc2["expected"] = fc2_consistency(fc2, fc2_required, runs_fc2)
     config = rt.options.as_env()
     config.update({f"backend_{k}": v["choice"] for k, v in rt.backends.items()})
     config["dtype"] = str(rt.dtype).replace("torch.", "")

@@ -76,6 +76,8 @@ def _run_once(rt, plan, sigmas, sampler, video0, audio0, noise_v, noise_a, scale
     fc2 = rt.fc2
     if fc2 is not None:
         fc2.begin_run()
+    stack = getattr(model, "stack", None)
+    direct0 = getattr(stack, "fc2_direct_calls", 0)
     _peak_reset(dev)
     t0 = time.perf_counter()
     for i in range(steps):
@@ -99,8 +101,9 @@ def _run_once(rt, plan, sigmas, sampler, video0, audio0, noise_v, noise_a, scale
     audio = (y / scale).float().cpu() if scale != 1.0 else y.float().cpu()
     pa, pr = _peaks(dev)
     counts = fc2.end_run() if fc2 is not None else {"attempts": 0, "successes": 0, "fallbacks": 0}
-    rec = RunRecord(secs, timer.seconds(), pa, pr, latent_sha256(video), latent_sha256(audio),
-                    {k: counts[k] for k in ("attempts", "successes", "fallbacks")})
+    counts = {k: counts[k] for k in ("attempts", "successes", "fallbacks")}
+    counts["direct_calls"] = getattr(stack, "fc2_direct_calls", 0) - direct0  # FC2 run without the dispatcher
+    rec = RunRecord(secs, timer.seconds(), pa, pr, latent_sha256(video), latent_sha256(audio), counts)
     return video, audio, rec
 
 

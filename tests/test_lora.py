@@ -526,7 +526,9 @@ def test_fc2_guard_refuses_while_a_side_lora_is_on_fc2(files, fp4, tmp_path):
         res = sample(fp4, text, None, video, audio, seed=3, steps=2)
         f = res.report["fc2_dispatch"]
         n = TINY.num_layers * 2
-        assert f["required_per_run"] == n and f["runs"] == [{"attempts": n, "successes": 0, "fallbacks": n}]
+        assert f["required_per_run"] == n and f["runs"] == [{"attempts": n, "successes": 0, "fallbacks": n,
+                                                                   "direct_calls": 0}]
+        assert f["consistent_with_configuration"] is True  # every call attempted, each one a fallback
         reasons = f["lifetime"]["reasons"]
         assert sum(reasons.values()) == n and all(r.startswith("lora: LoRA side-path active on fc2") for r in reasons)
         assert "FC2 cuBLASLt path refused" in res.report["backends"]["lora"]["reason"]

@@ -112,6 +112,7 @@ def test_report_has_seed_profile_fields(rt):
     for k in ("resolution", "frames", "packed_tokens", "text_tokens", "steps", "seed", "attention"):
         assert k in rep["workload"], k
     assert rep["fc2_dispatch"]["required_per_run"] == rt.config.num_layers * 2
+    assert rep["fc2_dispatch"]["consistent_with_configuration"] is True, rep["fc2_dispatch"]
     assert [s["step"] for s in rep["per_step_seconds"][0]] == [1, 2]
     assert rep["configuration"]["H3_SAGE_QKV_LAYOUT"] == "strided_nhd"
     lc = rep["latent_checksums"]
@@ -146,3 +147,19 @@ def test_fl2va_keyframes_are_fixed_rows(rt):
     assert a.video.shape == video.shape
     assert a.report["workload"]["cond_tokens"] == 2 * 3 * 4
     assert a.report["latent_checksums"]["video_sha256"] != b.report["latent_checksums"]["video_sha256"]
+
+
+def test_fc2_consistency_rules():
+    from h3_blackwell.runtime.diagnostics import fc2_consistency
+
+    run = lambda a, s, f, d=0: {"attempts": a, "successes": s, "fallbacks": f, "direct_calls": d}  # noqa: E731
+    w4a8 = {"lt_path": "not applicable (act_format fp8)"}
+    assert fc2_consistency(w4a8, 600, [run(0, 0, 0, 600)] * 3)[0] is True
+    assert fc2_consistency(w4a8, 600, [run(0, 0, 0, 600), run(0, 0, 0, 599)])[0] is False
+    assert fc2_consistency(w4a8, 600, [run(600, 0, 600, 0)])[0] is False  # W4A8 must not reach the dispatcher
+    disp = {"lt_path": "dispatcher", "strict": False}
+    assert fc2_consistency(disp, 600, [run(600, 0, 600), run(600, 600, 0)])[0] is True
+    assert fc2_consistency(disp, 600, [run(599, 0, 599)])[0] is False
+    assert fc2_consistency({**disp, "strict": True}, 600, [run(600, 590, 10)])[0] is False
+    assert fc2_consistency({"lt_path": "none (fallback GEMM)"}, 600, [run(0, 0, 0)])[0] is True
+    assert fc2_consistency(disp, 600, [])[0] is False  # no measured run proves nothing
