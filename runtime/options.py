@@ -56,7 +56,9 @@ class RuntimeOptions:
                per row from the fused producers; used only with the fp8 GEMM backend, see runtime.stack)
     sage_v_pad: library (SageAttention2's sm90 wrapper pads V with torch.cat: one copy of V per call) |
                buffer (sm90 sage2 only: the QKV GEMM writes roundup(S, 128) rows, zero tail, and the
-               wrapper calls Sage2's stages itself on that buffer: no copy; see ops.attention)
+               wrapper calls Sage2's stages itself on that buffer: no copy; see ops.attention) |
+               fused (sm90 sage2 only: V's fp8 operands built by our Triton producer straight from the strided
+               V view: no pad copy, no transpose copy)
     producer_tiles: path of a measured tile table for the producers (bench/producers_h200.py
                --tiles-out); speed only, the bytes are the same with any tiles
     fc2_lt:    the guarded cuBLASLt FC2 path (H3_NVFP4_FC2_LT_SPLITK1); strict raises instead of falling back
@@ -90,7 +92,7 @@ class RuntimeOptions:
         "act_scale": ("dynamic", "calibrated"),
         "act_format": ("nvfp4", "fp8"),
         "qkv_layout": ("strided_nhd", "contiguous"),
-        "sage_v_pad": ("library", "buffer"),
+        "sage_v_pad": ("library", "buffer", "fused"),
         "dtype": ("auto", "float32", "bfloat16", "float16"),
     }
 

@@ -32,6 +32,9 @@ otherwise a no-op): step a pads its output to roundup(S, 128) rows of zero codes
 buffer of roundup(S, 128) rows whose rows >= S are zero (zero activation rows, no bias); c and the LoRA
 side path run on its first S rows (a view), and d hands the whole buffer with ``seq_len=S`` to
 ``attention``, whose V is then a view of it: no ``torch.cat`` copy of V inside SageAttention2's sm_90 wrapper.
+``sage_v_pad="fused"``: no padded buffer; ``attention`` builds V's fp8 operands for the sm_90 kernel straight
+from the strided V view (``fp8_producers.sage_v_fp8``), so neither the pad copy nor the library's transpose
+copy of V is made.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ from .ops.linear import Nvfp4Linear, Scratch
 LINEARS = (("attn", "qkv_proj"), ("attn", "out_proj"), ("mlp", "fc1"), ("mlp", "fc2"))
 ACT_FORMATS = ("nvfp4", "fp8")
 FC2_NOT_APPLICABLE = "not applicable (act_format fp8)"
-SAGE_V_PADS = ("library", "buffer")
+SAGE_V_PADS = ("library", "buffer", "fused")
 
 
 def _on_cuda(t: torch.Tensor) -> bool:
@@ -139,7 +142,7 @@ class Nvfp4Stack:
             if pad > 1:
                 return attention(qkv_buf, c.num_heads, c.head_dim, self.attention_backend, seq_len=s,
                                  sage_v_pad="buffer")
-            return attention(qkv_buf, c.num_heads, c.head_dim, self.attention_backend)
+            return attention(qkv_buf, c.num_heads, c.head_dim, self.attention_backend, sage_v_pad=self.sage_v_pad)
 
     @staticmethod
     def _logical(qkv_buf: torch.Tensor, s: int, pad: int, lin) -> torch.Tensor:

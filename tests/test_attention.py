@@ -484,6 +484,56 @@ def test_sage2_v_pad_buffer_is_a_no_op_off_sm90(clean_sage, cc):
     assert out.shape == (s, h * d)
 
 
+@pytest.mark.parametrize("s", [200, 37, 256])
+def test_sage2_sm90_fused_v_builds_v_operands_from_the_view(clean_sage, s):
+    """sage_v_pad="fused": the stages run with V's fp8 operands from fp8_producers.sage_v_fp8 (the kernel's
+    [1, D, H, roundup(S, 128)] layout, 16-token permutation, zero tail) built from the strided V view of an
+    UNPADDED buffer: no per_channel_fp8, no torch.cat / F.pad, the caller's buffer unchanged."""
+    from h3_blackwell.runtime.ops import fp8_producers as f8
+
+    calls = []
+    mod = _fake_sage2_stages(calls)
+
+    def kernel(q8, k8, v8, o, qs, ks, vs, layout, causal, gran, sm_scale, lse):
+        # decode V as the sm90 kernel reads it: [1, D, H, rows] e4m3 codes x per-channel scale, permuted tokens
+        rows = v8.shape[-1]
+        perm = (torch.arange(rows) // 16) * 16 + torch.tensor(f8.SAGE_V_PERM).repeat(rows // 16)
+        deq = v8[0].float().permute(2, 1, 0) * vs[0]  # [rows (stored order), H, D]
+        v = torch.empty_like(deq)
+        v[perm] = deq
+        calls.append(dict(fn="sm90_kernel", v8=v8, vs=vs, v=v, kv_len=k8.shape[1]))
+        o.copy_(_math_nhd(q8, k8, v[: k8.shape[1]].unsqueeze(0).to(q8.dtype), sm_scale))
+
+    mod.core.sm90_compile.qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf = kernel
+    clean_sage.setitem(sys.modules, "sageattention", mod)
+    clean_sage.setattr(A, "_capability", lambda device: (9, 0))
+    h, d = 2, 128
+    buf = _qkv(s, h, d, dtype=torch.bfloat16, seed=9)
+    before = buf.clone()
+    want = f8.sage_v_fp8_reference(qkv_views(buf, h, d)[2])
+
+    def no_copy(*a, **k):
+        raise AssertionError("torch.cat / F.pad called: V was copied")
+
+    clean_sage.setattr(torch, "cat", no_copy)
+    clean_sage.setattr(torch.nn.functional, "pad", no_copy)
+    out = attention(buf, h, d, "sage2", sage_v_pad="fused")
+    clean_sage.undo()
+    assert [c["fn"] for c in calls] == ["per_warp_int8", "sm90_kernel"]
+    kc = calls[1]
+    assert kc["v8"].shape == (1, d, h, A.padded_rows(s)) and kc["v8"].dtype == torch.float8_e4m3fn
+    assert torch.equal(kc["v8"].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(kc["vs"], want[1])
+    assert not kc["v"][s:].any()  # zero past S, as the library's padding
+    v = qkv_views(buf, h, d)[2][0].float()
+    # e4m3 with a per-channel scale: each element within half a step (2^-4 relative, or 2^-10 x the channel's
+    # scale in e4m3's subnormal range) of the bf16 input
+    err = (kc["v"][:s] - v).abs()
+    assert (err <= torch.maximum(v.abs() * 2.0 ** -4, kc["vs"][0] * 2.0 ** -9)).all()
+    ref = attention_reference(*qkv_views(buf, h, d))
+    assert rel_l2(out.float(), ref) <= TOLERANCE["sage2"][0]
+    assert torch.equal(buf, before)
+
+
 def test_reference_with_seq_len_equals_unpadded():
     h, d, s = 2, 16, 50
     buf = _padded_qkv(s, h, d, seed=8, dtype=torch.float32)
@@ -496,6 +546,7 @@ def test_sage_v_pad_option():
 
     assert RuntimeOptions().sage_v_pad == "library"
     assert RuntimeOptions.from_env({"H3_SAGE_V_PAD": "buffer"}).sage_v_pad == "buffer"
+    assert RuntimeOptions.from_env({"H3_SAGE_V_PAD": "fused"}).sage_v_pad == "fused"
     assert RuntimeOptions(sage_v_pad="buffer").as_env()["H3_SAGE_V_PAD"] == "buffer"
     with pytest.raises(ValueError, match="sage_v_pad"):
         RuntimeOptions(sage_v_pad="cat")

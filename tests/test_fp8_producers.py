@@ -411,3 +411,34 @@ def test_canonical_accuracy_stage_and_fc2_counts_for_w4a8():
     n = len(m.blocks) * 2
     assert [x["direct_calls"] for x in f["runs"]] == [n, n] and {x["attempts"] for x in f["runs"]} == {0}
     assert f["consistent_with_configuration"] is True and "direct FC2 calls" in f["expected"]
+
+
+# ----------------------------------------------------------------------------------------------
+# V operands for SageAttention2's sm_90 kernel (sage_v_pad="fused")
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("s,h,d", [(200, 2, 128), (37, 3, 64), (128, 1, 64), (1, 2, 128)])
+def test_sage_v_fp8_bit_exact_and_layout(s, h, d):
+    """Triton (interpreted) == torch reference byte for byte, on the strided V third of a qkv buffer with
+    channels of very different magnitudes and one all-zero channel (scale 1, codes 0); and the layout is what
+    the sm_90 kernel reads: [1, D, H, roundup(S, 128)], each 16 tokens in SAGE_V_PERM order, zero past S,
+    every element within half an e4m3 step of its input."""
+    g = torch.Generator().manual_seed(s + h)
+    qkv = torch.randn(s, 3 * h * d, generator=g) * torch.exp2(torch.randint(-30, 30, (1, 3 * h * d), generator=g).float())
+    qkv[:, 2 * h * d + 5] = 0.0  # channel (h=0, d=5) of V all zero
+    qkv = qkv.bfloat16().to(DEV)
+    v = qkv.unflatten(1, (3, h, d))[:, 2].unsqueeze(0)
+    got = f8.sage_v_fp8(v, backend="triton")
+    ref = f8.sage_v_fp8_reference(v)
+    assert torch.equal(got[1], ref[1])
+    assert torch.equal(got[0].view(torch.uint8), ref[0].view(torch.uint8))
+    rows = -(-s // 128) * 128
+    assert got[0].shape == (1, d, h, rows) and got[1].shape == (1, h, d)
+    assert got[1][0, 0, 5].item() == 1.0 and not got[0][0, 5, 0].float().any()
+    perm = (torch.arange(rows) // 16) * 16 + torch.tensor(f8.SAGE_V_PERM).repeat(rows // 16)
+    deq = got[0][0].float().cpu().permute(2, 1, 0) * got[1][0].cpu()
+    back = torch.empty_like(deq)
+    back[perm] = deq
+    x = v[0].float().cpu()
+    assert not back[s:].any()
+    assert ((back[:s] - x).abs() <= torch.maximum(x.abs() * 2.0 ** -4, got[1][0].cpu() * 2.0 ** -9)).all()

@@ -27,6 +27,12 @@ layout; a no-op elsewhere) has the caller pass a qkv buffer of at least ``roundu
 ``>= S`` are ZERO plus the logical ``seq_len=S``; the wrapper then runs the wrapper's own stages itself
 (:func:`_sage2_sm90_buffer`: K mean, per-warp int8 q/k, ``per_channel_fp8`` of V, the sm_90 kernel) with V a
 ``roundup(S, 128)``-row view of the buffer: the same inputs the library builds with its copy, so no copy.
+``"fused"`` (same conditions; no padded buffer needed) runs the same stages but builds V's fp8 operands with
+``fp8_producers.sage_v_fp8``: two Triton passes over the strided V view (per-channel amax; quantize, transpose
+and the kernel's 16-token permutation in one pass, zero past S) in place of the library's pad copy, its
+transpose-and-pad copy and its quantize pass. Its rounding is this project's (scale = amax / 448 and the
+reciprocal correctly rounded, the hardware e4m3 conversion) rather than the library's fast-math division, so
+the codes may differ from the library's by one step in rare ties; the GPU tests bound the difference.
 
 SageAttention 1 and 2 are both the Python package ``sageattention``; they cannot share a
 site-packages. Install SA2 normally; load SA1 from its wheel or an unpacked folder with
@@ -66,7 +72,7 @@ __all__ = [
 
 BACKENDS = ("sage2", "sage1", "sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math", "reference")
 LAYOUTS = ("strided_nhd", "contiguous")
-SAGE_V_PADS = ("library", "buffer")
+SAGE_V_PADS = ("library", "buffer", "fused")
 SAGE2_SM90_FN = "sageattn_qk_int8_pv_fp8_cuda_sm90"
 SAGE2_V_ROWS = 128  # the sm_90 wrapper pads V's sequence dimension to a multiple of this
 
@@ -346,7 +352,7 @@ def attention(
     first (diagnostics / A-B only). The caller's ``qkv`` is never modified.
 
     ``seq_len``: the logical S when ``qkv`` has more rows (a padded buffer); only its first S rows are
-    attended and returned. ``sage_v_pad``: ``"library"`` | ``"buffer"`` (module docstring): with
+    attended and returned. ``sage_v_pad``: ``"library"`` | ``"buffer"`` | ``"fused"`` (module docstring): with
     ``"buffer"`` on sm_90 sage2, ``qkv`` must have at least ``roundup(S, 128)`` rows and rows ``>= S``
     must be zero (not checked: that would cost a pass and a sync); elsewhere it changes nothing.
     """
@@ -394,8 +400,10 @@ def attention(
         if mod is None:
             raise RuntimeError(why)
         fn_name, kwargs, _ = _sage2_plan(_capability(qkv.device))
-        if sage_v_pad == "buffer" and fn_name == SAGE2_SM90_FN and layout == "strided_nhd" and head_dim in (64, 128):
-            return _sage2_sm90_buffer(mod, buf, s, heads, head_dim, scale).reshape(s, hd)
+        if sage_v_pad != "library" and fn_name == SAGE2_SM90_FN and layout == "strided_nhd" and head_dim in (64, 128):
+            if sage_v_pad == "buffer":
+                return _sage2_sm90_buffer(mod, buf, s, heads, head_dim, scale).reshape(s, hd)
+            return _sage2_sm90_fused_v(mod, q, k, v, scale).reshape(s, hd)
         o = getattr(mod, fn_name)(q, k, v, tensor_layout="NHD", is_causal=False, sm_scale=scale, smooth_k=True, **kwargs)
         return o.reshape(s, hd)
 
@@ -431,17 +439,37 @@ def _sage2_sm90_buffer(mod, buf: torch.Tensor, s: int, heads: int, head_dim: int
                            f"(installed {_dist_version()}); use sage_v_pad='library'")
     q, k, _ = qkv_views(buf[:s], heads, head_dim)
     v = qkv_views(buf[:rows], heads, head_dim)[2]  # rows >= s are zero: the library's padding, in place
-    if v.is_cuda:
-        torch.cuda.set_device(v.device)  # as the library wrapper does
+    return _sage2_sm90_stages(core, q, k, lambda: core.per_channel_fp8(v, tensor_layout="NHD", smooth_v=False)[:2],
+                              scale)
+
+
+def _sage2_sm90_stages(core, q: torch.Tensor, k: torch.Tensor, v_operands, scale: float) -> torch.Tensor:
+    """K mean, per-warp int8 q/k, V's (fp8 codes, scales) from ``v_operands()``, then the sm_90 kernel."""
+    if q.is_cuda:
+        torch.cuda.set_device(q.device)  # as the library wrapper does
     km = k.mean(dim=1, keepdim=True)  # smooth_k; NHD: sequence dim 1; H_q == H_kv so no repeat
     q_int8, q_scale, k_int8, k_scale = core.per_warp_int8_cuda(q, k, km, tensor_layout="NHD", BLKQ=64, WARPQ=16,
                                                                BLKK=128)
     o = torch.empty(q.size(), dtype=q.dtype, device=q.device)
-    v_fp8, v_scale, _ = core.per_channel_fp8(v, tensor_layout="NHD", smooth_v=False)
+    v_fp8, v_scale = v_operands()
     # (q_int8, k_int8, v_fp8, o, q_scale, k_scale, v_scale, layout NHD=0, causal=0, per_warp=2, sm_scale, lse=0)
     core.sm90_compile.qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf(
         q_int8, k_int8, v_fp8, o, q_scale, k_scale, v_scale, 0, 0, 2, scale, 0)
     return o
+
+
+def _sage2_sm90_fused_v(mod, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """The sm_90 stages with V's operands from ``fp8_producers.sage_v_fp8``: two Triton passes over the strided
+    V view (channel amax; quantize + transpose + the kernel's token permutation, zero past S) instead of the
+    library's pad copy, transpose copy and quantize pass. No padded qkv buffer is needed."""
+    from . import fp8_producers as f8
+
+    core = getattr(mod, "core", None)
+    missing = [n for n in ("per_warp_int8_cuda", "sm90_compile") if not hasattr(core, n)]
+    if missing:
+        raise RuntimeError(f"sage_v_pad='fused': sageattention.core lacks {', '.join(missing)} "
+                           f"(installed {_dist_version()}); use sage_v_pad='library'")
+    return _sage2_sm90_stages(core, q, k, lambda: f8.sage_v_fp8(v), scale)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -65,6 +65,7 @@ import torch
 from . import quant_kernels as qk
 
 __all__ = ["E4M3_MAX", "SCHEMES", "fp8_rowwise_reference", "quantize_fp8", "rms_modulate_fp8", "swiglu_fp8",
+           "sage_v_fp8", "sage_v_fp8_reference", "SAGE_V_PERM",
            "quantize_fp8_reference", "rms_modulate_fp8_reference", "swiglu_fp8_reference"]
 
 E4M3_MAX = 448.0
@@ -228,9 +229,41 @@ def _swiglu_fp8_kernel(h_ptr, out_ptr, rs_ptr, S, F, stride_h, stride_o, H_KIND:
             _e4m3_store(y, ra, r2, c2, m, out_ptr, stride_o, BM, BK, HW)
 
 
+def _v_amax_kernel(v_ptr, part_ptr, S, stride_s, stride_h, H, V_KIND: tl.constexpr, D: tl.constexpr,
+                   BT: tl.constexpr, HW: tl.constexpr):
+    # part[t_block, h, :] = max over the block's tokens of |v[t, h, :]| (tokens >= S count as 0)
+    pid_t = tl.program_id(0)
+    h = tl.program_id(1)
+    t = pid_t * BT + tl.arange(0, BT)
+    d = tl.expand_dims(tl.arange(0, D), 0)
+    ptrs = v_ptr + tl.expand_dims(t.to(tl.int64), 1) * stride_s + h * stride_h + d
+    x = _ld_f32(ptrs, tl.expand_dims(t < S, 1) & (d < D), V_KIND)
+    tl.store(part_ptr + (pid_t * H + h) * D + tl.arange(0, D), tl.max(tl.abs(x), axis=0))
+
+
+def _v_quant_kernel(v_ptr, inv_ptr, out_ptr, S, stride_s, stride_h, H, ROWS, V_KIND: tl.constexpr,
+                    D: tl.constexpr, BT: tl.constexpr, HW: tl.constexpr):
+    # out[d, h, t0 + p] = e4m3(clamp(v[src(p), h, d] * inv[h, d], +-448)), src = SageAttention2's fp8 PV
+    # permutation of each 16 tokens ([0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15]); 0 past S
+    pid_t = tl.program_id(0)
+    h = tl.program_id(1)
+    p = tl.arange(0, BT)
+    g = p % 16
+    src = pid_t * BT + (p // 16) * 16 + (g % 2) + ((g // 2) % 2) * 8 + (g // 4) * 2
+    d = tl.arange(0, D)
+    d2 = tl.expand_dims(d, 0)
+    ptrs = v_ptr + tl.expand_dims(src.to(tl.int64), 1) * stride_s + h * stride_h + d2
+    x = _ld_f32(ptrs, tl.expand_dims(src < S, 1) & (d2 < D), V_KIND)
+    q = x * tl.expand_dims(tl.load(inv_ptr + h * D + d), 0)
+    code = _e4m3_code(tl.minimum(tl.maximum(q, -448.0), 448.0), HW).to(tl.uint8)  # [BT, D]
+    out = (out_ptr + tl.expand_dims(d.to(tl.int64), 1) * (H * ROWS) + h * ROWS + pid_t * BT
+           + tl.expand_dims(p, 0))
+    tl.store(out, tl.trans(code))
+
+
 _SHARED = ("_ld_f32", "_e4m3_code", "_exp_f32")  # quant_kernels' helpers, used read-only
 _HELPERS = ("_row_scale", "_e4m3_store", "_modulate", "_silu_mul")
-_KERNELS = ("_quantize_fp8_kernel", "_rms_fp8_kernel", "_swiglu_fp8_kernel")
+_KERNELS = ("_quantize_fp8_kernel", "_rms_fp8_kernel", "_swiglu_fp8_kernel", "_v_amax_kernel", "_v_quant_kernel")
 
 
 @functools.lru_cache(maxsize=None)
@@ -443,3 +476,66 @@ def swiglu_fp8(h: torch.Tensor, *, backend: str = "auto", scheme: str = "auto"
     _launch("_swiglu_fp8_kernel", (qk._cdiv(s, bm),), h.device, h, out.view(torch.uint8), rs, s, f, h.stride(0),
             out.stride(0), H_KIND=qk._KIND[h.dtype], BM=bm, BK=bk, NKT=nkt, num_warps=nw)
     return out, rs
+
+
+# ----------------------------------------------------------------------------------------------
+# V for SageAttention2's sm_90 kernel (sage_v_pad="fused")
+# ----------------------------------------------------------------------------------------------
+
+SAGE_V_PERM = (0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15)  # token order within each 16 (fp8 PV MMA)
+SAGE_V_ROWS = 128
+
+
+def _sage_v_check(v: torch.Tensor) -> tuple[int, int, int]:
+    if v.dim() != 4 or v.shape[0] != 1 or v.stride(-1) != 1:
+        raise ValueError(f"v must be an NHD view [1, S, H, D] with unit stride in D; found {tuple(v.shape)} "
+                         f"strides {v.stride()}")
+    s, h, d = v.shape[1:]
+    if d not in (64, 128) or s < 1:
+        raise ValueError(f"v: head_dim must be 64 or 128 and S >= 1; found S={s}, D={d}")
+    if v.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"v must be bf16 or fp16; found {v.dtype}")
+    return s, h, d
+
+
+def _v_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel amax [H, D] -> (scale = amax / 448, 1 where that is 0 or subnormal; inv = 1 / scale)."""
+    sc = torch.div(amax, qk._t(E4M3_MAX, amax))
+    sc = torch.where(sc < _MIN_NORMAL, qk._t(1.0, amax), sc)
+    return sc, torch.div(qk._t(1.0, amax), sc)
+
+
+def sage_v_fp8_reference(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """V ``[1, S, H, D]`` -> (``float8_e4m3fn [1, D, H, roundup(S, 128)]``, ``fp32 [1, H, D]``): the operands
+    SageAttention2's sm_90 kernel takes for V (what its ``per_channel_fp8(v, "NHD", smooth_v=False)`` builds
+    from V zero-padded to 128 rows), with this module's rounding rules: per channel (h, d)
+    ``scale = amax_t |v| / 448`` (1 when zero or subnormal), ``code = e4m3_rne(clamp(v * (1/scale), +-448))``,
+    tokens past S zero, each 16 tokens stored in the order ``SAGE_V_PERM``."""
+    s, h, d = _sage_v_check(v)
+    rows = -(-s // SAGE_V_ROWS) * SAGE_V_ROWS
+    x = torch.zeros(rows, h, d, dtype=torch.float32, device=v.device)
+    x[:s] = v[0].float()
+    sc, inv = _v_scales(x.abs().amax(0))
+    q = torch.mul(x, inv).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    perm = (torch.arange(rows, device=v.device) // 16) * 16 + torch.tensor(SAGE_V_PERM, device=v.device).repeat(rows // 16)
+    return q[perm].permute(2, 1, 0).unsqueeze(0).contiguous(), sc.unsqueeze(0)
+
+
+def sage_v_fp8(v: torch.Tensor, *, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """``sage_v_fp8_reference`` in two launches reading the strided V view directly (one amax pass, one
+    quantize + transpose + permute pass; no padded copy of V). Bytes equal the reference's."""
+    s, h, d = _sage_v_check(v)
+    if qk._pick_backend(backend, v.device) == "reference":
+        return sage_v_fp8_reference(v)
+    rows = -(-s // SAGE_V_ROWS) * SAGE_V_ROWS
+    bt = 64 if v.device.type == "cuda" else 32
+    nb = rows // bt
+    part = torch.empty(nb, h, d, dtype=torch.float32, device=v.device)
+    kind = qk._KIND[v.dtype]
+    _launch("_v_amax_kernel", (nb, h), v.device, v, part, s, v.stride(1), v.stride(2), h, V_KIND=kind, D=d,
+            BT=bt, num_warps=4)
+    sc, inv = _v_scales(part.amax(0))
+    out = torch.empty(1, d, h, rows, dtype=torch.float8_e4m3fn, device=v.device)
+    _launch("_v_quant_kernel", (nb, h), v.device, v, inv, out.view(torch.uint8), s, v.stride(1), v.stride(2), h,
+            rows, V_KIND=kind, D=d, BT=bt, num_warps=4)
+    return out, sc.unsqueeze(0)
