@@ -151,7 +151,7 @@ def main(argv=None) -> int:
     ap.add_argument("--peer-blocks", type=int, default=4)
     ap.add_argument("--attention", default="auto")
     ap.add_argument("--gemm", default="auto")
-    ap.add_argument("--act-format", default=None, choices=["nvfp4", "fp8"],
+    ap.add_argument("--act-format", default=None, choices=["auto", "nvfp4", "fp8"],
                     help="activation format of the block stack (default: RuntimeOptions / H3_ACT_FORMAT)")
     ap.add_argument("--skip", default="", help="comma list of stages to skip: profile,accuracy,peer")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "canonical-h200.json"))

@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--attention", default="auto")
     ap.add_argument("--gemm", default="auto")
-    ap.add_argument("--act-format", default=None, choices=("nvfp4", "fp8"),
+    ap.add_argument("--act-format", default=None, choices=("auto", "nvfp4", "fp8"),
                     help="activation format of the block stack (default: H3_ACT_FORMAT, else nvfp4)")
     ap.add_argument("--fp8-scheme", default="auto", choices=("auto", "loop", "row"),
                     help="tiling of the fp8 producers when --act-format fp8")

@@ -52,7 +52,8 @@ class RuntimeOptions:
     attention: auto | sage2 | sage1 | sdpa | reference
     gemm:      auto | native | emulated | fp8 | bf16 | reference   (NVFP4 linear backend)
     act_scale: dynamic (amax per call) | calibrated (checkpoint input_scale when present)
-    act_format: nvfp4 (W4A4: NVFP4 activations) | fp8 (W4A8, Hopper: e4m3 activations with one fp32 scale
+    act_format: auto (fp8 where every block linear runs the fp8 GEMM backend, i.e. Hopper/Ada; else nvfp4) |
+               nvfp4 (W4A4: NVFP4 activations) | fp8 (W4A8, Hopper: e4m3 activations with one fp32 scale
                per row from the fused producers; used only with the fp8 GEMM backend, see runtime.stack)
     sage_v_pad: library (SageAttention2's sm90 wrapper pads V with torch.cat: one copy of V per call) |
                buffer (sm90 sage2 only: the QKV GEMM writes roundup(S, 128) rows, zero tail, and the
@@ -71,7 +72,7 @@ class RuntimeOptions:
     gemm: str = "auto"
     quantize: bool = True  # quantize bf16/fp8 sources to NVFP4 at load (False = keep source precision)
     act_scale: str = "dynamic"
-    act_format: str = "nvfp4"
+    act_format: str = "auto"
     scale_backend: str = "vortex"
     scale_version: str = "1"
     fused_elementwise: bool = True
@@ -80,7 +81,7 @@ class RuntimeOptions:
     fc2_lt: bool = True
     fc2_lt_strict: bool = False
     qkv_layout: str = "strided_nhd"
-    sage_v_pad: str = "library"
+    sage_v_pad: str = "fused"
     adaln_cache: bool = True
     producer_tiles: str = ""  # a tile table JSON from bench/producers_h200.py --tiles-out ("" = built-in tiles)
     cache_dir: str = field(default_factory=lambda: os.path.join(os.path.expanduser("~"), ".cache", "h3_blackwell"))
@@ -90,7 +91,7 @@ class RuntimeOptions:
                       "reference"),
         "gemm": ("auto", "native", "emulated", "fp8", "bf16", "reference"),
         "act_scale": ("dynamic", "calibrated"),
-        "act_format": ("nvfp4", "fp8"),
+        "act_format": ("auto", "nvfp4", "fp8"),
         "qkv_layout": ("strided_nhd", "contiguous"),
         "sage_v_pad": ("library", "buffer", "fused"),
         "dtype": ("auto", "float32", "bfloat16", "float16"),

@@ -65,7 +65,8 @@ class Nvfp4Stack:
 
     attention: backend name for ``attention()``; fc2: an Fc2Dispatcher or None; lora_on_fc2: callable
     telling whether a side-path LoRA is active on a block's fc2 (the guard refuses the Lt path then);
-    act_format: "nvfp4" (W4A4) or "fp8" (W4A8, see the module docstring; strict raises when it cannot run).
+    act_format: "auto" (fp8 when every block linear runs the fp8 GEMM backend, else nvfp4), "nvfp4" (W4A4)
+    or "fp8" (W4A8, see the module docstring; strict raises when it cannot run).
     """
 
     def __init__(self, model, attention_backend: str, fc2=None, act_scale: str = "dynamic",
@@ -89,8 +90,19 @@ class Nvfp4Stack:
         """Choose the activation format -> {"choice", "reason"} (also kept as act_format /
         act_format_reason). fp8 needs the fp8 GEMM backend on every block linear; otherwise nvfp4 is
         kept with the reason (strict: raise instead)."""
-        if requested not in ACT_FORMATS:
-            raise ValueError(f"act_format={requested!r}: expected one of {', '.join(ACT_FORMATS)}")
+        if requested not in ACT_FORMATS + ("auto",):
+            raise ValueError(f"act_format={requested!r}: expected auto or one of {', '.join(ACT_FORMATS)}")
+        if requested == "auto":
+            # fp8 (W4A8) wherever every block linear runs the fp8 GEMM backend (Hopper / Ada: no FP4 tensor
+            # cores, so the weights are expanded to e4m3 anyway and e4m3 activations are both faster and more
+            # accurate than NVFP4 ones); NVFP4 activations everywhere else (native FP4 GEMMs, the emulation)
+            got = self.set_act_format("fp8")
+            if got["choice"] != "fp8":
+                self.act_format_reason = "auto: " + self.act_format_reason.replace(
+                    "requested fp8 unavailable: ", "fp8 not applicable: ")
+            else:
+                self.act_format_reason = "auto: " + self.act_format_reason
+            return {"choice": self.act_format, "reason": self.act_format_reason}
         if requested == "nvfp4":
             self.act_format, self.act_format_reason = "nvfp4", "nvfp4: NVFP4 activations (W4A4)"
         else:

@@ -9,6 +9,8 @@
 #   bash scripts/device_session.sh E    sage2 build + producer tile sweep (-> tile table) + W4A8/V-pad GPU tests
 #                                       + the W4A8 50-block forward with the measured tiles and no V copy
 #   bash scripts/device_session.sh F    the canonical benchmark alone (CANON_ARGS; sage2 built if missing)
+#   bash scripts/device_session.sh G    sage2 build + fp8 accumulation bench + W4A8 tests + fused-V attention tests
+#                                       + the canonical benchmark with the defaults
 # Carry .sage (SageAttention source) and .whl (diffusers + deps, sageattention 1.0.6). Logs and JSONs go to
 # $OUT (at most 8 files come back).
 set -u
@@ -103,6 +105,26 @@ F)
   bash scripts/device_build_sage2.sh .sage /tmp/site > "$OUT/sage_build.log" 2>&1; tail -2 "$OUT/sage_build.log" >> "$LOG"
   phase canonical
   timeout "${CANON_TIMEOUT:-$(( 585 - SECONDS ))}" python3 bench/canonical.py --out "$OUT/canonical-h200.json" ${CANON_ARGS:-} 2>&1 | tail -8 >> "$LOG"
+  ;;
+G)
+  # fp8 accumulation bench + W4A8 producer tests while sage2 builds; then the fused-V attention tests; then
+  # the canonical benchmark with the defaults (act_format auto -> fp8, sage_v_pad fused), or with
+  # sage_v_pad=buffer if the fused-V tests failed
+  ( bash scripts/device_build_sage2.sh .sage /tmp/site > "$OUT/sage_build.log" 2>&1; echo "sage build rc=$?" >> "$OUT/sage_build.log" ) &
+  SAGE=$!
+  phase fp8-accum-bench
+  timeout 90 python3 bench/fp8_accum_h200.py --out "$OUT/fp8-accum-h200.json" 2>&1 | tail -5 >> "$LOG"
+  phase fp8-producer-gpu-tests
+  timeout 120 python3 -m pytest -q -m gpu tests/gpu/test_fp8_producers_gpu.py 2>&1 | tail -3 >> "$LOG"
+  timeout 90 python3 -m pytest -q -x tests/test_fp8_producers.py --tb=short 2>&1 | grep -E "Error|error|passed|failed" | head -12 >> "$LOG"
+  wait $SAGE; tail -2 "$OUT/sage_build.log" >> "$LOG"
+  phase sage-fused-v-tests
+  V=fused
+  timeout 150 python3 -m pytest -q -s -m gpu tests/gpu/test_attention_gpu.py -k "fused_v or v_pad_buffer" -rs 2>&1 \
+    | grep -E "S=|rel_l2|passed|failed|Error" | tail -14 >> "$LOG"
+  [[ ${PIPESTATUS[0]} == 0 ]] || V=buffer
+  phase "canonical (H3_SAGE_V_PAD=$V)"
+  H3_SAGE_V_PAD=$V timeout "${CANON_TIMEOUT:-$(( 590 - SECONDS ))}" python3 bench/canonical.py --out "$OUT/canonical-h200.json" ${CANON_ARGS:-} 2>&1 | tail -3 >> "$LOG"
   ;;
 esac
 phase done

@@ -544,7 +544,7 @@ def test_reference_with_seq_len_equals_unpadded():
 def test_sage_v_pad_option():
     from h3_blackwell.runtime.options import RuntimeOptions
 
-    assert RuntimeOptions().sage_v_pad == "library"
+    assert RuntimeOptions().sage_v_pad == "fused"  # a no-op off sm_90 sage2
     assert RuntimeOptions.from_env({"H3_SAGE_V_PAD": "buffer"}).sage_v_pad == "buffer"
     assert RuntimeOptions.from_env({"H3_SAGE_V_PAD": "fused"}).sage_v_pad == "fused"
     assert RuntimeOptions(sage_v_pad="buffer").as_env()["H3_SAGE_V_PAD"] == "buffer"

@@ -174,6 +174,8 @@ def test_tile_table_is_used_for_auto_on_cuda_only(tmp_path):
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     builtin = f8._tiles("rms", 5376, cuda, "auto")
+    builtin_fp8 = qk._tiles(cuda)["fp8"]
+    assert builtin == ("row", 1, 8192, 1, 4)  # the H200 sweep's choice (bench/results/producers-h200.json)
     try:
         p = tmp_path / "tiles.json"
         p.write_text('{"device": "NVIDIA H200", "rms": ["row", 1, 8192, 16], "swiglu": ["loop", 8, 512, 4], '
@@ -195,7 +197,7 @@ def test_tile_table_is_used_for_auto_on_cuda_only(tmp_path):
     finally:
         f8.set_tile_table(None)
         qk.set_fp8_tiles(None)
-    assert f8._tiles("rms", 5376, cuda, "auto") == builtin and qk._tiles(cuda)["fp8"] == (16, 256, 4)
+    assert f8._tiles("rms", 5376, cuda, "auto") == builtin and qk._tiles(cuda)["fp8"] == builtin_fp8
 
 
 # ----------------------------------------------------------------------------------------------
@@ -318,7 +320,7 @@ def test_w4a8_no_less_accurate_than_w4a4_and_fc2_lt_not_applicable():
     activations), both with NVFP4 weights through the same fp8 GEMM backend. FC2 in W4A8 never reaches the
     dispatcher (its counters stay honest) and the stack says why."""
     dense = load_model(None, RuntimeOptions(**CPU, quantize=False), tiny_seed=2).model
-    w4a4 = load_model(None, RuntimeOptions(**CPU, gemm="fp8"), tiny_seed=2).model
+    w4a4 = load_model(None, RuntimeOptions(**CPU, gemm="fp8", act_format="nvfp4"), tiny_seed=2).model
     w4a8 = _w4a8(2).model
     assert w4a4.stack.act_format == "nvfp4"
     calls = []
@@ -343,7 +345,13 @@ def test_w4a8_no_less_accurate_than_w4a4_and_fc2_lt_not_applicable():
 
 
 def test_act_format_option_and_refusal(monkeypatch):
-    assert RuntimeOptions().act_format == "nvfp4"
+    assert RuntimeOptions().act_format == "auto"
+    # auto: fp8 where every block linear runs the fp8 backend, else nvfp4, never an error
+    auto8 = load_model(None, RuntimeOptions(**CPU, gemm="fp8"), tiny_seed=1).model.stack
+    assert auto8.act_format == "fp8" and auto8.act_format_reason.startswith("auto: fp8 (W4A8)")
+    auto4 = load_model(None, RuntimeOptions(**CPU), tiny_seed=1).model.stack  # CPU auto gemm: emulated
+    assert auto4.act_format == "nvfp4" and auto4.act_format_reason.startswith("auto: fp8 not applicable")
+    assert auto4.set_act_format("auto", strict=True)["choice"] == "nvfp4"
     assert RuntimeOptions.from_env({"H3_ACT_FORMAT": "fp8"}).act_format == "fp8"
     assert RuntimeOptions(act_format="fp8").as_env()["H3_ACT_FORMAT"] == "fp8"
     with pytest.raises(ValueError):

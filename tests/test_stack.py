@@ -138,11 +138,11 @@ def test_sage_v_pad_buffer_plumbing_zero_tail_equals_default(monkeypatch):
         return real(qkv, heads, head_dim, backend, **kw)
 
     monkeypatch.setattr(st, "attention", spy)
-    _, (v0, a0) = _stack_forward(RuntimeOptions(**CPU))
+    _, (v0, a0) = _stack_forward(RuntimeOptions(**CPU, sage_v_pad="library"))
     ref_seen = list(seen)
     seen.clear()
     _, (v1, a1) = _stack_forward(RuntimeOptions(**CPU, sage_v_pad="buffer"), monkeypatch, pad=128)
-    assert ref_seen and all(r[1] is None and r[2] is None for r in ref_seen)
+    assert ref_seen and all(r[1] is None and r[2] == "library" for r in ref_seen)
     assert len(seen) == len(ref_seen)
     for (rows, s, mode, tail_nonzero), (s0, *_rest) in zip(seen, ref_seen):
         assert (s, mode) == (s0, "buffer") and rows == -(-s0 // 128) * 128 and not tail_nonzero

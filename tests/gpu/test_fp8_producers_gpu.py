@@ -121,7 +121,7 @@ def test_tiny_model_w4a8_no_less_accurate_than_w4a4():
 
     kw = dict(device="cuda", dtype="float32", attention="sdpa")
     dense = load_model(None, RuntimeOptions(**kw, quantize=False), tiny_seed=2).model
-    w4a4 = load_model(None, RuntimeOptions(**kw, gemm="fp8"), tiny_seed=2).model
+    w4a4 = load_model(None, RuntimeOptions(**kw, gemm="fp8", act_format="nvfp4"), tiny_seed=2).model
     w4a8 = load_model(None, RuntimeOptions(**kw, gemm="fp8", act_format="fp8"), tiny_seed=2).model
     assert w4a8.stack.set_act_format("fp8", strict=True)["choice"] == "fp8"
     g = torch.Generator().manual_seed(1)
