@@ -43,7 +43,7 @@ def _pow2(n: int) -> int:
 def candidates(op: str, k: int) -> list[tuple]:
     """(scheme, BM, BK, NKT, num_warps) candidates for an fp8 producer of row width k."""
     row_bk = _pow2(k)
-    out = [("row", 1, row_bk, 1, nw) for nw in (4, 8, 16)]
+    out = [("row", 1, row_bk, 1, nw) for nw in (4, 8, 16, 32)]
     out += [("row", 2, row_bk, 1, nw) for nw in (8, 16)]
     for bm, bk, nw in ((16, 256, 4), (16, 256, 8), (8, 512, 4), (8, 512, 8), (4, 1024, 4), (4, 1024, 8),
                        (32, 128, 4), (2, 2048, 8)):

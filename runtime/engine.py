@@ -165,6 +165,17 @@ def prepare_nvfp4(rt: H3Runtime) -> None:
     rt.backends["act_format"] = {"choice": rt.model.stack.act_format, "reason": rt.model.stack.act_format_reason}
     if o.producer_tiles:
         rt.backends["producer_tiles"] = apply_tile_table(o.producer_tiles)
+    if rt.model.stack.act_format == "fp8":
+        from .stack import LINEARS
+
+        fast = o.fp8_accum == "fast"
+        for b in rt.model.blocks:
+            for p, n in LINEARS:
+                getattr(getattr(b, p), n).fp8_fast_accum = fast
+        rt.backends["fp8_accum"] = {"choice": o.fp8_accum, "reason": (
+            "fast: Hopper's reduced-precision fp8 accumulation in the W4A8 GEMMs (H3_FP8_ACCUM=fast)" if fast else
+            "fp32: the W4A8 GEMMs accumulate in fp32 (no fast accumulation)") + (
+            "" if rt.device.type == "cuda" else "; CPU: exact products, fp32 accumulation either way")}
     if o.adaln_cache and rt.device.type == "cuda" and not rt.config.curve_form:
         moved = rt.model.offload_adaln()
         rt.backends["adaln"] = {"choice": "rows per run",

@@ -30,6 +30,7 @@ _ENV = {
     "cache_dir": ("H3_CACHE_DIR", str),
     "quantize": ("H3_NVFP4", "bool"),
     "producer_tiles": ("H3_PRODUCER_TILES", str),
+    "fp8_accum": ("H3_FP8_ACCUM", str),
 }
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -60,6 +61,9 @@ class RuntimeOptions:
                wrapper calls Sage2's stages itself on that buffer: no copy; see ops.attention) |
                fused (sm90 sage2 only: V's fp8 operands built by our Triton producer straight from the strided
                V view: no pad copy, no transpose copy)
+    fp8_accum: fp32 (the W4A8 GEMMs accumulate in fp32, as cuBLAS does without fast accumulation) | fast
+               (Hopper's reduced-precision fp8 accumulation: ~7 % faster block GEMMs on the H200, per-GEMM
+               rel-L2 0.0023-0.0033 instead of 0.0017 against fp64; bench/results/fp8-accum-h200.json)
     producer_tiles: path of a measured tile table for the producers (bench/producers_h200.py
                --tiles-out); speed only, the bytes are the same with any tiles
     fc2_lt:    the guarded cuBLASLt FC2 path (H3_NVFP4_FC2_LT_SPLITK1); strict raises instead of falling back
@@ -83,6 +87,7 @@ class RuntimeOptions:
     qkv_layout: str = "strided_nhd"
     sage_v_pad: str = "fused"
     adaln_cache: bool = True
+    fp8_accum: str = "fp32"
     producer_tiles: str = ""  # a tile table JSON from bench/producers_h200.py --tiles-out ("" = built-in tiles)
     cache_dir: str = field(default_factory=lambda: os.path.join(os.path.expanduser("~"), ".cache", "h3_blackwell"))
 
@@ -94,6 +99,7 @@ class RuntimeOptions:
         "act_format": ("auto", "nvfp4", "fp8"),
         "qkv_layout": ("strided_nhd", "contiguous"),
         "sage_v_pad": ("library", "buffer", "fused"),
+        "fp8_accum": ("fp32", "fast"),
         "dtype": ("auto", "float32", "bfloat16", "float16"),
     }
 

@@ -149,7 +149,7 @@ def test_producers_reject_bad_inputs():
         f8.swiglu_fp8(torch.zeros(3, 5))
     with pytest.raises(ValueError):
         f8.quantize_fp8(torch.zeros(3, 8), scheme="tiles")
-    q, r = f8.quantize_fp8(torch.zeros(0, 16), backend="triton")
+    q, r = f8.quantize_fp8(torch.zeros(0, 16, device=DEV), backend="triton")
     assert q.shape == (0, 16) and r.shape == (0,)
 
 
@@ -450,3 +450,27 @@ def test_sage_v_fp8_bit_exact_and_layout(s, h, d):
     x = v[0].float().cpu()
     assert not back[s:].any()
     assert ((back[:s] - x).abs() <= torch.maximum(x.abs() * 2.0 ** -4, got[1][0].cpu() * 2.0 ** -9)).all()
+
+
+def test_fp8_accum_option_reaches_the_w4a8_linears():
+    """H3_FP8_ACCUM / RuntimeOptions.fp8_accum: "fast" marks every block linear of a W4A8 stack (forward_fp8 then
+    asks cuBLAS for fast accumulation on CUDA); the default keeps fp32 accumulation; the backends say which."""
+    from h3_blackwell.runtime.ops.linear import scaled_mm_rowwise
+    from h3_blackwell.runtime.stack import LINEARS
+
+    assert RuntimeOptions().fp8_accum == "fp32"
+    assert RuntimeOptions.from_env({"H3_FP8_ACCUM": "fast"}).fp8_accum == "fast"
+    with pytest.raises(ValueError, match="fp8_accum"):
+        RuntimeOptions(fp8_accum="tf32")
+    for mode in ("fp32", "fast"):
+        rt = load_model(None, RuntimeOptions(**CPU, gemm="fp8", fp8_accum=mode), tiny_seed=1)
+        flags = {getattr(getattr(b, p), n).fp8_fast_accum for b in rt.model.blocks for p, n in LINEARS}
+        assert flags == {mode == "fast"} and rt.backends["fp8_accum"]["choice"] == mode
+    # the CPU product: exact e4m3 products, fp32 accumulation, scales on the sums
+    g = torch.Generator().manual_seed(0)
+    a8 = (torch.randn(5, 48, generator=g) * 30).to(torch.float8_e4m3fn)
+    w8 = (torch.randn(7, 48, generator=g) * 30).to(torch.float8_e4m3fn)
+    sa, sb = torch.rand(5, 1, generator=g) + 0.5, torch.rand(1, 7, generator=g) + 0.5
+    want = (a8.double() @ w8.double().t()) * sa.double() * sb.double()
+    got = scaled_mm_rowwise(a8, w8, sa, sb, torch.float32).double()
+    assert ((got - want).abs() <= 48 * 2.0 ** -22 * ((a8.double().abs() @ w8.double().abs().t()) * sa * sb)).all()

@@ -97,7 +97,8 @@ def gemm_capability_table(device: torch.device | str) -> list[Capability]:
         rows.append(Capability("bf16", True, "bf16: bf16 weight scratch + cuBLAS bf16 GEMM"))
     else:
         rows.append(Capability("emulated", True, "emulated: torch fp32 dequantize + fp32 matmul (CPU)"))
-        rows.append(Capability("fp8", True, "fp8: rowwise e4m3 + torch._scaled_mm on CPU (slow; for tests)"))
+        rows.append(Capability("fp8", True, "fp8: rowwise e4m3 operands, exact products with fp32 accumulation on "
+                                            "CPU (slow; for tests)"))
         rows.append(Capability("bf16", True, "bf16: bf16 dequantize + torch bf16 matmul on CPU (slow; for tests)"))
     rows.append(Capability("reference", True, "reference: float64 dequantized matmul"))
     return rows
@@ -186,14 +187,28 @@ def _bf16(a: nv.NVFP4Tensor, w: nv.NVFP4Tensor, out_dtype: torch.dtype, scratch:
     return (a16 @ w16.t()).to(out_dtype)
 
 
+def scaled_mm_rowwise(a8: torch.Tensor, w8: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                      out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
+    """(a8 [M, K] e4m3 * scale_a [M, 1]) @ (w8 [N, K] e4m3 * scale_b [1, N]).T -> [M, N] in out_dtype.
+
+    CUDA: ``torch._scaled_mm`` rowwise (cuBLASLt; bf16 output; ``fast_accum`` = Hopper's reduced-precision
+    fp8 accumulation, off unless asked). CPU (tests): the same math written out -- e4m3 values are exact in
+    fp32 and so are their products, fp32 accumulation, the scales applied to the fp32 sums, one rounding to
+    out_dtype -- because torch's CPU ``_scaled_mm`` takes per-tensor scales only in some releases (2.11)."""
+    if a8.device.type == "cuda":
+        return torch._scaled_mm(a8, w8.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
+                                use_fast_accum=fast_accum)
+    y = (a8.float() @ w8.float().t()) * scale_a.float() * scale_b.float()
+    return y.to(out_dtype)
+
+
 def _fp8(a: nv.NVFP4Tensor, w: nv.NVFP4Tensor, out_dtype: torch.dtype, scratch: Scratch) -> torch.Tensor:
     (m, k), (n, _) = a.shape, w.shape
     a8, ra = qk.to_fp8_rowwise(a, out=scratch.get("a", m * k, torch.float8_e4m3fn, a.device))
     w8, rw = qk.to_fp8_rowwise(w, out=scratch.get("w", n * k, torch.float8_e4m3fn, a.device))
     # rowwise-scaled fp8 cuBLASLt GEMMs produce bf16 (the one output type every torch version accepts)
-    out = torch._scaled_mm(a8, w8.t(), scale_a=(ra * a.global_scale).unsqueeze(1),
-                           scale_b=(rw * w.global_scale).unsqueeze(0), out_dtype=torch.bfloat16,
-                           use_fast_accum=False)
+    out = scaled_mm_rowwise(a8, w8, (ra * a.global_scale).unsqueeze(1), (rw * w.global_scale).unsqueeze(0),
+                            torch.bfloat16)
     return out.to(out_dtype)
 
 
@@ -263,6 +278,7 @@ class Nvfp4Linear(nn.Module):
         self.requested_backend, self.strict = backend, strict
         self.scratch = scratch
         self.act_scale = act_scale
+        self.fp8_fast_accum = False  # forward_fp8 on CUDA: Hopper's fast fp8 accumulation (RuntimeOptions.fp8_accum)
         self._choose()
 
     def _choose(self) -> None:
@@ -362,7 +378,7 @@ class Nvfp4Linear(nn.Module):
         row_scale[:, None], as ``fp8_producers`` write it) -> [S, N]. The NVFP4 weight is re-expressed as
         rowwise e4m3 in the reusable scratch exactly as the fp8 backend does (``to_fp8_rowwise``), then
         ``torch._scaled_mm`` rowwise: scale_a = row_scale[:, None], scale_b = (weight row scale *
-        weight global scale)[None, :], fp32 accumulation, no fast accumulation. Its result is bf16 on
+        weight global scale)[None, :], fp32 accumulation (fast accumulation when ``fp8_fast_accum``). Its result is bf16 on
         CUDA (the rowwise cuBLASLt output type) and, on CPU, fp32 when this layer's output is fp32;
         then converted to the output dtype (``out_dtype``, else bf16). Needs the fp8 GEMM backend."""
         if self.backend != "fp8":
@@ -381,7 +397,6 @@ class Nvfp4Linear(nn.Module):
         n, k = self.out_features, self.in_features
         w8, rw = qk.to_fp8_rowwise(self.weight, out=scratch.get("w", n * k, torch.float8_e4m3fn, a8.device))
         mm_dtype = torch.float32 if a8.device.type != "cuda" and out_dtype == torch.float32 else torch.bfloat16
-        y = torch._scaled_mm(a8, w8.t(), scale_a=row_scale.unsqueeze(1),
-                             scale_b=(rw * self.global_scale).unsqueeze(0), out_dtype=mm_dtype,
-                             use_fast_accum=False)
+        y = scaled_mm_rowwise(a8, w8, row_scale.unsqueeze(1), (rw * self.global_scale).unsqueeze(0), mm_dtype,
+                              fast_accum=self.fp8_fast_accum)
         return self._finish(y.to(out_dtype), (s,))
