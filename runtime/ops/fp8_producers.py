@@ -452,7 +452,7 @@ def rms_modulate_fp8(x: torch.Tensor, weight: torch.Tensor | None, scale_rows: t
         return out, rs
     _, bm, bk, nkt, nw = _tiles("rms", k, x.device, scheme)
     nseg = 1 << (len(segs) - 1).bit_length()  # a power of two: few recompiles as layouts change
-    seg = torch.tensor(segs + [(0, 0, 0)] * (nseg - len(segs)), dtype=torch.int32, device=x.device).reshape(-1)
+    seg = qk._seg_table(segs, nseg, x.device)
     eps_t = qk._t(eps, x, torch.float64)
     w = weight if weight is not None else x  # unused pointer when HAS_W is False
     _launch("_rms_fp8_kernel", (qk._cdiv(s, bm),), x.device, x, w, scale_rows, shift_rows, seg, eps_t, out.view(torch.uint8),

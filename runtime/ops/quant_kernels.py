@@ -451,10 +451,31 @@ def _tiles(device: torch.device) -> dict:
 # references (pure torch; the definition the kernels are tested against)
 # ----------------------------------------------------------------------------------------------
 
+_CONSTS: dict = {}
+
+
 def _t(v: float, like: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     # 0-dim tensor on the data's device: CUDA turns `tensor / python_scalar` into a multiply by the
-    # reciprocal, which is not the correctly rounded quotient the kernels compute.
-    return torch.tensor(v, dtype=dtype, device=like.device)
+    # reciprocal, which is not the correctly rounded quotient the kernels compute. On CUDA it is cached:
+    # building it is a host->device copy from pageable memory, which makes the host wait for the GPU to
+    # drain its queue (and the GPU then idle while the host launches the next kernels).
+    if like.device.type != "cuda":
+        return torch.tensor(v, dtype=dtype, device=like.device)
+    key = (float(v), dtype, like.device)
+    t = _CONSTS.get(key)
+    if t is None:
+        if len(_CONSTS) > 256:
+            _CONSTS.clear()
+        t = _CONSTS[key] = torch.tensor(v, dtype=dtype, device=like.device)
+    return t
+
+
+def _seg_table(segs: list, nseg: int, device: torch.device) -> torch.Tensor:
+    """(start, stop, row) triples padded with empty entries to ``nseg`` -> int32 [3*nseg] on the device,
+    cached per layout (elementwise._segment_table): no host->device copy, so no host sync, per call."""
+    from .elementwise import _segment_table
+
+    return _segment_table([tuple(sg) for sg in segs] + [(0, 0, 0)] * (nseg - len(segs)), device)
 
 
 def exp_reference(t: torch.Tensor) -> torch.Tensor:
@@ -633,7 +654,7 @@ def rms_modulate_quantize(x: torch.Tensor, weight: torch.Tensor | None, scale_ro
     rp, rs, kp, cp = _geometry(s, k)
     bm, bk, nw = _tiles(x.device)["norm"]
     nseg = 1 << (len(segs) - 1).bit_length()  # a power of two: few recompiles as layouts change
-    seg = torch.tensor(segs + [(0, 0, 0)] * (nseg - len(segs)), dtype=torch.int32, device=x.device).reshape(-1)
+    seg = _seg_table(segs, nseg, x.device)
     nkt = _cdiv(k, bk)
     eps_t = _t(eps, x, torch.float64)
     w = weight if weight is not None else x  # unused pointer when HAS_W is False

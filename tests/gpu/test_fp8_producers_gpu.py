@@ -152,3 +152,30 @@ def test_forward_fp8_fast_accum_within_its_bound(layer):
     err = float((got - want).norm() / want.norm())
     print(f"\n{layer}: fast accumulation rel-L2 {err:.3g}")
     assert err <= 1e-2
+
+
+def test_hot_path_producers_make_no_host_to_device_copies():
+    """A host->device copy from pageable memory (a device constant or segment table built per call) makes the
+    host wait for the GPU queue to drain: the producers of the block loop must not make one once warm."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x = _rand((300, HIDDEN), seed=40)
+    tab = _rand((6, HIDDEN), seed=41, scale=0.2)
+    h = _rand((300, 2 * 512), seed=42)
+    qkv = _rand((300, 3 * 4 * 128), seed=43)
+    v = qkv.unflatten(1, (3, 4, 128))[:, 2].unsqueeze(0)
+    segs = _segments(300)
+
+    def hot():
+        f8.rms_modulate_fp8(x, None, tab, tab, segs, 1e-6)
+        f8.quantize_fp8(x)
+        f8.swiglu_fp8(h)
+        f8.sage_v_fp8(v)
+
+    hot()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        hot()
+        torch.cuda.synchronize()
+    h2d = [e.name for e in prof.events() if "HtoD" in e.name or "Memcpy HtoD" in e.name]
+    assert h2d == [], h2d
