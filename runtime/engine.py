@@ -165,6 +165,7 @@ def prepare_nvfp4(rt: H3Runtime) -> None:
     rt.backends["act_format"] = {"choice": rt.model.stack.act_format, "reason": rt.model.stack.act_format_reason}
     if o.producer_tiles:
         rt.backends["producer_tiles"] = apply_tile_table(o.producer_tiles)
+    rt.model.stack.silu = o.silu
     if rt.model.stack.act_format == "fp8":
         from .stack import LINEARS
 
@@ -176,6 +177,10 @@ def prepare_nvfp4(rt: H3Runtime) -> None:
             "fast: Hopper's reduced-precision fp8 accumulation in the W4A8 GEMMs (H3_FP8_ACCUM=fast)" if fast else
             "fp32: the W4A8 GEMMs accumulate in fp32 (no fast accumulation)") + (
             "" if rt.device.type == "cuda" else "; CPU: exact products, fp32 accumulation either way")}
+        rt.backends["silu"] = {"choice": o.silu, "reason": (
+            "fast: the SwiGLU producer's silu uses the hardware exp2 and an approximate division (H3_SILU=fast)"
+            if o.silu == "fast" else "exact: the SwiGLU producer's silu is bit-exact against its reference") + (
+            "" if rt.device.type == "cuda" else "; CPU: the torch reference either way")}
     if o.adaln_cache and rt.device.type == "cuda" and not rt.config.curve_form:
         moved = rt.model.offload_adaln()
         rt.backends["adaln"] = {"choice": "rows per run",

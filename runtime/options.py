@@ -31,6 +31,7 @@ _ENV = {
     "quantize": ("H3_NVFP4", "bool"),
     "producer_tiles": ("H3_PRODUCER_TILES", str),
     "fp8_accum": ("H3_FP8_ACCUM", str),
+    "silu": ("H3_SILU", str),
 }
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -64,6 +65,8 @@ class RuntimeOptions:
     fp8_accum: fp32 (the W4A8 GEMMs accumulate in fp32, as cuBLAS does without fast accumulation) | fast
                (Hopper's reduced-precision fp8 accumulation: ~7 % faster block GEMMs on the H200, per-GEMM
                rel-L2 0.0023-0.0033 instead of 0.0017 against fp64; bench/results/fp8-accum-h200.json)
+    silu:      exact (the W4A8 SwiGLU producer computes silu with the reference's own exp and IEEE division:
+               bit-exact) | fast (hardware exp2, approximate division: a few ulp; a code may move one e4m3 step)
     producer_tiles: path of a measured tile table for the producers (bench/producers_h200.py
                --tiles-out); speed only, the bytes are the same with any tiles
     fc2_lt:    the guarded cuBLASLt FC2 path (H3_NVFP4_FC2_LT_SPLITK1); strict raises instead of falling back
@@ -88,6 +91,7 @@ class RuntimeOptions:
     sage_v_pad: str = "fused"
     adaln_cache: bool = True
     fp8_accum: str = "fp32"
+    silu: str = "exact"
     producer_tiles: str = ""  # a tile table JSON from bench/producers_h200.py --tiles-out ("" = built-in tiles)
     cache_dir: str = field(default_factory=lambda: os.path.join(os.path.expanduser("~"), ".cache", "h3_blackwell"))
 
@@ -100,6 +104,7 @@ class RuntimeOptions:
         "qkv_layout": ("strided_nhd", "contiguous"),
         "sage_v_pad": ("library", "buffer", "fused"),
         "fp8_accum": ("fp32", "fast"),
+        "silu": ("exact", "fast"),
         "dtype": ("auto", "float32", "bfloat16", "float16"),
     }
 

@@ -79,6 +79,7 @@ class Nvfp4Stack:
         self.act_scale = act_scale
         self.lora_on_fc2 = lora_on_fc2 or (lambda i: False)
         self.fc2_direct_calls = 0  # FC2 GEMMs run without the dispatcher (act_format fp8)
+        self.silu = "exact"  # the W4A8 SwiGLU producer's silu (RuntimeOptions.silu)
         if sage_v_pad not in SAGE_V_PADS:
             raise ValueError(f"sage_v_pad={sage_v_pad!r}: expected one of {', '.join(SAGE_V_PADS)}")
         self.sage_v_pad = sage_v_pad
@@ -241,7 +242,7 @@ class Nvfp4Stack:
         """i + j: silu(gate) * up -> quantize -> FC2. NVFP4: through the guarded dispatcher on the producer's
         bytes (padded to 16 rows); fp8: the layer directly (the pinned FC2 takes NVFP4 bytes only)."""
         if self.act_format == "fp8":
-            s8, rs = f8.swiglu_fp8(h)
+            s8, rs = f8.swiglu_fp8(h, silu=self.silu)
             self.fc2_direct_calls += 1
             return blk.mlp.fc2.forward_fp8(s8, rs)
         s_q = qk.swiglu_quantize(h, self._input_scale(blk.mlp.fc2), pad_rows=16)

@@ -11,6 +11,8 @@
 #   bash scripts/device_session.sh F    the canonical benchmark alone (CANON_ARGS; sage2 built if missing)
 #   bash scripts/device_session.sh G    sage2 build + fp8 accumulation bench + W4A8 tests + fused-V attention tests
 #                                       + the canonical benchmark with the defaults
+#   bash scripts/device_session.sh H    sage2 build + tile sweep + this session's GPU tests + the 50-block
+#                                       forward with fp32 / fast fp8 accumulation and exact / fast silu (then F)
 # Carry .sage (SageAttention source) and .whl (diffusers + deps, sageattention 1.0.6). Logs and JSONs go to
 # $OUT (at most 8 files come back).
 set -u
@@ -125,6 +127,29 @@ G)
   [[ ${PIPESTATUS[0]} == 0 ]] || V=buffer
   phase "canonical (H3_SAGE_V_PAD=$V)"
   H3_SAGE_V_PAD=$V timeout "${CANON_TIMEOUT:-$(( 590 - SECONDS ))}" python3 bench/canonical.py --out "$OUT/canonical-h200.json" ${CANON_ARGS:-} 2>&1 | tail -3 >> "$LOG"
+  ;;
+H)
+  # next measurement (bench/NOTES.md "Next"): tile sweep with the new candidates, the GPU tests of this
+  # session's changes (fused V, fast accumulation, no host->device copies), then the 50-block forward with
+  # the measured tiles and fp32 vs fast fp8 accumulation. Follow with F on the still-warm machine.
+  ( bash scripts/device_build_sage2.sh .sage /tmp/site > "$OUT/sage_build.log" 2>&1; echo "sage build rc=$?" >> "$OUT/sage_build.log" ) &
+  SAGE=$!
+  phase producers-sweep
+  timeout 240 python3 bench/producers_h200.py --out "$OUT/producers-h200.json" --tiles-out /tmp/tiles.json 2>&1 | tail -8 >> "$LOG"
+  cp /tmp/tiles.json "$OUT/producer-tiles-h200.json" 2>>"$LOG"
+  phase fp8-producer-gpu-tests
+  timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_fp8_producers_gpu.py 2>&1 | tail -4 >> "$LOG"
+  timeout 90 python3 -m pytest -q tests/test_fp8_producers.py 2>&1 | tail -3 >> "$LOG"
+  wait $SAGE; tail -2 "$OUT/sage_build.log" >> "$LOG"
+  phase sage-fused-v-tests
+  timeout 150 python3 -m pytest -q -s -m gpu tests/gpu/test_attention_gpu.py -k "fused_v or v_pad_buffer or no_qkv_copies" 2>&1 \
+    | grep -E "S=|rel_l2|passed|failed|Error" | tail -14 >> "$LOG"
+  for cfg in fp32:exact fast:exact fast:fast; do
+    acc=${cfg%:*}; silu=${cfg#*:}
+    phase "forward50 (H3_FP8_ACCUM=$acc H3_SILU=$silu, measured tiles)"
+    H3_PRODUCER_TILES=/tmp/tiles.json H3_FP8_ACCUM=$acc H3_SILU=$silu timeout 150 python3 bench/forward50_h200.py \
+      --out "$OUT/forward50-h200-$acc-$silu.json" 2>&1 | tail -3 >> "$LOG"
+  done
   ;;
 esac
 phase done

@@ -474,3 +474,37 @@ def test_fp8_accum_option_reaches_the_w4a8_linears():
     want = (a8.double() @ w8.double().t()) * sa.double() * sb.double()
     got = scaled_mm_rowwise(a8, w8, sa, sb, torch.float32).double()
     assert ((got - want).abs() <= 48 * 2.0 ** -22 * ((a8.double().abs() @ w8.double().abs().t()) * sa * sb)).all()
+
+
+def _within_one_step(got, ref, max_frac):
+    """Row scales within a few fp32 ulp; codes equal except a few one step apart (or +-0)."""
+    (q, r), (q0, r0) = got, ref
+    assert ((r.double() - r0.double()).abs() <= 8 * 2.0 ** -23 * r0.double().abs()).all()
+    a, b = q.view(torch.uint8).int(), q0.view(torch.uint8).int()
+    diff = a != b
+    zero = ((a & 0x7F) == 0) & ((b & 0x7F) == 0)
+    step = ((a - b).abs() == 1) & ((a & 0x80) == (b & 0x80))
+    assert (zero | step | ~diff).all()
+    assert int(diff.sum()) <= max(2, int(max_frac * diff.numel())), int(diff.sum())
+    return int(diff.sum())
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_swiglu_fp8_fast_silu_within_one_step(scheme):
+    """silu="fast" (hardware exp2, approximate division on the GPU; numpy's under the interpreter) is not the
+    reference's bit pattern, but every code is the reference's or one e4m3 step from it, and only a few
+    (values within a few ulp of a rounding midpoint) move; the exact path is unaffected."""
+    h = _rand((37, 2 * 300), torch.bfloat16, 21, 4.0)
+    ref = f8.swiglu_fp8(h, backend="reference")
+    n = _within_one_step(f8.swiglu_fp8(h, backend="triton", scheme=scheme, silu="fast"), ref, 1e-3)
+    _same(f8.swiglu_fp8(h, backend="triton", scheme=scheme, silu="exact"), ref)
+    with pytest.raises(ValueError, match="silu"):
+        f8.swiglu_fp8(h, silu="approx")
+    assert n <= 11  # 1e-3 of 11100 codes
+
+
+def test_silu_option_reaches_the_stack():
+    assert RuntimeOptions().silu == "exact"
+    assert RuntimeOptions.from_env({"H3_SILU": "fast"}).silu == "fast"
+    rt = load_model(None, RuntimeOptions(**CPU, gemm="fp8", silu="fast"), tiny_seed=1)
+    assert rt.model.stack.silu == "fast" and rt.backends["silu"]["choice"] == "fast"
