@@ -16,7 +16,8 @@ One block (x [S, hidden] bf16 residual, updated in place):
 On the CPU every step runs its torch reference (the producers' references write the same bytes), so the
 whole stack is testable without a GPU.
 
-W4A8 (``act_format="fp8"``, Hopper; RuntimeOptions.act_format / H3_ACT_FORMAT): the same block with the
+W4A8 (``act_format="fp8"``, and what ``"auto"``, the default, picks wherever the fp8 GEMM backend runs every
+block linear, i.e. Hopper and Ada; RuntimeOptions.act_format / H3_ACT_FORMAT): the same block with the
 activation producers of ``ops.fp8_producers`` (a: ``rms_modulate_fp8``, e: ``quantize_fp8``, g:
 ``rms_modulate_fp8``, i: ``swiglu_fp8``), each one launch writing e4m3 with one fp32 scale per row (row amax
 / 448, no global-amax pass), fed to ``Nvfp4Linear.forward_fp8`` (the NVFP4 weight expanded per layer to
@@ -25,7 +26,9 @@ per element), strictly more accurate than NVFP4 activations. Only with the fp8 G
 linear; otherwise the stack keeps nvfp4 and ``act_format_reason`` says why. ``act_scale`` is not used (the
 scales are row-local). FC2 calls the layer directly: the guarded cuBLASLt FC2 path takes NVFP4 bytes, so it
 is not applicable (``fc2_status()`` says "not applicable (act_format fp8)"; the dispatcher is not called, so
-its counters record no attempt).
+its counters record no attempt). Opt-in numerics trades, measured in bench/: ``fp8_accum="fast"`` (Hopper's
+fast fp8 accumulation in the GEMMs) and ``silu="fast"`` (the SwiGLU producer's hardware exp2 and approximate
+division).
 
 ``sage_v_pad="buffer"`` (RuntimeOptions.sage_v_pad / H3_SAGE_V_PAD; only with the sage2 backend on sm_90,
 otherwise a no-op): step a pads its output to roundup(S, 128) rows of zero codes, so step b writes a qkv
