@@ -73,11 +73,11 @@ SCHEMES = ("auto", "loop", "row")
 _MIN_NORMAL = 1.1754943508222875e-38  # 2^-126
 
 # Bound on first use (see _kernels), as in quant_kernels: the sources resolve `tl` and the helpers through
-# this module's globals; the shared helpers (_ld_f32, _e4m3_code, _exp_f32) are quant_kernels' own JIT
+# this module's globals; the shared helpers (_ld_f32, _e4m3_code, _exp_f32, _modulate) are quant_kernels' own JIT
 # functions, read from that module.
 tl = None
 triton = None
-_ld_f32 = _e4m3_code = _exp_f32 = None  # quant_kernels' JIT helpers, bound in _kernels()
+_ld_f32 = _e4m3_code = _exp_f32 = _modulate = None  # quant_kernels' JIT helpers, bound in _kernels()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -97,19 +97,6 @@ def _e4m3_store(v, ra, r2, c2, m, out_ptr, stride_o, BM: tl.constexpr, BK: tl.co
     q = v * tl.broadcast_to(tl.expand_dims(inv, 1), [BM, BK])
     code = _e4m3_code(tl.minimum(tl.maximum(q, -448.0), 448.0), HW)
     tl.store(out_ptr + r2 * stride_o + c2, code.to(tl.uint8), mask=m)
-
-
-def _modulate(xv, rstd, w_ptr, sc_ptr, sh_ptr, t2, c2, m, K, stride_sc, stride_sh, HAS_W: tl.constexpr,
-              W_KIND: tl.constexpr, T_KIND: tl.constexpr):
-    """h = (x * rstd [* w]) * (1 + scale[row]) + shift[row] in fp32, each step rounded; 0 outside m."""
-    n = xv * tl.expand_dims(rstd, 1)
-    if HAS_W:
-        n = n * _ld_f32(w_ptr + c2, c2 < K, W_KIND)
-    sc = _ld_f32(sc_ptr + t2 * stride_sc + c2, m, T_KIND)
-    sh = _ld_f32(sh_ptr + t2 * stride_sh + c2, m, T_KIND)
-    h = n * (1.0 + sc)
-    h = h + sh
-    return tl.where(m, h, 0.0)
 
 
 def _silu_mul(a, up, m, FAST: tl.constexpr):
@@ -266,8 +253,8 @@ def _v_quant_kernel(v_ptr, inv_ptr, out_ptr, S, stride_s, stride_h, H, ROWS, V_K
     tl.store(out, tl.trans(code))
 
 
-_SHARED = ("_ld_f32", "_e4m3_code", "_exp_f32")  # quant_kernels' helpers, used read-only
-_HELPERS = ("_row_scale", "_e4m3_store", "_modulate", "_silu_mul")
+_SHARED = ("_ld_f32", "_e4m3_code", "_exp_f32", "_modulate")  # quant_kernels' helpers, used read-only
+_HELPERS = ("_row_scale", "_e4m3_store", "_silu_mul")
 _KERNELS = ("_quantize_fp8_kernel", "_rms_fp8_kernel", "_swiglu_fp8_kernel", "_v_amax_kernel", "_v_quant_kernel")
 
 

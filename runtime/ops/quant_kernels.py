@@ -208,6 +208,19 @@ def _quantize_kernel(x_ptr, g_ptr, packed_ptr, scales_ptr, S, K, stride_x, strid
     _quant_store(v, tl.load(g_ptr), rows, col0, packed_ptr, stride_p, scales_ptr, R_PACK, R_SCALE, KP, CP, BM, BK)
 
 
+def _modulate(xv, rstd, w_ptr, sc_ptr, sh_ptr, t2, c2, m, K, stride_sc, stride_sh, HAS_W: tl.constexpr,
+              W_KIND: tl.constexpr, T_KIND: tl.constexpr):
+    """h = (x * rstd [* w]) * (1 + scale[row]) + shift[row] in fp32, each step rounded; 0 outside m."""
+    n = xv * tl.expand_dims(rstd, 1)
+    if HAS_W:
+        n = n * _ld_f32(w_ptr + c2, c2 < K, W_KIND)
+    sc = _ld_f32(sc_ptr + t2 * stride_sc + c2, m, T_KIND)
+    sh = _ld_f32(sh_ptr + t2 * stride_sh + c2, m, T_KIND)
+    h = n * (1.0 + sc)
+    h = h + sh
+    return tl.where(m, h, 0.0)
+
+
 def _rms_modulate_kernel(x_ptr, w_ptr, sc_ptr, sh_ptr, seg_ptr, eps_ptr, g_ptr, packed_ptr, scales_ptr,
                          amax_ptr, S, K, stride_x, stride_sc, stride_sh, stride_p, R_PACK, R_SCALE, KP, CP,
                          MODE: tl.constexpr, HAS_W: tl.constexpr, X_KIND: tl.constexpr, W_KIND: tl.constexpr,
@@ -242,14 +255,8 @@ def _rms_modulate_kernel(x_ptr, w_ptr, sc_ptr, sh_ptr, seg_ptr, eps_ptr, g_ptr, 
         cols = k0 + tl.arange(0, BK)
         c2 = tl.expand_dims(cols, 0)
         m = tl.expand_dims(rmask, 1) & (c2 < K)
-        n = _ld_f32(x_ptr + r2 * stride_x + c2, m, X_KIND) * tl.expand_dims(rstd, 1)
-        if HAS_W:
-            n = n * _ld_f32(w_ptr + c2, c2 < K, W_KIND)
-        sc = _ld_f32(sc_ptr + t2 * stride_sc + c2, m, T_KIND)
-        sh = _ld_f32(sh_ptr + t2 * stride_sh + c2, m, T_KIND)
-        h = n * (1.0 + sc)
-        h = h + sh
-        h = tl.where(m, h, 0.0)
+        h = _modulate(_ld_f32(x_ptr + r2 * stride_x + c2, m, X_KIND), rstd, w_ptr, sc_ptr, sh_ptr, t2, c2, m, K,
+                      stride_sc, stride_sh, HAS_W, W_KIND, T_KIND)
         if MODE == 0:
             amax = tl.maximum(amax, tl.max(tl.abs(h), axis=1))
         else:
@@ -393,7 +400,7 @@ def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, ga_ptr, gb_ptr, o_ptr, M, N, KP, 
 
 
 _HELPERS = ("_ld_f32", "_bf16_rne_bits", "_e4m3_rne", "_e4m3_code", "_e2m1_code", "_e2m1_value_2m14", "_e4m3_value_2m8",
-            "_swz", "_quant_store", "_exp_f32", "_decode_halves")
+            "_swz", "_quant_store", "_exp_f32", "_decode_halves", "_modulate")
 _KERNELS = ("_quantize_kernel", "_rms_modulate_kernel", "_swiglu_kernel", "_dequant_kernel",
             "_fp8_rowwise_kernel", "_gemm_kernel")
 
