@@ -72,6 +72,8 @@ H)
   phase fp8-producer-gpu-tests
   timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_fp8_producers_gpu.py 2>&1 | tail -4 >> "$LOG"
   timeout 90 python3 -m pytest -q tests/test_fp8_producers.py 2>&1 | tail -3 >> "$LOG"
+  # the NVFP4 RMSNorm producer now calls the shared _modulate helper: its bytes again, at full width
+  timeout 120 python3 -m pytest -q -m gpu tests/gpu/test_nvfp4_gpu.py -k "bit_exact or cpu_reference" 2>&1 | tail -3 >> "$LOG"
   sage_build_wait
   phase sage-fused-v-tests
   timeout 150 python3 -m pytest -q -s -m gpu tests/gpu/test_attention_gpu.py -k "fused_v or v_pad_buffer or no_qkv_copies" 2>&1 \
