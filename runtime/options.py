@@ -60,8 +60,8 @@ class RuntimeOptions:
     sage_v_pad: library (SageAttention2's sm90 wrapper pads V with torch.cat: one copy of V per call) |
                buffer (sm90 sage2 only: the QKV GEMM writes roundup(S, 128) rows, zero tail, and the
                wrapper calls Sage2's stages itself on that buffer: no copy; see ops.attention) |
-               fused (sm90 sage2 only: V's fp8 operands built by our Triton producer straight from the strided
-               V view: no pad copy, no transpose copy)
+               fused (the default; sm90 sage2 only, a no-op elsewhere: V's fp8 operands built by our Triton
+               producer straight from the strided V view: no pad copy, no transpose copy)
     fp8_accum: fp32 (the W4A8 GEMMs accumulate in fp32, as cuBLAS does without fast accumulation) | fast
                (Hopper's reduced-precision fp8 accumulation: ~7 % faster block GEMMs on the H200, per-GEMM
                rel-L2 0.0023-0.0033 instead of 0.0017 against fp64; bench/results/fp8-accum-h200.json)

@@ -43,11 +43,11 @@ Scheme (one launch, input read once from HBM): a program owns BM whole rows.
   between the amax and the write (no recompute, no re-read); costs lanes on padding (14336 -> 16384 is
   12.5 %, 5376 -> 8192 is 34 %) and registers (BM=1 row spread over 16 warps: 32 fp32 per thread).
 
-``auto`` picks ``row`` for SwiGLU on CUDA when F <= 16384 (compute bound: the polynomial exp and two IEEE
-divisions per element make a second evaluation the dominant cost of ``loop``), ``loop`` everywhere else
-(RMSNorm and quantize are memory/latency bound and ``loop`` uses the tile shapes already measured on the
-H200 for the NVFP4 producers). Both schemes write identical bytes (tests check both); the H200 bench
-picks between them with ``--fp8-scheme``.
+``auto`` picks ``row`` on CUDA for row widths up to 16384 (every canonical width): the H200 sweep
+(bench/producers_h200.py -> bench/results/producers-h200.json) measured it fastest for all three producers
+(quantize at the copy bandwidth, RMSNorm 1.7x the best ``loop`` tiling, SwiGLU on a par); ``loop`` elsewhere
+and on the CPU. A measured tile table (``set_tile_table``; RuntimeOptions.producer_tiles) overrides the
+built-in choice. Every scheme and tiling writes identical bytes (tests check several).
 
 Every step is one correctly rounded IEEE operation (``tl.div_rn`` where it divides, no FMA contraction: launches pass
 ``enable_fp_fusion=False``), so kernel, interpreter and torch reference agree bit for bit. Triton is
