@@ -166,6 +166,15 @@ def prepare_nvfp4(rt: H3Runtime) -> None:
     if o.producer_tiles:
         rt.backends["producer_tiles"] = apply_tile_table(o.producer_tiles)
     rt.model.stack.silu = o.silu
+    if attn == "sage2":
+        from .ops import attention as attn_ops
+
+        choice, why = attn_ops.sage_v_pad_status(o.sage_v_pad, rt.device, rt.config.head_dim)
+        rt.model.stack.sage_v_pad = choice
+        rt.backends["sage_v_pad"] = {"choice": choice, "reason": why}
+    else:
+        rt.backends["sage_v_pad"] = {"choice": o.sage_v_pad,
+                                     "reason": f"no effect: attention runs {attn} (it acts on sage2's sm_90 kernel)"}
     if rt.model.stack.act_format == "fp8":
         from .stack import LINEARS
 

@@ -550,3 +550,28 @@ def test_sage_v_pad_option():
     assert RuntimeOptions(sage_v_pad="buffer").as_env()["H3_SAGE_V_PAD"] == "buffer"
     with pytest.raises(ValueError, match="sage_v_pad"):
         RuntimeOptions(sage_v_pad="cat")
+
+
+def test_sage_v_pad_status_says_what_runs(clean_sage):
+    """buffer / fused need the sm_90 kernel and its stages in sageattention.core; otherwise the library
+    wrapper runs and the reason says why (the default never becomes an error)."""
+    calls = []
+    mod = _fake_sage2_stages(calls)
+    clean_sage.setitem(sys.modules, "sageattention", mod)
+    cuda = torch.device("cuda", 0)
+    clean_sage.setattr(A, "_capability", lambda device: (9, 0))
+    assert A.sage_v_pad_status("fused", cuda, 128)[0] == "fused"
+    assert A.sage_v_pad_status("buffer", cuda, 128)[0] == "buffer"
+    assert A.sage_v_pad_status("library", cuda, 128)[0] == "library"
+    got = A.sage_v_pad_status("fused", cuda, 96)
+    assert got[0] == "library" and "head_dim 64 or 128" in got[1]
+    del mod.core.per_warp_int8_cuda
+    got = A.sage_v_pad_status("fused", cuda, 128)
+    assert got[0] == "library" and "lacks per_warp_int8_cuda" in got[1]
+    clean_sage.setattr(A, "_capability", lambda device: (12, 0))
+    got = A.sage_v_pad_status("fused", cuda, 128)
+    assert got[0] == "library" and "not applicable" in got[1]
+    assert A.sage_v_pad_status("fused", torch.device("cpu"), 128)[0] == "library"
+    with pytest.raises(ValueError, match="sage_v_pad"):
+        A.sage_v_pad_status("cat", cuda, 128)
+    assert calls == []  # only inspected, never run

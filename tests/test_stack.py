@@ -167,3 +167,9 @@ def test_qkv_producers_pad_rows_zero_tail():
     assert o128.shape == (128, 64) and r128.shape == (128,)
     assert torch.equal(o128[:50].view(torch.uint8), o1.view(torch.uint8)) and torch.equal(r128[:50], r1)
     assert not o128[50:].view(torch.uint8).any() and torch.equal(r128[50:], torch.ones(78))
+
+
+def test_backends_report_sage_v_pad():
+    rt = load_model(None, RuntimeOptions(**CPU), tiny_seed=5)
+    got = rt.backends["sage_v_pad"]
+    assert got["choice"] == "fused" and got["reason"].startswith("no effect: attention runs reference")

@@ -416,6 +416,35 @@ def attention(
     return o.reshape(s, hd)
 
 
+def sage_v_pad_status(mode: str, device: torch.device, head_dim: int) -> tuple[str, str]:
+    """The V handling ``attention(..., "sage2", sage_v_pad=mode)`` will really use on ``device`` -> (choice,
+    reason). ``buffer`` and ``fused`` act on SageAttention2's sm_90 kernel (head_dim 64 or 128) only and call
+    its stages, so an installed SageAttention2 without them gives ``library`` with the reason (the default
+    never turns into an error)."""
+    if mode not in SAGE_V_PADS:
+        raise ValueError(f"sage_v_pad {mode!r}: expected one of {', '.join(SAGE_V_PADS)}")
+    if mode == "library":
+        return "library", "library: SageAttention2's own wrapper (one torch.cat copy of V when S % 128 != 0)"
+    try:
+        fn = _sage2_plan(_capability(torch.device(device)))[0]
+    except RuntimeError as e:
+        return "library", f"{mode} not applicable: {e}"
+    if fn != SAGE2_SM90_FN or head_dim not in (64, 128):
+        return "library", (f"{mode} not applicable: it acts on {SAGE2_SM90_FN} with head_dim 64 or 128 "
+                           f"(this device runs {fn}, head_dim {head_dim})")
+    mod, why = _sage2_module()
+    if mod is None:
+        return "library", f"{mode} not applicable: {why}"
+    need = ("per_warp_int8_cuda", "sm90_compile") + (("per_channel_fp8",) if mode == "buffer" else ())
+    missing = [n for n in need if not hasattr(getattr(mod, "core", None), n)]
+    if missing:
+        return "library", (f"{mode} unavailable: sageattention.core lacks {', '.join(missing)} "
+                           f"(installed {_dist_version()}); the library wrapper runs instead")
+    return mode, ("fused: V's fp8 operands built from the strided V view by fp8_producers.sage_v_fp8 (no pad "
+                  "or transpose copy of V)" if mode == "fused" else
+                  "buffer: the QKV buffer padded to 128 rows, Sage2's stages on a view of it (no copy of V)")
+
+
 def padded_rows(seq: int) -> int:
     """roundup(seq, 128): the rows of V that SageAttention2's sm_90 kernel reads."""
     return -(-seq // SAGE2_V_ROWS) * SAGE2_V_ROWS
