@@ -115,7 +115,8 @@ def cmd_generate(a) -> int:
         raise CliError(f"text states file not found: {a.text_states}")
     fc2 = {"on": (True, False), "off": (False, False), "strict": (True, True)}[a.fc2]
     opts = RuntimeOptions.from_env(device=a.device, dtype=a.dtype, attention=a.attention, gemm=a.gemm,
-                                   fc2_lt=fc2[0], fc2_lt_strict=fc2[1], quantize=False if a.dense else None)
+                                   act_format=a.act_format, fc2_lt=fc2[0], fc2_lt_strict=fc2[1],
+                                   quantize=False if a.dense else None)
     # validate every input before the (possibly long) model load
     from .lora import apply_loras, parse_lora_arg
 
@@ -240,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"])
     g.add_argument("--attention", default=None, choices=["auto", "sage2", "sage1", "sdpa", "reference"])
     g.add_argument("--gemm", default=None, choices=["auto", "native", "emulated", "fp8", "bf16", "reference"])
+    g.add_argument("--act-format", default=None, choices=["auto", "nvfp4", "fp8"],
+                   help="block activations: auto (W4A8 where the fp8 GEMM backend runs, else NVFP4), nvfp4, fp8")
     g.add_argument("--fc2", default="on", choices=["on", "off", "strict"])
     g.add_argument("--dense", action="store_true", help="keep dense linears (no NVFP4; the reference stack)")
     g.add_argument("--progress", action="store_true", help="always show the progress bar")

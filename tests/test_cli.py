@@ -142,3 +142,16 @@ def test_forward_input_errors(tmp_path, capsys, missing):
     capsys.readouterr()
     _one_error_line(["forward", "--model", str(a), "--inputs", str(tmp_path / "in.safetensors"),
                      "--out", str(tmp_path / "o.safetensors")], capsys, missing)
+
+
+def test_act_format_flag(tmp_path):
+    """--act-format reaches the stack; fp8 with the fp8 GEMM backend runs W4A8 (on the CPU too) and the report
+    says so; auto on the CPU (emulated GEMMs) keeps NVFP4 activations."""
+    assert cli.main(["generate", "--output", str(tmp_path / "w"), "--steps", "1", "--gemm", "fp8",
+                     "--act-format", "fp8"]) == 0
+    rep = json.loads((tmp_path / "w" / "report.json").read_text())
+    assert rep["backends"]["act_format"]["choice"] == "fp8" and rep["configuration"]["H3_ACT_FORMAT"] == "fp8"
+    assert rep["fc2_dispatch"]["consistent_with_configuration"] is True
+    assert cli.main(["generate", "--output", str(tmp_path / "n"), "--steps", "1"]) == 0
+    rep = json.loads((tmp_path / "n" / "report.json").read_text())
+    assert rep["backends"]["act_format"]["choice"] == "nvfp4"
