@@ -160,36 +160,28 @@ def prepare_nvfp4(rt: H3Runtime) -> None:
     else:
         rt.backends["fc2_lt"] = {"choice": "off", "reason": "cpu: no cuBLASLt; FC2 runs the fallback GEMM"}
     attn = rt.backends.get("attention", {}).get("choice", "reference")
-    rt.model.stack = Nvfp4Stack(rt.model, attn, rt.fc2, o.act_scale, act_format=o.act_format,
-                                sage_v_pad=o.sage_v_pad)
-    rt.backends["act_format"] = {"choice": rt.model.stack.act_format, "reason": rt.model.stack.act_format_reason}
-    if o.producer_tiles:
-        rt.backends["producer_tiles"] = apply_tile_table(o.producer_tiles)
-    rt.model.stack.silu = o.silu
     if attn == "sage2":
         from .ops import attention as attn_ops
 
-        choice, why = attn_ops.sage_v_pad_status(o.sage_v_pad, rt.device, rt.config.head_dim)
-        rt.model.stack.sage_v_pad = choice
-        rt.backends["sage_v_pad"] = {"choice": choice, "reason": why}
+        v_pad, why = attn_ops.sage_v_pad_status(o.sage_v_pad, rt.device, rt.config.head_dim)
     else:
-        rt.backends["sage_v_pad"] = {"choice": o.sage_v_pad,
-                                     "reason": f"no effect: attention runs {attn} (it acts on sage2's sm_90 kernel)"}
+        v_pad, why = o.sage_v_pad, f"no effect: attention runs {attn} (it acts on sage2's sm_90 kernel)"
+    rt.backends["sage_v_pad"] = {"choice": v_pad, "reason": why}
+    rt.model.stack = Nvfp4Stack(rt.model, attn, rt.fc2, o.act_scale, act_format=o.act_format, sage_v_pad=v_pad,
+                                silu=o.silu, fp8_fast_accum=o.fp8_accum == "fast")
+    rt.backends["act_format"] = {"choice": rt.model.stack.act_format, "reason": rt.model.stack.act_format_reason}
+    if o.producer_tiles:
+        rt.backends["producer_tiles"] = apply_tile_table(o.producer_tiles)
     if rt.model.stack.act_format == "fp8":
-        from .stack import LINEARS
-
-        fast = o.fp8_accum == "fast"
-        for b in rt.model.blocks:
-            for p, n in LINEARS:
-                getattr(getattr(b, p), n).fp8_fast_accum = fast
+        cpu = rt.device.type != "cuda"
         rt.backends["fp8_accum"] = {"choice": o.fp8_accum, "reason": (
-            "fast: Hopper's reduced-precision fp8 accumulation in the W4A8 GEMMs (H3_FP8_ACCUM=fast)" if fast else
-            "fp32: the W4A8 GEMMs accumulate in fp32 (no fast accumulation)") + (
-            "" if rt.device.type == "cuda" else "; CPU: exact products, fp32 accumulation either way")}
+            "fast: Hopper's reduced-precision fp8 accumulation in the W4A8 GEMMs (H3_FP8_ACCUM=fast)"
+            if o.fp8_accum == "fast" else "fp32: the W4A8 GEMMs accumulate in fp32 (no fast accumulation)") + (
+            "; CPU: exact products, fp32 accumulation either way" if cpu else "")}
         rt.backends["silu"] = {"choice": o.silu, "reason": (
             "fast: the SwiGLU producer's silu uses the hardware exp2 and an approximate division (H3_SILU=fast)"
             if o.silu == "fast" else "exact: the SwiGLU producer's silu is bit-exact against its reference") + (
-            "" if rt.device.type == "cuda" else "; CPU: the torch reference either way")}
+            "; CPU: the torch reference either way" if cpu else "")}
     if o.adaln_cache and rt.device.type == "cuda" and not rt.config.curve_form:
         moved = rt.model.offload_adaln()
         rt.backends["adaln"] = {"choice": "rows per run",

@@ -69,12 +69,14 @@ class Nvfp4Stack:
     attention: backend name for ``attention()``; fc2: an Fc2Dispatcher or None; lora_on_fc2: callable
     telling whether a side-path LoRA is active on a block's fc2 (the guard refuses the Lt path then);
     act_format: "auto" (fp8 when every block linear runs the fp8 GEMM backend, else nvfp4), "nvfp4" (W4A4)
-    or "fp8" (W4A8, see the module docstring; strict raises when it cannot run).
+    or "fp8" (W4A8, see the module docstring; strict raises when it cannot run). sage_v_pad: the V handling
+    already resolved for the device (``attention.sage_v_pad_status``); silu / fp8_fast_accum: the W4A8
+    SwiGLU producer's silu and the W4A8 GEMMs' accumulation (RuntimeOptions.silu / fp8_accum).
     """
 
     def __init__(self, model, attention_backend: str, fc2=None, act_scale: str = "dynamic",
                  lora_on_fc2: Callable[[int], bool] | None = None, act_format: str = "nvfp4",
-                 strict: bool = False, sage_v_pad: str = "library"):
+                 strict: bool = False, sage_v_pad: str = "library", silu: str = "exact", fp8_fast_accum: bool = False):
         self.model = model
         self.cfg = model.cfg
         self.attention_backend = attention_backend
@@ -82,7 +84,8 @@ class Nvfp4Stack:
         self.act_scale = act_scale
         self.lora_on_fc2 = lora_on_fc2 or (lambda i: False)
         self.fc2_direct_calls = 0  # FC2 GEMMs run without the dispatcher (act_format fp8)
-        self.silu = "exact"  # the W4A8 SwiGLU producer's silu (RuntimeOptions.silu)
+        self.silu = silu  # the W4A8 SwiGLU producer's silu (RuntimeOptions.silu)
+        self.fp8_fast_accum = fp8_fast_accum  # the W4A8 GEMMs' accumulation (RuntimeOptions.fp8_accum)
         if sage_v_pad not in SAGE_V_PADS:
             raise ValueError(f"sage_v_pad={sage_v_pad!r}: expected one of {', '.join(SAGE_V_PADS)}")
         self.sage_v_pad = sage_v_pad
@@ -232,7 +235,7 @@ class Nvfp4Stack:
         GEMM output has zero rows there too (no bias)."""
         if self.act_format == "fp8":
             a8, ra = f8.rms_modulate_fp8(x, norm.weight, scale, shift, segs, self.cfg.eps, pad_rows=pad_rows)
-            return lin.forward_fp8(a8, ra)
+            return lin.forward_fp8(a8, ra, fast_accum=self.fp8_fast_accum)
         a = qk.rms_modulate_quantize(x, norm.weight, scale, shift, segs, self.cfg.eps, self._input_scale(lin),
                                      pad_rows=pad_rows)
         return lin.forward_quantized(a.packed, a.scales, a.global_scale)
@@ -247,7 +250,7 @@ class Nvfp4Stack:
         if self.act_format == "fp8":
             s8, rs = f8.swiglu_fp8(h, silu=self.silu)
             self.fc2_direct_calls += 1
-            return blk.mlp.fc2.forward_fp8(s8, rs)
+            return blk.mlp.fc2.forward_fp8(s8, rs, fast_accum=self.fp8_fast_accum)
         s_q = qk.swiglu_quantize(h, self._input_scale(blk.mlp.fc2), pad_rows=16)
         return self._fc2(i, blk, s_q)
 
@@ -258,7 +261,7 @@ class Nvfp4Stack:
         if lin.pre_quant_scale is not None:
             o = o * lin.pre_quant_scale.to(o.dtype)
         o8, ro = f8.quantize_fp8(o if o.stride(-1) == 1 else o.contiguous())
-        y = lin.forward_fp8(o8, ro)
+        y = lin.forward_fp8(o8, ro, fast_accum=self.fp8_fast_accum)
         del o8, ro
         from .lora import lora_side
 

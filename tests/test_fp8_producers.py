@@ -288,8 +288,8 @@ def _w4a8(seed):
 def test_w4a8_block_equals_float64_reference(monkeypatch, seed):
     act = _Act()
     real = L.Nvfp4Linear.forward_fp8
-    monkeypatch.setattr(L.Nvfp4Linear, "forward_fp8", lambda self, a8, ra: act.record(self, a8, ra) or
-                        real(self, a8, ra))
+    monkeypatch.setattr(L.Nvfp4Linear, "forward_fp8", lambda self, a8, ra, **kw: act.record(self, a8, ra) or
+                        real(self, a8, ra, **kw))
     m = _w4a8(seed).model
     video, audio, text = _inputs(m, 0)
     plan = m.plan(text, tuple(video.shape), tuple(audio.shape), [0.7], token_tags=torch.tensor([1, 1, 0, 0, 1, 1, 1]))
@@ -453,18 +453,31 @@ def test_sage_v_fp8_bit_exact_and_layout(s, h, d):
 
 
 def test_fp8_accum_option_reaches_the_w4a8_linears():
-    """H3_FP8_ACCUM / RuntimeOptions.fp8_accum: "fast" marks every block linear of a W4A8 stack (forward_fp8 then
+    """H3_FP8_ACCUM / RuntimeOptions.fp8_accum: "fast" reaches every W4A8 GEMM of the stack (forward_fp8 then
     asks cuBLAS for fast accumulation on CUDA); the default keeps fp32 accumulation; the backends say which."""
+    from h3_blackwell.runtime.ops import linear as lin_mod
     from h3_blackwell.runtime.ops.linear import scaled_mm_rowwise
-    from h3_blackwell.runtime.stack import LINEARS
 
     assert RuntimeOptions().fp8_accum == "fp32"
     assert RuntimeOptions.from_env({"H3_FP8_ACCUM": "fast"}).fp8_accum == "fast"
     with pytest.raises(ValueError, match="fp8_accum"):
         RuntimeOptions(fp8_accum="tf32")
+    real = lin_mod.scaled_mm_rowwise
     for mode in ("fp32", "fast"):
         rt = load_model(None, RuntimeOptions(**CPU, gemm="fp8", fp8_accum=mode), tiny_seed=1)
-        flags = {getattr(getattr(b, p), n).fp8_fast_accum for b in rt.model.blocks for p, n in LINEARS}
+        seen = []
+
+        def spy(*a, fast_accum=False, **kw):
+            seen.append(fast_accum)
+            return real(*a, fast_accum=fast_accum, **kw)
+
+        lin_mod.scaled_mm_rowwise = spy
+        try:
+            rt.model(*_inputs(None, 1), 0.6)
+        finally:
+            lin_mod.scaled_mm_rowwise = real
+        flags = set(seen)
+        assert len(seen) == 4 * len(rt.model.blocks)  # qkv, out_proj, fc1, fc2 of every block
         assert flags == {mode == "fast"} and rt.backends["fp8_accum"]["choice"] == mode
     # the CPU product: exact e4m3 products, fp32 accumulation, scales on the sums
     g = torch.Generator().manual_seed(0)

@@ -278,7 +278,6 @@ class Nvfp4Linear(nn.Module):
         self.requested_backend, self.strict = backend, strict
         self.scratch = scratch
         self.act_scale = act_scale
-        self.fp8_fast_accum = False  # forward_fp8 on CUDA: Hopper's fast fp8 accumulation (RuntimeOptions.fp8_accum)
         self._choose()
 
     def _choose(self) -> None:
@@ -373,12 +372,12 @@ class Nvfp4Linear(nn.Module):
         y = nvfp4_matmul(a, self.weight, self.backend, self.out_dtype or torch.bfloat16, self.scratch)
         return self._finish(y, (packed.shape[0],))
 
-    def forward_fp8(self, a8: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
+    def forward_fp8(self, a8: torch.Tensor, row_scale: torch.Tensor, *, fast_accum: bool = False) -> torch.Tensor:
         """W4A8 (Hopper): a8 float8_e4m3fn [S, K] with one fp32 scale per row (activation = a8 *
         row_scale[:, None], as ``fp8_producers`` write it) -> [S, N]. The NVFP4 weight is re-expressed as
         rowwise e4m3 in the reusable scratch exactly as the fp8 backend does (``to_fp8_rowwise``), then
         ``torch._scaled_mm`` rowwise: scale_a = row_scale[:, None], scale_b = (weight row scale *
-        weight global scale)[None, :], fp32 accumulation (fast accumulation when ``fp8_fast_accum``). Its result is bf16 on
+        weight global scale)[None, :], fp32 accumulation (``fast_accum``: Hopper's fast fp8 accumulation, CUDA only). Its result is bf16 on
         CUDA (the rowwise cuBLASLt output type) and, on CPU, fp32 when this layer's output is fp32;
         then converted to the output dtype (``out_dtype``, else bf16). Needs the fp8 GEMM backend."""
         if self.backend != "fp8":
@@ -398,5 +397,5 @@ class Nvfp4Linear(nn.Module):
         w8, rw = qk.to_fp8_rowwise(self.weight, out=scratch.get("w", n * k, torch.float8_e4m3fn, a8.device))
         mm_dtype = torch.float32 if a8.device.type != "cuda" and out_dtype == torch.float32 else torch.bfloat16
         y = scaled_mm_rowwise(a8, w8, row_scale.unsqueeze(1), (rw * self.global_scale).unsqueeze(0), mm_dtype,
-                              fast_accum=self.fp8_fast_accum)
+                              fast_accum=fast_accum)
         return self._finish(y.to(out_dtype), (s,))
