@@ -718,16 +718,22 @@ def swiglu_quantize(h: torch.Tensor, global_scale: torch.Tensor | float | None =
 # consumers (GEMM backends)
 # ----------------------------------------------------------------------------------------------
 
+def _scratch_view(out: torch.Tensor | None, n: int, k: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """The leading [n, k] view of a reusable scratch buffer (a new one when ``out`` is None)."""
+    if out is None:
+        out = torch.empty((n, k), dtype=dtype, device=device)
+    if out.dtype != dtype or out.numel() < n * k:
+        name = str(dtype).replace("torch.", "")
+        raise ValueError(f"scratch must be {name} with >= {n}x{k} elements; found {out.dtype} {tuple(out.shape)}")
+    return out.reshape(-1)[: n * k].view(n, k)
+
+
 def dequantize_bf16(t: nv.NVFP4Tensor, multiplier: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
                     backend: str = "auto") -> torch.Tensor:
     """NVFP4 [N, K] -> bf16 [N, K] = bf16(v * s [* multiplier]) written into ``out`` (a reusable scratch
     buffer, at least [N, K]; its leading [N, K] view is returned). multiplier: fp32 device scalar."""
     n, k = t.shape
-    if out is None:
-        out = torch.empty((n, k), dtype=torch.bfloat16, device=t.device)
-    if out.dtype != torch.bfloat16 or out.numel() < n * k:
-        raise ValueError(f"scratch must be bfloat16 with >= {n}x{k} elements; found {out.dtype} {tuple(out.shape)}")
-    view = out.reshape(-1)[: n * k].view(n, k)
+    view = _scratch_view(out, n, k, torch.bfloat16, t.device)
     if _pick_backend(backend, t.device) == "reference":
         view.copy_(dequantize_bf16_reference(t, multiplier))
         return view
@@ -744,11 +750,7 @@ def to_fp8_rowwise(t: nv.NVFP4Tensor, *, out: torch.Tensor | None = None, backen
     """NVFP4 [N, K] -> (float8_e4m3fn [N, K] in ``out`` (reusable scratch), fp32 row scales [N]); see
     ``to_fp8_rowwise_reference`` for the arithmetic."""
     n, k = t.shape
-    if out is None:
-        out = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=t.device)
-    if out.dtype != torch.float8_e4m3fn or out.numel() < n * k:
-        raise ValueError(f"scratch must be float8_e4m3fn with >= {n}x{k} elements; found {out.dtype} {tuple(out.shape)}")
-    view = out.reshape(-1)[: n * k].view(n, k)
+    view = _scratch_view(out, n, k, torch.float8_e4m3fn, t.device)
     if _pick_backend(backend, t.device) == "reference":
         q, ra = to_fp8_rowwise_reference(t)
         view.copy_(q)
