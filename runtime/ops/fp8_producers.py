@@ -73,11 +73,11 @@ SCHEMES = ("auto", "loop", "row")
 _MIN_NORMAL = 1.1754943508222875e-38  # 2^-126
 
 # Bound on first use (see _kernels), as in quant_kernels: the sources resolve `tl` and the helpers through
-# this module's globals; the shared helpers (_ld_f32, _e4m3_code, _exp_f32, _modulate) are quant_kernels' own JIT
+# this module's globals; the shared helpers (_ld_f32, _e4m3_code, _exp_f32, _modulate, ...) are quant_kernels' own JIT
 # functions, read from that module.
 tl = None
 triton = None
-_ld_f32 = _e4m3_code = _exp_f32 = _modulate = None  # quant_kernels' JIT helpers, bound in _kernels()
+_ld_f32 = _e4m3_code = _exp_f32 = _modulate = _segment_rows = _sumsq_f64 = _rstd = None  # quant_kernels' JIT helpers, bound in _kernels()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -88,6 +88,12 @@ def _row_scale(amax, BM: tl.constexpr):
     """Row amax [BM] -> row scale: amax / 448 correctly rounded; 1 where that is zero or subnormal."""
     ra = tl.div_rn(amax, tl.full([BM], 448.0, tl.float32))
     return tl.where(ra < 1.1754943508222875e-38, 1.0, ra)
+
+
+def _cols(kt, rmask, K, BK: tl.constexpr):
+    """Columns of tile kt as [1, BK] and the in-bounds mask of the row block [BM, BK]."""
+    c2 = tl.expand_dims(kt * BK + tl.arange(0, BK), 0)
+    return c2, tl.expand_dims(rmask, 1) & (c2 < K)
 
 
 def _e4m3_store(v, ra, r2, c2, m, out_ptr, stride_o, BM: tl.constexpr, BK: tl.constexpr, HW: tl.constexpr):
@@ -118,8 +124,7 @@ def _quantize_fp8_kernel(x_ptr, out_ptr, rs_ptr, S, K, stride_x, stride_o, X_KIN
     rmask = rows < S
     r2 = tl.expand_dims(rows.to(tl.int64), 1)
     if NKT == 1:  # the row stays in registers
-        c2 = tl.expand_dims(tl.arange(0, BK), 0)
-        m = tl.expand_dims(rmask, 1) & (c2 < K)
+        c2, m = _cols(0, rmask, K, BK)
         v = _ld_f32(x_ptr + r2 * stride_x + c2, m, X_KIND)
         ra = _row_scale(tl.max(tl.abs(v), axis=1), BM)
         tl.store(rs_ptr + rows, ra, mask=rmask)
@@ -127,14 +132,12 @@ def _quantize_fp8_kernel(x_ptr, out_ptr, rs_ptr, S, K, stride_x, stride_o, X_KIN
     else:
         amax = tl.zeros([BM], dtype=tl.float32)
         for kt in range(NKT):
-            c2 = tl.expand_dims(kt * BK + tl.arange(0, BK), 0)
-            m = tl.expand_dims(rmask, 1) & (c2 < K)
+            c2, m = _cols(kt, rmask, K, BK)
             amax = tl.maximum(amax, tl.max(tl.abs(_ld_f32(x_ptr + r2 * stride_x + c2, m, X_KIND)), axis=1))
         ra = _row_scale(amax, BM)
         tl.store(rs_ptr + rows, ra, mask=rmask)
         for kt in range(NKT):
-            c2 = tl.expand_dims(kt * BK + tl.arange(0, BK), 0)
-            m = tl.expand_dims(rmask, 1) & (c2 < K)
+            c2, m = _cols(kt, rmask, K, BK)
             _e4m3_store(_ld_f32(x_ptr + r2 * stride_x + c2, m, X_KIND), ra, r2, c2, m, out_ptr, stride_o, BM, BK, HW)
 
 
@@ -147,36 +150,22 @@ def _rms_fp8_kernel(x_ptr, w_ptr, sc_ptr, sh_ptr, seg_ptr, eps_ptr, out_ptr, rs_
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     rmask = rows < S
     r2 = tl.expand_dims(rows.to(tl.int64), 1)
-    trow = tl.zeros([BM], dtype=tl.int32)
-    for i in range(NSEG):
-        a = tl.load(seg_ptr + 3 * i)
-        b = tl.load(seg_ptr + 3 * i + 1)
-        trow = tl.where((rows >= a) & (rows < b), tl.load(seg_ptr + 3 * i + 2), trow)
-    t2 = tl.expand_dims(trow.to(tl.int64), 1)
+    t2 = _segment_rows(seg_ptr, rows, BM, NSEG)
     eps = tl.load(eps_ptr)
     if NKT == 1:  # the row stays in registers: x read once
-        c2 = tl.expand_dims(tl.arange(0, BK), 0)
-        m = tl.expand_dims(rmask, 1) & (c2 < K)
+        c2, m = _cols(0, rmask, K, BK)
         xv = _ld_f32(x_ptr + r2 * stride_x + c2, m, X_KIND)
         xd = xv.to(tl.float64)
-        ss = tl.sum(xd * xd, axis=1)
-        rstd = (1.0 / tl.sqrt(ss / K + eps)).to(tl.float32)  # fp64: sqrt.rn.f64, div.rn.f64
+        rstd = _rstd(tl.sum(xd * xd, axis=1), K, eps)
         h = _modulate(xv, rstd, w_ptr, sc_ptr, sh_ptr, t2, c2, m, K, stride_sc, stride_sh, HAS_W, W_KIND, T_KIND)
         ra = _row_scale(tl.max(tl.abs(h), axis=1), BM)
         tl.store(rs_ptr + rows, ra, mask=rmask)
         _e4m3_store(h, ra, r2, c2, m, out_ptr, stride_o, BM, BK, HW)
     else:
-        ss = tl.zeros([BM], dtype=tl.float64)
-        for kt in range(NKT):
-            c2 = tl.expand_dims(kt * BK + tl.arange(0, BK), 0)
-            m = tl.expand_dims(rmask, 1) & (c2 < K)
-            v = _ld_f32(x_ptr + r2 * stride_x + c2, m, X_KIND).to(tl.float64)
-            ss += tl.sum(v * v, axis=1)
-        rstd = (1.0 / tl.sqrt(ss / K + eps)).to(tl.float32)
+        rstd = _rstd(_sumsq_f64(x_ptr, r2, stride_x, rmask, K, X_KIND, BM, BK, NKT), K, eps)
         amax = tl.zeros([BM], dtype=tl.float32)
         for kt in range(NKT):
-            c2 = tl.expand_dims(kt * BK + tl.arange(0, BK), 0)
-            m = tl.expand_dims(rmask, 1) & (c2 < K)
+            c2, m = _cols(kt, rmask, K, BK)
             xv = _ld_f32(x_ptr + r2 * stride_x + c2, m, X_KIND)
             h = _modulate(xv, rstd, w_ptr, sc_ptr, sh_ptr, t2, c2, m, K, stride_sc, stride_sh, HAS_W, W_KIND,
                           T_KIND)
@@ -184,8 +173,7 @@ def _rms_fp8_kernel(x_ptr, w_ptr, sc_ptr, sh_ptr, seg_ptr, eps_ptr, out_ptr, rs_
         ra = _row_scale(amax, BM)
         tl.store(rs_ptr + rows, ra, mask=rmask)
         for kt in range(NKT):
-            c2 = tl.expand_dims(kt * BK + tl.arange(0, BK), 0)
-            m = tl.expand_dims(rmask, 1) & (c2 < K)
+            c2, m = _cols(kt, rmask, K, BK)
             xv = _ld_f32(x_ptr + r2 * stride_x + c2, m, X_KIND)
             h = _modulate(xv, rstd, w_ptr, sc_ptr, sh_ptr, t2, c2, m, K, stride_sc, stride_sh, HAS_W, W_KIND,
                           T_KIND)
@@ -199,8 +187,7 @@ def _swiglu_fp8_kernel(h_ptr, out_ptr, rs_ptr, S, F, stride_h, stride_o, H_KIND:
     r2 = tl.expand_dims(rows.to(tl.int64), 1)
     base = h_ptr + r2 * stride_h
     if NKT == 1:  # silu evaluated once, the row kept in registers
-        c2 = tl.expand_dims(tl.arange(0, BK), 0)
-        m = tl.expand_dims(rmask, 1) & (c2 < F)
+        c2, m = _cols(0, rmask, F, BK)
         y = _silu_mul(_ld_f32(base + c2, m, H_KIND), _ld_f32(base + F + c2, m, H_KIND), m, FAST)
         ra = _row_scale(tl.max(tl.abs(y), axis=1), BM)
         tl.store(rs_ptr + rows, ra, mask=rmask)
@@ -208,15 +195,13 @@ def _swiglu_fp8_kernel(h_ptr, out_ptr, rs_ptr, S, F, stride_h, stride_o, H_KIND:
     else:
         amax = tl.zeros([BM], dtype=tl.float32)
         for kt in range(NKT):
-            c2 = tl.expand_dims(kt * BK + tl.arange(0, BK), 0)
-            m = tl.expand_dims(rmask, 1) & (c2 < F)
+            c2, m = _cols(kt, rmask, F, BK)
             y = _silu_mul(_ld_f32(base + c2, m, H_KIND), _ld_f32(base + F + c2, m, H_KIND), m, FAST)
             amax = tl.maximum(amax, tl.max(tl.abs(y), axis=1))
         ra = _row_scale(amax, BM)
         tl.store(rs_ptr + rows, ra, mask=rmask)
         for kt in range(NKT):
-            c2 = tl.expand_dims(kt * BK + tl.arange(0, BK), 0)
-            m = tl.expand_dims(rmask, 1) & (c2 < F)
+            c2, m = _cols(kt, rmask, F, BK)
             y = _silu_mul(_ld_f32(base + c2, m, H_KIND), _ld_f32(base + F + c2, m, H_KIND), m, FAST)
             _e4m3_store(y, ra, r2, c2, m, out_ptr, stride_o, BM, BK, HW)
 
@@ -253,8 +238,8 @@ def _v_quant_kernel(v_ptr, inv_ptr, out_ptr, S, stride_s, stride_h, H, ROWS, V_K
     tl.store(out, tl.trans(code))
 
 
-_SHARED = ("_ld_f32", "_e4m3_code", "_exp_f32", "_modulate")  # quant_kernels' helpers, used read-only
-_HELPERS = ("_row_scale", "_e4m3_store", "_silu_mul")
+_SHARED = ("_ld_f32", "_e4m3_code", "_exp_f32", "_modulate", "_segment_rows", "_sumsq_f64", "_rstd")  # quant_kernels' helpers, used read-only
+_HELPERS = ("_row_scale", "_cols", "_e4m3_store", "_silu_mul")
 _KERNELS = ("_quantize_fp8_kernel", "_rms_fp8_kernel", "_swiglu_fp8_kernel", "_v_amax_kernel", "_v_quant_kernel")
 
 

@@ -208,6 +208,32 @@ def _quantize_kernel(x_ptr, g_ptr, packed_ptr, scales_ptr, S, K, stride_x, strid
     _quant_store(v, tl.load(g_ptr), rows, col0, packed_ptr, stride_p, scales_ptr, R_PACK, R_SCALE, KP, CP, BM, BK)
 
 
+def _segment_rows(seg_ptr, rows, BM: tl.constexpr, NSEG: tl.constexpr):
+    """Modulation-table row of each of ``rows`` from NSEG (start, stop, row) int32 triples -> [BM, 1] int64."""
+    trow = tl.zeros([BM], dtype=tl.int32)
+    for i in range(NSEG):
+        a = tl.load(seg_ptr + 3 * i)
+        b = tl.load(seg_ptr + 3 * i + 1)
+        trow = tl.where((rows >= a) & (rows < b), tl.load(seg_ptr + 3 * i + 2), trow)
+    return tl.expand_dims(trow.to(tl.int64), 1)
+
+
+def _sumsq_f64(x_ptr, r2, stride_x, rmask, K, X_KIND: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+               NKT: tl.constexpr):
+    """sum_k fp64(x[row, k])^2 over the row block, in NKT tiles of BK columns -> [BM] fp64."""
+    ss = tl.zeros([BM], dtype=tl.float64)
+    for kt in range(NKT):
+        c2 = tl.expand_dims(kt * BK + tl.arange(0, BK), 0)
+        v = _ld_f32(x_ptr + r2 * stride_x + c2, tl.expand_dims(rmask, 1) & (c2 < K), X_KIND).to(tl.float64)
+        ss += tl.sum(v * v, axis=1)
+    return ss
+
+
+def _rstd(ss, K, eps):
+    """fp32(1 / sqrt(ss / K + eps)) computed in fp64 (sqrt.rn.f64, div.rn.f64): rms_modulate_reference's rstd."""
+    return (1.0 / tl.sqrt(ss / K + eps)).to(tl.float32)
+
+
 def _modulate(xv, rstd, w_ptr, sc_ptr, sh_ptr, t2, c2, m, K, stride_sc, stride_sh, HAS_W: tl.constexpr,
               W_KIND: tl.constexpr, T_KIND: tl.constexpr):
     """h = (x * rstd [* w]) * (1 + scale[row]) + shift[row] in fp32, each step rounded; 0 outside m."""
@@ -232,19 +258,8 @@ def _rms_modulate_kernel(x_ptr, w_ptr, sc_ptr, sh_ptr, seg_ptr, eps_ptr, g_ptr, 
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     rmask = rows < S
     r2 = tl.expand_dims(rows.to(tl.int64), 1)
-    ss = tl.zeros([BM], dtype=tl.float64)
-    for kt in range(NKT):
-        cols = kt * BK + tl.arange(0, BK)
-        m = tl.expand_dims(rmask, 1) & tl.expand_dims(cols < K, 0)
-        v = _ld_f32(x_ptr + r2 * stride_x + tl.expand_dims(cols, 0), m, X_KIND).to(tl.float64)
-        ss += tl.sum(v * v, axis=1)
-    rstd = (1.0 / tl.sqrt(ss / K + tl.load(eps_ptr))).to(tl.float32)  # fp64: sqrt.rn.f64, div.rn.f64
-    trow = tl.zeros([BM], dtype=tl.int32)
-    for i in range(NSEG):
-        a = tl.load(seg_ptr + 3 * i)
-        b = tl.load(seg_ptr + 3 * i + 1)
-        trow = tl.where((rows >= a) & (rows < b), tl.load(seg_ptr + 3 * i + 2), trow)
-    t2 = tl.expand_dims(trow.to(tl.int64), 1)
+    rstd = _rstd(_sumsq_f64(x_ptr, r2, stride_x, rmask, K, X_KIND, BM, BK, NKT), K, tl.load(eps_ptr))
+    t2 = _segment_rows(seg_ptr, rows, BM, NSEG)
     amax = tl.zeros([BM], dtype=tl.float32)
     if MODE == 1:
         g = tl.load(g_ptr)
@@ -400,7 +415,7 @@ def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, ga_ptr, gb_ptr, o_ptr, M, N, KP, 
 
 
 _HELPERS = ("_ld_f32", "_bf16_rne_bits", "_e4m3_rne", "_e4m3_code", "_e2m1_code", "_e2m1_value_2m14", "_e4m3_value_2m8",
-            "_swz", "_quant_store", "_exp_f32", "_decode_halves", "_modulate")
+            "_swz", "_quant_store", "_exp_f32", "_decode_halves", "_segment_rows", "_sumsq_f64", "_rstd", "_modulate")
 _KERNELS = ("_quantize_kernel", "_rms_modulate_kernel", "_swiglu_kernel", "_dequant_kernel",
             "_fp8_rowwise_kernel", "_gemm_kernel")
 
