@@ -435,14 +435,29 @@ def sage_v_pad_status(mode: str, device: torch.device, head_dim: int) -> tuple[s
     mod, why = _sage2_module()
     if mod is None:
         return "library", f"{mode} not applicable: {why}"
-    need = ("per_warp_int8_cuda", "sm90_compile") + (("per_channel_fp8",) if mode == "buffer" else ())
-    missing = [n for n in need if not hasattr(getattr(mod, "core", None), n)]
+    missing = _missing_stages(mod, mode)
     if missing:
         return "library", (f"{mode} unavailable: sageattention.core lacks {', '.join(missing)} "
                            f"(installed {_dist_version()}); the library wrapper runs instead")
     return mode, ("fused: V's fp8 operands built from the strided V view by fp8_producers.sage_v_fp8 (no pad "
                   "or transpose copy of V)" if mode == "fused" else
                   "buffer: the QKV buffer padded to 128 rows, Sage2's stages on a view of it (no copy of V)")
+
+
+def _missing_stages(mod, mode: str) -> list[str]:
+    """The sm_90 wrapper stages ``sage_v_pad=mode`` calls that ``mod.core`` lacks ("buffer" also needs the
+    library's ``per_channel_fp8``; "fused" builds V's operands itself)."""
+    need = ("per_warp_int8_cuda", "sm90_compile") + (("per_channel_fp8",) if mode == "buffer" else ())
+    return [n for n in need if not hasattr(getattr(mod, "core", None), n)]
+
+
+def _sm90_core(mod, mode: str):
+    """``mod.core`` with the stages ``sage_v_pad=mode`` calls, or RuntimeError naming the missing ones."""
+    missing = _missing_stages(mod, mode)
+    if missing:
+        raise RuntimeError(f"sage_v_pad={mode!r}: sageattention.core lacks {', '.join(missing)} "
+                           f"(installed {_dist_version()}); use sage_v_pad='library'")
+    return mod.core
 
 
 def padded_rows(seq: int) -> int:
@@ -461,11 +476,7 @@ def _sage2_sm90_buffer(mod, buf: torch.Tensor, s: int, heads: int, head_dim: int
         raise ValueError(
             f"sage_v_pad='buffer' needs a qkv buffer of at least roundup(S, 128) = {rows} rows (rows >= S zero) "
             f"for S={s}; found {buf.shape[0]} rows")
-    core = getattr(mod, "core", None)
-    missing = [n for n in ("per_warp_int8_cuda", "per_channel_fp8", "sm90_compile") if not hasattr(core, n)]
-    if missing:
-        raise RuntimeError(f"sage_v_pad='buffer': sageattention.core lacks {', '.join(missing)} "
-                           f"(installed {_dist_version()}); use sage_v_pad='library'")
+    core = _sm90_core(mod, "buffer")
     q, k, _ = qkv_views(buf[:s], heads, head_dim)
     v = qkv_views(buf[:rows], heads, head_dim)[2]  # rows >= s are zero: the library's padding, in place
     return _sage2_sm90_stages(core, q, k, lambda: core.per_channel_fp8(v, tensor_layout="NHD", smooth_v=False)[:2],
@@ -493,12 +504,7 @@ def _sage2_sm90_fused_v(mod, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     library's pad copy, transpose copy and quantize pass. No padded qkv buffer is needed."""
     from . import fp8_producers as f8
 
-    core = getattr(mod, "core", None)
-    missing = [n for n in ("per_warp_int8_cuda", "sm90_compile") if not hasattr(core, n)]
-    if missing:
-        raise RuntimeError(f"sage_v_pad='fused': sageattention.core lacks {', '.join(missing)} "
-                           f"(installed {_dist_version()}); use sage_v_pad='library'")
-    return _sage2_sm90_stages(core, q, k, lambda: f8.sage_v_fp8(v), scale)
+    return _sage2_sm90_stages(_sm90_core(mod, "fused"), q, k, lambda: f8.sage_v_fp8(v), scale)
 
 
 # ----------------------------------------------------------------------------------------------
