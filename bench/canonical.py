@@ -159,7 +159,8 @@ def main(argv=None) -> int:
     skip = set(filter(None, a.skip.split(",")))
     out = Path(a.out)
     res = {"name": "canonical-h200",
-           "command": "python3 " + " ".join(shlex.quote(x) for x in [sys.argv[0], *(argv or sys.argv[1:])]),
+           "command": " ".join([*(f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items()) if k.startswith("H3_")),
+                                "python3", *(shlex.quote(x) for x in [sys.argv[0], *(argv or sys.argv[1:])])]),
            "date": datetime.datetime.now().isoformat(timespec="seconds"),
            "device": torch.cuda.get_device_name(),
            "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()}}

@@ -175,11 +175,12 @@ def prepare_nvfp4(rt: H3Runtime) -> None:
     if rt.model.stack.act_format == "fp8":
         cpu = rt.device.type != "cuda"
         rt.backends["fp8_accum"] = {"choice": o.fp8_accum, "reason": (
-            "fast: Hopper's reduced-precision fp8 accumulation in the W4A8 GEMMs (H3_FP8_ACCUM=fast)"
+            "fast: Hopper's reduced-precision fp8 accumulation in the W4A8 GEMMs (H3_FP8_ACCUM=fp32 turns it off)"
             if o.fp8_accum == "fast" else "fp32: the W4A8 GEMMs accumulate in fp32 (no fast accumulation)") + (
             "; CPU: exact products, fp32 accumulation either way" if cpu else "")}
         rt.backends["silu"] = {"choice": o.silu, "reason": (
-            "fast: the SwiGLU producer's silu uses the hardware exp2 and an approximate division (H3_SILU=fast)"
+            "fast: the SwiGLU producer's silu uses the hardware exp2 and an approximate division "
+            "(H3_SILU=exact for the bit-exact one)"
             if o.silu == "fast" else "exact: the SwiGLU producer's silu is bit-exact against its reference") + (
             "; CPU: the torch reference either way" if cpu else "")}
     if o.adaln_cache and rt.device.type == "cuda" and not rt.config.curve_form:

@@ -26,9 +26,9 @@ per element), strictly more accurate than NVFP4 activations. Only with the fp8 G
 linear; otherwise the stack keeps nvfp4 and ``act_format_reason`` says why. ``act_scale`` is not used (the
 scales are row-local). FC2 calls the layer directly: the guarded cuBLASLt FC2 path takes NVFP4 bytes, so it
 is not applicable (``fc2_status()`` says "not applicable (act_format fp8)"; the dispatcher is not called, so
-its counters record no attempt). Opt-in numerics trades, measured in bench/: ``fp8_accum="fast"`` (Hopper's
-fast fp8 accumulation in the GEMMs) and ``silu="fast"`` (the SwiGLU producer's hardware exp2 and approximate
-division).
+its counters record no attempt). Two numerics trades, measured in bench/ and on by default in RuntimeOptions
+(this class's own defaults are the exact ones): ``fp8_fast_accum`` (Hopper's fast fp8 accumulation in the
+GEMMs) and ``silu="fast"`` (the SwiGLU producer's hardware exp2 and approximate division).
 
 ``sage_v_pad="buffer"`` (RuntimeOptions.sage_v_pad / H3_SAGE_V_PAD; only with the sage2 backend on sm_90,
 otherwise a no-op): step a pads its output to roundup(S, 128) rows of zero codes, so step b writes a qkv

@@ -406,6 +406,7 @@ def tune(*, dtype: str, m_logical: int, m_padded: int, n: int, k: int, role: str
 
     legal: list[tuple[dict, Any]] = []
     refused: dict[str, int] = {}
+    ws_needed: int | None = None  # the least workspace among configurations refused only for their workspace
     checked = 0
     truncated_checks = False
     t0 = time.perf_counter()
@@ -418,10 +419,17 @@ def tune(*, dtype: str, m_logical: int, m_padded: int, n: int, k: int, role: str
         if plan.ok:
             legal.append((cfg, plan))
         else:
-            stage = plan.info()["stage"]
+            pinfo = plan.info()
+            stage = pinfo["stage"]
             refused[stage] = refused.get(stage, 0) + 1
+            if stage == "workspace" and int(pinfo.get("workspace_required") or 0) > 0:
+                need = int(pinfo["workspace_required"])
+                ws_needed = need if ws_needed is None else min(ws_needed, need)
     say(f"  {len(ids)} algo ids, {checked} configurations checked, {len(legal)} legal "
         f"({', '.join(f'{k} {v}' for k, v in sorted(refused.items())) or 'none refused'})")
+    if not legal and ws_needed is not None:
+        say(f"  every configuration that passed AlgoCheck needs workspace (at least {ws_needed} bytes) and the limit "
+            f"is {workspace_limit}: run again with a workspace limit (--workspace-mb) of at least that")
 
     # -- exactness on seed 0 + a rough time --------------------------------------------------------
     results: list[dict[str, Any]] = []
@@ -510,6 +518,7 @@ def tune(*, dtype: str, m_logical: int, m_padded: int, n: int, k: int, role: str
         "reference": REFERENCE_NAME[dtype],
         "heuristic": heur,
         "sweep": {"algo_ids": ids, "configurations_checked": checked, "legal": len(legal), "refused_by_stage": refused,
+                  "least_workspace_refused": ws_needed,
                   "executed": len(results), "exact_seed0": len(exact), "truncated_checks": truncated_checks,
                   "truncated_runs": truncated_runs, "max_candidates": max_candidates},
         "seeds": seed_list,

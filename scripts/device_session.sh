@@ -8,6 +8,8 @@
 #   bash scripts/device_session.sh H    sage2 build + producer tile sweep (-> /tmp/tiles.json) + the W4A8 /
 #                                       fused-V / accumulation GPU tests + the 50-block forward with fp32 or fast
 #                                       fp8 accumulation and exact or fast silu; then F on the still-warm machine
+#   bash scripts/device_session.sh V    sage2 build (background) + the GPU tests of the W4A8 producers, the NVFP4
+#                                       bytes and the fused-V attention path, then F (H3_* from the environment)
 # (Sessions C, D, E and G of 2026-11-29 were earlier versions of F and H; their results are in bench/results.)
 # Carry .sage (SageAttention source) and .whl (diffusers + deps, sageattention 1.0.6). Logs and JSONs go to
 # $OUT (at most 8 files come back).
@@ -87,8 +89,21 @@ H)
       --out "$OUT/forward50-h200-$acc-$silu.json" 2>&1 | tail -3 >> "$LOG"
   done
   ;;
+V)
+  sage_build_start
+  phase fp8-producer-gpu-tests
+  timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_fp8_producers_gpu.py -rs 2>&1 | tail -6 >> "$LOG"
+  phase nvfp4-bytes-gpu-tests
+  timeout 120 python3 -m pytest -q -m gpu tests/gpu/test_nvfp4_gpu.py -k "bit_exact or cpu_reference" 2>&1 | tail -4 >> "$LOG"
+  sage_build_wait
+  phase sage-fused-v-tests
+  timeout 120 python3 -m pytest -q -s -m gpu tests/gpu/test_attention_gpu.py -k "fused_v or v_pad_buffer or no_qkv_copies" 2>&1 \
+    | grep -E "S=|rel_l2|passed|failed|Error" | tail -14 >> "$LOG"
+  phase "canonical ($(env | grep ^H3_ | tr '\n' ' '))"
+  timeout "$(( 590 - SECONDS ))" python3 bench/canonical.py --out "$OUT/canonical-h200.json" ${CANON_ARGS:-} 2>&1 | tail -8 >> "$LOG"
+  ;;
 *)
-  echo "usage: $0 A|B|F|H" >&2; exit 2
+  echo "usage: $0 A|B|F|H|V" >&2; exit 2
   ;;
 esac
 phase done

@@ -454,12 +454,12 @@ def test_sage_v_fp8_bit_exact_and_layout(s, h, d):
 
 def test_fp8_accum_option_reaches_the_w4a8_linears():
     """H3_FP8_ACCUM / RuntimeOptions.fp8_accum: "fast" reaches every W4A8 GEMM of the stack (forward_fp8 then
-    asks cuBLAS for fast accumulation on CUDA); the default keeps fp32 accumulation; the backends say which."""
+    asks cuBLAS for fast accumulation on CUDA; the default), "fp32" keeps fp32 accumulation; the backends say which."""
     from h3_blackwell.runtime.ops import linear as lin_mod
     from h3_blackwell.runtime.ops.linear import scaled_mm_rowwise
 
-    assert RuntimeOptions().fp8_accum == "fp32"
-    assert RuntimeOptions.from_env({"H3_FP8_ACCUM": "fast"}).fp8_accum == "fast"
+    assert RuntimeOptions().fp8_accum == "fast"
+    assert RuntimeOptions.from_env({"H3_FP8_ACCUM": "fp32"}).fp8_accum == "fp32"
     with pytest.raises(ValueError, match="fp8_accum"):
         RuntimeOptions(fp8_accum="tf32")
     real = lin_mod.scaled_mm_rowwise
@@ -517,7 +517,8 @@ def test_swiglu_fp8_fast_silu_within_one_step(scheme):
 
 
 def test_silu_option_reaches_the_stack():
-    assert RuntimeOptions().silu == "exact"
-    assert RuntimeOptions.from_env({"H3_SILU": "fast"}).silu == "fast"
-    rt = load_model(None, RuntimeOptions(**CPU, gemm="fp8", silu="fast"), tiny_seed=1)
-    assert rt.model.stack.silu == "fast" and rt.backends["silu"]["choice"] == "fast"
+    assert RuntimeOptions().silu == "fast"
+    assert RuntimeOptions.from_env({"H3_SILU": "exact"}).silu == "exact"
+    for mode in ("exact", "fast"):
+        rt = load_model(None, RuntimeOptions(**CPU, gemm="fp8", silu=mode), tiny_seed=1)
+        assert rt.model.stack.silu == mode and rt.backends["silu"]["choice"] == mode
