@@ -10,6 +10,8 @@
 #                                       fp8 accumulation and exact or fast silu; then F on the still-warm machine
 #   bash scripts/device_session.sh V    sage2 build (background) + the GPU tests of the W4A8 producers, the NVFP4
 #                                       bytes and the fused-V attention path, then F (H3_* from the environment)
+#   bash scripts/device_session.sh T    every GPU test (sage2 built alongside the non-attention ones) + the tiny
+#                                       model generated twice on CUDA with the defaults
 # (Sessions C, D, E and G of 2026-11-29 were earlier versions of F and H; their results are in bench/results.)
 # Carry .sage (SageAttention source) and .whl (diffusers + deps, sageattention 1.0.6). Logs and JSONs go to
 # $OUT (at most 8 files come back).
@@ -102,8 +104,21 @@ V)
   phase "canonical ($(env | grep ^H3_ | tr '\n' ' '))"
   timeout "$(( 590 - SECONDS ))" python3 bench/canonical.py --out "$OUT/canonical-h200.json" ${CANON_ARGS:-} 2>&1 | tail -8 >> "$LOG"
   ;;
+T)
+  sage_build_start
+  for t in nvfp4 fp8_producers fc2; do
+    phase "gpu-tests $t"
+    timeout 200 python3 -m pytest -q -m gpu "tests/gpu/test_${t}_gpu.py" -rfs 2>&1 | grep -v "h3_fc2_lt\] run" | tail -8 >> "$LOG"
+  done
+  sage_build_wait
+  phase "gpu-tests attention"
+  timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_attention_gpu.py -rfs 2>&1 | tail -8 >> "$LOG"
+  phase generate-tiny-cuda
+  timeout 90 python3 -m h3_blackwell.runtime.cli generate --output /tmp/tiny --runs 2 --warmup 1 2>&1 | tail -14 >> "$LOG"
+  cp /tmp/tiny/report.json "$OUT/tiny-cuda-report.json" 2>>"$LOG"
+  ;;
 *)
-  echo "usage: $0 A|B|F|H|V" >&2; exit 2
+  echo "usage: $0 A|B|F|H|T|V" >&2; exit 2
   ;;
 esac
 phase done
