@@ -5,5 +5,12 @@
 set -euo pipefail
 source "$(dirname "$0")/_env.sh"
 "$PY" -m pip install -q -e "$ROOT[test,cuda-headers]"
+# the PyPI SageAttention 1.0.6 wheel as a file (never installed: it would shadow SageAttention2's module name),
+# for the test that loads a real SageAttention 1 wheel through use_sage1_from
+SAGE1_WHL="$ROOT/.whl/sageattention-1.0.6-py3-none-any.whl"
+if [ ! -f "$SAGE1_WHL" ]; then
+  "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$ROOT/.whl" sageattention==1.0.6 \
+    || echo "test.sh: could not download sageattention==1.0.6; its wheel test will skip" >&2
+fi
 cd "$ROOT"
 "$PY" -m pytest -q -ra "$@"
