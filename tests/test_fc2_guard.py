@@ -557,14 +557,14 @@ def test_tune_cli_without_gpu_is_a_clean_error(capsys):
 class _FakeLtPlan:
     """CPU stand-in for the extension's Plan: runs torch's GEMM, optionally off by one ulp."""
 
-    def __init__(self, cfg, ok=True, stage="ready", exact=True):
+    def __init__(self, cfg, ok=True, stage="ready", exact=True, workspace_required=0):
         self.cfg, self.ok, self.stage, self.exact = dict(cfg), ok, stage, exact
-        self.workspace_required = 0
+        self.workspace_required = workspace_required
 
     def info(self):
         return {"ok": self.ok, "stage": self.stage, "message": "" if self.ok else "AlgoCheck refused",
-                "config": self.cfg if self.ok else None, "requested": self.cfg, "workspace_required": 0,
-                "waves": 1.0}
+                "config": self.cfg if self.ok else None, "requested": self.cfg,
+                "workspace_required": self.workspace_required, "waves": 1.0}
 
     def run(self, x, w, out, xs, ws, alpha, alpha_h, workspace, stream):
         y = torch.nn.functional.linear(x, w)
@@ -577,13 +577,14 @@ class _FakeLtPlan:
 
 class _FakeLtModule:
     """Problem/Plan interface of csrc/fc2_nvfp4_lt.cpp on the CPU: ids 1..3 (3 fails AlgoInit); a
-    config is legal when tile == 10 or id == 2; only (id 1, tile 10, stages 20) is exact."""
+    config is legal when tile == 10 or id == 2; only (id 1, tile 10, stages 20) is exact. ``needs_workspace``:
+    every otherwise legal config needs that many bytes of workspace (as fp8 does on the H200)."""
 
     HEUR = {"id": 2, "tile": 11, "stages": 21, "splitk": -1, "reduction": 2, "swizzle": 0, "custom": 0,
             "cluster": 0, "inner_shape": 0}
 
-    def __init__(self, exact_exists=True):
-        self.exact_exists = exact_exists
+    def __init__(self, exact_exists=True, needs_workspace=0):
+        self.exact_exists, self.needs_workspace = exact_exists, needs_workspace
         mod = self
 
         class Problem:
@@ -603,7 +604,11 @@ class _FakeLtModule:
             def pinned_plan(self, cfg, ws):
                 legal = cfg["tile"] == 10 or cfg["id"] == 2
                 exact = mod.exact_exists and (cfg["id"], cfg["tile"], cfg["stages"]) == (1, 10, 20)
-                return _FakeLtPlan(cfg, ok=legal, stage="ready" if legal else "check", exact=exact)
+                need = mod.needs_workspace if legal else 0
+                if need > ws:
+                    return _FakeLtPlan(cfg, ok=False, stage="workspace", workspace_required=need)
+                return _FakeLtPlan(cfg, ok=legal, stage="ready" if legal else "check", exact=exact,
+                                   workspace_required=need)
 
             def heuristic_plan(self, index, ws, reduction_none):
                 return _FakeLtPlan(mod.HEUR, exact=False)
@@ -642,6 +647,24 @@ def test_tuner_writes_nothing_when_no_config_is_exact(tmp_path):
                module=_FakeLtModule(exact_exists=False), rounds=2, seeds=2, say=lambda s: None)
     assert res["entry"] is None and res["evidence"]["sweep"]["exact_seed0"] == 0
     assert res["evidence"]["inexact_examples"]
+
+
+def test_tuner_says_when_only_workspace_stands_in_the_way(tmp_path):
+    """fp8 on the H200: every configuration AlgoCheck accepts needs a few bytes of workspace. With a zero limit
+    the tuner finds nothing and says how much workspace would do; with that much, the entry records it."""
+    from h3_blackwell.runtime.tune_fc2 import tune
+
+    said: list[str] = []
+    kw = dict(dtype="bf16", m_logical=30, m_padded=32, n=16, k=64, device="cpu", options=opts(tmp_path), rounds=2,
+              seeds=2)
+    res = tune(**kw, module=_FakeLtModule(needs_workspace=4), say=said.append)
+    assert res["entry"] is None and res["evidence"]["sweep"]["legal"] == 0
+    assert res["evidence"]["sweep"]["least_workspace_refused"] == 4
+    assert res["evidence"]["sweep"]["refused_by_stage"] == {"check": 2, "workspace": 6}
+    assert any("at least 4 bytes" in s and "--workspace-mb" in s for s in said), said
+    res = tune(**kw, module=_FakeLtModule(needs_workspace=4), say=lambda s: None, workspace_limit=1 << 20)
+    entry = Fc2Entry.from_json(res["entry"])
+    assert entry.workspace_bytes == 4 and (entry.algo.id, entry.algo.tile, entry.algo.stages) == (1, 10, 20)
 
 
 def test_prepare_self_test_compares_bytes_and_caches_the_result(tmp_path):
