@@ -63,6 +63,7 @@ def test_capability_table_per_compute_capability(monkeypatch, cc, auto, native_r
     """The table's decisions for the GPUs we target, without one: the H200 (9.0) refuses native with the
     reason naming its compute capability; GB10 (12.1) takes it."""
     monkeypatch.setattr(L, "_cc", lambda device: cc)
+    monkeypatch.setattr(L, "probe_backend", lambda backend, device: (True, "probe ok (stand-in)"))
     dev = torch.device("cuda", 0)
     table = {c.backend: c for c in L.gemm_capability_table(dev)}
     assert table["native"].reason.startswith(native_reason)
@@ -71,6 +72,47 @@ def test_capability_table_per_compute_capability(monkeypatch, cc, auto, native_r
     assert name == auto
     if auto != "native":
         assert native_reason in why  # the choice records why native was not taken
+
+
+def test_a_failing_probe_refuses_the_backend_with_its_error(monkeypatch):
+    """A GPU whose torch build has no working rowwise fp8 kernel (or FP4 kernel): the backend is refused at load
+    with the probe's error and auto moves on, instead of the first forward failing."""
+    monkeypatch.setattr(L, "_cc", lambda device: (8, 9))
+    failed = "probe failed: RuntimeError: f8f8bf16_rowwise is sm_90 specific."
+    monkeypatch.setattr(L, "probe_backend", lambda backend, device: (False, failed))
+    dev = torch.device("cuda", 0)
+    table = {c.backend: c for c in L.gemm_capability_table(dev)}
+    assert not table["fp8"].available and table["fp8"].reason == "fp8: refused, " + failed
+    name, why = L.choose_gemm_backend(dev)
+    assert name == "bf16" and failed in why
+    with pytest.raises(RuntimeError, match="sm_90 specific"):
+        L.choose_gemm_backend(dev, "fp8", strict=True)
+
+
+def test_probe_measures_the_real_paths(monkeypatch):
+    """The probe itself on the CPU: the fp8 path (plain and fast accumulation) passes with its measured error;
+    the native path raises on the CPU and is refused with that error; a wrong product is refused by its rel-L2;
+    results are cached per backend and device."""
+    cpu = torch.device("cpu")
+    ok, why = L._run_probe("fp8", cpu)
+    assert ok and why.startswith("probe ok (rel_l2 ") and "(fast accumulation)" in why
+    errs = [float(t.split()[0]) for t in why[len("probe ok (rel_l2 "):].split(", ")]
+    assert all(0 < e <= L.PROBE_TOL["fp8"] for e in errs), why  # e4m3 re-expression: ~0.04, never 0
+    ok, why = L._run_probe("native", cpu)
+    assert not ok and why.startswith("probe failed: ") and "Error" in why
+
+    real = L.scaled_mm_rowwise
+    monkeypatch.setattr(L, "scaled_mm_rowwise", lambda a8, w8, sa, sb, dt, fast_accum=False:
+                        real(a8, w8, sa, sb.flip(-1), dt, fast_accum))  # column scales in the wrong order
+    ok, why = L._run_probe("fp8", cpu)
+    assert not ok and "rel_l2" in why and "tolerance 0.1" in why
+
+    calls = []
+    monkeypatch.setattr(L, "_run_probe", lambda b, d: calls.append((b, d)) or (True, "probe ok (counted)"))
+    monkeypatch.setattr(L, "_PROBED", {})
+    for _ in range(3):
+        assert L.probe_backend("fp8", "cpu") == (True, "probe ok (counted)")
+    assert calls == [("fp8", cpu)]
 
 
 @pytest.mark.parametrize("backend", ["emulated", "bf16", "fp8", "reference"])

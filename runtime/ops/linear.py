@@ -27,7 +27,9 @@ reference    any                            float64: ``dequantize(a, fp64) @ deq
 
 ``auto`` picks native where it runs, else on CUDA fp8 (cc >= 8.9) or bf16, on CPU emulated.
 ``gemm_capability_table(device)`` lists every backend with the reason it is or is not available, e.g.
-``native: refused, compute capability 9.0 < 10.0``; the choice is made once, printed in ``extra_repr``
+``native: refused, compute capability 9.0 < 10.0``. On CUDA, native and fp8 must also pass a probe, once per
+device: one small GEMM against the float64 product (``probe_backend``), so a torch build whose kernel for this
+GPU is missing or wrong is refused at load with its error. The choice is made once, printed in ``extra_repr``
 and kept in ``backend`` / ``backend_reason``. A requested backend that cannot run is never swapped
 silently: ``strict=True`` raises, otherwise the reason starts ``requested <name> unavailable: ...``.
 
@@ -48,8 +50,8 @@ import torch.nn.functional as F
 from . import nvfp4 as nv
 from . import quant_kernels as qk
 
-__all__ = ["BACKENDS", "Capability", "gemm_capability_table", "choose_gemm_backend", "Scratch", "Nvfp4Linear",
-           "nvfp4_matmul"]
+__all__ = ["BACKENDS", "Capability", "gemm_capability_table", "choose_gemm_backend", "probe_backend", "Scratch",
+           "Nvfp4Linear", "nvfp4_matmul"]
 
 BACKENDS = ("native", "emulated", "fp8", "bf16", "reference")
 
@@ -79,18 +81,84 @@ def _native_status(device: torch.device) -> tuple[bool, str]:
     return True, f"native: cuBLASLt block-scaled FP4 via {api} on compute capability {cc[0]}.{cc[1]}"
 
 
-def gemm_capability_table(device: torch.device | str) -> list[Capability]:
-    """Every NVFP4 GEMM backend for ``device``, available or not, with the reason."""
+# the load-time probe of the CUDA backends that depend on torch's scaled GEMM kernels for this GPU
+PROBE_SHAPE = (128, 64, 256)  # M, N, K
+# rel-L2 against the float64 product of the same NVFP4 operands. native: exact products, fp32 accumulation,
+# one bf16 rounding (~2^-9): 2e-2 leaves room for any accumulation order. fp8: each operand element re-expressed
+# in e4m3 (<= 2^-4 relative, ~0.02-0.03 in rel-L2, also with fast accumulation): 0.1. A wrong layout, scale
+# order or swizzle measures ~1.
+PROBE_TOL = {"native": 2e-2, "fp8": 0.1}
+_PROBED: dict[tuple[str, str], tuple[bool, str]] = {}
+
+
+def probe_backend(backend: str, device: torch.device | str) -> tuple[bool, str]:
+    """(ok, reason) of one small GEMM through ``backend`` on ``device`` against the float64 reference; for fp8
+    also the rowwise product with fast accumulation (what the W4A8 stack calls). A torch build without a working
+    kernel for this GPU is refused at load with its error instead of failing at the first forward, and a wrong
+    result is refused with its error. Measured once per backend and device (``_PROBED``)."""
     dev = torch.device(device)
-    rows = [Capability("native", *_native_status(dev))]
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    key = (backend, str(dev))
+    if key not in _PROBED:
+        _PROBED[key] = _run_probe(backend, dev)
+    return _PROBED[key]
+
+
+def _run_probe(backend: str, dev: torch.device) -> tuple[bool, str]:
+    m, n, k = PROBE_SHAPE
+    g = torch.Generator().manual_seed(20261129)
+    try:
+        a = nv.quantize(torch.randn(m, k, generator=g).to(dev), pad_rows=1)
+        w = nv.quantize((torch.randn(n, k, generator=g) * k ** -0.5).to(dev))
+        outs = {"": nvfp4_matmul(a, w, backend, torch.float32)}
+        if backend == "fp8":
+            a8, ra = qk.to_fp8_rowwise(a)
+            w8, rw = qk.to_fp8_rowwise(w)
+            outs[" (fast accumulation)"] = scaled_mm_rowwise(
+                a8, w8, (ra * a.global_scale).unsqueeze(1), (rw * w.global_scale).unsqueeze(0), torch.bfloat16,
+                fast_accum=True)[:m, :n]
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+    except Exception as e:  # noqa: BLE001 - whatever the kernel raises is the reason to refuse
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        return False, f"probe failed: {type(e).__name__}: {first}"
+    ref = _reference(a, w, torch.float64)[:m]
+    errs = {}
+    for tag, y in outs.items():
+        y = y[:m].double()
+        errs[tag] = float((y - ref).norm() / ref.norm()) if torch.isfinite(y).all() else float("inf")
+    worst = max(errs, key=errs.get)
+    shape = f"{m}x{n}x{k}"
+    tol = PROBE_TOL.get(backend, PROBE_TOL["native"])
+    if errs[worst] > tol:
+        return False, (f"probe failed: rel_l2 {errs[worst]:.3g}{worst} against the float64 product on {shape} "
+                       f"(tolerance {tol})")
+    return True, "probe ok (rel_l2 " + ", ".join(f"{v:.2g}{t}" for t, v in errs.items()) + f" on {shape})"
+
+
+def _probed(backend: str, dev: torch.device, ok: bool, why: str) -> Capability:
+    """A statically available CUDA backend stays available only if its probe passes."""
+    if not ok or dev.type != "cuda":
+        return Capability(backend, ok, why)
+    pok, pwhy = probe_backend(backend, dev)
+    return Capability(backend, True, f"{why}; {pwhy}") if pok else Capability(
+        backend, False, f"{backend}: refused, {pwhy}")
+
+
+def gemm_capability_table(device: torch.device | str) -> list[Capability]:
+    """Every NVFP4 GEMM backend for ``device``, available or not, with the reason. On CUDA the native and fp8
+    backends are also probed once per device (``probe_backend``)."""
+    dev = torch.device(device)
+    rows = [_probed("native", dev, *_native_status(dev))]
     if dev.type == "cuda":
         ok, why = qk.triton_status(dev)
         rows.append(Capability("emulated", ok, f"emulated: Triton exact-product kernel (bf16 MMA, fp32 "
                                                f"accumulation); {why}" if ok else f"emulated: refused, {why}"))
         cc = _cc(dev)
         if cc is not None and cc >= (8, 9):
-            rows.append(Capability("fp8", True, f"fp8: rowwise e4m3 scratch + torch._scaled_mm on compute "
-                                                f"capability {cc[0]}.{cc[1]}"))
+            rows.append(_probed("fp8", dev, True, f"fp8: rowwise e4m3 scratch + torch._scaled_mm on compute "
+                                                  f"capability {cc[0]}.{cc[1]}"))
         else:
             have = "no CUDA device" if cc is None else f"compute capability {cc[0]}.{cc[1]}"
             rows.append(Capability("fp8", False, f"fp8: refused, fp8 tensor cores need compute capability >= 8.9 ({have})"))

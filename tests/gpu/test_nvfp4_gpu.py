@@ -119,6 +119,21 @@ def test_native_refused_below_cc10_with_reason():
         assert table["native"].available, table["native"].reason
 
 
+def test_load_time_probes_on_this_gpu():
+    """The probes run the real kernels of this GPU: fp8 (cc >= 8.9) passes with its measured error, plain and
+    with fast accumulation, and is recorded in the reason; native is probed only where the capability allows."""
+    cc = torch.cuda.get_device_capability(DEV)
+    table = {c.backend: c for c in L.gemm_capability_table(DEV)}
+    if cc >= (8, 9):
+        ok, why = L.probe_backend("fp8", DEV)
+        print(f"\nfp8 probe: {why}")
+        assert ok and "(fast accumulation)" in why and table["fp8"].available and why in table["fp8"].reason
+    if cc >= (10, 0):
+        assert "probe ok" in table["native"].reason or "probe failed" in table["native"].reason
+    else:
+        assert "probe" not in table["native"].reason
+
+
 def _gpu_backends():
     if not torch.cuda.is_available():
         return []
