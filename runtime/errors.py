@@ -7,3 +7,10 @@ class H3Error(ValueError):
 
 class Interrupted(RuntimeError):
     """A run was interrupted between steps (by the user or the host). The model stays usable."""
+
+
+def describe(e: BaseException, limit: int = 300) -> str:
+    """``Type: first line of the message`` (at most ``limit`` characters of it): how a probe or a bench records
+    the error of a kernel that could not run."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0][:limit] if lines else ''}"

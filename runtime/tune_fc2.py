@@ -420,10 +420,9 @@ def tune(*, dtype: str, m_logical: int, m_padded: int, n: int, k: int, role: str
             legal.append((cfg, plan))
         else:
             pinfo = plan.info()
-            stage = pinfo["stage"]
+            stage, need = pinfo["stage"], int(pinfo.get("workspace_required") or 0)
             refused[stage] = refused.get(stage, 0) + 1
-            if stage == "workspace" and int(pinfo.get("workspace_required") or 0) > 0:
-                need = int(pinfo["workspace_required"])
+            if stage == "workspace" and need > 0:
                 ws_needed = need if ws_needed is None else min(ws_needed, need)
     say(f"  {len(ids)} algo ids, {checked} configurations checked, {len(legal)} legal "
         f"({', '.join(f'{k} {v}' for k, v in sorted(refused.items())) or 'none refused'})")

@@ -56,6 +56,8 @@ from typing import Any, Optional
 
 import torch
 
+from ..errors import describe
+
 __all__ = [
     "BACKENDS",
     "TOLERANCE",
@@ -537,8 +539,7 @@ def _probe(backend: str, device: torch.device, head_dim: int, dtype: torch.dtype
         else:
             res = (True, f"probe ok (rel_l2 {err:.2g} on S={s}, H={h}, D={head_dim}, {str(dtype).split('.')[-1]})")
     except Exception as e:  # a kernel that cannot run here: record why
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        res = (False, f"{backend} probe failed: {type(e).__name__}: {msg[:300]}")
+        res = (False, f"{backend} probe failed: {describe(e)}")
     _PROBES[key] = res
     return res
 

@@ -47,6 +47,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..errors import describe
 from . import nvfp4 as nv
 from . import quant_kernels as qk
 
@@ -113,16 +114,11 @@ def _run_probe(backend: str, dev: torch.device) -> tuple[bool, str]:
         w = nv.quantize((torch.randn(n, k, generator=g) * k ** -0.5).to(dev))
         outs = {"": nvfp4_matmul(a, w, backend, torch.float32)}
         if backend == "fp8":
-            a8, ra = qk.to_fp8_rowwise(a)
-            w8, rw = qk.to_fp8_rowwise(w)
-            outs[" (fast accumulation)"] = scaled_mm_rowwise(
-                a8, w8, (ra * a.global_scale).unsqueeze(1), (rw * w.global_scale).unsqueeze(0), torch.bfloat16,
-                fast_accum=True)[:m, :n]
+            outs[" (fast accumulation)"] = _fp8(a, w, torch.float32, DEFAULT_SCRATCH, fast_accum=True)[:, :n]
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
     except Exception as e:  # noqa: BLE001 - whatever the kernel raises is the reason to refuse
-        first = (str(e).strip().splitlines() or [""])[0][:300]
-        return False, f"probe failed: {type(e).__name__}: {first}"
+        return False, f"probe failed: {describe(e)}"
     ref = _reference(a, w, torch.float64)[:m]
     errs = {}
     for tag, y in outs.items():
@@ -270,13 +266,14 @@ def scaled_mm_rowwise(a8: torch.Tensor, w8: torch.Tensor, scale_a: torch.Tensor,
     return y.to(out_dtype)
 
 
-def _fp8(a: nv.NVFP4Tensor, w: nv.NVFP4Tensor, out_dtype: torch.dtype, scratch: Scratch) -> torch.Tensor:
+def _fp8(a: nv.NVFP4Tensor, w: nv.NVFP4Tensor, out_dtype: torch.dtype, scratch: Scratch,
+         fast_accum: bool = False) -> torch.Tensor:
     (m, k), (n, _) = a.shape, w.shape
     a8, ra = qk.to_fp8_rowwise(a, out=scratch.get("a", m * k, torch.float8_e4m3fn, a.device))
     w8, rw = qk.to_fp8_rowwise(w, out=scratch.get("w", n * k, torch.float8_e4m3fn, a.device))
     # rowwise-scaled fp8 cuBLASLt GEMMs produce bf16 (the one output type every torch version accepts)
     out = scaled_mm_rowwise(a8, w8, (ra * a.global_scale).unsqueeze(1), (rw * w.global_scale).unsqueeze(0),
-                            torch.bfloat16)
+                            torch.bfloat16, fast_accum)
     return out.to(out_dtype)
 
 
