@@ -3,6 +3,9 @@ the map from kernel names to the seed profile's components."""
 
 from __future__ import annotations
 
+import json
+import platform
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -18,6 +21,7 @@ except ImportError:  # a plain checkout (the device copy): make the repo root th
     sys.modules["h3_blackwell"] = pkg
 
 from h3_blackwell.runtime.config import FULL  # noqa: E402
+from h3_blackwell.runtime.errors import describe  # noqa: E402
 from h3_blackwell.runtime.engine import H3Runtime, _choose_attention, prepare_nvfp4  # noqa: E402
 from h3_blackwell.runtime.model import H3Model  # noqa: E402
 from h3_blackwell.runtime.options import RuntimeOptions  # noqa: E402
@@ -98,3 +102,35 @@ def bench_copy(dev, nbytes: int, iters: int, warmup: int) -> dict:
     t = time_ms(lambda: dst.copy_(src), iters, warmup)
     return {"bytes_copied": nbytes, "ms": round(t["median"], 4),
             "GBps_read_plus_write": round(2 * nbytes / (t["median"] * 1e-3) / 1e9, 1)}
+
+
+def err_text(e: BaseException) -> str:
+    """The error of a bench section that could not run, as recorded in its JSON."""
+    return describe(e, 400)
+
+
+def versions(**extra) -> dict:
+    """python, torch, CUDA, Triton, the driver and the git commit; ``extra`` keys after them."""
+    v = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    try:
+        import triton
+
+        v["triton"] = triton.__version__
+    except Exception as e:
+        v["triton"] = err_text(e)
+    for key, cmd in (("driver", ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]),
+                     ("git_commit", ["git", "-C", str(ROOT), "rev-parse", "HEAD"])):
+        try:
+            v[key] = subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
+        except Exception:
+            v[key] = None
+    v.update(extra)
+    return v
+
+
+def write_json(obj: dict, out: Path | str) -> Path:
+    """The bench's result file (parent folders made; values json cannot encode written as str)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(obj, indent=1, default=str) + "\n")
+    return out

@@ -27,10 +27,7 @@ import datetime
 import glob
 import json
 import os
-import platform
 import shlex
-import statistics
-import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -41,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _h3bench import bench_copy, time_ms  # noqa: E402  (also makes the checkout importable as h3_blackwell)
+from _h3bench import bench_copy, err_text, time_ms, versions, write_json  # noqa: E402  (also makes the checkout importable as h3_blackwell)
 
 from h3_blackwell.runtime.ops import attention as A  # noqa: E402
 from h3_blackwell.runtime.ops import elementwise as E  # noqa: E402
@@ -70,35 +67,13 @@ def peak_delta(fn, dev) -> int:
     return d
 
 
-def err_text(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0][:400] if lines else ''}"
-
-
-def versions() -> dict:
-    v = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None}
-    try:
-        import triton
-
-        v["triton"] = triton.__version__
-    except Exception as e:
-        v["triton"] = err_text(e)
+def attention_versions() -> dict:
+    """The shared versions, plus cuDNN and the SageAttention builds this bench can load."""
     mod, ver = A._sage2_module()
-    v["sageattention2"] = ver if mod is not None else f"absent: {ver}"
     mod1, src = A._sage1_module()
-    v["sageattention1"] = src if mod1 is not None else f"absent: {src}"
-    try:
-        v["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                     capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
-    except Exception:
-        v["driver"] = None
-    try:
-        v["git_commit"] = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
-                                         text=True, timeout=20).stdout.strip() or None
-    except Exception:
-        v["git_commit"] = None
-    return v
+    return versions(cudnn=torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+                    sageattention2=ver if mod is not None else f"absent: {ver}",
+                    sageattention1=src if mod1 is not None else f"absent: {src}")
 
 
 def bench_attention(args, dev, qkv, ref, rows, before) -> dict:
@@ -251,7 +226,7 @@ def main(argv=None) -> int:
         "command": shlex.join([os.path.basename(sys.executable)] + sys.argv),
         "cwd": os.getcwd(),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "versions": versions(),
+        "versions": attention_versions(),
     }
     if sage1_note:
         result["sage1_note"] = sage1_note
@@ -288,10 +263,7 @@ def main(argv=None) -> int:
     except Exception as e:
         result["copy_bandwidth"] = {"error": err_text(e)}
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out}")
+    print(f"wrote {write_json(result, args.out)}")
     return 0
 
 

@@ -36,17 +36,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _h3bench import ROOT, build, component, is_annotation  # noqa: E402
+from _h3bench import ROOT, build, component, is_annotation, write_json  # noqa: E402
 
 from h3_blackwell.runtime.options import RuntimeOptions  # noqa: E402
 from h3_blackwell.runtime.sampler import initial_noise, sample  # noqa: E402
 
 SEED_COMPONENTS = {"attention": "sage2"}  # the seed's name for our attention component when it is Sage2
-
-
-def write(res: dict, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1, default=str))
 
 
 def profile_step(model, plan, video, audio) -> dict:
@@ -171,7 +166,7 @@ def main(argv=None) -> int:
     res["build_seconds"] = time.perf_counter() - t0
     res["backends"] = rt.backends
     res["resident_bytes_after_prepare"] = torch.cuda.memory_allocated()
-    write(res, out)
+    write_json(res, out)
 
     g = torch.Generator().manual_seed(440420)
     text = torch.randn(1, 100, rt.config.text_dim, generator=g)
@@ -194,7 +189,7 @@ def main(argv=None) -> int:
         "configuration": rep["configuration"],
         "measurement_policy": rep["measurement_policy"],
     })
-    write(res, out)
+    write_json(res, out)
 
     m = rt.model
     nv_, na_ = initial_noise(440420, vshape, ashape)
@@ -204,13 +199,13 @@ def main(argv=None) -> int:
         prof = profile_step(m, plan, nv_, na_)
         res["one_warmed_step"] = prof
         res["components"] = prof["components"]
-        write(res, out)
+        write_json(res, out)
     if "accuracy" not in skip:
         try:
             res["accuracy"] = accuracy(rt, plan, nv_, na_)
         except Exception as e:  # noqa: BLE001 - keep the timing results
             res["accuracy"] = {"error": f"{type(e).__name__}: {e}"}
-        write(res, out)
+        write_json(res, out)
 
     if "peer" not in skip:
         del m, plan, rt, r
@@ -237,7 +232,7 @@ def main(argv=None) -> int:
         "accuracy_no_worse_than_1.5x_emulation": res.get("accuracy", {}).get("benchmarked_no_less_accurate"),
     }
     res["total_seconds"] = time.perf_counter() - t0
-    write(res, out)
+    write_json(res, out)
     print(json.dumps({k: res.get(k) for k in ("median_step_seconds", "peer_step_seconds", "speedup_vs_peer",
                                                "peak_allocated_bytes", "acceptance")}, default=str))
     return 0

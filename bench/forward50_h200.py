@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _h3bench import ROOT, build, component, is_annotation  # noqa: E402
+from _h3bench import ROOT, build, component, is_annotation, write_json  # noqa: E402
 
 from h3_blackwell.runtime.config import FULL, TINY  # noqa: E402
 from h3_blackwell.runtime.options import RuntimeOptions  # noqa: E402
@@ -142,8 +142,7 @@ def main(argv=None) -> int:
     }
     if a.tiny:
         res["name"] = "forward-tiny-smoke"
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(res, indent=1, default=str))
+    write_json(res, a.out)
     print(json.dumps({k: res[k] for k in ("median_block_stack_seconds", "per_block_ms",
                                            "qkv_copies_issued_inside_attention")}, default=str))
     print(json.dumps(res["components"], default=str))

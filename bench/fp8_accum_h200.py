@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _h3bench import time_ms  # noqa: E402
-from nvfp4_h200 import LAYERS, M, versions  # noqa: E402
+from _h3bench import time_ms, versions, write_json  # noqa: E402
+from nvfp4_h200 import LAYERS, M  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -60,8 +60,7 @@ def main(argv=None) -> int:
         print(name, json.dumps(entry), flush=True)
         del x8, w8, ref
     res["block_ms"] = {"fp32_accum": round(total[False], 4), "fast_accum": round(total[True], 4)}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+    write_json(res, a.out)
     print(json.dumps(res["block_ms"]))
     return 0
 

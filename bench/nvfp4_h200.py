@@ -26,10 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
 import shlex
-import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -39,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _h3bench import bench_copy, time_ms  # noqa: E402  (also makes the checkout importable as h3_blackwell)
+from _h3bench import bench_copy, err_text, time_ms, versions, write_json  # noqa: E402  (also makes the checkout importable as h3_blackwell)
 
 from h3_blackwell.runtime.ops import linear as L  # noqa: E402
 from h3_blackwell.runtime.ops import nvfp4 as nv  # noqa: E402
@@ -49,29 +46,6 @@ M = 37810
 HIDDEN, INNER, FFN = 5376, 7168, 14336
 LAYERS = {"qkv": (HIDDEN, 3 * INNER), "out_proj": (INNER, HIDDEN), "fc1": (HIDDEN, 2 * FFN), "fc2": (FFN, HIDDEN)}
 
-
-
-
-def err_text(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0][:400] if lines else ''}"
-
-
-def versions() -> dict:
-    v = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
-    try:
-        import triton
-
-        v["triton"] = triton.__version__
-    except Exception as e:
-        v["triton"] = err_text(e)
-    for key, cmd in (("driver", ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]),
-                     ("git_commit", ["git", "-C", str(ROOT), "rev-parse", "HEAD"])):
-        try:
-            v[key] = subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
-        except Exception:
-            v[key] = None
-    return v
 
 
 
@@ -210,10 +184,7 @@ def main(argv=None) -> int:
     result["producers"] = bench_producers(dev, args.iters, args.warmup, result["copy_bandwidth"]["GBps_read_plus_write"])
     for name, v in result["producers"].items():
         print(f"{name}: {v.get('GBps', v.get('error'))} GB/s", flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out}")
+    print(f"wrote {write_json(result, args.out)}")
     return 0
 
 

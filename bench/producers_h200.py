@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import shlex
 import sys
 from pathlib import Path
@@ -25,8 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _h3bench import bench_copy, time_ms  # noqa: E402  (also makes the checkout importable as h3_blackwell)
-from nvfp4_h200 import err_text, versions  # noqa: E402
+from _h3bench import bench_copy, err_text, time_ms, versions, write_json  # noqa: E402  (also makes the checkout importable as h3_blackwell)
 
 from h3_blackwell.runtime.ops import fp8_producers as f8  # noqa: E402
 from h3_blackwell.runtime.ops import nvfp4 as nv  # noqa: E402
@@ -210,10 +208,9 @@ def main(argv=None) -> int:
             report["ops"][f"to_fp8_rowwise_{layer}"] = {"shape": [n, k], **r}
             del wq, ref, scratch
     report["tile_table"] = tile_table(report)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    write_json(report, args.out)
     if args.tiles_out:
-        Path(args.tiles_out).write_text(json.dumps(report["tile_table"], indent=1) + "\n")
+        write_json(report["tile_table"], args.tiles_out)
         print(f"tile table {report['tile_table']} -> {args.tiles_out}")
     for op, r in report["ops"].items():
         b = r["best"]

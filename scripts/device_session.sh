@@ -29,6 +29,24 @@ sage_build_start() {
   SAGE=$!
 }
 sage_build_wait() { wait "$SAGE"; tail -2 "$OUT/sage_build.log" >> "$LOG"; }
+# steps more than one mode runs
+nvfp4_bytes_tests() {  # the NVFP4 producers' bytes at full width against the reference
+  timeout 120 python3 -m pytest -q -m gpu tests/gpu/test_nvfp4_gpu.py -k "bit_exact or cpu_reference" 2>&1 | tail -4 >> "$LOG"
+}
+fused_v_tests() {  # needs sage2
+  phase sage-fused-v-tests
+  timeout 150 python3 -m pytest -q -s -m gpu tests/gpu/test_attention_gpu.py -k "fused_v or v_pad_buffer or no_qkv_copies" 2>&1 \
+    | grep -E "S=|rel_l2|passed|failed|Error" | tail -14 >> "$LOG"
+}
+tiny_cuda() {
+  phase generate-tiny-cuda
+  timeout 90 python3 -m h3_blackwell.runtime.cli generate --output /tmp/tiny --runs 2 --warmup 1 2>&1 | tail -14 >> "$LOG"
+  cp /tmp/tiny/report.json "$OUT/tiny-cuda-report.json" 2>>"$LOG"
+}
+canonical() {  # needs sage2; CANON_ARGS, CANON_TIMEOUT and any H3_* from the environment
+  phase "canonical ($(env | grep ^H3_ | tr '\n' ' '))"
+  timeout "${CANON_TIMEOUT:-$(( 585 - SECONDS ))}" python3 bench/canonical.py --out "$OUT/canonical-h200.json" ${CANON_ARGS:-} 2>&1 | tail -8 >> "$LOG"
+}
 phase setup
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >> "$LOG" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" >> "$LOG" 2>&1
@@ -56,17 +74,14 @@ B)
   timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_fc2_gpu.py -rs 2>&1 | tail -25 >> "$LOG"
   phase fc2-bench
   timeout 270 python3 bench/fc2_h200.py 2>&1 | tail -20 >> "$LOG"
-  phase generate-tiny-cuda
-  timeout 60 python3 -m h3_blackwell.runtime.cli generate --output /tmp/tiny --runs 2 --warmup 1 2>&1 | tail -8 >> "$LOG"
-  cp /tmp/tiny/report.json "$OUT/tiny-cuda-report.json" 2>>"$LOG"
+  tiny_cuda
   phase peer
   NL=4 timeout 150 python3 bench/diffusers_peer.py 2>&1 | tail -3 >> "$LOG"
   cp bench/results/fc2-h200.json "$OUT/" 2>>"$LOG"
   ;;
 F)
   sage_build_start; sage_build_wait
-  phase canonical
-  timeout "${CANON_TIMEOUT:-$(( 585 - SECONDS ))}" python3 bench/canonical.py --out "$OUT/canonical-h200.json" ${CANON_ARGS:-} 2>&1 | tail -8 >> "$LOG"
+  canonical
   ;;
 H)
   sage_build_start
@@ -79,11 +94,9 @@ H)
   phase elementwise-sweep
   timeout 120 python3 bench/attention_h200.py --backends --out "$OUT/elementwise-h200.json" 2>&1 | grep -E "norm_rope|gate_add" >> "$LOG"
   # the NVFP4 RMSNorm producer now calls the shared _modulate helper: its bytes again, at full width
-  timeout 120 python3 -m pytest -q -m gpu tests/gpu/test_nvfp4_gpu.py -k "bit_exact or cpu_reference" 2>&1 | tail -3 >> "$LOG"
+  nvfp4_bytes_tests
   sage_build_wait
-  phase sage-fused-v-tests
-  timeout 150 python3 -m pytest -q -s -m gpu tests/gpu/test_attention_gpu.py -k "fused_v or v_pad_buffer or no_qkv_copies" 2>&1 \
-    | grep -E "S=|rel_l2|passed|failed|Error" | tail -14 >> "$LOG"
+  fused_v_tests
   for cfg in fp32:exact fast:exact fast:fast; do
     acc=${cfg%:*}; silu=${cfg#*:}
     phase "forward50 (H3_FP8_ACCUM=$acc H3_SILU=$silu, measured tiles)"
@@ -96,13 +109,10 @@ V)
   phase fp8-producer-gpu-tests
   timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_fp8_producers_gpu.py -rs 2>&1 | tail -6 >> "$LOG"
   phase nvfp4-bytes-gpu-tests
-  timeout 120 python3 -m pytest -q -m gpu tests/gpu/test_nvfp4_gpu.py -k "bit_exact or cpu_reference" 2>&1 | tail -4 >> "$LOG"
+  nvfp4_bytes_tests
   sage_build_wait
-  phase sage-fused-v-tests
-  timeout 120 python3 -m pytest -q -s -m gpu tests/gpu/test_attention_gpu.py -k "fused_v or v_pad_buffer or no_qkv_copies" 2>&1 \
-    | grep -E "S=|rel_l2|passed|failed|Error" | tail -14 >> "$LOG"
-  phase "canonical ($(env | grep ^H3_ | tr '\n' ' '))"
-  timeout "$(( 590 - SECONDS ))" python3 bench/canonical.py --out "$OUT/canonical-h200.json" ${CANON_ARGS:-} 2>&1 | tail -8 >> "$LOG"
+  fused_v_tests
+  canonical
   ;;
 T)
   sage_build_start
@@ -113,9 +123,7 @@ T)
   sage_build_wait
   phase "gpu-tests attention"
   timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_attention_gpu.py -rfs 2>&1 | tail -8 >> "$LOG"
-  phase generate-tiny-cuda
-  timeout 90 python3 -m h3_blackwell.runtime.cli generate --output /tmp/tiny --runs 2 --warmup 1 2>&1 | tail -14 >> "$LOG"
-  cp /tmp/tiny/report.json "$OUT/tiny-cuda-report.json" 2>>"$LOG"
+  tiny_cuda
   ;;
 *)
   echo "usage: $0 A|B|F|H|T|V" >&2; exit 2
