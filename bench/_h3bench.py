@@ -20,10 +20,10 @@ except ImportError:  # a plain checkout (the device copy): make the repo root th
     pkg.__path__ = [str(ROOT)]
     sys.modules["h3_blackwell"] = pkg
 
-from h3_blackwell.runtime.config import FULL  # noqa: E402
+from h3_blackwell.runtime.model.config import FULL  # noqa: E402
 from h3_blackwell.runtime.errors import describe  # noqa: E402
 from h3_blackwell.runtime.engine import H3Runtime, _choose_attention, prepare_nvfp4  # noqa: E402
-from h3_blackwell.runtime.model import H3Model  # noqa: E402
+from h3_blackwell.runtime.model.h3 import H3Model  # noqa: E402
 from h3_blackwell.runtime.options import RuntimeOptions  # noqa: E402
 
 COMPONENTS = [

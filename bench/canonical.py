@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _h3bench import ROOT, build, component, is_annotation, write_json  # noqa: E402
 
 from h3_blackwell.runtime.options import RuntimeOptions  # noqa: E402
-from h3_blackwell.runtime.sampler import initial_noise, sample  # noqa: E402
+from h3_blackwell.runtime.sampling.sampler import initial_noise, sample  # noqa: E402
 
 SEED_COMPONENTS = {"attention": "sage2"}  # the seed's name for our attention component when it is Sage2
 

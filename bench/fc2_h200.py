@@ -35,19 +35,13 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from h3_blackwell.runtime import ext  # noqa: E402
-from h3_blackwell.runtime.fc2_lt import (  # noqa: E402
-    GB10_CANONICAL,
-    PRODUCER_SWIGLU_NVFP4,
-    Fc2Dispatcher,
-    Fc2Entry,
-    Fc2LtError,
-    Fc2Operands,
-    Fc2Table,
-    LtPlanLayer,
-)
+from h3_blackwell.runtime.fc2 import ext  # noqa: E402
+from h3_blackwell.runtime.fc2.dispatcher import Fc2Dispatcher
+from h3_blackwell.runtime.fc2.guard import Fc2Operands
+from h3_blackwell.runtime.fc2.plan import LtPlanLayer
+from h3_blackwell.runtime.fc2.table import GB10_CANONICAL, PRODUCER_SWIGLU_NVFP4, Fc2Entry, Fc2LtError, Fc2Table  # noqa: E402
 from h3_blackwell.runtime.options import RuntimeOptions  # noqa: E402
-from h3_blackwell.runtime.tune_fc2 import (  # noqa: E402
+from h3_blackwell.runtime.fc2.tune import (  # noqa: E402
     CANONICAL,
     TuneCrash,
     compare_bytes,

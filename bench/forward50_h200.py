@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _h3bench import ROOT, build, component, is_annotation, write_json  # noqa: E402
 
-from h3_blackwell.runtime.config import FULL, TINY  # noqa: E402
+from h3_blackwell.runtime.model.config import FULL, TINY  # noqa: E402
 from h3_blackwell.runtime.options import RuntimeOptions  # noqa: E402
 
 def main(argv=None) -> int:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime.layout import audio_frames, latent_frames, snap_frames
+from ..runtime.model.layout import audio_frames, latent_frames, snap_frames
 from ._common import CATEGORY, intermediate_device, node_error, optional_comfy_module
 
 VIDEO_CHANNELS = 24

@@ -48,7 +48,7 @@ class H3LoRA:
         }}
 
     def apply(self, model, lora_name: str, strength: float, mode: str):
-        from ..runtime.lora import LoraSpec, LoraView
+        from ..runtime.lora.apply import LoraSpec, LoraView
 
         if not hasattr(model, "config") or not hasattr(model, "model"):
             raise node_error(self.TITLE, f"model must come from H3 NVFP4 Model Loader; got {type(model).__name__}")

@@ -75,7 +75,7 @@ class H3Sampler:
     def sample(self, model, positive, latent, seed: int, steps: int, sampler: str, scheduler: str,
                shift_video: float, shift_audio: float, denoise: float):
         from ..runtime import sample as run_sample
-        from ..runtime.lora import sync_loras
+        from ..runtime.lora.apply import sync_loras
 
         if not hasattr(model, "config") or not hasattr(model, "model"):
             raise node_error(self.TITLE, f"model must come from H3 NVFP4 Model Loader; got {type(model).__name__}")

@@ -8,11 +8,11 @@ Public surface::
     res.video, res.audio, res.report
 """
 
-from .config import H3Config
+from .model.config import H3Config
 from .engine import H3Runtime, load_model
 from .errors import H3Error, Interrupted
 from .options import RuntimeOptions
-from .sampler import SampleResult, sample
+from .sampling.sampler import SampleResult, sample
 
 __all__ = ["H3Config", "H3Runtime", "load_model", "H3Error", "Interrupted", "RuntimeOptions", "SampleResult",
            "sample"]

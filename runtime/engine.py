@@ -9,9 +9,10 @@ from typing import Callable
 
 import torch
 
-from .checkpoint import CheckpointError, load_state, open_checkpoint
-from .config import TINY, H3Config
-from .model import H3Model
+from .errors import CheckpointError
+from .io.checkpoint import load_state, open_checkpoint
+from .model.config import TINY, H3Config
+from .model.h3 import H3Model
 from .options import RuntimeOptions
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -80,7 +81,7 @@ def load_model(path: str | Path | None = None, options: RuntimeOptions | None = 
     dtype = resolve_dtype(options, device)
     t0 = time.perf_counter()
     if path is None:
-        from .tiny import tiny_state_dict
+        from .model.tiny import tiny_state_dict
 
         cfg = TINY
         model = H3Model(cfg, dtype, device=device)
@@ -149,7 +150,7 @@ def prepare_nvfp4(rt: H3Runtime) -> None:
         rt.backends["gemm"] = {"choice": lin.backend, "reason": "; ".join(reasons)}
         rt.backends["act_scale"] = {"choice": o.act_scale, "reason": lin.act_scale_reason}
     if rt.device.type == "cuda":
-        from .fc2_lt import Fc2Dispatcher
+        from .fc2.dispatcher import Fc2Dispatcher
 
         rt.fc2 = Fc2Dispatcher(o)
         prep = rt.fc2.prepare(rt.device)

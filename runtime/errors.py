@@ -5,6 +5,10 @@ class H3Error(ValueError):
     """Base of the runtime's user-facing errors (bad input, bad checkpoint, bad geometry)."""
 
 
+class CheckpointError(H3Error):
+    """A checkpoint could not be read or does not describe an H3 DiT. The message says what to do."""
+
+
 class Interrupted(RuntimeError):
     """A run was interrupted between steps (by the user or the host). The model stays usable."""
 

@@ -203,7 +203,7 @@ class Nvfp4Stack:
 
         if self.fc2 is None:
             return fallback(None)
-        from .fc2_lt import PRODUCER_SWIGLU_NVFP4
+        from .fc2.table import PRODUCER_SWIGLU_NVFP4
 
         w = fc2.weight
         return self.fc2(s_q.packed, w.packed, x_scale=s_q.scales, w_scale=w.scales,
@@ -217,14 +217,14 @@ class Nvfp4Stack:
         """The side paths active on this block's qkv_proj, fc1 and fc2 (None where there is none). These
         three GEMMs get the producers' bytes, never a bf16 activation, so the stack adds their terms itself;
         out_proj is called as a module and its side path is the module's forward hook."""
-        from .lora import lora_side
+        from .lora.apply import lora_side
 
         return (lora_side(blk.attn.qkv_proj), lora_side(blk.mlp.fc1), lora_side(blk.mlp.fc2))
 
     @staticmethod
     def _modulated(x, norm, shift, scale, segs) -> torch.Tensor:
         """The side path's input for qkv/fc1: the reference block's ``modulate(norm(x))`` at x's dtype."""
-        from .model import modulate_, rms_norm
+        from .model.h3 import modulate_, rms_norm
 
         return modulate_(rms_norm(x, norm.weight, norm.eps), shift, scale, segs)
 
@@ -263,7 +263,7 @@ class Nvfp4Stack:
         o8, ro = f8.quantize_fp8(o if o.stride(-1) == 1 else o.contiguous())
         y = lin.forward_fp8(o8, ro, fast_accum=self.fp8_fast_accum)
         del o8, ro
-        from .lora import lora_side
+        from .lora.apply import lora_side
 
         side = lora_side(lin)
         if side is not None:

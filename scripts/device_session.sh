@@ -40,7 +40,7 @@ fused_v_tests() {  # needs sage2
 }
 tiny_cuda() {
   phase generate-tiny-cuda
-  timeout 90 python3 -m h3_blackwell.runtime.cli generate --output /tmp/tiny --runs 2 --warmup 1 2>&1 | tail -14 >> "$LOG"
+  timeout 90 python3 -m h3_blackwell.cli generate --output /tmp/tiny --runs 2 --warmup 1 2>&1 | tail -14 >> "$LOG"
   cp /tmp/tiny/report.json "$OUT/tiny-cuda-report.json" 2>>"$LOG"
 }
 canonical() {  # needs sage2; CANON_ARGS, CANON_TIMEOUT and any H3_* from the environment

@@ -12,13 +12,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from h3_blackwell.runtime import checkpoint as ckmod
-from h3_blackwell.runtime.checkpoint import (CheckpointError, comfy_to_diffusers_state_dict, expected_keys,
-                                             interleave_qkv, open_checkpoint)
-from h3_blackwell.runtime.config import FULL, TINY, H3Config, config_from_shapes, detect_config
+from h3_blackwell.runtime.io import checkpoint as ckmod
+from h3_blackwell.runtime.errors import CheckpointError
+from h3_blackwell.runtime.io.checkpoint import detect_config, expected_keys, open_checkpoint
+from h3_blackwell.runtime.io.keys import comfy_to_diffusers_state_dict, interleave_qkv
+from h3_blackwell.runtime.model.config import FULL, TINY, H3Config, config_from_shapes
 from h3_blackwell.runtime.engine import load_model
 from h3_blackwell.runtime.options import RuntimeOptions
-from h3_blackwell.runtime.tiny import save_tiny, tiny_state_dict
+from h3_blackwell.runtime.model.tiny import save_tiny, tiny_state_dict
 
 CPU = RuntimeOptions(device="cpu", dtype="float32", quantize=False)  # dense: these tests read weights
 
@@ -125,7 +126,7 @@ def test_streaming_load_keeps_rss_near_largest_tensor(tmp_path):
     assert total > 0.9e9
     code = textwrap.dedent(f"""
         import resource, torch
-        from h3_blackwell.runtime.checkpoint import open_checkpoint
+        from h3_blackwell.runtime.io.checkpoint import open_checkpoint
         def rss(): return int(open('/proc/self/statm').read().split()[1]) * 4096
         ck = open_checkpoint({str(path)!r})
         base = rss(); peak = base; s = 0.0
@@ -226,7 +227,7 @@ def test_fp8_source_dequantizes(tmp_path):
 
 def test_int8_convrot_source_dequantizes(tmp_path):
     """int8_tensorwise with convrot: W' = W H^T per 16-wide group, per-row scales; load undoes both."""
-    from h3_blackwell.runtime.checkpoint import hadamard
+    from h3_blackwell.runtime.io.checkpoint import hadamard
 
     sd = tiny_state_dict(TINY, seed=3)
     w = sd["blocks.1.attn.qkv_proj.weight"].double()

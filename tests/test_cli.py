@@ -11,13 +11,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from h3_blackwell.runtime import cli
+from h3_blackwell.cli import main as cli
 from h3_blackwell.runtime.errors import Interrupted
 
 
 def _run(args, timeout=300):
     t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "-m", "h3_blackwell.runtime.cli", *args], capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-m", "h3_blackwell.cli.main", *args], capture_output=True, text=True,
                        timeout=timeout)
     return p, time.perf_counter() - t0
 
@@ -45,7 +45,7 @@ def test_generate_in_process_same_and_other_seed(tmp_path):
 
 
 def test_interrupted_generate_writes_nothing(tmp_path, monkeypatch, capsys):
-    import h3_blackwell.runtime.sampler as sampler_mod
+    import h3_blackwell.runtime.sampling.sampler as sampler_mod
 
     real = sampler_mod.sample
 

@@ -4,10 +4,10 @@ import math
 
 import torch
 
-from h3_blackwell.runtime.config import TINY
-from h3_blackwell.runtime.layout import build_layout, latent_shapes, step_times
-from h3_blackwell.runtime.model import pdd_head_weights, pdd_span
-from h3_blackwell.runtime.tiny import tiny_model
+from h3_blackwell.runtime.model.config import TINY
+from h3_blackwell.runtime.model.layout import build_layout, latent_shapes, step_times
+from h3_blackwell.runtime.model.h3 import pdd_head_weights, pdd_span
+from h3_blackwell.runtime.model.tiny import tiny_model
 
 
 def test_canonical_geometry():

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from h3_blackwell.runtime import comfy_run
-from h3_blackwell.runtime.comfy_run import ConversionError, main, ui_to_api
+from h3_blackwell.cli import comfy_run
+from h3_blackwell.cli.comfy_run import ConversionError, main, ui_to_api
 
 from test_workflows import object_info
 

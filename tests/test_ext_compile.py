@@ -14,8 +14,10 @@ import time
 import pytest
 import torch
 
-from h3_blackwell.runtime import ext
-from h3_blackwell.runtime.fc2_lt import GB10_CANONICAL, Fc2Dispatcher, Fc2Table, LtPlanLayer
+from h3_blackwell.runtime.fc2 import ext
+from h3_blackwell.runtime.fc2.dispatcher import Fc2Dispatcher
+from h3_blackwell.runtime.fc2.plan import LtPlanLayer
+from h3_blackwell.runtime.fc2.table import Fc2Table, GB10_CANONICAL
 from h3_blackwell.runtime.options import RuntimeOptions
 
 

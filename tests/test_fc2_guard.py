@@ -13,22 +13,13 @@ import json
 import pytest
 import torch
 
-from h3_blackwell.runtime.fc2_lt import (
-    GB10_CANONICAL,
-    PRODUCER_SWIGLU_NVFP4,
-    AlgoSpec,
-    CompatCache,
-    Fc2Call,
-    Fc2Dispatcher,
-    Fc2Entry,
-    Fc2Environment,
-    Fc2LtError,
-    Fc2Table,
-    PlanError,
-    Refusal,
-    match,
-    table_dir,
-)
+from h3_blackwell.runtime.fc2.dispatcher import Fc2Dispatcher
+
+from h3_blackwell.runtime.fc2.guard import Fc2Call, Fc2Environment, match
+
+from h3_blackwell.runtime.fc2.plan import CompatCache, PlanError
+
+from h3_blackwell.runtime.fc2.table import AlgoSpec, Fc2Entry, Fc2LtError, Fc2Table, GB10_CANONICAL, PRODUCER_SWIGLU_NVFP4, Refusal, table_dir
 from h3_blackwell.runtime.options import RuntimeOptions
 
 M, MP, N, K = 37810, 37824, 5376, 14336
@@ -479,7 +470,7 @@ def test_refusal_str():
 
 
 def test_candidate_configs_cover_the_capabilities():
-    from h3_blackwell.runtime.tune_fc2 import candidate_configs
+    from h3_blackwell.runtime.fc2.tune import candidate_configs
 
     caps = {"id": 66, "init_status": 0, "tiles": [18, 20, 31], "stages": [8, 37], "swizzle_support": 1,
             "custom_option_max": 2}
@@ -493,7 +484,7 @@ def test_candidate_configs_cover_the_capabilities():
 
 
 def test_heuristic_results_become_split_k_1_candidates_without_duplicates():
-    from h3_blackwell.runtime.tune_fc2 import pinnable, unique
+    from h3_blackwell.runtime.fc2.tune import pinnable, unique
 
     stream_k = {"id": 70, "tile": 20, "stages": 37, "splitk": -1, "reduction": 2, "swizzle": 0, "custom": 0,
                 "cluster": 0, "inner_shape": 0}
@@ -504,7 +495,7 @@ def test_heuristic_results_become_split_k_1_candidates_without_duplicates():
 
 
 def test_alternating_order_and_summary():
-    from h3_blackwell.runtime.tune_fc2 import alternating_order, summarize_ms
+    from h3_blackwell.runtime.fc2.tune import alternating_order, summarize_ms
 
     assert alternating_order(["a", "b", "c"], 3) == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
     s = summarize_ms([3.0, 1.0, 2.0, 10.0])
@@ -512,7 +503,7 @@ def test_alternating_order_and_summary():
 
 
 def test_compare_bytes_is_bitwise():
-    from h3_blackwell.runtime.tune_fc2 import compare_bytes
+    from h3_blackwell.runtime.fc2.tune import compare_bytes
 
     a = torch.tensor([0.0, 1.0, 2.0], dtype=torch.bfloat16)
     assert compare_bytes(a, a.clone())["equal"]
@@ -524,8 +515,8 @@ def test_compare_bytes_is_bitwise():
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8_e4m3", "nvfp4"])
 def test_synthetic_operands_shapes_and_zero_padding(dtype):
-    from h3_blackwell.runtime.fc2_lt import describe_call
-    from h3_blackwell.runtime.tune_fc2 import synthetic_operands
+    from h3_blackwell.runtime.fc2.guard import describe_call
+    from h3_blackwell.runtime.fc2.tune import synthetic_operands
 
     ops = synthetic_operands(dtype, 100, 128, 64, 256, "cpu", seed=3)
     call = describe_call(ops, role="fc2", out_dtype=torch.bfloat16, lora_active=False, producer=None)
@@ -538,7 +529,7 @@ def test_synthetic_operands_shapes_and_zero_padding(dtype):
 
 
 def test_reference_gemm_bf16_is_torch_linear():
-    from h3_blackwell.runtime.tune_fc2 import reference_gemm, synthetic_operands
+    from h3_blackwell.runtime.fc2.tune import reference_gemm, synthetic_operands
 
     ops = synthetic_operands("bf16", 30, 32, 16, 64, "cpu", seed=1)
     y = reference_gemm(ops, "bf16")
@@ -546,7 +537,7 @@ def test_reference_gemm_bf16_is_torch_linear():
 
 
 def test_tune_cli_without_gpu_is_a_clean_error(capsys):
-    from h3_blackwell.runtime.tune_fc2 import main
+    from h3_blackwell.runtime.fc2.tune import main
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
@@ -621,7 +612,7 @@ class _FakeLtModule:
 
 
 def test_tuner_keeps_only_byte_identical_configs_and_writes_an_entry(tmp_path):
-    from h3_blackwell.runtime.tune_fc2 import tune
+    from h3_blackwell.runtime.fc2.tune import tune
 
     res = tune(dtype="bf16", m_logical=30, m_padded=32, n=16, k=64, device="cpu", options=opts(tmp_path),
                module=_FakeLtModule(), rounds=4, seeds=2, say=lambda s: None, command="test")
@@ -641,7 +632,7 @@ def test_tuner_keeps_only_byte_identical_configs_and_writes_an_entry(tmp_path):
 
 
 def test_tuner_writes_nothing_when_no_config_is_exact(tmp_path):
-    from h3_blackwell.runtime.tune_fc2 import tune
+    from h3_blackwell.runtime.fc2.tune import tune
 
     res = tune(dtype="bf16", m_logical=30, m_padded=32, n=16, k=64, device="cpu", options=opts(tmp_path),
                module=_FakeLtModule(exact_exists=False), rounds=2, seeds=2, say=lambda s: None)
@@ -652,7 +643,7 @@ def test_tuner_writes_nothing_when_no_config_is_exact(tmp_path):
 def test_tuner_says_when_only_workspace_stands_in_the_way(tmp_path):
     """fp8 on the H200: every configuration AlgoCheck accepts needs a few bytes of workspace. With a zero limit
     the tuner finds nothing and says how much workspace would do; with that much, the entry records it."""
-    from h3_blackwell.runtime.tune_fc2 import tune
+    from h3_blackwell.runtime.fc2.tune import tune
 
     said: list[str] = []
     kw = dict(dtype="bf16", m_logical=30, m_padded=32, n=16, k=64, device="cpu", options=opts(tmp_path), rounds=2,
@@ -683,7 +674,7 @@ def test_prepare_self_test_compares_bytes_and_caches_the_result(tmp_path):
     p3 = d.prepare(torch.device("cpu"))
     e = p3["entries"]["small-bf16"]
     assert e["status"] == "refused" and e["reason"].startswith("self_test: 1 of 512 bf16 elements differ")
-    from h3_blackwell.runtime.tune_fc2 import synthetic_operands
+    from h3_blackwell.runtime.fc2.tune import synthetic_operands
 
     ops = synthetic_operands("bf16", 30, 32, 16, 64, "cpu", seed=9)
     _, fb = dispatch(d, operands=dict(x=ops.x, w=ops.w), m_logical=30, producer=None)

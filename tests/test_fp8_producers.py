@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from h3_blackwell.runtime import RuntimeOptions, load_model  # noqa: E402
-from h3_blackwell.runtime import lora as lora_mod  # noqa: E402
+from h3_blackwell.runtime.lora import apply as lora_mod  # noqa: E402
 from h3_blackwell.runtime.ops import fp8_producers as f8  # noqa: E402
 from h3_blackwell.runtime.ops import linear as L  # noqa: E402
 from h3_blackwell.runtime.ops import quant_kernels as qk  # noqa: E402
@@ -404,7 +404,7 @@ def test_canonical_accuracy_stage_and_fc2_counts_for_w4a8():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     import canonical
 
-    from h3_blackwell.runtime.sampler import sample
+    from h3_blackwell.runtime.sampling.sampler import sample
 
     rt = _w4a8(6)
     m = rt.model

@@ -16,16 +16,16 @@ import torch
 from safetensors.torch import save_file
 
 from h3_blackwell.runtime import RuntimeOptions, load_model, sample
-from h3_blackwell.runtime import lora as L
-from h3_blackwell.runtime.config import FULL, TINY
+from h3_blackwell.runtime.lora import apply as L
+from h3_blackwell.runtime.model.config import FULL, TINY
 from h3_blackwell.runtime.engine import H3Runtime
-from h3_blackwell.runtime.lora_keys import LoraError, match_lora, read_lora_file
+from h3_blackwell.runtime.lora.keys import LoraError, match_lora, read_lora_file
 from refblock import reference_block  # the float64 block from the formulas (tests/refblock.py)
-from h3_blackwell.runtime.model import H3Model
+from h3_blackwell.runtime.model.h3 import H3Model
 from h3_blackwell.runtime.ops import nvfp4 as nv
 from h3_blackwell.runtime.ops import quant_kernels as qk
-from h3_blackwell.runtime.tiny import save_tiny, tiny_state_dict
-from h3_blackwell.runtime.tiny_lora import FORMS, expected_merge, save_tiny_lora, tiny_lora_truth
+from h3_blackwell.runtime.model.tiny import save_tiny, tiny_state_dict
+from fixtures.tiny_lora import FORMS, expected_merge, save_tiny_lora, tiny_lora_truth
 
 CPU = dict(device="cpu", dtype="float32")
 U_BF16 = 2.0 ** -8  # bf16 unit roundoff
@@ -502,8 +502,10 @@ def test_curve_form_skips_adaln_loras_and_says_why(files):
 # ---------------------------------------------------------------------------------------------
 
 def _dispatcher(tmp_path):
-    from h3_blackwell.runtime.ext import ExtStatus
-    from h3_blackwell.runtime.fc2_lt import GB10_CANONICAL, Fc2Dispatcher, Fc2Table, LtPlanLayer
+    from h3_blackwell.runtime.fc2.ext import ExtStatus
+    from h3_blackwell.runtime.fc2.dispatcher import Fc2Dispatcher
+    from h3_blackwell.runtime.fc2.plan import LtPlanLayer
+    from h3_blackwell.runtime.fc2.table import Fc2Table, GB10_CANONICAL
 
     o = RuntimeOptions(**CPU, cache_dir=str(tmp_path / "cache"))
     layer = LtPlanLayer(o, ExtStatus(ok=False, reason="extension not built in this CPU test"))
@@ -587,7 +589,7 @@ def test_lora_node_stacks_and_syncs_the_resident_model(fake_folder_paths, files,
 
 
 def test_cli_generate_with_lora(files, tmp_path, capsys):
-    from h3_blackwell.runtime import cli
+    from h3_blackwell.cli import main as cli
 
     path, _ = files["diffusers"]
     out = tmp_path / "run"

@@ -276,7 +276,7 @@ def test_loader_keeps_model_resident_and_reloads_on_change(comfy):
 
 
 def test_loader_file_reloads_when_the_file_changes(comfy):
-    from h3_blackwell.runtime.tiny import save_tiny
+    from h3_blackwell.runtime.model.tiny import save_tiny
 
     path = comfy.models_dir / "tiny.safetensors"
     save_tiny(path, seed=3)

@@ -10,10 +10,10 @@ and attention kernels (~1e-7 relative per op, a few 1e-6 after the block stack).
 import pytest
 import torch
 
-from h3_blackwell.runtime.checkpoint import comfy_to_diffusers_state_dict
-from h3_blackwell.runtime.config import H3Config
-from h3_blackwell.runtime.layout import pad_video, patchify_video, unpatchify_video
-from h3_blackwell.runtime.tiny import tiny_model, tiny_state_dict
+from h3_blackwell.runtime.io.keys import comfy_to_diffusers_state_dict
+from h3_blackwell.runtime.model.config import H3Config
+from h3_blackwell.runtime.model.layout import pad_video, patchify_video, unpatchify_video
+from h3_blackwell.runtime.model.tiny import tiny_model, tiny_state_dict
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers import MiniMaxH3Transformer3DModel  # noqa: E402

@@ -17,11 +17,12 @@ import pytest  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from h3_blackwell.runtime.checkpoint import comfy_to_diffusers_state_dict, dequantize_layer, open_checkpoint  # noqa: E402
+from h3_blackwell.runtime.io.checkpoint import dequantize_layer, open_checkpoint  # noqa: E402
+from h3_blackwell.runtime.io.keys import comfy_to_diffusers_state_dict  # noqa: E402
 from h3_blackwell.runtime.errors import H3Error  # noqa: E402
 from h3_blackwell.runtime.ops import nvfp4 as nv  # noqa: E402
-from h3_blackwell.runtime.quantize import QUANTIZED_LINEAR, quantize_checkpoint, quantize_state_dict_streaming  # noqa: E402
-from h3_blackwell.runtime.tiny import save_tiny, tiny_state_dict  # noqa: E402
+from h3_blackwell.runtime.io.convert import QUANTIZED_LINEAR, quantize_checkpoint, quantize_state_dict_streaming  # noqa: E402
+from h3_blackwell.runtime.model.tiny import save_tiny, tiny_state_dict  # noqa: E402
 
 
 def _read(path):
@@ -116,7 +117,7 @@ def test_quantized_and_inconsistent_sources_are_refused(tmp_path):
 _RSS_CHILD = textwrap.dedent("""
     import json, sys, time
     import torch
-    from h3_blackwell.runtime.quantize import quantize_state_dict_streaming
+    from h3_blackwell.runtime.io.convert import quantize_state_dict_streaming
 
     H, INNER, FFN, BLOCKS = 5376, 7168, 14336, int(sys.argv[2])
     LINEARS = [("attn.qkv_proj.weight", (3 * INNER, H)), ("attn.out_proj.weight", (H, INNER)),

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from h3_blackwell.runtime import Interrupted, RuntimeOptions, load_model, sample
-from h3_blackwell.runtime.layout import latent_shapes
+from h3_blackwell.runtime.model.layout import latent_shapes
 
 CPU = RuntimeOptions(device="cpu", dtype="float32")
 
@@ -150,7 +150,7 @@ def test_fl2va_keyframes_are_fixed_rows(rt):
 
 
 def test_fc2_consistency_rules():
-    from h3_blackwell.runtime.diagnostics import fc2_consistency
+    from h3_blackwell.runtime.sampling.report import fc2_consistency
 
     run = lambda a, s, f, d=0: {"attempts": a, "successes": s, "fallbacks": f, "direct_calls": d}  # noqa: E731
     w4a8 = {"lt_path": "not applicable (act_format fp8)"}

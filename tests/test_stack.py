@@ -5,9 +5,9 @@ import torch
 from safetensors.torch import save_file
 
 from h3_blackwell.runtime import RuntimeOptions, load_model
-from h3_blackwell.runtime.config import TINY
+from h3_blackwell.runtime.model.config import TINY
 from h3_blackwell.runtime.ops import nvfp4 as nv
-from h3_blackwell.runtime.tiny import tiny_state_dict
+from h3_blackwell.runtime.model.tiny import tiny_state_dict
 from refblock import reference_block  # the float64 block from the formulas (tests/refblock.py)
 
 CPU = dict(device="cpu", dtype="float32")

@@ -30,7 +30,7 @@ import torch
 
 from h3_blackwell.nodes import NODES
 from h3_blackwell.runtime import sample as runtime_sample
-from h3_blackwell.runtime.comfy_run import is_api_prompt, is_ui_graph, ui_to_api
+from h3_blackwell.cli.comfy_run import is_api_prompt, is_ui_graph, ui_to_api
 
 from test_nodes import _install  # the ComfyUI stand-ins
 

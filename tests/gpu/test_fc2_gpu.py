@@ -12,19 +12,12 @@ import json
 import pytest
 import torch
 
-from h3_blackwell.runtime import ext
-from h3_blackwell.runtime.fc2_lt import (
-    GB10_CANONICAL,
-    PRODUCER_SWIGLU_NVFP4,
-    AlgoSpec,
-    Fc2Dispatcher,
-    Fc2Entry,
-    Fc2LtError,
-    Fc2Table,
-    LtPlanLayer,
-)
+from h3_blackwell.runtime.fc2 import ext
+from h3_blackwell.runtime.fc2.dispatcher import Fc2Dispatcher
+from h3_blackwell.runtime.fc2.plan import LtPlanLayer
+from h3_blackwell.runtime.fc2.table import AlgoSpec, Fc2Entry, Fc2LtError, Fc2Table, GB10_CANONICAL, PRODUCER_SWIGLU_NVFP4
 from h3_blackwell.runtime.options import RuntimeOptions
-from h3_blackwell.runtime.tune_fc2 import (
+from h3_blackwell.runtime.fc2.tune import (
     TuneCrash,
     compare_bytes,
     reference_gemm,

@@ -18,115 +18,17 @@ near the largest tensor.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 
-from .config import (CheckpointError, H3Config, Header, _strip_prefix, config_from_shapes, detect_scheme,
-                     read_header)
-
-ST_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-TORCH_TO_ST = {v: k for k, v in ST_DTYPES.items()}
-
-# fp32 islands of the original checkpoint (kept fp32 whatever the compute dtype)
-FP32_ISLANDS = ("video_patch_proj.", "audio_patch_proj.", "time_embedder.", "final_layer.video_out.",
-                "final_layer.audio_out.", "rope.", "adaln_t_table")
-
-# block linears that become NVFP4
-QUANT_LINEARS = re.compile(r"^blocks\.\d+\.(attn\.qkv_proj|attn\.out_proj|mlp\.fc1|mlp\.fc2)$")
-
-
-# ---------------------------------------------------------------------------------------------
-# key maps
-# ---------------------------------------------------------------------------------------------
-
-_D2C_BLOCK = [  # inside a block / refiner block: diffusers -> comfy
-    ("attn.norm_q.", "attn.q_norm."), ("attn.norm_k.", "attn.k_norm."), ("attn.to_out.0.", "attn.out_proj."),
-    ("ff.net.0.proj.", "mlp.fc1."), ("ff.net.2.", "mlp.fc2."),
-]
-_D2C_TOP = [
-    ("proj_in.", "video_patch_proj."), ("audio_proj_in.", "audio_patch_proj."),
-    ("context_embedder.", "condition_proj."), ("time_embedder.linear_1.", "time_embedder.proj_in."),
-    ("time_embedder.linear_2.", "time_embedder.proj_out."), ("norm_out.norm.", "final_layer.norm."),
-    ("norm_out.linear.", "final_layer.adaln_proj.linear."), ("proj_out.", "final_layer.video_out."),
-    ("audio_proj_out.", "final_layer.audio_out."), ("token_refiner.final_norm.", "token_refiner.final_norm."),
-    ("adaln_t_table", "adaln_t_table"),
-]
-_QKV_PART = re.compile(r"\.attn\.to_([qkv])\.weight$")
-
-
-def diffusers_to_comfy_name(key: str) -> str | None:
-    """Map one diffusers key to its ComfyUI name (q/k/v parts map to ``...attn.qkv_proj.weight``).
-    Returns None for keys with no ComfyUI counterpart."""
-    m = re.match(r"^(transformer_blocks|token_refiner\.refiner_blocks)\.(\d+)\.(.*)$", key)
-    if m:
-        prefix = "blocks." if m.group(1) == "transformer_blocks" else "token_refiner.blocks."
-        rest = m.group(3)
-        if re.match(r"^attn\.to_[qkv]\.weight$", rest):
-            return f"{prefix}{m.group(2)}.attn.qkv_proj.weight"
-        for d, c in _D2C_BLOCK:
-            if rest.startswith(d):
-                rest = c + rest[len(d):]
-                break
-        return f"{prefix}{m.group(2)}.{rest}"
-    for d, c in _D2C_TOP:
-        if key.startswith(d):
-            return c + key[len(d):]
-    return None
-
-
-def comfy_to_diffusers_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """ComfyUI-named state dict -> diffusers names (for the oracle tests and for export)."""
-    c2d_block = [(c, d) for d, c in _D2C_BLOCK]
-    c2d_top = [(c, d) for d, c in _D2C_TOP]
-    out = {}
-    for k, v in sd.items():
-        m = re.match(r"^(blocks|token_refiner\.blocks)\.(\d+)\.(.*)$", k)
-        if m:
-            prefix = "transformer_blocks." if m.group(1) == "blocks" else "token_refiner.refiner_blocks."
-            rest = m.group(3)
-            base = f"{prefix}{m.group(2)}."
-            if rest == "attn.qkv_proj.weight":
-                q, kk, vv = v.chunk(3, dim=0)
-                out[base + "attn.to_q.weight"], out[base + "attn.to_k.weight"], out[base + "attn.to_v.weight"] = q, kk, vv
-                continue
-            if rest == "mlp.fc1.weight":
-                gate, up = v.chunk(2, dim=0)
-                out[base + "ff.net.0.proj.weight"] = torch.cat([up, gate])
-                continue
-            for c, d in c2d_block:
-                if rest.startswith(c):
-                    rest = d + rest[len(c):]
-                    break
-            out[base + rest] = v
-            continue
-        if k == "rope.inv_freq":
-            continue
-        for c, d in c2d_top:
-            if k.startswith(c):
-                out[d + k[len(c):]] = v
-                break
-        else:
-            out[k] = v
-    return out
-
-
-def interleave_qkv(w: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
-    """Stacked [q_all; k_all; v_all] rows -> per-head interleaved [h0: q k v | h1: ...] (the raw release)."""
-    return w.reshape(3, heads, head_dim, -1).transpose(0, 1).reshape(w.shape)
-
-
-def deinterleave_qkv(w: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
-    """Per-head interleaved QKV rows -> stacked [q_all; k_all; v_all]."""
-    return w.reshape(heads, 3, head_dim, -1).transpose(0, 1).reshape(w.shape)
-
+from ..errors import CheckpointError
+from ..model.config import H3Config, config_from_shapes
+from ..model.h3 import H3Model
+from .header import ST_DTYPES, Header, read_header
+from .keys import _QKV_PART, deinterleave_qkv, detect_scheme, diffusers_to_comfy_name, strip_prefix
 
 # ---------------------------------------------------------------------------------------------
 # the checkpoint
@@ -182,8 +84,8 @@ class Checkpoint:
         raw_shapes = {}
         for h in headers:
             for k, info in h.tensors.items():
-                raw_shapes[_strip_prefix(k)] = info.shape
-                name = _strip_prefix(k)
+                raw_shapes[strip_prefix(k)] = info.shape
+                name = strip_prefix(k)
                 if scheme == "diffusers":
                     cn = diffusers_to_comfy_name(name)
                     if cn is None:
@@ -316,8 +218,6 @@ def open_checkpoint(path: str | Path, scheme: str | None = None) -> Checkpoint:
 
 def expected_keys(cfg: H3Config) -> dict[str, tuple]:
     """ComfyUI names and shapes of every tensor an H3 DiT of this config needs."""
-    from .model import H3Model
-
     with torch.device("meta"):
         m = H3Model(cfg, torch.float32)
     out = {k: tuple(v.shape) for k, v in m.state_dict().items()}
@@ -341,7 +241,7 @@ def dequantize_layer(ck: Checkpoint, layer: str, fmt: dict, device) -> torch.Ten
             wf = unrotate_convrot(wf, g)
         return wf
     if name == "nvfp4":
-        from .ops import nvfp4
+        from ..ops import nvfp4
 
         tensors = {s: ck.tensor(layer + s, device) for s in (".weight", ".weight_scale", ".weight_scale_2")}
         q = nvfp4.from_comfy_quant(tensors[".weight"], tensors[".weight_scale"], tensors[".weight_scale_2"])
@@ -432,3 +332,9 @@ def _assign(model, name: str, value: torch.Tensor) -> None:
         setattr(mod, leaf, torch.nn.Parameter(value, requires_grad=False))
     else:
         mod._buffers[leaf] = value
+
+
+def detect_config(path: str | Path) -> tuple[H3Config, str, Header]:
+    """(config, naming scheme, header) for a safetensors file or a sharded ``*.index.json``; reads headers only."""
+    ck = open_checkpoint(path)
+    return ck.config, ck.scheme, ck.headers[0]

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import H3Error
+from ..errors import H3Error
 
 FRAME_RESCALE = 5.0 / 3.0
 FRAME_PER_TOKEN = (1, 4, 4, 4, 4)

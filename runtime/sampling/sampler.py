@@ -14,8 +14,8 @@ from typing import Callable
 
 import torch
 
-from .diagnostics import RunRecord, StepTimer, build_report, latent_sha256
-from .errors import H3Error, Interrupted
+from .report import RunRecord, StepTimer, build_report, latent_sha256
+from ..errors import H3Error, Interrupted
 from .schedule import Stepper, audio_scale, carry_in, carry_out, get_sigmas, model_sigma
 
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from .errors import H3Error
-from .layout import time_shift_sigma
+from ..errors import H3Error
+from ..model.layout import time_shift_sigma
 
 SAMPLERS = ("euler", "res_multistep")
 SCHEDULERS = ("simple",)

@@ -17,8 +17,8 @@ from .config import TINY, H3Config
 def tiny_state_dict(cfg: H3Config = TINY, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """ComfyUI-named random weights for ``cfg``. Linear weights ~ N(0, 1/fan_in); norms 1 + N(0, 0.1);
     AdaLN projections scaled down so modulation stays O(0.1) like a trained model; fp32 islands fp32."""
-    from .checkpoint import FP32_ISLANDS
-    from .model import H3Model
+    from .config import FP32_ISLANDS
+    from .h3 import H3Model
 
     g = torch.Generator("cpu").manual_seed(int(seed))
     with torch.device("meta"):
@@ -48,7 +48,7 @@ def tiny_state_dict(cfg: H3Config = TINY, seed: int = 0, dtype: torch.dtype = to
 
 
 def tiny_model(cfg: H3Config = TINY, seed: int = 0, dtype: torch.dtype = torch.float32, device="cpu"):
-    from .model import H3Model
+    from .h3 import H3Model
 
     m = H3Model(cfg, dtype, device=device)
     sd = tiny_state_dict(cfg, seed, dtype)

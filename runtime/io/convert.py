@@ -25,10 +25,10 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
-from .checkpoint import QUANT_LINEARS as QUANTIZED_LINEAR
-from .checkpoint import TORCH_TO_ST as ST_DTYPE
-from .errors import H3Error
-from .ops import nvfp4 as nv
+from ..model.config import QUANT_LINEARS as QUANTIZED_LINEAR
+from .header import TORCH_TO_ST as ST_DTYPE
+from ..errors import H3Error
+from ..ops import nvfp4 as nv
 
 __all__ = ["QUANTIZED_LINEAR", "quantize_state_dict_streaming", "quantize_checkpoint", "plan_output"]
 

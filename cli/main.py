@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import H3Error, Interrupted
+from ..runtime.errors import H3Error, Interrupted
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -65,7 +65,7 @@ class Progress:
 def _load_text_states(path: str, text_dim: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     from safetensors import safe_open
 
-    from .config import read_header
+    from ..runtime.io.header import read_header
 
     hdr = read_header(path)  # clear errors for missing / not safetensors
     if "text_states" not in hdr.tensors:
@@ -89,12 +89,13 @@ def _load_text_states(path: str, text_dim: int) -> tuple[torch.Tensor, torch.Ten
 def cmd_generate(a) -> int:
     from safetensors.torch import save_file
 
-    from .engine import load_model
-    from .layout import check_canvas, check_frames, latent_shapes, snap_frames
-    from .options import RuntimeOptions
-    from .sampler import sample
+    from ..runtime.engine import load_model
+    from ..runtime.model.layout import check_canvas, check_frames, latent_shapes, snap_frames
+    from ..runtime.options import RuntimeOptions
+    from ..runtime.sampling.sampler import sample
 
-    from .config import TINY, detect_config
+    from ..runtime.io.checkpoint import detect_config
+    from ..runtime.model.config import TINY
 
     if a.model is not None and not Path(a.model).exists():
         raise CliError(f"model file not found: {a.model}")
@@ -118,7 +119,7 @@ def cmd_generate(a) -> int:
                                    act_format=a.act_format, fc2_lt=fc2[0], fc2_lt_strict=fc2[1],
                                    quantize=False if a.dense else None)
     # validate every input before the (possibly long) model load
-    from .lora import apply_loras, parse_lora_arg
+    from ..runtime.lora.apply import apply_loras, parse_lora_arg
 
     loras = [parse_lora_arg(s) for s in a.lora]
 
@@ -147,7 +148,7 @@ def cmd_generate(a) -> int:
                                                    str(p)),
         "report.json": lambda p: p.write_text(json.dumps(report, indent=2)),
     })
-    from .diagnostics import summary
+    from ..runtime.sampling.report import summary
 
     print(summary(report))
     print(f"wrote {out / 'latents.safetensors'} and {out / 'report.json'}")
@@ -162,9 +163,9 @@ def cmd_forward(a) -> int:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from .config import read_header
-    from .engine import load_model
-    from .options import RuntimeOptions
+    from ..runtime.io.header import read_header
+    from ..runtime.engine import load_model
+    from ..runtime.options import RuntimeOptions
 
     hdr = read_header(a.inputs)
     need = ["video", "audio", "text_states", "sigma"]
@@ -186,7 +187,7 @@ def cmd_forward(a) -> int:
 
 
 def cmd_make_tiny(a) -> int:
-    from .tiny import save_tiny
+    from ..runtime.model.tiny import save_tiny
 
     p = save_tiny(a.out, seed=a.seed, dtype=DTYPES[a.dtype])
     print(f"wrote {p} ({p.stat().st_size} bytes)")
@@ -194,7 +195,7 @@ def cmd_make_tiny(a) -> int:
 
 
 def cmd_quantize(a) -> int:
-    from .quantize import quantize_checkpoint
+    from ..runtime.io.convert import quantize_checkpoint
 
     prog = Progress("quantize", force=a.progress)
     quantize_checkpoint(a.input, a.output, device=a.device, progress=lambda i, n, name: prog(i + 1, n))
@@ -203,7 +204,7 @@ def cmd_quantize(a) -> int:
 
 
 def cmd_tune_fc2(argv) -> int:
-    from .tune_fc2 import main as tune_main
+    from ..runtime.fc2.tune import main as tune_main
 
     return int(tune_main(argv) or 0)
 

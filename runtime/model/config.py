@@ -8,17 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import struct
-from dataclasses import dataclass, field
-from pathlib import Path
+import re
+from dataclasses import dataclass
 from typing import Any
 
 
-from .errors import H3Error
-
-
-class CheckpointError(H3Error):
-    """A checkpoint could not be read or does not describe an H3 DiT. The message says what to do."""
+from ..errors import CheckpointError
+from ..io.keys import diffusers_to_comfy_name, detect_scheme, strip_prefix
 
 
 @dataclass(frozen=True)
@@ -126,115 +122,8 @@ PRESETS = {"full": FULL, "tiny": TINY}
 
 
 # ---------------------------------------------------------------------------------------------
-# safetensors header
-# ---------------------------------------------------------------------------------------------
-
-_MAX_HEADER = 100 * 1024 * 1024
-
-
-@dataclass
-class TensorInfo:
-    dtype: str
-    shape: tuple[int, ...]
-    offsets: tuple[int, int]  # [begin, end) relative to the data section
-
-
-@dataclass
-class Header:
-    path: Path
-    tensors: dict[str, TensorInfo]
-    metadata: dict[str, str] = field(default_factory=dict)
-    data_start: int = 0
-
-
-_DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
-                "U8": 1, "U16": 2, "U32": 4, "U64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1,
-                "F8_E8M0": 1, "F4": 1, "F6_E2M3": 1, "F6_E3M2": 1}
-
-
-def read_header(path: str | Path) -> Header:
-    """Parse a safetensors header (JSON only; no tensor bytes are read).
-
-    Raises CheckpointError naming the problem for: a missing file, a file too short or not
-    safetensors, a truncated or corrupt header, tensor extents past the end of the file.
-    """
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"checkpoint not found: {path}")
-    if path.is_dir():
-        raise CheckpointError(f"{path} is a directory; pass a .safetensors file or a *.safetensors.index.json")
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"{path} is not a safetensors file: {size} bytes, too short for the 8-byte header length")
-        (n,) = struct.unpack("<Q", head)
-        if n > _MAX_HEADER or n + 8 > size:
-            if head[:2] == b"PK" or head[:1] == b"\x80":
-                raise CheckpointError(
-                    f"{path} looks like a pickle/zip checkpoint (.ckpt/.pt); only safetensors is accepted "
-                    "(nothing is ever unpickled). Convert it to safetensors first.")
-            raise CheckpointError(
-                f"{path} is not a valid safetensors file: header length {n} exceeds the file size {size} "
-                "(truncated download or not safetensors)")
-        raw = f.read(n)
-    try:
-        obj = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: corrupt safetensors header ({e}); re-download or re-export the file") from None
-    if not isinstance(obj, dict):
-        raise CheckpointError(f"{path}: corrupt safetensors header (expected a JSON object)")
-    meta = obj.pop("__metadata__", None) or {}
-    tensors: dict[str, TensorInfo] = {}
-    data_len = size - 8 - n
-    for name, info in obj.items():
-        try:
-            dt, shape, offs = info["dtype"], tuple(int(s) for s in info["shape"]), tuple(int(o) for o in info["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: corrupt safetensors header entry for {name!r}") from None
-        if offs[1] > data_len or offs[0] > offs[1]:
-            raise CheckpointError(
-                f"{path} is truncated: tensor {name!r} needs bytes {offs[0]}..{offs[1]} of the data section but "
-                f"the file has only {data_len}; re-download the file")
-        tensors[name] = TensorInfo(dt, shape, offs)
-    return Header(path=path, tensors=tensors, metadata=dict(meta), data_start=8 + n)
-
-
-# ---------------------------------------------------------------------------------------------
 # detection
 # ---------------------------------------------------------------------------------------------
-
-SCHEMES = ("comfy", "diffusers", "raw")
-
-
-def detect_scheme(keys) -> str:
-    """Naming scheme of an H3 DiT state dict: 'comfy' (ComfyUI / original), 'diffusers' or 'raw'.
-
-    ``raw`` is the original MiniMax release: ComfyUI names but QKV stored per-head interleaved. The two
-    cannot be told apart from names; a raw release is recognised by its safetensors metadata
-    (``format: raw`` / ``qkv_layout: per_head``) or chosen explicitly by the caller.
-    """
-    keys = set(_strip_prefix(k) for k in keys)
-    if "video_patch_proj.weight" in keys and "audio_patch_proj.weight" in keys:
-        return "comfy"
-    if "proj_in.weight" in keys and "audio_proj_in.weight" in keys:
-        return "diffusers"
-    sample = sorted(keys)[:8]
-    raise CheckpointError(
-        "unknown naming scheme: expected an H3 DiT with video_patch_proj.weight + audio_patch_proj.weight "
-        f"(ComfyUI/original) or proj_in.weight + audio_proj_in.weight (diffusers); found keys like {sample}. "
-        "Is this a VAE, text encoder or another model?")
-
-
-_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "transformer.", "model.")
-
-
-def _strip_prefix(k: str) -> str:
-    for p in _PREFIXES:
-        if k.startswith(p):
-            return k[len(p):]
-    return k
-
 
 def config_from_shapes(shapes: dict[str, tuple[int, ...]], scheme: str | None = None,
                        metadata: dict[str, str] | None = None) -> H3Config:
@@ -243,11 +132,9 @@ def config_from_shapes(shapes: dict[str, tuple[int, ...]], scheme: str | None = 
     ``shapes`` may be in any scheme; ``metadata`` is the safetensors ``__metadata__`` whose ``config``
     entry (JSON, optionally under ``transformer``) overrides the derived values.
     """
-    shapes = {_strip_prefix(k): tuple(v) for k, v in shapes.items()}
+    shapes = {strip_prefix(k): tuple(v) for k, v in shapes.items()}
     scheme = scheme or detect_scheme(shapes)
     if scheme == "diffusers":
-        from .checkpoint import diffusers_to_comfy_name
-
         conv: dict[str, tuple[int, ...]] = {}
         for k, s in shapes.items():
             ck = diffusers_to_comfy_name(k)
@@ -338,9 +225,13 @@ def _normalise_override(d: dict) -> dict:
     return out
 
 
-def detect_config(path: str | Path) -> tuple[H3Config, str, Header]:
-    """(config, naming scheme, header) for a safetensors file or a sharded ``*.index.json``; reads headers only."""
-    from .checkpoint import open_checkpoint
 
-    ck = open_checkpoint(path)
-    return ck.config, ck.scheme, ck.headers[0]
+
+# fp32 islands of the original checkpoint (kept fp32 whatever the compute dtype)
+FP32_ISLANDS = ("video_patch_proj.", "audio_patch_proj.", "time_embedder.", "final_layer.video_out.",
+                "final_layer.audio_out.", "rope.", "adaln_t_table")
+
+# block linears that become NVFP4
+QUANT_LINEARS = re.compile(r"^blocks\.\d+\.(attn\.qkv_proj|attn\.out_proj|mlp\.fc1|mlp\.fc2)$")
+
+

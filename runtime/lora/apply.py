@@ -62,7 +62,7 @@ from typing import Iterable, Sequence
 import torch
 import torch.nn as nn
 
-from .lora_keys import LOWRANK, LoraError, LoraMatch, LoraUpdate, match_lora, read_lora_file
+from .keys import LOWRANK, LoraError, LoraMatch, LoraUpdate, match_lora, read_lora_file
 
 __all__ = ["MODES", "LoraError", "LoraSpec", "LoraSide", "LoraView", "parse_lora_arg", "apply_loras",
            "remove_loras", "sync_loras", "with_lora", "lora_side", "side_active", "lora_report"]
@@ -207,7 +207,7 @@ def side_active(module: nn.Module) -> bool:
 
 
 def _nvfp4_linear_cls():
-    from .ops.linear import Nvfp4Linear
+    from ..ops.linear import Nvfp4Linear
 
     return Nvfp4Linear
 
@@ -284,7 +284,7 @@ class _Source:
     """
 
     def __init__(self, rt, cache: dict | None = None):
-        from .config import TINY
+        from ..model.config import TINY
 
         self.cache = cache if cache is not None else {}
         src = getattr(rt, "source", None)
@@ -310,7 +310,7 @@ class _Source:
 
     def ck(self):
         if self._ck is None:
-            from .checkpoint import open_checkpoint
+            from ..io.checkpoint import open_checkpoint
 
             self._ck = open_checkpoint(self.path)
             self._stamp = self._stamps(self._ck)
@@ -318,8 +318,8 @@ class _Source:
 
     def tiny(self) -> dict:
         if self._tiny is None:
-            from .config import TINY
-            from .tiny import tiny_state_dict
+            from ..model.config import TINY
+            from ..model.tiny import tiny_state_dict
 
             key = ("tiny", self.tiny_seed, self.dtype)
             if key not in self.cache:
@@ -341,7 +341,7 @@ class _Source:
 
     def dense(self, param: str, like: torch.Tensor) -> torch.Tensor | None:
         """The parameter as the loader assigned it (dtype and device of ``like``), or None."""
-        from .checkpoint import dequantize_layer
+        from ..io.checkpoint import dequantize_layer
 
         if not self.available:
             return None
@@ -366,8 +366,8 @@ class _Source:
 
     def nvfp4_parts(self, layer: str, shape: tuple[int, int], device):
         """(stored NVFP4Tensor or None, float source W0 or None) of a block linear."""
-        from .checkpoint import dequantize_layer
-        from .ops import nvfp4 as nv
+        from ..io.checkpoint import dequantize_layer
+        from ..ops import nvfp4 as nv
 
         if not self.available:
             return None, None
@@ -407,7 +407,7 @@ def _nv_equal(a, b) -> bool:
 
 def _quantize_like(w: torch.Tensor, module):
     """nvfp4.quantize with the row padding of ``module``'s packed buffer."""
-    from .ops import nvfp4 as nv
+    from ..ops import nvfp4 as nv
 
     n = module.out_features
     pad = 16 if module.packed.shape[0] == nv.roundup(n, 16) else 1
@@ -520,7 +520,7 @@ def _record_dense(st: _State, tname: str, p: torch.Tensor, source: _Source) -> _
 
 
 def _merge_nvfp4(st: _State, name: str, module, entries, source: _Source, report: dict) -> None:
-    from .ops import nvfp4 as nv
+    from ..ops import nvfp4 as nv
 
     shape = (module.out_features, module.in_features)
     stored, w0 = source.nvfp4_parts(name, shape, module.packed.device)

@@ -26,8 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import H3Config
-from .layout import (KeyframeSpec, LayoutError, PackedLayout, StepTimes, build_layout, pack_audio, pad_video,
-                     patchify_video, step_times, time_shift_sigma, unpack_audio, unpatchify_video)
+from .layout import (KeyframeSpec, LayoutError, PackedLayout, build_layout, pack_audio, pad_video, patchify_video,
+                     step_times, time_shift_sigma, unpack_audio, unpatchify_video)
 
 AttentionFn = Callable[[torch.Tensor, int, int], torch.Tensor]
 

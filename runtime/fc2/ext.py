@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from .options import RuntimeOptions
+from ..options import RuntimeOptions
 
 EXT_NAME = "h3_fc2_lt"
-SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "fc2_nvfp4_lt.cpp"
+SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "fc2_nvfp4_lt.cpp"
 
 # header file -> what it is, for the error message
 _REQUIRED_HEADERS = {

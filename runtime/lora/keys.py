@@ -43,8 +43,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from .checkpoint import diffusers_to_comfy_name
-from .errors import H3Error
+from ..io.keys import diffusers_to_comfy_name
+from ..errors import H3Error
 
 LOWRANK, DIFF, DIFF_B = "lowrank", "diff", "diff_b"
 _KIND_ORDER = {LOWRANK: 0, DIFF: 1, DIFF_B: 2}

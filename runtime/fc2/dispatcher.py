@@ -1,0 +1,348 @@
+"""The guarded cuBLASLt FC2 path: accepted-configuration table, guard, dispatch, counters.
+
+Where it sits: after the SwiGLU producer has written the FC2 activation (NVFP4 bytes + swizzled block
+scales on Blackwell; fp8 or bf16 on Hopper), ``Fc2Dispatcher.__call__`` gets those exact bytes plus a
+``fallback`` callable. It runs a *pinned* cuBLASLt configuration only when every condition of an
+accepted table entry holds; otherwise it calls ``fallback(ops)`` with the very same ``Fc2Operands``
+object (no second quantization) and records why.
+
+Accepted entries come from evidence, never from inference:
+
+- ``GB10_CANONICAL`` is the study in ``shared/seeds/003_7ef155e2299f514b.txt``: FC2, K=14,336,
+  N=5,376, logical M=37,810, packed M=37,824, NVFP4 x NVFP4 -> BF16, no bias, no LoRA, after the
+  SwiGLU NVFP4 producer, GB10 (sm_121), CUDA 13.0 runtime and headers, cuBLAS 13.1 headers,
+  cuBLASLt 13.0 runtime; algo 70 / tile 20 / stages 37 / split-K 1 / reduction 0 / swizzle 0 /
+  custom 0, zero workspace. Nearby M values were *not* all exact there, so nothing generalises.
+- JSON files written by ``h3-blackwell tune-fc2`` (schema ``ENTRY_SCHEMA``) under
+  ``RuntimeOptions.cache_dir/fc2_lt/table/`` or loaded explicitly.
+
+Guard order (the first failing condition is the recorded reason, ``code: detail``):
+
+- switch: ``disabled``;
+- operands: ``contract`` (malformed), ``dtype`` (no plan kind for it);
+- the call vs each entry: ``role`` ``lora`` ``bias`` ``out_dtype`` ``dtype`` ``producer`` ``k`` ``n``
+  ``m_logical`` ``m_padded`` (``empty_table`` when nothing is loaded);
+- the device vs the entries left: ``extension`` ``no_device`` ``cc`` ``sm_count`` ``cuda_header``
+  ``cublas_header`` ``cuda_runtime`` ``cublaslt_runtime``;
+- the plan: ``capture`` (not prepared before graph capture), ``policy`` ``init`` ``config`` ``check``
+  ``workspace`` ``readback`` (the extension's stages), ``descriptors``, ``plan`` (anything else),
+  ``self_test``;
+- the run: ``contract`` (the extension refused a tensor), ``execute``; ``internal`` for a bug.
+
+With several entries the reason comes from the entry that got furthest through these checks.
+
+Counters: every call is an attempt; it ends as a success or a fallback (or, in strict mode, an
+error raised as :class:`Fc2LtError`). ``begin_run()``/``end_run()`` bracket one sampling run;
+``report(required_per_run)`` gives ``{required_per_run, runs, all_passed}`` where required_per_run is
+blocks x steps.
+
+The plan layer is pluggable (``PlanLayer``): :class:`LtPlanLayer` drives the real extension; tests
+pass a fake. Measured compatibility (plan checks, self-tests) is cached on disk under
+``cache_dir/fc2_lt/compat/`` keyed by the device model and every version involved.
+"""
+
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..options import RuntimeOptions
+from .table import Fc2Entry, Fc2LtError, Fc2Table, PLAN_STAGES, ROLE_FC2, Refusal
+from .guard import Fc2Environment, Fc2Operands, _first_failure, describe_call, env_checks, match_call, match_env
+from .plan import CompatCache, LtPlanLayer, PlanError, PlanLayer, _freeze_counts, _new_counts
+from .operands import compare_bytes, reference_gemm, synthetic_operands
+
+log = logging.getLogger("h3_blackwell.fc2_lt")
+
+class Fc2Dispatcher:
+    """Runs FC2 through an accepted pinned cuBLASLt plan, or falls back on the same bytes.
+
+    Usage (at load, before any CUDA-graph capture)::
+
+        fc2 = Fc2Dispatcher(options)            # table: builtin + cache_dir/fc2_lt/table/*.json
+        fc2.prepare(torch.device("cuda"))       # build plans, cached compatibility, self-test
+        fc2.begin_run()
+        y = fc2(x_q, w_q, x_scale=xs, w_scale=ws, alpha=gs, m_logical=rows,
+                producer=PRODUCER_SWIGLU_NVFP4, fallback=lambda ops: slow_path(ops))
+        counts = fc2.end_run()                  # {"attempts", "successes", "fallbacks", ...}
+    """
+
+    def __init__(self, options: RuntimeOptions, *, table: Fc2Table | None = None,
+                 plan_layer: PlanLayer | None = None, compat: CompatCache | None | bool = True):
+        self.options = options
+        self.table = table if table is not None else Fc2Table.default(options)
+        self.layer: PlanLayer = plan_layer if plan_layer is not None else LtPlanLayer(options)
+        if compat is True:
+            compat = CompatCache(Path(options.cache_dir).expanduser() / "fc2_lt" / "compat")
+        self.compat: CompatCache | None = compat or None
+        self._plans: dict[tuple[str, str], Any] = {}  # (entry fingerprint, device) -> plan | Refusal
+        self._current: dict[str, Any] | None = None
+        self.total = _new_counts()
+        self.runs: list[dict[str, Any]] = []
+        self._warned: set[str] = set()
+        self.prepared: dict[str, Any] = {}
+
+    # -- runs and reports ------------------------------------------------------------------------
+
+    def begin_run(self) -> None:
+        self._current = _new_counts()
+
+    def end_run(self) -> dict[str, Any]:
+        cur = _freeze_counts(self._current or _new_counts())
+        self.runs.append(cur)
+        self._current = None
+        return cur
+
+    def report(self, required_per_run: int) -> dict[str, Any]:
+        """``{required_per_run, runs:[{attempts, successes, fallbacks}], all_passed}`` over the finished runs.
+
+        required_per_run = FC2 calls one sampling run makes (blocks x steps).
+        """
+        runs = [{k: r[k] for k in ("attempts", "successes", "fallbacks")} for r in self.runs]
+        ok = bool(runs) and required_per_run > 0 and all(
+            r["attempts"] == required_per_run and r["successes"] == required_per_run and r["fallbacks"] == 0
+            for r in runs
+        )
+        return {"required_per_run": required_per_run, "runs": runs, "all_passed": ok}
+
+    def status(self) -> dict[str, Any]:
+        """A JSON-safe summary for the run report: switches, entries, prepare results, lifetime counts."""
+        return {
+            "enabled": self.options.fc2_lt,
+            "strict": self.options.fc2_lt_strict,
+            "layer": getattr(self.layer, "name", type(self.layer).__name__),
+            # asked only once the layer was needed: for the real layer the first ask may build the extension
+            "layer_unavailable": self.layer.unavailable_reason()
+            if self.options.fc2_lt and (self.prepared or self.total["attempts"]) else None,
+            "entries": [e.name for e in self.table.entries],
+            "table_problems": list(self.table.problems),
+            "prepared": self.prepared,
+            "lifetime": _freeze_counts(self.total),
+        }
+
+    def build_info(self) -> dict[str, Any]:
+        info = dict(self.layer.build_info())
+        if "cublaslt_runtime" in info:
+            info["cublaslt_runtime_version"] = info["cublaslt_runtime"]
+        return info
+
+    # -- counting --------------------------------------------------------------------------------
+
+    def _count(self, key: str, reason: Refusal | None = None) -> None:
+        for c in (self.total, self._current):
+            if c is None:
+                continue
+            c[key] += 1
+            if reason is not None:
+                c["reasons"][str(reason)] += 1
+
+    def _note(self, refusal: Refusal) -> None:
+        s = str(refusal)
+        if s not in self._warned:
+            self._warned.add(s)
+            log.warning("FC2 cuBLASLt path not used: %s", s)
+
+    # -- plans -----------------------------------------------------------------------------------
+
+    def _plan(self, entry: Fc2Entry, env: Fc2Environment, device: torch.device) -> Any:
+        """The built plan for (entry, device), or the Refusal that stopped it (both cached)."""
+        key = (entry.fingerprint(), str(device))
+        if key in self._plans:
+            return self._plans[key]
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # no plan building inside capture: AlgoCheck/heuristics may allocate or sync
+            return Refusal("capture", f"plan for {entry.name} was not prepared before CUDA-graph capture; "
+                                      "call Fc2Dispatcher.prepare() at load")
+        tag = self.layer.compat_tag()
+        if self.compat is not None:
+            rec = self.compat.load(env, tag)["entries"].get(entry.fingerprint())
+            if rec and rec.get("status") == "refused":
+                r = Refusal(rec["code"], f"{rec['detail']} (cached compatibility result; delete "
+                                         f"{self.compat.path(env, tag)} to re-measure)")
+                self._plans[key] = r
+                return r
+        try:
+            plan = self.layer.build(entry, device)
+        except PlanError as e:
+            r = Refusal(e.stage, f"{e.message} [entry {entry.name}]")
+            self._plans[key] = r
+            if self.compat is not None and e.stage in PLAN_STAGES:  # deterministic refusals only
+                self.compat.store_entry(env, tag, entry.fingerprint(),
+                                        {"entry": entry.name, "status": "refused", "code": e.stage,
+                                         "detail": e.message, "plan": e.info})
+            return r
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory for the workspace: refuse, do not cache on disk
+            r = Refusal("plan", f"building the plan raised {type(e).__name__}: {e} [entry {entry.name}]")
+            self._plans[key] = r
+            return r
+        self._plans[key] = plan
+        if self.compat is not None:
+            self.compat.store_entry(env, tag, entry.fingerprint(),
+                                    {"entry": entry.name, "status": "ready", "plan": self.layer.plan_info(plan)})
+        return plan
+
+    def prepare(self, device: torch.device | str | None = None, *, self_test: bool = True,
+                reference: Callable[[Fc2Operands, Fc2Entry], torch.Tensor] | None = None) -> dict[str, Any]:
+        """Load the layer and build every entry's plan that this device can take, before inference.
+
+        With ``self_test`` each ready plan runs once on synthetic operands of its exact shape and its
+        bytes are compared with ``reference`` (default: torch's own GEMM for the dtype, the path the
+        tuner validated against); a mismatch or failure refuses the entry. Results are cached on disk,
+        so a passed self-test is not repeated for the same device and versions.
+        """
+        out: dict[str, Any] = {"enabled": self.options.fc2_lt, "entries": {}}
+        self.prepared = out
+        try:
+            self._prepare(out, device, self_test, reference)
+        except Exception as e:  # noqa: BLE001 - preparing an optional fast path must not fail a model load
+            out["reason"] = f"internal: {type(e).__name__}: {e}"
+            log.warning("FC2 cuBLASLt prepare failed: %s", out["reason"])
+        return out
+
+    def _prepare(self, out: dict[str, Any], device: torch.device | str | None, self_test: bool,
+                 reference: Callable[[Fc2Operands, Fc2Entry], torch.Tensor] | None) -> None:
+        if not self.options.fc2_lt:
+            out["reason"] = "disabled (H3_NVFP4_FC2_LT_SPLITK1=0)"
+            return
+        why = self.layer.unavailable_reason()
+        if why is not None:
+            out["reason"] = f"extension: {why}"
+            log.warning("FC2 cuBLASLt path unavailable: %s", why)
+            return
+        if device is None:
+            device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        env = self.layer.environment(device)
+        out["environment"] = env.as_dict()
+        out["build_info"] = self.build_info()
+        tag = self.layer.compat_tag()
+        for entry in self.table.entries:
+            depth, refusal = _first_failure(env_checks(entry, env))
+            if refusal is not None:
+                out["entries"][entry.name] = {"status": "not this device", "reason": str(refusal)}
+                continue
+            plan = self._plan(entry, env, device)
+            if isinstance(plan, Refusal):
+                out["entries"][entry.name] = {"status": "refused", "reason": str(plan)}
+                continue
+            res: dict[str, Any] = {"status": "ready", "plan": self.layer.plan_info(plan)}
+            if self_test:
+                st = res["self_test"] = self._self_test(entry, env, tag, plan, device, reference)
+                if not st.get("passed"):
+                    r = Refusal("self_test", f"{st.get('detail')} [entry {entry.name}]")
+                    self._plans[(entry.fingerprint(), str(device))] = r
+                    res["status"] = "refused"
+                    res["reason"] = str(r)
+                    if self.compat is not None and reference is None and "mismatched_elements" in st:
+                        # different bytes from the reference are a property of (device, versions, algo): remember
+                        self.compat.store_entry(env, tag, entry.fingerprint(),
+                                                {"status": "refused", "code": "self_test", "detail": st["detail"]})
+            out["entries"][entry.name] = res
+
+    def _self_test(self, entry: Fc2Entry, env: Fc2Environment, tag: str, plan: Any, device: torch.device,
+                   reference: Callable[[Fc2Operands, Fc2Entry], torch.Tensor] | None) -> dict[str, Any]:
+        fp = entry.fingerprint()
+        if self.compat is not None:
+            prior = self.compat.load(env, tag)["entries"].get(fp, {}).get("self_test")
+            if prior and prior.get("passed") and reference is None:
+                return dict(prior, cached=True)
+        t0 = time.perf_counter()
+        try:
+            ops = synthetic_operands(entry.dtype, entry.m_logical, entry.m_padded, entry.n, entry.k, device,
+                                     seed=1234, scale_mode=entry.scale_mode)
+            out = torch.full((entry.m_padded, entry.n), float("nan"), dtype=torch.bfloat16, device=device)
+            self.layer.run(plan, ops, out)
+            ref = (reference(ops, entry) if reference is not None
+                   else reference_gemm(ops, entry.dtype, entry.scale_mode))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            cmp = compare_bytes(out, ref)
+            res = {"passed": cmp["equal"], "mismatched_elements": cmp["mismatched"],
+                   "reference": "caller" if reference is not None else "torch",
+                   "detail": "byte-identical to the reference GEMM" if cmp["equal"]
+                   else f"{cmp['mismatched']} of {out.numel()} bf16 elements differ from the reference GEMM",
+                   "seconds": round(time.perf_counter() - t0, 3)}
+            del ops, out, ref
+        except PlanError as e:
+            res = {"passed": False, "detail": f"{e.stage}: {e.message}"}
+        except Exception as e:  # noqa: BLE001 - e.g. the torch reference is unsupported here
+            res = {"passed": False, "detail": f"self-test could not run: {type(e).__name__}: {e}"}
+        if self.compat is not None:
+            self.compat.store_entry(env, tag, fp, {"entry": entry.name, "self_test": res})
+        return res
+
+    # -- the call --------------------------------------------------------------------------------
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, *, m_logical: int,
+                 fallback: Callable[[Fc2Operands], torch.Tensor], x_scale: torch.Tensor | None = None,
+                 w_scale: torch.Tensor | None = None, alpha: torch.Tensor | float | None = None,
+                 role: str = ROLE_FC2, bias: torch.Tensor | None = None, lora_active: bool = False,
+                 producer: str | None = None, out_dtype: torch.dtype = torch.bfloat16,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """y[m_logical, N] = x . w^T (+ nothing): the pinned plan when accepted, else ``fallback(ops)``.
+
+        ``fallback`` receives the same :class:`Fc2Operands` (the same tensor objects) and must return
+        ``[m_logical, N]`` in ``out_dtype``. ``out`` (optional) is a [m_padded, N] bf16 buffer for the
+        pinned path; the result is then a view of it.
+        """
+        ops = Fc2Operands(x=x, w=w, x_scale=x_scale, w_scale=w_scale, alpha=alpha, m_logical=m_logical, bias=bias)
+        self._count("attempts")
+        try:
+            result = self._try(ops, role=role, out_dtype=out_dtype, lora_active=lora_active, producer=producer,
+                               out=out)
+        except Exception as e:  # noqa: BLE001 - never take a run down: record it, fall back (or raise if strict)
+            result = Refusal("internal", f"{type(e).__name__}: {e}")
+        if isinstance(result, torch.Tensor):
+            self._count("successes")
+            return result
+        self._note(result)
+        if self.options.fc2_lt_strict and result.code != "disabled":
+            self._count("errors", result)
+            raise Fc2LtError(result)
+        self._count("fallbacks", result)
+        return fallback(ops)
+
+    def _try(self, ops: Fc2Operands, *, role: str, out_dtype: torch.dtype, lora_active: bool,
+             producer: str | None, out: torch.Tensor | None) -> torch.Tensor | Refusal:
+        if not self.options.fc2_lt:
+            return Refusal("disabled", "the FC2 cuBLASLt path is off (H3_NVFP4_FC2_LT_SPLITK1=0)")
+        call = describe_call(ops, role=role, out_dtype=out_dtype, lora_active=lora_active, producer=producer)
+        if isinstance(call, Refusal):
+            return call
+        hits, refusal = match_call(self.table, call)
+        if refusal is not None:
+            return refusal
+        why = self.layer.unavailable_reason()
+        if why is not None:
+            return Refusal("extension", why)
+        device = ops.x.device
+        env = self.layer.environment(device)
+        entry, refusal = match_env(hits, env)
+        if refusal is not None:
+            return refusal
+        assert entry is not None
+        plan = self._plan(entry, env, device)
+        if isinstance(plan, Refusal):
+            return plan
+        if out is None:
+            out = torch.empty((call.m_padded, call.n), dtype=torch.bfloat16, device=device)
+        elif tuple(out.shape) != (call.m_padded, call.n) or out.dtype != torch.bfloat16:
+            return Refusal("contract",
+                           f"out is {out.dtype} {tuple(out.shape)}; expected bf16 [{call.m_padded}, {call.n}]")
+        try:
+            self.layer.run(plan, ops, out)
+        except PlanError as e:
+            r = Refusal(e.stage, f"{e.message} [entry {entry.name}]")
+            if e.stage == "execute":
+                # a plan that failed to execute once is not retried in this process
+                self._plans[(entry.fingerprint(), str(device))] = Refusal(
+                    "execute", f"{e.message} (failed earlier in this process; plan disabled) [entry {entry.name}]")
+            return r
+        return out[: call.m_logical]
