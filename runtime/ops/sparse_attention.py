@@ -1,0 +1,359 @@
+"""Training-free sparse attention (Sol-Attn, comfy-kitchen's ``sol_attn``) over the packed H3 sequence. LOSSY.
+
+What it computes (per head, on 64-row blocks of the packed sequence; :func:`sol_attention_reference`):
+
+- key block ``j`` is summarised by its mean key ``kc_j`` (centred by the mean over blocks ``k_mu``) and the
+  SUM of its values ``vc_j``; query block ``i`` by its mean query ``c_i``.
+- block score ``m_ij = c_i . (kc_j - k_mu) * scale * log2(e)``; threshold
+  ``thr_i = tau * sqrt(sum_d c_id^2 * var_j(kc_jd) * (scale * log2 e)^2 + 1e-6)``.
+- key block ``j`` is EXACT for query block ``i`` when ``m_ij > thr_i``, ``|i - j| <= 1``, ``j`` is a sink
+  block, or ``i`` is a dense query block. Every row of query block ``i`` then attends the exact blocks'
+  tokens (logits ``q_t . (k - k_mu)``) and one pooled term per other block (logit ``m_ij``, weight = the
+  block's row count, value ``vc_j / rows``), all in one base-2 softmax.
+
+Routing for H3 (ComfyUI core's "Model Sparse Attention" H3 rule, sink_conditioning ``exact_kv_and_rows``):
+every row before the target video (text, keyframe cond rows, reference rows and the target audio) is a SINK:
+its key blocks ``[0, ceil(video_start / 64))`` are exact for every query. The target-audio QUERY rows are
+dense: query blocks ``[audio_start // 64, ceil(audio_stop / 64))`` attend every key exactly. Attention is
+dense while the model sigma is above ``percent_to_sigma(start_percent)`` of the shifted flow schedule
+(core: 0.2, i.e. sigma > 0.9796 at shift 12) and for sequences shorter than ``min_tokens``.
+
+The fused kernel is comfy-kitchen's ``sol_attn`` (an OPTIONAL dependency, imported lazily): CUDA sm_80+
+(sm_90 included), bf16/fp16, head_dim 128. It reads q, k, v as ``[1, S, H, 128]`` strided views of the
+packed qkv buffer when its stride rules hold (last dim contiguous, 16-byte aligned base, strides of the
+other dims multiples of 8 elements); otherwise the views are copied and :class:`SolAttention` counts the
+copies. Its int8 internals and its ``token_aug`` extra tokens are not modelled by the reference (the
+reference is the ``token_aug = 0`` algorithm in fp32).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+
+from ..errors import H3Error
+
+__all__ = [
+    "BLOCK",
+    "DEFAULT_TAU",
+    "DEFAULT_START_PERCENT",
+    "DEFAULT_MIN_TOKENS",
+    "DEFAULT_EXTRA_TOKENS",
+    "SparseRouting",
+    "SparseSchedule",
+    "SparseUnavailable",
+    "SolAttention",
+    "routing_for_segments",
+    "percent_to_sigma",
+    "sol_attention_reference",
+    "sol_unavailable_reason",
+    "stride_rules_hold",
+]
+
+BLOCK = 64                    # Sol-Attn's block length (rows)
+HEAD_DIM = 128                # the only head_dim the fused kernel takes
+DEFAULT_TAU = 1.3             # core's node default
+DEFAULT_START_PERCENT = 0.2   # core: dense before 20 % of the timestep range
+DEFAULT_MIN_TOKENS = 12288    # core: shorter sequences stay dense
+DEFAULT_EXTRA_TOKENS = 256    # core's extra_tokens widget default (comfy-kitchen's token_aug)
+_LOG2E = 1.4426950408889634
+CONDITIONING_KINDS = ("text", "cond", "cond_audio", "ref_img", "ref_audio", "ref_video")
+
+
+class SparseUnavailable(H3Error):
+    """The sparse backend cannot run here (no comfy-kitchen, no kernel for this GPU, wrong dtype/shape)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# routing inputs
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SparseRouting:
+    """The kernel's routing inputs for one packed sequence.
+
+    seq_len: S rows; sink_blocks / dense_q_blocks: half-open ``[start, end)`` ranges of 64-row KEY blocks
+    attended exactly by every query, and of QUERY blocks that attend every key exactly; tau: the routing
+    threshold; token_aug: the kernel's extra exact tokens per query block (0 or a multiple of 64 up to 256).
+    """
+
+    seq_len: int
+    sink_blocks: tuple[int, int]
+    dense_q_blocks: tuple[int, int]
+    tau: float = DEFAULT_TAU
+    token_aug: int = DEFAULT_EXTRA_TOKENS
+
+    @property
+    def n_blocks(self) -> int:
+        return -(-self.seq_len // BLOCK)
+
+    def sink_rows(self) -> tuple[int, int]:
+        """Rows covered by the sink key blocks (a superset of the conditioning rows, block-rounded)."""
+        return self.sink_blocks[0] * BLOCK, min(self.sink_blocks[1] * BLOCK, self.seq_len)
+
+    def dense_rows(self) -> tuple[int, int]:
+        """Query rows that attend every key exactly (a superset of the target-audio rows, block-rounded)."""
+        return self.dense_q_blocks[0] * BLOCK, min(self.dense_q_blocks[1] * BLOCK, self.seq_len)
+
+    def forced_exact(self) -> torch.Tensor:
+        """[n, n] bool (query block, key block): exact whatever the scores say (diagonal +-1, sinks, dense rows)."""
+        n = self.n_blocks
+        idx = torch.arange(n)
+        forced = (idx[:, None] - idx[None, :]).abs() <= 1
+        forced[:, self.sink_blocks[0]:self.sink_blocks[1]] = True
+        forced[self.dense_q_blocks[0]:self.dense_q_blocks[1], :] = True
+        return forced
+
+
+def _check_segments(segments: Sequence[tuple[int, int, str]]) -> int:
+    row = 0
+    for a, b, kind in segments:
+        if a != row or b < a:
+            raise H3Error(f"packed segments must be contiguous from row 0; found {kind!r} at [{a}, {b}) "
+                          f"after row {row}. Build the segment list from the packed layout.")
+        row = b
+    return row
+
+
+def routing_for_segments(segments: Sequence[tuple[int, int, str]], *, tau: float = DEFAULT_TAU,
+                         token_aug: int = DEFAULT_EXTRA_TOKENS, dense_audio_rows: bool = True) -> SparseRouting:
+    """Routing inputs from the packed layout's segments ``[(start, stop, kind)]`` (contiguous from row 0).
+
+    Sinks: every row before the ``video`` segment (conditioning kinds and the target ``audio``) — these must
+    form a prefix, because the kernel takes one sink range. Dense query rows: the target ``audio`` segment
+    (``dense_audio_rows``; core's ``exact_kv_and_rows``), else none.
+    """
+    seq_len = _check_segments(segments)
+    kinds = [k for _, _, k in segments]
+    if kinds.count("video") != 1:
+        raise H3Error(f"sparse routing needs exactly one target 'video' segment; found kinds {kinds}")
+    v0, v1 = next((a, b) for a, b, k in segments if k == "video")
+    if v1 != seq_len:
+        raise H3Error(f"sparse routing needs the target video last (conditioning rows as one prefix); the video "
+                      f"segment is [{v0}, {v1}) of {seq_len} rows. The packed order is [text | cond | refs | "
+                      f"audio | video].")
+    unknown = [k for k in kinds[:-1] if k not in CONDITIONING_KINDS + ("audio",)]
+    if unknown:
+        raise H3Error(f"segment kinds {unknown} before the video are not conditioning or target audio; expected "
+                      f"kinds among {CONDITIONING_KINDS + ('audio',)}")
+    if not (tau >= 0.0 and math.isfinite(tau)):
+        raise H3Error(f"sparse tau={tau}: expected a finite value >= 0 (core's default {DEFAULT_TAU})")
+    if token_aug < 0 or token_aug > 256 or token_aug % 64:
+        raise H3Error(f"sparse extra tokens={token_aug}: expected 0, 64, 128, 192 or 256")
+    sinks = (0, -(-v0 // BLOCK))
+    dense_q = (0, 0)
+    audio = [(a, b) for a, b, k in segments if k == "audio" and b > a]
+    if dense_audio_rows and audio:
+        a0, a1 = audio[0]
+        dense_q = (a0 // BLOCK, -(-a1 // BLOCK))
+    return SparseRouting(seq_len, sinks, dense_q, float(tau), int(token_aug))
+
+
+# ---------------------------------------------------------------------------------------------
+# the schedule switch
+# ---------------------------------------------------------------------------------------------
+
+def percent_to_sigma(percent: float, shift: float) -> float:
+    """ComfyUI's discrete-flow ``percent_to_sigma``: 1 at 0 %, 0 at 100 %, else ``shift*t / (1 + (shift-1)*t)``
+    with ``t = 1 - percent`` (float64)."""
+    if percent <= 0.0:
+        return 1.0
+    if percent >= 1.0:
+        return 0.0
+    t = 1.0 - percent
+    return shift * t / (1.0 + (shift - 1.0) * t)
+
+
+@dataclass(frozen=True)
+class SparseSchedule:
+    """When sparse attention applies: model sigma within ``[percent_to_sigma(end), percent_to_sigma(start)]``
+    of the video schedule (shift ``shift``) and at least ``min_tokens`` rows. Core's rule and defaults."""
+
+    shift: float
+    start_percent: float = DEFAULT_START_PERCENT
+    end_percent: float = 1.0
+    min_tokens: int = DEFAULT_MIN_TOKENS
+
+    @property
+    def sigma_start(self) -> float:
+        return percent_to_sigma(self.start_percent, self.shift)
+
+    @property
+    def sigma_end(self) -> float:
+        return percent_to_sigma(self.end_percent, self.shift)
+
+    def dense_reason(self, sigma: float, seq_len: int) -> Optional[str]:
+        """Why a call at model sigma ``sigma`` over ``seq_len`` rows stays dense, or None (sparse)."""
+        sigma = float(sigma)
+        if sigma > self.sigma_start or sigma < self.sigma_end:
+            return (f"sigma {sigma:.6g} outside the sparse window [{self.sigma_end:.6g}, {self.sigma_start:.6g}] "
+                    f"(start_percent {self.start_percent})")
+        if seq_len < self.min_tokens:
+            return f"{seq_len} rows < min_tokens {self.min_tokens}"
+        return None
+
+    def sparse_steps(self, sigmas: Sequence[float], seq_len: int) -> list[bool]:
+        """Per step (model sigma of each step): True where attention runs sparse."""
+        return [self.dense_reason(s, seq_len) is None for s in sigmas]
+
+
+# ---------------------------------------------------------------------------------------------
+# reference
+# ---------------------------------------------------------------------------------------------
+
+def _block_sums(x: torch.Tensor, n: int) -> torch.Tensor:
+    """[T, H, D] -> [n, H, D]: sums over 64-row blocks (the last one ragged)."""
+    t = x.shape[0]
+    pad = n * BLOCK - t
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
+    return x.view(n, BLOCK, *x.shape[1:]).sum(1)
+
+
+def _block_stats(q, k, v, n, rows_per_block, log2s):
+    """Block summaries of fp32 [T, H, D] inputs: centroids, centred pooled keys, summed values, k_mu, thr/tau."""
+    lens = rows_per_block.view(n, 1, 1)
+    kc = _block_sums(k, n) / lens
+    k_mu = kc.mean(0, keepdim=True)                              # mean over blocks (not over tokens)
+    kcc = kc - k_mu
+    cen = _block_sums(q, n) / lens
+    var = (cen.pow(2) * kcc.pow(2).mean(0, keepdim=True)).sum(-1)   # [n, H]
+    spread = torch.sqrt(var * log2s * log2s + 1e-6)
+    return cen, kcc, _block_sums(v, n), k_mu, spread
+
+
+def sol_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, routing: SparseRouting, *,
+                            scale: Optional[float] = None, query_blocks: int = 16) -> torch.Tensor:
+    """Sol-Attn (token_aug = 0) in fp32 for ``[S, H, D]`` (or ``[1, S, H, D]``) q, k, v of any strides.
+
+    Returns ``[S, H*D]`` fp32, head-major columns. ``query_blocks`` query blocks are computed at a time
+    (memory ``O(query_blocks * 64 * S * H)``). The algorithm is the module docstring's.
+    """
+    if q.dim() == 4:
+        q, k, v = q[0], k[0], v[0]
+    t, h, d = q.shape
+    if k.shape != q.shape or v.shape != q.shape or t != routing.seq_len:
+        raise H3Error(f"q, k, v must be [S, H, D] alike with S = routing.seq_len = {routing.seq_len}; found "
+                      f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    n = routing.n_blocks
+    scale = d ** -0.5 if scale is None else float(scale)
+    log2s = scale * _LOG2E
+    qf, kf, vf = q.float(), k.float(), v.float()
+    rows = torch.full((n,), float(BLOCK), device=q.device)
+    rows[-1] = float(t - (n - 1) * BLOCK)
+    cen, kcc, vsum, k_mu, spread = _block_stats(qf, kf, vf, n, rows, log2s)
+    m = torch.einsum("ihd,jhd->hij", cen, kcc) * log2s              # [H, nq, nk] block scores
+    exact = (m > (routing.tau * spread).t().unsqueeze(-1)) | routing.forced_exact().to(q.device)
+    kh = (kf - k_mu).permute(1, 2, 0)                              # [H, D, T]: k - k_mu
+    vh = vf.permute(1, 0, 2)                                         # [H, T, D]
+    vc = vsum.permute(1, 0, 2)                                       # [H, n, D]
+    out = torch.empty(t, h, d, device=q.device)
+    key_block = torch.arange(t, device=q.device) // BLOCK
+    for i0 in range(0, n, query_blocks):
+        i1 = min(n, i0 + query_blocks)
+        r0, r1 = i0 * BLOCK, min(i1 * BLOCK, t)
+        qb = torch.arange(r0, r1, device=q.device) // BLOCK - i0     # query block of each row, local
+        ex_rows = exact[:, i0:i1][:, qb]                             # [H, r, n]
+        s_tok = torch.matmul(qf[r0:r1].permute(1, 0, 2), kh) * log2s  # [H, r, T]
+        s_tok = s_tok.masked_fill(~ex_rows[..., key_block], float("-inf"))
+        s_blk = m[:, i0:i1][:, qb].masked_fill(ex_rows, float("-inf"))  # [H, r, n]
+        top = torch.maximum(s_tok.amax(-1, keepdim=True), s_blk.amax(-1, keepdim=True))
+        p_tok, p_blk = torch.exp2(s_tok - top), torch.exp2(s_blk - top)
+        num = torch.matmul(p_tok, vh) + torch.matmul(p_blk, vc)
+        den = p_tok.sum(-1) + (p_blk * rows).sum(-1)
+        out[r0:r1] = (num / den.unsqueeze(-1)).permute(1, 0, 2)
+    return out.reshape(t, h * d)
+
+
+# ---------------------------------------------------------------------------------------------
+# the fused kernel (comfy-kitchen, optional)
+# ---------------------------------------------------------------------------------------------
+
+def _kitchen() -> tuple[Any, str]:
+    """(comfy_kitchen module, version) or (None, why not). Imported lazily: an optional dependency."""
+    try:
+        ck = importlib.import_module("comfy_kitchen")
+    except Exception as e:  # ImportError, or a compiled extension that fails to load
+        return None, (f"comfy-kitchen is not installed ({type(e).__name__}: {e}); install it "
+                      f"(pip install comfy-kitchen>=0.2.40) to use attention=sparse")
+    try:
+        from importlib.metadata import version
+        ver = version("comfy-kitchen")
+    except Exception:
+        ver = getattr(ck, "__version__", "unknown")
+    if not hasattr(ck, "sol_attn") or not hasattr(ck, "sol_attn_is_available"):
+        return None, f"comfy-kitchen {ver} has no sol_attn; install comfy-kitchen>=0.2.40"
+    return ck, ver
+
+
+def sol_unavailable_reason(device: torch.device | str, head_dim: int = HEAD_DIM,
+                           dtype: torch.dtype = torch.bfloat16) -> Optional[str]:
+    """Why comfy-kitchen's fused ``sol_attn`` cannot run for these settings, or None when it can."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"sparse attention needs a CUDA GPU (comfy-kitchen's sol_attn kernel); the device is {device}"
+    if head_dim != HEAD_DIM:
+        return f"sol_attn takes head_dim {HEAD_DIM}; this model has head_dim {head_dim}"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"sol_attn takes bfloat16 or float16 q/k/v; the compute dtype is {dtype} (use --dtype bfloat16)"
+    ck, info = _kitchen()
+    if ck is None:
+        return info
+    if not ck.sol_attn_is_available(device):
+        cap = torch.cuda.get_device_capability(device) if torch.cuda.is_available() else None
+        return (f"comfy-kitchen {info} has no compiled sol_attn kernel for this GPU (compute capability {cap}; "
+                f"the kernel needs sm_80 or newer and comfy-kitchen's CUDA extension)")
+    return None
+
+
+def stride_rules_hold(x: torch.Tensor) -> bool:
+    """comfy-kitchen's sol_attn input rules for a ``[B, T, H, D]`` tensor: unit last stride, 16-byte aligned base,
+    and every other dim of size > 1 with a stride that is a multiple of 8 elements."""
+    if x.stride(-1) != 1 or x.data_ptr() % 16:
+        return False
+    return all(x.shape[i] <= 1 or x.stride(i) % 8 == 0 for i in range(x.dim() - 1))
+
+
+@dataclass
+class SolAttention:
+    """comfy-kitchen's fused ``sol_attn`` bound at load (``resolve``), fed from the packed qkv buffer.
+
+    ``__call__(qkv [S, 3*H*D], heads, head_dim, routing) -> [S, H*D]`` in qkv's dtype. ``copies`` counts the
+    q/k/v views that had to be copied because they broke the kernel's stride rules (calls, bytes).
+    """
+
+    ck: Any
+    version: str
+    copies: dict = field(default_factory=lambda: {"tensors": 0, "bytes": 0})
+
+    @classmethod
+    def resolve(cls, device: torch.device | str, head_dim: int = HEAD_DIM,
+                dtype: torch.dtype = torch.bfloat16) -> "SolAttention":
+        """The bound kernel, or SparseUnavailable with the reason (what is missing and what to do)."""
+        reason = sol_unavailable_reason(device, head_dim, dtype)
+        if reason is not None:
+            raise SparseUnavailable(f"attention=sparse is not available: {reason}")
+        ck, ver = _kitchen()
+        return cls(ck, ver)
+
+    def _operand(self, x: torch.Tensor) -> torch.Tensor:
+        if stride_rules_hold(x):
+            return x
+        self.copies["tensors"] += 1
+        self.copies["bytes"] += x.numel() * x.element_size()
+        return x.contiguous()
+
+    def __call__(self, qkv: torch.Tensor, heads: int, head_dim: int, routing: SparseRouting,
+                 scale: Optional[float] = None) -> torch.Tensor:
+        s = qkv.shape[0]
+        if qkv.dim() != 2 or qkv.shape[1] != 3 * heads * head_dim or s != routing.seq_len:
+            raise H3Error(f"qkv must be [S, 3*H*D] = [{routing.seq_len}, {3 * heads * head_dim}]; found "
+                          f"{tuple(qkv.shape)}")
+        q, k, v = (self._operand(t.unsqueeze(0)) for t in qkv.unflatten(1, (3, heads, head_dim)).unbind(1))
+        out = self.ck.sol_attn(q, k, v, tau=routing.tau, scale=scale, sink_blocks=list(routing.sink_blocks),
+                               sink_q=list(routing.dense_q_blocks), token_aug=routing.token_aug)
+        return out.view(s, heads * head_dim)
