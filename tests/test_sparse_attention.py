@@ -177,3 +177,15 @@ def test_refusals_say_why(monkeypatch):
 
     monkeypatch.setattr(SA.importlib, "import_module", no_kitchen)
     assert "not installed" in SA.sol_unavailable_reason("cuda")
+
+
+def test_load_time_probe_accepts_a_correct_kernel_and_refuses_a_broken_one():
+    good = SA.SolAttention(types.SimpleNamespace(sol_attn=ck_eager.sol_attn), "eager")
+    rec = good.probe("cpu", heads=2, token_aug=0, seq_len=512)
+    assert rec["dense_rows_rel_l2"] < 1e-2          # bf16 output rounding only (eager math is fp32)
+
+    def broken(q, k, v, **kw):                       # e.g. a kernel that ignores the sinks: attends nothing
+        return torch.zeros_like(q)
+
+    with pytest.raises(SA.SparseUnavailable, match="load-time probe"):
+        SA.SolAttention(types.SimpleNamespace(sol_attn=broken), "broken").probe("cpu", seq_len=512)

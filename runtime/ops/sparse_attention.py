@@ -61,6 +61,9 @@ DEFAULT_START_PERCENT = 0.2   # core: dense before 20 % of the timestep range
 DEFAULT_MIN_TOKENS = 12288    # core: shorter sequences stay dense
 DEFAULT_EXTRA_TOKENS = 256    # core's extra_tokens widget default (comfy-kitchen's token_aug)
 _LOG2E = 1.4426950408889634
+# the fused kernel's dense query rows vs sol_attention_reference on random N(0,1) bf16 q/k/v
+PROBE_TOLERANCE = (0.1, "int8 q and k inside the kernel (comfy-kitchen: 'expect cos ~0.999', i.e. rel-L2 up to "
+                        "~0.045); a broken kernel gives ~1")
 CONDITIONING_KINDS = ("text", "cond", "cond_audio", "ref_img", "ref_audio", "ref_video")
 
 
@@ -339,6 +342,31 @@ class SolAttention:
             raise SparseUnavailable(f"attention=sparse is not available: {reason}")
         ck, ver = _kitchen()
         return cls(ck, ver)
+
+    def probe(self, device: torch.device | str, heads: int = 2, token_aug: int = DEFAULT_EXTRA_TOKENS,
+              seq_len: int = 1024) -> dict:
+        """One small call on ``device`` (the load-time check; raises SparseUnavailable when the kernel fails):
+        every row finite, and the dense query rows (no routing involved) within PROBE_TOLERANCE of the fp32
+        reference, at ``token_aug`` and at 0. Returns {"dense_rows_rel_l2": ...}."""
+        g = torch.Generator(device=device).manual_seed(0)
+        qkv = torch.randn(seq_len, 3 * heads * HEAD_DIM, generator=g, device=device).to(torch.bfloat16)
+        segs = [(0, 100, "text"), (100, 300, "audio"), (300, seq_len, "video")]
+        try:
+            out = self(qkv, heads, HEAD_DIM, routing_for_segments(segs, token_aug=token_aug))
+            exact = routing_for_segments(segs, token_aug=0)
+            out0 = self(qkv, heads, HEAD_DIM, exact)
+        except Exception as e:
+            raise SparseUnavailable(f"comfy-kitchen {self.version} sol_attn failed its load-time probe on {device}: "
+                                    f"{type(e).__name__}: {e}") from e
+        ref = sol_attention_reference(*qkv.unflatten(1, (3, heads, HEAD_DIM)).unbind(1), exact)
+        a, b = exact.dense_rows()
+        rel = max(float((o[a:b].double() - ref[a:b].double()).norm() / ref[a:b].double().norm()) for o in (out, out0))
+        finite = bool(torch.isfinite(out).all()) and bool(torch.isfinite(out0).all())
+        if not finite or not rel < PROBE_TOLERANCE[0]:
+            raise SparseUnavailable(f"comfy-kitchen {self.version} sol_attn failed its load-time probe on {device}: "
+                                    f"finite={finite}, dense-row rel-L2 {rel:.3g} against the fp32 reference "
+                                    f"(allowed {PROBE_TOLERANCE[0]}: {PROBE_TOLERANCE[1]})")
+        return {"dense_rows_rel_l2": rel, "seq_len": seq_len, "heads": heads, "token_aug": token_aug}
 
     def _operand(self, x: torch.Tensor) -> torch.Tensor:
         if stride_rules_hold(x):

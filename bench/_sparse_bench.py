@@ -1,0 +1,118 @@
+"""Sparse attention rows for bench/attention_h200.py: comfy-kitchen's sol_attn through the runtime's wrapper
+(strided views of one packed qkv buffer, H3's canonical routing) at several tau, timed and compared with
+exact attention on two kinds of data:
+
+* random: q, k, v ~ N(0, 1) (no structure: the routing has nothing to exploit; the worst case for accuracy);
+* space_time_local: the video rows' q and k carry their (t, h, w) position through random Fourier features
+  (nearby rows score high against each other, as in a trained video DiT), the text/audio rows and v random.
+
+rel_l2 is against the fp32 exact reference (all keys) on evenly spaced query rows; ``dense_rows_rel_l2`` on
+the target-audio rows, which the routing keeps dense (only the kernel's int8 q/k error remains).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from h3_blackwell.runtime.ops import attention as A
+from h3_blackwell.runtime.ops import sparse_attention as SA
+
+CANONICAL_GRID = (37, 24, 42)      # latent frames x (48/2) x (84/2) patch rows: 37,296 video rows
+CANONICAL_LEAD = (100, 414)        # text rows, target-audio rows before the video
+
+
+def canonical_segments(text: int = CANONICAL_LEAD[0], audio: int = CANONICAL_LEAD[1],
+                       grid: tuple = CANONICAL_GRID) -> list:
+    n_video = grid[0] * grid[1] * grid[2]
+    return [(0, text, "text"), (text, text + audio, "audio"), (text + audio, text + audio + n_video, "video")]
+
+
+def local_qkv(segments: list, grid: tuple, heads: int, head_dim: int, dev, seed: int) -> torch.Tensor:
+    """[S, 3*H*D] bf16 packed buffer whose video q/k rows carry space-time locality (module docstring)."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    s = segments[-1][1]
+    v0 = segments[-1][0]
+    t, h, w = (torch.arange(n, device=dev, dtype=torch.float32) for n in grid)
+    pos = torch.stack(torch.meshgrid(t / 4.0, h / 3.0, w / 3.0, indexing="ij"), -1).reshape(-1, 3)
+    freqs = torch.randn(3, head_dim // 2, generator=g, device=dev)
+    feats = torch.cat([torch.sin(pos @ freqs), torch.cos(pos @ freqs)], -1)               # [Nv, D]
+    proj = torch.randn(heads, head_dim, head_dim, generator=g, device=dev) / math.sqrt(head_dim)
+    jitter = torch.randn(heads, head_dim, head_dim, generator=g, device=dev) / math.sqrt(head_dim)
+    qkv = torch.randn(s, 3, heads, head_dim, generator=g, device=dev)
+    qkv[:, :2] *= 0.5                                                                      # noise on q, k
+    for hd in range(heads):                                                                # per head: [Nv, D]
+        qkv[v0:, 0, hd] += 3.0 * feats @ proj[hd]
+        qkv[v0:, 1, hd] += 3.0 * feats @ (proj[hd] + 0.3 * jitter[hd])
+    return qkv.reshape(s, -1).to(torch.bfloat16)
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+def _one(sol, qkv, heads, head_dim, routing, rows, ref, dense, time_ms, iters, warmup) -> dict:
+    call = lambda: sol(qkv, heads, head_dim, routing)  # noqa: E731
+    t = time_ms(call, iters, warmup)
+    out = call()
+    a, b = dense
+    ref_dense = A.attention_reference(*A.qkv_views(qkv, heads, head_dim), rows=torch.arange(a, b, device=qkv.device))
+    video = rows >= routing.sink_rows()[1]
+    return {"ms": round(t["median"], 3), "ms_min": round(t["min"], 3),
+            "rel_l2": round(_rel(out[rows].float(), ref), 5),
+            "rel_l2_video_rows": round(_rel(out[rows[video]].float(), ref[video]), 5),
+            "dense_rows_rel_l2": round(_rel(out[a:b].float(), ref_dense), 5),
+            "deterministic": bool(torch.equal(out, call()))}
+
+
+def bench_sparse(dev, heads: int, head_dim: int, taus, extra_tokens, iters: int, warmup: int, ref_rows: int,
+                 time_ms, grid: tuple = CANONICAL_GRID, lead: tuple = CANONICAL_LEAD, dense_backend: str = "sdpa_cudnn",
+                 sol=None) -> dict:
+    """Rows ``sparse_tau{tau}`` (core's extra tokens) and ``sparse_tau{tau}_extra{n}`` for the other ``extra_tokens``
+    at the canonical layout (``grid``, ``lead``), on both data sets, plus ``dense_backend`` timed on the same
+    buffers as the dense anchor. ``sol``: the bound kernel (default: resolved for ``dev``)."""
+    try:
+        sol = sol or SA.SolAttention.resolve(dev, head_dim, torch.bfloat16)
+    except SA.SparseUnavailable as e:
+        return {"sparse": {"available": False, "reason": str(e)}}
+    segs = canonical_segments(*lead, grid)
+    s = segs[-1][1]
+    data = {"random": torch.randn(s, 3 * heads * head_dim, generator=torch.Generator(device=dev).manual_seed(440420),
+                                  device=dev).to(torch.bfloat16),
+            "space_time_local": local_qkv(segs, grid, heads, head_dim, dev, seed=0)}
+    rows = torch.linspace(0, s - 1, min(ref_rows, s), device=dev).round().long().unique()
+    out = {"sparse_setup": {"kitchen": sol.version, "segments": segs, "probe": sol.probe(dev, token_aug=0 if dev.type == "cpu" else SA.DEFAULT_EXTRA_TOKENS),
+                            "reference": f"fp32 exact attention, {int(rows.numel())} evenly spaced query rows, all keys"}}
+    dense_anchor = {}
+    for name, qkv in data.items():
+        ref = A.attention_reference(*A.qkv_views(qkv, heads, head_dim), rows=rows)
+        t = time_ms(lambda: A.attention(qkv, heads, head_dim, dense_backend), iters, warmup)  # noqa: B023
+        dense_anchor[name] = {f"{dense_backend}_ms": round(t["median"], 3)}
+        for tau in taus:
+            for n in extra_tokens:
+                key = f"sparse_tau{tau}" + ("" if n == SA.DEFAULT_EXTRA_TOKENS else f"_extra{n}")
+                r = SA.routing_for_segments(segs, tau=tau, token_aug=n)
+                rec = out.setdefault(key, {"tau": tau, "extra_tokens": n, "sink_blocks": list(r.sink_blocks),
+                                           "dense_q_blocks": list(r.dense_q_blocks)})
+                try:
+                    rec[name] = _one(sol, qkv, heads, head_dim, r, rows, ref, r.dense_rows(), time_ms, iters, warmup)
+                except Exception as e:  # noqa: BLE001 - record and go on
+                    rec[name] = {"error": f"{type(e).__name__}: {e}"[:400]}
+                print(key, name, rec[name], flush=True)
+        torch.cuda.empty_cache()
+    out["sparse_setup"]["dense_anchor_same_run"] = dense_anchor
+    out["sparse_setup"]["copies_in_all_calls"] = dict(sol.copies)
+    out["sparse_setup"]["strided_equals_contiguous"] = _strided_vs_contiguous(sol, data["space_time_local"], heads,
+                                                                              head_dim, segs)
+    return out
+
+
+def _strided_vs_contiguous(sol, qkv, heads, head_dim, segs) -> bool:
+    """The kernel's output from the strided q/k/v views equals its output from contiguous copies (bitwise)."""
+    r = SA.routing_for_segments(segs)
+    views = [t.unsqueeze(0) for t in qkv.unflatten(1, (3, heads, head_dim)).unbind(1)]
+    kw = dict(tau=r.tau, sink_blocks=list(r.sink_blocks), sink_q=list(r.dense_q_blocks), token_aug=r.token_aug)
+    a = sol.ck.sol_attn(*views, **kw)
+    b = sol.ck.sol_attn(*(v.contiguous() for v in views), **kw)
+    return bool(torch.equal(a, b))
