@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from h3_blackwell.runtime.layout import KeyframeSpec, build_layout
+from h3_blackwell.runtime.model.layout import KeyframeSpec, build_layout
 from h3_blackwell.runtime.ops import sparse_attention as SA
 
 ck_eager = pytest.importorskip("comfy_kitchen.backends.eager.sol_attn")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from h3_blackwell.runtime.errors import H3Error
-from h3_blackwell.runtime.step_cache import FirstBlockCache
+from h3_blackwell.runtime.sampling.step_cache import FirstBlockCache
 
 
 def _blocks(seed=0, dim=16, n=4):

@@ -29,6 +29,7 @@ reference is the ``token_aug = 0`` algorithm in fp32).
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -284,8 +285,7 @@ def _kitchen() -> tuple[Any, str]:
         return None, (f"comfy-kitchen is not installed ({type(e).__name__}: {e}); install it "
                       f"(pip install comfy-kitchen>=0.2.40) to use attention=sparse")
     try:
-        from importlib.metadata import version
-        ver = version("comfy-kitchen")
+        ver = importlib.metadata.version("comfy-kitchen")
     except Exception:
         ver = getattr(ck, "__version__", "unknown")
     if not hasattr(ck, "sol_attn") or not hasattr(ck, "sol_attn_is_available"):

@@ -25,7 +25,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .errors import H3Error
+from ..errors import H3Error
 
 __all__ = ["FirstBlockCache"]
 
