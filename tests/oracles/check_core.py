@@ -1,0 +1,186 @@
+"""Compare the float64 oracle (core_h3.py) with ComfyUI core's own MiniMax H3 model code, on the CPU.
+
+Not a pytest module and not run by CI (it needs a ComfyUI checkout, which is never committed). Usage::
+
+    cd <ComfyUI checkout> && python <repo>/tests/oracles/check_core.py [--json out.json] [--runtime]
+
+The checkout must carry the newest core semantics (Comfy-Org/ComfyUI ``comfy/ldm/minimax/model.py`` 01a56b76
+and ``MiniMaxH3._denoise_mask_values`` of ``comfy/model_base.py`` 094c74c1): denoise masks, per-row
+modulation, PDD heads, velocity scaling by the mask. Core's model runs in float32 with every case of
+``cases.py``: its payload is built as ``MiniMaxH3.extra_conds`` builds it (cond latents keyframes first,
+then refs) and its masks go through core's own ``_denoise_mask_values`` from full-size sampler masks.
+``--runtime`` also runs this repository's runtime (``forward`` with the same payload), if importable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import types
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import cases as case_mod  # noqa: E402
+import core_h3  # noqa: E402
+
+CFG = dict(hidden_size=96, num_layers=3, token_refiner_num_layers=2, num_attention_heads=4, attention_head_dim=32,
+           ffn_hidden_size=160, latents_dim=24, audio_latents_dim=32, text_dim=case_mod.TEXT_DIM,
+           timestep_input_dim=256, time_embed_hidden_size=96, time_embed_dim=48, rope_inv_freq_len=4)
+CURVE_GRID = 33
+
+
+def rel_l2(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def random_state_dict(model: torch.nn.Module, seed: int, head_bank: int = 1) -> dict:
+    """Random weights for every entry of core's state dict (norms ~1, linears ~N(0, 1/fan_in), small AdaLN)."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for name, p in model.state_dict().items():
+        shape = list(p.shape)
+        if name == "rope.inv_freq":
+            n = shape[0]
+            t = (10000.0 ** (-torch.arange(n, dtype=torch.float64) / n)).float()
+        elif name.endswith("norm.weight") or name.endswith("norm1.weight") or name.endswith("norm2.weight"):
+            t = 1.0 + 0.1 * torch.randn(shape, generator=g)
+        elif name == "adaln_t_table":
+            t = torch.randn(shape, generator=g).cumsum(0) / shape[0] ** 0.5
+        elif name.endswith(".bias"):
+            if name.startswith("final_layer.") and name.split(".")[1] in ("video_out", "audio_out"):
+                shape[0] *= head_bank
+            t = 0.02 * torch.randn(shape, generator=g)
+        else:
+            if name.startswith("final_layer.") and name.split(".")[1] in ("video_out", "audio_out"):
+                shape[0] *= head_bank
+            std = shape[-1] ** -0.5 * (0.3 if "adaln_proj" in name else 1.0)
+            t = std * torch.randn(shape, generator=g)
+        sd[name] = t.float()
+    return sd
+
+
+def core_model(curve: bool, sd: dict):
+    import comfy.ldm.minimax.model as mm
+    import comfy.ops
+
+    kw = dict(CFG, adaln_curve_grid=CURVE_GRID if curve else None)
+    m = mm.MiniMaxH3Model(**kw, dtype=torch.float32, device="cpu", operations=comfy.ops.disable_weight_init)
+    for name, t in sd.items():  # direct assignment: a PDD bank has n x the rows core builds
+        mod_name, attr = name.rsplit(".", 1) if "." in name else ("", name)
+        mod = m.get_submodule(mod_name)
+        if isinstance(getattr(mod, attr), torch.nn.Parameter):
+            setattr(mod, attr, torch.nn.Parameter(t.clone(), requires_grad=False))
+        else:
+            getattr(mod, attr).copy_(t)
+    return m.eval()
+
+
+def core_masks(case) -> dict:
+    """Full-size sampler masks through core's own _denoise_mask_values."""
+    import comfy.model_base
+    import comfy.utils
+
+    p = case["payload"]
+    if p.get("denoise_mask") is None and p.get("audio_denoise_mask") is None:
+        return {}
+    vs, as_ = list(case["video"].shape), list(case["audio"].shape)
+    vm = p.get("denoise_mask")
+    am = p.get("audio_denoise_mask")
+    vfull = torch.ones(vs) if vm is None else vm.expand(vs).contiguous()
+    afull = torch.ones(as_) if am is None else am.expand(as_).contiguous()
+    packed, shapes = comfy.utils.pack_latents([vfull, afull])
+    fake = types.SimpleNamespace(diffusion_model=types.SimpleNamespace(patch_size=(1, 2, 2)))
+    cls = comfy.model_base.MiniMaxH3
+    fake._pool_masks_to_token_grid = lambda masks: cls._pool_masks_to_token_grid(fake, masks)
+    fake._token_grid_masks = lambda dm, ls: cls._token_grid_masks(fake, dm, ls)
+    return cls._denoise_mask_values(fake, packed, shapes)
+
+
+def core_payload(case) -> dict:
+    p = case["payload"]
+    out = {"text_token_tags": case["token_tags"], "seed": p.get("seed", 0), "audio_scale": 1.0}
+    kfs, refs = p.get("keyframes"), p.get("refs")
+    if kfs is not None:
+        out["keyframes"] = kfs
+        out["cond_video_latents"] = [k["latent"] for k in kfs if k.get("latent") is not None]
+        out["cond_audio_latents"] = [k["audio_latent"] for k in kfs if k.get("audio_latent") is not None]
+    if refs is not None:
+        out["refs"] = refs
+        out["cond_video_latents"] = out.get("cond_video_latents", []) + [r["latent"] for r in refs if "latent" in r]
+        out["cond_audio_latents"] = out.get("cond_audio_latents", []) + [
+            r["audio_latent"] for r in refs if r.get("audio_latent") is not None]
+    for k in ("visual_cond_noise_aug", "audio_cond_noise_aug"):
+        if k in p:
+            out[k] = p[k]
+    return out
+
+
+def run_core(case, sd):
+    m = core_model(case.get("curve", False), sd)
+    opts = {}
+    if case["payload"].get("sample_sigmas") is not None:
+        opts["sample_sigmas"] = case["payload"]["sample_sigmas"]
+    ts = torch.tensor([case["sigma"]], dtype=torch.float32) * 1000.0
+    with torch.no_grad():
+        v, a = m([case["video"], case["audio"]], ts, case["text_states"], transformer_options=opts,
+                 minimax_payload=core_payload(case), **core_masks(case))
+    return v, a
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--runtime", action="store_true")
+    a = ap.parse_args(argv)
+    import comfy.cli_args
+
+    comfy.cli_args.args.cpu = True
+    results = {}
+    for name, case in case_mod.make_cases().items():
+        import comfy.ldm.minimax.model as mm
+        import comfy.ops
+
+        probe = mm.MiniMaxH3Model(**dict(CFG, adaln_curve_grid=CURVE_GRID if case.get("curve") else None),
+                                  dtype=torch.float32, device="meta", operations=comfy.ops.disable_weight_init)
+        sd = random_state_dict(probe, seed=len(name), head_bank=case.get("head_bank", 1))
+        cv, ca = run_core(case, sd)
+        ov, oa = core_h3.core_forward(sd, case["video"], case["audio"], case["text_states"], case["sigma"],
+                                      token_tags=case["token_tags"], payload=case["payload"])
+        # sensitivity: the same evaluation without the case's conditioning (PDD: another step of the schedule)
+        bare = {}
+        if "sample_sigmas" in case["payload"]:
+            bare["sample_sigmas"] = torch.tensor([1.0, case["sigma"], 0.0])
+        bv, ba = core_h3.core_forward(sd, case["video"], case["audio"], case["text_states"], case["sigma"],
+                                      token_tags=case["token_tags"], payload=bare)
+        r = {"core_vs_oracle_video": rel_l2(cv, ov), "core_vs_oracle_audio": rel_l2(ca, oa),
+             "core_vs_unconditioned_video": rel_l2(cv, bv), "core_vs_unconditioned_audio": rel_l2(ca, ba),
+             "shapes": [list(cv.shape), list(ca.shape)]}
+        results[name] = r
+        print(f"{name:28s} oracle: video {r['core_vs_oracle_video']:.2e} audio {r['core_vs_oracle_audio']:.2e}"
+              f" | unconditioned: video {r['core_vs_unconditioned_video']:.2e}"
+              f" audio {r['core_vs_unconditioned_audio']:.2e}")
+    if a.json:
+        import subprocess
+
+        import comfy
+
+        root = Path(list(comfy.__path__)[0]).resolve().parent
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+        dirty = subprocess.run(["git", "-C", str(root), "diff", "--stat", "--", "comfy"], capture_output=True,
+                               text=True).stdout.strip().splitlines()
+        meta = {"command": " ".join(["python"] + sys.argv), "comfy_checkout": str(root), "comfy_head": head.strip(),
+                "comfy_local_changes": dirty, "torch": torch.__version__, "bound": 1e-5}
+        Path(a.json).write_text(json.dumps({"meta": meta, "cases": results}, indent=2))
+    worst = max(max(r["core_vs_oracle_video"], r["core_vs_oracle_audio"]) for r in results.values())
+    print(f"worst rel-L2 {worst:.2e} (bound 1e-5)")
+    return 0 if worst <= 1e-5 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
