@@ -16,6 +16,11 @@ Writes ``{"S", "heads", "head_dim", "device", "backends": {"sage2": {"ms", "tflo
 * norm_rope: GB/s = bytes the kernel must move (read + write the q and k thirds, read cos and sin) / time,
   next to the device copy bandwidth measured in the same run on the same number of bytes.
 
+* sparse (``--backends ... sparse``): comfy-kitchen's sol_attn through runtime.ops.sparse_attention at the
+  canonical routing, rows ``sparse_tau{tau}`` (core's 256 extra tokens) and ``sparse_tau{tau}_extra{n}``, each
+  timed and compared with exact attention on random AND space-time-local q/k (bench/_sparse_bench.py). LOSSY.
+  ``--merge`` adds the measured rows to an existing --out file instead of rewriting it.
+
 SageAttention2 comes from the environment (scripts/device_build_sage2.sh); sageattention 1.0.6 from
 ``--sage1`` (default: the newest .whl/sageattention-1.*.whl of this checkout).
 """
@@ -40,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _h3bench import bench_copy, err_text, time_ms, versions, write_json  # noqa: E402  (also makes the checkout importable as h3_blackwell)
 
+from _sparse_bench import bench_sparse  # noqa: E402
 from h3_blackwell.runtime.ops import attention as A  # noqa: E402
 from h3_blackwell.runtime.ops import elementwise as E  # noqa: E402
 
@@ -185,6 +191,18 @@ def bench_gate_add(args, dev) -> dict:
             "GBps": round(moved / (t["median"] * 1e-3) / 1e9, 1), "bytes_moved": moved}
 
 
+def merge_rows(result: dict, out: str) -> int:
+    """--merge: this run's backend rows into the existing file, with this run's command, date and versions
+    recorded beside them (``merged_runs``); every other key of the file stays as it was."""
+    path = Path(out)
+    old = json.loads(path.read_text()) if path.exists() else {}
+    old.setdefault("backends", {}).update(result["backends"])
+    old.setdefault("merged_runs", []).append({k: result[k] for k in ("command", "date_utc", "device", "versions")}
+                                             | {"rows": sorted(result["backends"])})
+    print(f"merged {len(result['backends'])} rows into {write_json(old, path)}")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq", type=int, default=37810)
@@ -198,8 +216,16 @@ def main(argv=None) -> int:
     p.add_argument("--backends", nargs="*", default=["sage2", "sdpa_cudnn", "sdpa_flash", "sage1"],
                    help="attention backends to time; none (a bare --backends) times only norm+RoPE and gate+add")
     p.add_argument("--sage1", default=None, help="sageattention 1.x wheel or folder (default: .whl/sageattention-1.*.whl)")
+    p.add_argument("--sparse-taus", nargs="*", type=float, default=[1.0, 1.3, 1.6, 2.0],
+                   help="tau values of the sparse rows (with 'sparse' in --backends)")
+    p.add_argument("--sparse-extra-tokens", nargs="*", type=int, default=[256, 0],
+                   help="comfy-kitchen token_aug values of the sparse rows (256 = core's default)")
+    p.add_argument("--merge", action="store_true",
+                   help="update only the rows this run measures in an existing --out file (keep the others)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "attention-h200.json"))
     args = p.parse_args(argv)
+    sparse = "sparse" in (args.backends or [])
+    args.backends = [b for b in (args.backends or []) if b != "sparse"]
 
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
@@ -249,6 +275,12 @@ def main(argv=None) -> int:
         result["backends"] = bench_attention(args, dev, qkv, ref, rows, before)
         del qkv, before, ref
         torch.cuda.empty_cache()
+    if sparse:
+        result["backends"].update(bench_sparse(dev, h, d, args.sparse_taus, args.sparse_extra_tokens, args.iters,
+                                               args.warmup, args.ref_rows, time_ms))
+        torch.cuda.empty_cache()
+    if args.merge:
+        return merge_rows(result, args.out)
     for name, fn in (("norm_rope", bench_norm_rope), ("gate_add", bench_gate_add)):
         try:
             result[name] = fn(args, dev)
