@@ -189,3 +189,30 @@ def test_load_time_probe_accepts_a_correct_kernel_and_refuses_a_broken_one():
 
     with pytest.raises(SA.SparseUnavailable, match="load-time probe"):
         SA.SolAttention(types.SimpleNamespace(sol_attn=broken), "broken").probe("cpu", seq_len=512)
+
+
+def test_step_attention_switches_at_the_schedule_and_reports_it():
+    seen = []
+    kernel = lambda qkv, h, d, routing: seen.append(("sparse", routing)) or SA.reference_kernel(qkv, h, d, routing)  # noqa: E731
+    dense = lambda qkv, h, d: seen.append(("dense", None)) or qkv[:, : h * d].clone()  # noqa: E731
+    att = SA.SparseStepAttention(kernel, dense, SA.SparseSchedule(shift=12.0, min_tokens=0), tau=1.0, token_aug=0,
+                                 kernel_name="reference", dense_name="stand-in")
+    segs = _t2va()
+    att.begin_run(segs)
+    heads, hd = 2, 16
+    qkv = _qkv(att.routing.seq_len, heads, hd, seed=11)
+    sig = [12 * t / (1 + 11 * t) for t in (1 - i / 4 for i in range(4))]      # 4 steps: 1.0, .97, .92, .8
+    for i, s in enumerate(sig):
+        att.begin_step(i, s)
+        out = att(qkv, heads, hd)
+        if i == 0:
+            assert torch.equal(out, qkv[:, : heads * hd])
+        else:
+            assert torch.equal(out, SA.reference_kernel(qkv, heads, hd, att.routing))
+    assert [k for k, _ in seen] == ["dense", "sparse", "sparse", "sparse"]
+    assert seen[1][1] == SA.routing_for_segments(segs, tau=1.0, token_aug=0)
+    rep = att.summary()
+    assert rep["lossy"] and rep["sparse_steps"] == [1, 2, 3] and rep["dense_steps"] == [0]
+    assert rep["calls"] == {"sparse": 3, "dense": 1} and rep["sink_blocks"] == list(att.routing.sink_blocks)
+    with pytest.raises(SA.H3Error, match="begin_run"):
+        SA.SparseStepAttention(kernel, dense, SA.SparseSchedule(shift=12.0)).begin_step(0, 0.5)

@@ -48,6 +48,8 @@ __all__ = [
     "SparseSchedule",
     "SparseUnavailable",
     "SolAttention",
+    "SparseStepAttention",
+    "reference_kernel",
     "routing_for_segments",
     "percent_to_sigma",
     "sol_attention_reference",
@@ -385,3 +387,74 @@ class SolAttention:
         out = self.ck.sol_attn(q, k, v, tau=routing.tau, scale=scale, sink_blocks=list(routing.sink_blocks),
                                sink_q=list(routing.dense_q_blocks), token_aug=routing.token_aug)
         return out.view(s, heads * head_dim)
+
+
+# ---------------------------------------------------------------------------------------------
+# the step-aware backend the block stack calls
+# ---------------------------------------------------------------------------------------------
+
+def reference_kernel(qkv: torch.Tensor, heads: int, head_dim: int, routing: SparseRouting,
+                     scale: Optional[float] = None) -> torch.Tensor:
+    """The kernel's contract (``[S, 3*H*D]`` -> ``[S, H*D]`` in qkv's dtype) on :func:`sol_attention_reference`:
+    the sparse backend on the CPU, where every op runs its reference."""
+    q, k, v = qkv.unflatten(1, (3, heads, head_dim)).unbind(1)
+    return sol_attention_reference(q, k, v, routing, scale=scale).to(qkv.dtype)
+
+
+@dataclass
+class SparseStepAttention:
+    """``attention(qkv [S, 3*H*D], heads, head_dim) -> [S, H*D]`` for the block stack: ``kernel`` with the run's
+    routing on the steps the schedule makes sparse, ``dense`` on the others. LOSSY on sparse steps.
+
+    Per run: ``begin_run(segments)`` builds the routing from the packed layout; per step: ``begin_step(i, sigma)``
+    with the MODEL sigma decides sparse or dense. ``summary()`` is the report's ``sparse_attention`` block.
+    """
+
+    kernel: Any                   # SolAttention or reference_kernel
+    dense: Any                    # the dense backend: attention(qkv, heads, head_dim)
+    schedule: SparseSchedule
+    tau: float = DEFAULT_TAU
+    token_aug: int = DEFAULT_EXTRA_TOKENS
+    kernel_name: str = ""
+    dense_name: str = ""
+    routing: Optional[SparseRouting] = None
+    sparse_now: bool = False
+    steps: list = field(default_factory=list)
+    calls: dict = field(default_factory=lambda: {"sparse": 0, "dense": 0})
+
+    def begin_run(self, segments: Sequence[tuple[int, int, str]]) -> None:
+        self.routing = routing_for_segments(segments, tau=self.tau, token_aug=self.token_aug)
+        self.steps = []
+        self.calls = {"sparse": 0, "dense": 0}
+        self.sparse_now = False
+
+    def begin_step(self, step: int, sigma: float) -> None:
+        if self.routing is None:
+            raise H3Error("sparse attention: begin_run(segments) must come before begin_step (no routing yet)")
+        reason = self.schedule.dense_reason(sigma, self.routing.seq_len)
+        self.sparse_now = reason is None
+        self.steps.append({"step": step, "sigma": float(sigma), "sparse": self.sparse_now,
+                           **({} if reason is None else {"dense_because": reason})})
+
+    def __call__(self, qkv: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+        if self.sparse_now and qkv.shape[0] == self.routing.seq_len:
+            self.calls["sparse"] += 1
+            return self.kernel(qkv, heads, head_dim, self.routing)
+        self.calls["dense"] += 1
+        return self.dense(qkv, heads, head_dim)
+
+    def summary(self) -> dict:
+        """Report fields: what ran, the routing, the schedule switch, which steps were sparse, calls, copies."""
+        r = self.routing
+        out = {"lossy": True, "kernel": self.kernel_name, "dense_backend": self.dense_name, "tau": self.tau,
+               "extra_tokens": self.token_aug, "start_percent": self.schedule.start_percent,
+               "sparse_below_sigma": self.schedule.sigma_start, "min_tokens": self.schedule.min_tokens,
+               "sparse_steps": [s["step"] for s in self.steps if s["sparse"]],
+               "dense_steps": [s["step"] for s in self.steps if not s["sparse"]], "calls": dict(self.calls)}
+        if r is not None:
+            out.update(sink_blocks=list(r.sink_blocks), dense_query_blocks=list(r.dense_q_blocks),
+                       sink_rows=list(r.sink_rows()), dense_query_rows=list(r.dense_rows()))
+        copies = getattr(self.kernel, "copies", None)
+        if copies is not None:
+            out["qkv_copies"] = dict(copies)
+        return out
