@@ -111,6 +111,47 @@ def test_metadata_config_override_and_structural_features(tmp_path):
     assert over.eps == 1e-6
 
 
+# the keys core's detection writes for H3 (comfy/model_detection.py) and passes to its model as arguments
+CORE_H3_KEYS = {"image_model", "num_layers", "token_refiner_num_layers", "hidden_size", "latents_dim",
+                "audio_latents_dim", "attention_head_dim", "num_attention_heads", "ffn_hidden_size", "text_dim",
+                "adaln_curve_grid", "time_embed_dim", "timestep_input_dim", "time_embed_hidden_size",
+                "rope_inv_freq_len", "gate_compress"}
+
+
+def _meta_config(path):
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return json.loads(f.metadata()["config"])
+
+
+def test_written_config_metadata_uses_only_core_names_under_transformer(tmp_path):
+    """core merges metadata config["transformer"] into its model's arguments: make-tiny and quantize write
+    only core's names there (an `adaln_curve_grid: 0` of ours turned core's curve form on and crashed
+    KSampler); our config rides under our own key and reads back whole; a file of the old form still reads
+    and quantize rewrites its entry."""
+    from h3_blackwell.runtime.io.convert import quantize_checkpoint
+    from h3_blackwell.runtime.model.config import config_metadata
+
+    tiny = save_tiny(tmp_path / "tiny.safetensors", seed=2)
+    meta = _meta_config(tiny)
+    assert set(meta["transformer"]) <= CORE_H3_KEYS and meta["transformer"]["latents_dim"] == 24
+    assert meta["h3_blackwell_tiny_seed"] == 2 and H3Config.from_dict(meta["h3_blackwell"]) == TINY
+    assert detect_config(tiny)[0] == TINY
+    # a config that detection alone would get wrong comes back from our entry
+    odd = TINY.replace(eps=1e-6, shift_video=7.0)
+    assert config_from_shapes(expected_keys(TINY), metadata={"config": config_metadata(odd)}) == odd
+    # the old form (our names under "transformer") still reads, and quantize repairs it
+    old = tmp_path / "old.safetensors"
+    save_file(tiny_state_dict(TINY, 2, torch.bfloat16), str(old),
+              metadata={"config": json.dumps({"transformer": odd.to_dict(), "h3_blackwell_tiny_seed": 2})})
+    assert detect_config(old)[0] == odd
+    quantize_checkpoint(old, tmp_path / "q.safetensors")
+    q = _meta_config(tmp_path / "q.safetensors")
+    assert set(q["transformer"]) <= CORE_H3_KEYS and H3Config.from_dict(q["h3_blackwell"]) == odd
+    assert q["h3_blackwell_tiny_seed"] == 2 and detect_config(tmp_path / "q.safetensors")[0] == odd
+
+
 def test_streaming_load_keeps_rss_near_largest_tensor(tmp_path):
     """~1 GB fp32 checkpoint; reading every tensor one at a time must not grow RSS past ~3 largest tensors."""
     cfg = H3Config(hidden_size=1536, num_layers=6, num_refiner_layers=1, num_heads=12, head_dim=128,

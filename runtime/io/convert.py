@@ -25,7 +25,7 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
-from ..model.config import QUANT_LINEARS as QUANTIZED_LINEAR
+from ..model.config import QUANT_LINEARS as QUANTIZED_LINEAR, core_safe_config_metadata
 from .header import TORCH_TO_ST as ST_DTYPE
 from ..errors import H3Error
 from ..ops import nvfp4 as nv
@@ -225,5 +225,8 @@ def quantize_checkpoint(in_path: str | os.PathLike, out_path: str | os.PathLike,
         raise H3Error(f"input and output are the same file ({in_path}); choose another output path")
     ck = open_checkpoint(in_path, scheme=scheme)
     shapes = {k: (tuple(ck.shape(k)), ck.dtype_name(k)) for k in ck.keys()}
+    # the config entry names only core's keys under "transformer" (core merges them into its model's
+    # arguments); ours go under "h3_blackwell". This also repairs files from an older make-tiny.
+    meta = {**ck.metadata, "config": core_safe_config_metadata(ck.metadata.get("config"), ck.config)}
     return quantize_state_dict_streaming(ck.iter_tensors("cpu"), out_path, device, progress,
-                                         shapes=shapes, metadata=ck.metadata)
+                                         shapes=shapes, metadata=meta)

@@ -202,10 +202,41 @@ def config_from_shapes(shapes: dict[str, tuple[int, ...]], scheme: str | None = 
             over = json.loads(metadata["config"])
         except json.JSONDecodeError as e:
             raise CheckpointError(f"safetensors metadata 'config' is not JSON ({e})") from None
-        if isinstance(over, dict) and isinstance(over.get("transformer"), dict):
-            over = over["transformer"]
+        if isinstance(over, dict) and isinstance(over.get(OWN_CONFIG_KEY), dict):
+            over = over[OWN_CONFIG_KEY]  # ours, in our names (files written since issue 15)
+        elif isinstance(over, dict) and isinstance(over.get("transformer"), dict):
+            over = over["transformer"]  # core's / diffusers' names, or our names in older files
         cfg = H3Config.from_dict({**cfg.to_dict(), **_normalise_override(over)})
     return cfg.validate()
+
+
+# Our own entry inside the metadata ``config`` JSON. ComfyUI core merges ``config["transformer"]`` into the
+# config it detects from the shapes and passes it to its model as keyword arguments, so only core's names
+# may appear there (our ``adaln_curve_grid: 0`` read as "curve form on" crashed core's KSampler).
+OWN_CONFIG_KEY = "h3_blackwell"
+
+
+def config_metadata(cfg: H3Config, **extra: Any) -> str:
+    """The safetensors metadata ``config`` value for a file holding ``cfg``: JSON with our full config under
+    ``h3_blackwell`` (read back by ``config_from_shapes``) and, under ``transformer``, only what core cannot
+    derive from the shapes in core's names (``latents_dim`` = the video latent channels, needed to see a
+    PDD head bank). ``extra``: further top-level entries (e.g. the tiny seed). Deterministic (sorted keys)."""
+    body = {OWN_CONFIG_KEY: cfg.to_dict(), "transformer": {"latents_dim": cfg.video_channels}, **extra}
+    return json.dumps(body, sort_keys=True)
+
+
+def core_safe_config_metadata(value: str | None, cfg: H3Config) -> str:
+    """A carried-over metadata ``config`` value rewritten for a file holding ``cfg``: our config moves under
+    ``h3_blackwell``, ``transformer`` keeps core's names only; other top-level entries stay. Used by the
+    converter so a file written by an older make-tiny (our names under ``transformer``) comes out loadable
+    by core."""
+    try:
+        old = json.loads(value) if value else {}
+    except json.JSONDecodeError:
+        old = {}
+    extra = {k: v for k, v in old.items() if k not in ("transformer", OWN_CONFIG_KEY)} if isinstance(old, dict) \
+        else {}
+    return config_metadata(cfg, **extra)
 
 
 # ComfyUI / diffusers config names -> ours

@@ -6,12 +6,11 @@ download is involved: the same seed always gives the same tensors (and, saved, t
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-from .config import TINY, H3Config
+from .config import TINY, H3Config, config_metadata
 
 
 def tiny_state_dict(cfg: H3Config = TINY, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -65,6 +64,7 @@ def save_tiny(path: str | Path, cfg: H3Config = TINY, seed: int = 0, dtype: torc
     sd = tiny_state_dict(cfg, seed, dtype)
     # one metadata entry: safetensors stores metadata in a hash map, so several keys would make the byte
     # order (and the file hash) differ between runs
-    meta = {"config": json.dumps({"transformer": cfg.to_dict(), "h3_blackwell_tiny_seed": seed}, sort_keys=True)}
+    # (our config under "h3_blackwell", only core's names under "transformer": core merges that into its model)
+    meta = {"config": config_metadata(cfg, h3_blackwell_tiny_seed=seed)}
     save_file(dict(sorted(sd.items())), str(path), metadata=meta)
     return path
