@@ -92,6 +92,7 @@ def cmd_generate(a) -> int:
     from ..runtime.engine import load_model
     from ..runtime.model.layout import check_canvas, check_frames, latent_shapes, snap_frames
     from ..runtime.options import RuntimeOptions
+    from ..runtime.sampling.preview import check_preview_available, write_preview_webp
     from ..runtime.sampling.sampler import sample
 
     from ..runtime.io.checkpoint import detect_config
@@ -122,6 +123,8 @@ def cmd_generate(a) -> int:
     from ..runtime.lora.apply import apply_loras, parse_lora_arg
 
     loras = [parse_lora_arg(s) for s in a.lora]
+    if a.preview:
+        check_preview_available()
 
     text_dim = model_cfg.text_dim
     if a.text_states:
@@ -147,11 +150,13 @@ def cmd_generate(a) -> int:
         "latents.safetensors": lambda p: save_file({"video": res.video.contiguous(), "audio": res.audio.contiguous()},
                                                    str(p)),
         "report.json": lambda p: p.write_text(json.dumps(report, indent=2)),
+        **({"preview.webp": lambda p: write_preview_webp(res.video, p)} if a.preview else {}),
     })
     from ..runtime.sampling.report import summary
 
     print(summary(report))
-    print(f"wrote {out / 'latents.safetensors'} and {out / 'report.json'}")
+    print(f"wrote {out / 'latents.safetensors'} and {out / 'report.json'}"
+          + (f" and {out / 'preview.webp'}" if a.preview else ""))
     return 0
 
 
@@ -247,6 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fc2", default="on", choices=["on", "off", "strict"])
     g.add_argument("--dense", action="store_true", help="keep dense linears (no NVFP4; the reference stack)")
     g.add_argument("--progress", action="store_true", help="always show the progress bar")
+    g.add_argument("--preview", action="store_true",
+                   help="also write preview.webp: the final video latent as an animated low-resolution preview "
+                        "(core's latent->RGB factors, one pixel per latent pixel; needs Pillow)")
     g.add_argument("--lora", action="append", default=[], metavar="FILE:STRENGTH[:MODE]",
                    help="apply a LoRA after loading (repeat to stack); MODE merge (default: into the weights, "
                         "NVFP4 re-quantized) or side (bf16 low-rank path per step)")

@@ -64,7 +64,7 @@ def _peaks(device) -> tuple[int, int]:
 
 @torch.no_grad()
 def _run_once(rt, plan, sigmas, sampler, video0, audio0, noise_v, noise_a, scale, shifts, progress, interrupt,
-              run_index: int, total_runs: int):
+              run_index: int, total_runs: int, preview=None):
     model = rt.model
     dev = rt.device
     steps = len(sigmas) - 1
@@ -94,6 +94,8 @@ def _run_once(rt, plan, sigmas, sampler, video0, audio0, noise_v, noise_a, scale
         timer.stop(i)
         if progress is not None:
             progress(i + 1, steps)
+        if preview is not None:
+            preview(i + 1, steps, den[0])
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     secs = time.perf_counter() - t0
@@ -112,13 +114,16 @@ def sample(rt, text_states: torch.Tensor, token_tags: torch.Tensor | None, video
            shift_video: float | None = None, shift_audio: float | None = None, denoise: float = 1.0,
            keyframes: list | None = None, progress: Callable[[int, int], None] | None = None,
            interrupt: Callable[[], bool] | None = None, runs: int = 1, warmup: int = 0,
-           workload_extra: dict | None = None) -> SampleResult:
+           workload_extra: dict | None = None,
+           preview: Callable[[int, int, torch.Tensor], None] | None = None) -> SampleResult:
     """Sample H3 latents with a resident model (ComfyUI core's math; see module docstring).
 
     text_states [1, L, text_dim] fp32; token_tags LongTensor [L] (1 text, 0 vision) or None (all text);
     video [1, C, T, H, W] / audio [1, Ca, 2, Ta]: the input latent (zeros for t2va);
     keyframes: [{"resolved_frame_index": int, "latent": [1, C, t, H, W]}] (fl2va).
     runs / warmup: the seed's measurement policy (median of ``runs`` after ``warmup`` resident runs).
+    progress(done, total) after each step; preview(done, total, x0_video) too, with the step's denoised video
+    estimate [1, C, T, H, W] (on the model's device; the callee copies what it keeps), for live previews.
     The layout, RoPE tables, refined text and the modulation rows of every (step, block) are computed once.
     Raises Interrupted between steps when ``interrupt()`` is true; nothing is returned or written then.
     """
@@ -141,7 +146,7 @@ def sample(rt, text_states: torch.Tensor, token_tags: torch.Tensor | None, video
     total = warmup + runs
     for r in range(total):
         out = _run_once(rt, plan, sigmas, sampler, video0, audio0, noise_v, noise_a, scale, shifts, progress,
-                        interrupt, r, total)
+                        interrupt, r, total, preview)
         if r >= warmup:
             records.append(out[2])
     lay = plan.layout
