@@ -23,6 +23,7 @@ import urllib.parse
 import urllib.request
 import uuid
 from pathlib import Path, PurePosixPath
+from typing import Any, Callable
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 
@@ -106,6 +107,111 @@ def _extra_values(name: str, spec) -> int:
     return 0
 
 
+def _check_convertible(graph: dict, object_info: dict) -> None:
+    """Refuse subgraphs and node types the server lacks (ConversionError saying what to do)."""
+    if (graph.get("definitions") or {}).get("subgraphs"):
+        raise ConversionError("the workflow uses subgraphs, which this converter does not expand; open it in the "
+                              "editor and use Workflow > Export (API), then run that file")
+    unknown = sorted({n["type"] for n in graph["nodes"]
+                      if n["type"] not in FRONTEND_ONLY and n["type"] not in object_info
+                      and n.get("mode", 0) != MODE_MUTED})
+    if unknown:
+        raise ConversionError(f"the server has no node type(s) {', '.join(unknown)}: install the custom nodes "
+                              "that provide them (or update ComfyUI), or export API format from an editor that has them")
+
+
+def _link_source(nodes: dict, links: dict, link_id, seen=()):
+    """The API input value for a link: [node id, slot], ("literal", value) from a PrimitiveNode, or None (no
+    link, a muted source). Reroutes and bypassed nodes are followed to what feeds them."""
+    if link_id is None or link_id not in links:
+        return None
+    from_id, from_slot = links[link_id][:2]
+    if from_id in seen:
+        raise ConversionError(f"link {link_id} loops through node {from_id}")
+    src = nodes.get(from_id)
+    if src is None:
+        return None
+    mode = src.get("mode", 0)
+    if src["type"] == "Reroute":
+        ins = src.get("inputs") or []
+        return _link_source(nodes, links, ins[0].get("link") if ins else None, seen + (from_id,))
+    if src["type"] == "PrimitiveNode":
+        wv = src.get("widgets_values") or []
+        if not wv:
+            raise ConversionError(f"PrimitiveNode {from_id} has no value")
+        return ("literal", wv[0])
+    if mode == MODE_MUTED:
+        return None
+    if mode == MODE_BYPASS:
+        out_type = None
+        outs = src.get("outputs") or []
+        if from_slot < len(outs):
+            out_type = outs[from_slot].get("type")
+        for inp in src.get("inputs") or []:
+            if inp.get("link") is not None and (inp.get("type") == out_type or out_type is None):
+                return _link_source(nodes, links, inp["link"], seen + (from_id,))
+        return None
+    return [str(from_id), from_slot]
+
+
+def _widget_value(values, pos: int, by_name: bool, name: str, spec) -> tuple[Any, bool, int]:
+    """(value, whether the workflow has one, the next position) of widget ``name``: by name when the workflow
+    stores a dict, else the next positional value, stepping over the editor's extra control/upload value."""
+    if by_name:
+        return values.get(name), name in values, pos
+    if pos >= len(values):
+        return None, False, pos
+    value = values[pos]
+    pos += 1
+    opts = spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
+    if _extra_values(name, spec) and pos < len(values) and (
+            values[pos] in CONTROL_VALUES or any(opts.get(f) for f in UPLOAD_FLAGS)):
+        pos += 1
+    return value, True, pos
+
+
+def _node_inputs(node: dict, info: dict, source: Callable[[Any], Any]) -> dict:
+    """The API inputs of one node: linked sockets through ``source``, widgets from the saved values, in the
+    order of the server's definition ``info``; refuses values that do not line up with it."""
+    node_id, kind = node["id"], node["type"]
+    spec_all = info.get("input") or {}
+    order = info.get("input_order") or {sec: list((spec_all.get(sec) or {}).keys()) for sec in ("required", "optional")}
+    wv = node.get("widgets_values")
+    by_name = isinstance(wv, dict)
+    values = [] if wv is None else wv
+    pos = 0
+    sockets = {i["name"]: i for i in node.get("inputs") or []}
+    inputs = {}
+    for sec in ("required", "optional"):
+        for name in order.get(sec) or []:
+            spec = (spec_all.get(sec) or {}).get(name)
+            if spec is None:
+                continue
+            spec = spec if isinstance(spec, (list, tuple)) else [spec]
+            widget = _is_widget(spec)
+            value, have_value = None, False
+            if widget:
+                value, have_value, pos = _widget_value(values, pos, by_name, name, spec)
+            link = (sockets.get(name) or {}).get("link")
+            if link is not None:
+                src = source(link)
+                if isinstance(src, tuple):
+                    inputs[name] = src[1]
+                elif src is not None:
+                    inputs[name] = src
+            elif widget and have_value:
+                inputs[name] = value
+            elif widget and sec == "required":
+                raise ConversionError(f"node {node_id} ({kind}): no value for widget '{name}'; the node's "
+                                      "definition on the server has more widgets than the saved workflow")
+    if not by_name and pos != len(values):
+        raise ConversionError(
+            f"node {node_id} ({kind}): the workflow stores {len(values)} widget values but the server's "
+            f"definition accounts for {pos}; the node changed since the workflow was saved. Re-save it in the "
+            "editor, or export API format (Workflow > Export (API))")
+    return inputs
+
+
 def ui_to_api(graph: dict, object_info: dict) -> dict:
     """A UI graph (the editor's saved workflow) -> an API prompt, using the server's node definitions.
 
@@ -114,104 +220,18 @@ def ui_to_api(graph: dict, object_info: dict) -> dict:
     nodes / subgraphs, node types the server lacks, and nodes whose widget values do not line up with the
     server's definition.
     """
-    if (graph.get("definitions") or {}).get("subgraphs"):
-        raise ConversionError("the workflow uses subgraphs, which this converter does not expand; open it in the "
-                              "editor and use Workflow > Export (API), then run that file")
+    _check_convertible(graph, object_info)
     nodes = {n["id"]: n for n in graph["nodes"]}
     links = _links(graph)
-    unknown = sorted({n["type"] for n in nodes.values()
-                      if n["type"] not in FRONTEND_ONLY and n["type"] not in object_info
-                      and n.get("mode", 0) != MODE_MUTED})
-    if unknown:
-        raise ConversionError(f"the server has no node type(s) {', '.join(unknown)}: install the custom nodes "
-                              "that provide them (or update ComfyUI), or export API format from an editor that has them")
-
-    def source(link_id, seen=()):
-        """The API input value for a link: [node id, slot], a literal (from a PrimitiveNode), or None."""
-        if link_id is None or link_id not in links:
-            return None
-        from_id, from_slot = links[link_id][:2]
-        if from_id in seen:
-            raise ConversionError(f"link {link_id} loops through node {from_id}")
-        src = nodes.get(from_id)
-        if src is None:
-            return None
-        mode = src.get("mode", 0)
-        if src["type"] == "Reroute":
-            ins = src.get("inputs") or []
-            return source(ins[0].get("link") if ins else None, seen + (from_id,))
-        if src["type"] == "PrimitiveNode":
-            wv = src.get("widgets_values") or []
-            if not wv:
-                raise ConversionError(f"PrimitiveNode {from_id} has no value")
-            return ("literal", wv[0])
-        if mode == MODE_MUTED:
-            return None
-        if mode == MODE_BYPASS:
-            out_type = None
-            outs = src.get("outputs") or []
-            if from_slot < len(outs):
-                out_type = outs[from_slot].get("type")
-            for inp in src.get("inputs") or []:
-                if inp.get("link") is not None and (inp.get("type") == out_type or out_type is None):
-                    return source(inp["link"], seen + (from_id,))
-            return None
-        return [str(from_id), from_slot]
-
     prompt = {}
     for node in graph["nodes"]:
-        node_id = node["id"]
         kind = node["type"]
         if kind in FRONTEND_ONLY or node.get("mode", 0) in (MODE_MUTED, MODE_BYPASS):
             continue
         info = object_info[kind]
-        spec_all = info.get("input") or {}
-        order = info.get("input_order") or {sec: list((spec_all.get(sec) or {}).keys())
-                                            for sec in ("required", "optional")}
-        wv = node.get("widgets_values")
-        by_name = isinstance(wv, dict)
-        values = [] if wv is None else wv
-        pos = 0
-        sockets = {i["name"]: i for i in node.get("inputs") or []}
-        inputs = {}
-        for sec in ("required", "optional"):
-            for name in order.get(sec) or []:
-                spec = (spec_all.get(sec) or {}).get(name)
-                if spec is None:
-                    continue
-                spec = spec if isinstance(spec, (list, tuple)) else [spec]
-                widget = _is_widget(spec)
-                value, have_value = None, False
-                if widget:
-                    if by_name:
-                        have_value = name in values
-                        value = values.get(name)
-                    elif pos < len(values):
-                        value, have_value = values[pos], True
-                        pos += 1
-                        opts = spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
-                        if _extra_values(name, spec) and pos < len(values) and (
-                                values[pos] in CONTROL_VALUES or any(opts.get(f) for f in UPLOAD_FLAGS)):
-                            pos += 1
-                link = (sockets.get(name) or {}).get("link")
-                if link is not None:
-                    src = source(link)
-                    if isinstance(src, tuple):
-                        inputs[name] = src[1]
-                    elif src is not None:
-                        inputs[name] = src
-                elif widget and have_value:
-                    inputs[name] = value
-                elif widget and sec == "required":
-                    raise ConversionError(f"node {node_id} ({kind}): no value for widget '{name}'; the node's "
-                                          "definition on the server has more widgets than the saved workflow")
-        if not by_name and pos != len(values):
-            raise ConversionError(
-                f"node {node_id} ({kind}): the workflow stores {len(values)} widget values but the server's "
-                f"definition accounts for {pos}; the node changed since the workflow was saved. Re-save it in the "
-                "editor, or export API format (Workflow > Export (API))")
-        prompt[str(node_id)] = {"class_type": kind, "inputs": inputs,
-                                "_meta": {"title": node.get("title") or info.get("display_name") or kind}}
+        inputs = _node_inputs(node, info, lambda link: _link_source(nodes, links, link))
+        prompt[str(node["id"])] = {"class_type": kind, "inputs": inputs,
+                                   "_meta": {"title": node.get("title") or info.get("display_name") or kind}}
     return prompt
 
 

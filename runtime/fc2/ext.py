@@ -270,6 +270,81 @@ def _failure(reason: str, t0: float, **kw: Any) -> ExtStatus:
     return ExtStatus(ok=False, reason=reason, seconds=time.perf_counter() - t0, **kw)
 
 
+def _earlier_failure(build_dir: Path, t0: float, **kw: Any) -> ExtStatus | None:
+    """The failure remembered in ``build_dir/FAILED.json`` from an earlier build of this exact tag, or None."""
+    failed_marker = build_dir / "FAILED.json"
+    if not failed_marker.is_file():
+        return None
+    try:
+        prior = json.loads(failed_marker.read_text())
+        why = prior.get("reason", "unknown")
+    except (OSError, ValueError):
+        why = "unreadable marker"
+    return _failure(
+        f"an earlier build of this exact configuration failed ({why}); log: {build_dir / 'build-error.log'}; "
+        f"delete {failed_marker} or pass force=True to retry",
+        t0,
+        build_dir=str(build_dir),
+        **kw,
+    )
+
+
+def _compile_failure(e: Exception, build_dir: Path, t0: float, **kw: Any) -> ExtStatus:
+    """A compiler, linker or import error as a status: the full text goes to ``build-error.log``, the first
+    diagnostic into the reason; a compile error is remembered in ``FAILED.json``."""
+    text = f"{type(e).__name__}: {e}"
+    log = build_dir / "build-error.log"
+    try:
+        log.write_text(text)
+    except OSError:
+        pass
+    lines = text.splitlines()
+    # the compiler's or linker's own diagnostic, not ninja's echo of the command line
+    first = next((ln.strip() for ln in lines if "error:" in ln or "undefined reference" in ln),
+                 lines[0] if lines else "unknown error")
+    compile_failed = "Error building extension" in text
+    if compile_failed:
+        try:
+            (build_dir / "FAILED.json").write_text(json.dumps({"reason": first[:500], "time": time.time()}))
+        except OSError:
+            pass
+    kind = "build" if compile_failed else "load"
+    return _failure(f"extension {kind} failed: {first[:500]} (full log: {log}); the FC2 Lt path falls back",
+                    t0, build_dir=str(build_dir), **kw)
+
+
+def _compile(cpp_ext: Any, paths: CudaPaths, build_dir: Path, verbose: bool) -> Any:
+    """``torch.utils.cpp_extension.load`` of the source against ``paths`` (host compiler, no nvcc), with the
+    libraries' directories as rpath. Raises whatever the compiler, linker or import raises."""
+    lib_dirs_used = sorted({os.path.dirname(paths.cublaslt_lib), os.path.dirname(paths.cudart_lib)})
+    ldflags = [paths.cublaslt_lib, paths.cudart_lib] + [f"-Wl,-rpath,{d}" for d in lib_dirs_used]
+    return cpp_ext.load(
+        name=EXT_NAME,
+        sources=[str(SOURCE)],
+        extra_cflags=["-O2"],
+        extra_include_paths=list(paths.include_dirs),
+        extra_ldflags=ldflags,
+        build_directory=str(build_dir),
+        with_cuda=False,
+        verbose=verbose,
+    )
+
+
+def _locate(include_dirs: Iterable[str] | None, lib_dirs: Iterable[str] | None,
+            t0: float) -> tuple[CudaPaths, str] | ExtStatus:
+    """(CUDA paths, build tag), or the failure that stops the build before it starts."""
+    if not SOURCE.is_file():
+        return _failure(f"extension source {SOURCE} is missing from the installed package", t0)
+    try:
+        paths = find_cuda(include_dirs, lib_dirs)
+    except ExtensionUnavailable as e:
+        return _failure(str(e), t0)
+    try:
+        return paths, build_tag(paths)
+    except Exception as e:  # noqa: BLE001 - torch import problems end up here
+        return _failure(f"cannot compute the build tag: {type(e).__name__}: {e}", t0, paths=paths)
+
+
 def load(
     options: RuntimeOptions | None = None,
     *,
@@ -285,39 +360,21 @@ def load(
     """
     options = options or RuntimeOptions.from_env()
     t0 = time.perf_counter()
-    if not SOURCE.is_file():
-        return _failure(f"extension source {SOURCE} is missing from the installed package", t0)
-    try:
-        paths = find_cuda(include_dirs, lib_dirs)
-    except ExtensionUnavailable as e:
-        return _failure(str(e), t0)
-    try:
-        tag = build_tag(paths)
-    except Exception as e:  # noqa: BLE001 - torch import problems end up here
-        return _failure(f"cannot compute the build tag: {type(e).__name__}: {e}", t0, paths=paths)
+    located = _locate(include_dirs, lib_dirs, t0)
+    if isinstance(located, ExtStatus):
+        return located
+    paths, tag = located
     if tag in _LOADED and not force:
         return _LOADED[tag]
     build_dir = Path(options.cache_dir).expanduser() / "ext" / tag
-    failed_marker = build_dir / "FAILED.json"
-    if failed_marker.is_file() and not force:
-        try:
-            prior = json.loads(failed_marker.read_text())
-            why = prior.get("reason", "unknown")
-        except (OSError, ValueError):
-            why = "unreadable marker"
-        return _failure(
-            f"an earlier build of this exact configuration failed ({why}); log: {build_dir / 'build-error.log'}; "
-            f"delete {failed_marker} or pass force=True to retry",
-            t0,
-            tag=tag,
-            build_dir=str(build_dir),
-            paths=paths,
-        )
+    where = dict(tag=tag, paths=paths)
+    earlier = None if force else _earlier_failure(build_dir, t0, **where)
+    if earlier is not None:
+        return earlier
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        return _failure(f"cannot create the build directory {build_dir}: {e}", t0, tag=tag, paths=paths)
-
+        return _failure(f"cannot create the build directory {build_dir}: {e}", t0, **where)
     try:
         import torch.utils.cpp_extension as cpp_ext
 
@@ -325,69 +382,20 @@ def load(
     except Exception as e:  # noqa: BLE001
         return _failure(
             f"ninja is required to build the extension ({e}); `pip install ninja` or install the ninja-build package",
-            t0,
-            tag=tag,
-            build_dir=str(build_dir),
-            paths=paths,
-        )
-
+            t0, build_dir=str(build_dir), **where)
     so_existed = any(build_dir.glob(f"{EXT_NAME}*.so"))
-    lib_dirs_used = sorted({os.path.dirname(paths.cublaslt_lib), os.path.dirname(paths.cudart_lib)})
-    ldflags = [paths.cublaslt_lib, paths.cudart_lib] + [f"-Wl,-rpath,{d}" for d in lib_dirs_used]
     try:
-        module = cpp_ext.load(
-            name=EXT_NAME,
-            sources=[str(SOURCE)],
-            extra_cflags=["-O2"],
-            extra_include_paths=list(paths.include_dirs),
-            extra_ldflags=ldflags,
-            build_directory=str(build_dir),
-            with_cuda=False,
-            verbose=verbose,
-        )
+        module = _compile(cpp_ext, paths, build_dir, verbose)
     except Exception as e:  # noqa: BLE001 - compiler, linker and import errors all land here
-        text = f"{type(e).__name__}: {e}"
-        log = build_dir / "build-error.log"
-        try:
-            log.write_text(text)
-        except OSError:
-            pass
-        lines = text.splitlines()
-        # the compiler's or linker's own diagnostic, not ninja's echo of the command line
-        first = next((ln.strip() for ln in lines if "error:" in ln or "undefined reference" in ln),
-                     lines[0] if lines else "unknown error")
-        compile_failed = "Error building extension" in text
-        if compile_failed:
-            try:
-                failed_marker.write_text(json.dumps({"reason": first[:500], "time": time.time()}))
-            except OSError:
-                pass
-        kind = "build" if compile_failed else "load"
-        status = _failure(
-            f"extension {kind} failed: {first[:500]} (full log: {log}); the FC2 Lt path falls back",
-            t0,
-            tag=tag,
-            build_dir=str(build_dir),
-            paths=paths,
-        )
-        return status
-
+        return _compile_failure(e, build_dir, t0, **where)
     try:
         info = dict(module.build_info())
     except Exception as e:  # noqa: BLE001
-        return _failure(f"extension loaded but build_info() failed: {type(e).__name__}: {e}", t0, tag=tag,
-                        build_dir=str(build_dir), paths=paths)
+        return _failure(f"extension loaded but build_info() failed: {type(e).__name__}: {e}", t0,
+                        build_dir=str(build_dir), **where)
     info["cublaslt_mapped"] = mapped_libraries("libcublasLt.so")
-    status = ExtStatus(
-        ok=True,
-        module=module,
-        tag=tag,
-        build_dir=str(build_dir),
-        seconds=time.perf_counter() - t0,
-        built_now=not so_existed,
-        paths=paths,
-        build_info=info,
-    )
+    status = ExtStatus(ok=True, module=module, tag=tag, build_dir=str(build_dir), seconds=time.perf_counter() - t0,
+                       built_now=not so_existed, paths=paths, build_info=info)
     _LOADED[tag] = status
     return status
 

@@ -20,18 +20,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import re
+import signal
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from .guard import Fc2Environment, Fc2Operands
-
+from . import ext
+from .guard import Fc2Environment
 from .table import AlgoSpec, ENTRY_SCHEMA, Fc2Entry, KINDS, ROLE_FC2, table_dir
 from ..options import RuntimeOptions
 from .operands import DEFAULT_SCALE_MODE, REFERENCE_NAME, compare_bytes, reference_gemm, synthetic_operands
@@ -159,11 +163,6 @@ def tune_subprocess(*, dtype: str, m_logical: int, m_padded: int, n: int, k: int
     ``-X faulthandler`` and, with ``trace``, ``H3_FC2_LT_TRACE=1`` (every cublasLtMatmul argument on stderr);
     its stderr goes to ``log_path`` (default: a temporary file) and its tail into errors.
     """
-    import os
-    import signal
-    import subprocess
-    import tempfile
-
     with tempfile.TemporaryDirectory(prefix="tune-fc2-") as td:
         evidence = Path(td) / "result.json"
         entry_out = Path(td) / "entry.json"
@@ -216,6 +215,239 @@ def tune_subprocess(*, dtype: str, m_logical: int, m_padded: int, n: int, k: int
                         + (text.strip().splitlines() or ["(no output)"])[-1], rc, tail)
 
 
+class _Bench:
+    """The state one sweep shares between its steps: the plan module's Problem, the operands of the current seed
+    and their reference output, the output buffer and the pinned candidates' workspace."""
+
+    def __init__(self, mod: Any, *, dtype: str, m_logical: int, m_padded: int, n: int, k: int,
+                 device: torch.device, scale_mode: str, workspace_limit: int, say: Callable[[str], None]):
+        self.dtype, self.m_logical, self.m_padded, self.n, self.k = dtype, m_logical, m_padded, n, k
+        self.device, self.scale_mode, self.say = device, scale_mode, say
+        self.pointer_mode = "device" if dtype == "nvfp4" else "host"
+        self.prob = mod.Problem(dtype, m_padded, n, k, self.pointer_mode, scale_mode)
+        self.new_seed(0)
+        self.out = torch.empty((m_padded, n), dtype=torch.bfloat16, device=device)
+        self.ws_buf = torch.empty(workspace_limit, dtype=torch.uint8, device=device) if workspace_limit else None
+
+    def new_seed(self, seed: int) -> None:
+        """Synthetic operands of ``seed`` and their reference output (the previous ones are freed first)."""
+        self.ops = self.ref = None
+        self.ops = synthetic_operands(self.dtype, self.m_logical, self.m_padded, self.n, self.k, self.device,
+                                      seed=seed, scale_mode=self.scale_mode)
+        self.ref = reference_gemm(self.ops, self.dtype, self.scale_mode)
+        _sync(self.device)
+
+    def run_plan(self, plan, dst: torch.Tensor | None = None, ws: torch.Tensor | None = None) -> int:
+        """The plan's cublasStatus_t on the current operands into ``dst`` (default: ``out``); -1 when the
+        extension refuses the operands (a ValueError)."""
+        o = self.ops
+        try:
+            return plan.run(o.x, o.w, self.out if dst is None else dst, o.x_scale, o.w_scale,
+                            o.alpha if self.pointer_mode == "device" else None, 1.0,
+                            ws if ws is not None else self.ws_buf, _stream_handle(self.device))
+        except ValueError as e:
+            self.say(f"  operands refused by a plan: {e}")
+            return -1
+
+    def run_fresh(self, plan, ws: torch.Tensor | None = None) -> tuple[int, dict[str, Any]]:
+        """Run ``plan`` into a NaN-filled ``out``; (status, byte comparison with the reference)."""
+        self.out.fill_(float("nan"))
+        st = self.run_plan(plan, ws=ws)
+        _sync(self.device)
+        return st, compare_bytes(self.out, self.ref)
+
+
+def _heuristic_baseline(bench: _Bench, heuristic_workspace: int) -> tuple[Any, torch.Tensor | None, dict[str, Any]]:
+    """The heuristic's own (unpinned) first choice with ``heuristic_workspace`` bytes: the timing baseline.
+    Returns (plan, its workspace buffer or None, its evidence)."""
+    plan = bench.prob.heuristic_plan(0, heuristic_workspace, False)
+    info = dict(plan.info())
+    ws = None
+    if plan.ok and plan.workspace_required:
+        ws = torch.empty(int(plan.workspace_required), dtype=torch.uint8, device=bench.device)
+    heur = {"ok": plan.ok, "config": info.get("config"), "stage": info["stage"], "message": info["message"],
+            "workspace_limit": heuristic_workspace, "workspace_required": info["workspace_required"]}
+    if plan.ok:
+        st, cmp = bench.run_fresh(plan, ws)
+        heur.update(status=st, **{f"vs_reference_{k}": v for k, v in cmp.items()})
+    bench.say(f"  heuristic choice: {heur.get('config') or heur['message']}")
+    return plan, ws, heur
+
+
+def _candidates(bench: _Bench, workspace_limit: int) -> tuple[list[int], Iterator[dict[str, int]]]:
+    """(algo ids, every candidate configuration once): the library's own picks first (split-K forced to 1),
+    then every id's space, interleaved."""
+    prob = bench.prob
+    try:
+        heur_list = list(prob.heuristic(64, workspace_limit, True)) + list(prob.heuristic(64, workspace_limit, False))
+    except RuntimeError as e:
+        heur_list = []
+        bench.say(f"  heuristic list unavailable: {e}")
+    ids = list(prob.algo_ids(1024))
+    caps = {i: dict(prob.algo_caps(i)) for i in ids}
+
+    def all_candidates() -> Iterator[dict[str, int]]:
+        for r in heur_list:
+            if r.get("config"):
+                yield pinnable(r["config"])
+        yield from round_robin(candidate_configs(caps[i]) for i in ids)
+
+    return ids, unique(all_candidates())
+
+
+def _legal_plans(bench: _Bench, candidates: Iterable[dict[str, int]], workspace_limit: int,
+                 check_seconds: float) -> dict[str, Any]:
+    """AlgoCheck every candidate (within ``check_seconds``) for the exact shape and ``workspace_limit``.
+    Returns {"legal": [(config, plan)], "refused": {stage: count}, "checked", "truncated",
+    "ws_needed": the least workspace among configurations refused only for their workspace, or None}."""
+    legal: list[tuple[dict, Any]] = []
+    refused: dict[str, int] = {}
+    ws_needed: int | None = None
+    checked = 0
+    truncated = False
+    t0 = time.perf_counter()
+    for cfg in candidates:
+        if time.perf_counter() - t0 > check_seconds:
+            truncated = True
+            break
+        checked += 1
+        plan = bench.prob.pinned_plan(cfg, workspace_limit)
+        if plan.ok:
+            legal.append((cfg, plan))
+        else:
+            pinfo = plan.info()
+            stage, need = pinfo["stage"], int(pinfo.get("workspace_required") or 0)
+            refused[stage] = refused.get(stage, 0) + 1
+            if stage == "workspace" and need > 0:
+                ws_needed = need if ws_needed is None else min(ws_needed, need)
+    return {"legal": legal, "refused": refused, "checked": checked, "truncated": truncated, "ws_needed": ws_needed}
+
+
+def _exact_on_first_seed(bench: _Bench, legal: list[tuple[dict, Any]], max_candidates: int,
+                         run_seconds: float) -> tuple[list[dict[str, Any]], bool]:
+    """Run the first ``max_candidates`` legal plans (within ``run_seconds``) on the current seed; each result
+    records its status, whether its bytes equal the reference and, when they do, a rough time.
+    Returns (results, truncated)."""
+    results: list[dict[str, Any]] = []
+    truncated = len(legal) > max_candidates
+    t0 = time.perf_counter()
+    for cfg, plan in legal[:max_candidates]:
+        if time.perf_counter() - t0 > run_seconds:
+            truncated = True
+            break
+        st, cmp = bench.run_fresh(plan)
+        if st != 0:
+            results.append({"config": cfg, "status": st, "exact": False})
+            continue
+        ms = _time_ms(lambda: bench.run_plan(plan), bench.device) if cmp["equal"] else None
+        results.append({"config": cfg, "status": 0, "exact": cmp["equal"], "mismatched": cmp["mismatched"],
+                        "rough_ms": ms, "plan": plan})
+    return results, truncated
+
+
+def _robust_finalists(bench: _Bench, finalists: list[dict[str, Any]],
+                      seed_list: list[int]) -> tuple[list[dict[str, Any]], dict[str, bool]]:
+    """Keep the finalists that stay byte-identical on every further seed (a failure is recorded as
+    ``failed_seed``) and give the same bytes on two runs. The bench is left on the last seed's operands.
+    Returns (finalists, {str(config_key): deterministic})."""
+    for s in seed_list[1:]:
+        if not finalists:
+            break
+        bench.new_seed(s)
+        keep = []
+        for r in finalists:
+            bench.out.fill_(float("nan"))
+            bench.run_plan(r["plan"])
+            if compare_bytes(bench.out, bench.ref)["equal"]:
+                keep.append(r)
+            else:
+                r["failed_seed"] = s
+        finalists = keep
+    deterministic = {}
+    for r in finalists:
+        a = torch.empty_like(bench.out)
+        bench.run_plan(r["plan"])
+        bench.run_plan(r["plan"], a)
+        deterministic[str(config_key(r["config"]))] = bool(torch.equal(bench.out.view(torch.int16),
+                                                                       a.view(torch.int16)))
+        del a
+    return [r for r in finalists if deterministic[str(config_key(r["config"]))]], deterministic
+
+
+def _alternating_timing(bench: _Bench, finalists: list[dict[str, Any]], heur_plan: Any, heur_ws: torch.Tensor | None,
+                        heur: Mapping[str, Any], rounds: int) -> dict[str, dict[str, float]]:
+    """p50/min/max/mean per contender (``pinned<i>``, ``heuristic`` when it ran, ``reference``), timed in
+    alternating order after one warm-up call each."""
+    contenders: dict[str, Callable[[], Any]] = {}
+    for i, r in enumerate(finalists):
+        contenders[f"pinned{i}"] = (lambda p=r["plan"]: bench.run_plan(p))
+    if heur_plan.ok and heur.get("status") == 0:
+        contenders["heuristic"] = lambda: bench.run_plan(heur_plan, ws=heur_ws)
+    contenders["reference"] = lambda: reference_gemm(bench.ops, bench.dtype, bench.scale_mode)
+    samples: dict[str, list[float]] = {name: [] for name in contenders}
+    for fn in contenders.values():  # warm-up
+        fn()
+    _sync(bench.device)
+    for order in alternating_order(list(contenders), rounds):
+        for name in order:
+            samples[name].append(_time_ms(contenders[name], bench.device))
+    return {name: summarize_ms(v) for name, v in samples.items()}
+
+
+def _entry(env: Fc2Environment, bench: _Bench, role: str, winner_info: Mapping[str, Any], producer: str | None,
+           evidence: dict[str, Any]) -> Fc2Entry:
+    """The table entry that pins the winner's configuration for this environment and shape."""
+    return Fc2Entry(
+        name=entry_name(env.device_name, role, bench.dtype, bench.m_logical),
+        role=role,
+        cc=env.cc,  # type: ignore[arg-type]
+        sm_count=int(env.sm_count or 0),
+        device_name=env.device_name,
+        cuda_header=(env.cuda_header // 1000, (env.cuda_header % 1000) // 10),
+        cublas_header=(env.cublas_header // 10000, (env.cublas_header % 10000) // 100),
+        cuda_runtime=int(env.cuda_runtime),
+        cublaslt_runtime=int(env.cublaslt_runtime),
+        dtype=bench.dtype,
+        out_dtype="bf16",
+        m_logical=bench.m_logical,
+        m_padded=bench.m_padded,
+        n=bench.n,
+        k=bench.k,
+        algo=AlgoSpec.from_dict(winner_info["config"]),
+        workspace_bytes=int(winner_info["workspace_required"]),
+        pointer_mode=bench.pointer_mode,
+        scale_mode=bench.scale_mode,
+        producer=producer,
+        source="h3-blackwell tune-fc2",
+        evidence=evidence,
+    )
+
+
+def _open_bench(*, dtype: str, m_logical: int, m_padded: int, n: int, k: int, options: RuntimeOptions | None,
+                device: torch.device | str, workspace_limit: int, scale_mode: str | None, module: Any,
+                say: Callable[[str], None]) -> tuple[_Bench, Fc2Environment, dict[str, Any]]:
+    """Check the arguments, select the device, load the plan module and build the seed-0 bench.
+    Returns (bench, the plans' environment, the module's build info)."""
+    options = options or RuntimeOptions.from_env()
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if dtype not in KINDS:
+        raise TuneError(f"dtype {dtype!r}; expected one of {KINDS}")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    mod = module if module is not None else ext.require(options)
+    info = dict(mod.build_info())
+    env = Fc2Environment.from_build_info(info)
+    if env.cc is None:
+        raise TuneError(f"no device for the plans: {env.device_error}")
+    say(f"tune-fc2: {env.device_name} sm_{env.cc[0]}{env.cc[1]} x{env.sm_count} SMs, cuBLASLt {env.cublaslt_runtime}, "
+        f"{dtype} M={m_logical}/{m_padded} N={n} K={k}")
+    bench = _Bench(mod, dtype=dtype, m_logical=m_logical, m_padded=m_padded, n=n, k=k, device=device,
+                   scale_mode=scale_mode or DEFAULT_SCALE_MODE[dtype], workspace_limit=workspace_limit, say=say)
+    return bench, env, info
+
+
 def tune(*, dtype: str, m_logical: int, m_padded: int, n: int, k: int, role: str = ROLE_FC2,
          options: RuntimeOptions | None = None, device: torch.device | str = "cuda", workspace_limit: int = 0,
          scale_mode: str | None = None, producer: str | None = None, max_candidates: int = 300, top: int = 6,
@@ -230,175 +462,26 @@ def tune(*, dtype: str, m_logical: int, m_padded: int, n: int, k: int, role: str
     plan module (default: the compiled extension through ``ext.require``); tests pass a CPU stand-in
     with the same Problem/Plan interface.
     """
-    from . import ext
-
-    options = options or RuntimeOptions.from_env()
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if dtype not in KINDS:
-        raise TuneError(f"dtype {dtype!r}; expected one of {KINDS}")
-    scale_mode = scale_mode or DEFAULT_SCALE_MODE[dtype]
-    pointer_mode = "device" if dtype == "nvfp4" else "host"
     t_start = time.perf_counter()
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    mod = module if module is not None else ext.require(options)
-    info = dict(mod.build_info())
-    env = Fc2Environment.from_build_info(info)
-    if env.cc is None:
-        raise TuneError(f"no device for the plans: {env.device_error}")
-    say(f"tune-fc2: {env.device_name} sm_{env.cc[0]}{env.cc[1]} x{env.sm_count} SMs, cuBLASLt {env.cublaslt_runtime}, "
-        f"{dtype} M={m_logical}/{m_padded} N={n} K={k}")
-
-    prob = mod.Problem(dtype, m_padded, n, k, pointer_mode, scale_mode)
-    ops = synthetic_operands(dtype, m_logical, m_padded, n, k, device, seed=0, scale_mode=scale_mode)
-    ref = reference_gemm(ops, dtype, scale_mode)
-    _sync(device)
-    out = torch.empty((m_padded, n), dtype=torch.bfloat16, device=device)
-    stream = lambda: _stream_handle(device)  # noqa: E731
-    ws_buf = torch.empty(workspace_limit, dtype=torch.uint8, device=device) if workspace_limit else None
-
-    def run_plan(plan, o: Fc2Operands, dst: torch.Tensor, ws: torch.Tensor | None = None) -> int:
-        """The plan's cublasStatus_t; -1 when the extension refuses the operands (a ValueError)."""
-        try:
-            return plan.run(o.x, o.w, dst, o.x_scale, o.w_scale, o.alpha if pointer_mode == "device" else None, 1.0,
-                            ws if ws is not None else ws_buf, stream())
-        except ValueError as e:
-            say(f"  operands refused by a plan: {e}")
-            return -1
-
-    # -- the heuristic's own choice (unpinned): the timing baseline --------------------------------
-    heur_plan = prob.heuristic_plan(0, heuristic_workspace, False)
-    heur_info = dict(heur_plan.info())
-    heur_ws = None
-    if heur_plan.ok and heur_plan.workspace_required:
-        heur_ws = torch.empty(int(heur_plan.workspace_required), dtype=torch.uint8, device=device)
-    heur = {"ok": heur_plan.ok, "config": heur_info.get("config"), "stage": heur_info["stage"],
-            "message": heur_info["message"], "workspace_limit": heuristic_workspace,
-            "workspace_required": heur_info["workspace_required"]}
-    if heur_plan.ok:
-        out.fill_(float("nan"))
-        st = run_plan(heur_plan, ops, out, heur_ws)
-        _sync(device)
-        heur.update(status=st, **{f"vs_reference_{k}": v for k, v in compare_bytes(out, ref).items()})
-    say(f"  heuristic choice: {heur.get('config') or heur['message']}")
-
-    # -- candidates ------------------------------------------------------------------------------
-    try:
-        heur_list = list(prob.heuristic(64, workspace_limit, True)) + list(prob.heuristic(64, workspace_limit, False))
-    except RuntimeError as e:
-        heur_list = []
-        say(f"  heuristic list unavailable: {e}")
-    ids = list(prob.algo_ids(1024))
-    caps = {i: dict(prob.algo_caps(i)) for i in ids}
-
-    def all_candidates() -> Iterator[dict[str, int]]:
-        # the library's own picks first (split-K forced to 1), then every id's space, interleaved
-        for r in heur_list:
-            if r.get("config"):
-                yield pinnable(r["config"])
-        yield from round_robin(candidate_configs(caps[i]) for i in ids)
-
-    legal: list[tuple[dict, Any]] = []
-    refused: dict[str, int] = {}
-    ws_needed: int | None = None  # the least workspace among configurations refused only for their workspace
-    checked = 0
-    truncated_checks = False
-    t0 = time.perf_counter()
-    for cfg in unique(all_candidates()):
-        if time.perf_counter() - t0 > check_seconds:
-            truncated_checks = True
-            break
-        checked += 1
-        plan = prob.pinned_plan(cfg, workspace_limit)
-        if plan.ok:
-            legal.append((cfg, plan))
-        else:
-            pinfo = plan.info()
-            stage, need = pinfo["stage"], int(pinfo.get("workspace_required") or 0)
-            refused[stage] = refused.get(stage, 0) + 1
-            if stage == "workspace" and need > 0:
-                ws_needed = need if ws_needed is None else min(ws_needed, need)
-    say(f"  {len(ids)} algo ids, {checked} configurations checked, {len(legal)} legal "
+    bench, env, info = _open_bench(dtype=dtype, m_logical=m_logical, m_padded=m_padded, n=n, k=k, options=options,
+                                   device=device, workspace_limit=workspace_limit, scale_mode=scale_mode,
+                                   module=module, say=say)
+    heur_plan, heur_ws, heur = _heuristic_baseline(bench, heuristic_workspace)
+    ids, candidates = _candidates(bench, workspace_limit)
+    sweep = _legal_plans(bench, candidates, workspace_limit, check_seconds)
+    legal, refused, ws_needed = sweep["legal"], sweep["refused"], sweep["ws_needed"]
+    say(f"  {len(ids)} algo ids, {sweep['checked']} configurations checked, {len(legal)} legal "
         f"({', '.join(f'{k} {v}' for k, v in sorted(refused.items())) or 'none refused'})")
     if not legal and ws_needed is not None:
         say(f"  every configuration that passed AlgoCheck needs workspace (at least {ws_needed} bytes) and the limit "
             f"is {workspace_limit}: run again with a workspace limit (--workspace-mb) of at least that")
-
-    # -- exactness on seed 0 + a rough time --------------------------------------------------------
-    results: list[dict[str, Any]] = []
-    truncated_runs = False
-    t0 = time.perf_counter()
-    for cfg, plan in legal[:max_candidates]:
-        if time.perf_counter() - t0 > run_seconds:
-            truncated_runs = True
-            break
-        out.fill_(float("nan"))
-        st = run_plan(plan, ops, out)
-        _sync(device)
-        if st != 0:
-            results.append({"config": cfg, "status": st, "exact": False})
-            continue
-        cmp = compare_bytes(out, ref)
-        ms = _time_ms(lambda: run_plan(plan, ops, out), device) if cmp["equal"] else None
-        results.append({"config": cfg, "status": 0, "exact": cmp["equal"], "mismatched": cmp["mismatched"],
-                        "rough_ms": ms, "plan": plan})
-    if len(legal) > max_candidates:
-        truncated_runs = True
+    results, truncated_runs = _exact_on_first_seed(bench, legal, max_candidates, run_seconds)
     exact = sorted((r for r in results if r["exact"]), key=lambda r: r["rough_ms"])
     say(f"  {len(results)} executed, {len(exact)} byte-identical to the reference")
-
-    # -- robustness: more seeds, determinism --------------------------------------------------------
-    finalists = exact[: max(top, 1)]
     seed_list = list(range(seeds))
-    for s in seed_list[1:]:
-        if not finalists:
-            break
-        del ops, ref
-        ops = synthetic_operands(dtype, m_logical, m_padded, n, k, device, seed=s, scale_mode=scale_mode)
-        ref = reference_gemm(ops, dtype, scale_mode)
-        keep = []
-        for r in finalists:
-            out.fill_(float("nan"))
-            run_plan(r["plan"], ops, out)
-            if compare_bytes(out, ref)["equal"]:
-                keep.append(r)
-            else:
-                r["failed_seed"] = s
-        finalists = keep
-    deterministic = {}
-    for r in finalists:
-        a = torch.empty_like(out)
-        run_plan(r["plan"], ops, out)
-        run_plan(r["plan"], ops, a)
-        deterministic[str(config_key(r["config"]))] = bool(torch.equal(out.view(torch.int16), a.view(torch.int16)))
-        del a
-    finalists = [r for r in finalists if deterministic[str(config_key(r["config"]))]]
-
-    # -- alternating timing --------------------------------------------------------------------------
-    contenders: dict[str, Callable[[], Any]] = {}
-    for i, r in enumerate(finalists):
-        contenders[f"pinned{i}"] = (lambda p=r["plan"]: run_plan(p, ops, out))
-    if heur_plan.ok and heur.get("status") == 0:
-        contenders["heuristic"] = lambda: run_plan(heur_plan, ops, out, heur_ws)
-    contenders["reference"] = lambda: reference_gemm(ops, dtype, scale_mode)
-    samples: dict[str, list[float]] = {name: [] for name in contenders}
-    for name, fn in contenders.items():  # warm-up
-        fn()
-    _sync(device)
-    for order in alternating_order(list(contenders), rounds):
-        for name in order:
-            samples[name].append(_time_ms(contenders[name], device))
-    timing = {name: summarize_ms(v) for name, v in samples.items()}
+    finalists, deterministic = _robust_finalists(bench, exact[: max(top, 1)], seed_list)
+    timing = _alternating_timing(bench, finalists, heur_plan, heur_ws, heur, rounds)
     flop = 2.0 * m_padded * n * k
-    tflops = {name: round(flop / (t["p50"] * 1e-3) / 1e12, 2) for name, t in timing.items()}
-
-    winner = None
-    if finalists:
-        best_i = min(range(len(finalists)), key=lambda i: timing[f"pinned{i}"]["p50"])
-        winner = finalists[best_i]
-        winner_name = f"pinned{best_i}"
     evidence: dict[str, Any] = {
         "tool": "h3-blackwell tune-fc2",
         "command": command,
@@ -408,13 +491,14 @@ def tune(*, dtype: str, m_logical: int, m_padded: int, n: int, k: int, role: str
         "torch_cuda": torch.version.cuda,
         "build_info": info,
         "problem": {"dtype": dtype, "role": role, "m_logical": m_logical, "m_padded": m_padded, "n": n, "k": k,
-                    "pointer_mode": pointer_mode, "scale_mode": scale_mode, "workspace_limit": workspace_limit,
+                    "pointer_mode": bench.pointer_mode, "scale_mode": bench.scale_mode,
+                    "workspace_limit": workspace_limit,
                     "padding_rows": "zero (as the producer writes them)", "compared_rows": "all m_padded rows"},
         "reference": REFERENCE_NAME[dtype],
         "heuristic": heur,
-        "sweep": {"algo_ids": ids, "configurations_checked": checked, "legal": len(legal), "refused_by_stage": refused,
-                  "least_workspace_refused": ws_needed,
-                  "executed": len(results), "exact_seed0": len(exact), "truncated_checks": truncated_checks,
+        "sweep": {"algo_ids": ids, "configurations_checked": sweep["checked"], "legal": len(legal),
+                  "refused_by_stage": refused, "least_workspace_refused": ws_needed,
+                  "executed": len(results), "exact_seed0": len(exact), "truncated_checks": sweep["truncated"],
                   "truncated_runs": truncated_runs, "max_candidates": max_candidates},
         "seeds": seed_list,
         "finalists": [{"name": f"pinned{i}", "config": r["config"], "rough_ms": r["rough_ms"]}
@@ -422,49 +506,37 @@ def tune(*, dtype: str, m_logical: int, m_padded: int, n: int, k: int, role: str
         "rejected_on_seed": [{"config": r["config"], "seed": r["failed_seed"]} for r in exact if "failed_seed" in r],
         "deterministic": deterministic,
         "timing": {"order": "alternating (forward on even rounds, reversed on odd)", "rounds": rounds,
-                   "ms": timing, "tflops_p50": tflops},
+                   "ms": timing, "tflops_p50": {name: round(flop / (t["p50"] * 1e-3) / 1e12, 2)
+                                                for name, t in timing.items()}},
         "inexact_examples": [{"config": r["config"], "mismatched": r.get("mismatched"), "status": r["status"]}
                              for r in results if not r["exact"]][:10],
         "seconds": round(time.perf_counter() - t_start, 2),
     }
-    if winner is None:
+    if not finalists:
         say("  no configuration was byte-identical to the reference on every seed: no entry written")
         return {"entry": None, "evidence": evidence}
-    info_w = dict(winner["plan"].info())
+    return {"entry": _record_winner(bench, env, role, producer, finalists, timing, evidence).to_json(),
+            "evidence": evidence}
+
+
+def _record_winner(bench: _Bench, env: Fc2Environment, role: str, producer: str | None,
+                   finalists: list[dict[str, Any]], timing: Mapping[str, Mapping[str, float]],
+                   evidence: dict[str, Any]) -> Fc2Entry:
+    """The fastest finalist (p50): its evidence and speed-ups go into ``evidence``; returns its entry."""
+    best_i = min(range(len(finalists)), key=lambda i: timing[f"pinned{i}"]["p50"])
+    winner_name = f"pinned{best_i}"
+    info_w = dict(finalists[best_i]["plan"].info())
     p50w = timing[winner_name]["p50"]
     evidence["winner"] = {"name": winner_name, "config": info_w["config"], "p50_ms": p50w,
                           "waves": info_w["waves"], "workspace_required": info_w["workspace_required"]}
     if "heuristic" in timing:
         evidence["speedup_vs_heuristic"] = round(timing["heuristic"]["p50"] / p50w, 4)
     evidence["speedup_vs_reference"] = round(timing["reference"]["p50"] / p50w, 4)
-    entry = Fc2Entry(
-        name=entry_name(env.device_name, role, dtype, m_logical),
-        role=role,
-        cc=env.cc,  # type: ignore[arg-type]
-        sm_count=int(env.sm_count or 0),
-        device_name=env.device_name,
-        cuda_header=(env.cuda_header // 1000, (env.cuda_header % 1000) // 10),
-        cublas_header=(env.cublas_header // 10000, (env.cublas_header % 10000) // 100),
-        cuda_runtime=int(env.cuda_runtime),
-        cublaslt_runtime=int(env.cublaslt_runtime),
-        dtype=dtype,
-        out_dtype="bf16",
-        m_logical=m_logical,
-        m_padded=m_padded,
-        n=n,
-        k=k,
-        algo=AlgoSpec.from_dict(info_w["config"]),
-        workspace_bytes=int(info_w["workspace_required"]),
-        pointer_mode=pointer_mode,
-        scale_mode=scale_mode,
-        producer=producer,
-        source="h3-blackwell tune-fc2",
-        evidence=evidence,
-    )
-    say(f"  winner {info_w['config']} p50 {p50w:.3f} ms"
-        + (f", heuristic {timing['heuristic']['p50']:.3f} ms" if "heuristic" in timing else "")
-        + f", reference {timing['reference']['p50']:.3f} ms")
-    return {"entry": entry.to_json(), "evidence": evidence}
+    entry = _entry(env, bench, role, info_w, producer, evidence)
+    bench.say(f"  winner {info_w['config']} p50 {p50w:.3f} ms"
+              + (f", heuristic {timing['heuristic']['p50']:.3f} ms" if "heuristic" in timing else "")
+              + f", reference {timing['reference']['p50']:.3f} ms")
+    return entry
 
 
 # ----------------------------------------------------------------------------------------------

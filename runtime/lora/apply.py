@@ -590,21 +590,18 @@ def apply_loras(rt, specs: Iterable) -> dict:
     return rep
 
 
-@torch.no_grad()
-def _apply(rt, specs: list[LoraSpec]) -> dict:
-    t0 = time.perf_counter()
-    matches = _read_all(rt, specs)
-    model = rt.model
-    mods = dict(model.named_modules())
-    nv_cls = _nvfp4_linear_cls()
-    st = _state(model)
-    source = _Source(rt, st.source_cache)
-    model_device = model.device
-    # group the updates: merges per tensor, side terms per module, in stack order
+def _new_report() -> dict:
+    return {"loras": [], "merged_nvfp4": [], "merged_dense": [], "side": [], "skipped": [], "base_weights": {},
+            "notes": [], "fc2_side": []}
+
+
+def _group_updates(specs: list[LoraSpec], matches: list[LoraMatch], mods: dict, model_device: torch.device,
+                   report: dict) -> tuple[dict[tuple[str, str], list], dict[str, list]]:
+    """The updates of the stack grouped, in stack order: merges per (module, param) as (strength, update),
+    side terms per module as (strength, update, file name). Side-mode low-rank updates of modules off the
+    model's device, and every diff, are merged (the report's notes say so)."""
     merges: dict[tuple[str, str], list] = {}
     sides: dict[str, list] = {}
-    report = {"loras": [], "merged_nvfp4": [], "merged_dense": [], "side": [], "skipped": [], "base_weights": {},
-              "notes": [], "fc2_side": []}
     for sp, m in zip(specs, matches):
         entry = {"file": m.file.name, "path": m.file.path, "strength": sp.strength, "mode": sp.mode,
                  "naming": m.forms, "alpha": m.alpha_source, "targets": len(m.targets), "updates": len(m.updates),
@@ -631,11 +628,66 @@ def _apply(rt, specs: list[LoraSpec]) -> dict:
                                    "memory, computed once per run outside the module), so their side-mode updates "
                                    "were merged: " + ", ".join(sorted(off_device)[:3])
                                    + (" ..." if len(off_device) > 3 else ""))
+    return merges, sides
+
+
+def _refuse_awq_merges(merges: dict[tuple[str, str], list], mods: dict, nv_cls: type) -> None:
+    """Raise (before anything changes) when a weight merge targets an AWQ-smoothed NVFP4 layer."""
     for (mname, pname) in merges:
         pqs = getattr(mods[mname], "pre_quant_scale", None) if isinstance(mods[mname], nv_cls) else None
         if pname == "weight" and pqs is not None:
             raise LoraError(f"{mname} is an AWQ-smoothed NVFP4 layer (pre_quant_scale); merging a LoRA into it is not "
                             "supported. Nothing was changed; use mode 'side' for this LoRA")
+
+
+def _install_sides(rt, st: _State, sides: dict[str, list], mods: dict, nv_cls: type, report: dict) -> None:
+    """One LoraSide per module (at the layer's compute dtype, on its device) with its terms, hooked in."""
+    for mname, terms in sides.items():
+        module = mods[mname]
+        side_dtype = (module.out_dtype or rt.dtype) if isinstance(module, nv_cls) else module.weight.dtype
+        dev = module.packed.device if isinstance(module, nv_cls) else module.weight.device
+        side = LoraSide(mname, module.in_features, module.out_features, side_dtype, dev)
+        for s, u, fname in terms:
+            side.add_term(u, s, fname)
+        st.sides[mname] = (module, _install_side(mname, module, side))
+        report["side"].append(mname)
+        if _FC2.match(mname):
+            report["fc2_side"].append(mname)
+    if st.sides:
+        _install_stack(rt.model, st)
+
+
+def _finish_report(rt, st: _State, mods: dict, nv_cls: type, report: dict) -> None:
+    """What the model now holds: originals kept, side bytes, which stack merged, the FC2 guard's refusal."""
+    report["originals"] = {"from_source": sum(r.backup is None for r in st.originals.values()),
+                           "host_copies": sum(r.backup is not None for r in st.originals.values()),
+                           "host_copy_bytes": sum(r.nbytes() for r in st.originals.values())}
+    report["side_bytes"] = sum(m.__dict__[_SIDE].nbytes() for m, _ in st.sides.values())
+    report["stack"] = "dense reference stack (merge = into the dense weights)" if not any(
+        isinstance(m, nv_cls) for m in mods.values()) else "NVFP4 stack (merge = re-quantized NVFP4)"
+    if report["fc2_side"]:
+        stack = getattr(rt.model, "stack", None)
+        disp = (getattr(rt, "fc2", None) or getattr(stack, "fc2", None)) is not None
+        report["fc2_guard"] = ("refused on every FC2 call of " + ", ".join(report["fc2_side"])
+                               + ": reason 'lora: LoRA side-path active on fc2' (the pinned GEMM has no LoRA term)"
+                               + ("" if disp else "; no FC2 dispatcher is active on this stack"))
+
+
+@torch.no_grad()
+def _apply(rt, specs: list[LoraSpec]) -> dict:
+    """Validate every file, then restore the model's originals and apply ``specs`` (merges, then side paths);
+    any failure restores the originals before it propagates. Returns the report."""
+    t0 = time.perf_counter()
+    matches = _read_all(rt, specs)
+    model = rt.model
+    mods = dict(model.named_modules())
+    nv_cls = _nvfp4_linear_cls()
+    st = _state(model)
+    source = _Source(rt, st.source_cache)
+    model_device = model.device
+    report = _new_report()
+    merges, sides = _group_updates(specs, matches, mods, model_device, report)
+    _refuse_awq_merges(merges, mods, nv_cls)
     try:
         _restore_all(rt, st, source)
         for (mname, pname), entries in merges.items():
@@ -644,36 +696,13 @@ def _apply(rt, specs: list[LoraSpec]) -> dict:
                 _merge_nvfp4(st, mname, module, entries, source, report)
             else:
                 _merge_dense(st, f"{mname}.{pname}", getattr(module, pname), entries, source, report, model_device)
-        for mname, terms in sides.items():
-            module = mods[mname]
-            side_dtype = (module.out_dtype or rt.dtype) if isinstance(module, nv_cls) else module.weight.dtype
-            dev = module.packed.device if isinstance(module, nv_cls) else module.weight.device
-            side = LoraSide(mname, module.in_features, module.out_features, side_dtype, dev)
-            for s, u, fname in terms:
-                side.add_term(u, s, fname)
-            st.sides[mname] = (module, _install_side(mname, module, side))
-            report["side"].append(mname)
-            if _FC2.match(mname):
-                report["fc2_side"].append(mname)
-        if st.sides:
-            _install_stack(model, st)
+        _install_sides(rt, st, sides, mods, nv_cls, report)
     except BaseException:
         _restore_all(rt, st, source)  # never leave a half-applied stack behind
         st.signature, st.report = (), None
         rt.backends.pop("lora", None)
         raise
-    report["originals"] = {"from_source": sum(r.backup is None for r in st.originals.values()),
-                           "host_copies": sum(r.backup is not None for r in st.originals.values()),
-                           "host_copy_bytes": sum(r.nbytes() for r in st.originals.values())}
-    report["side_bytes"] = sum(m.__dict__[_SIDE].nbytes() for m, _ in st.sides.values())
-    report["stack"] = "dense reference stack (merge = into the dense weights)" if not any(
-        isinstance(m, nv_cls) for m in mods.values()) else "NVFP4 stack (merge = re-quantized NVFP4)"
-    if report["fc2_side"]:
-        stack = getattr(model, "stack", None)
-        disp = (getattr(rt, "fc2", None) or getattr(stack, "fc2", None)) is not None
-        report["fc2_guard"] = ("refused on every FC2 call of " + ", ".join(report["fc2_side"])
-                               + ": reason 'lora: LoRA side-path active on fc2' (the pinned GEMM has no LoRA term)"
-                               + ("" if disp else "; no FC2 dispatcher is active on this stack"))
+    _finish_report(rt, st, mods, nv_cls, report)
     report["seconds"] = round(time.perf_counter() - t0, 3)
     st.signature = tuple(sp.signature() for sp in specs)
     st.report = report

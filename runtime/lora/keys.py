@@ -282,11 +282,9 @@ class _Resolver:
         return ("blocks." if m.group(1) == "transformer_blocks" else "token_refiner.blocks.") + m.group(2)
 
 
-def match_lora(lf: LoraFile, model: nn.Module, cfg) -> LoraMatch:
-    """Map every key of ``lf`` onto ``model``; raise ONE LoraError listing every problem.
-
-    model: the H3Model (ComfyUI module names); cfg: its H3Config (curve form decides the AdaLN skip).
-    """
+def _group_keys(lf: LoraFile) -> tuple[dict[tuple[str, str], _Group], list[str], list[str], list[dict]]:
+    """Sort the file's keys into one group per (module, form). Returns (groups, unrecognized keys, LyCORIS keys,
+    skipped text-encoder keys with their reason)."""
     groups: dict[tuple[str, str], _Group] = {}
     unrecognized, lycoris, skipped = [], [], []
     for key, t in lf.tensors.items():
@@ -306,128 +304,169 @@ def match_lora(lf: LoraFile, model: nn.Module, cfg) -> LoraMatch:
             unrecognized.append(key)  # the same role twice for one module (e.g. two adapters)
             continue
         g.tensors[role] = (key, t)
+    return groups, unrecognized, lycoris, skipped
 
-    meta_alpha, meta_src = _alpha_from_metadata(lf.metadata)
-    res = _Resolver(model)
-    problems: dict[str, list[str]] = {"nothing": [], "incomplete": [], "rank": [], "shape": [], "dtype": [],
-                                      "duplicate": []}
-    shape_examples: dict[str, str] = {}  # module -> the first example of its wrong shape
-    updates: list[LoraUpdate] = []
-    forms: set[str] = set()
-    alpha_sources: set[str] = set()
-    seen: dict[tuple, str] = {}
-    for g in groups.values():
+
+class _Target:
+    """One group resolved onto a module: its name, the module, its (out, in) dims when it is a linear, the rows
+    this group updates (None when the part cannot be cut from it), the part, and whether the curve-form AdaLN
+    skip applies."""
+
+    def __init__(self, name: str, part: tuple, mod: nn.Module, curve_form: bool):
+        self.name, self.part, self.mod = name, part, mod
+        self.dims = _linear_dims(mod)
+        self.rows = _rows(part, self.dims[0]) if self.dims else None
+        self.curve_skip = curve_form and bool(_CURVE_ADALN.match(name)) and self.dims is not None
+
+
+class _Matcher:
+    """The state of one :func:`match_lora`: the updates found, the problems (by kind, in key order), one example
+    per module of a wrong shape, the skipped keys, the key forms and alpha sources seen."""
+
+    def __init__(self, lf: LoraFile, model: nn.Module, cfg, skipped: list[dict]):
+        self.cfg, self.res, self.skipped = cfg, _Resolver(model), skipped
+        self.meta_alpha, self.meta_src = _alpha_from_metadata(lf.metadata)
+        self.problems: dict[str, list[str]] = {"nothing": [], "incomplete": [], "rank": [], "shape": [],
+                                               "dtype": [], "duplicate": []}
+        self.shape_examples: dict[str, str] = {}  # module -> the first example of its wrong shape
+        self.updates: list[LoraUpdate] = []
+        self.forms: set[str] = set()
+        self.alpha_sources: set[str] = set()
+        self.seen: dict[tuple, str] = {}
+
+    def shape_problem(self, name: str, example: str) -> bool:
+        """Record a shape problem of ``name`` (the first example per module is kept); returns False."""
+        self.problems["shape"].append(name)
+        self.shape_examples.setdefault(name, example)
+        return False
+
+    def add(self, u: LoraUpdate) -> bool:
+        """Add ``u`` unless another key already updates the same rows (then a duplicate problem); True if added."""
+        if _dup(self.seen, u, self.problems):
+            return False
+        self.updates.append(u)
+        return True
+
+    def skip(self, keys, reason: str) -> bool:
+        """Record ``keys`` as skipped for ``reason``; returns False."""
+        self.skipped.extend({"key": k, "reason": reason} for k in keys)
+        return False
+
+    def group(self, g: _Group) -> None:
+        """Resolve one group, check it, and add its low-rank and diff updates (or record why not)."""
         keys = tuple(k for k, _ in g.tensors.values())
-        r = res.resolve(g.raw, g.form)
-        if r is not None and r[0] in ("time_embedder.proj_in", "time_embedder.proj_out") and cfg.curve_form:
-            skipped.extend({"key": k, "reason": "curve-form (pruned) checkpoint: it has no time_embedder (the "
-                            "adaln_t_table replaces it), so this time-embedder LoRA cannot apply"} for k in keys)
-            continue
-        if r is None or r[0] not in res.modules:
-            problems["nothing"].extend(keys)
-            continue
+        r = self.res.resolve(g.raw, g.form)
+        if r is not None and r[0] in ("time_embedder.proj_in", "time_embedder.proj_out") and self.cfg.curve_form:
+            self.skip(keys, "curve-form (pruned) checkpoint: it has no time_embedder (the adaln_t_table replaces "
+                            "it), so this time-embedder LoRA cannot apply")
+            return
+        if r is None or r[0] not in self.res.modules:
+            self.problems["nothing"].extend(keys)
+            return
         name, part, form = r
-        forms.add(form)
-        mod = res.modules[name]
-        dims = _linear_dims(mod)
+        self.forms.add(form)
         bad_dtype = [f"{k} ({t.dtype})" for k, t in g.tensors.values() if not t.is_floating_point()]
         if bad_dtype:
-            problems["dtype"].extend(bad_dtype)
-            continue
-        rows_of = _rows(part, dims[0]) if dims else None
+            self.problems["dtype"].extend(bad_dtype)
+            return
         has_ab = "down" in g.tensors or "up" in g.tensors
         if has_ab and not ("down" in g.tensors and "up" in g.tensors):
             have = "down" if "down" in g.tensors else "up"
             miss = "up" if have == "down" else "down"
-            problems["incomplete"].append(f"{g.tensors[have][0]} has no {'/'.join(_ROLE_NAMES[miss])} partner")
-            continue
+            self.problems["incomplete"].append(f"{g.tensors[have][0]} has no {'/'.join(_ROLE_NAMES[miss])} partner")
+            return
         if "alpha" in g.tensors and not has_ab:
-            problems["incomplete"].append(f"{g.tensors['alpha'][0]} has no lora_A/lora_B pair")
-            continue
-        curve_skip = cfg.curve_form and bool(_CURVE_ADALN.match(name)) and dims is not None
-        if has_ab:
-            down, up = _as_matrix(g.tensors["down"][1]), _as_matrix(g.tensors["up"][1])
-            if down.dim() != 2 or up.dim() != 2:
-                problems["shape"].append(name)
-                shape_examples.setdefault(name, f"{name}: lora down {list(down.shape)} / up {list(up.shape)} are "
-                                                "not 2-D matrices")
-                continue
-            if down.shape[0] != up.shape[1]:
-                problems["rank"].append(f"{name}: {g.tensors['down'][0]} has rank {down.shape[0]} but "
-                                        f"{g.tensors['up'][0]} has rank {up.shape[1]}")
-                continue
-            if curve_skip and down.shape[1] != dims[1]:
-                skipped.extend({"key": k, "reason": (
-                    f"curve-form (pruned) checkpoint: {name} takes the {dims[1]}-wide adaln_t_table row, this "
-                    f"LoRA was made for the {down.shape[1]}-wide full-form time embedding")} for k in keys)
-                continue
-            if dims is None:
-                problems["shape"].append(name)
-                shape_examples.setdefault(name, f"{name} is not a linear layer ({type(mod).__name__}); a low-rank "
-                                                "update needs one")
-                continue
-            want_rows = rows_of[1] - rows_of[0] if rows_of else None
-            if rows_of is None or down.shape[1] != dims[1] or up.shape[0] != want_rows:
-                problems["shape"].append(name)
-                shape_examples.setdefault(name, f"{name}: LoRA down {list(down.shape)} / up {list(up.shape)}, the "
-                                                f"layer is [{dims[0]}, {dims[1]}] (in {dims[1]}, out {dims[0]}"
-                                                + (f", this part {want_rows} rows)" if part else ")"))
-                continue
-            if "alpha" in g.tensors:
-                a = g.tensors["alpha"][1]
-                if a.numel() != 1:
-                    problems["shape"].append(name)
-                    shape_examples.setdefault(name, f"{g.tensors['alpha'][0]} has shape {list(a.shape)}; alpha is "
-                                                    "a scalar")
-                    continue
-                alpha, src = float(a.float().reshape(())), "alpha tensors"
-            elif meta_alpha is not None:
-                alpha, src = meta_alpha, meta_src
-            else:
-                alpha, src = float(down.shape[0]), "none in the file: alpha = rank (scale 1, as ComfyUI)"
-            if not math.isfinite(alpha):
-                problems["shape"].append(name)
-                shape_examples.setdefault(name, f"{name}: alpha is {alpha}")
-                continue
-            alpha_sources.add(src)
-            if part == ("swap",):
-                up = torch.cat([up[up.shape[0] // 2:], up[: up.shape[0] // 2]])
-            u = LoraUpdate(name, LOWRANK, rows_of, (g.tensors["down"][0], g.tensors["up"][0]), down=down, up=up,
-                           alpha=alpha)
-            if _dup(seen, u, problems):
-                continue
-            updates.append(u)
+            self.problems["incomplete"].append(f"{g.tensors['alpha'][0]} has no lora_A/lora_B pair")
+            return
+        target = _Target(name, part, self.res.modules[name], self.cfg.curve_form)
+        if has_ab and not self.lowrank(g, target, keys):
+            return  # a group whose pair is refused, skipped or a duplicate contributes no diffs either
         for role, kind in (("diff", DIFF), ("diff_b", DIFF_B)):
-            if role not in g.tensors:
-                continue
-            key, d = g.tensors[role]
-            pname = "bias" if kind == DIFF_B else "weight"
-            if curve_skip and kind == DIFF and d.dim() == 2 and d.shape[1] != dims[1]:
-                skipped.append({"key": key, "reason": f"curve-form (pruned) checkpoint: {name} takes the "
-                                f"{dims[1]}-wide adaln_t_table row, this diff is {d.shape[1]} wide"})
-                continue
-            shape = tuple(_param_shape(mod, pname) or ())
-            if not shape:
-                problems["shape"].append(name)
-                shape_examples.setdefault(name, f"{key}: {name} has no {pname}")
-                continue
-            lo, hi = rows_of if rows_of else (0, shape[0])
-            want = (hi - lo,) + shape[1:]
-            if part == ("swap",) and tuple(d.shape) == want:
-                d = torch.cat([d[d.shape[0] // 2:], d[: d.shape[0] // 2]])
-            if tuple(d.shape) != want:
-                problems["shape"].append(name)
-                shape_examples.setdefault(name, f"{key}: delta {list(d.shape)}, the {pname} part is {list(want)}")
-                continue
-            u = LoraUpdate(name, kind, (lo, hi), (key,), delta=d)
-            if _dup(seen, u, problems):
-                continue
-            updates.append(u)
+            if role in g.tensors:
+                self.diff(g.tensors[role], kind, target)
 
-    _raise_if_problems(lf, cfg, problems, shape_examples, unrecognized, lycoris, updates, skipped)
-    updates.sort(key=LoraUpdate.sort_key)
-    alpha_source = "; ".join(sorted(alpha_sources)) or "n/a (no low-rank pairs)"
-    return LoraMatch(lf, updates, skipped, sorted(forms), alpha_source)
+    def lowrank(self, g: _Group, t: _Target, keys: tuple[str, ...]) -> bool:
+        """The down/up pair of ``g``: rank, shape and alpha checks, then one LOWRANK update; True if added."""
+        name, dims = t.name, t.dims
+        down, up = _as_matrix(g.tensors["down"][1]), _as_matrix(g.tensors["up"][1])
+        if down.dim() != 2 or up.dim() != 2:
+            return self.shape_problem(name, f"{name}: lora down {list(down.shape)} / up {list(up.shape)} are "
+                                            "not 2-D matrices")
+        if down.shape[0] != up.shape[1]:
+            self.problems["rank"].append(f"{name}: {g.tensors['down'][0]} has rank {down.shape[0]} but "
+                                         f"{g.tensors['up'][0]} has rank {up.shape[1]}")
+            return False
+        if t.curve_skip and down.shape[1] != dims[1]:
+            return self.skip(keys, f"curve-form (pruned) checkpoint: {name} takes the {dims[1]}-wide adaln_t_table "
+                                   f"row, this LoRA was made for the {down.shape[1]}-wide full-form time embedding")
+        if dims is None:
+            return self.shape_problem(name, f"{name} is not a linear layer ({type(t.mod).__name__}); a low-rank "
+                                            "update needs one")
+        want_rows = t.rows[1] - t.rows[0] if t.rows else None
+        if t.rows is None or down.shape[1] != dims[1] or up.shape[0] != want_rows:
+            return self.shape_problem(name, f"{name}: LoRA down {list(down.shape)} / up {list(up.shape)}, the "
+                                            f"layer is [{dims[0]}, {dims[1]}] (in {dims[1]}, out {dims[0]}"
+                                            + (f", this part {want_rows} rows)" if t.part else ")"))
+        alpha = self.alpha(g, name, down)
+        if alpha is None:
+            return False
+        if t.part == ("swap",):
+            up = torch.cat([up[up.shape[0] // 2:], up[: up.shape[0] // 2]])
+        return self.add(LoraUpdate(name, LOWRANK, t.rows, (g.tensors["down"][0], g.tensors["up"][0]), down=down, up=up,
+                            alpha=alpha))
+
+    def alpha(self, g: _Group, name: str, down: torch.Tensor) -> float | None:
+        """The group's alpha (its tensor, else the file's metadata, else the rank), or None after recording a
+        shape problem (a non-scalar or non-finite alpha)."""
+        if "alpha" in g.tensors:
+            a = g.tensors["alpha"][1]
+            if a.numel() != 1:
+                self.shape_problem(name, f"{g.tensors['alpha'][0]} has shape {list(a.shape)}; alpha is a scalar")
+                return None
+            alpha, src = float(a.float().reshape(())), "alpha tensors"
+        elif self.meta_alpha is not None:
+            alpha, src = self.meta_alpha, self.meta_src
+        else:
+            alpha, src = float(down.shape[0]), "none in the file: alpha = rank (scale 1, as ComfyUI)"
+        if not math.isfinite(alpha):
+            self.shape_problem(name, f"{name}: alpha is {alpha}")
+            return None
+        self.alpha_sources.add(src)
+        return alpha
+
+    def diff(self, keyed: tuple[str, torch.Tensor], kind: str, t: _Target) -> bool:
+        """A full weight (DIFF) or bias (DIFF_B) delta: shape check, then one update of the target's rows."""
+        key, d = keyed
+        name = t.name
+        pname = "bias" if kind == DIFF_B else "weight"
+        if t.curve_skip and kind == DIFF and d.dim() == 2 and d.shape[1] != t.dims[1]:
+            return self.skip((key,), f"curve-form (pruned) checkpoint: {name} takes the {t.dims[1]}-wide "
+                                     f"adaln_t_table row, this diff is {d.shape[1]} wide")
+        shape = tuple(_param_shape(t.mod, pname) or ())
+        if not shape:
+            return self.shape_problem(name, f"{key}: {name} has no {pname}")
+        lo, hi = t.rows if t.rows else (0, shape[0])
+        want = (hi - lo,) + shape[1:]
+        if t.part == ("swap",) and tuple(d.shape) == want:
+            d = torch.cat([d[d.shape[0] // 2:], d[: d.shape[0] // 2]])
+        if tuple(d.shape) != want:
+            return self.shape_problem(name, f"{key}: delta {list(d.shape)}, the {pname} part is {list(want)}")
+        return self.add(LoraUpdate(name, kind, (lo, hi), (key,), delta=d))
+
+
+def match_lora(lf: LoraFile, model: nn.Module, cfg) -> LoraMatch:
+    """Map every key of ``lf`` onto ``model``; raise ONE LoraError listing every problem.
+
+    model: the H3Model (ComfyUI module names); cfg: its H3Config (curve form decides the AdaLN skip).
+    """
+    groups, unrecognized, lycoris, skipped = _group_keys(lf)
+    m = _Matcher(lf, model, cfg, skipped)
+    for g in groups.values():
+        m.group(g)
+    _raise_if_problems(lf, cfg, m.problems, m.shape_examples, unrecognized, lycoris, m.updates, m.skipped)
+    m.updates.sort(key=LoraUpdate.sort_key)
+    alpha_source = "; ".join(sorted(m.alpha_sources)) or "n/a (no low-rank pairs)"
+    return LoraMatch(lf, m.updates, m.skipped, sorted(m.forms), alpha_source)
 
 
 def _rows(part: tuple, out: int) -> tuple[int, int] | None:

@@ -125,6 +125,103 @@ PRESETS = {"full": FULL, "tiny": TINY}
 # detection
 # ---------------------------------------------------------------------------------------------
 
+def _comfy_shapes(shapes: dict[str, tuple[int, ...]], scheme: str | None) -> dict[str, tuple[int, ...]]:
+    """``shapes`` under ComfyUI names (prefixes stripped; a diffusers file's q/k/v rows summed into qkv_proj)."""
+    shapes = {strip_prefix(k): tuple(v) for k, v in shapes.items()}
+    scheme = scheme or detect_scheme(shapes)
+    if scheme != "diffusers":
+        return shapes
+    conv: dict[str, tuple[int, ...]] = {}
+    for k, s in shapes.items():
+        ck = diffusers_to_comfy_name(k)
+        if ck is None:
+            continue
+        if ck.endswith("qkv_proj.weight"):
+            prev = conv.get(ck)
+            s = (s[0] + (prev[0] if prev else 0),) + tuple(s[1:])
+        conv[ck] = s
+    return conv
+
+
+def _need(shapes: dict[str, tuple[int, ...]], k: str) -> tuple[int, ...]:
+    if k not in shapes:
+        raise CheckpointError(f"missing key {k!r} needed to detect the H3 config")
+    return shapes[k]
+
+
+def _count(shapes: dict[str, tuple[int, ...]], prefix: str) -> int:
+    """The number of numbered children ``<prefix><i>.`` (the highest index + 1; 0 when there are none)."""
+    idx = set()
+    for k in shapes:
+        if k.startswith(prefix):
+            rest = k[len(prefix):].split(".", 1)[0]
+            if rest.isdigit():
+                idx.add(int(rest))
+    return (max(idx) + 1) if idx else 0
+
+
+def _io_kw(shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """hidden size, block counts, latent channels and the head bank, from the patch projections and heads."""
+    kw: dict[str, Any] = {}
+    hidden, patch_dim = _need(shapes, "video_patch_proj.weight")
+    kw["hidden_size"] = hidden
+    kw["num_layers"] = _count(shapes, "blocks.")
+    kw["num_refiner_layers"] = _count(shapes, "token_refiner.blocks.")
+    audio_ch = _need(shapes, "final_layer.audio_out.weight")[0]
+    ain = _need(shapes, "audio_patch_proj.weight")[1]
+    kw["audio_channels"] = ain
+    patch_area = 4
+    kw["video_channels"] = patch_dim // patch_area
+    vout = _need(shapes, "final_layer.video_out.weight")[0]
+    bank = vout // patch_dim
+    if bank * patch_dim != vout or audio_ch % ain:
+        raise CheckpointError(f"final_layer.video_out.weight has {vout} rows; expected a multiple of {patch_dim}")
+    kw["head_bank"] = bank
+    return kw
+
+
+def _block_kw(shapes: dict[str, tuple[int, ...]], has_blocks: bool) -> dict[str, Any]:
+    """head_dim, heads, FFN width and gate compression from the first block (a refiner block when the file
+    has no main blocks)."""
+    first = "blocks.0." if has_blocks else "token_refiner.blocks.0."
+    head_dim = _need(shapes, first + "attn.q_norm.weight")[0]
+    kw: dict[str, Any] = {"head_dim": head_dim,
+                          "num_heads": _need(shapes, first + "attn.qkv_proj.weight")[0] // (3 * head_dim),
+                          "ffn_hidden_size": _need(shapes, first + "mlp.fc1.weight")[0] // 2}
+    if "rope.inv_freq" in shapes:
+        kw["rope_inv_freq_len"] = shapes["rope.inv_freq"][0]
+    else:
+        kw["rope_inv_freq_len"] = (head_dim * 3 // 4) // 6  # diffusers drops the buffer; H3 rotates 3/4 of a head
+    kw["gate_compress"] = "blocks.0.attn.to_gate_compress.weight" in shapes
+    return kw
+
+
+def _time_kw(shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """The time embedding: the curve-form table (grid, width) or the full-form embedder's widths."""
+    if "adaln_t_table" in shapes:
+        grid, k = shapes["adaln_t_table"]
+        return {"adaln_curve_grid": grid, "time_embed_dim": k}
+    out = _need(shapes, "time_embedder.proj_out.weight")[0]
+    th, tin = _need(shapes, "time_embedder.proj_in.weight")
+    return {"time_embed_dim": out, "timestep_input_dim": tin, "time_embed_hidden_size": th}
+
+
+def _with_metadata(cfg: H3Config, metadata: dict[str, str] | None) -> H3Config:
+    """``cfg`` overridden by the safetensors metadata's ``config`` JSON (ours under ``h3_blackwell``, else
+    core's / diffusers' names under ``transformer``, else the top level)."""
+    if not (metadata and metadata.get("config")):
+        return cfg
+    try:
+        over = json.loads(metadata["config"])
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"safetensors metadata 'config' is not JSON ({e})") from None
+    if isinstance(over, dict) and isinstance(over.get(OWN_CONFIG_KEY), dict):
+        over = over[OWN_CONFIG_KEY]  # ours, in our names (files written since issue 15)
+    elif isinstance(over, dict) and isinstance(over.get("transformer"), dict):
+        over = over["transformer"]  # core's / diffusers' names, or our names in older files
+    return H3Config.from_dict({**cfg.to_dict(), **_normalise_override(over)})
+
+
 def config_from_shapes(shapes: dict[str, tuple[int, ...]], scheme: str | None = None,
                        metadata: dict[str, str] | None = None) -> H3Config:
     """Derive H3Config from tensor names and shapes (no data).
@@ -132,82 +229,12 @@ def config_from_shapes(shapes: dict[str, tuple[int, ...]], scheme: str | None = 
     ``shapes`` may be in any scheme; ``metadata`` is the safetensors ``__metadata__`` whose ``config``
     entry (JSON, optionally under ``transformer``) overrides the derived values.
     """
-    shapes = {strip_prefix(k): tuple(v) for k, v in shapes.items()}
-    scheme = scheme or detect_scheme(shapes)
-    if scheme == "diffusers":
-        conv: dict[str, tuple[int, ...]] = {}
-        for k, s in shapes.items():
-            ck = diffusers_to_comfy_name(k)
-            if ck is None:
-                continue
-            if ck.endswith("qkv_proj.weight"):
-                prev = conv.get(ck)
-                s = (s[0] + (prev[0] if prev else 0),) + tuple(s[1:])
-            conv[ck] = s
-        shapes = conv
-
-    def need(k):
-        if k not in shapes:
-            raise CheckpointError(f"missing key {k!r} needed to detect the H3 config")
-        return shapes[k]
-
-    def count(prefix):
-        idx = set()
-        for k in shapes:
-            if k.startswith(prefix):
-                rest = k[len(prefix):].split(".", 1)[0]
-                if rest.isdigit():
-                    idx.add(int(rest))
-        return (max(idx) + 1) if idx else 0
-
-    kw: dict[str, Any] = {}
-    hidden, patch_dim = need("video_patch_proj.weight")
-    kw["hidden_size"] = hidden
-    kw["num_layers"] = count("blocks.")
-    kw["num_refiner_layers"] = count("token_refiner.blocks.")
-    audio_ch = need("final_layer.audio_out.weight")[0]
-    ain = need("audio_patch_proj.weight")[1]
-    kw["audio_channels"] = ain
-    patch_area = 4
-    kw["video_channels"] = patch_dim // patch_area
-    vout = need("final_layer.video_out.weight")[0]
-    bank = vout // patch_dim
-    if bank * patch_dim != vout or audio_ch % ain:
-        raise CheckpointError(f"final_layer.video_out.weight has {vout} rows; expected a multiple of {patch_dim}")
-    kw["head_bank"] = bank
-    head_dim = need("blocks.0.attn.q_norm.weight")[0] if kw["num_layers"] else need("token_refiner.blocks.0.attn.q_norm.weight")[0]
-    kw["head_dim"] = head_dim
-    qkv_key = "blocks.0.attn.qkv_proj.weight" if kw["num_layers"] else "token_refiner.blocks.0.attn.qkv_proj.weight"
-    kw["num_heads"] = need(qkv_key)[0] // (3 * head_dim)
-    fc1 = "blocks.0.mlp.fc1.weight" if kw["num_layers"] else "token_refiner.blocks.0.mlp.fc1.weight"
-    kw["ffn_hidden_size"] = need(fc1)[0] // 2
-    kw["text_dim"] = need("condition_proj.weight")[1]
-    if "adaln_t_table" in shapes:
-        grid, k = shapes["adaln_t_table"]
-        kw["adaln_curve_grid"] = grid
-        kw["time_embed_dim"] = k
-    else:
-        kw["time_embed_dim"] = need("time_embedder.proj_out.weight")[0]
-        th, tin = need("time_embedder.proj_in.weight")
-        kw["timestep_input_dim"] = tin
-        kw["time_embed_hidden_size"] = th
-    if "rope.inv_freq" in shapes:
-        kw["rope_inv_freq_len"] = shapes["rope.inv_freq"][0]
-    else:
-        kw["rope_inv_freq_len"] = (head_dim * 3 // 4) // 6  # diffusers drops the buffer; H3 rotates 3/4 of a head
-    kw["gate_compress"] = "blocks.0.attn.to_gate_compress.weight" in shapes
-    cfg = H3Config(**kw)
-    if metadata and metadata.get("config"):
-        try:
-            over = json.loads(metadata["config"])
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"safetensors metadata 'config' is not JSON ({e})") from None
-        if isinstance(over, dict) and isinstance(over.get(OWN_CONFIG_KEY), dict):
-            over = over[OWN_CONFIG_KEY]  # ours, in our names (files written since issue 15)
-        elif isinstance(over, dict) and isinstance(over.get("transformer"), dict):
-            over = over["transformer"]  # core's / diffusers' names, or our names in older files
-        cfg = H3Config.from_dict({**cfg.to_dict(), **_normalise_override(over)})
-    return cfg.validate()
+    shapes = _comfy_shapes(shapes, scheme)
+    kw = _io_kw(shapes)
+    kw.update(_block_kw(shapes, bool(kw["num_layers"])))
+    kw["text_dim"] = _need(shapes, "condition_proj.weight")[1]
+    kw.update(_time_kw(shapes))
+    return _with_metadata(H3Config(**kw), metadata).validate()
 
 
 # Our own entry inside the metadata ``config`` JSON. ComfyUI core merges ``config["transformer"]`` into the
