@@ -3,7 +3,10 @@
 Core's H3 CONDITIONING (CLIPLoader type "minimax" + CLIPTextEncode, or MiniMaxH3ImageToVideo)::
 
     [[cond [1, L, 5120] float32, {"minimax_token_tags": LongTensor [L]  (1 text, 0 vision tokens),
-                                  "minimax_keyframes": [{"resolved_frame_index", "latent", ...}]  (fl2va, optional),
+                                  "minimax_keyframes": [{"resolved_frame_index", "latent", "audio_latent"}]
+                                      (MiniMaxH3ImageToVideo fl2va, MiniMaxH3AddGuide; optional),
+                                  "minimax_refs": [{"kind": "image" | "video" | "video_audio" | "audio", ...}]
+                                      (MiniMaxH3ReferenceToVideo; optional),
                                   "pooled_output": ...}]]
 """
 
@@ -20,9 +23,29 @@ EMBEDDED_STATES = "embedded random (seed 1234, 32 tokens)"
 EMBEDDED_SEED, EMBEDDED_TOKENS, TEXT_DIM = 1234, 32, 5120
 
 
-def read_conditioning(positive, text_dim: int, title: str) -> tuple[torch.Tensor, torch.Tensor | None, list | None]:
-    """Core's H3 CONDITIONING -> (text_states [1, L, text_dim] fp32, token_tags LongTensor [L] or None,
-    keyframes list or None). Raises H3NodeError for anything the H3 sampler cannot take."""
+# conditioning-dict entries that change what core's sampler computes and that the H3 Sampler does not do
+_NOT_HONOURED = {
+    "control": "a ControlNet (Apply ControlNet)", "area": "an area (ConditioningSetArea)",
+    "mask": "a conditioning mask (ConditioningSetMask)", "hooks": "hooks (LoRA / model hooks on the conditioning)",
+    "start_percent": "a timestep range (ConditioningSetTimestepRange)",
+    "end_percent": "a timestep range (ConditioningSetTimestepRange)", "gligen": "GLIGEN boxes",
+    "reference_latents": "reference latents (ReferenceLatent; H3 takes references from MiniMaxH3ReferenceToVideo)",
+}
+# core's H3 entries (MiniMaxH3ImageToVideo, MiniMaxH3AddGuide, MiniMaxH3ReferenceToVideo, the minimax CLIP) ->
+# the runtime payload field (runtime.model.conditioning); minimax_token_tags is read separately
+_PAYLOAD_FIELDS = {"minimax_keyframes": "keyframes", "minimax_refs": "refs",
+                   "minimax_visual_cond_noise_aug": "visual_cond_noise_aug",
+                   "minimax_audio_cond_noise_aug": "audio_cond_noise_aug"}
+
+
+def read_conditioning(positive, text_dim: int, title: str) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+    """Core's H3 CONDITIONING -> (text_states [1, L, text_dim] fp32, token_tags LongTensor [L] or None, payload).
+
+    payload: core's H3 entries under the runtime's field names (``keyframes``, ``refs``,
+    ``visual_cond_noise_aug``, ``audio_cond_noise_aug``; see ``runtime.model.conditioning``), their values as core's
+    nodes made them (tensors inline). Raises H3NodeError for anything the H3 sampler cannot take, naming it;
+    nothing is dropped silently.
+    """
     if not isinstance(positive, (list, tuple)) or not positive:
         raise node_error(title, f"positive must be a CONDITIONING list [[cond, {{...}}]]; got {type(positive).__name__}")
     if len(positive) != 1:
@@ -41,11 +64,17 @@ def read_conditioning(positive, text_dim: int, title: str) -> tuple[torch.Tensor
         tags = torch.as_tensor(tags).reshape(-1).long()
         if tags.numel() != cond.shape[1]:
             raise node_error(title, f"minimax_token_tags has {tags.numel()} entries for {cond.shape[1]} text tokens")
-    if extra.get("minimax_refs"):
-        raise node_error(title, "reference conditioning (minimax_refs, from MiniMaxH3ReferenceToVideo) is not "
-                                "supported by the H3 Sampler yet; use t2va / fl2va conditioning")
-    keyframes = extra.get("minimax_keyframes") or None
-    return cond.float(), tags, keyframes
+    for key, what in _NOT_HONOURED.items():
+        if extra.get(key) is not None:
+            raise node_error(title, f"the conditioning carries {what} ('{key}'), which the H3 Sampler does not "
+                                    "apply; remove that node or sample with core's KSampler")
+    unknown = sorted(k for k in extra if k.startswith("minimax_") and k != "minimax_token_tags"
+                     and k not in _PAYLOAD_FIELDS)
+    if unknown:
+        raise node_error(title, f"the conditioning carries {unknown[0]!r}, an H3 entry this pack does not know; "
+                                f"it takes {', '.join(sorted(_PAYLOAD_FIELDS))}. Update h3-blackwell or remove it")
+    payload = {field: extra[key] for key, field in _PAYLOAD_FIELDS.items() if extra.get(key) is not None}
+    return cond.float(), tags, payload
 
 
 def _embedded_states() -> torch.Tensor:

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import torch
 
+from ..runtime.errors import H3Error
 from ..runtime.model.layout import audio_frames, latent_frames, snap_frames
+from ..runtime.sampling.noise_mask import audio_denoise_mask, video_denoise_mask
 from ._common import CATEGORY, intermediate_device, node_error, optional_comfy_module
 
 VIDEO_CHANNELS = 24
@@ -65,9 +67,6 @@ def read_latent(latent, title: str, video_channels: int = VIDEO_CHANNELS,
             "from EmptyMiniMaxH3LatentAV, MiniMaxH3ImageToVideo or H3 Empty Latent")
     if not isinstance(latent, dict) or "samples" not in latent:
         raise node_error(title, f"expected {what}; got {_describe(latent)} without a 'samples' entry")
-    if latent.get("noise_mask") is not None:
-        raise node_error(title, "the latent carries a noise_mask (inpainting); the H3 Sampler does not support "
-                                "masked denoising yet. Remove the mask node.")
     samples = latent["samples"]
     if isinstance(samples, torch.Tensor) and not samples.is_nested:
         if AUDIO_KEY not in latent:
@@ -90,6 +89,31 @@ def read_latent(latent, title: str, video_channels: int = VIDEO_CHANNELS,
         raise node_error(title, f"H3 samples one clip at a time (batch 1); the latent has batch "
                                 f"{video.shape[0]} (video) / {audio.shape[0]} (audio)")
     return video, audio
+
+
+def read_noise_mask(latent: dict, video_shape, audio_shape, title: str
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The latent's ``noise_mask`` (SetLatentNoiseMask: [B, 1, H, W] for the video; or core's nested form, one
+    mask per stream) -> (video mask [1, 1, T, H, W] | None, audio mask [1, 1, 2, Ta] | None) at latent
+    resolution, resized as core's sampler does (``runtime.sampling.noise_mask``). A plain mask leaves the audio
+    fully generated (None), as in core. 1 = generate, 0 = keep the input latent."""
+    mask = latent.get("noise_mask")
+    if mask is None:
+        return None, None
+    if getattr(mask, "is_nested", False) and hasattr(mask, "tensors"):
+        streams = list(mask.tensors)
+    elif isinstance(mask, torch.Tensor):
+        streams = [mask]
+    else:
+        raise node_error(title, f"noise_mask must be a MASK tensor or core's nested mask; got {_describe(mask)}")
+    if not streams or len(streams) > 2 or not all(isinstance(m, torch.Tensor) for m in streams):
+        raise node_error(title, f"noise_mask: expected one mask per stream (video, audio); got {_describe(mask)}")
+    try:
+        video_mask = video_denoise_mask(streams[0], video_shape)
+        audio_mask = audio_denoise_mask(streams[1], audio_shape) if len(streams) == 2 else None
+    except (H3Error, RuntimeError) as e:
+        raise node_error(title, f"noise_mask {_describe(mask)} cannot be fitted to the latent ({e})") from e
+    return video_mask, audio_mask
 
 
 def pixel_frames(latent_t: int) -> int | None:

@@ -1,34 +1,120 @@
 """H3 Sampler: core's H3 CONDITIONING + H3 LATENT -> sampled LATENT (core's format) + H3_DIAGNOSTICS.
 
-A thin adapter over ``runtime.sample``: it converts the ComfyUI types, forwards ComfyUI's progress bar and
-interruption flag, and turns runtime input errors into one message on this node.
+A thin adapter over ``runtime.sample``: it converts the ComfyUI types (the conditioning entries of core's
+MiniMaxH3ImageToVideo / MiniMaxH3AddGuide / MiniMaxH3ReferenceToVideo and the latent's noise mask become the
+runtime's ``H3Conditioning``), forwards ComfyUI's progress bar (with live latent previews), the interruption
+flag, and turns runtime input errors into one message on this node.
 """
 
 from __future__ import annotations
 
+import inspect
+
 from ..runtime.errors import H3Error, Interrupted
-from ._common import CATEGORY, node_error, optional_comfy_module
+from ..runtime.model.conditioning import (VISUAL_COND_NOISE_AUG, H3Conditioning, pool_audio_mask,
+                                          pool_video_mask)
+from ..runtime.sampling.preview import latent_to_rgb
+from ..runtime.sampling.sampler import sample as run_sample
+from ._common import CATEGORY, intermediate_device, node_error, optional_comfy_module
 from .conditioning import read_conditioning
-from .latents import make_latent, pixel_frames, read_latent
+from .latents import make_latent, pixel_frames, read_latent, read_noise_mask
 
 SAMPLERS = ["euler", "res_multistep"]
 SCHEDULERS = ["simple"]
 
 
-def _progress_and_interrupt(steps: int):
-    """(progress(done, total), interrupt() -> bool) bound to ComfyUI, or (None, None) outside it."""
+def _previewer():
+    """x0 video latent [1, 24, T, H, W] -> a preview for ComfyUI's progress bar, or None when previews are off
+    or outside ComfyUI. Core's own previewer for its ``MiniMaxH3Video`` latent format when the running ComfyUI
+    has it (core's latent->RGB factors, the user's --preview-method); on an older core our copy of the same
+    projection (``runtime.sampling.preview``), also only when --preview-method is not 'none'."""
+    lp = optional_comfy_module("latent_preview")
+    if lp is None:
+        return None
+    formats = optional_comfy_module("comfy.latent_formats")
+    if formats is not None and hasattr(formats, "MiniMaxH3Video"):
+        core = lp.get_previewer(intermediate_device(), formats.MiniMaxH3Video())
+        return None if core is None else (lambda x0: core.decode_latent_to_preview_image("JPEG", x0))
+    method = getattr(getattr(lp, "args", None), "preview_method", None)
+    if method is None or str(getattr(method, "value", method)).lower() in ("none", "nopreviews"):
+        return None
+    max_size = getattr(lp, "MAX_PREVIEW_RESOLUTION", 512)
+    return lambda x0: ("JPEG", preview_image(x0), max_size)
+
+
+def preview_image(x0):
+    """The first latent frame of x0 [1, 24, T, H, W] as a PIL RGB image of W x H pixels (one per latent pixel)."""
+    from PIL import Image  # ComfyUI brings Pillow; this runs only inside it
+
+    return Image.fromarray(latent_to_rgb(x0[:, :, :1])[0].numpy(), "RGB")
+
+
+def _callbacks(steps: int):
+    """(progress(done, total), preview(done, total, x0), interrupt() -> bool) bound to ComfyUI's progress bar
+    (with live previews when ComfyUI shows them) and interruption flag; all None outside ComfyUI."""
     utils = optional_comfy_module("comfy.utils")
     mm = optional_comfy_module("comfy.model_management")
-    progress = interrupt = None
+    progress = preview = interrupt = None
     if utils is not None:
         bar = utils.ProgressBar(steps)
-
-        def progress(done: int, total: int) -> None:
-            # under the server this also runs ComfyUI's interrupt check (and may raise its exception)
-            bar.update_absolute(done, total)
+        to_image = _previewer()
+        # under the server each update also runs ComfyUI's interrupt check (and may raise its exception)
+        if to_image is None:
+            def progress(done: int, total: int) -> None:
+                bar.update_absolute(done, total)
+        else:
+            def preview(done: int, total: int, x0) -> None:
+                bar.update_absolute(done, total, to_image(x0))
     if mm is not None:
         interrupt = mm.processing_interrupted
-    return progress, interrupt
+    return progress, preview, interrupt
+
+
+def _conditioning(payload: dict, latent: dict, video, audio, seed: int, cfg, title: str):
+    """Core's H3 payload + the latent's noise mask -> the runtime's validated H3Conditioning (errors name the
+    field, worded for this node)."""
+    video_mask, audio_mask = read_noise_mask(latent, video.shape, audio.shape, title)
+    full = {**payload, "denoise_mask": video_mask, "audio_denoise_mask": audio_mask, "seed": int(seed)}
+    try:
+        return H3Conditioning.from_payload(full).check_target(video.shape, audio.shape, cfg.video_channels,
+                                                               cfg.audio_channels)
+    except H3Error as e:
+        msg = str(e)
+        for field, where in _FIELD_SOURCES:
+            if msg.startswith(field):
+                msg = f"{where}: {msg}"
+                break
+        raise node_error(title, msg) from e
+
+
+# where the runtime's conditioning fields come from in a ComfyUI graph, for error messages
+_FIELD_SOURCES = (("keyframes", "minimax_keyframes (MiniMaxH3ImageToVideo / MiniMaxH3AddGuide)"),
+                  ("refs", "minimax_refs (MiniMaxH3ReferenceToVideo)"),
+                  ("denoise_mask", "the latent's noise_mask (video stream)"),
+                  ("audio_denoise_mask", "the latent's noise_mask (audio stream)"),
+                  ("visual_cond_noise_aug", "minimax_visual_cond_noise_aug"),
+                  ("audio_cond_noise_aug", "minimax_audio_cond_noise_aug"), ("seed", "the seed"))
+
+
+def _runtime_conditioning_kwargs(cond, title: str) -> dict:
+    """The keyword arguments that hand ``cond`` to ``runtime.sample``: the whole contract when the runtime takes
+    it (``conditioning=``), else first/last-frame video keyframes only, refusing the rest by name."""
+    if "conditioning" in inspect.signature(run_sample).parameters:
+        return {"conditioning": cond}
+    missing = []
+    if cond.refs:
+        missing.append("reference conditioning (minimax_refs, from MiniMaxH3ReferenceToVideo)")
+    if any(k.audio_latent is not None for k in cond.keyframes):
+        missing.append("audio guides (an audio on MiniMaxH3AddGuide)")
+    if pool_video_mask(cond.denoise_mask) is not None or pool_audio_mask(cond.audio_denoise_mask) is not None:
+        missing.append("a denoise mask (noise_mask, from SetLatentNoiseMask)")
+    if cond.keyframes and cond.visual_cond_noise_aug != VISUAL_COND_NOISE_AUG:
+        missing.append("a visual condition noise augmentation other than 0.999")
+    if missing:
+        raise node_error(title, "this runtime cannot take " + "; ".join(missing) + " yet (it takes first/last and "
+                                "image/clip guides); remove it or update h3-blackwell")
+    return {"keyframes": [{"resolved_frame_index": k.resolved_frame_index, "latent": k.latent}
+                          for k in cond.keyframes] or None}
 
 
 def _raise_interrupted(exc: Interrupted):
@@ -74,26 +160,27 @@ class H3Sampler:
 
     def sample(self, model, positive, latent, seed: int, steps: int, sampler: str, scheduler: str,
                shift_video: float, shift_audio: float, denoise: float):
-        from ..runtime import sample as run_sample
         from ..runtime.lora.apply import sync_loras
 
         if not hasattr(model, "config") or not hasattr(model, "model"):
             raise node_error(self.TITLE, f"model must come from H3 NVFP4 Model Loader; got {type(model).__name__}")
         cfg = model.config
-        text, tags, keyframes = read_conditioning(positive, cfg.text_dim, self.TITLE)
+        text, tags, payload = read_conditioning(positive, cfg.text_dim, self.TITLE)
         video, audio = read_latent(latent, self.TITLE, cfg.video_channels, cfg.audio_channels)
         if sampler not in SAMPLERS or scheduler not in SCHEDULERS:
             raise node_error(self.TITLE, f"sampler={sampler!r}, scheduler={scheduler!r}: expected a sampler in "
                                          f"{SAMPLERS} and a scheduler in {SCHEDULERS}")
-        progress, interrupt = _progress_and_interrupt(int(steps))
+        cond = _conditioning(payload, latent, video, audio, seed, cfg, self.TITLE)
+        cond_kw = _runtime_conditioning_kwargs(cond, self.TITLE)
+        progress, preview, interrupt = _callbacks(int(steps))
         # the loader's model is shared and resident: make it carry exactly this graph's LoRAs (none if the
         # graph has no LoRA node), so a LoRA from an earlier prompt never leaks into this one
         sync_loras(model)
         try:
             res = run_sample(model, text, tags, video, audio, seed=int(seed), steps=int(steps), sampler=sampler,
                              scheduler=scheduler, shift_video=float(shift_video), shift_audio=float(shift_audio),
-                             denoise=float(denoise), keyframes=keyframes, progress=progress, interrupt=interrupt,
-                             workload_extra={"frames": pixel_frames(video.shape[2]), "host": "comfyui"})
+                             denoise=float(denoise), progress=progress, preview=preview, interrupt=interrupt,
+                             workload_extra={"frames": pixel_frames(video.shape[2]), "host": "comfyui"}, **cond_kw)
         except Interrupted as e:
             _raise_interrupted(e)
         except H3Error as e:

@@ -18,6 +18,7 @@ import sys
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -74,6 +75,7 @@ class FakeComfy:
         for d in (self.output_dir, self.input_dir, self.models_dir):
             d.mkdir(parents=True, exist_ok=True)
         self.progress: list[tuple[int, int]] = []
+        self.previews: list = []
         self.interrupt_flag = False
         self.modules = self._build(nested)
 
@@ -89,6 +91,7 @@ class FakeComfy:
             def update_absolute(self, value, total=None, preview=None):
                 self.current = value
                 fake.progress.append((value, total if total is not None else self.total))
+                fake.previews.append(preview)
 
             def update(self, n):
                 self.update_absolute(self.current + n)
@@ -136,7 +139,8 @@ class FakeComfy:
 
 def _install(monkeypatch, tmp_path, nested=True) -> FakeComfy:
     fake = FakeComfy(tmp_path, nested=nested)
-    for name in ("comfy", "comfy.utils", "comfy.model_management", "comfy.nested_tensor", "folder_paths"):
+    for name in ("comfy", "comfy.utils", "comfy.model_management", "comfy.nested_tensor", "folder_paths",
+                 "latent_preview", "comfy.latent_formats"):
         monkeypatch.delitem(sys.modules, name, raising=False)
     for name, mod in fake.modules.items():
         monkeypatch.setitem(sys.modules, name, mod)
@@ -423,8 +427,9 @@ def test_sampler_rejects_a_latent_that_is_not_h3(comfy, tiny):
         H3Sampler().sample, tiny, core_conditioning(), nested_wrong, **SAMPLE_ARGS)
     batch2 = {"samples": FakeNestedTensor((torch.zeros(2, 24, 2, 4, 4), torch.zeros(2, 32, 2, 8)))}
     assert "batch 1" in _error(H3Sampler().sample, tiny, core_conditioning(), batch2, **SAMPLE_ARGS)
-    masked = {**core_empty_latent(64, 64, 5), "noise_mask": torch.ones(1, 1, 4, 4)}
-    assert "noise_mask" in _error(H3Sampler().sample, tiny, core_conditioning(), masked, **SAMPLE_ARGS)
+    masked = {**core_empty_latent(64, 64, 5), "noise_mask": "not a mask"}
+    assert "noise_mask must be a MASK" in _error(H3Sampler().sample, tiny, core_conditioning(), masked,
+                                                 **SAMPLE_ARGS)
 
 
 def test_sampler_rejects_other_conditioning_shapes(comfy, tiny):
@@ -436,7 +441,12 @@ def test_sampler_rejects_other_conditioning_shapes(comfy, tiny):
     assert "5 entries for 12 text tokens" in _error(H3Sampler().sample, tiny, bad_tags, lat, **SAMPLE_ARGS)
     refs = core_conditioning()
     refs[0][1]["minimax_refs"] = [{"kind": "image"}]
-    assert "minimax_refs" in _error(H3Sampler().sample, tiny, refs, lat, **SAMPLE_ARGS)
+    msg = _error(H3Sampler().sample, tiny, refs, lat, **SAMPLE_ARGS)
+    assert msg.startswith("H3 Sampler: minimax_refs (MiniMaxH3ReferenceToVideo): refs[0].latent: expected"), msg
+    for key, what in (("control", "ControlNet"), ("minimax_new_thing", "does not know")):
+        other = core_conditioning()
+        other[0][1][key] = object()
+        assert what in _error(H3Sampler().sample, tiny, other, lat, **SAMPLE_ARGS)
     assert "H3 NVFP4 Model Loader" in _error(H3Sampler().sample, "not a model", core_conditioning(), lat,
                                              **SAMPLE_ARGS)
 
@@ -526,3 +536,258 @@ def test_embedded_states_match_the_cli():
     g = torch.Generator().manual_seed(1234)
     assert torch.equal(cond[0][0], torch.randn(1, 32, 5120, generator=g))
     assert cond[0][1] == {}
+
+
+# ---------------------------------------------------------------------------------------------
+# core's H3 conditioning nodes -> the runtime's conditioning contract
+# ---------------------------------------------------------------------------------------------
+# Builders that return exactly what core's nodes (comfy_extras/nodes_minimax_h3.py) put into CONDITIONING,
+# with random latents in place of VAE encodes: MiniMaxH3ImageToVideo (first frame at 0, last at F-1),
+# MiniMaxH3AddGuide (negative frame_idx from the end, clips cropped to 17k+5 frames, audio cropped to
+# floor(Ta - 5/3 * index)), MiniMaxH3ReferenceToVideo (images, then videos with soundtracks, then audio).
+
+def _pixel_frames(latent_t):
+    return sum((1, 4, 4, 4, 4)[k % 5] for k in range(latent_t))
+
+
+def _clip_t(frames):
+    return 1 if frames == 1 else (frames - 5) // 17 * 5 + 2
+
+
+def core_image_to_video(latent, first=True, last=True, tokens=12, seed=0):
+    video = latent["samples"].tensors[0]
+    g = torch.Generator().manual_seed(seed + 100)
+    kfs = []
+    if first:
+        kfs.append({"resolved_frame_index": 0, "latent": torch.randn(1, 24, 1, *video.shape[3:], generator=g)})
+    if last:
+        kfs.append({"resolved_frame_index": _pixel_frames(video.shape[2]) - 1,
+                    "latent": torch.randn(1, 24, 1, *video.shape[3:], generator=g)})
+    cond = core_conditioning(tokens=tokens, seed=seed)
+    return [[cond[0][0], {**cond[0][1], "minimax_keyframes": kfs}]]
+
+
+def core_add_guide(positive, latent, frame_idx, image_frames=0, audio_t=0, seed=0):
+    import math
+
+    video, audio = latent["samples"].tensors
+    frame_count = _pixel_frames(video.shape[2])
+    guide = 1
+    if image_frames >= 5:
+        guide = image_frames
+        while guide % 17 != 5:
+            guide -= 1
+    resolved = frame_idx if frame_idx >= 0 else frame_count + frame_idx
+    assert 0 <= resolved and resolved + guide <= frame_count  # core raises otherwise
+    g = torch.Generator().manual_seed(seed + 200)
+    kf = {"resolved_frame_index": resolved}
+    if image_frames:
+        kf["latent"] = torch.randn(1, 24, _clip_t(guide), *video.shape[3:], generator=g)
+    if audio_t:
+        al = torch.randn(1, 32, 2, audio_t, generator=g)
+        max_rt = math.floor(audio.shape[-1] - 5 / 3 * resolved)
+        kf["audio_latent"] = al[..., :max_rt].clone() if audio_t > max_rt else al
+    keyframes = list(positive[0][1].get("minimax_keyframes", [])) + [kf]
+    return [[positive[0][0], {**positive[0][1], "minimax_keyframes": keyframes}]]
+
+
+def core_reference_to_video(images=(), videos=(), audios=(), seed=0):
+    """images: (h_px, w_px); videos: (frames, h_px, w_px, ref_audio_t or 0); audios: ref_audio_t."""
+    g = torch.Generator().manual_seed(seed + 300)
+    refs = []
+    for i, (h, w) in enumerate(images):
+        refs.append({"kind": "image", "picture_index": i, "latent_h": h // 16, "latent_w": w // 16,
+                     "latent": torch.randn(1, 24, 1, h // 16, w // 16, generator=g)})
+    for n, h, w, at in videos:
+        z = torch.randn(1, 24, _clip_t(n), h // 16, w // 16, generator=g)
+        refs.append({"kind": "video_audio" if at else "video", "latent_t": z.shape[2], "latent_h": h // 16,
+                     "latent_w": w // 16, "ref_audio_t": at, "latent": z,
+                     "audio_latent": torch.randn(1, 32, 2, at, generator=g) if at else None})
+    for at in audios:
+        refs.append({"kind": "audio", "ref_audio_t": at, "audio_latent": torch.randn(1, 32, 2, at, generator=g)})
+    cond = core_conditioning(seed=seed)
+    return [[cond[0][0], {**cond[0][1], "minimax_refs": refs}]]
+
+
+class RecordingRuntime:
+    """Stands in for runtime.sample with the contract argument (``conditioning=``) and records the call."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, rt, text, tags, video, audio, *, conditioning=None, **kw):
+        from h3_blackwell.runtime.sampling.sampler import SampleResult
+
+        self.calls.append({"text": text, "video": video, "audio": audio, "conditioning": conditioning, **kw})
+        return SampleResult(video + 1.0, audio + 1.0, {"recorded": True})
+
+
+def _cases():
+    lat = core_empty_latent(96, 64, 39)  # T 12, 4x6 latent, Ta 65, 39 pixel frames
+    fl = core_image_to_video(lat)
+    audio_alone = core_add_guide(core_conditioning(), lat, -10, audio_t=40)  # cropped: floor(65 - 5/3*29) = 16
+    img_audio = core_add_guide(core_conditioning(), lat, 5, image_frames=1, audio_t=20)
+    clip = core_add_guide(fl, lat, 10, image_frames=24)  # 24 frames -> a 22-frame clip, t = 7
+    ref = core_reference_to_video(images=((64, 96), (128, 64)), videos=((30, 64, 64, 15),), audios=(9,))
+    return lat, {"fl2va": fl, "audio_guide": audio_alone, "image_audio_guide": img_audio, "clip_guide": clip,
+                 "ref2va": ref}
+
+
+@pytest.mark.parametrize("case", ["fl2va", "audio_guide", "image_audio_guide", "clip_guide", "ref2va"])
+def test_sampler_hands_core_node_payloads_to_the_runtime(comfy, tiny, monkeypatch, case):
+    """Every entry of the core node's conditioning reaches the runtime's contract unchanged, in order."""
+    from h3_blackwell.nodes import sampler as sampler_mod
+
+    rec = RecordingRuntime()
+    monkeypatch.setattr(sampler_mod, "run_sample", rec)
+    lat, cases = _cases()
+    positive = cases[case]
+    out, report = H3Sampler().sample(tiny, positive, lat, **SAMPLE_ARGS)
+    assert report == {"recorded": True} and torch.equal(out["samples"].tensors[0], lat["samples"].tensors[0] + 1)
+    (call,) = rec.calls
+    c = call["conditioning"]
+    extra = positive[0][1]
+    kfs, refs = extra.get("minimax_keyframes", []), extra.get("minimax_refs", [])
+    assert len(c.keyframes) == len(kfs) and len(c.refs) == len(refs)
+    for got, want in zip(c.keyframes, kfs):
+        assert got.resolved_frame_index == want["resolved_frame_index"]
+        for k in ("latent", "audio_latent"):
+            assert (getattr(got, k) is None) == (want.get(k) is None)
+            if want.get(k) is not None:
+                assert torch.equal(getattr(got, k), want[k])
+    for got, want in zip(c.refs, refs):
+        assert got.kind == want["kind"]
+        for k in ("latent_h", "latent_w", "latent_t", "ref_audio_t", "picture_index"):
+            if k in want:
+                assert getattr(got, k) == want[k], k
+        for k in ("latent", "audio_latent"):
+            if want.get(k) is not None:
+                assert torch.equal(getattr(got, k), want[k])
+    if case == "audio_guide":
+        assert c.keyframes[0].resolved_frame_index == 29 and c.keyframes[0].audio_latent.shape[-1] == 16
+    assert c.seed == SAMPLE_ARGS["seed"] and c.denoise_mask is None and c.audio_denoise_mask is None
+    assert (c.visual_cond_noise_aug, c.audio_cond_noise_aug) == (0.999, 1.0)
+    assert call["steps"] == 2 and call["sampler"] == "res_multistep"
+
+
+def test_sampler_noise_masks_as_core_resizes_them(comfy, tiny, monkeypatch):
+    """SetLatentNoiseMask on core's nested latent: a pixel mask [1, 1, H, W] becomes the video stream's mask at
+    latent resolution (linear resize; 16-pixel-aligned halves stay exactly 0 / 1), the audio is generated
+    whole; a nested mask (video, audio) gives both streams' masks. Noise-aug overrides reach the runtime."""
+    from h3_blackwell.nodes import sampler as sampler_mod
+
+    rec = RecordingRuntime()
+    monkeypatch.setattr(sampler_mod, "run_sample", rec)
+    lat = core_empty_latent(96, 64, 22)  # T 7, 4x6, Ta 37
+    pix = torch.zeros(1, 1, 64, 96)
+    pix[..., 48:] = 1.0  # generate the right half (latent columns 3..5), keep the left
+    positive = core_conditioning()
+    positive[0][1]["minimax_visual_cond_noise_aug"] = 0.9
+    H3Sampler().sample(tiny, positive, {**lat, "noise_mask": pix}, **SAMPLE_ARGS)
+    c = rec.calls[-1]["conditioning"]
+    want = torch.zeros(1, 1, 7, 4, 6)
+    want[..., 3:] = 1.0
+    assert torch.equal(c.denoise_mask, want) and c.audio_denoise_mask is None and c.visual_cond_noise_aug == 0.9
+    am = torch.ones(1, 1, 2, 37)
+    am[..., :10] = 0.0  # keep the first 10 audio frames
+    vm = torch.ones(1, 1, 7, 4, 6)
+    H3Sampler().sample(tiny, core_conditioning(), {**lat, "noise_mask": FakeNestedTensor((vm, am))}, **SAMPLE_ARGS)
+    c = rec.calls[-1]["conditioning"]
+    assert torch.equal(c.denoise_mask, vm) and torch.equal(c.audio_denoise_mask, am)
+
+
+def test_sampler_refuses_what_an_older_runtime_cannot_take(comfy, tiny, monkeypatch):
+    """A runtime without the contract argument (keyframes= only): the node passes first/last-frame keyframes
+    and refuses refs, audio guides and masks with one message naming them; nothing is dropped."""
+    from h3_blackwell.nodes import sampler as sampler_mod
+
+    seen = []
+
+    def legacy(rt, text, tags, video, audio, *, keyframes=None, **kw):
+        from h3_blackwell.runtime.sampling.sampler import SampleResult
+
+        seen.append(keyframes)
+        return SampleResult(video, audio, {})
+
+    monkeypatch.setattr(sampler_mod, "run_sample", legacy)
+    lat, cases = _cases()
+    H3Sampler().sample(tiny, cases["fl2va"], lat, **SAMPLE_ARGS)
+    want = cases["fl2va"][0][1]["minimax_keyframes"]
+    assert [k["resolved_frame_index"] for k in seen[-1]] == [0, 38]
+    assert all(torch.equal(a["latent"], b["latent"]) for a, b in zip(seen[-1], want))
+    for case, what in (("ref2va", "minimax_refs"), ("audio_guide", "audio guides"),
+                       ("image_audio_guide", "audio guides")):
+        msg = _error(H3Sampler().sample, tiny, cases[case], lat, **SAMPLE_ARGS)
+        assert what in msg and msg.count("H3 Sampler:") == 1, msg
+    masked = {**lat, "noise_mask": torch.zeros(1, 1, 64, 96)}
+    assert "noise_mask" in _error(H3Sampler().sample, tiny, core_conditioning(), masked, **SAMPLE_ARGS)
+    full = {**lat, "noise_mask": torch.ones(1, 1, 64, 96)}  # generate everything: core drops such a mask
+    H3Sampler().sample(tiny, core_conditioning(), full, **SAMPLE_ARGS)
+    assert seen[-1] is None
+
+
+def test_sampler_conditioning_errors_name_the_core_entry(comfy, tiny):
+    lat = core_empty_latent(96, 64, 22)
+    late = core_add_guide(core_conditioning(), lat, 0, image_frames=1)
+    late[0][1]["minimax_keyframes"][0]["resolved_frame_index"] = 22  # past the 22 frames
+    msg = _error(H3Sampler().sample, tiny, late, lat, **SAMPLE_ARGS)
+    assert msg.startswith("H3 Sampler: minimax_keyframes (MiniMaxH3ImageToVideo / MiniMaxH3AddGuide): "
+                          "keyframes[0].resolved_frame_index"), msg
+    bad = {**lat, "noise_mask": torch.full((1, 1, 64, 96), 2.0)}
+    assert "the latent's noise_mask (video stream): denoise_mask" in _error(H3Sampler().sample, tiny,
+                                                                           core_conditioning(), bad, **SAMPLE_ARGS)
+
+
+def _fake_latent_preview(monkeypatch, core_format: bool):
+    """latent_preview as ComfyUI has it (args.preview_method, MAX_PREVIEW_RESOLUTION, get_previewer), and
+    comfy.latent_formats with or without core's MiniMaxH3Video."""
+    lp = types.ModuleType("latent_preview")
+    lp.args = types.SimpleNamespace(preview_method=types.SimpleNamespace(value="latent2rgb"))
+    lp.MAX_PREVIEW_RESOLUTION = 512
+    calls = []
+
+    class CorePreviewer:
+        def decode_latent_to_preview_image(self, fmt, x0):
+            calls.append(tuple(x0.shape))
+            return (fmt, "core image", 512)
+
+    lp.get_previewer = lambda device, fmt: CorePreviewer() if type(fmt).__name__ == "MiniMaxH3Video" else None
+    formats = types.ModuleType("comfy.latent_formats")
+    if core_format:
+        formats.MiniMaxH3Video = type("MiniMaxH3Video", (), {})
+    monkeypatch.setitem(sys.modules, "latent_preview", lp)
+    monkeypatch.setitem(sys.modules, "comfy.latent_formats", formats)
+    return lp, calls
+
+
+def test_sampler_live_previews_through_comfy_progress_bar(comfy, tiny, monkeypatch):
+    """Without core's H3 latent format: our projection of each step's denoised video, first latent frame, one
+    pixel per latent pixel (W/16 x H/16), as ComfyUI's ("JPEG", image, max size) preview tuple."""
+    pytest.importorskip("PIL")
+    from h3_blackwell.runtime.sampling.preview import latent_to_rgb
+
+    _fake_latent_preview(monkeypatch, core_format=False)
+    lat = core_empty_latent(96, 64, 22)
+    out, _ = H3Sampler().sample(tiny, core_conditioning(), lat, **{**SAMPLE_ARGS, "sampler": "euler"})
+    assert comfy.progress == [(1, 2), (2, 2)] and len(comfy.previews) == 2
+    for fmt, img, size in comfy.previews:
+        assert fmt == "JPEG" and size == 512 and img.size == (6, 4) and img.mode == "RGB"
+    first, last = (torch.from_numpy(np.asarray(p[1]).copy()) for p in comfy.previews)
+    assert len(torch.unique(first.reshape(-1, 3), dim=0)) > 1  # a picture, not one colour
+    # euler's last step lands on sigma 0, where the output is that step's denoised video: the last preview is
+    # the projection of the output's first latent frame (1 level for fp rounding at a uint8 boundary)
+    want = latent_to_rgb(out["samples"].tensors[0][:, :, :1])[0]
+    assert float((last.int() - want.int()).abs().max()) <= 1
+
+
+def test_sampler_previews_use_cores_previewer_when_core_has_the_h3_format(comfy, tiny, monkeypatch):
+    _, calls = _fake_latent_preview(monkeypatch, core_format=True)
+    H3Sampler().sample(tiny, core_conditioning(), core_empty_latent(96, 64, 22), **SAMPLE_ARGS)
+    assert calls == [(1, 24, 7, 4, 6)] * 2 and comfy.previews == [("JPEG", "core image", 512)] * 2
+
+
+def test_sampler_no_previews_when_comfy_shows_none(comfy, tiny, monkeypatch):
+    lp, _ = _fake_latent_preview(monkeypatch, core_format=False)
+    lp.args.preview_method = types.SimpleNamespace(value="none")
+    H3Sampler().sample(tiny, core_conditioning(), core_empty_latent(96, 64, 22), **SAMPLE_ARGS)
+    assert comfy.progress == [(1, 2), (2, 2)] and comfy.previews == [None, None]
