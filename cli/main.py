@@ -11,6 +11,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -86,17 +87,29 @@ def _load_text_states(path: str, text_dim: int) -> tuple[torch.Tensor, torch.Ten
 # generate
 # ---------------------------------------------------------------------------------------------
 
-def cmd_generate(a) -> int:
-    from safetensors.torch import save_file
+@dataclass
+class GenerateJob:
+    """Everything one ``generate`` needs after validation, before the model load (pickled to each rank)."""
 
-    from ..runtime.engine import load_model
-    from ..runtime.model.layout import check_canvas, check_frames, latent_shapes, snap_frames
-    from ..runtime.options import RuntimeOptions
-    from ..runtime.sampling.preview import check_preview_available, write_preview_webp
-    from ..runtime.sampling.sampler import sample
+    model: str | None
+    tiny_seed: int
+    options: object  # RuntimeOptions
+    loras: list
+    text: torch.Tensor
+    tags: torch.Tensor | None
+    canvas: tuple  # (width, height, frames)
+    sample_kw: dict
+    progress: bool
 
+
+def _generate_job(a) -> tuple[GenerateJob, object]:
+    """Validate every input of ``generate`` (no model load) -> (the job, the model's H3Config)."""
     from ..runtime.io.checkpoint import detect_config
+    from ..runtime.lora.apply import parse_lora_arg
     from ..runtime.model.config import TINY
+    from ..runtime.model.layout import check_canvas, check_frames, snap_frames
+    from ..runtime.options import RuntimeOptions
+    from ..runtime.sampling.preview import check_preview_available
 
     if a.model is not None and not Path(a.model).exists():
         raise CliError(f"model file not found: {a.model}")
@@ -111,49 +124,110 @@ def cmd_generate(a) -> int:
     if a.snap:
         frames = snap_frames(frames)
     check_frames(frames)
-    if a.model is not None and not Path(a.model).exists():
-        raise CliError(f"model file not found: {a.model}")
     if a.text_states is not None and not Path(a.text_states).exists():
         raise CliError(f"text states file not found: {a.text_states}")
     fc2 = {"on": (True, False), "off": (False, False), "strict": (True, True)}[a.fc2]
     opts = RuntimeOptions.from_env(device=a.device, dtype=a.dtype, attention=a.attention, gemm=a.gemm,
                                    act_format=a.act_format, fc2_lt=fc2[0], fc2_lt_strict=fc2[1],
                                    quantize=False if a.dense else None)
-    # validate every input before the (possibly long) model load
-    from ..runtime.lora.apply import apply_loras, parse_lora_arg
-
     loras = [parse_lora_arg(s) for s in a.lora]
     if a.preview:
         check_preview_available()
-
-    text_dim = model_cfg.text_dim
     if a.text_states:
-        text, tags = _load_text_states(a.text_states, text_dim)
+        text, tags = _load_text_states(a.text_states, model_cfg.text_dim)
     else:
         g = torch.Generator().manual_seed(1234)
-        text = torch.randn(1, a.text_tokens, text_dim, generator=g)
-        tags = None
-    rt = load_model(a.model, opts, tiny_seed=a.tiny_seed)
-    if loras:
-        apply_loras(rt, loras)
-    print(rt.describe(), file=sys.stderr)
-    vshape, ashape = latent_shapes(width, height, frames, rt.config.video_channels, rt.config.audio_channels)
-    video, audio = torch.zeros(vshape), torch.zeros(ashape)
-    prog = Progress("sampling", force=a.progress)
-    res = sample(rt, text, tags, video, audio, seed=a.seed, steps=steps, sampler=a.sampler, scheduler=a.scheduler,
-                 denoise=a.denoise, runs=a.runs, warmup=a.warmup, progress=prog,
-                 workload_extra={"frames": frames, "text_source": a.text_states or "random (seed 1234)"})
-    out = Path(a.output)
-    report = res.report
-    report["command"] = " ".join(["h3-blackwell"] + sys.argv[1:]) if sys.argv else "h3-blackwell generate"
-    _atomic_dir_write(out, {
-        "latents.safetensors": lambda p: save_file({"video": res.video.contiguous(), "audio": res.audio.contiguous()},
-                                                   str(p)),
-        "report.json": lambda p: p.write_text(json.dumps(report, indent=2)),
-        **({"preview.webp": lambda p: write_preview_webp(res.video, p)} if a.preview else {}),
-    })
+        text, tags = torch.randn(1, a.text_tokens, model_cfg.text_dim, generator=g), None
+    kw = {"seed": a.seed, "steps": steps, "sampler": a.sampler, "scheduler": a.scheduler, "denoise": a.denoise,
+          "runs": a.runs, "warmup": a.warmup,
+          "workload_extra": {"frames": frames, "text_source": a.text_states or "random (seed 1234)"}}
+    return GenerateJob(a.model, a.tiny_seed, opts, loras, text, tags, (width, height, frames), kw, a.progress), model_cfg
+
+
+def generate_rank(ctx, job: GenerateJob):
+    """Load the model and sample: the whole run (ctx None) or one rank of a sequence-parallel run (ctx: its
+    ParallelContext; each rank uses ctx.device). -> (video, audio, report); every rank returns the same latents."""
+    import dataclasses
+
+    from ..runtime.engine import load_model
+    from ..runtime.lora.apply import apply_loras
+    from ..runtime.model.layout import latent_shapes
+    from ..runtime.sampling.sampler import sample
+
+    opts = job.options if ctx is None else dataclasses.replace(job.options, device=str(ctx.device))
+    main = ctx is None or ctx.is_main
+    rt = load_model(job.model, opts, tiny_seed=job.tiny_seed)
+    if job.loras:
+        apply_loras(rt, job.loras)
+    if main:
+        print(rt.describe(), file=sys.stderr)
+    vshape, ashape = latent_shapes(*job.canvas, rt.config.video_channels, rt.config.audio_channels)
+    prog = Progress("sampling", force=job.progress) if main else None
+    res = sample(rt, job.text, job.tags, torch.zeros(vshape), torch.zeros(ashape), progress=prog, parallel=ctx,
+                 **job.sample_kw)
+    return res.video, res.audio, res.report
+
+
+def _device_type(opts) -> str:
+    if opts.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(opts.device).type
+
+
+def _parallel_generate(a, job: GenerateJob, heads: int):
+    """Run ``generate`` as torchrun's rank (its environment present), over N local workers
+    (``--sequence-parallel N`` > 1), or in this process. -> (video, audio, report), or None on ranks > 0."""
+    from ..runtime.parallel import ParallelEnv, check_degree, init_group, launch
+
+    penv = ParallelEnv.from_env(os.environ)
+    n = penv.world_size if penv is not None else (1 if a.sequence_parallel is None else a.sequence_parallel)
+    if penv is not None and a.sequence_parallel not in (None, n):
+        raise CliError(f"--sequence-parallel {a.sequence_parallel} but torchrun started WORLD_SIZE={n} ranks; "
+                       "drop the flag under torchrun or make them match")
+    dev_type = _device_type(job.options)
+    check_degree(n, heads, dev_type)
+    if n > 1 and not a.dense:
+        raise CliError(f"--sequence-parallel {n} runs the reference block stack for now; add --dense")
+    if n > 1 and job.options.device not in ("auto", "cpu", "cuda"):
+        raise CliError(f"--device {job.options.device} with --sequence-parallel {n}: rank r uses cuda:r; pass "
+                       "--device cuda and pick the GPUs with CUDA_VISIBLE_DEVICES")
+    if penv is not None:
+        ctx = init_group(penv, dev_type)
+        try:
+            res = generate_rank(ctx, job)
+            ctx.barrier()
+        finally:
+            ctx.destroy()
+        if not ctx.is_main:
+            return None
+        res[2]["sequence_parallel"]["launch"] = "torchrun"
+        return res
+    if n == 1:
+        return generate_rank(None, job)
+    res = launch(generate_rank, (job,), world_size=n, device_type=dev_type)
+    res[2]["sequence_parallel"]["launch"] = f"{n} local workers (h3-blackwell --sequence-parallel)"
+    return res
+
+
+def cmd_generate(a) -> int:
+    from safetensors.torch import save_file
+
+    from ..runtime.sampling.preview import write_preview_webp
     from ..runtime.sampling.report import summary
 
+    job, cfg = _generate_job(a)  # every input validated before the (possibly long) model load
+    res = _parallel_generate(a, job, cfg.num_heads)
+    if res is None:  # a torchrun rank other than 0: rank 0 writes
+        return 0
+    video, audio, report = res
+    out = Path(a.output)
+    report["command"] = " ".join(["h3-blackwell"] + sys.argv[1:]) if sys.argv else "h3-blackwell generate"
+    _atomic_dir_write(out, {
+        "latents.safetensors": lambda p: save_file({"video": video.contiguous(), "audio": audio.contiguous()},
+                                                   str(p)),
+        "report.json": lambda p: p.write_text(json.dumps(report, indent=2)),
+        **({"preview.webp": lambda p: write_preview_webp(video, p)} if a.preview else {}),
+    })
     print(summary(report))
     print(f"wrote {out / 'latents.safetensors'} and {out / 'report.json'}"
           + (f" and {out / 'preview.webp'}" if a.preview else ""))
@@ -255,6 +329,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--preview", action="store_true",
                    help="also write preview.webp: the final video latent as an animated low-resolution preview "
                         "(core's latent->RGB factors, one pixel per latent pixel; needs Pillow)")
+    g.add_argument("--sequence-parallel", type=int, default=None, metavar="N",
+                   help="split the packed rows over N ranks (Ulysses attention): starts N local workers, one per GPU "
+                        "(cuda:0..N-1, NCCL) or CPU processes (gloo); N must divide the head count. Under torchrun "
+                        "the ranks come from its environment")
     g.add_argument("--lora", action="append", default=[], metavar="FILE:STRENGTH[:MODE]",
                    help="apply a LoRA after loading (repeat to stack); MODE merge (default: into the weights, "
                         "NVFP4 re-quantized) or side (bf16 low-rank path per step)")

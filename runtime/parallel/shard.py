@@ -18,6 +18,10 @@ import torch
 import torch.distributed as dist
 
 
+# torch >= 2.12 names it all_gather_single (the old name warns); older torch has only all_gather_into_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 @dataclass(frozen=True)
 class RowShard:
     """Rank ``rank``'s share of ``seq_len`` packed rows split over ``world_size`` ranks."""
@@ -83,5 +87,5 @@ class RowShard:
         if self.world_size == 1:
             return x_local[: self.seq_len]
         full = x_local.new_empty((self.padded_len, *x_local.shape[1:]))
-        dist.all_gather_into_tensor(full, x_local.contiguous(), group=group)
+        _all_gather_single(full, x_local.contiguous(), group=group)
         return full[: self.seq_len]

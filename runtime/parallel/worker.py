@@ -36,6 +36,8 @@ def main(jobdir: str, rank: int) -> int:
         with open(jobdir / "job.pkl", "rb") as f:
             job = pickle.load(f)
         penv = ParallelEnv.from_env(os.environ)
+        if job["device_type"] == "cpu":  # the ranks share this machine's cores instead of each taking all of them
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // penv.world_size))
         ctx = init_group(penv, job["device_type"], job["timeout_s"])
         result = job["fn"](ctx, *job["args"])
         if ctx.is_main:

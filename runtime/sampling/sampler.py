@@ -14,8 +14,10 @@ from typing import Callable
 
 import torch
 
-from .report import RunRecord, StepTimer, build_report, latent_sha256
 from ..errors import H3Error, Interrupted
+from ..parallel.evaluate import ShardedEvaluator
+from ..parallel.report import gather_ranks, parallel_section, rank_run
+from .report import RunRecord, StepTimer, build_report, latent_sha256
 from .schedule import Stepper, audio_scale, carry_in, carry_out, get_sigmas, model_sigma
 
 
@@ -64,8 +66,9 @@ def _peaks(device) -> tuple[int, int]:
 
 @torch.no_grad()
 def _run_once(rt, plan, sigmas, sampler, video0, audio0, noise_v, noise_a, scale, shifts, progress, interrupt,
-              run_index: int, total_runs: int, preview=None):
+              run_index: int, total_runs: int, preview=None, evaluate=None):
     model = rt.model
+    evaluate = evaluate or model.evaluate
     dev = rt.device
     steps = len(sigmas) - 1
     s0 = sigmas[0]
@@ -87,7 +90,7 @@ def _run_once(rt, plan, sigmas, sampler, video0, audio0, noise_v, noise_a, scale
         s = sigmas[i].to(dev)
         sm = model_sigma(s)
         xa = carry_in(y, sm, *shifts) if scale != 1.0 else y
-        vv, va = model.evaluate(plan, i, xv, xa)
+        vv, va = evaluate(plan, i, xv, xa)
         vy = carry_out(va, xa, sm, shifts[0], shifts[1], scale) if scale != 1.0 else va
         den = [xv - vv * s, y - vy * s]
         xv, y = stepper.step(i, [xv, y], den)
@@ -109,13 +112,39 @@ def _run_once(rt, plan, sigmas, sampler, video0, audio0, noise_v, noise_a, scale
     return video, audio, rec
 
 
+def _measure(run_args: tuple, warmup: int, runs: int, parallel, preview=None):
+    """``warmup`` + ``runs`` resident runs -> (the last run's (video, audio, record), the measured records,
+    the ``sequence_parallel`` report block or None). With ``parallel`` every run goes through one
+    ShardedEvaluator; each rank's numbers are gathered once, after the last run."""
+    rt, plan, sigmas = run_args[:3]
+    ev = ShardedEvaluator(parallel, rt.model, plan) if parallel is not None else None
+    steps = len(sigmas) - 1
+    out, records, rank_runs = None, [], []
+    for r in range(warmup + runs):
+        if ev is not None:
+            ev.stats.reset()
+        out = _run_once(*run_args, r, warmup + runs, preview, evaluate=None if ev is None else ev.evaluate)
+        if r < warmup:
+            continue
+        rec = out[2]
+        records.append(rec)
+        if ev is not None:
+            rank_runs.append(rank_run([s["seconds"] for s in rec.per_step_seconds], ev.stats.per_step_seconds(steps),
+                                      rec.peak_allocated_bytes, rec.peak_reserved_bytes,
+                                      (rec.video_sha256, rec.audio_sha256)))
+    if ev is None:
+        return out, records, None
+    ranks = gather_ranks(parallel, rank_runs)
+    return out, records, parallel_section(parallel, ev.shard, ev.stats, ranks, rt.config.num_layers)
+
+
 def sample(rt, text_states: torch.Tensor, token_tags: torch.Tensor | None, video: torch.Tensor,
            audio: torch.Tensor, seed: int, steps: int, sampler: str = "res_multistep", scheduler: str = "simple",
            shift_video: float | None = None, shift_audio: float | None = None, denoise: float = 1.0,
            keyframes: list | None = None, progress: Callable[[int, int], None] | None = None,
            interrupt: Callable[[], bool] | None = None, runs: int = 1, warmup: int = 0,
            workload_extra: dict | None = None,
-           preview: Callable[[int, int, torch.Tensor], None] | None = None) -> SampleResult:
+           preview: Callable[[int, int, torch.Tensor], None] | None = None, parallel=None) -> SampleResult:
     """Sample H3 latents with a resident model (ComfyUI core's math; see module docstring).
 
     text_states [1, L, text_dim] fp32; token_tags LongTensor [L] (1 text, 0 vision) or None (all text);
@@ -126,9 +155,15 @@ def sample(rt, text_states: torch.Tensor, token_tags: torch.Tensor | None, video
     estimate [1, C, T, H, W] (on the model's device; the callee copies what it keeps), for live previews.
     The layout, RoPE tables, refined text and the modulation rows of every (step, block) are computed once.
     Raises Interrupted between steps when ``interrupt()`` is true; nothing is returned or written then.
+    parallel: a ParallelContext (runtime.parallel) when this process is one rank of a sequence-parallel run:
+    every rank calls ``sample`` with the same arguments, the rows are split over the ranks, and every rank
+    returns the same latents; the report gains a ``sequence_parallel`` block.
     """
     cfg = rt.config
     _check_inputs(rt, text_states, token_tags, video, audio)
+    if parallel is not None and interrupt is not None:
+        raise H3Error("interrupt is not supported in a sequence-parallel run (the ranks would disagree on "
+                      "when to stop); pass interrupt=None")
     if runs < 1 or warmup < 0:
         raise H3Error(f"runs={runs}, warmup={warmup}: need runs >= 1 and warmup >= 0")
     shifts = (float(shift_video if shift_video is not None else cfg.shift_video),
@@ -141,14 +176,8 @@ def sample(rt, text_states: torch.Tensor, token_tags: torch.Tensor | None, video
                              token_tags=token_tags, keyframes=keyframes, shifts=shifts, seed=seed)
     noise_v, noise_a = initial_noise(seed, video.shape, audio.shape)
     video0, audio0 = video.float().cpu(), audio.float().cpu()
-    records = []
-    out = None
-    total = warmup + runs
-    for r in range(total):
-        out = _run_once(rt, plan, sigmas, sampler, video0, audio0, noise_v, noise_a, scale, shifts, progress,
-                        interrupt, r, total, preview)
-        if r >= warmup:
-            records.append(out[2])
+    run_args = (rt, plan, sigmas, sampler, video0, audio0, noise_v, noise_a, scale, shifts, progress, interrupt)
+    out, records, sp_section = _measure(run_args, warmup, runs, parallel, preview)
     lay = plan.layout
     workload = {
         "resolution": [video.shape[4] * 16, video.shape[3] * 16],
@@ -179,4 +208,6 @@ def sample(rt, text_states: torch.Tensor, token_tags: torch.Tensor | None, video
     if rt.fc2 is None:
         report["fc2_dispatch"]["status"] = "not active: the block stack runs dense linears (no NVFP4 FC2 path)"
     report["load_seconds"] = rt.load_seconds
+    if sp_section is not None:
+        report["sequence_parallel"] = sp_section
     return SampleResult(out[0], out[1], report)

@@ -1,0 +1,58 @@
+"""The ``sequence_parallel`` block of a run report: world size, per-rank step times and peak memory, the
+all-to-all time per step and its bytes per block. Every rank contributes its own numbers (one
+``all_gather_object`` after the runs, outside the timed region); rank 0 writes the report."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch.distributed as dist
+
+from .group import ParallelContext
+from .shard import RowShard
+from .ulysses import CommStats
+
+
+def rank_run(step_seconds: list[float], all_to_all_seconds: list[float], peak_allocated: int,
+             peak_reserved: int, latent_sha256: tuple[str, str]) -> dict:
+    """One measured run as this rank saw it (plain numbers, gathered later); latent_sha256: (video, audio)."""
+    return {"per_step_seconds": list(step_seconds), "all_to_all_seconds_per_step": list(all_to_all_seconds),
+            "peak_allocated_bytes": int(peak_allocated), "peak_reserved_bytes": int(peak_reserved),
+            "latent_sha256": list(latent_sha256)}
+
+
+def gather_ranks(ctx: ParallelContext, runs: list[dict]) -> list[dict]:
+    """Every rank's measured runs -> ``[{"rank", "device", "runs": [...]}]`` in rank order (a collective)."""
+    mine = {"rank": ctx.rank, "device": str(ctx.device), "runs": runs}
+    if ctx.world_size == 1:
+        return [mine]
+    out: list = [None] * ctx.world_size
+    dist.all_gather_object(out, mine, group=ctx.group)
+    return out
+
+
+def parallel_section(ctx: ParallelContext, shard: RowShard, stats: CommStats, ranks: list[dict],
+                     blocks: int) -> dict:
+    """The report block. bytes_per_block: what one rank hands to the two all-to-alls of one block (qkv out,
+    attention output back); offrank_bytes_per_block: the share of it that crosses to other ranks."""
+    steps_a2a = [s for r in ranks for run in r["runs"] for s in run["all_to_all_seconds_per_step"]]
+    steps = [s for r in ranks for run in r["runs"] for s in run["per_step_seconds"]]
+    return {
+        "world_size": ctx.world_size,
+        "backend": ctx.backend,
+        "rows_per_rank": shard.chunk,
+        "padding_rows": shard.padded_len - shard.seq_len,
+        "median_step_seconds_all_ranks": statistics.median(steps) if steps else None,
+        # every rank runs the sampler on the same gathered velocity: their latents must be the same bytes
+        "latents_identical_across_ranks": len({tuple(r["runs"][-1]["latent_sha256"]) for r in ranks
+                                               if r["runs"]}) == 1,
+        "all_to_all": {
+            "calls_per_step": 2 * blocks,
+            "bytes_per_block": stats.bytes_per_call,
+            "offrank_bytes_per_block": stats.offrank_bytes_per_call,
+            "median_seconds_per_step_all_ranks": statistics.median(steps_a2a) if steps_a2a else None,
+            "timing": "CUDA events around each collective, read after the run" if ctx.device.type == "cuda"
+            else "perf_counter around each collective (CPU)",
+        },
+        "ranks": ranks,
+    }
