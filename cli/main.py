@@ -239,28 +239,27 @@ def cmd_generate(a) -> int:
 # ---------------------------------------------------------------------------------------------
 
 def cmd_forward(a) -> int:
-    from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from ..runtime.io.header import read_header
     from ..runtime.engine import load_model
     from ..runtime.options import RuntimeOptions
+    from .payload import check_pdd_schedule, load_payload, read_inputs, segments_line
 
-    hdr = read_header(a.inputs)
-    need = ["video", "audio", "text_states", "sigma"]
-    missing = [k for k in need if k not in hdr.tensors]
-    if missing:
-        raise CliError(f"{a.inputs}: missing {missing}; expected video [1,C,T,H,W], audio [1,Ca,2,Ta], "
-                       "text_states [1,L,text_dim], sigma [1] (optional token_tags [L])")
-    with safe_open(a.inputs, "pt") as f:
-        t = {k: f.get_tensor(k) for k in hdr.tensors}
-    opts = RuntimeOptions.from_env(device=a.device, dtype=a.dtype)
+    t = read_inputs(a.inputs, ["video", "audio", "text_states", "sigma"],
+                    "video [1,C,T,H,W], audio [1,Ca,2,Ta], text_states [1,L,text_dim], sigma [1] (optional token_tags "
+                    "[L]; with --payload also every tensor the payload names)")
+    cond = load_payload(a.payload, t)
+    opts = RuntimeOptions.from_env(device=a.device, dtype=a.dtype, quantize=False if a.dense else None)
     rt = load_model(a.model, opts)
+    check_pdd_schedule(cond, rt.config.head_bank)
+    video, audio = t["video"].float(), t["audio"].float()
     with torch.no_grad():
-        v, au = rt.model(t["video"].float(), t["audio"].float(), t["text_states"].float(), float(t["sigma"].flatten()[0]),
-                         token_tags=t.get("token_tags"))
+        plan = rt.model.plan(t["text_states"].float(), tuple(video.shape), tuple(audio.shape),
+                             [float(t["sigma"].flatten()[0])], token_tags=t.get("token_tags"), cond=cond)
+        v, au = rt.model.evaluate(plan, 0, video, audio)
     _atomic_dir_write(Path(a.out).parent, {Path(a.out).name: lambda p: save_file(
         {"video": v.float().cpu().contiguous(), "audio": au.float().cpu().contiguous()}, str(p))})
+    print(segments_line(plan.layout))
     print(f"wrote {a.out}: video {list(v.shape)}, audio {list(au.shape)}")
     return 0
 
@@ -338,12 +337,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "NVFP4 re-quantized) or side (bf16 low-rank path per step)")
     g.set_defaults(fn=cmd_generate)
 
-    f = sub.add_parser("forward", help="one model evaluation in the t2va layout")
+    f = sub.add_parser("forward", help="one model evaluation (t2va, or core's conditioning with --payload)")
     f.add_argument("--model", required=True)
-    f.add_argument("--inputs", required=True)
+    f.add_argument("--inputs", required=True, help="safetensors: video, audio, text_states, sigma [, token_tags] "
+                                                   "and the tensors the payload names")
+    f.add_argument("--payload", help="JSON conditioning with core's field names (keyframes, refs, denoise_mask, "
+                                     "audio_denoise_mask, sample_sigmas, *_cond_noise_aug, seed)")
     f.add_argument("--out", required=True)
     f.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     f.add_argument("--device", default="cpu")
+    f.add_argument("--dense", action="store_true", help="keep dense linears (no NVFP4; the reference stack)")
     f.set_defaults(fn=cmd_forward)
 
     t = sub.add_parser("make-tiny", help="write a tiny random H3 checkpoint in ComfyUI naming")

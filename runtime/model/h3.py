@@ -26,8 +26,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import H3Config
-from .layout import (KeyframeSpec, LayoutError, PackedLayout, build_layout, pack_audio, pad_video, patchify_video,
-                     step_times, time_shift_sigma, unpack_audio, unpatchify_video)
+from .cond_rows import audio_mask_rows, condition_rows, keyframe_specs, video_mask_rows
+from .conditioning import H3Conditioning, pool_audio_mask, pool_video_mask
+from .layout import (PackedLayout, build_layout, pack_audio, pad_video, patchify_video, step_times, time_shift_sigma,
+                     unpack_audio, unpatchify_video)
 
 AttentionFn = Callable[[torch.Tensor, int, int], torch.Tensor]
 
@@ -269,7 +271,9 @@ class RunPlan:
     """Everything of one sampling run that depends only on its shapes, conditioning and schedule.
 
     Built once per run by ``H3Model.plan``; each step then costs only the block stack.
-    text: refined text rows [L, hidden] (compute dtype); cond_embed: embedded keyframe rows or None;
+    text: refined text rows [L, hidden] (compute dtype); cond_embed / cond_audio_embed: embedded visual / audio
+    condition rows in packing order (keyframes, then references) or None; video_mask / audio_mask: core's
+    pooled denoise masks [1, 1, T, H, W] / [1, 1, 2, Ta] (the output is scaled by them) or None;
     cos/sin [S, rope_dim] fp32; times[i] / mods[i][block] / final_mod[i] / heads[i] per step i.
     """
 
@@ -285,6 +289,9 @@ class RunPlan:
     final_mod: list = field(default_factory=list)
     heads: list = field(default_factory=list)
     orig_hw: tuple = (0, 0)
+    cond_audio_embed: torch.Tensor | None = None
+    video_mask: torch.Tensor | None = None
+    audio_mask: torch.Tensor | None = None
 
 
 class H3Model(nn.Module):
@@ -350,10 +357,14 @@ class H3Model(nn.Module):
 
     def plan(self, text_states: torch.Tensor, video_shape, audio_shape, sigmas, token_tags=None,
              keyframes=None, shifts=None, seed: int = 0, visual_cond_noise_aug: float = 0.999,
-             steps: list | None = None) -> RunPlan:
+             steps: list | None = None, cond: H3Conditioning | None = None) -> RunPlan:
         """Precompute a run. ``sigmas`` are the video sigmas the model will be evaluated at (one per step; for
-        a PDD bank the schedule's next sigma is taken from this list). ``keyframes`` is a list of dicts
-        ``{"resolved_frame_index": int, "latent": [1, C, t, h, w]}`` (fl2va)."""
+        a PDD bank the schedule's next sigma is taken from this list, or from ``cond.sample_sigmas`` when set).
+
+        cond: the run's conditioning (``conditioning.H3Conditioning``: keyframes, references, masks, noise
+        augmentation, seed). Without it, ``keyframes`` (core's ``minimax_keyframes`` dicts), ``seed`` and
+        ``visual_cond_noise_aug`` build one.
+        """
         cfg = self.cfg
         shifts = tuple(shifts or (cfg.shift_video, cfg.shift_audio))
         _, c, t, h, w = video_shape
@@ -361,44 +372,40 @@ class H3Model(nn.Module):
             raise ValueError(f"video latent has {c} channels; this model expects {cfg.video_channels}")
         if audio_shape[1] != cfg.audio_channels or audio_shape[2] != 2:
             raise ValueError(f"audio latent has shape {list(audio_shape)}; expected [1, {cfg.audio_channels}, 2, Ta]")
-        specs, cond_rows = [], []
-        for kf in keyframes or ():
-            if kf.get("audio_latent") is not None:
-                raise NotImplementedError("audio keyframes (cond_audio) are not supported yet; drop the audio of the guide")
-            lat = kf.get("latent")
-            if lat is None:
-                continue
-            lat = pad_video(lat.float())
-            if lat.shape[3] != h + h % 2 or lat.shape[4] != w + w % 2:
-                raise LayoutError(f"keyframe latent {list(lat.shape)} does not match the target grid {h}x{w}")
-            specs.append(KeyframeSpec(int(kf["resolved_frame_index"]), lat.shape[2]))
-            rows = patchify_video(lat)
-            if visual_cond_noise_aug < 1.0:
-                # every keyframe restarts the same CPU stream (core's rule)
-                noise = torch.randn(rows.shape, generator=torch.Generator("cpu").manual_seed(int(seed)),
-                                    dtype=torch.float32)
-                rows = visual_cond_noise_aug * rows + (1.0 - visual_cond_noise_aug) * noise
-            cond_rows.append(rows)
-        layout = build_layout(text_states.shape[1], t, h, w, audio_shape[3], specs)
+        if cond is None:
+            cond = H3Conditioning.from_payload({"keyframes": list(keyframes or ()), "seed": int(seed),
+                                                "visual_cond_noise_aug": visual_cond_noise_aug})
+        cond.check_target(video_shape, audio_shape, cfg.video_channels, cfg.audio_channels)
+        layout = build_layout(text_states.shape[1], t, h, w, audio_shape[3], keyframe_specs(cond), cond.refs)
         text = self.refine_text(text_states)
-        cond_embed = self.embed_video_rows(torch.cat(cond_rows).to(self.device)) if cond_rows else None
+        vis_rows, aud_rows = condition_rows(cond)
         cos, sin = rope_tables(layout.position_ids, self.rope.inv_freq)
         tags = None if token_tags is None else [int(v) for v in token_tags.view(-1).tolist()]
-        p = RunPlan(layout, text, cond_embed, cos, sin, [float(s) for s in sigmas], shifts, orig_hw=(h, w))
+        p = RunPlan(layout, text, None if vis_rows is None else self.embed_video_rows(vis_rows.to(self.device)),
+                    cos, sin, [float(s) for s in sigmas], shifts, orig_hw=(h, w),
+                    cond_audio_embed=None if aud_rows is None else self.embed_audio_rows(aud_rows.to(self.device)),
+                    video_mask=pool_video_mask(cond.denoise_mask), audio_mask=pool_audio_mask(cond.audio_denoise_mask))
+        self._plan_steps(p, tags, cond)
+        return p
+
+    def _plan_steps(self, p: RunPlan, tags, cond: H3Conditioning) -> None:
+        """Per step: timesteps (masked rows included), final-layer modulation, output heads, block modulation."""
+        shifts, layout = p.shifts, p.layout
+        vrows, arows = video_mask_rows(p.video_mask), audio_mask_rows(p.audio_mask)
+        schedule = None if cond.sample_sigmas is None else [float(v) for v in cond.sample_sigmas]
         t_embs = []
         for i, sigma in enumerate(p.sigmas):
-            st = step_times(layout, sigma, shifts[0], shifts[1], tags,
-                            visual_cond_t=visual_cond_noise_aug)
+            st = step_times(layout, sigma, shifts[0], shifts[1], tags, visual_cond_t=cond.visual_cond_noise_aug,
+                            audio_cond_t=cond.audio_cond_noise_aug, video_mask_rows=vrows, audio_mask_rows=arows)
             p.times.append(st)
             t_embs.append(self.time_embedding(st.t_values))
             shift, scale = self.final_layer.adaln_proj(t_embs[-1]).chunk(2, dim=-1)
             p.final_mod.append((shift, scale))
-            p.heads.append(self._heads_for(sigma, p.sigmas, i, shifts))
+            p.heads.append(self._heads_for(sigma, p.sigmas, i, shifts, schedule))
         # modulation rows of every (step, block), block-major so an offloaded AdaLN weight crosses to the
         # device once per run
         per_block = [self._block_mods(b, t_embs) for b in self.blocks]
         p.mods = [[per_block[j][i] for j in range(len(self.blocks))] for i in range(len(p.sigmas))]
-        return p
 
     def _block_mods(self, blk, t_embs):
         lin = blk.adaln_proj.linear
@@ -436,11 +443,17 @@ class H3Model(nn.Module):
         torch.cuda.empty_cache()
         return moved
 
-    def _heads_for(self, sigma, sigmas, i, shifts):
+    def _heads_for(self, sigma, sigmas, i, shifts, schedule=None):
+        """Output heads of step i. A PDD bank spans [sigma, next): next is the entry after the one nearest to
+        sigma in ``schedule`` (the run's full sample_sigmas, core's rule) or else ``sigmas[i + 1]`` (0 at the end)."""
         fl, n = self.final_layer, self.cfg.head_bank
         if n == 1:
             return (fl.video_out.weight, fl.video_out.bias, fl.audio_out.weight, fl.audio_out.bias)
-        nxt = sigmas[i + 1] if i + 1 < len(sigmas) else 0.0
+        if schedule is not None:
+            j = min(range(len(schedule)), key=lambda k: abs(schedule[k] - sigma))
+            nxt = schedule[min(j + 1, len(schedule) - 1)]
+        else:
+            nxt = sigmas[i + 1] if i + 1 < len(sigmas) else 0.0
         start, stop = pdd_span(sigma, nxt, n, shifts[0])
         vw, vb = pdd_head_weights(fl.video_out.weight, fl.video_out.bias, n, start, stop, shifts[0])
         aw, ab = pdd_head_weights(fl.audio_out.weight, fl.audio_out.bias, n, start, stop, shifts[1])
@@ -453,12 +466,15 @@ class H3Model(nn.Module):
         x = torch.empty(lay.seq_len, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
         a, b = lay.segment("text")
         x[a:b] = plan.text
-        if plan.cond_embed is not None:
-            off = 0
-            for a, b, kind in lay.segments:
-                if kind == "cond":
-                    x[a:b] = plan.cond_embed[off:off + b - a]
-                    off += b - a
+        # condition rows fill the cond / ref segments in order (keyframes first, then references, as core)
+        voff = aoff = 0
+        for a, b, kind in lay.segments:
+            if kind in ("cond", "ref_img"):
+                x[a:b] = plan.cond_embed[voff:voff + b - a]
+                voff += b - a
+            elif kind in ("cond_audio", "ref_audio"):
+                x[a:b] = plan.cond_audio_embed[aoff:aoff + b - a]
+                aoff += b - a
         a, b = lay.segment("audio")
         x[a:b] = self.embed_audio_rows(pack_audio(audio.to(self.device)))
         a, b = lay.segment("video")
@@ -474,7 +490,8 @@ class H3Model(nn.Module):
         return x
 
     def head(self, x: torch.Tensor, plan: RunPlan, i: int):
-        """Final layer on the target segments -> negated (video [1,C,T,H,W], audio [1,Ca,2,Ta]) in fp32."""
+        """Final layer on the target segments -> negated (video [1,C,T,H,W], audio [1,Ca,2,Ta]) in fp32, scaled by
+        the pooled denoise masks when the plan has them (core scales the velocity of masked rows)."""
         lay, st = plan.layout, plan.times[i]
         shift, scale = plan.final_mod[i]
         vw, vb, aw, ab = plan.heads[i]
@@ -486,8 +503,13 @@ class H3Model(nn.Module):
         v = F.linear(mod("video", st.video_t_index), vw, vb)
         a = F.linear(mod("audio", st.audio_t_index), aw, ab)
         h, w = plan.orig_hw
-        video = unpatchify_video(v, lay.latent_t, lay.lat_h, lay.lat_w, self.cfg.video_channels)[..., :h, :w]
-        return -video, -unpack_audio(a)
+        video = -unpatchify_video(v, lay.latent_t, lay.lat_h, lay.lat_w, self.cfg.video_channels)[..., :h, :w]
+        audio = -unpack_audio(a)
+        if plan.video_mask is not None:
+            video = video * plan.video_mask.to(video.device)
+        if plan.audio_mask is not None:
+            audio = audio * plan.audio_mask.to(audio.device)
+        return video, audio
 
     def evaluate(self, plan: RunPlan, i: int, video: torch.Tensor, audio: torch.Tensor):
         """Model output at step i of a plan: negated velocity (video, audio), fp32, no audio carry."""
@@ -497,20 +519,22 @@ class H3Model(nn.Module):
 
     @torch.no_grad()
     def forward(self, video, audio, text_states, sigma: float, token_tags=None, keyframes=None, shifts=None,
-                sample_sigmas=None, seed: int = 0):
-        """One evaluation in the t2va/fl2va layout: exactly ComfyUI core's H3 output with no audio carry.
+                sample_sigmas=None, seed: int = 0, cond: H3Conditioning | None = None):
+        """One evaluation: exactly ComfyUI core's H3 output for the same conditioning, with no audio carry.
 
         video [1, C, T, H, W], audio [1, Ca, 2, Ta], text_states [1, L, text_dim] (fp32 ok), sigma: video sigma.
-        sample_sigmas: the run's schedule (needed only by PDD head banks). Returns (video, audio) fp32.
+        cond: keyframes, references, masks, noise augmentation, seed and sample_sigmas (``H3Conditioning``);
+        without it ``keyframes`` / ``seed`` build one. sample_sigmas (or cond.sample_sigmas): the run's
+        schedule, needed only by PDD head banks. Returns (video, audio) fp32.
         """
         sigma = float(sigma)
         sig = [sigma]
-        if sample_sigmas is not None:
+        if sample_sigmas is not None and (cond is None or cond.sample_sigmas is None):
             ss = [float(s) for s in sample_sigmas]
             j = min(range(len(ss)), key=lambda k: abs(ss[k] - sigma))
             sig = ss[j:j + 2]
             sig[0] = sigma
         plan = self.plan(text_states, tuple(video.shape), tuple(audio.shape), sig, token_tags=token_tags,
-                         keyframes=keyframes, shifts=shifts, seed=seed)
+                         keyframes=keyframes, shifts=shifts, seed=seed, cond=cond)
         plan.sigmas = sig
         return self.evaluate(plan, 0, video, audio)
