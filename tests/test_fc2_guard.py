@@ -503,7 +503,7 @@ def test_alternating_order_and_summary():
 
 
 def test_compare_bytes_is_bitwise():
-    from h3_blackwell.runtime.fc2.tune import compare_bytes
+    from h3_blackwell.runtime.fc2.operands import compare_bytes
 
     a = torch.tensor([0.0, 1.0, 2.0], dtype=torch.bfloat16)
     assert compare_bytes(a, a.clone())["equal"]
@@ -516,7 +516,7 @@ def test_compare_bytes_is_bitwise():
 @pytest.mark.parametrize("dtype", ["bf16", "fp8_e4m3", "nvfp4"])
 def test_synthetic_operands_shapes_and_zero_padding(dtype):
     from h3_blackwell.runtime.fc2.guard import describe_call
-    from h3_blackwell.runtime.fc2.tune import synthetic_operands
+    from h3_blackwell.runtime.fc2.operands import synthetic_operands
 
     ops = synthetic_operands(dtype, 100, 128, 64, 256, "cpu", seed=3)
     call = describe_call(ops, role="fc2", out_dtype=torch.bfloat16, lora_active=False, producer=None)
@@ -529,7 +529,7 @@ def test_synthetic_operands_shapes_and_zero_padding(dtype):
 
 
 def test_reference_gemm_bf16_is_torch_linear():
-    from h3_blackwell.runtime.fc2.tune import reference_gemm, synthetic_operands
+    from h3_blackwell.runtime.fc2.operands import reference_gemm, synthetic_operands
 
     ops = synthetic_operands("bf16", 30, 32, 16, 64, "cpu", seed=1)
     y = reference_gemm(ops, "bf16")
@@ -674,7 +674,7 @@ def test_prepare_self_test_compares_bytes_and_caches_the_result(tmp_path):
     p3 = d.prepare(torch.device("cpu"))
     e = p3["entries"]["small-bf16"]
     assert e["status"] == "refused" and e["reason"].startswith("self_test: 1 of 512 bf16 elements differ")
-    from h3_blackwell.runtime.fc2.tune import synthetic_operands
+    from h3_blackwell.runtime.fc2.operands import synthetic_operands
 
     ops = synthetic_operands("bf16", 30, 32, 16, 64, "cpu", seed=9)
     _, fb = dispatch(d, operands=dict(x=ops.x, w=ops.w), m_logical=30, producer=None)

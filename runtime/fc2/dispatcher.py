@@ -1,63 +1,47 @@
-"""The guarded cuBLASLt FC2 path: accepted-configuration table, guard, dispatch, counters.
+"""The FC2 dispatcher: runs FC2 through an accepted, pinned cuBLASLt plan, or falls back on the same bytes.
 
-Where it sits: after the SwiGLU producer has written the FC2 activation (NVFP4 bytes + swizzled block
-scales on Blackwell; fp8 or bf16 on Hopper), ``Fc2Dispatcher.__call__`` gets those exact bytes plus a
-``fallback`` callable. It runs a *pinned* cuBLASLt configuration only when every condition of an
-accepted table entry holds; otherwise it calls ``fallback(ops)`` with the very same ``Fc2Operands``
-object (no second quantization) and records why.
-
-Accepted entries come from evidence, never from inference:
-
-- ``GB10_CANONICAL`` is the study in ``shared/seeds/003_7ef155e2299f514b.txt``: FC2, K=14,336,
-  N=5,376, logical M=37,810, packed M=37,824, NVFP4 x NVFP4 -> BF16, no bias, no LoRA, after the
-  SwiGLU NVFP4 producer, GB10 (sm_121), CUDA 13.0 runtime and headers, cuBLAS 13.1 headers,
-  cuBLASLt 13.0 runtime; algo 70 / tile 20 / stages 37 / split-K 1 / reduction 0 / swizzle 0 /
-  custom 0, zero workspace. Nearby M values were *not* all exact there, so nothing generalises.
-- JSON files written by ``h3-blackwell tune-fc2`` (schema ``ENTRY_SCHEMA``) under
-  ``RuntimeOptions.cache_dir/fc2_lt/table/`` or loaded explicitly.
-
-Guard order (the first failing condition is the recorded reason, ``code: detail``):
-
-- switch: ``disabled``;
-- operands: ``contract`` (malformed), ``dtype`` (no plan kind for it);
-- the call vs each entry: ``role`` ``lora`` ``bias`` ``out_dtype`` ``dtype`` ``producer`` ``k`` ``n``
-  ``m_logical`` ``m_padded`` (``empty_table`` when nothing is loaded);
-- the device vs the entries left: ``extension`` ``no_device`` ``cc`` ``sm_count`` ``cuda_header``
-  ``cublas_header`` ``cuda_runtime`` ``cublaslt_runtime``;
-- the plan: ``capture`` (not prepared before graph capture), ``policy`` ``init`` ``config`` ``check``
-  ``workspace`` ``readback`` (the extension's stages), ``descriptors``, ``plan`` (anything else),
-  ``self_test``;
-- the run: ``contract`` (the extension refused a tensor), ``execute``; ``internal`` for a bug.
-
-With several entries the reason comes from the entry that got furthest through these checks.
+Contract: ``Fc2Dispatcher.__call__`` gets the FC2 activation exactly as the SwiGLU producer wrote it
+(NVFP4 bytes + swizzled block scales on Blackwell; fp8 or bf16 on Hopper) and a ``fallback`` callable. It
+returns the bf16 ``[m_padded, n]`` output of the pinned plan only when the guard (:mod:`.guard`) accepts the
+call, the device and the plan; otherwise it returns ``fallback(ops)`` called with the very same
+``Fc2Operands`` object (no second quantization) and records the guard's reason (``code: detail``).
+``prepare`` (at load, before any CUDA-graph capture) builds the plans and self-tests them against the
+reference GEMM (:mod:`.operands`); its results are cached per device and versions (:mod:`.plan`).
 
 Counters: every call is an attempt; it ends as a success or a fallback (or, in strict mode, an
 error raised as :class:`Fc2LtError`). ``begin_run()``/``end_run()`` bracket one sampling run;
 ``report(required_per_run)`` gives ``{required_per_run, runs, all_passed}`` where required_per_run is
 blocks x steps.
-
-The plan layer is pluggable (``PlanLayer``): :class:`LtPlanLayer` drives the real extension; tests
-pass a fake. Measured compatibility (plan checks, self-tests) is cached on disk under
-``cache_dir/fc2_lt/compat/`` keyed by the device model and every version involved.
 """
-
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
 from ..options import RuntimeOptions
 from .table import Fc2Entry, Fc2LtError, Fc2Table, PLAN_STAGES, ROLE_FC2, Refusal
-from .guard import Fc2Environment, Fc2Operands, _first_failure, describe_call, env_checks, match_call, match_env
-from .plan import CompatCache, LtPlanLayer, PlanError, PlanLayer, _freeze_counts, _new_counts
+from .guard import Fc2Environment, Fc2Operands, describe_call, env_checks, first_failure, match_call, match_env
+from .plan import CompatCache, LtPlanLayer, PlanError, PlanLayer
 from .operands import compare_bytes, reference_gemm, synthetic_operands
 
 log = logging.getLogger("h3_blackwell.fc2_lt")
+
+
+def _new_counts() -> dict[str, Any]:
+    return {"attempts": 0, "successes": 0, "fallbacks": 0, "errors": 0, "reasons": Counter()}
+
+
+def _freeze_counts(c: Mapping[str, Any]) -> dict[str, Any]:
+    out = {k: c[k] for k in ("attempts", "successes", "fallbacks", "errors")}
+    out["reasons"] = dict(c["reasons"])
+    return out
+
 
 class Fc2Dispatcher:
     """Runs FC2 through an accepted pinned cuBLASLt plan, or falls back on the same bytes.
@@ -224,7 +208,7 @@ class Fc2Dispatcher:
         out["build_info"] = self.build_info()
         tag = self.layer.compat_tag()
         for entry in self.table.entries:
-            depth, refusal = _first_failure(env_checks(entry, env))
+            depth, refusal = first_failure(env_checks(entry, env))
             if refusal is not None:
                 out["entries"][entry.name] = {"status": "not this device", "reason": str(refusal)}
                 continue

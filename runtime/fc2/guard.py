@@ -1,5 +1,25 @@
 """The FC2 guard: a call (shape, dtypes, producer, LoRA) and the device environment checked against the
-table's entries; the first failing condition is the recorded reason (``code: detail``)."""
+table's entries; the first failing condition is the recorded reason (``code: detail``).
+
+Contract: ``describe_call`` turns the producer's ``Fc2Operands`` into an :class:`Fc2Call` (or a
+``contract`` / ``dtype`` refusal); ``match_call`` keeps the entries the call satisfies, ``match_env`` the one
+the device satisfies; ``match`` is both. Nothing here touches the GPU.
+
+Guard order (the first failing condition is the recorded reason):
+
+- switch: ``disabled``;
+- operands: ``contract`` (malformed), ``dtype`` (no plan kind for it);
+- the call vs each entry: ``role`` ``lora`` ``bias`` ``out_dtype`` ``dtype`` ``producer`` ``k`` ``n``
+  ``m_logical`` ``m_padded`` (``empty_table`` when nothing is loaded);
+- the device vs the entries left: ``extension`` ``no_device`` ``cc`` ``sm_count`` ``cuda_header``
+  ``cublas_header`` ``cuda_runtime`` ``cublaslt_runtime``;
+- the plan (checked by the dispatcher): ``capture`` (not prepared before graph capture), ``policy`` ``init``
+  ``config`` ``check`` ``workspace`` ``readback`` (the extension's stages), ``descriptors``, ``plan``
+  (anything else), ``self_test``;
+- the run: ``contract`` (the extension refused a tensor), ``execute``; ``internal`` for a bug.
+
+With several entries the reason comes from the entry that got furthest through these checks.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +30,13 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from .table import Fc2Entry, Fc2Table, Refusal, _FLOAT4, _OUT_DTYPES
+from .table import Fc2Entry, Fc2Table, Refusal
 
 log = logging.getLogger("h3_blackwell.fc2_lt")
+
+_FLOAT4 = getattr(torch, "float4_e2m1fn_x2", None)
+_OUT_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
 
 @dataclass(frozen=True)
 class Fc2Call:
@@ -122,7 +146,9 @@ def env_checks(entry: Fc2Entry, env: Fc2Environment) -> list[tuple[str, bool, st
     ]
 
 
-def _first_failure(checks: list[tuple[str, bool, str]]) -> tuple[int, Refusal | None]:
+def first_failure(checks: list[tuple[str, bool, str]]) -> tuple[int, Refusal | None]:
+    """(how many checks passed, the first failing check as a Refusal or None) for ``(code, ok, detail)``
+    checks in guard order."""
     for i, (code, ok, detail) in enumerate(checks):
         if not ok:
             return i, Refusal(code, detail)
@@ -144,7 +170,7 @@ def match_call(table: Fc2Table, call: Fc2Call) -> tuple[list[Fc2Entry], Refusal 
     results = []
     hits = []
     for e in table.entries:
-        depth, refusal = _first_failure(call_checks(e, call))
+        depth, refusal = first_failure(call_checks(e, call))
         if refusal is None:
             hits.append(e)
         results.append((depth, e, refusal))
@@ -157,7 +183,7 @@ def match_env(entries: Sequence[Fc2Entry], env: Fc2Environment) -> tuple[Fc2Entr
     """The first entry whose device/version conditions hold, or the reason none does."""
     results = []
     for e in entries:
-        depth, refusal = _first_failure(env_checks(e, env))
+        depth, refusal = first_failure(env_checks(e, env))
         if refusal is None:
             return e, None
         results.append((depth, e, refusal))

@@ -1,5 +1,11 @@
 """FC2 test operands, the reference GEMM and the byte comparison: shared by the tuner and by
-``Fc2Dispatcher.prepare``'s self-test."""
+``Fc2Dispatcher.prepare``'s self-test.
+
+Contract: ``synthetic_operands`` gives random ``Fc2Operands`` of the exact FC2 shape for a plan kind
+(``KINDS``), rows >= m_logical zero as the producer pads them; ``reference_gemm`` is torch's own GEMM for
+that kind (the path the fallback takes), bf16 ``[m_padded, n]``; ``compare_bytes`` compares two bf16
+outputs bit for bit.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,6 @@ from typing import Any
 import torch
 
 from .guard import Fc2Operands
-
 from .table import KINDS
 
 DEFAULT_SCALE_MODE = {"nvfp4": "vec16_ue4m3", "fp8_e4m3": "tensor", "bf16": "none"}

@@ -1,5 +1,13 @@
-"""cuBLASLt plans for accepted FC2 entries: the pluggable plan layer (the real extension or a test fake),
-its stage errors, and the on-disk compatibility cache of plan checks and self-tests."""
+"""cuBLASLt plans for accepted FC2 entries: the pluggable plan layer, its stage errors, and the on-disk
+compatibility cache.
+
+Contract: a :class:`PlanLayer` reports its environment, builds a plan for an entry on a device (raising
+:class:`PlanError` with the extension's stage: ``policy`` ``init`` ``config`` ``check`` ``workspace``
+``readback``), and runs it on ``Fc2Operands`` into a bf16 output. :class:`LtPlanLayer` drives the compiled
+extension (:mod:`.ext`); tests pass a fake with the same methods. :class:`CompatCache` remembers plan
+checks and self-test results under ``cache_dir/fc2_lt/compat/``, keyed by the device model and every
+version involved, so a refusal that is a property of (device, versions, algo, shape) is paid once.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +15,6 @@ import hashlib
 import json
 import logging
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Protocol
@@ -215,17 +222,3 @@ class CompatCache:
             tmp.replace(p)
         except OSError as e:  # a read-only cache must not break inference
             log.warning("fc2 compat cache not written (%s): %s", p, e)
-
-
-# ----------------------------------------------------------------------------------------------
-# the dispatcher
-
-
-def _new_counts() -> dict[str, Any]:
-    return {"attempts": 0, "successes": 0, "fallbacks": 0, "errors": 0, "reasons": Counter()}
-
-
-def _freeze_counts(c: Mapping[str, Any]) -> dict[str, Any]:
-    out = {k: c[k] for k in ("attempts", "successes", "fallbacks", "errors")}
-    out["reasons"] = dict(c["reasons"])
-    return out

@@ -1,5 +1,20 @@
-"""FC2 accepted-configuration entries and the table that holds them (the seed's GB10 entry built in,
-tuned JSON entries from ``cache_dir/fc2_lt/table``). Entries come from evidence, never from inference."""
+"""FC2 accepted-configuration entries and the table that holds them.
+
+An entry (:class:`Fc2Entry`, JSON schema ``ENTRY_SCHEMA``) pins one cuBLASLt configuration for one role,
+shape (K, N, logical and padded M), operand dtype, producer and device environment (compute capability,
+SM count, CUDA / cuBLAS header and runtime versions). Entries come from evidence, never from inference:
+
+- ``GB10_CANONICAL`` is the study in ``shared/seeds/003_7ef155e2299f514b.txt``: FC2, K=14,336,
+  N=5,376, logical M=37,810, packed M=37,824, NVFP4 x NVFP4 -> BF16, no bias, no LoRA, after the
+  SwiGLU NVFP4 producer, GB10 (sm_121), CUDA 13.0 runtime and headers, cuBLAS 13.1 headers,
+  cuBLASLt 13.0 runtime; algo 70 / tile 20 / stages 37 / split-K 1 / reduction 0 / swizzle 0 /
+  custom 0, zero workspace. Nearby M values were *not* all exact there, so nothing generalises.
+- JSON files written by ``h3-blackwell tune-fc2`` (:mod:`.tune`) under
+  ``RuntimeOptions.cache_dir/fc2_lt/table/`` (``table_dir``) or loaded explicitly.
+
+:class:`Fc2Table` holds them in priority order (``Fc2Table.default``: the built-in entry, then the cache
+directory's files). :class:`Refusal` is the ``code: detail`` reason every refusal in the package carries.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +26,6 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
-
-import torch
 
 from ..options import RuntimeOptions
 
@@ -29,9 +42,6 @@ KINDS = ("nvfp4", "fp8_e4m3", "bf16")
 # The extension's plan stages: a refusal at one of them is a property of (device, versions, algo, shape),
 # so it is remembered on disk. "descriptors" (handle or scratch allocation failed) is not.
 PLAN_STAGES = ("policy", "init", "config", "check", "workspace", "readback", "heuristic")
-
-_FLOAT4 = getattr(torch, "float4_e2m1fn_x2", None)
-_OUT_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 class Fc2LtError(RuntimeError):

@@ -12,7 +12,7 @@ What it does, for one role / shape / dtype (bf16 or fp8 on Hopper, NVFP4 on Blac
    the reference, then re-checks the fastest on more seeds and for run-to-run determinism;
 4. times the best exact candidates, the heuristic's own choice and the reference in alternating order
    (ABC/CBA ...), CUDA events, p50 over rounds;
-5. writes a table entry (``fc2_lt.ENTRY_SCHEMA``) with all that as evidence. By default it lands in
+5. writes a table entry (``table.ENTRY_SCHEMA``) with all that as evidence. By default it lands in
    ``cache_dir/fc2_lt/table/``, where ``Fc2Table.default`` picks it up.
 """
 
@@ -41,6 +41,8 @@ from ..options import RuntimeOptions
 from .operands import DEFAULT_SCALE_MODE, REFERENCE_NAME, compare_bytes, reference_gemm, synthetic_operands
 
 CANONICAL = {"m_logical": 37810, "m_padded": 37824, "n": 5376, "k": 14336}
+
+
 def candidate_configs(caps: Mapping[str, Any], cluster_ids: Sequence[int] = (0,)) -> Iterator[dict[str, int]]:
     """Every split-K-1 / reduction-NONE configuration the capabilities of one algorithm id allow."""
     if int(caps.get("init_status", 0)) != 0:
