@@ -92,6 +92,21 @@ def test_ulysses_attention_matches_single_process_uneven_rows():
     assert nbytes == (19 * 3 * 32 + 38 * 16) * 4 and off == nbytes // 2  # qkv out + output back, fp32
 
 
+def test_ulysses_world_of_one_is_the_single_device_op_without_copies_or_collectives():
+    qkv = torch.randn(37, 3 * 4 * 8, generator=torch.Generator().manual_seed(1))
+    seen = []
+
+    def inner(buf, heads, head_dim, seq_len):
+        seen.append(buf.data_ptr())
+        return _reference_inner(buf, heads, head_dim, seq_len)
+
+    stats = CommStats()
+    out = UlyssesAttention(RowShard(37, 1, 0), inner, stats=stats)(qkv, 4, 8)
+    assert seen == [qkv.data_ptr()]  # the op read the caller's buffer itself: no permute copy, no exchange
+    assert torch.equal(out, attention(qkv, 4, 8, "reference"))
+    assert (stats.calls, stats.bytes_per_call, stats.per_step_seconds(1)) == (0, 0, [0.0])
+
+
 # ---------------------------------------------------------------------------------------------
 # failure paths: a worker that raises, one that dies hard, one that is stuck (no hang, nothing returned)
 # ---------------------------------------------------------------------------------------------

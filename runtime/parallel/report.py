@@ -47,7 +47,7 @@ def parallel_section(ctx: ParallelContext, shard: RowShard, stats: CommStats, ra
         "latents_identical_across_ranks": len({tuple(r["runs"][-1]["latent_sha256"]) for r in ranks
                                                if r["runs"]}) == 1,
         "all_to_all": {
-            "calls_per_step": 2 * blocks,
+            "calls_per_step": 2 * blocks if ctx.world_size > 1 else 0,
             "bytes_per_block": stats.bytes_per_call,
             "offrank_bytes_per_block": stats.offrank_bytes_per_call,
             "median_seconds_per_step_all_ranks": statistics.median(steps_a2a) if steps_a2a else None,

@@ -76,12 +76,18 @@ class UlyssesAttention:
     def __init__(self, shard: RowShard, inner: InnerAttention, group=None, stats: CommStats | None = None):
         self.shard, self.inner, self.group, self.stats = shard, inner, group, stats
 
-    def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+    def _exchange(self, inp: torch.Tensor) -> torch.Tensor:
+        """One all-to-all of ``inp [N, ...]`` (block j goes to rank j) -> the blocks received, in rank order.
+        A world of one exchanges nothing: the buffer is returned as it is (no copy, no collective)."""
+        if self.shard.world_size == 1:
+            return inp
+        out = torch.empty_like(inp)
         st = self.stats
         t0 = st.begin(inp.device) if st is not None else None
         dist.all_to_all_single(out, inp, group=self.group)
         if st is not None:
             st.end(t0, inp.device)
+        return out
 
     def __call__(self, qkv: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
         n, c, s = self.shard.world_size, self.shard.chunk, self.shard.seq_len
@@ -92,18 +98,15 @@ class UlyssesAttention:
                              f"found {list(qkv.shape)}")
         hl = heads // n
         # [c, 3, n, hl, D] -> [n, c, 3, hl, D]: block j = head group j of q, k and v, one buffer
-        send = qkv.reshape(c, 3, n, hl, head_dim).permute(2, 0, 1, 3, 4).contiguous()
-        recv = torch.empty_like(send)
-        self._all_to_all(recv, send)  # recv[i] = rank i's rows of my head group
+        send = qkv.reshape(c, 3, n, hl, head_dim).permute(2, 0, 1, 3, 4).contiguous()  # no copy when n == 1
+        recv = self._exchange(send)  # recv[i] = rank i's rows of my head group
         o = self.inner(recv.view(n * c, 3 * hl * head_dim), hl, head_dim, seq_len=s)  # [S, hl*D]
         back = o.new_zeros((n * c, hl * head_dim)) if n * c != s else o.contiguous()
         if n * c != s:
             back[:s] = o
-        home = torch.empty_like(back)
-        self._all_to_all(home, back)  # home[j] = my rows of head group j
-        if self.stats is not None:
-            el = qkv.element_size()
+        home = self._exchange(back)  # home[j] = my rows of head group j
+        if self.stats is not None and n > 1:  # a world of one hands nothing to a collective
             self.stats.calls += 1
-            self.stats.bytes_per_call = (send.numel() + back.numel()) * el
+            self.stats.bytes_per_call = (send.numel() + back.numel()) * qkv.element_size()
             self.stats.offrank_bytes_per_call = self.stats.bytes_per_call * (n - 1) // n
         return home.view(n, c, hl, head_dim).permute(1, 0, 2, 3).reshape(c, heads * head_dim)
