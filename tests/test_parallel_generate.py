@@ -72,3 +72,25 @@ def test_bad_degree_is_one_error_line_before_any_work(tmp_path, capsys, extra, e
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(expect), err
     assert not (tmp_path / "o").exists()
+
+
+def test_torchrun_environment_runs_the_distributed_path_in_process(tmp_path, monkeypatch, capsys):
+    # what torchrun --nproc-per-node 1 sets: this process is rank 0 of a world of one (gloo, in process)
+    from h3_blackwell.runtime.parallel.launch import free_port
+
+    assert cli.main(["generate", "--output", str(tmp_path / "one"), *BASE]) == 0
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(k, v)
+    assert cli.main(["generate", "--output", str(tmp_path / "tr"), *BASE]) == 0
+    one, tr = (load_file(str(tmp_path / d / "latents.safetensors")) for d in ("one", "tr"))
+    rep = json.loads((tmp_path / "tr" / "report.json").read_text())
+    s = rep["sequence_parallel"]
+    assert s["launch"] == "torchrun" and s["world_size"] == 1
+    assert s["all_to_all"]["calls_per_step"] == 0 and s["all_to_all"]["bytes_per_block"] == 0  # nothing exchanged
+    # the sharded evaluation of a world of one runs the same ops on the same rows as the plain path: same bytes
+    for k in ("video", "audio"):
+        assert torch.equal(tr[k], one[k]), (k, _rel(tr[k], one[k]))
+    with pytest.raises(SystemExit):  # the flag must agree with torchrun's world size
+        raise SystemExit(cli.main(["generate", "--output", str(tmp_path / "x"), *BASE, "--sequence-parallel", "2"]))
+    assert "--sequence-parallel 2 but torchrun started WORLD_SIZE=1" in capsys.readouterr().err
