@@ -32,7 +32,7 @@ FRONTEND_ONLY = {"Note", "MarkdownNote", "Reroute", "PrimitiveNode"}
 MODE_MUTED, MODE_BYPASS = 2, 4
 # The editor stores the "control after generate" choice right after a seed widget's value.
 CONTROL_VALUES = {"fixed", "increment", "decrement", "randomize"}
-WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
+WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO", "COMFY_DYNAMICCOMBO_V3"}  # a dynamic combo: its key
 UPLOAD_FLAGS = ("image_upload", "video_upload", "audio_upload")
 
 
@@ -102,6 +102,8 @@ def _extra_values(name: str, spec) -> int:
     opts = spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
     if opts.get("control_after_generate") or (kind == "INT" and name in ("seed", "noise_seed")):
         return 1
+    if opts.get("audio_upload"):
+        return 2  # LoadAudio: the player ("audioUI") and the upload button
     if any(opts.get(f) for f in UPLOAD_FLAGS):
         return 1
     return 0
@@ -164,10 +166,29 @@ def _widget_value(values, pos: int, by_name: bool, name: str, spec) -> tuple[Any
     value = values[pos]
     pos += 1
     opts = spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
-    if _extra_values(name, spec) and pos < len(values) and (
-            values[pos] in CONTROL_VALUES or any(opts.get(f) for f in UPLOAD_FLAGS)):
+    extra = _extra_values(name, spec)
+    if any(opts.get(f) for f in UPLOAD_FLAGS):
+        pos = min(len(values), pos + extra)
+    elif extra and pos < len(values) and values[pos] in CONTROL_VALUES:
         pos += 1
     return value, True, pos
+
+
+# A V3 Autogrow input (core's MiniMaxH3ReferenceToVideo ref_images, ...): a growing list of sockets named
+# "<input>.<prefix><i>" in both the editor's graph and the API prompt.
+AUTOGROW = "COMFY_AUTOGROW_V3"
+
+
+def _autogrow_inputs(name: str, sockets: dict, source: Callable[[Any], Any]) -> dict:
+    out = {}
+    for sock_name, sock in sockets.items():
+        if sock_name.startswith(name + ".") and sock.get("link") is not None:
+            src = source(sock["link"])
+            if isinstance(src, tuple):
+                out[sock_name] = src[1]
+            elif src is not None:
+                out[sock_name] = src
+    return out
 
 
 def _node_inputs(node: dict, info: dict, source: Callable[[Any], Any]) -> dict:
@@ -188,6 +209,9 @@ def _node_inputs(node: dict, info: dict, source: Callable[[Any], Any]) -> dict:
             if spec is None:
                 continue
             spec = spec if isinstance(spec, (list, tuple)) else [spec]
+            if spec[0] == AUTOGROW:
+                inputs.update(_autogrow_inputs(name, sockets, source))
+                continue
             widget = _is_widget(spec)
             value, have_value = None, False
             if widget:

@@ -15,6 +15,10 @@ comfy_extras/nodes_video.py, comfy_extras/nodes_minimax_h3.py; the "minimax" CLI
 | CreateVideo             | images IMAGE, fps FLOAT (30, 1..120), opt. audio AUDIO                  | VIDEO    |
 | SaveVideo (output node) | video VIDEO, filename_prefix STRING, format [auto, mp4], codec [auto, h264] | -    |
 | EmptyMiniMaxH3LatentAV  | width INT (1344, 32.., step 32), height INT (768), length INT (124, 5..3600, step 17) | LATENT |
+| LoadImage / LoadAudio   | image (input file, upload) / audio (input file, upload)                 | IMAGE, MASK / AUDIO |
+| MiniMaxH3ImageToVideo   | clip, vae, prompt, width, height, length; opt. first_frame, last_frame IMAGE | CONDITIONING, LATENT |
+| MiniMaxH3AddGuide       | positive, latent, frame_idx INT (0, -9999..9999); opt. vae, audio_vae, image, audio | CONDITIONING |
+| MiniMaxH3ReferenceToVideo | clip, vae, audio_vae, prompt, width, height, length, ref_image_size [match, max]; Autogrow ref_images (9), ref_videos (3), ref_video_audios (3), ref_audios (3) | CONDITIONING, LATENT |
 
 File-list combos (model folders) accept any model file name: the list is the user's folder.
 """
@@ -50,6 +54,16 @@ def _core(required, outputs, optional=None, output_node=False, names=None):
             "output": list(outputs), "output_name": list(names or outputs), "output_node": output_node}
 
 
+def _autogrow(name, kind, most):
+    """A V3 Autogrow input as /object_info serves it: sockets "<input>.<name>_<i>", i < most."""
+    return ("COMFY_AUTOGROW_V3", {"template": {"input": {"required": {name: (kind, {})}}, "prefix": name + "_",
+                                               "min": 0, "max": most}})
+
+
+H3_CANVAS = {"width": ("INT", {"default": 1344, "min": 32, "max": 16384, "step": 32}),
+             "height": ("INT", {"default": 768, "min": 32, "max": 16384, "step": 32}),
+             "length": ("INT", {"default": 124, "min": 5, "max": 3600, "step": 17})}
+
 CORE_NODES = {
     "CLIPLoader": _core({"clip_name": FILES, "type": (CLIP_TYPES, {})}, ["CLIP"],
                         optional={"device": (["default", "cpu"], {})}),
@@ -66,6 +80,26 @@ CORE_NODES = {
                                      "height": ("INT", {"default": 768, "min": 32, "max": 16384, "step": 32}),
                                      "length": ("INT", {"default": 124, "min": 5, "max": 3600, "step": 17})},
                                     ["LATENT"]),
+    # fl2va / ref2va inputs (core's comfy_extras/nodes_minimax_h3.py, nodes.py LoadImage, nodes_audio.py LoadAudio)
+    "LoadImage": _core({"image": ([], {"image_upload": True})}, ["IMAGE", "MASK"]),
+    "LoadAudio": _core({"audio": ("COMBO", {"options": [], "audio_upload": True})}, ["AUDIO"]),
+    "MiniMaxH3ImageToVideo": _core(
+        {"clip": ("CLIP", {}), "vae": ("VAE", {}), "prompt": ("STRING", {"multiline": True, "dynamicPrompts": True}),
+         **H3_CANVAS}, ["CONDITIONING", "LATENT"], optional={"first_frame": ("IMAGE", {}), "last_frame": ("IMAGE", {})},
+        names=["positive", "LATENT"]),
+    "MiniMaxH3AddGuide": _core(
+        {"positive": ("CONDITIONING", {}), "latent": ("LATENT", {}),
+         "frame_idx": ("INT", {"default": 0, "min": -9999, "max": 9999})}, ["CONDITIONING"],
+        optional={"vae": ("VAE", {}), "audio_vae": ("VAE", {}), "image": ("IMAGE", {}), "audio": ("AUDIO", {})},
+        names=["positive"]),
+    "MiniMaxH3ReferenceToVideo": _core(
+        {"clip": ("CLIP", {}), "vae": ("VAE", {}), "audio_vae": ("VAE", {}),  # optional in the newest core
+         "prompt": ("STRING", {"multiline": True, "dynamicPrompts": True}), **H3_CANVAS,
+         "ref_image_size": ("COMBO", {"default": "match", "options": ["match", "max"]})},
+        ["CONDITIONING", "LATENT"], names=["positive", "LATENT"],
+        optional={"ref_images": _autogrow("ref_image", "IMAGE", 9), "ref_videos": _autogrow("ref_video", "IMAGE", 3),
+                  "ref_video_audios": _autogrow("ref_video_audio", "AUDIO", 3),
+                  "ref_audios": _autogrow("ref_audio", "AUDIO", 3)}),
 }
 
 # this pack's inputs whose choices come from a folder
@@ -93,12 +127,16 @@ def _types_match(out_type: str, in_type: str) -> bool:
 def check_widget(class_type: str, name: str, spec, value) -> str | None:
     """None when ``value`` is legal for the widget, else why not."""
     kind, opts = spec[0], (spec[1] if len(spec) > 1 else {})
+    if opts.get("image_upload") or opts.get("audio_upload"):  # a file of ComfyUI's input folder
+        return None if isinstance(value, str) and value else f"{value!r} is not an input file name"
     if isinstance(kind, list):
         if (class_type, name) in OWN_FILE_LISTS and isinstance(value, str) and value.endswith(MODEL_EXTENSIONS):
             return None
         return None if value in kind else f"{value!r} not in {kind}"
     if kind == "COMBO" and opts.get("file_list"):
         return None if isinstance(value, str) and value.endswith(MODEL_EXTENSIONS) else f"{value!r} is not a model file"
+    if kind == "COMBO" and "options" in opts:
+        return None if value in opts["options"] else f"{value!r} not in {opts['options']}"
     if kind == "INT":
         if not isinstance(value, int) or isinstance(value, bool):
             return f"{value!r} is not an INT"
@@ -118,6 +156,19 @@ def check_widget(class_type: str, name: str, spec, value) -> str | None:
     return None
 
 
+def _expand_autogrow(specs: dict) -> dict:
+    """Autogrow inputs -> their sockets ("ref_images.ref_image_0", ...) with the template's type."""
+    out = {}
+    for name, spec in specs.items():
+        if spec[0] == "COMFY_AUTOGROW_V3":
+            t = spec[1]["template"]
+            (sub, sub_spec), = t["input"]["required"].items()
+            out.update({f"{name}.{t['prefix']}{i}": sub_spec for i in range(t["max"])})
+        else:
+            out[name] = spec
+    return out
+
+
 def validate_api(prompt: dict, info: dict) -> list[str]:
     """Every problem ComfyUI's /prompt validation would find (and a few it would not), as strings."""
     problems = []
@@ -131,7 +182,7 @@ def validate_api(prompt: dict, info: dict) -> list[str]:
             continue
         d = info[ct]
         outputs += bool(d.get("output_node"))
-        specs = {**d["input"].get("required", {}), **d["input"].get("optional", {})}
+        specs = _expand_autogrow({**d["input"].get("required", {}), **d["input"].get("optional", {})})
         for name in d["input"].get("required", {}):
             if name not in node["inputs"]:
                 problems.append(f"{nid} ({ct}): required input {name} missing")
@@ -177,7 +228,8 @@ def validate_ui(graph: dict, info: dict) -> list[str]:
         if not (out["type"] == inp["type"] == ltype):
             problems.append(f"link {lid}: types {out['type']} -> {inp['type']} (link says {ltype})")
         decl_out = info[na["type"]]["output"][aslot]
-        decl_in = {**info[nb["type"]]["input"]["required"], **info[nb["type"]]["input"].get("optional", {})}
+        decl_in = _expand_autogrow({**info[nb["type"]]["input"]["required"],
+                                    **info[nb["type"]]["input"].get("optional", {})})
         if inp["name"] not in decl_in:
             problems.append(f"link {lid}: {nb['type']} has no input {inp['name']}")
         elif not _types_match(decl_out, decl_in[inp["name"]][0]):
@@ -199,26 +251,93 @@ def _strip(prompt):
     return {k: {"class_type": v["class_type"], "inputs": v["inputs"]} for k, v in prompt.items()}
 
 
+UI_GRAPHS = ["h3_t2va_nvfp4", "h3_fl2va_nvfp4", "h3_ref2va_nvfp4"]
+
+
 def test_every_workflow_is_checked():
-    assert sorted(p.name for p in WORKFLOWS.glob("*.json")) == [
-        "h3_smoke_tiny.api.json", "h3_t2va_nvfp4.api.json", "h3_t2va_nvfp4.json"]
+    assert sorted(p.name for p in WORKFLOWS.glob("*.json")) == sorted(
+        ["h3_smoke_tiny.api.json"] + [f"{n}.json" for n in UI_GRAPHS] + [f"{n}.api.json" for n in UI_GRAPHS])
 
 
-@pytest.mark.parametrize("name", ["h3_smoke_tiny.api.json", "h3_t2va_nvfp4.api.json"])
+@pytest.mark.parametrize("name", ["h3_smoke_tiny.api.json"] + [f"{n}.api.json" for n in UI_GRAPHS])
 def test_api_workflows_validate(name):
     prompt = _load(name)
     assert is_api_prompt(prompt)
     assert validate_api(prompt, object_info()) == []
 
 
-def test_ui_workflow_validates_and_converts_to_its_api_twin():
-    graph = _load("h3_t2va_nvfp4.json")
+@pytest.mark.parametrize("name", UI_GRAPHS)
+def test_ui_workflow_validates_and_converts_to_its_api_twin(name):
+    graph = _load(f"{name}.json")
     assert is_ui_graph(graph) and not is_api_prompt(graph)
     info = object_info()
     assert validate_ui(graph, info) == []
     converted = ui_to_api(graph, info)
     assert validate_api(converted, info) == []
-    assert _strip(converted) == _strip(_load("h3_t2va_nvfp4.api.json"))
+    assert _strip(converted) == _strip(_load(f"{name}.api.json"))
+
+
+def _by_type(prompt):
+    by_type = {}
+    for nid, n in prompt.items():
+        by_type.setdefault(n["class_type"], []).append(nid)
+    return by_type
+
+
+def _check_decoding_tail(prompt, by_type):
+    """Core decodes our sampler's LATENT: VAEDecode (video VAE) + VAEDecodeAudio (audio VAE) -> CreateVideo 24 fps."""
+    sampler = by_type["H3B_Sampler"][0]
+    video_vae, audio_vae = by_type["VAELoader"]
+    assert prompt[by_type["VAEDecode"][0]]["inputs"] == {"samples": [sampler, 0], "vae": [video_vae, 0]}
+    assert prompt[by_type["VAEDecodeAudio"][0]]["inputs"] == {"samples": [sampler, 0], "vae": [audio_vae, 0]}
+    assert prompt[by_type["CreateVideo"][0]]["inputs"]["fps"] == 24.0
+    assert prompt[by_type["H3B_ModelLoader"][0]]["inputs"]["model"].endswith("_nvfp4.safetensors")
+    assert prompt[sampler]["inputs"]["model"] == [by_type["H3B_ModelLoader"][0], 0]
+
+
+def test_fl2va_workflow_shape():
+    """First and last frame through core's MiniMaxH3ImageToVideo, an audio guide through core's
+    MiniMaxH3AddGuide (audio VAE, frame 0), then our loader and sampler."""
+    prompt = _load("h3_fl2va_nvfp4.api.json")
+    by_type = _by_type(prompt)
+    i2v, guide = by_type["MiniMaxH3ImageToVideo"][0], by_type["MiniMaxH3AddGuide"][0]
+    images, audio = by_type["LoadImage"], by_type["LoadAudio"][0]
+    assert {tuple(prompt[i2v]["inputs"][k]) for k in ("first_frame", "last_frame")} == {(i, 0) for i in images}
+    g = prompt[guide]["inputs"]
+    assert g["positive"] == [i2v, 0] and g["latent"] == [i2v, 1] and g["audio"] == [audio, 0]
+    assert g["audio_vae"] == [by_type["VAELoader"][1], 0] and "image" not in g
+    s = prompt[by_type["H3B_Sampler"][0]]["inputs"]
+    assert s["positive"] == [guide, 0] and s["latent"] == [i2v, 1]
+    _check_decoding_tail(prompt, by_type)
+
+
+def test_ref2va_workflow_shape():
+    """Two reference images and one reference audio through core's MiniMaxH3ReferenceToVideo (autogrow inputs,
+    the prompt names them <Picture 1>, <Picture 2>, <Audio 1>), then our loader and sampler."""
+    prompt = _load("h3_ref2va_nvfp4.api.json")
+    by_type = _by_type(prompt)
+    r2v = by_type["MiniMaxH3ReferenceToVideo"][0]
+    r = prompt[r2v]["inputs"]
+    refs = sorted(k for k in r if k.startswith("ref_"))
+    assert refs == ["ref_audios.ref_audio_0", "ref_image_size", "ref_images.ref_image_0", "ref_images.ref_image_1"]
+    assert {r["ref_images.ref_image_0"][0], r["ref_images.ref_image_1"][0]} == set(by_type["LoadImage"])
+    assert r["ref_audios.ref_audio_0"] == [by_type["LoadAudio"][0], 0]
+    assert all(tag in r["prompt"] for tag in ("<Picture 1>", "<Picture 2>", "<Audio 1>"))
+    s = prompt[by_type["H3B_Sampler"][0]]["inputs"]
+    assert s["positive"] == [r2v, 0] and s["latent"] == [r2v, 1]
+    _check_decoding_tail(prompt, by_type)
+
+
+def test_converter_reads_the_editors_upload_values_and_autogrow_sockets():
+    """The editor saves LoadImage as [file, "image"] and LoadAudio as [file, null, null]; Autogrow sockets are
+    named "<input>.<prefix><i>": the converter steps over the upload values and keeps every linked socket."""
+    info = object_info()
+    graph = _load("h3_ref2va_nvfp4.json")
+    conv = ui_to_api(graph, info)
+    assert conv["6"]["inputs"] == {"audio": "h3_ref_voice.wav"} and conv["4"]["inputs"] == {"image": "h3_ref_person.png"}
+    node = next(n for n in graph["nodes"] if n["type"] == "MiniMaxH3ReferenceToVideo")
+    node["inputs"] = [i for i in node["inputs"] if i["name"] != "ref_images.ref_image_1"]
+    assert "ref_images.ref_image_1" not in ui_to_api(graph, info)["7"]["inputs"]
 
 
 def test_t2va_workflow_shape():
@@ -259,6 +378,18 @@ def test_validator_catches_mistakes():
     graph = _load("h3_t2va_nvfp4.json")
     graph["links"][0][5] = "MODEL"
     assert validate_ui(graph, info)
+    fl = _load("h3_fl2va_nvfp4.api.json")
+    fl["8"]["inputs"]["frame_idx"] = 10000
+    fl["8"]["inputs"]["audio"] = ["4", 0]  # an IMAGE into the AUDIO input
+    problems = validate_api(fl, info)
+    assert any("above the maximum 9999" in p for p in problems)
+    assert any("IMAGE output linked to a AUDIO input" in p for p in problems)
+    ref = _load("h3_ref2va_nvfp4.api.json")
+    ref["7"]["inputs"]["ref_images.ref_image_9"] = ["4", 0]  # autogrow holds ref_image_0..8
+    ref["7"]["inputs"]["ref_image_size"] = "huge"
+    problems = validate_api(ref, info)
+    assert any("unknown input ref_images.ref_image_9" in p for p in problems)
+    assert any("'huge' not in" in p for p in problems)
 
 
 def test_smoke_workflow_uses_only_this_pack():
