@@ -100,6 +100,7 @@ class GenerateJob:
     canvas: tuple  # (width, height, frames)
     sample_kw: dict
     progress: bool
+    latents: tuple | None = None  # (video, audio) from --inputs; None: zeros of the canvas
 
 
 def _generate_job(a) -> tuple[GenerateJob, object]:
@@ -126,6 +127,7 @@ def _generate_job(a) -> tuple[GenerateJob, object]:
     check_frames(frames)
     if a.text_states is not None and not Path(a.text_states).exists():
         raise CliError(f"text states file not found: {a.text_states}")
+    inputs = _generate_inputs(a, model_cfg)
     fc2 = {"on": (True, False), "off": (False, False), "strict": (True, True)}[a.fc2]
     opts = RuntimeOptions.from_env(device=a.device, dtype=a.dtype, attention=a.attention, gemm=a.gemm,
                                    act_format=a.act_format, fc2_lt=fc2[0], fc2_lt_strict=fc2[1],
@@ -133,15 +135,52 @@ def _generate_job(a) -> tuple[GenerateJob, object]:
     loras = [parse_lora_arg(s) for s in a.lora]
     if a.preview:
         check_preview_available()
-    if a.text_states:
+    if inputs is not None:
+        text, tags, latents, cond, (width, height, frames) = inputs
+    elif a.text_states:
         text, tags = _load_text_states(a.text_states, model_cfg.text_dim)
     else:
         g = torch.Generator().manual_seed(1234)
         text, tags = torch.randn(1, a.text_tokens, model_cfg.text_dim, generator=g), None
     kw = {"seed": a.seed, "steps": steps, "sampler": a.sampler, "scheduler": a.scheduler, "denoise": a.denoise,
           "runs": a.runs, "warmup": a.warmup,
-          "workload_extra": {"frames": frames, "text_source": a.text_states or "random (seed 1234)"}}
-    return GenerateJob(a.model, a.tiny_seed, opts, loras, text, tags, (width, height, frames), kw, a.progress), model_cfg
+          "workload_extra": {"frames": frames, "text_source": a.inputs or a.text_states or "random (seed 1234)"}}
+    if inputs is not None:
+        kw["conditioning"] = cond
+    return GenerateJob(a.model, a.tiny_seed, opts, loras, text, tags, (width, height, frames), kw, a.progress,
+                       None if inputs is None else latents), model_cfg
+
+
+def _generate_inputs(a, cfg):
+    """``--inputs`` (+ ``--payload``): (text, tags, (video, audio), conditioning, (width, height, frames)), or None
+    without --inputs. The latents give the canvas; a payload without ``seed`` takes --seed (core's payload seed
+    is the sampler's)."""
+    from ..runtime.model.layout import FRAME_PER_TOKEN
+    from .payload import load_payload, read_inputs
+
+    if a.inputs is None:
+        if a.payload is not None:
+            raise CliError("--payload needs --inputs: the safetensors with video, audio, text_states and the tensors "
+                           "the payload names")
+        return None
+    clash = [f for f, v in (("--text-states", a.text_states), ("--width", a.width), ("--height", a.height),
+                            ("--frames", a.frames)) if v is not None]
+    if clash:
+        raise CliError(f"{clash[0]} with --inputs: the inputs file gives the text states and the latents (their "
+                       f"shape is the canvas); drop {clash[0]}")
+    t = read_inputs(a.inputs, ["video", "audio", "text_states"],
+                    "video [1,C,T,H,W], audio [1,Ca,2,Ta] (the LATENT to sample from), text_states [1,L,text_dim] "
+                    "(optional token_tags [L]; with --payload also every tensor the payload names)")
+    video, audio, text = t["video"].float(), t["audio"].float(), t["text_states"].float()
+    if text.dim() != 3 or text.shape[0] != 1 or text.shape[-1] != cfg.text_dim:
+        raise CliError(f"{a.inputs}: text_states has shape {list(text.shape)}; expected [1, L, {cfg.text_dim}]")
+    if video.dim() != 5 or audio.dim() != 4:
+        raise CliError(f"{a.inputs}: video {list(video.shape)} / audio {list(audio.shape)}; expected [1, "
+                       f"{cfg.video_channels}, T, H, W] and [1, {cfg.audio_channels}, 2, Ta]")
+    cond = load_payload(a.payload, t, default_seed=a.seed)
+    cond.check_target(video.shape, audio.shape, cfg.video_channels, cfg.audio_channels)
+    frames = sum(FRAME_PER_TOKEN[k % 5] for k in range(video.shape[2]))
+    return text, t.get("token_tags"), (video, audio), cond, (video.shape[4] * 16, video.shape[3] * 16, frames)
 
 
 def generate_rank(ctx, job: GenerateJob):
@@ -161,10 +200,13 @@ def generate_rank(ctx, job: GenerateJob):
         apply_loras(rt, job.loras)
     if main:
         print(rt.describe(), file=sys.stderr)
-    vshape, ashape = latent_shapes(*job.canvas, rt.config.video_channels, rt.config.audio_channels)
+    if job.latents is not None:
+        video, audio = job.latents
+    else:
+        vshape, ashape = latent_shapes(*job.canvas, rt.config.video_channels, rt.config.audio_channels)
+        video, audio = torch.zeros(vshape), torch.zeros(ashape)
     prog = Progress("sampling", force=job.progress) if main else None
-    res = sample(rt, job.text, job.tags, torch.zeros(vshape), torch.zeros(ashape), progress=prog, parallel=ctx,
-                 **job.sample_kw)
+    res = sample(rt, job.text, job.tags, video, audio, progress=prog, parallel=ctx, **job.sample_kw)
     return res.video, res.audio, res.report
 
 
@@ -305,6 +347,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tiny-seed", type=int, default=0)
     g.add_argument("--text-states", help="safetensors with text_states [1,L,5120] and optional token_tags [L]")
     g.add_argument("--text-tokens", type=int, default=32, help="length of the random text states (no --text-states)")
+    g.add_argument("--inputs", help="safetensors with video / audio (the LATENT to sample from: its shape is the canvas), "
+                                    "text_states [, token_tags] and the tensors --payload names")
+    g.add_argument("--payload", help="JSON conditioning with core's field names (keyframes, refs, denoise masks, noise "
+                                     "augmentation, seed: default --seed); needs --inputs")
     g.add_argument("--width", type=int)
     g.add_argument("--height", type=int)
     g.add_argument("--frames", type=int)

@@ -33,10 +33,12 @@ def read_inputs(path: str, need: list[str], what: str) -> dict[str, torch.Tensor
         return {k: f.get_tensor(k) for k in hdr.tensors}
 
 
-def load_payload(path: str | None, tensors: dict[str, torch.Tensor]) -> H3Conditioning:
-    """Parse and validate ``path`` (None: no conditioning) against the inputs' tensors."""
+def load_payload(path: str | None, tensors: dict[str, torch.Tensor], default_seed: int | None = None
+                 ) -> H3Conditioning:
+    """Parse and validate ``path`` (None: no conditioning) against the inputs' tensors; a payload without ``seed``
+    takes ``default_seed`` when given (core's default 0 otherwise)."""
     if path is None:
-        return H3Conditioning()
+        return H3Conditioning(seed=0 if default_seed is None else int(default_seed))
     p = Path(path)
     if not p.is_file():
         raise PayloadError(f"payload file not found: {path}; pass the JSON written for the conditioning")
@@ -45,6 +47,8 @@ def load_payload(path: str | None, tensors: dict[str, torch.Tensor]) -> H3Condit
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise PayloadError(f"{path}: not valid JSON ({e}); expected an object with core's fields "
                            "(keyframes, refs, denoise_mask, ...)") from None
+    if isinstance(data, dict) and "seed" not in data and default_seed is not None:
+        data["seed"] = int(default_seed)
     return H3Conditioning.from_payload(data, tensors)
 
 

@@ -261,22 +261,24 @@ class H3Conditioning:
 # core's mask semantics
 # ---------------------------------------------------------------------------------------------
 
-def pool_video_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
-    """[1, 1, T, H, W] -> core's token-grid mask [1, 1, T, H, W] float32, or None when nothing is kept.
-
-    amax over each 2x2 DiT patch (H / W padded by replication to even first), broadcast back to the latent
-    pixels, quantised to ceil(256 * m) / 256; None when its minimum is >= 1 - 1e-3 (core drops the mask then:
-    no per-row timesteps, no velocity scaling). Idempotent.
-    """
-    if mask is None:
-        return None
+def video_token_grid(mask: torch.Tensor) -> torch.Tensor:
+    """[1, 1, T, H, W] -> core's token-grid mask [1, 1, T, H, W] float32: amax over each 2x2 DiT patch (H / W padded
+    by replication to even first), broadcast back to the latent pixels, quantised to ceil(256 * m) / 256."""
     m = mask.float()
     h, w = m.shape[-2:]
     p = torch.nn.functional.pad(m[0], (0, w % 2, 0, h % 2), mode="replicate")  # [1, T, H', W']
     p = p.reshape(p.shape[0], p.shape[1], p.shape[2] // 2, 2, p.shape[3] // 2, 2).amax(dim=(3, 5))
     p = p.repeat_interleave(2, dim=-2).repeat_interleave(2, dim=-1)[..., :h, :w]
-    p = torch.ceil(p * MASK_QUANT) / MASK_QUANT
-    return None if float(p.amin()) >= MASK_FULL else p[None]
+    return (torch.ceil(p * MASK_QUANT) / MASK_QUANT)[None]
+
+
+def pool_video_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """[1, 1, T, H, W] -> core's token-grid mask (``video_token_grid``), or None when nothing is kept: its minimum
+    is >= 1 - 1e-3 (core drops the mask then: no per-row timesteps, no velocity scaling). Idempotent."""
+    if mask is None:
+        return None
+    p = video_token_grid(mask)
+    return None if float(p.amin()) >= MASK_FULL else p
 
 
 def pool_audio_mask(mask: torch.Tensor | None) -> torch.Tensor | None:

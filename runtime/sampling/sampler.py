@@ -15,9 +15,11 @@ from typing import Callable
 import torch
 
 from ..errors import H3Error, Interrupted
+from ..model.conditioning import H3Conditioning
 from ..parallel.evaluate import ShardedEvaluator
 from ..parallel.report import gather_ranks, parallel_section, rank_run
 from .report import RunRecord, StepTimer, build_report, latent_sha256
+from .inpaint import Inpaint
 from .schedule import Stepper, audio_scale, carry_in, carry_out, get_sigmas, model_sigma
 
 
@@ -66,7 +68,7 @@ def _peaks(device) -> tuple[int, int]:
 
 @torch.no_grad()
 def _run_once(rt, plan, sigmas, sampler, video0, audio0, noise_v, noise_a, scale, shifts, progress, interrupt,
-              run_index: int, total_runs: int, preview=None, evaluate=None):
+              run_index: int, total_runs: int, preview=None, evaluate=None, inpaint: Inpaint | None = None):
     model = rt.model
     evaluate = evaluate or model.evaluate
     dev = rt.device
@@ -89,10 +91,13 @@ def _run_once(rt, plan, sigmas, sampler, video0, audio0, noise_v, noise_a, scale
         timer.start(i)
         s = sigmas[i].to(dev)
         sm = model_sigma(s)
-        xa = carry_in(y, sm, *shifts) if scale != 1.0 else y
-        vv, va = evaluate(plan, i, xv, xa)
+        xv_in, y_in = inpaint.model_input(s, xv, y, shifts, scale) if inpaint is not None else (xv, y)
+        xa = carry_in(y_in, sm, *shifts) if scale != 1.0 else y_in
+        vv, va = evaluate(plan, i, xv_in, xa)
         vy = carry_out(va, xa, sm, shifts[0], shifts[1], scale) if scale != 1.0 else va
-        den = [xv - vv * s, y - vy * s]
+        den = [xv_in - vv * s, y_in - vy * s]
+        if inpaint is not None:
+            den = list(inpaint.denoised(*den))
         xv, y = stepper.step(i, [xv, y], den)
         timer.stop(i)
         if progress is not None:
@@ -112,7 +117,7 @@ def _run_once(rt, plan, sigmas, sampler, video0, audio0, noise_v, noise_a, scale
     return video, audio, rec
 
 
-def _measure(run_args: tuple, warmup: int, runs: int, parallel, preview=None):
+def _measure(run_args: tuple, warmup: int, runs: int, parallel, preview=None, inpaint=None):
     """``warmup`` + ``runs`` resident runs -> (the last run's (video, audio, record), the measured records,
     the ``sequence_parallel`` report block or None). With ``parallel`` every run goes through one
     ShardedEvaluator; each rank's numbers are gathered once, after the last run."""
@@ -123,7 +128,8 @@ def _measure(run_args: tuple, warmup: int, runs: int, parallel, preview=None):
     for r in range(warmup + runs):
         if ev is not None:
             ev.stats.reset()
-        out = _run_once(*run_args, r, warmup + runs, preview, evaluate=None if ev is None else ev.evaluate)
+        out = _run_once(*run_args, r, warmup + runs, preview, evaluate=None if ev is None else ev.evaluate,
+                        inpaint=inpaint)
         if r < warmup:
             continue
         rec = out[2]
@@ -138,18 +144,54 @@ def _measure(run_args: tuple, warmup: int, runs: int, parallel, preview=None):
     return out, records, parallel_section(parallel, ev.shard, ev.stats, ranks, rt.config.num_layers)
 
 
+def _workload(rt, plan, video, audio, steps, seed, sampler, scheduler, denoise, shifts, workload_extra,
+              cond: H3Conditioning | None) -> dict:
+    """The report's workload block: shapes, packed layout (its segment table), run settings, conditioning."""
+    lay = plan.layout
+    workload = {
+        "resolution": [video.shape[4] * 16, video.shape[3] * 16],
+        "frames": workload_extra.get("frames") if workload_extra else None,
+        "latent_frames": video.shape[2],
+        "audio_frames": audio.shape[3],
+        "packed_tokens": lay.seq_len,
+        "text_tokens": lay.text_len,
+        "cond_tokens": lay.cond_rows,
+        "steps": steps,
+        "seed": int(seed),
+        "sampler": sampler,
+        "scheduler": scheduler,
+        "denoise": denoise,
+        "shifts": list(shifts),
+        "attention": rt.backends.get("attention", {}).get("choice"),
+    }
+    if workload_extra:
+        workload.update({k: v for k, v in workload_extra.items() if k not in workload or workload[k] is None})
+    workload["segments"] = [[k, a, b] for a, b, k in lay.segments]
+    if cond is not None:
+        workload["conditioning"] = {
+            "keyframes": [k.resolved_frame_index for k in cond.keyframes], "refs": [r.kind for r in cond.refs],
+            "denoise_mask": cond.denoise_mask is not None, "audio_denoise_mask": cond.audio_denoise_mask is not None,
+            "visual_cond_noise_aug": cond.visual_cond_noise_aug, "audio_cond_noise_aug": cond.audio_cond_noise_aug,
+            "seed": cond.seed}
+    return workload
+
+
 def sample(rt, text_states: torch.Tensor, token_tags: torch.Tensor | None, video: torch.Tensor,
            audio: torch.Tensor, seed: int, steps: int, sampler: str = "res_multistep", scheduler: str = "simple",
            shift_video: float | None = None, shift_audio: float | None = None, denoise: float = 1.0,
            keyframes: list | None = None, progress: Callable[[int, int], None] | None = None,
            interrupt: Callable[[], bool] | None = None, runs: int = 1, warmup: int = 0,
            workload_extra: dict | None = None,
-           preview: Callable[[int, int, torch.Tensor], None] | None = None, parallel=None) -> SampleResult:
+           preview: Callable[[int, int, torch.Tensor], None] | None = None, parallel=None,
+           conditioning: H3Conditioning | None = None) -> SampleResult:
     """Sample H3 latents with a resident model (ComfyUI core's math; see module docstring).
 
     text_states [1, L, text_dim] fp32; token_tags LongTensor [L] (1 text, 0 vision) or None (all text);
     video [1, C, T, H, W] / audio [1, Ca, 2, Ta]: the input latent (zeros for t2va);
-    keyframes: [{"resolved_frame_index": int, "latent": [1, C, t, H, W]}] (fl2va).
+    keyframes: [{"resolved_frame_index": int, "latent": [1, C, t, H, W]}] (fl2va; or use ``conditioning``).
+    conditioning: core's conditioning (``runtime.model.conditioning.H3Conditioning``: keyframes, references,
+    denoise masks, noise augmentation, seed, sample_sigmas); its masks inpaint as core's sampler does
+    (``runtime.sampling.inpaint``), keeping the input latent's content where the mask is 0.
     runs / warmup: the seed's measurement policy (median of ``runs`` after ``warmup`` resident runs).
     progress(done, total) after each step; preview(done, total, x0_video) too, with the step's denoised video
     estimate [1, C, T, H, W] (on the model's device; the callee copies what it keeps), for live previews.
@@ -171,32 +213,18 @@ def sample(rt, text_states: torch.Tensor, token_tags: torch.Tensor | None, video
     scale = audio_scale(*shifts)
     sigmas = get_sigmas(scheduler, steps, shifts[0], denoise)
     model_sigmas = [float(model_sigma(s)) for s in sigmas[:-1]]
+    if conditioning is not None and keyframes:
+        raise H3Error("pass keyframes inside conditioning (H3Conditioning.keyframes), not both")
     with torch.no_grad():
         plan = rt.model.plan(text_states.float(), tuple(video.shape), tuple(audio.shape), model_sigmas,
-                             token_tags=token_tags, keyframes=keyframes, shifts=shifts, seed=seed)
+                             token_tags=token_tags, keyframes=keyframes, shifts=shifts, seed=seed, cond=conditioning)
     noise_v, noise_a = initial_noise(seed, video.shape, audio.shape)
     video0, audio0 = video.float().cpu(), audio.float().cpu()
+    inpaint = None if conditioning is None else Inpaint.build(conditioning, video0, audio0, noise_v, scale, rt.device)
     run_args = (rt, plan, sigmas, sampler, video0, audio0, noise_v, noise_a, scale, shifts, progress, interrupt)
-    out, records, sp_section = _measure(run_args, warmup, runs, parallel, preview)
-    lay = plan.layout
-    workload = {
-        "resolution": [video.shape[4] * 16, video.shape[3] * 16],
-        "frames": workload_extra.get("frames") if workload_extra else None,
-        "latent_frames": video.shape[2],
-        "audio_frames": audio.shape[3],
-        "packed_tokens": lay.seq_len,
-        "text_tokens": lay.text_len,
-        "cond_tokens": lay.cond_rows,
-        "steps": steps,
-        "seed": int(seed),
-        "sampler": sampler,
-        "scheduler": scheduler,
-        "denoise": denoise,
-        "shifts": list(shifts),
-        "attention": rt.backends.get("attention", {}).get("choice"),
-    }
-    if workload_extra:
-        workload.update({k: v for k, v in workload_extra.items() if k not in workload or workload[k] is None})
+    out, records, sp_section = _measure(run_args, warmup, runs, parallel, preview, inpaint)
+    workload = _workload(rt, plan, video, audio, steps, seed, sampler, scheduler, denoise, shifts, workload_extra,
+                         conditioning)
     fc2_status = None
     if rt.fc2 is not None and hasattr(rt.fc2, "status"):
         fc2_status = rt.fc2.status()
