@@ -9,15 +9,17 @@ from pathlib import Path
 import pytest
 import torch
 
+# Before anything imports h3_blackwell: Triton decides at decoration (the kernel modules' import) whether a kernel
+# is compiled or interpreted.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 try:  # a plain checkout (e.g. the device copy) that is not pip-installed: the repo root is the package
     import h3_blackwell  # noqa: F401
 except ImportError:
     _pkg = types.ModuleType("h3_blackwell")
     _pkg.__path__ = [str(Path(__file__).resolve().parents[1])]
     sys.modules["h3_blackwell"] = _pkg
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -50,19 +50,23 @@ and on the CPU. A measured tile table (``set_tile_table``; RuntimeOptions.produc
 built-in choice. Every scheme and tiling writes identical bytes (tests check several).
 
 Every step is one correctly rounded IEEE operation (``tl.div_rn`` where it divides, no FMA contraction: launches pass
-``enable_fp_fusion=False``), so kernel, interpreter and torch reference agree bit for bit. Triton is
-imported on first use; on CPU the kernels run under ``TRITON_INTERPRET=1`` (tests), ``backend="auto"``
-picks Triton for CUDA tensors and the torch reference otherwise.
+``enable_fp_fusion=False``), so kernel, interpreter and torch reference agree bit for bit. The kernels
+are in ``ops.triton.fp8_kernels``, loaded at import when triton is installed; on CPU they run under
+``TRITON_INTERPRET=1`` set before import (tests), ``backend="auto"`` picks Triton for CUDA tensors and the torch
+reference otherwise.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Sequence
 
 import torch
 
 from . import quant_kernels as qk
+from .triton import MISSING as TRITON_MISSING
+
+if TRITON_MISSING is None:  # the kernels, loaded once; without triton the references run
+    from .triton import fp8_kernels
 
 __all__ = ["E4M3_MAX", "SCHEMES", "fp8_rowwise_reference", "quantize_fp8", "rms_modulate_fp8", "swiglu_fp8",
            "sage_v_fp8", "sage_v_fp8_reference", "SAGE_V_PERM",
@@ -72,194 +76,9 @@ E4M3_MAX = 448.0
 SCHEMES = ("auto", "loop", "row")
 _MIN_NORMAL = 1.1754943508222875e-38  # 2^-126
 
-# Bound on first use (see _kernels), as in quant_kernels: the sources resolve `tl` and the helpers through
-# this module's globals; the shared helpers (_ld_f32, _e4m3_code, _exp_f32, _modulate, ...) are quant_kernels' own JIT
-# functions, read from that module.
-tl = None
-triton = None
-_ld_f32 = _e4m3_code = _exp_f32 = _modulate = _segment_rows = _sumsq_f64 = _rstd = None  # quant_kernels' JIT helpers, bound in _kernels()
-
-
-# ----------------------------------------------------------------------------------------------
-# device code
-# ----------------------------------------------------------------------------------------------
-
-def _row_scale(amax, BM: tl.constexpr):
-    """Row amax [BM] -> row scale: amax / 448 correctly rounded; 1 where that is zero or subnormal."""
-    ra = tl.div_rn(amax, tl.full([BM], 448.0, tl.float32))
-    return tl.where(ra < 1.1754943508222875e-38, 1.0, ra)
-
-
-def _cols(kt, rmask, K, BK: tl.constexpr):
-    """Columns of tile kt as [1, BK] and the in-bounds mask of the row block [BM, BK]."""
-    c2 = tl.expand_dims(kt * BK + tl.arange(0, BK), 0)
-    return c2, tl.expand_dims(rmask, 1) & (c2 < K)
-
-
-def _e4m3_store(v, ra, r2, c2, m, out_ptr, stride_o, BM: tl.constexpr, BK: tl.constexpr, HW: tl.constexpr):
-    """Codes of the fp32 tile v [BM, BK] under row scales ra [BM] -> out (uint8 view of e4m3), masked:
-    e4m3_rne(clamp(v * (1 / ra), +-448)), the reciprocal correctly rounded once per row."""
-    inv = tl.div_rn(tl.full([BM], 1.0, tl.float32), ra)
-    q = v * tl.broadcast_to(tl.expand_dims(inv, 1), [BM, BK])
-    code = _e4m3_code(tl.minimum(tl.maximum(q, -448.0), 448.0), HW)
-    tl.store(out_ptr + r2 * stride_o + c2, code.to(tl.uint8), mask=m)
-
-
-def _silu_mul(a, up, m, FAST: tl.constexpr):
-    """silu(a) * up as swiglu_reference computes it (|y| < 2^-126 -> signed zero); 0 outside m.
-    FAST: the hardware exp2 and an approximate division instead (a few ulp; not the reference's bits)."""
-    if FAST:
-        e = tl.exp2(a * -1.4426950408889634)
-        y = tl.fdiv(a, 1.0 + e, ieee_rounding=False) * up
-    else:
-        e = _exp_f32(0.0 - a)
-        y = tl.div_rn(a, 1.0 + e) * up
-    y = tl.where(tl.abs(y) < 1.1754943508222875e-38, y * 0.0, y)
-    return tl.where(m, y, 0.0)
-
-
-def _quantize_fp8_kernel(x_ptr, out_ptr, rs_ptr, S, K, stride_x, stride_o, X_KIND: tl.constexpr,
-                         BM: tl.constexpr, BK: tl.constexpr, NKT: tl.constexpr, HW: tl.constexpr):
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    rmask = rows < S
-    r2 = tl.expand_dims(rows.to(tl.int64), 1)
-    if NKT == 1:  # the row stays in registers
-        c2, m = _cols(0, rmask, K, BK)
-        v = _ld_f32(x_ptr + r2 * stride_x + c2, m, X_KIND)
-        ra = _row_scale(tl.max(tl.abs(v), axis=1), BM)
-        tl.store(rs_ptr + rows, ra, mask=rmask)
-        _e4m3_store(v, ra, r2, c2, m, out_ptr, stride_o, BM, BK, HW)
-    else:
-        amax = tl.zeros([BM], dtype=tl.float32)
-        for kt in range(NKT):
-            c2, m = _cols(kt, rmask, K, BK)
-            amax = tl.maximum(amax, tl.max(tl.abs(_ld_f32(x_ptr + r2 * stride_x + c2, m, X_KIND)), axis=1))
-        ra = _row_scale(amax, BM)
-        tl.store(rs_ptr + rows, ra, mask=rmask)
-        for kt in range(NKT):
-            c2, m = _cols(kt, rmask, K, BK)
-            _e4m3_store(_ld_f32(x_ptr + r2 * stride_x + c2, m, X_KIND), ra, r2, c2, m, out_ptr, stride_o, BM, BK, HW)
-
-
-def _rms_fp8_kernel(x_ptr, w_ptr, sc_ptr, sh_ptr, seg_ptr, eps_ptr, out_ptr, rs_ptr, S, K, stride_x, stride_sc,
-                    stride_sh, stride_o, HAS_W: tl.constexpr, X_KIND: tl.constexpr, W_KIND: tl.constexpr,
-                    T_KIND: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, NKT: tl.constexpr,
-                    NSEG: tl.constexpr, HW: tl.constexpr):
-    # Loop counts are constexpr (NKT = cdiv(K, BK), NSEG >= the segment count with empty padding entries):
-    # Triton's interpreter cannot loop over runtime scalars with numpy >= 2.
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    rmask = rows < S
-    r2 = tl.expand_dims(rows.to(tl.int64), 1)
-    t2 = _segment_rows(seg_ptr, rows, BM, NSEG)
-    eps = tl.load(eps_ptr)
-    if NKT == 1:  # the row stays in registers: x read once
-        c2, m = _cols(0, rmask, K, BK)
-        xv = _ld_f32(x_ptr + r2 * stride_x + c2, m, X_KIND)
-        xd = xv.to(tl.float64)
-        rstd = _rstd(tl.sum(xd * xd, axis=1), K, eps)
-        h = _modulate(xv, rstd, w_ptr, sc_ptr, sh_ptr, t2, c2, m, K, stride_sc, stride_sh, HAS_W, W_KIND, T_KIND)
-        ra = _row_scale(tl.max(tl.abs(h), axis=1), BM)
-        tl.store(rs_ptr + rows, ra, mask=rmask)
-        _e4m3_store(h, ra, r2, c2, m, out_ptr, stride_o, BM, BK, HW)
-    else:
-        rstd = _rstd(_sumsq_f64(x_ptr, r2, stride_x, rmask, K, X_KIND, BM, BK, NKT), K, eps)
-        amax = tl.zeros([BM], dtype=tl.float32)
-        for kt in range(NKT):
-            c2, m = _cols(kt, rmask, K, BK)
-            xv = _ld_f32(x_ptr + r2 * stride_x + c2, m, X_KIND)
-            h = _modulate(xv, rstd, w_ptr, sc_ptr, sh_ptr, t2, c2, m, K, stride_sc, stride_sh, HAS_W, W_KIND,
-                          T_KIND)
-            amax = tl.maximum(amax, tl.max(tl.abs(h), axis=1))
-        ra = _row_scale(amax, BM)
-        tl.store(rs_ptr + rows, ra, mask=rmask)
-        for kt in range(NKT):
-            c2, m = _cols(kt, rmask, K, BK)
-            xv = _ld_f32(x_ptr + r2 * stride_x + c2, m, X_KIND)
-            h = _modulate(xv, rstd, w_ptr, sc_ptr, sh_ptr, t2, c2, m, K, stride_sc, stride_sh, HAS_W, W_KIND,
-                          T_KIND)
-            _e4m3_store(h, ra, r2, c2, m, out_ptr, stride_o, BM, BK, HW)
-
-
-def _swiglu_fp8_kernel(h_ptr, out_ptr, rs_ptr, S, F, stride_h, stride_o, H_KIND: tl.constexpr, BM: tl.constexpr,
-                       BK: tl.constexpr, NKT: tl.constexpr, HW: tl.constexpr, FAST: tl.constexpr):
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    rmask = rows < S
-    r2 = tl.expand_dims(rows.to(tl.int64), 1)
-    base = h_ptr + r2 * stride_h
-    if NKT == 1:  # silu evaluated once, the row kept in registers
-        c2, m = _cols(0, rmask, F, BK)
-        y = _silu_mul(_ld_f32(base + c2, m, H_KIND), _ld_f32(base + F + c2, m, H_KIND), m, FAST)
-        ra = _row_scale(tl.max(tl.abs(y), axis=1), BM)
-        tl.store(rs_ptr + rows, ra, mask=rmask)
-        _e4m3_store(y, ra, r2, c2, m, out_ptr, stride_o, BM, BK, HW)
-    else:
-        amax = tl.zeros([BM], dtype=tl.float32)
-        for kt in range(NKT):
-            c2, m = _cols(kt, rmask, F, BK)
-            y = _silu_mul(_ld_f32(base + c2, m, H_KIND), _ld_f32(base + F + c2, m, H_KIND), m, FAST)
-            amax = tl.maximum(amax, tl.max(tl.abs(y), axis=1))
-        ra = _row_scale(amax, BM)
-        tl.store(rs_ptr + rows, ra, mask=rmask)
-        for kt in range(NKT):
-            c2, m = _cols(kt, rmask, F, BK)
-            y = _silu_mul(_ld_f32(base + c2, m, H_KIND), _ld_f32(base + F + c2, m, H_KIND), m, FAST)
-            _e4m3_store(y, ra, r2, c2, m, out_ptr, stride_o, BM, BK, HW)
-
-
-def _v_amax_kernel(v_ptr, part_ptr, S, stride_s, stride_h, H, V_KIND: tl.constexpr, D: tl.constexpr,
-                   BT: tl.constexpr, HW: tl.constexpr):
-    # part[t_block, h, :] = max over the block's tokens of |v[t, h, :]| (tokens >= S count as 0)
-    pid_t = tl.program_id(0)
-    h = tl.program_id(1)
-    t = pid_t * BT + tl.arange(0, BT)
-    d = tl.expand_dims(tl.arange(0, D), 0)
-    ptrs = v_ptr + tl.expand_dims(t.to(tl.int64), 1) * stride_s + h * stride_h + d
-    x = _ld_f32(ptrs, tl.expand_dims(t < S, 1) & (d < D), V_KIND)
-    tl.store(part_ptr + (pid_t * H + h) * D + tl.arange(0, D), tl.max(tl.abs(x), axis=0))
-
-
-def _v_quant_kernel(v_ptr, inv_ptr, out_ptr, S, stride_s, stride_h, H, ROWS, V_KIND: tl.constexpr,
-                    D: tl.constexpr, BT: tl.constexpr, HW: tl.constexpr):
-    # out[d, h, t0 + p] = e4m3(clamp(v[src(p), h, d] * inv[h, d], +-448)), src = SageAttention2's fp8 PV
-    # permutation of each 16 tokens ([0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15]); 0 past S
-    pid_t = tl.program_id(0)
-    h = tl.program_id(1)
-    p = tl.arange(0, BT)
-    g = p % 16
-    src = pid_t * BT + (p // 16) * 16 + (g % 2) + ((g // 2) % 2) * 8 + (g // 4) * 2
-    d = tl.arange(0, D)
-    d2 = tl.expand_dims(d, 0)
-    ptrs = v_ptr + tl.expand_dims(src.to(tl.int64), 1) * stride_s + h * stride_h + d2
-    x = _ld_f32(ptrs, tl.expand_dims(src < S, 1) & (d2 < D), V_KIND)
-    q = x * tl.expand_dims(tl.load(inv_ptr + h * D + d), 0)
-    code = _e4m3_code(tl.minimum(tl.maximum(q, -448.0), 448.0), HW).to(tl.uint8)  # [BT, D]
-    out = (out_ptr + tl.expand_dims(d.to(tl.int64), 1) * (H * ROWS) + h * ROWS + pid_t * BT
-           + tl.expand_dims(p, 0))
-    tl.store(out, tl.trans(code))
-
-
-_SHARED = ("_ld_f32", "_e4m3_code", "_exp_f32", "_modulate", "_segment_rows", "_sumsq_f64", "_rstd")  # quant_kernels' helpers, used read-only
-_HELPERS = ("_row_scale", "_cols", "_e4m3_store", "_silu_mul")
-_KERNELS = ("_quantize_fp8_kernel", "_rms_fp8_kernel", "_swiglu_fp8_kernel", "_v_amax_kernel", "_v_quant_kernel")
-
-
-@functools.lru_cache(maxsize=None)
-def _kernels() -> dict:
-    """JIT the functions above (once), after quant_kernels has JIT-ed the helpers shared with it."""
-    qk._kernels()  # binds triton/tl in quant_kernels and turns its helpers into JIT functions
-    g = globals()
-    g["triton"], g["tl"] = qk.triton, qk.tl
-    for name in _SHARED:
-        g[name] = getattr(qk, name)
-    plain = {name: g[name] for name in _HELPERS + _KERNELS}
-    for name in _HELPERS:
-        g[name] = qk.triton.jit(plain[name])
-    return {name: qk.triton.jit(plain[name]) for name in _KERNELS}
-
-
-def _launch(name: str, grid, device, *args, **kw):
+def _launch(kernel, grid, device, *args, **kw):
     # fp fusion off: the references round every multiply and add separately (no FMA), and so must we.
-    _kernels()[name][grid](*args, HW=qk.hw_cvt(device), enable_fp_fusion=False, **kw)
+    kernel[grid](*args, HW=qk.hw_cvt(device), enable_fp_fusion=False, **kw)
 
 
 def _pow2(n: int) -> int:
@@ -376,7 +195,7 @@ def quantize_fp8(x: torch.Tensor, *, backend: str = "auto", scheme: str = "auto"
     if s == 0:
         return out, rs
     _, bm, bk, nkt, nw = _tiles("quantize", k, x.device, scheme)
-    _launch("_quantize_fp8_kernel", (qk._cdiv(s, bm),), x.device, x, out.view(torch.uint8), rs, s, k, x.stride(0),
+    _launch(fp8_kernels.quantize_fp8_kernel, (qk._cdiv(s, bm),), x.device, x, out.view(torch.uint8), rs, s, k, x.stride(0),
             out.stride(0), X_KIND=qk._KIND[x.dtype], BM=bm, BK=bk, NKT=nkt, num_warps=nw)
     return out, rs
 
@@ -432,7 +251,7 @@ def rms_modulate_fp8(x: torch.Tensor, weight: torch.Tensor | None, scale_rows: t
     seg = qk._seg_table(segs, nseg, x.device)
     eps_t = qk._t(eps, x, torch.float64)
     w = weight if weight is not None else x  # unused pointer when HAS_W is False
-    _launch("_rms_fp8_kernel", (qk._cdiv(s, bm),), x.device, x, w, scale_rows, shift_rows, seg, eps_t, out.view(torch.uint8),
+    _launch(fp8_kernels.rms_fp8_kernel, (qk._cdiv(s, bm),), x.device, x, w, scale_rows, shift_rows, seg, eps_t, out.view(torch.uint8),
             rs, s, k, x.stride(0), scale_rows.stride(0), shift_rows.stride(0), out.stride(0),
             HAS_W=weight is not None, X_KIND=qk._KIND[x.dtype], W_KIND=qk._KIND[w.dtype],
             T_KIND=qk._KIND[scale_rows.dtype], BM=bm, BK=bk, NKT=nkt, NSEG=nseg, num_warps=nw)
@@ -463,7 +282,7 @@ def swiglu_fp8(h: torch.Tensor, *, backend: str = "auto", scheme: str = "auto", 
         return out, rs
     _, bm, bk, nkt, nw = _tiles("swiglu_fast" if silu == "fast" and "swiglu_fast" in _TABLE else "swiglu", f,
                                 h.device, scheme)
-    _launch("_swiglu_fp8_kernel", (qk._cdiv(s, bm),), h.device, h, out.view(torch.uint8), rs, s, f, h.stride(0),
+    _launch(fp8_kernels.swiglu_fp8_kernel, (qk._cdiv(s, bm),), h.device, h, out.view(torch.uint8), rs, s, f, h.stride(0),
             out.stride(0), H_KIND=qk._KIND[h.dtype], BM=bm, BK=bk, NKT=nkt, FAST=silu == "fast", num_warps=nw)
     return out, rs
 
@@ -522,10 +341,10 @@ def sage_v_fp8(v: torch.Tensor, *, backend: str = "auto") -> tuple[torch.Tensor,
     nb = rows // bt
     part = torch.empty(nb, h, d, dtype=torch.float32, device=v.device)
     kind = qk._KIND[v.dtype]
-    _launch("_v_amax_kernel", (nb, h), v.device, v, part, s, v.stride(1), v.stride(2), h, V_KIND=kind, D=d,
+    _launch(fp8_kernels.v_amax_kernel, (nb, h), v.device, v, part, s, v.stride(1), v.stride(2), h, V_KIND=kind, D=d,
             BT=bt, num_warps=4)
     sc, inv = _v_scales(part.amax(0))
     out = torch.empty(1, d, h, rows, dtype=torch.float8_e4m3fn, device=v.device)
-    _launch("_v_quant_kernel", (nb, h), v.device, v, inv, out.view(torch.uint8), s, v.stride(1), v.stride(2), h,
+    _launch(fp8_kernels.v_quant_kernel, (nb, h), v.device, v, inv, out.view(torch.uint8), s, v.stride(1), v.stride(2), h,
             rows, V_KIND=kind, D=d, BT=bt, num_warps=4)
     return out, sc.unsqueeze(0)

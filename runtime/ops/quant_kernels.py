@@ -27,74 +27,35 @@ computed on the device in an extra read pass (no host sync) so nothing saturates
 calibrated (the checkpoint's ``input_scale``, decode direction): one pass less, values above
 ``2688 * g`` saturate to +-6 * 448 * g.
 
-Triton is imported on first use only. On CPU the kernels run under ``TRITON_INTERPRET=1`` (tests);
-``backend="auto"`` picks Triton for CUDA tensors and the torch reference otherwise.
+The kernels are in ``ops.triton.nvfp4_kernels``, loaded at import when triton is installed. On CPU they run
+under ``TRITON_INTERPRET=1`` set before import (tests); ``backend="auto"`` picks Triton for CUDA tensors and the
+torch reference otherwise.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Sequence
 
 import torch
 
 from . import nvfp4 as nv
 from .elementwise import check_segments
+from .triton import MISSING as TRITON_MISSING, hw_cvt, status as triton_status
+
+if TRITON_MISSING is None:  # the kernels, loaded once; without triton the references run (triton_status says why)
+    from .triton import nvfp4_kernels
 
 __all__ = [
-    "triton_status", "activation_global_scale",
+    "triton_status", "hw_cvt", "activation_global_scale",
     "quantize", "rms_modulate_quantize", "swiglu_quantize",
     "rms_modulate_reference", "swiglu_reference", "exp_reference", "silu_reference",
     "dequantize_bf16", "dequantize_bf16_reference", "to_fp8_rowwise", "to_fp8_rowwise_reference",
     "nvfp4_gemm",
 ]
 
-# Bound on first use (see _kernels): the kernel sources below resolve `tl` and the helper names through
-# this module's globals, exactly as decorated kernels would.
-tl = None
-triton = None
 
 _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _FLOATS = tuple(_KIND)
-
-
-# ----------------------------------------------------------------------------------------------
-# Triton availability
-# ----------------------------------------------------------------------------------------------
-
-@functools.lru_cache(maxsize=None)
-def _import_triton():
-    try:
-        import triton as _triton  # noqa: F401
-    except ImportError as e:  # the reason is reported by triton_status()
-        return None, f"triton is not installed ({e})"
-    return _triton, ""
-
-
-def _interpreting() -> bool:
-    t, _ = _import_triton()
-    if t is None:
-        return False
-    knobs = getattr(t, "knobs", None)
-    return bool(knobs.runtime.interpret) if knobs is not None else False
-
-
-def triton_status(device: torch.device | str) -> tuple[bool, str]:
-    """(usable, reason): whether the Triton kernels can run on tensors of ``device``."""
-    t, why = _import_triton()
-    if t is None:
-        return False, why
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        return True, f"triton {t.__version__} on CUDA"
-    if _interpreting():
-        return True, f"triton {t.__version__} interpreter (TRITON_INTERPRET=1)"
-    return False, f"Triton kernels need a CUDA device (found {dev}); set TRITON_INTERPRET=1 to interpret them on CPU"
-
-
-def hw_cvt(device: torch.device) -> bool:
-    """Whether kernels on ``device`` use the hardware fp32 -> e4m3 conversion (CUDA, not interpreted)."""
-    return torch.device(device).type == "cuda" and not _interpreting()
 
 
 def _pick_backend(backend: str, device: torch.device) -> str:
@@ -108,337 +69,9 @@ def _pick_backend(backend: str, device: torch.device) -> str:
     return "triton" if ok and (backend == "triton" or device.type == "cuda") else "reference"
 
 
-# ----------------------------------------------------------------------------------------------
-# device code (plain functions; _kernels() turns them into Triton JIT functions)
-# ----------------------------------------------------------------------------------------------
-
-def _ld_f32(ptr, mask, KIND: tl.constexpr):
-    """Load and upcast exactly to fp32 (bf16 by bit shift, which the CPU interpreter also gets right)."""
-    if KIND == 1:
-        raw = tl.load(ptr, mask=mask, other=0.0)
-        return (raw.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-    else:
-        return tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
-
-
-def _bf16_rne_bits(v):
-    """fp32 -> bf16 bit pattern (uint16), round to nearest even (finite inputs)."""
-    b = v.to(tl.uint32, bitcast=True)
-    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.uint16)
-
-
-def _e4m3_rne(s):
-    """s fp32 in [0, 448] -> (e4m3 code int32, its value fp32), round to nearest even."""
-    b = s.to(tl.int32, bitcast=True)
-    r = (b + 0x7FFFF + ((b >> 20) & 1)) & -1048576  # keep 3 mantissa bits (RNE); -1048576 = 0xFFF00000
-    code_n = (r >> 20) - 960  # rebias the exponent 127 -> 7: (e - 120) << 3 | m
-    t = s * 512.0  # subnormals: multiples of 2^-9
-    k = (t + 8388608.0) - 8388608.0  # round to nearest even integer (t < 2^22)
-    sub = s < 0.015625
-    return tl.where(sub, k.to(tl.int32), code_n), tl.where(sub, k * 0.001953125, r.to(tl.float32, bitcast=True))
-
-
-def _e4m3_code(q, HW: tl.constexpr):
-    """q fp32 in [-448, 448] -> e4m3 code (int32 0..255), round to nearest even, sign kept (-0 -> 0x80).
-    HW: the hardware conversion (cvt.rn.satfinite.e4m3x2.f32 on sm_89+; Triton's interpreter rounds some
-    values near binade boundaries wrongly, so it gets the integer arithmetic of _e4m3_rne instead). The
-    two give the same bytes (tests/gpu compare the hardware path with the torch reference)."""
-    if HW:
-        return q.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True).to(tl.int32)
-    else:
-        code, _ = _e4m3_rne(tl.abs(q))
-        return code | (((q.to(tl.int32, bitcast=True) >> 31) & 1) << 7)
-
-
-def _e2m1_code(q):
-    """fp32 -> E2M1 code (int32 0..15): round to nearest even, saturate above 5 to 6, sign bit from q."""
-    a = tl.abs(q)
-    c = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-         + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32))
-    return c | (((q.to(tl.int32, bitcast=True) >> 31) & 1) << 3)
-
-
-def _e2m1_value_2m14(c):
-    """E2M1 code (int32) -> value * 2^-14 as fp32, exactly (the code's bits placed in an fp16)."""
-    return (((c & 7) << 9) | ((c & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-def _e4m3_value_2m8(b):
-    """UE4M3 byte (int32, sign bit ignored) -> value * 2^-8 as fp32, exactly."""
-    return ((b & 0x7F) << 7).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-def _swz(rows, scol, CP):
-    """Flat offsets of block scales (rows [R,1], scale columns [1,C]) in the 128x4 tiled layout."""
-    return ((rows // 128) * (CP // 4) + scol // 4) * 512 + (rows % 32) * 16 + ((rows % 128) // 32) * 4 + scol % 4
-
-
-def _quant_store(v, g, rows, col0, packed_ptr, stride_p, scales_ptr, R_PACK, R_SCALE, KP, CP,
-                 BM: tl.constexpr, BK: tl.constexpr):
-    """Quantize the fp32 tile v [BM, BK] (columns col0.., col0 % BK == 0, BK % 64 == 0) with global scale
-    g; store the packed bytes (rows < R_PACK, bytes < KP/2) and the scale bytes (swizzled, cols < CP)."""
-    NB: tl.constexpr = BK // 16
-    v3 = tl.reshape(v, [BM, NB, 16])
-    amax = tl.max(tl.abs(v3), axis=2)
-    s = tl.div_rn(tl.div_rn(amax, tl.full([BM, NB], 6.0, tl.float32)), tl.broadcast_to(g, [BM, NB]))
-    code_s, sval = _e4m3_rne(tl.minimum(s, 448.0))
-    total = g * sval
-    zero = total == 0.0
-    den = tl.where(zero, 1.0, total)
-    q3 = tl.div_rn(v3, tl.broadcast_to(tl.expand_dims(den, 2), [BM, NB, 16]))
-    q3 = tl.where(tl.expand_dims(zero, 2), 0.0, q3)
-    c = _e2m1_code(tl.reshape(q3, [BM, BK]))
-    lo, hi = tl.split(tl.reshape(c, [BM, BK // 2, 2]))
-    byte = (lo | (hi << 4)).to(tl.uint8)
-    r2 = tl.expand_dims(rows, 1)
-    bcols = tl.expand_dims(col0 // 2 + tl.arange(0, BK // 2), 0)
-    tl.store(packed_ptr + r2.to(tl.int64) * stride_p + bcols, byte, mask=(r2 < R_PACK) & (bcols < KP // 2))
-    scol = tl.expand_dims(col0 // 16 + tl.arange(0, NB), 0)
-    tl.store(scales_ptr + _swz(r2.to(tl.int64), scol, CP), code_s.to(tl.uint8), mask=(r2 < R_SCALE) & (scol < CP))
-
-
-def _quantize_kernel(x_ptr, g_ptr, packed_ptr, scales_ptr, S, K, stride_x, stride_p, R_PACK, R_SCALE, KP, CP,
-                     X_KIND: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    col0 = tl.program_id(1) * BK
-    cols = col0 + tl.arange(0, BK)
-    mask = tl.expand_dims(rows < S, 1) & tl.expand_dims(cols < K, 0)
-    ptrs = x_ptr + tl.expand_dims(rows.to(tl.int64), 1) * stride_x + tl.expand_dims(cols, 0)
-    v = _ld_f32(ptrs, mask, X_KIND)
-    _quant_store(v, tl.load(g_ptr), rows, col0, packed_ptr, stride_p, scales_ptr, R_PACK, R_SCALE, KP, CP, BM, BK)
-
-
-def _segment_rows(seg_ptr, rows, BM: tl.constexpr, NSEG: tl.constexpr):
-    """Modulation-table row of each of ``rows`` from NSEG (start, stop, row) int32 triples -> [BM, 1] int64."""
-    trow = tl.zeros([BM], dtype=tl.int32)
-    for i in range(NSEG):
-        a = tl.load(seg_ptr + 3 * i)
-        b = tl.load(seg_ptr + 3 * i + 1)
-        trow = tl.where((rows >= a) & (rows < b), tl.load(seg_ptr + 3 * i + 2), trow)
-    return tl.expand_dims(trow.to(tl.int64), 1)
-
-
-def _sumsq_f64(x_ptr, r2, stride_x, rmask, K, X_KIND: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-               NKT: tl.constexpr):
-    """sum_k fp64(x[row, k])^2 over the row block, in NKT tiles of BK columns -> [BM] fp64."""
-    ss = tl.zeros([BM], dtype=tl.float64)
-    for kt in range(NKT):
-        c2 = tl.expand_dims(kt * BK + tl.arange(0, BK), 0)
-        v = _ld_f32(x_ptr + r2 * stride_x + c2, tl.expand_dims(rmask, 1) & (c2 < K), X_KIND).to(tl.float64)
-        ss += tl.sum(v * v, axis=1)
-    return ss
-
-
-def _rstd(ss, K, eps):
-    """fp32(1 / sqrt(ss / K + eps)) computed in fp64 (sqrt.rn.f64, div.rn.f64): rms_modulate_reference's rstd."""
-    return (1.0 / tl.sqrt(ss / K + eps)).to(tl.float32)
-
-
-def _modulate(xv, rstd, w_ptr, sc_ptr, sh_ptr, t2, c2, m, K, stride_sc, stride_sh, HAS_W: tl.constexpr,
-              W_KIND: tl.constexpr, T_KIND: tl.constexpr):
-    """h = (x * rstd [* w]) * (1 + scale[row]) + shift[row] in fp32, each step rounded; 0 outside m."""
-    n = xv * tl.expand_dims(rstd, 1)
-    if HAS_W:
-        n = n * _ld_f32(w_ptr + c2, c2 < K, W_KIND)
-    sc = _ld_f32(sc_ptr + t2 * stride_sc + c2, m, T_KIND)
-    sh = _ld_f32(sh_ptr + t2 * stride_sh + c2, m, T_KIND)
-    h = n * (1.0 + sc)
-    h = h + sh
-    return tl.where(m, h, 0.0)
-
-
-def _rms_modulate_kernel(x_ptr, w_ptr, sc_ptr, sh_ptr, seg_ptr, eps_ptr, g_ptr, packed_ptr, scales_ptr,
-                         amax_ptr, S, K, stride_x, stride_sc, stride_sh, stride_p, R_PACK, R_SCALE, KP, CP,
-                         MODE: tl.constexpr, HAS_W: tl.constexpr, X_KIND: tl.constexpr, W_KIND: tl.constexpr,
-                         T_KIND: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, NKT: tl.constexpr,
-                         NKT_OUT: tl.constexpr, NSEG: tl.constexpr):
-    # MODE 0: store each row's amax(|h|) (the dynamic global scale's pass); MODE 1: quantize h.
-    # Loop counts are constexpr (NKT = cdiv(K, BK); NKT_OUT = cdiv(CP*16, BK) in MODE 1, else NKT; NSEG >=
-    # the segment count, unused entries empty): Triton's interpreter cannot loop over runtime scalars with numpy >= 2.
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    rmask = rows < S
-    r2 = tl.expand_dims(rows.to(tl.int64), 1)
-    rstd = _rstd(_sumsq_f64(x_ptr, r2, stride_x, rmask, K, X_KIND, BM, BK, NKT), K, tl.load(eps_ptr))
-    t2 = _segment_rows(seg_ptr, rows, BM, NSEG)
-    amax = tl.zeros([BM], dtype=tl.float32)
-    if MODE == 1:
-        g = tl.load(g_ptr)
-    else:
-        g = 1.0
-    for kt in range(NKT_OUT):  # MODE 1 also covers the zero columns of the scale padding
-        k0 = kt * BK
-        cols = k0 + tl.arange(0, BK)
-        c2 = tl.expand_dims(cols, 0)
-        m = tl.expand_dims(rmask, 1) & (c2 < K)
-        h = _modulate(_ld_f32(x_ptr + r2 * stride_x + c2, m, X_KIND), rstd, w_ptr, sc_ptr, sh_ptr, t2, c2, m, K,
-                      stride_sc, stride_sh, HAS_W, W_KIND, T_KIND)
-        if MODE == 0:
-            amax = tl.maximum(amax, tl.max(tl.abs(h), axis=1))
-        else:
-            _quant_store(h, g, rows, k0, packed_ptr, stride_p, scales_ptr, R_PACK, R_SCALE, KP, CP, BM, BK)
-    if MODE == 0:
-        tl.store(amax_ptr + rows, amax, mask=rmask)
-
-
-def _exp_f32(t):
-    """exp(t) in fp32 by the fixed operation sequence of exp_reference."""
-    t = tl.minimum(tl.maximum(t, -80.0), 80.0)
-    n = t * 1.4426950408889634
-    n = (n + 12582912.0) - 12582912.0  # round to nearest even integer
-    r = t - n * 0.693145751953125
-    r = r - n * 1.428606765330187e-06
-    p = r * 1.984126984126984e-04 + 1.388888888888889e-03
-    p = p * r + 8.333333333333333e-03
-    p = p * r + 4.166666666666667e-02
-    p = p * r + 1.666666666666667e-01
-    p = p * r + 0.5
-    p = p * r + 1.0
-    p = p * r + 1.0
-    return p * ((n.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
-
-
-def _swiglu_kernel(h_ptr, g_ptr, packed_ptr, scales_ptr, amax_ptr, S, F, stride_h, stride_p, R_PACK, R_SCALE,
-                   KP, CP, MODE: tl.constexpr, H_KIND: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rows = pid_m * BM + tl.arange(0, BM)
-    col0 = pid_k * BK
-    c2 = tl.expand_dims(col0 + tl.arange(0, BK), 0)
-    m = tl.expand_dims(rows < S, 1) & (c2 < F)
-    base = h_ptr + tl.expand_dims(rows.to(tl.int64), 1) * stride_h + c2
-    a = _ld_f32(base, m, H_KIND)
-    up = _ld_f32(base + F, m, H_KIND)
-    e = _exp_f32(0.0 - a)
-    y = tl.div_rn(a, 1.0 + e) * up
-    y = tl.where(tl.abs(y) < 1.1754943508222875e-38, y * 0.0, y)
-    y = tl.where(m, y, 0.0)
-    if MODE == 0:
-        tl.store(amax_ptr + pid_m * tl.num_programs(1) + pid_k, tl.max(tl.max(tl.abs(y), axis=1), axis=0))
-    else:
-        _quant_store(y, tl.load(g_ptr), rows, col0, packed_ptr, stride_p, scales_ptr, R_PACK, R_SCALE, KP, CP, BM, BK)
-
-
-def _decode_halves(p_ptr, s_ptr, rows, k0, R, KP, CP, stride_p, BR: tl.constexpr, BK: tl.constexpr):
-    """Bytes [BR, BK/2] at byte column k0/2 -> (v*s of the LOW nibbles, v*s of the HIGH nibbles), each
-    fp32 [BR, BK/2], exact. Low nibble j is element k0 + 2j, high nibble j element k0 + 2j + 1."""
-    HB: tl.constexpr = BK // 2
-    NB: tl.constexpr = BK // 16
-    r2 = tl.expand_dims(rows, 1)
-    bc = tl.expand_dims(k0 // 2 + tl.arange(0, HB), 0)
-    byte = tl.load(p_ptr + r2.to(tl.int64) * stride_p + bc, mask=(r2 < R) & (bc < KP // 2), other=0).to(tl.int32)
-    sc = tl.expand_dims(k0 // 16 + tl.arange(0, NB), 0)
-    sb = tl.load(s_ptr + _swz(r2.to(tl.int64), sc, CP), mask=(r2 < R) & (sc < CP), other=0).to(tl.int32)
-    s3 = tl.expand_dims(_e4m3_value_2m8(sb) * 4194304.0, 2)  # * 2^22 undoes both 2^-14 and 2^-8
-    lo = tl.reshape(tl.reshape(_e2m1_value_2m14(byte & 15), [BR, NB, 8]) * s3, [BR, HB])
-    hi = tl.reshape(tl.reshape(_e2m1_value_2m14(byte >> 4), [BR, NB, 8]) * s3, [BR, HB])
-    return lo, hi
-
-
-def _dequant_kernel(p_ptr, s_ptr, gm_ptr, out_ptr, R, K, KP, CP, stride_p, stride_o,
-                    HAS_G: tl.constexpr, OUT_KIND: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    k0 = tl.program_id(1) * BK
-    lo, hi = _decode_halves(p_ptr, s_ptr, rows, k0, R, KP, CP, stride_p, BM, BK)
-    v = tl.reshape(tl.join(lo, hi), [BM, BK])
-    if HAS_G:
-        v = v * tl.load(gm_ptr)
-    r2 = tl.expand_dims(rows, 1)
-    c2 = tl.expand_dims(k0 + tl.arange(0, BK), 0)
-    ptrs = out_ptr + r2.to(tl.int64) * stride_o + c2
-    mask = (r2 < R) & (c2 < K)
-    if OUT_KIND == 1:
-        tl.store(ptrs, _bf16_rne_bits(v).to(tl.bfloat16, bitcast=True), mask=mask)
-    else:
-        tl.store(ptrs, v, mask=mask)
-
-
-def _fp8_rowwise_kernel(p_ptr, s_ptr, out_ptr, rs_ptr, R, K, KP, CP, stride_p, stride_o,
-                        BM: tl.constexpr, BK: tl.constexpr, NKT: tl.constexpr, HW: tl.constexpr):
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    r2 = tl.expand_dims(rows, 1)
-    NB: tl.constexpr = BK // 16
-    smax = tl.zeros([BM], dtype=tl.float32)
-    for kt in range(NKT):
-        k0 = kt * BK
-        sc = tl.expand_dims(k0 // 16 + tl.arange(0, NB), 0)
-        sb = tl.load(s_ptr + _swz(r2.to(tl.int64), sc, CP), mask=(r2 < R) & (sc < KP // 16), other=0).to(tl.int32)
-        smax = tl.maximum(smax, tl.max(_e4m3_value_2m8(sb) * 256.0, axis=1))
-    ra = tl.div_rn(smax * 6.0, tl.full([BM], 448.0, tl.float32))
-    ra = tl.where(ra == 0.0, 1.0, ra)
-    tl.store(rs_ptr + rows, ra, mask=rows < R)
-    inv3 = tl.broadcast_to(tl.expand_dims(tl.div_rn(tl.full([BM], 1.0, tl.float32), ra), 1), [BM, BK])
-    for kt in range(NKT):
-        k0 = kt * BK
-        lo, hi = _decode_halves(p_ptr, s_ptr, rows, k0, R, KP, CP, stride_p, BM, BK)
-        y = tl.reshape(tl.join(lo, hi), [BM, BK]) * inv3
-        code = _e4m3_code(tl.minimum(tl.maximum(y, -448.0), 448.0), HW)
-        c2 = tl.expand_dims(k0 + tl.arange(0, BK), 0)
-        tl.store(out_ptr + r2.to(tl.int64) * stride_o + c2, code.to(tl.uint8), mask=(r2 < R) & (c2 < K))
-
-
-def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, ga_ptr, gb_ptr, o_ptr, M, N, KP, A_CP, B_CP,
-                 stride_a, stride_b, stride_o, OUT_KIND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr, GROUP_M: tl.constexpr, NKT: tl.constexpr, DOT_BF16: tl.constexpr):
-    # out[m, n] = ga * gb * sum_k (va*sa)[m, k] * (vb*sb)[n, k]: operands decoded to bf16 exactly (v*s has
-    # <= 6 significant bits), products exact, fp32 accumulation. The low and high nibbles of each byte
-    # go to two separate dots (the same K permutation on both operands, so no interleave is needed).
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BM)
-    num_n = tl.cdiv(N, BN)
-    group = GROUP_M * num_n
-    first_m = (pid // group) * GROUP_M
-    gsize = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % gsize
-    pid_n = (pid % group) // gsize
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for kt in range(NKT):
-        k0 = kt * BK
-        a_lo, a_hi = _decode_halves(a_ptr, as_ptr, rm, k0, M, KP, A_CP, stride_a, BM, BK)
-        b_lo, b_hi = _decode_halves(b_ptr, bs_ptr, rn, k0, N, KP, B_CP, stride_b, BN, BK)
-        if DOT_BF16:  # exact conversions; bf16 tensor-core MMA with fp32 accumulation
-            acc = tl.dot(a_lo.to(tl.bfloat16), tl.trans(b_lo.to(tl.bfloat16)), acc)
-            acc = tl.dot(a_hi.to(tl.bfloat16), tl.trans(b_hi.to(tl.bfloat16)), acc)
-        else:  # the CPU interpreter's bf16 dot is wrong; fp32 IEEE dot is the same math there
-            acc = tl.dot(a_lo, tl.trans(b_lo), acc, input_precision="ieee")
-            acc = tl.dot(a_hi, tl.trans(b_hi), acc, input_precision="ieee")
-    acc = acc * (tl.load(ga_ptr) * tl.load(gb_ptr))
-    r2 = tl.expand_dims(rm, 1)
-    c2 = tl.expand_dims(rn, 0)
-    ptrs = o_ptr + r2.to(tl.int64) * stride_o + c2
-    mask = (r2 < M) & (c2 < N)
-    if OUT_KIND == 1:
-        tl.store(ptrs, _bf16_rne_bits(acc).to(tl.bfloat16, bitcast=True), mask=mask)
-    else:
-        tl.store(ptrs, acc, mask=mask)
-
-
-_HELPERS = ("_ld_f32", "_bf16_rne_bits", "_e4m3_rne", "_e4m3_code", "_e2m1_code", "_e2m1_value_2m14", "_e4m3_value_2m8",
-            "_swz", "_quant_store", "_exp_f32", "_decode_halves", "_segment_rows", "_sumsq_f64", "_rstd", "_modulate")
-_KERNELS = ("_quantize_kernel", "_rms_modulate_kernel", "_swiglu_kernel", "_dequant_kernel",
-            "_fp8_rowwise_kernel", "_gemm_kernel")
-
-
-@functools.lru_cache(maxsize=None)
-def _kernels() -> dict:
-    """Import Triton and JIT the functions above (once). Returns {name: kernel}."""
-    t, why = _import_triton()
-    if t is None:
-        raise RuntimeError(why)
-    import triton.language as _tl
-
-    g = globals()
-    g["triton"], g["tl"] = t, _tl
-    plain = {name: g[name] for name in _HELPERS + _KERNELS}
-    for name in _HELPERS:
-        g[name] = t.jit(plain[name])
-    return {name: t.jit(plain[name]) for name in _KERNELS}
-
-
-def _launch(name: str, grid, *args, **kw):
+def _launch(kernel, grid, *args, **kw):
     # fp fusion off: the references round every multiply and add separately (no FMA), and so must we.
-    _kernels()[name][grid](*args, enable_fp_fusion=False, **kw)
+    kernel[grid](*args, enable_fp_fusion=False, **kw)
 
 
 _FP8_TILES: list = []  # [(BM, BK, num_warps)] of a measured tile table (set_fp8_tiles), else empty
@@ -650,7 +283,7 @@ def quantize(x: torch.Tensor, global_scale: torch.Tensor | float | None = None, 
     rp, rs, kp, cp = _geometry(s, k)
     bm, bk, nw = _tiles(x.device)["q"]
     grid = (_cdiv(rs, bm), _cdiv(cp * 16, bk))
-    _launch("_quantize_kernel", grid, x, g, packed, scales, s, k, x.stride(0), packed.stride(0), rp, rs, kp, cp,
+    _launch(nvfp4_kernels.quantize_kernel, grid, x, g, packed, scales, s, k, x.stride(0), packed.stride(0), rp, rs, kp, cp,
             X_KIND=_KIND[x.dtype], BM=bm, BK=bk, num_warps=nw)
     return nv.NVFP4Tensor(packed, scales.view(torch.float8_e4m3fn), g, (s, k))
 
@@ -687,13 +320,13 @@ def rms_modulate_quantize(x: torch.Tensor, weight: torch.Tensor | None, scale_ro
     packed, scales = _outputs(s, k, x.device, pad_rows)
     if global_scale is None:
         row_amax = torch.empty(s, dtype=torch.float32, device=x.device)
-        _launch("_rms_modulate_kernel", (_cdiv(s, bm),), x, w, scale_rows, shift_rows, seg, eps_t,
+        _launch(nvfp4_kernels.rms_modulate_kernel, (_cdiv(s, bm),), x, w, scale_rows, shift_rows, seg, eps_t,
                 eps_t, packed, scales, row_amax, s, k, x.stride(0), scale_rows.stride(0), shift_rows.stride(0),
                 packed.stride(0), rp, rs, kp, cp, MODE=0, NKT_OUT=nkt, **common)
         g = nv.global_scale_from_amax(row_amax.amax())
     else:
         g = _global(global_scale, x)
-    _launch("_rms_modulate_kernel", (_cdiv(rs, bm),), x, w, scale_rows, shift_rows, seg, eps_t, g,
+    _launch(nvfp4_kernels.rms_modulate_kernel, (_cdiv(rs, bm),), x, w, scale_rows, shift_rows, seg, eps_t, g,
             packed, scales, g, s, k, x.stride(0), scale_rows.stride(0), shift_rows.stride(0), packed.stride(0),
             rp, rs, kp, cp, MODE=1, NKT_OUT=_cdiv(cp * 16, bk), **common)
     return nv.NVFP4Tensor(packed, scales.view(torch.float8_e4m3fn), g, (s, k))
@@ -718,13 +351,13 @@ def swiglu_quantize(h: torch.Tensor, global_scale: torch.Tensor | float | None =
     if global_scale is None:
         grid0 = (_cdiv(s, bm), _cdiv(f, bk))
         part = torch.empty(grid0[0] * grid0[1], dtype=torch.float32, device=h.device)
-        _launch("_swiglu_kernel", grid0, h, part, packed, scales, part, s, f, h.stride(0), packed.stride(0), rp, rs,
+        _launch(nvfp4_kernels.swiglu_kernel, grid0, h, part, packed, scales, part, s, f, h.stride(0), packed.stride(0), rp, rs,
                 kp, cp, MODE=0, H_KIND=_KIND[h.dtype], BM=bm, BK=bk, num_warps=nw)
         g = nv.global_scale_from_amax(part.amax())
     else:
         g = _global(global_scale, h)
     grid = (_cdiv(rs, bm), _cdiv(cp * 16, bk))
-    _launch("_swiglu_kernel", grid, h, g, packed, scales, g, s, f, h.stride(0), packed.stride(0), rp, rs, kp, cp,
+    _launch(nvfp4_kernels.swiglu_kernel, grid, h, g, packed, scales, g, s, f, h.stride(0), packed.stride(0), rp, rs, kp, cp,
             MODE=1, H_KIND=_KIND[h.dtype], BM=bm, BK=bk, num_warps=nw)
     return nv.NVFP4Tensor(packed, scales.view(torch.float8_e4m3fn), g, (s, f))
 
@@ -754,7 +387,7 @@ def dequantize_bf16(t: nv.NVFP4Tensor, multiplier: torch.Tensor | None = None, *
         return view
     bm, bk, nw = _tiles(t.device)["deq"]
     gm = multiplier if multiplier is not None else t.global_scale
-    _launch("_dequant_kernel", (_cdiv(n, bm), _cdiv(k, bk)), t.packed, t.scales.view(torch.uint8), gm, view,
+    _launch(nvfp4_kernels.dequant_kernel, (_cdiv(n, bm), _cdiv(k, bk)), t.packed, t.scales.view(torch.uint8), gm, view,
             n, k, t.k_padded, t.scales.shape[1], t.packed.stride(0), view.stride(0), HAS_G=multiplier is not None,
             OUT_KIND=1, BM=bm, BK=bk, num_warps=nw)
     return view
@@ -772,7 +405,7 @@ def to_fp8_rowwise(t: nv.NVFP4Tensor, *, out: torch.Tensor | None = None, backen
         return view, ra
     ra = torch.empty(n, dtype=torch.float32, device=t.device)
     bm, bk, nw = _tiles(t.device)["fp8"]
-    _launch("_fp8_rowwise_kernel", (_cdiv(n, bm),), t.packed, t.scales.view(torch.uint8), view.view(torch.uint8),
+    _launch(nvfp4_kernels.fp8_rowwise_kernel, (_cdiv(n, bm),), t.packed, t.scales.view(torch.uint8), view.view(torch.uint8),
             ra, n, k, t.k_padded, t.scales.shape[1], t.packed.stride(0), view.stride(0), BM=bm, BK=bk,
             NKT=_cdiv(t.k_padded, bk), HW=hw_cvt(t.device), num_warps=nw)
     return view, ra
@@ -792,7 +425,7 @@ def nvfp4_gemm(a: nv.NVFP4Tensor, b: nv.NVFP4Tensor, out_dtype: torch.dtype = to
     bm, bn, bk, gm, nw, ns = _tiles(a.device)["gemm"]
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     grid = (_cdiv(m, bm) * _cdiv(n, bn),)
-    _launch("_gemm_kernel", grid, a.packed, a.scales.view(torch.uint8), b.packed, b.scales.view(torch.uint8),
+    _launch(nvfp4_kernels.gemm_kernel, grid, a.packed, a.scales.view(torch.uint8), b.packed, b.scales.view(torch.uint8),
             a.global_scale, b.global_scale, out, m, n, a.k_padded, a.scales.shape[1], b.scales.shape[1],
             a.packed.stride(0), b.packed.stride(0), out.stride(0), OUT_KIND=1 if out_dtype == torch.bfloat16 else 0,
             BM=bm, BN=bn, BK=bk, GROUP_M=gm, NKT=_cdiv(a.k_padded, bk), DOT_BF16=a.device.type == "cuda",
