@@ -160,3 +160,41 @@ def test_default_tiny_run_keeps_its_latent_hashes(tmp_path, mode, monkeypatch):
         assert (got[0][:16], got[1][:16]) == want, (
             f"{mode} latents on the {cap} CPU path are {got}; no pin was recorded for {cap} here and they "
             f"differ from the values reported for 1f68864 ({want})")
+
+
+# Functions in runtime/ and cli/ are at most MAX_FUNCTION_LINES long (issue 14), counted from the `def` line to the
+# last line without the docstring: a docstring states the contract, and the rule must not push contracts out.
+MAX_FUNCTION_LINES = 80
+# The only exceptions allowed: Triton kernels (decorated @triton.jit, whose bodies cannot call Python helpers
+# and where a split costs a launch or a register round trip), each listed as "path::name" with why. None is
+# that long today.
+LONG_TRITON_KERNELS: dict[str, str] = {}
+
+
+def _function_lines(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    body = fn.body
+    doc = 0
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        doc = body[0].end_lineno - body[0].lineno + 1
+    return fn.end_lineno - fn.lineno + 1 - doc
+
+
+def _is_triton_jit(fn) -> bool:
+    return any(ast.unparse(d).split("(")[0] in ("triton.jit", "jit") for d in fn.decorator_list)
+
+
+def test_no_function_longer_than_80_lines():
+    long, kernels = [], {}
+    for d in ("runtime", "cli"):
+        for p in sorted((ROOT / d).rglob("*.py")):
+            for n in ast.walk(ast.parse(p.read_text())):
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    where = f"{p.relative_to(ROOT)}::{n.name}"
+                    kernels[where] = _is_triton_jit(n)
+                    if _function_lines(n) > MAX_FUNCTION_LINES and where not in LONG_TRITON_KERNELS:
+                        long.append(f"{where} ({_function_lines(n)} lines)")
+    not_kernels = [w for w in LONG_TRITON_KERNELS if not kernels.get(w)]
+    assert not not_kernels, f"the allow-list holds Triton kernels only; these are not @triton.jit: {not_kernels}"
+    assert not long, (f"functions over {MAX_FUNCTION_LINES} lines (docstring not counted): {long}; split them into "
+                      "named steps")
