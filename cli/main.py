@@ -285,6 +285,7 @@ def cmd_forward(a) -> int:
 
     from ..runtime.engine import load_model
     from ..runtime.options import RuntimeOptions
+    from ..runtime.sampling.schedule import model_sigma
     from .payload import check_pdd_schedule, load_payload, read_inputs, segments_line
 
     t = read_inputs(a.inputs, ["video", "audio", "text_states", "sigma"],
@@ -295,9 +296,10 @@ def cmd_forward(a) -> int:
     rt = load_model(a.model, opts)
     check_pdd_schedule(cond, rt.config.head_bank)
     video, audio = t["video"].float(), t["audio"].float()
+    sigma = float(model_sigma(t["sigma"].flatten()[0]))  # core's timestep round trip (sigma * 1000 / 1000, fp32)
     with torch.no_grad():
-        plan = rt.model.plan(t["text_states"].float(), tuple(video.shape), tuple(audio.shape),
-                             [float(t["sigma"].flatten()[0])], token_tags=t.get("token_tags"), cond=cond)
+        plan = rt.model.plan(t["text_states"].float(), tuple(video.shape), tuple(audio.shape), [sigma],
+                             token_tags=t.get("token_tags"), cond=cond)
         v, au = rt.model.evaluate(plan, 0, video, audio)
     _atomic_dir_write(Path(a.out).parent, {Path(a.out).name: lambda p: save_file(
         {"video": v.float().cpu().contiguous(), "audio": au.float().cpu().contiguous()}, str(p))})

@@ -108,7 +108,7 @@ BAD = [
     (("keyframes", 0, "latent"), "nope", "keyframes[0].latent"),
     (("keyframes", 0, "latent"), None, "keyframes[0]"),
     (("keyframes", 0, "strength"), 1.0, "keyframes[0].strength"),
-    (("keyframes", 1, "latent"), "t3", "keyframes[1].latent"),           # t = 3 is not 1 or 5k+2
+    (("keyframes", 1, "latent"), "amask", "keyframes[1].latent"),        # not a video latent
     (("refs", 0, "kind"), "depth", "refs[0].kind"),
     (("refs", 0, "latent_h"), 3, "refs[0].latent_h"),
     (("refs", 0, "latent_w"), 4, "refs[0].latent"),                      # disagrees with the tensor

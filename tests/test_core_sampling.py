@@ -112,3 +112,14 @@ def test_generate_payload_errors(extra, needle, model_file, tmp_path, capsys):
     assert cli.main(["generate", "--model", str(model_file), "--output", str(tmp_path / "o"), *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
+
+
+def test_sample_refuses_a_foreign_schedule(model_file):
+    """Core hands the model the sampler's own schedule; a payload naming another one is refused by name."""
+    from h3_blackwell.runtime.errors import H3Error
+
+    video0, audio0, text, tags, payload = _case(False)
+    rt = load_model(model_file, RuntimeOptions(device="cpu", dtype="float32", quantize=False))
+    cond = H3Conditioning.from_payload({**payload, "sample_sigmas": torch.tensor([1.0, 0.5, 0.0])})
+    with pytest.raises(H3Error, match="^sample_sigmas: expected this run's schedule"):
+        sample(rt, text, tags, video0, audio0, seed=5, steps=3, sampler="euler", conditioning=cond)

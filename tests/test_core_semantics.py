@@ -93,6 +93,22 @@ def test_forward_payload_equals_core_oracle(name, models, tmp_path, capsys):
     assert max(_rel(bv, ov), _rel(ba, oa)) > 1e-4
 
 
+@pytest.mark.parametrize("seed", [0, 3, 9, 22])
+def test_random_payloads_equal_core_oracle(seed, tmp_path):
+    """Random valid payloads (odd canvases, clips, every ref kind, masks, PDD banks, curve form, any sigma; the
+    same generator check_core.py runs against core's own code) through the dense runtime."""
+    case = case_mod.random_case(seed)
+    cfg = _cfg(case)
+    sd = _state_dict(case)
+    m = load_model(save_tiny(tmp_path / "m.safetensors", cfg, seed=1, dtype=torch.float32),
+                   RuntimeOptions(device="cpu", dtype="float32", quantize=False)).model
+    v, a = m(case["video"], case["audio"], case["text_states"], case["sigma"], token_tags=case["token_tags"],
+             cond=H3Conditioning.from_payload(case["payload"]))
+    ov, oa = core_h3.core_forward(sd, case["video"], case["audio"], case["text_states"], case["sigma"],
+                                  token_tags=case["token_tags"], payload=case["payload"])
+    assert _rel(v, ov) <= 1e-5 and _rel(a, oa) <= 1e-5, (_rel(v, ov), _rel(a, oa))
+
+
 def test_forward_segments_of_ref2va(models, tmp_path, capsys):
     case = CASES["ref2va"]
     args = _write_inputs(tmp_path, case)

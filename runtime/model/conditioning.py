@@ -19,8 +19,9 @@ be a ``torch.Tensor`` itself, so a node can hand core's in-memory dicts straight
 
 Tensors (any float dtype; stored as float32, on the CPU):
 
-- keyframe ``latent``: normalised video latent ``[1, C, t, H, W]`` with t = 1 (an image) or t = 5k+2 (a clip
-  of 17k+5 pixel frames), H / W those of the target latent. It conditions the target at pixel frame
+- keyframe ``latent``: normalised video latent ``[1, C, t, H, W]`` with t = 1 (an image) or t = 5k+2 (core's
+  node: a clip of 17k+5 pixel frames; any t >= 1 is taken, as core's model takes it), H / W those of the target
+  latent. It conditions the target at pixel frame
   ``resolved_frame_index`` (>= 0; core's node resolves negative indices). keyframe ``audio_latent``:
   ``[1, Ca, 2, ta]`` anchored at the same frame (core's node crops it to ``floor(Ta - 5/3 * index)``). A
   keyframe has a latent, an audio latent or both.
@@ -101,9 +102,9 @@ class Keyframe:
 
     @property
     def pixel_frames(self) -> int:
-        """Pixel frames the guide covers: 1 for an image or an audio-only guide, 17k+5 for a 5k+2 clip."""
-        t = self.latent_t
-        return 1 if t <= 1 else (t - 2) // 5 * 17 + 5
+        """Pixel frames the guide covers: 1 for an image or an audio-only guide, sum of (1,4,4,4,4)[k % 5] over
+        its latent frames for a clip (17k+5 for core's 5k+2 clips)."""
+        return max(1, sum(FRAME_PER_TOKEN[k % 5] for k in range(self.latent_t)))
 
 
 @dataclass(frozen=True)
@@ -397,10 +398,6 @@ def _keyframe(path: str, kf: Mapping, res: _Resolver) -> Keyframe:
         raise _err(path, "a latent, an audio_latent or both", "neither", "drop the keyframe or give it a latent")
     if lat is not None:
         _video_latent(f"{path}.latent", lat)
-        t = lat.shape[2]
-        if t != 1 and t % 5 != 2:
-            raise _err(f"{path}.latent", "t = 1 (an image) or t = 5k+2 (a clip of 17k+5 frames)",
-                       f"shape {list(lat.shape)}")
     if aud is not None:
         _audio_latent(f"{path}.audio_latent", aud)
     return Keyframe(idx, lat, aud)

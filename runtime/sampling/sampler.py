@@ -8,6 +8,7 @@ Initial noise (ComfyUI ``prepare_noise`` for the nested H3 latent): one CPU gene
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -144,6 +145,16 @@ def _measure(run_args: tuple, warmup: int, runs: int, parallel, preview=None, in
     return out, records, parallel_section(parallel, ev.shard, ev.stats, ranks, rt.config.num_layers)
 
 
+def _with_run_schedule(cond: H3Conditioning, sigmas: torch.Tensor) -> H3Conditioning:
+    """Core hands the model the sampler's own schedule (sample_sigmas, for PDD heads): a conditioning that names
+    another schedule is refused, one without gets the run's."""
+    if cond.sample_sigmas is not None and (cond.sample_sigmas.shape != sigmas.shape
+                                           or not torch.allclose(cond.sample_sigmas.float(), sigmas.float())):
+        raise H3Error(f"sample_sigmas: expected this run's schedule {[round(float(v), 4) for v in sigmas]} (or "
+                      f"none); found {[round(float(v), 4) for v in cond.sample_sigmas]}; drop it from the payload")
+    return dataclasses.replace(cond, sample_sigmas=sigmas.float().cpu())
+
+
 def _workload(rt, plan, video, audio, steps, seed, sampler, scheduler, denoise, shifts, workload_extra,
               cond: H3Conditioning | None) -> dict:
     """The report's workload block: shapes, packed layout (its segment table), run settings, conditioning."""
@@ -215,6 +226,8 @@ def sample(rt, text_states: torch.Tensor, token_tags: torch.Tensor | None, video
     model_sigmas = [float(model_sigma(s)) for s in sigmas[:-1]]
     if conditioning is not None and keyframes:
         raise H3Error("pass keyframes inside conditioning (H3Conditioning.keyframes), not both")
+    if conditioning is not None:
+        conditioning = _with_run_schedule(conditioning, sigmas)
     with torch.no_grad():
         plan = rt.model.plan(text_states.float(), tuple(video.shape), tuple(audio.shape), model_sigmas,
                              token_tags=token_tags, keyframes=keyframes, shifts=shifts, seed=seed, cond=conditioning)

@@ -101,3 +101,88 @@ def make_cases() -> dict[str, dict]:
     cases["curve_form_fl2va"] = dict(video=v, audio=a, text_states=x, token_tags=tg, sigma=0.3, curve=True, payload={
         "keyframes": [{"resolved_frame_index": 21, "latent": torch.randn(1, 24, 1, 4, 6, generator=g)}]})
     return cases
+
+
+FRAME_PER_TOKEN = (1, 4, 4, 4, 4)
+
+
+def _ri(g, lo, hi):
+    """Random int in [lo, hi]."""
+    return int(torch.randint(lo, hi + 1, (1,), generator=g))
+
+
+def _coin(g, p=0.5):
+    return float(torch.rand(1, generator=g)) < p
+
+
+def _raw_mask(g, shape):
+    m = torch.rand(*shape, generator=g)
+    m[m < 0.3] = 0.0
+    m[m > 0.8] = 1.0
+    return m
+
+
+def random_case(seed: int) -> dict:
+    """A random valid payload in the shapes core's nodes produce (and some they do not, but core's model takes):
+    odd canvases, clips of any length, every ref kind, masks, PDD banks, curve form, any sigma."""
+    g = _g(1000 + seed)
+    t, ta, text_len = _ri(g, 1, 8), _ri(g, 2, 30), _ri(g, 1, 10)
+    even = _coin(g, 0.7)
+    h, w = (2 * _ri(g, 1, 3), 2 * _ri(g, 1, 4)) if even else (_ri(g, 1, 5), _ri(g, 1, 7))
+    video, audio = torch.randn(1, 24, t, h, w, generator=g), torch.randn(1, 32, 2, ta, generator=g)
+    text = torch.randn(1, text_len, TEXT_DIM, generator=g)
+    tags = (torch.rand(text_len, generator=g) < 0.7).long()
+    frames = sum(FRAME_PER_TOKEN[k % 5] for k in range(t))
+    payload, kfs, refs = {}, [], []
+    for _ in range(_ri(g, 0, 3)):
+        kt = 1 if _coin(g, 0.6) else _ri(g, 2, 7)
+        kframes = sum(FRAME_PER_TOKEN[k % 5] for k in range(kt))
+        with_video = even and kframes <= frames and _coin(g, 0.7)
+        idx = _ri(g, 0, frames - (kframes if with_video else 1))
+        kf = {"resolved_frame_index": idx}
+        if with_video:
+            kf["latent"] = torch.randn(1, 24, kt, h, w, generator=g)
+        room = int(ta - 5 / 3 * idx)
+        if room >= 1 and (not with_video or _coin(g, 0.5)):
+            kf["audio_latent"] = torch.randn(1, 32, 2, _ri(g, 1, min(room, 12)), generator=g)
+        if len(kf) > 1:
+            kfs.append(kf)
+    for i in range(_ri(g, 0, 4)):
+        kind = ("image", "video", "video_audio", "audio")[_ri(g, 0, 3)]
+        if kind == "audio":
+            rt = _ri(g, 1, 8)
+            refs.append({"kind": "audio", "ref_audio_t": rt, "audio_latent": torch.randn(1, 32, 2, rt, generator=g)})
+            continue
+        lh, lw = 2 * _ri(g, 1, 3), 2 * _ri(g, 1, 3)
+        if kind == "image":
+            refs.append({"kind": "image", "picture_index": i + 1, "latent_h": lh, "latent_w": lw,
+                         "latent": torch.randn(1, 24, 1, lh, lw, generator=g)})
+            continue
+        lt = _ri(g, 1, 7)
+        rt = _ri(g, 1, 12) if kind == "video_audio" else 0
+        refs.append({"kind": kind, "latent_t": lt, "latent_h": lh, "latent_w": lw, "ref_audio_t": rt,
+                     "latent": torch.randn(1, 24, lt, lh, lw, generator=g),
+                     "audio_latent": torch.randn(1, 32, 2, rt, generator=g) if rt else None})
+    if kfs:
+        payload["keyframes"] = kfs
+    if refs:
+        payload["refs"] = refs
+    if _coin(g, 0.35):
+        payload["denoise_mask"] = _raw_mask(g, (1, 1, t, h, w))
+    if _coin(g, 0.35):
+        payload["audio_denoise_mask"] = _raw_mask(g, (1, 1, 2, ta))
+    for key, choices in (("visual_cond_noise_aug", (0.999, 0.9, 1.0, 0.97)), ("audio_cond_noise_aug", (1.0, 0.8))):
+        if _coin(g, 0.5):
+            payload[key] = choices[_ri(g, 0, len(choices) - 1)]
+    if _coin(g, 0.7):
+        payload["seed"] = _ri(g, 0, 2 ** 31)
+    case = dict(video=video, audio=audio, text_states=text, token_tags=tags, payload=payload,
+                curve=_coin(g, 0.2))
+    steps = _ri(g, 2, 8)
+    sched = torch.cat([torch.sort(torch.rand(steps, generator=g), descending=True).values, torch.zeros(1)])
+    sched[0] = 1.0
+    case["sigma"] = float(sched[_ri(g, 0, steps - 1)]) if _coin(g, 0.7) else float(torch.rand(1, generator=g))
+    if _coin(g, 0.3):
+        case["head_bank"] = (2, 4, 8, 32)[_ri(g, 0, 3)]
+        payload["sample_sigmas"] = sched
+    return case

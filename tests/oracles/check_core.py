@@ -9,7 +9,9 @@ and ``MiniMaxH3._denoise_mask_values`` of ``comfy/model_base.py`` 094c74c1): den
 modulation, PDD heads, velocity scaling by the mask. Core's model runs in float32 with every case of
 ``cases.py``: its payload is built as ``MiniMaxH3.extra_conds`` builds it (cond latents keyframes first,
 then refs) and its masks go through core's own ``_denoise_mask_values`` from full-size sampler masks.
-``--runtime`` also runs this repository's runtime (``forward`` with the same payload), if importable.
+``--runtime`` also runs this repository's runtime (its fp32 reference stack, as ``forward --payload --dense`` runs
+it) on the same weights and payload; the package must be importable (PYTHONPATH to a directory holding
+``h3_blackwell``).
 """
 
 from __future__ import annotations
@@ -133,16 +135,41 @@ def run_core(case, sd):
     return v, a
 
 
+def run_runtime(case, sd):
+    """This repository's runtime (fp32 reference stack) on the same weights and conditioning, as ``forward
+    --payload --dense`` runs it."""
+    from h3_blackwell.runtime.model.conditioning import H3Conditioning
+    from h3_blackwell.runtime.model.config import H3Config
+    from h3_blackwell.runtime.model.h3 import H3Model
+    from h3_blackwell.runtime.sampling.schedule import model_sigma
+
+    cfg = H3Config(hidden_size=96, num_layers=3, num_refiner_layers=2, num_heads=4, head_dim=32, ffn_hidden_size=160,
+                   text_dim=case_mod.TEXT_DIM, timestep_input_dim=256, time_embed_hidden_size=96, time_embed_dim=48,
+                   rope_inv_freq_len=4, head_bank=case.get("head_bank", 1),
+                   adaln_curve_grid=CURVE_GRID if case.get("curve") else 0)
+    m = H3Model(cfg, torch.float32)
+    m.load_state_dict(sd)
+    cond = H3Conditioning.from_payload(case["payload"])
+    sigma = float(model_sigma(torch.tensor(case["sigma"])))
+    with torch.no_grad():
+        plan = m.plan(case["text_states"], tuple(case["video"].shape), tuple(case["audio"].shape), [sigma],
+                      token_tags=case["token_tags"], cond=cond)
+        return m.evaluate(plan, 0, case["video"], case["audio"])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--runtime", action="store_true")
+    ap.add_argument("--random", type=int, default=0, help="also N random cases (cases.random_case)")
     a = ap.parse_args(argv)
     import comfy.cli_args
 
     comfy.cli_args.args.cpu = True
     results = {}
-    for name, case in case_mod.make_cases().items():
+    all_cases = dict(case_mod.make_cases())
+    all_cases.update({f"random_{i}": case_mod.random_case(i) for i in range(a.random)})
+    for name, case in all_cases.items():
         import comfy.ldm.minimax.model as mm
         import comfy.ops
 
@@ -161,6 +188,11 @@ def main(argv=None) -> int:
         r = {"core_vs_oracle_video": rel_l2(cv, ov), "core_vs_oracle_audio": rel_l2(ca, oa),
              "core_vs_unconditioned_video": rel_l2(cv, bv), "core_vs_unconditioned_audio": rel_l2(ca, ba),
              "shapes": [list(cv.shape), list(ca.shape)]}
+        if a.runtime:
+            rv, ra = run_runtime(case, sd)
+            r["core_vs_runtime_video"], r["core_vs_runtime_audio"] = rel_l2(rv, cv), rel_l2(ra, ca)
+            print(f"{'':28s} runtime vs core: video {r['core_vs_runtime_video']:.2e} "
+                  f"audio {r['core_vs_runtime_audio']:.2e}")
         results[name] = r
         print(f"{name:28s} oracle: video {r['core_vs_oracle_video']:.2e} audio {r['core_vs_oracle_audio']:.2e}"
               f" | unconditioned: video {r['core_vs_unconditioned_video']:.2e}"
@@ -177,7 +209,7 @@ def main(argv=None) -> int:
         meta = {"command": " ".join(["python"] + sys.argv), "comfy_checkout": str(root), "comfy_head": head.strip(),
                 "comfy_local_changes": dirty, "torch": torch.__version__, "bound": 1e-5}
         Path(a.json).write_text(json.dumps({"meta": meta, "cases": results}, indent=2))
-    worst = max(max(r["core_vs_oracle_video"], r["core_vs_oracle_audio"]) for r in results.values())
+    worst = max(v for r in results.values() for k, v in r.items() if k.startswith(("core_vs_oracle", "core_vs_runtime")))
     print(f"worst rel-L2 {worst:.2e} (bound 1e-5)")
     return 0 if worst <= 1e-5 else 1
 
