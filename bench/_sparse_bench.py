@@ -57,7 +57,7 @@ def _one(sol, qkv, heads, head_dim, routing, rows, ref, dense, time_ms, iters, w
     t = time_ms(call, iters, warmup)
     out = call()
     a, b = dense
-    ref_dense = A.attention_reference(*A.qkv_views(qkv, heads, head_dim), rows=torch.arange(a, b, device=qkv.device))
+    ref_dense = A.exact_attention_reference(*A.qkv_views(qkv, heads, head_dim), rows=torch.arange(a, b, device=qkv.device))
     video = rows >= routing.sink_rows()[1]
     return {"ms": round(t["median"], 3), "ms_min": round(t["min"], 3),
             "rel_l2": round(_rel(out[rows].float(), ref), 5),
@@ -86,7 +86,7 @@ def bench_sparse(dev, heads: int, head_dim: int, taus, extra_tokens, iters: int,
                             "reference": f"fp32 exact attention, {int(rows.numel())} evenly spaced query rows, all keys"}}
     dense_anchor = {}
     for name, qkv in data.items():
-        ref = A.attention_reference(*A.qkv_views(qkv, heads, head_dim), rows=rows)
+        ref = A.exact_attention_reference(*A.qkv_views(qkv, heads, head_dim), rows=rows)
         t = time_ms(lambda: A.attention(qkv, heads, head_dim, dense_backend), iters, warmup)  # noqa: B023
         dense_anchor[name] = {f"{dense_backend}_ms": round(t["median"], 3)}
         for tau in taus:

@@ -136,7 +136,7 @@ def bench_norm_rope(args, dev) -> dict:
     ang = torch.rand(s, r // 2, generator=g, device=dev) * 50
     ang = torch.cat([ang, ang], 1)
     cos, sin = ang.cos().contiguous(), ang.sin().contiguous()
-    ref = E.norm_rope_reference(qkv, qw, kw, cos, sin, 1e-5, r)
+    ref = E.norm_rope_qkv_reference(qkv, qw, kw, cos, sin, 1e-5, r)
     work = qkv.clone()
     E.norm_rope_(work, qw, kw, cos, sin, 1e-5, r)
     diff = (work.float() - ref.float()).abs()
@@ -270,7 +270,7 @@ def main(argv=None) -> int:
         qkv = torch.randn(s, 3 * h * d, generator=g, device=dev, dtype=torch.float32).to(torch.bfloat16)
         before = qkv.clone()
         rows = torch.linspace(0, s - 1, min(args.ref_rows, s), device=dev).round().long().unique()
-        ref = A.attention_reference(*A.qkv_views(qkv, h, d), rows=rows)
+        ref = A.exact_attention_reference(*A.qkv_views(qkv, h, d), rows=rows)
         result["reference"] = {"rows": int(rows.numel()), "math": "fp32 IEEE (no TF32), all keys"}
         result["backends"] = bench_attention(args, dev, qkv, ref, rows, before)
         del qkv, before, ref

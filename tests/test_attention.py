@@ -22,7 +22,7 @@ import h3_blackwell.runtime.ops.attention as A
 from h3_blackwell.runtime.ops.attention import (
     TOLERANCE,
     attention,
-    attention_reference,
+    exact_attention_reference,
     choose_attention_backend,
     qkv_views,
     rel_l2,
@@ -77,7 +77,7 @@ def test_reference_vs_fp64(s):
     qkv = _qkv(s, h, d, seed=s)
     ref64 = _fp64_attention(qkv, h, d)
     # max_elems small: the query loop runs in many chunks
-    out = attention_reference(*qkv_views(qkv, h, d), max_elems=h * s * 5)
+    out = exact_attention_reference(*qkv_views(qkv, h, d), max_elems=h * s * 5)
     assert out.dtype == torch.float32 and out.shape == (s, h * d)
     assert rel_l2(out, ref64) <= TOLERANCE["reference"][0]
 
@@ -86,8 +86,8 @@ def test_reference_row_subset_equals_full_rows():
     s, h, d = 97, 2, 16
     qkv = _qkv(s, h, d, seed=5)
     rows = torch.tensor([0, 13, 50, 96])
-    full = attention_reference(*qkv_views(qkv, h, d))
-    sub = attention_reference(*qkv_views(qkv, h, d), rows=rows)
+    full = exact_attention_reference(*qkv_views(qkv, h, d))
+    sub = exact_attention_reference(*qkv_views(qkv, h, d), rows=rows)
     torch.testing.assert_close(sub, full[rows], rtol=1e-6, atol=1e-7)
 
 
@@ -110,7 +110,7 @@ def test_sdpa_vs_reference(backend, s, dtype):
     before = qkv.clone()
     out = attention(qkv, h, d, backend)
     assert out.dtype == dtype and out.shape == (s, h * d)
-    ref = attention_reference(*qkv_views(qkv, h, d))
+    ref = exact_attention_reference(*qkv_views(qkv, h, d))
     tol = 1e-5 if dtype == torch.float32 else TOLERANCE[backend][0]
     assert rel_l2(out.float(), ref) <= tol
     assert torch.equal(qkv, before)
@@ -143,7 +143,7 @@ def test_strided_path_hands_views_to_sdpa(monkeypatch):
 
 def _math_nhd(q, k, v, sm_scale):
     """[1, S, H, D] in -> [1, S, H, D] out (q dtype), fp32 math: what a Sage kernel computes, minus quantization."""
-    o = attention_reference(q, k, v, scale=sm_scale).to(q.dtype)
+    o = exact_attention_reference(q, k, v, scale=sm_scale).to(q.dtype)
     return o.view(1, q.shape[1], q.shape[2], q.shape[3])
 
 
@@ -170,14 +170,14 @@ def _sage1_source():
     # what sageattention 1.0.6 does to K before quantizing (core.py: `k -= km`), then exact attention
     return (
         "import torch\n"
-        "from h3_blackwell.runtime.ops.attention import attention_reference\n"
+        "from h3_blackwell.runtime.ops.attention import exact_attention_reference\n"
         "calls = []\n"
         "def sageattn(q, k, v, tensor_layout='HND', is_causal=False, sm_scale=None, smooth_k=True, **kw):\n"
         "    assert tensor_layout == 'NHD' and not is_causal\n"
         "    calls.append(dict(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), k_storage=k.untyped_storage().data_ptr()))\n"
         "    if smooth_k:\n"
         "        k -= k.mean(dim=1, keepdim=True)\n"
-        "    o = attention_reference(q, k, v, scale=sm_scale).to(q.dtype)\n"
+        "    o = exact_attention_reference(q, k, v, scale=sm_scale).to(q.dtype)\n"
         "    return o.view(q.shape)\n"
     )
 
@@ -232,7 +232,7 @@ def test_sage2_dispatch_and_views(clean_sage, cc, fn, gran, accum):
         assert t.data_ptr() == qkv.data_ptr() + i * h * d * es, f"{name} is not a view of qkv"
         assert t.stride() == (s * 3 * h * d, 3 * h * d, d, 1)
     assert out.shape == (s, h * d) and out.dtype == torch.bfloat16
-    assert rel_l2(out.float(), attention_reference(*qkv_views(qkv, h, d))) <= TOLERANCE["sdpa"][0]
+    assert rel_l2(out.float(), exact_attention_reference(*qkv_views(qkv, h, d))) <= TOLERANCE["sdpa"][0]
     assert torch.equal(qkv, before)
 
 
@@ -269,7 +269,7 @@ def test_sage1_never_changes_the_callers_buffer(fake_sage1, s):
     assert c["q"] == qkv.data_ptr() and c["v"] == qkv.data_ptr() + 2 * h * d * es, "q and v should stay views"
     assert c["k_storage"] != qkv.untyped_storage().data_ptr(), "K must be a private copy"
     # K's mean subtraction does not change softmax(q k^T): the output is still the attention of the buffer
-    assert rel_l2(out.float(), attention_reference(*qkv_views(qkv, h, d))) <= TOLERANCE["sdpa"][0]
+    assert rel_l2(out.float(), exact_attention_reference(*qkv_views(qkv, h, d))) <= TOLERANCE["sdpa"][0]
 
 
 def test_use_sage1_from_wheel(tmp_path, clean_sage):
@@ -450,7 +450,7 @@ def test_sage2_sm90_v_pad_buffer_calls_the_stages_on_views(clean_sage, s):
     assert kc["scales"] == ("q_scale", "k_scale", "v_scale") and kc["kv_len"] == s
     assert kc["o"].shape == (1, s, h, d) and kc["v8"] is v
     assert out.shape == (s, h * d) and out.dtype == torch.bfloat16
-    ref = attention_reference(*qkv_views(buf[:s], h, d))
+    ref = exact_attention_reference(*qkv_views(buf[:s], h, d))
     assert rel_l2(out.float(), ref) <= TOLERANCE["sdpa"][0]
     assert torch.equal(buf, before)
 
@@ -529,7 +529,7 @@ def test_sage2_sm90_fused_v_builds_v_operands_from_the_view(clean_sage, s):
     # scale in e4m3's subnormal range) of the bf16 input
     err = (kc["v"][:s] - v).abs()
     assert (err <= torch.maximum(v.abs() * 2.0 ** -4, kc["vs"][0] * 2.0 ** -9)).all()
-    ref = attention_reference(*qkv_views(buf, h, d))
+    ref = exact_attention_reference(*qkv_views(buf, h, d))
     assert rel_l2(out.float(), ref) <= TOLERANCE["sage2"][0]
     assert torch.equal(buf, before)
 

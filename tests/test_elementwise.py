@@ -28,7 +28,7 @@ from h3_blackwell.runtime.ops.elementwise import (  # noqa: E402
     gate_add_,
     gate_add_reference,
     norm_rope_,
-    norm_rope_reference,
+    norm_rope_qkv_reference,
 )
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -79,7 +79,7 @@ def _assert_within_one_rounding(out, ref, dtype):
 )
 def test_norm_rope_kernel_matches_reference(dtype, s, h, d, r, hpp):
     qkv, qw, kw, cos, sin = _inputs(s, h, d, r, dtype, seed=s + r)
-    ref = norm_rope_reference(qkv, qw, kw, cos, sin, 1e-5, r)
+    ref = norm_rope_qkv_reference(qkv, qw, kw, cos, sin, 1e-5, r)
     before = qkv.clone()
     out = norm_rope_(qkv, qw, kw, cos, sin, 1e-5, r, block_s=8, heads_per_program=hpp)
     assert out is qkv
@@ -96,7 +96,7 @@ def test_norm_rope_row_strided_view_and_bf16_weights():
     assert qkv.stride(0) == 3 * h * d + 24
     qw, kw = qw.to(torch.bfloat16), kw.to(torch.bfloat16)
     tail = qkv.as_strided((s, 24), (qkv.stride(0), 1), qkv.storage_offset() + 3 * h * d).clone()
-    ref = norm_rope_reference(qkv, qw, kw, cos, sin, 1e-5, r)
+    ref = norm_rope_qkv_reference(qkv, qw, kw, cos, sin, 1e-5, r)
     norm_rope_(qkv, qw, kw, cos, sin, 1e-5, r)
     _assert_within_one_rounding(qkv, ref, torch.bfloat16)
     after_tail = qkv.as_strided((s, 24), (qkv.stride(0), 1), qkv.storage_offset() + 3 * h * d)
@@ -110,13 +110,13 @@ def test_norm_rope_reference_conventions():
     qkv = torch.randn(s, 3 * h * d, generator=gen) * 4 + 1
     ones = torch.ones(d)
     cos, sin = _rope_tables(s, r, gen, device="cpu")
-    out = norm_rope_reference(qkv, ones, ones, cos, sin, 0.0, r)
+    out = norm_rope_qkv_reference(qkv, ones, ones, cos, sin, 0.0, r)
     heads = out[:, : 2 * h * d].view(s, 2 * h, d)
     # rotation by equal-half angles preserves each (i, i+R/2) pair's norm, so every head has RMS 1
     torch.testing.assert_close(heads.square().mean(-1), torch.ones(s, 2 * h), rtol=1e-5, atol=1e-5)
     # cos = 0, sin = 1 is a quarter turn: first half -> -second half, second half -> first half
-    normed = norm_rope_reference(qkv, ones, ones, torch.ones(s, r), torch.zeros(s, r), 0.0, r)
-    quarter = norm_rope_reference(qkv, ones, ones, torch.zeros(s, r), torch.ones(s, r), 0.0, r)
+    normed = norm_rope_qkv_reference(qkv, ones, ones, torch.ones(s, r), torch.zeros(s, r), 0.0, r)
+    quarter = norm_rope_qkv_reference(qkv, ones, ones, torch.zeros(s, r), torch.ones(s, r), 0.0, r)
     n = normed[:, : 2 * h * d].view(s, 2 * h, d)
     qt = quarter[:, : 2 * h * d].view(s, 2 * h, d)
     torch.testing.assert_close(qt[..., : r // 2], -n[..., r // 2 : r], rtol=0, atol=0)

@@ -28,7 +28,7 @@ import torch
 from ..model.config import QUANT_LINEARS as QUANTIZED_LINEAR, core_safe_config_metadata
 from .header import TORCH_TO_ST as ST_DTYPE
 from ..errors import H3Error
-from ..ops import nvfp4 as nv
+from ..ops import nvfp4
 
 __all__ = ["QUANTIZED_LINEAR", "quantize_state_dict_streaming", "quantize_checkpoint", "plan_output"]
 
@@ -72,7 +72,7 @@ def plan_output(shapes: Mapping[str, tuple[tuple[int, ...], str]]) -> list[tuple
         shape = tuple(int(s) for s in shape)
         if _check_target(name, dtype, shape):
             layer = name[: -len(".weight")]
-            for suffix, (dt, shp) in nv.comfy_quant_shapes(*shape).items():
+            for suffix, (dt, shp) in nvfp4.comfy_quant_shapes(*shape).items():
                 out.append((layer + suffix, dt, tuple(shp)))
         else:
             out.append((name, dtype, shape))
@@ -109,11 +109,11 @@ def _write_tensor(f, t: torch.Tensor) -> int:
 
 def _metadata(source: Mapping[str, str] | None, layers: dict[str, dict]) -> dict[str, str]:
     meta = {k: str(v) for k, v in (source or {}).items() if k not in _DROP_META}
-    merged = nv.parse_quantization_metadata(source)
+    merged = nvfp4.parse_quantization_metadata(source)
     merged.update(layers)
     meta["format"] = "pt"
     if merged:
-        meta["_quantization_metadata"] = nv.quantization_metadata(merged)
+        meta["_quantization_metadata"] = nvfp4.quantization_metadata(merged)
     return meta
 
 
@@ -127,9 +127,9 @@ def _convert(name: str, box: list, device) -> list[tuple[str, torch.Tensor]]:
     if not _check_target(name, dt, tuple(t.shape)):
         return [(name, t)]
     layer = name[: -len(".weight")]
-    q = nv.quantize(t.to(device))
+    q = nvfp4.quantize(t.to(device))
     del t  # the source is freed here (when the iterator keeps no reference), before the on-disk copy
-    parts = nv.to_comfy_quant(q, layer)
+    parts = nvfp4.to_comfy_quant(q, layer)
     del q
     return [(k, v.to("cpu")) for k, v in parts.items()]
 

@@ -62,6 +62,7 @@ from typing import Iterable, Sequence
 import torch
 import torch.nn as nn
 
+from ..ops import nvfp4
 from .keys import LOWRANK, LoraError, LoraMatch, LoraUpdate, match_lora, read_lora_file
 
 __all__ = ["MODES", "LoraError", "LoraSpec", "LoraSide", "LoraView", "parse_lora_arg", "apply_loras",
@@ -367,8 +368,6 @@ class _Source:
     def nvfp4_parts(self, layer: str, shape: tuple[int, int], device):
         """(stored NVFP4Tensor or None, float source W0 or None) of a block linear."""
         from ..io.checkpoint import dequantize_layer
-        from ..ops import nvfp4 as nv
-
         if not self.available:
             return None, None
         if self.path is None:
@@ -379,7 +378,7 @@ class _Source:
             return None, None
         fmt = ck.quant_format(layer)
         if fmt is not None and fmt.get("format") == "nvfp4":
-            q = nv.from_comfy_quant(*(ck.tensor(layer + s, device) for s in (".weight", ".weight_scale",
+            q = nvfp4.from_comfy_quant(*(ck.tensor(layer + s, device) for s in (".weight", ".weight_scale",
                                                                                 ".weight_scale_2")), shape=shape)
             return q, None
         if fmt is None and ck.dtype_name(layer + ".weight") in ("F8_E4M3", "F8_E5M2", "I8", "U8"):
@@ -407,11 +406,9 @@ def _nv_equal(a, b) -> bool:
 
 def _quantize_like(w: torch.Tensor, module):
     """nvfp4.quantize with the row padding of ``module``'s packed buffer."""
-    from ..ops import nvfp4 as nv
-
     n = module.out_features
-    pad = 16 if module.packed.shape[0] == nv.roundup(n, 16) else 1
-    q = nv.quantize(w, pad_rows=pad)
+    pad = 16 if module.packed.shape[0] == nvfp4.roundup(n, 16) else 1
+    q = nvfp4.quantize(w, pad_rows=pad)
     if q.packed.shape != module.packed.shape:
         raise LoraError(f"re-quantizing {n}x{module.in_features}: packed {list(q.packed.shape)} does not fit the "
                         f"layer's buffer {list(module.packed.shape)}")
@@ -520,8 +517,6 @@ def _record_dense(st: _State, tname: str, p: torch.Tensor, source: _Source) -> _
 
 
 def _merge_nvfp4(st: _State, name: str, module, entries, source: _Source, report: dict) -> None:
-    from ..ops import nvfp4 as nv
-
     shape = (module.out_features, module.in_features)
     stored, w0 = source.nvfp4_parts(name, shape, module.packed.device)
     resident = module.weight
@@ -537,11 +532,11 @@ def _merge_nvfp4(st: _State, name: str, module, entries, source: _Source, report
             st.originals[name] = _Original("nvfp4", backup={k: getattr(module, k).detach().to("cpu", copy=True)
                                                              for k in ("packed", "scales", "global_scale")})
     if stored is not None:
-        base, origin = nv.dequantize(stored, torch.float64), "checkpoint NVFP4 (dequantized exactly)"
+        base, origin = nvfp4.dequantize(stored, torch.float64), "checkpoint NVFP4 (dequantized exactly)"
     elif w0 is not None:
         base, origin = w0, f"{source.label} ({str(w0.dtype).replace('torch.', '')})"
     else:
-        base, origin = nv.dequantize(resident, torch.float64), "resident NVFP4 (no source weights to read)"
+        base, origin = nvfp4.dequantize(resident, torch.float64), "resident NVFP4 (no source weights to read)"
     q = _quantize_like(merged_weight(base, entries), module)
     module.packed.copy_(q.packed)
     module.scales.copy_(q.scales)

@@ -57,12 +57,13 @@ from typing import Any, Optional
 import torch
 
 from ..errors import describe
+from .fp8_producers import sage_v_fp8
 
 __all__ = [
     "BACKENDS",
     "TOLERANCE",
     "attention",
-    "attention_reference",
+    "exact_attention_reference",
     "attention_flops",
     "backend_table",
     "choose_attention_backend",
@@ -133,7 +134,7 @@ def _check_qkv(qkv: torch.Tensor, heads: int, head_dim: int) -> int:
 def qkv_views(qkv: torch.Tensor, heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v as ``[1, S, H, D]`` (NHD, batch 1) views of ``qkv [S, 3*H*D]``: strides
     ``(S*row, row, D, 1)`` with ``row = qkv.stride(0)``. They share qkv's storage (no copies)."""
-    s = _check_qkv(qkv, heads, head_dim)
+    _check_qkv(qkv, heads, head_dim)
     t = qkv.unflatten(1, (3, heads, head_dim))  # [S, 3, H, D] view
     return tuple(t[:, i].unsqueeze(0) for i in range(3))  # type: ignore[return-value]
 
@@ -167,7 +168,7 @@ def _ieee_fp32_matmul():
         setattr(m, attr, old)
 
 
-def attention_reference(
+def exact_attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -379,7 +380,7 @@ def attention(
     hd = heads * head_dim
 
     if backend == "reference":
-        return attention_reference(q, k, v, scale=scale).to(qkv.dtype)
+        return exact_attention_reference(q, k, v, scale=scale).to(qkv.dtype)
 
     if backend.startswith("sdpa"):
         import torch.nn.functional as F
@@ -504,9 +505,7 @@ def _sage2_sm90_fused_v(mod, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     """The sm_90 stages with V's operands from ``fp8_producers.sage_v_fp8``: two Triton passes over the strided
     V view (channel amax; quantize + transpose + the kernel's token permutation, zero past S) instead of the
     library's pad copy, transpose copy and quantize pass. No padded qkv buffer is needed."""
-    from . import fp8_producers as f8
-
-    return _sage2_sm90_stages(_sm90_core(mod, "fused"), q, k, lambda: f8.sage_v_fp8(v), scale)
+    return _sage2_sm90_stages(_sm90_core(mod, "fused"), q, k, lambda: sage_v_fp8(v), scale)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -529,7 +528,7 @@ def _probe(backend: str, device: torch.device, head_dim: int, dtype: torch.dtype
         qkv = torch.randn(s, 3 * h * head_dim, generator=g, device=device, dtype=torch.float32).to(dtype)
         before = qkv.clone()
         out = attention(qkv, h, head_dim, backend)
-        ref = attention_reference(*qkv_views(qkv, h, head_dim))
+        ref = exact_attention_reference(*qkv_views(qkv, h, head_dim))
         err = rel_l2(out.float(), ref)
         tol = TOLERANCE[backend][0]
         if not torch.equal(qkv, before):

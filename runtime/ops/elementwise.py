@@ -36,7 +36,7 @@ if TRITON_MISSING is None:  # the kernels, loaded once; without triton only the 
 
 __all__ = [
     "norm_rope_",
-    "norm_rope_reference",
+    "norm_rope_qkv_reference",
     "gate_add_",
     "gate_add_reference",
     "check_segments",
@@ -127,7 +127,7 @@ def _check_gate_add(x, y, gate_rows, segments):
 # ----------------------------------------------------------------------------------------------
 
 
-def norm_rope_reference(
+def norm_rope_qkv_reference(
     qkv: torch.Tensor,
     q_weight: torch.Tensor,
     k_weight: torch.Tensor,
@@ -151,6 +151,11 @@ def norm_rope_reference(
             n = torch.cat((n_r, n[..., rope_dim:]), dim=-1)
         out[:, third * h * d : (third + 1) * h * d] = n.reshape(s, h * d).to(qkv.dtype)
     return out
+
+
+# The old name, kept only for runtime/stack.py (the block redesign's file) until it calls norm_rope_qkv_reference;
+# runtime/model/h3.py has a different norm_rope_reference (per-head q, k, v out), so this alias goes then.
+norm_rope_reference = norm_rope_qkv_reference
 
 
 def gate_add_reference(
@@ -233,7 +238,7 @@ def norm_rope_(
 _SEG_CACHE: dict = {}
 
 
-def _segment_table(segs: list[tuple[int, int, int]], device: torch.device) -> torch.Tensor:
+def segment_table(segs: list[tuple[int, int, int]], device: torch.device) -> torch.Tensor:
     """int32 [n_seg*3] on the device, cached per (layout, device): one host->device copy per layout."""
     key = (tuple(segs), str(device))
     t = _SEG_CACHE.get(key)
@@ -265,7 +270,7 @@ def gate_add_(
         return x
     _check_kernel_device(x, "gate_add_")
     kernel = elementwise_kernels.gate_add_kernel
-    table = _segment_table(segs, x.device)
+    table = segment_table(segs, x.device)
     grid = (-(-s // block_s), -(-n // block_n))
     kernel[grid](
         x, y, gate_rows, table,

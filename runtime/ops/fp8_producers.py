@@ -62,7 +62,8 @@ from typing import Sequence
 
 import torch
 
-from . import quant_kernels as qk
+from .quant_kernels import (DTYPE_CODE, cdiv, check_2d, check_norm_inputs, const_like, hw_cvt, padded_segment_table,
+                            pick_backend, rms_modulate_reference, swiglu_reference)
 from .triton import MISSING as TRITON_MISSING
 
 if TRITON_MISSING is None:  # the kernels, loaded once; without triton the references run
@@ -78,7 +79,7 @@ _MIN_NORMAL = 1.1754943508222875e-38  # 2^-126
 
 def _launch(kernel, grid, device, *args, **kw):
     # fp fusion off: the references round every multiply and add separately (no FMA), and so must we.
-    kernel[grid](*args, HW=qk.hw_cvt(device), enable_fp_fusion=False, **kw)
+    kernel[grid](*args, HW=hw_cvt(device), enable_fp_fusion=False, **kw)
 
 
 def _pow2(n: int) -> int:
@@ -124,7 +125,7 @@ def _tiles(op: str, k: int, device: torch.device, scheme: str) -> tuple[str, int
         sch, bm, bk, nw = _TABLE[op]
         if sch == "row":
             bk = max(bk, _pow2(k))  # a row tile holds the whole row
-        return sch, bm, bk, 1 if sch == "row" else qk._cdiv(k, bk), nw
+        return sch, bm, bk, 1 if sch == "row" else cdiv(k, bk), nw
     if scheme == "auto":
         # measured on the H200 (bench/results/producers-h200.json): one row per program, the row kept in
         # registers, beats the two-pass loop for every op at the canonical widths (quantize 4.3 TB/s = the
@@ -140,7 +141,7 @@ def _tiles(op: str, k: int, device: torch.device, scheme: str) -> tuple[str, int
         bm, bk, nw = {"quantize": (16, 256, 4), "rms": (16, 256, 8)}.get(op, (16, 256, 4))
     else:
         bm, bk, nw = 8, 64, 1
-    return scheme, bm, bk, qk._cdiv(k, bk), nw
+    return scheme, bm, bk, cdiv(k, bk), nw
 
 
 # ----------------------------------------------------------------------------------------------
@@ -153,9 +154,9 @@ def fp8_rowwise_reference(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if y.shape[1] == 0:
         raise ValueError("fp8 rowwise quantization needs K >= 1")
     amax = y.abs().amax(1)
-    ra = torch.div(amax, qk._t(E4M3_MAX, y))
-    ra = torch.where(ra < _MIN_NORMAL, qk._t(1.0, y), ra)
-    inv = torch.div(qk._t(1.0, y), ra)
+    ra = torch.div(amax, const_like(E4M3_MAX, y))
+    ra = torch.where(ra < _MIN_NORMAL, const_like(1.0, y), ra)
+    inv = torch.div(const_like(1.0, y), ra)
     q = torch.mul(y, inv.unsqueeze(1)).clamp(-E4M3_MAX, E4M3_MAX)
     return q.to(torch.float8_e4m3fn), ra
 
@@ -165,11 +166,11 @@ def quantize_fp8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def rms_modulate_fp8_reference(x, weight, scale_rows, shift_rows, segments, eps) -> tuple[torch.Tensor, torch.Tensor]:
-    return fp8_rowwise_reference(qk.rms_modulate_reference(x, weight, scale_rows, shift_rows, segments, eps))
+    return fp8_rowwise_reference(rms_modulate_reference(x, weight, scale_rows, shift_rows, segments, eps))
 
 
 def swiglu_fp8_reference(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return fp8_rowwise_reference(qk.swiglu_reference(h))
+    return fp8_rowwise_reference(swiglu_reference(h))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -185,25 +186,25 @@ def quantize_fp8(x: torch.Tensor, *, backend: str = "auto", scheme: str = "auto"
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [S, K] float -> (float8_e4m3fn [S, K], fp32 row_scale [S]), one launch."""
     _check_scheme(scheme)
-    qk._check_2d(x, "x")
+    check_2d(x, "x")
     s, k = x.shape
     if k == 0:
         raise ValueError("quantize_fp8 needs K >= 1")
-    if qk._pick_backend(backend, x.device) == "reference":
+    if pick_backend(backend, x.device) == "reference":
         return quantize_fp8_reference(x)
     out, rs = _outputs(s, k, x.device)
     if s == 0:
         return out, rs
     _, bm, bk, nkt, nw = _tiles("quantize", k, x.device, scheme)
-    _launch(fp8_kernels.quantize_fp8_kernel, (qk._cdiv(s, bm),), x.device, x, out.view(torch.uint8), rs, s, k, x.stride(0),
-            out.stride(0), X_KIND=qk._KIND[x.dtype], BM=bm, BK=bk, NKT=nkt, num_warps=nw)
+    _launch(fp8_kernels.quantize_fp8_kernel, (cdiv(s, bm),), x.device, x, out.view(torch.uint8), rs, s, k, x.stride(0),
+            out.stride(0), X_KIND=DTYPE_CODE[x.dtype], BM=bm, BK=bk, NKT=nkt, num_warps=nw)
     return out, rs
 
 
 def _pad_outputs(out: torch.Tensor, rs: torch.Tensor, s: int, pad_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[S, K] e4m3 and [S] scales -> [roundup(S, pad_rows), K] / [roundup(S, pad_rows)]: zero codes and scale
     1.0 past S (the reference path; the kernel path allocates the padded outputs up front)."""
-    rows = qk._cdiv(s, pad_rows) * pad_rows
+    rows = cdiv(s, pad_rows) * pad_rows
     if rows == s:
         return out, rs
     o2, r2 = _padded_outputs(s, out.shape[1], out.device, pad_rows)
@@ -213,7 +214,7 @@ def _pad_outputs(out: torch.Tensor, rs: torch.Tensor, s: int, pad_rows: int) -> 
 
 
 def _padded_outputs(s: int, k: int, device, pad_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = qk._cdiv(s, pad_rows) * pad_rows
+    rows = cdiv(s, pad_rows) * pad_rows
     out = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=device)
     rs = torch.empty(rows, dtype=torch.float32, device=device)
     if rows > s:
@@ -234,13 +235,13 @@ def rms_modulate_fp8(x: torch.Tensor, weight: torch.Tensor | None, scale_rows: t
     zero-tailed qkv buffer of ``RuntimeOptions.sage_v_pad="buffer"``).
     """
     _check_scheme(scheme)
-    segs = qk._check_norm_inputs(x, weight, scale_rows, shift_rows, segments)
+    segs = check_norm_inputs(x, weight, scale_rows, shift_rows, segments)
     if shift_rows.dtype != scale_rows.dtype:
         raise TypeError(f"scale_rows ({scale_rows.dtype}) and shift_rows ({shift_rows.dtype}) must share a dtype")
     s, k = x.shape
     if k == 0:
         raise ValueError("rms_modulate_fp8 needs K >= 1")
-    if qk._pick_backend(backend, x.device) == "reference":
+    if pick_backend(backend, x.device) == "reference":
         out, rs = rms_modulate_fp8_reference(x, weight, scale_rows, shift_rows, segs, eps)
         return _pad_outputs(out, rs, s, pad_rows) if pad_rows > 1 else (out, rs)
     out, rs = _outputs(s, k, x.device) if pad_rows <= 1 else _padded_outputs(s, k, x.device, pad_rows)
@@ -248,13 +249,13 @@ def rms_modulate_fp8(x: torch.Tensor, weight: torch.Tensor | None, scale_rows: t
         return out, rs
     _, bm, bk, nkt, nw = _tiles("rms", k, x.device, scheme)
     nseg = 1 << (len(segs) - 1).bit_length()  # a power of two: few recompiles as layouts change
-    seg = qk._seg_table(segs, nseg, x.device)
-    eps_t = qk._t(eps, x, torch.float64)
+    seg = padded_segment_table(segs, nseg, x.device)
+    eps_t = const_like(eps, x, torch.float64)
     w = weight if weight is not None else x  # unused pointer when HAS_W is False
-    _launch(fp8_kernels.rms_fp8_kernel, (qk._cdiv(s, bm),), x.device, x, w, scale_rows, shift_rows, seg, eps_t, out.view(torch.uint8),
+    _launch(fp8_kernels.rms_fp8_kernel, (cdiv(s, bm),), x.device, x, w, scale_rows, shift_rows, seg, eps_t, out.view(torch.uint8),
             rs, s, k, x.stride(0), scale_rows.stride(0), shift_rows.stride(0), out.stride(0),
-            HAS_W=weight is not None, X_KIND=qk._KIND[x.dtype], W_KIND=qk._KIND[w.dtype],
-            T_KIND=qk._KIND[scale_rows.dtype], BM=bm, BK=bk, NKT=nkt, NSEG=nseg, num_warps=nw)
+            HAS_W=weight is not None, X_KIND=DTYPE_CODE[x.dtype], W_KIND=DTYPE_CODE[w.dtype],
+            T_KIND=DTYPE_CODE[scale_rows.dtype], BM=bm, BK=bk, NKT=nkt, NSEG=nseg, num_warps=nw)
     return out, rs
 
 
@@ -271,19 +272,19 @@ def swiglu_fp8(h: torch.Tensor, *, backend: str = "auto", scheme: str = "auto", 
     _check_scheme(scheme)
     if silu not in SILU:
         raise ValueError(f"silu={silu!r}: expected one of {', '.join(SILU)}")
-    qk._check_2d(h, "h")
+    check_2d(h, "h")
     if h.shape[1] % 2 or h.shape[1] == 0:
         raise ValueError(f"h must be [S, 2F] = [gate | up] with F >= 1; found width {h.shape[1]}")
     s, f = h.shape[0], h.shape[1] // 2
-    if qk._pick_backend(backend, h.device) == "reference":
+    if pick_backend(backend, h.device) == "reference":
         return swiglu_fp8_reference(h)
     out, rs = _outputs(s, f, h.device)
     if s == 0:
         return out, rs
     _, bm, bk, nkt, nw = _tiles("swiglu_fast" if silu == "fast" and "swiglu_fast" in _TABLE else "swiglu", f,
                                 h.device, scheme)
-    _launch(fp8_kernels.swiglu_fp8_kernel, (qk._cdiv(s, bm),), h.device, h, out.view(torch.uint8), rs, s, f, h.stride(0),
-            out.stride(0), H_KIND=qk._KIND[h.dtype], BM=bm, BK=bk, NKT=nkt, FAST=silu == "fast", num_warps=nw)
+    _launch(fp8_kernels.swiglu_fp8_kernel, (cdiv(s, bm),), h.device, h, out.view(torch.uint8), rs, s, f, h.stride(0),
+            out.stride(0), H_KIND=DTYPE_CODE[h.dtype], BM=bm, BK=bk, NKT=nkt, FAST=silu == "fast", num_warps=nw)
     return out, rs
 
 
@@ -309,9 +310,9 @@ def _sage_v_check(v: torch.Tensor) -> tuple[int, int, int]:
 
 def _v_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel amax [H, D] -> (scale = amax / 448, 1 where that is 0 or subnormal; inv = 1 / scale)."""
-    sc = torch.div(amax, qk._t(E4M3_MAX, amax))
-    sc = torch.where(sc < _MIN_NORMAL, qk._t(1.0, amax), sc)
-    return sc, torch.div(qk._t(1.0, amax), sc)
+    sc = torch.div(amax, const_like(E4M3_MAX, amax))
+    sc = torch.where(sc < _MIN_NORMAL, const_like(1.0, amax), sc)
+    return sc, torch.div(const_like(1.0, amax), sc)
 
 
 def sage_v_fp8_reference(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -334,13 +335,13 @@ def sage_v_fp8(v: torch.Tensor, *, backend: str = "auto") -> tuple[torch.Tensor,
     """``sage_v_fp8_reference`` in two launches reading the strided V view directly (one amax pass, one
     quantize + transpose + permute pass; no padded copy of V). Bytes equal the reference's."""
     s, h, d = _sage_v_check(v)
-    if qk._pick_backend(backend, v.device) == "reference":
+    if pick_backend(backend, v.device) == "reference":
         return sage_v_fp8_reference(v)
     rows = -(-s // SAGE_V_ROWS) * SAGE_V_ROWS
     bt = 64 if v.device.type == "cuda" else 32
     nb = rows // bt
     part = torch.empty(nb, h, d, dtype=torch.float32, device=v.device)
-    kind = qk._KIND[v.dtype]
+    kind = DTYPE_CODE[v.dtype]
     _launch(fp8_kernels.v_amax_kernel, (nb, h), v.device, v, part, s, v.stride(1), v.stride(2), h, V_KIND=kind, D=d,
             BT=bt, num_warps=4)
     sc, inv = _v_scales(part.amax(0))

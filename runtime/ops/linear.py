@@ -48,8 +48,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import describe
-from . import nvfp4 as nv
-from . import quant_kernels as qk
+from . import nvfp4, quant_kernels
 
 __all__ = ["BACKENDS", "Capability", "gemm_capability_table", "choose_gemm_backend", "probe_backend", "Scratch",
            "Nvfp4Linear", "nvfp4_matmul"]
@@ -110,8 +109,8 @@ def _run_probe(backend: str, dev: torch.device) -> tuple[bool, str]:
     m, n, k = PROBE_SHAPE
     g = torch.Generator().manual_seed(20261129)
     try:
-        a = nv.quantize(torch.randn(m, k, generator=g).to(dev), pad_rows=1)
-        w = nv.quantize((torch.randn(n, k, generator=g) * k ** -0.5).to(dev))
+        a = nvfp4.quantize(torch.randn(m, k, generator=g).to(dev), pad_rows=1)
+        w = nvfp4.quantize((torch.randn(n, k, generator=g) * k ** -0.5).to(dev))
         outs = {"": nvfp4_matmul(a, w, backend, torch.float32)}
         if backend == "fp8":
             outs[" (fast accumulation)"] = _fp8(a, w, torch.float32, DEFAULT_SCRATCH, fast_accum=True)[:, :n]
@@ -148,7 +147,7 @@ def gemm_capability_table(device: torch.device | str) -> list[Capability]:
     dev = torch.device(device)
     rows = [_probed("native", dev, *_native_status(dev))]
     if dev.type == "cuda":
-        ok, why = qk.triton_status(dev)
+        ok, why = quant_kernels.triton_status(dev)
         rows.append(Capability("emulated", ok, f"emulated: Triton exact-product kernel (bf16 MMA, fp32 "
                                                f"accumulation); {why}" if ok else f"emulated: refused, {why}"))
         cc = _cc(dev)
@@ -219,7 +218,7 @@ DEFAULT_SCRATCH = Scratch()
 # the product, per backend
 # ----------------------------------------------------------------------------------------------
 
-def _native(a: nv.NVFP4Tensor, w: nv.NVFP4Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def _native(a: nvfp4.NVFP4Tensor, w: nvfp4.NVFP4Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     fp4 = torch.float4_e2m1fn_x2  # low nibble first: our internal order, no conversion
     mat_a, mat_b = a.packed.view(fp4), w.packed.view(fp4).t()
     if hasattr(F, "scaled_mm"):
@@ -234,20 +233,20 @@ def _native(a: nv.NVFP4Tensor, w: nv.NVFP4Tensor, out_dtype: torch.dtype) -> tor
     return (out * (a.global_scale * w.global_scale)).to(out_dtype)
 
 
-def _emulated(a: nv.NVFP4Tensor, w: nv.NVFP4Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def _emulated(a: nvfp4.NVFP4Tensor, w: nvfp4.NVFP4Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     if a.device.type == "cuda":
-        return qk.nvfp4_gemm(a, w, out_dtype if out_dtype in (torch.bfloat16, torch.float32) else torch.float32
+        return quant_kernels.nvfp4_gemm(a, w, out_dtype if out_dtype in (torch.bfloat16, torch.float32) else torch.float32
                              ).to(out_dtype)
-    acc = nv.dequantize_blocks(a, torch.float32) @ nv.dequantize_blocks(w, torch.float32).t()
+    acc = nvfp4.dequantize_blocks(a, torch.float32) @ nvfp4.dequantize_blocks(w, torch.float32).t()
     return (acc * (a.global_scale * w.global_scale)).to(out_dtype)
 
 
-def _bf16(a: nv.NVFP4Tensor, w: nv.NVFP4Tensor, out_dtype: torch.dtype, scratch: Scratch) -> torch.Tensor:
+def _bf16(a: nvfp4.NVFP4Tensor, w: nvfp4.NVFP4Tensor, out_dtype: torch.dtype, scratch: Scratch) -> torch.Tensor:
     (m, k), (n, _) = a.shape, w.shape
     sa = scratch.get("a", m * k, torch.bfloat16, a.device)
     sw = scratch.get("w", n * k, torch.bfloat16, a.device)
-    a16 = qk.dequantize_bf16(a, None, out=sa)
-    w16 = qk.dequantize_bf16(w, a.global_scale * w.global_scale, out=sw)
+    a16 = quant_kernels.dequantize_bf16(a, None, out=sa)
+    w16 = quant_kernels.dequantize_bf16(w, a.global_scale * w.global_scale, out=sw)
     return (a16 @ w16.t()).to(out_dtype)
 
 
@@ -266,22 +265,22 @@ def scaled_mm_rowwise(a8: torch.Tensor, w8: torch.Tensor, scale_a: torch.Tensor,
     return y.to(out_dtype)
 
 
-def _fp8(a: nv.NVFP4Tensor, w: nv.NVFP4Tensor, out_dtype: torch.dtype, scratch: Scratch,
+def _fp8(a: nvfp4.NVFP4Tensor, w: nvfp4.NVFP4Tensor, out_dtype: torch.dtype, scratch: Scratch,
          fast_accum: bool = False) -> torch.Tensor:
     (m, k), (n, _) = a.shape, w.shape
-    a8, ra = qk.to_fp8_rowwise(a, out=scratch.get("a", m * k, torch.float8_e4m3fn, a.device))
-    w8, rw = qk.to_fp8_rowwise(w, out=scratch.get("w", n * k, torch.float8_e4m3fn, a.device))
+    a8, ra = quant_kernels.to_fp8_rowwise(a, out=scratch.get("a", m * k, torch.float8_e4m3fn, a.device))
+    w8, rw = quant_kernels.to_fp8_rowwise(w, out=scratch.get("w", n * k, torch.float8_e4m3fn, a.device))
     # rowwise-scaled fp8 cuBLASLt GEMMs produce bf16 (the one output type every torch version accepts)
     out = scaled_mm_rowwise(a8, w8, (ra * a.global_scale).unsqueeze(1), (rw * w.global_scale).unsqueeze(0),
                             torch.bfloat16, fast_accum)
     return out.to(out_dtype)
 
 
-def _reference(a: nv.NVFP4Tensor, w: nv.NVFP4Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    return (nv.dequantize(a, torch.float64) @ nv.dequantize(w, torch.float64).t()).to(out_dtype)
+def _reference(a: nvfp4.NVFP4Tensor, w: nvfp4.NVFP4Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    return (nvfp4.dequantize(a, torch.float64) @ nvfp4.dequantize(w, torch.float64).t()).to(out_dtype)
 
 
-def nvfp4_matmul(a: nv.NVFP4Tensor, w: nv.NVFP4Tensor, backend: str, out_dtype: torch.dtype = torch.bfloat16,
+def nvfp4_matmul(a: nvfp4.NVFP4Tensor, w: nvfp4.NVFP4Tensor, backend: str, out_dtype: torch.dtype = torch.bfloat16,
                  scratch: Scratch | None = None) -> torch.Tensor:
     """[M, K] x [N, K]^T -> [M, N] with ``backend`` (no availability check; see Nvfp4Linear)."""
     if a.shape[1] != w.shape[1]:
@@ -318,12 +317,12 @@ class Nvfp4Linear(nn.Module):
     The output dtype is ``out_dtype`` if given, else x's dtype (bf16 for forward_quantized).
     """
 
-    def __init__(self, weight: nv.NVFP4Tensor, *, bias: torch.Tensor | None = None,
+    def __init__(self, weight: nvfp4.NVFP4Tensor, *, bias: torch.Tensor | None = None,
                  input_scale: torch.Tensor | None = None, pre_quant_scale: torch.Tensor | None = None,
                  backend: str = "auto", act_scale: str = "dynamic", out_dtype: torch.dtype | None = None,
                  strict: bool = False, scratch: Scratch | None = None):
         super().__init__()
-        if not isinstance(weight, nv.NVFP4Tensor):
+        if not isinstance(weight, nvfp4.NVFP4Tensor):
             raise TypeError(f"Nvfp4Linear needs an NVFP4Tensor weight; found {type(weight).__name__} "
                             "(use Nvfp4Linear.from_float or from_comfy_quant)")
         self.out_features, self.in_features = weight.shape
@@ -354,7 +353,7 @@ class Nvfp4Linear(nn.Module):
             if self.strict and self.requested_backend == self.backend:
                 raise RuntimeError(why)
             self.backend, self.backend_reason = "emulated" if self.packed.is_cuda else "reference", why
-        _, self.act_scale_reason = qk.activation_global_scale(self.act_scale, self.input_scale)
+        _, self.act_scale_reason = quant_kernels.activation_global_scale(self.act_scale, self.input_scale)
 
     def _apply(self, fn, recurse=True):
         before = self.packed.device
@@ -369,28 +368,28 @@ class Nvfp4Linear(nn.Module):
         """Quantize a float weight [N, K] (global scale amax / 2688): the Triton quantizer on CUDA, the
         reference elsewhere; both write the reference's bytes."""
         if weight.is_cuda:
-            return cls(qk.quantize(weight.contiguous()), bias=bias, **kw)
-        return cls(nv.quantize(weight), bias=bias, **kw)
+            return cls(quant_kernels.quantize(weight.contiguous()), bias=bias, **kw)
+        return cls(nvfp4.quantize(weight), bias=bias, **kw)
 
     @classmethod
     def from_comfy_quant(cls, tensors: Mapping[str, torch.Tensor], layer: str, *,
                          shape: tuple[int, int] | None = None, metadata: Mapping[str, str] | None = None,
                          **kw) -> "Nvfp4Linear":
         """Build from ComfyUI ``comfy_quant`` nvfp4 tensors ``<layer>.weight`` etc. (no re-quantization)."""
-        q = nv.from_comfy_quant_tensors(tensors, layer, shape=shape, metadata=metadata)
+        q = nvfp4.from_comfy_quant_tensors(tensors, layer, shape=shape, metadata=metadata)
         return cls(q.weight, bias=tensors.get(f"{layer}.bias"), input_scale=q.input_scale,
                    pre_quant_scale=q.pre_quant_scale, **kw)
 
     def comfy_quant_tensors(self, layer: str) -> dict[str, torch.Tensor]:
         """This layer as ComfyUI ``comfy_quant`` nvfp4 state-dict entries (``<layer>.weight`` ...)."""
-        out = nv.to_comfy_quant(self.weight, layer, input_scale=self.input_scale, pre_quant_scale=self.pre_quant_scale)
+        out = nvfp4.to_comfy_quant(self.weight, layer, input_scale=self.input_scale, pre_quant_scale=self.pre_quant_scale)
         if self.bias is not None:
             out[f"{layer}.bias"] = self.bias.clone()
         return out
 
     @property
-    def weight(self) -> nv.NVFP4Tensor:
-        return nv.NVFP4Tensor(self.packed, self.scales, self.global_scale, (self.out_features, self.in_features))
+    def weight(self) -> nvfp4.NVFP4Tensor:
+        return nvfp4.NVFP4Tensor(self.packed, self.scales, self.global_scale, (self.out_features, self.in_features))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, backend={self.backend} "
@@ -398,7 +397,7 @@ class Nvfp4Linear(nn.Module):
 
     # -- forward -----------------------------------------------------------------------------------
     def _act_global(self) -> torch.Tensor | None:
-        g, _ = qk.activation_global_scale(self.act_scale, self.input_scale)
+        g, _ = quant_kernels.activation_global_scale(self.act_scale, self.input_scale)
         return g
 
     def _finish(self, y: torch.Tensor, shape_prefix: tuple) -> torch.Tensor:
@@ -413,7 +412,7 @@ class Nvfp4Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if self.pre_quant_scale is not None:
             x2 = x2 * self.pre_quant_scale.to(x2.dtype)
-        a = qk.quantize(x2.contiguous() if x2.stride(-1) != 1 else x2, self._act_global())
+        a = quant_kernels.quantize(x2.contiguous() if x2.stride(-1) != 1 else x2, self._act_global())
         y = nvfp4_matmul(a, self.weight, self.backend, self.out_dtype or x.dtype, self.scratch)
         return self._finish(y, prefix)
 
@@ -424,16 +423,16 @@ class Nvfp4Linear(nn.Module):
         prefix = tuple(h.shape[:-1])
         h2 = h.reshape(-1, h.shape[-1])
         if self.pre_quant_scale is not None:  # the smoothing sits between the activation and the quantizer
-            y = (qk.swiglu_reference(h2) * self.pre_quant_scale.float()).to(h.dtype)
-            a = qk.quantize(y, self._act_global())
+            y = (quant_kernels.swiglu_reference(h2) * self.pre_quant_scale.float()).to(h.dtype)
+            a = quant_kernels.quantize(y, self._act_global())
         else:
-            a = qk.swiglu_quantize(h2, self._act_global())
+            a = quant_kernels.swiglu_quantize(h2, self._act_global())
         y = nvfp4_matmul(a, self.weight, self.backend, self.out_dtype or h.dtype, self.scratch)
         return self._finish(y, prefix)
 
     def forward_quantized(self, packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor
                           ) -> torch.Tensor:
-        a = nv.NVFP4Tensor(packed, scales, global_scale, (packed.shape[0], self.in_features))
+        a = nvfp4.NVFP4Tensor(packed, scales, global_scale, (packed.shape[0], self.in_features))
         y = nvfp4_matmul(a, self.weight, self.backend, self.out_dtype or torch.bfloat16, self.scratch)
         return self._finish(y, (packed.shape[0],))
 
@@ -459,7 +458,7 @@ class Nvfp4Linear(nn.Module):
         out_dtype = self.out_dtype or torch.bfloat16
         scratch = self.scratch if self.scratch is not None else DEFAULT_SCRATCH
         n, k = self.out_features, self.in_features
-        w8, rw = qk.to_fp8_rowwise(self.weight, out=scratch.get("w", n * k, torch.float8_e4m3fn, a8.device))
+        w8, rw = quant_kernels.to_fp8_rowwise(self.weight, out=scratch.get("w", n * k, torch.float8_e4m3fn, a8.device))
         mm_dtype = torch.float32 if a8.device.type != "cuda" and out_dtype == torch.float32 else torch.bfloat16
         y = scaled_mm_rowwise(a8, w8, row_scale.unsqueeze(1), (rw * self.global_scale).unsqueeze(0), mm_dtype,
                               fast_accum=fast_accum)

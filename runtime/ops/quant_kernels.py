@@ -38,8 +38,8 @@ from typing import Sequence
 
 import torch
 
-from . import nvfp4 as nv
-from .elementwise import check_segments
+from . import nvfp4
+from .elementwise import check_segments, segment_table
 from .triton import MISSING as TRITON_MISSING, hw_cvt, status as triton_status
 
 if TRITON_MISSING is None:  # the kernels, loaded once; without triton the references run (triton_status says why)
@@ -54,11 +54,11 @@ __all__ = [
 ]
 
 
-_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_FLOATS = tuple(_KIND)
+DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_FLOATS = tuple(DTYPE_CODE)
 
 
-def _pick_backend(backend: str, device: torch.device) -> str:
+def pick_backend(backend: str, device: torch.device) -> str:
     if backend not in ("auto", "triton", "reference"):
         raise ValueError(f"backend={backend!r}: expected auto, triton or reference")
     if backend == "reference":
@@ -109,7 +109,7 @@ def _tiles(device: torch.device) -> dict:
 _CONSTS: dict = {}
 
 
-def _t(v: float, like: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+def const_like(v: float, like: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     # 0-dim tensor on the data's device: CUDA turns `tensor / python_scalar` into a multiply by the
     # reciprocal, which is not the correctly rounded quotient the kernels compute. On CUDA it is cached:
     # building it is a host->device copy from pageable memory, which makes the host wait for the GPU to
@@ -125,12 +125,10 @@ def _t(v: float, like: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     return t
 
 
-def _seg_table(segs: list, nseg: int, device: torch.device) -> torch.Tensor:
+def padded_segment_table(segs: list, nseg: int, device: torch.device) -> torch.Tensor:
     """(start, stop, row) triples padded with empty entries to ``nseg`` -> int32 [3*nseg] on the device,
-    cached per layout (elementwise._segment_table): no host->device copy, so no host sync, per call."""
-    from .elementwise import _segment_table
-
-    return _segment_table([tuple(sg) for sg in segs] + [(0, 0, 0)] * (nseg - len(segs)), device)
+    cached per layout (elementwise.segment_table): no host->device copy, so no host sync, per call."""
+    return segment_table([tuple(sg) for sg in segs] + [(0, 0, 0)] * (nseg - len(segs)), device)
 
 
 def exp_reference(t: torch.Tensor) -> torch.Tensor:
@@ -161,12 +159,12 @@ def rms_modulate_reference(x: torch.Tensor, weight: torch.Tensor | None, scale_r
                            shift_rows: torch.Tensor, segments: Sequence[Sequence[int]], eps: float) -> torch.Tensor:
     """x [S, K] -> fp32 h [S, K]: RMSNorm (fp64 sum of squares) * weight, then per segment (a, b, row)
     ``h[a:b] = n[a:b] * (1 + scale_rows[row]) + shift_rows[row]`` (module docstring has the exact steps)."""
-    segs = _check_norm_inputs(x, weight, scale_rows, shift_rows, segments)
+    segs = check_norm_inputs(x, weight, scale_rows, shift_rows, segments)
     k = x.shape[1]
     xf = x.float()
     ss = xf.double().pow(2).sum(-1)
-    rstd = torch.div(_t(1.0, x, torch.float64),
-                     torch.sqrt(ss / _t(k, x, torch.float64) + _t(eps, x, torch.float64))).float()
+    rstd = torch.div(const_like(1.0, x, torch.float64),
+                     torch.sqrt(ss / const_like(k, x, torch.float64) + const_like(eps, x, torch.float64))).float()
     n = xf * rstd.unsqueeze(1)
     if weight is not None:
         n = n * weight.float()
@@ -176,25 +174,25 @@ def rms_modulate_reference(x: torch.Tensor, weight: torch.Tensor | None, scale_r
     return h
 
 
-def dequantize_bf16_reference(t: nv.NVFP4Tensor, multiplier: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize_bf16_reference(t: nvfp4.NVFP4Tensor, multiplier: torch.Tensor | None = None) -> torch.Tensor:
     """[N, K] bf16 = bf16(v * s [* multiplier]) (fp32 product, one rounding); exact without multiplier."""
-    v = nv.dequantize_blocks(t, torch.float32)
+    v = nvfp4.dequantize_blocks(t, torch.float32)
     if multiplier is not None:
         v = v * multiplier.float()
     return v.to(torch.bfloat16)
 
 
-def to_fp8_rowwise_reference(t: nv.NVFP4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def to_fp8_rowwise_reference(t: nvfp4.NVFP4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """NVFP4 [N, K] -> (e4m3 [N, K], fp32 row scales [N]) with ``v*s ~= e4m3 * row_scale``:
     ``row_scale = 6 * max(block scales of the row) / 448`` (1 for an all-zero row), each element
     ``e4m3_rne(clamp(v * s * inv, +-448))`` with ``inv = 1 / row_scale`` correctly rounded in fp32 (a
     multiply, not a per-element division: cheaper on the GPU; the fp32 product is within 2 ulp of the
     quotient, and one rounding to 3 mantissa bits follows: relative error <= 2^-4)."""
-    v = nv.dequantize_blocks(t, torch.float32)
+    v = nvfp4.dequantize_blocks(t, torch.float32)
     smax = t.linear_scales().float().amax(1) if v.shape[1] else torch.zeros(v.shape[0], device=v.device)
-    ra = torch.div(smax * 6.0, _t(448.0, v))
-    ra = torch.where(ra == 0, _t(1.0, v), ra)
-    inv = torch.div(_t(1.0, v), ra)
+    ra = torch.div(smax * 6.0, const_like(448.0, v))
+    ra = torch.where(ra == 0, const_like(1.0, v), ra)
+    inv = torch.div(const_like(1.0, v), ra)
     return torch.mul(v, inv.unsqueeze(1)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), ra
 
 
@@ -217,7 +215,7 @@ def activation_global_scale(policy: str, input_scale: torch.Tensor | None) -> tu
     raise ValueError(f"act_scale={policy!r}: expected dynamic or calibrated")
 
 
-def _check_2d(x: torch.Tensor, name: str) -> None:
+def check_2d(x: torch.Tensor, name: str) -> None:
     if x.dim() != 2:
         raise ValueError(f"{name} must be 2-D [S, K]; found shape {tuple(x.shape)}")
     if x.dtype not in _FLOATS:
@@ -226,8 +224,8 @@ def _check_2d(x: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} needs unit column stride; found strides {x.stride()}")
 
 
-def _check_norm_inputs(x, weight, scale_rows, shift_rows, segments):
-    _check_2d(x, "x")
+def check_norm_inputs(x, weight, scale_rows, shift_rows, segments):
+    check_2d(x, "x")
     k = x.shape[1]
     if weight is not None and (weight.dim() != 1 or weight.shape[0] != k):
         raise ValueError(f"norm weight must be [K={k}]; found {tuple(weight.shape)}")
@@ -248,21 +246,21 @@ def _global(g, x: torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(g, dtype=torch.float32, device=x.device).reshape(())
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
 def _outputs(s: int, k: int, device, pad_rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    packed = torch.empty(nv.packed_shape(s, k, pad_rows), dtype=torch.uint8, device=device)
+    packed = torch.empty(nvfp4.packed_shape(s, k, pad_rows), dtype=torch.uint8, device=device)
     if packed.shape[0] > s:
         packed[s:].zero_()  # padding rows hold zero codes (the kernels write rows < s only)
-    scales = torch.empty(nv.scale_shape(s, k), dtype=torch.uint8, device=device)
+    scales = torch.empty(nvfp4.scale_shape(s, k), dtype=torch.uint8, device=device)
     return packed, scales
 
 
 def _geometry(s: int, k: int) -> tuple[int, int, int, int]:
-    kp = nv.roundup(k, nv.BLOCK)
-    rs, cp = nv.scale_shape(s, k)
+    kp = nvfp4.roundup(k, nvfp4.BLOCK)
+    rs, cp = nvfp4.scale_shape(s, k)
     return s, rs, kp, cp
 
 
@@ -271,27 +269,27 @@ def _geometry(s: int, k: int) -> tuple[int, int, int, int]:
 # ----------------------------------------------------------------------------------------------
 
 def quantize(x: torch.Tensor, global_scale: torch.Tensor | float | None = None, *, backend: str = "auto"
-             ) -> nv.NVFP4Tensor:
+             ) -> nvfp4.NVFP4Tensor:
     """x [S, K] float -> NVFP4 (packed [S, roundup(K,16)/2], swizzled scales [roundup(S,128), ...]).
     global_scale None: dynamic amax; else the calibrated decode-direction scale."""
-    _check_2d(x, "x")
-    g = nv.global_scale(x) if global_scale is None else _global(global_scale, x)
-    if _pick_backend(backend, x.device) == "reference":
-        return nv.quantize(x, g, pad_rows=1)
+    check_2d(x, "x")
+    g = nvfp4.global_scale(x) if global_scale is None else _global(global_scale, x)
+    if pick_backend(backend, x.device) == "reference":
+        return nvfp4.quantize(x, g, pad_rows=1)
     s, k = x.shape
     packed, scales = _outputs(s, k, x.device)
     rp, rs, kp, cp = _geometry(s, k)
     bm, bk, nw = _tiles(x.device)["q"]
-    grid = (_cdiv(rs, bm), _cdiv(cp * 16, bk))
+    grid = (cdiv(rs, bm), cdiv(cp * 16, bk))
     _launch(nvfp4_kernels.quantize_kernel, grid, x, g, packed, scales, s, k, x.stride(0), packed.stride(0), rp, rs, kp, cp,
-            X_KIND=_KIND[x.dtype], BM=bm, BK=bk, num_warps=nw)
-    return nv.NVFP4Tensor(packed, scales.view(torch.float8_e4m3fn), g, (s, k))
+            X_KIND=DTYPE_CODE[x.dtype], BM=bm, BK=bk, num_warps=nw)
+    return nvfp4.NVFP4Tensor(packed, scales.view(torch.float8_e4m3fn), g, (s, k))
 
 
 def rms_modulate_quantize(x: torch.Tensor, weight: torch.Tensor | None, scale_rows: torch.Tensor,
                           shift_rows: torch.Tensor, segments: Sequence[Sequence[int]], eps: float,
                           global_scale: torch.Tensor | float | None = None, *, backend: str = "auto",
-                          pad_rows: int = 1) -> nv.NVFP4Tensor:
+                          pad_rows: int = 1) -> nvfp4.NVFP4Tensor:
     """RMSNorm(x) * weight -> per-segment modulate -> NVFP4, in one kernel (two with dynamic scale).
 
     x [S, K] float; weight [K] or None; scale_rows / shift_rows [rows, K] (e.g. the block's
@@ -300,66 +298,66 @@ def rms_modulate_quantize(x: torch.Tensor, weight: torch.Tensor | None, scale_ro
     ``pad_rows=128`` gives packed ``[roundup(S, 128), K/2]`` with zero rows, so a GEMM on it writes zero rows
     past S (the zero-tailed qkv buffer of ``RuntimeOptions.sage_v_pad="buffer"``).
     """
-    segs = _check_norm_inputs(x, weight, scale_rows, shift_rows, segments)
-    if _pick_backend(backend, x.device) == "reference":
+    segs = check_norm_inputs(x, weight, scale_rows, shift_rows, segments)
+    if pick_backend(backend, x.device) == "reference":
         h = rms_modulate_reference(x, weight, scale_rows, shift_rows, segs, eps)
-        g = nv.global_scale(h) if global_scale is None else _global(global_scale, x)
-        return nv.quantize(h, g, pad_rows=pad_rows)
+        g = nvfp4.global_scale(h) if global_scale is None else _global(global_scale, x)
+        return nvfp4.quantize(h, g, pad_rows=pad_rows)
     s, k = x.shape
     rp, rs, kp, cp = _geometry(s, k)
     bm, bk, nw = _tiles(x.device)["norm"]
     nseg = 1 << (len(segs) - 1).bit_length()  # a power of two: few recompiles as layouts change
-    seg = _seg_table(segs, nseg, x.device)
-    nkt = _cdiv(k, bk)
-    eps_t = _t(eps, x, torch.float64)
+    seg = padded_segment_table(segs, nseg, x.device)
+    nkt = cdiv(k, bk)
+    eps_t = const_like(eps, x, torch.float64)
     w = weight if weight is not None else x  # unused pointer when HAS_W is False
-    common = dict(HAS_W=weight is not None, X_KIND=_KIND[x.dtype], W_KIND=_KIND[w.dtype],
-                  T_KIND=_KIND[scale_rows.dtype], BM=bm, BK=bk, NKT=nkt, NSEG=nseg, num_warps=nw)
+    common = dict(HAS_W=weight is not None, X_KIND=DTYPE_CODE[x.dtype], W_KIND=DTYPE_CODE[w.dtype],
+                  T_KIND=DTYPE_CODE[scale_rows.dtype], BM=bm, BK=bk, NKT=nkt, NSEG=nseg, num_warps=nw)
     if shift_rows.dtype != scale_rows.dtype:
         raise TypeError(f"scale_rows ({scale_rows.dtype}) and shift_rows ({shift_rows.dtype}) must share a dtype")
     packed, scales = _outputs(s, k, x.device, pad_rows)
     if global_scale is None:
         row_amax = torch.empty(s, dtype=torch.float32, device=x.device)
-        _launch(nvfp4_kernels.rms_modulate_kernel, (_cdiv(s, bm),), x, w, scale_rows, shift_rows, seg, eps_t,
+        _launch(nvfp4_kernels.rms_modulate_kernel, (cdiv(s, bm),), x, w, scale_rows, shift_rows, seg, eps_t,
                 eps_t, packed, scales, row_amax, s, k, x.stride(0), scale_rows.stride(0), shift_rows.stride(0),
                 packed.stride(0), rp, rs, kp, cp, MODE=0, NKT_OUT=nkt, **common)
-        g = nv.global_scale_from_amax(row_amax.amax())
+        g = nvfp4.global_scale_from_amax(row_amax.amax())
     else:
         g = _global(global_scale, x)
-    _launch(nvfp4_kernels.rms_modulate_kernel, (_cdiv(rs, bm),), x, w, scale_rows, shift_rows, seg, eps_t, g,
+    _launch(nvfp4_kernels.rms_modulate_kernel, (cdiv(rs, bm),), x, w, scale_rows, shift_rows, seg, eps_t, g,
             packed, scales, g, s, k, x.stride(0), scale_rows.stride(0), shift_rows.stride(0), packed.stride(0),
-            rp, rs, kp, cp, MODE=1, NKT_OUT=_cdiv(cp * 16, bk), **common)
-    return nv.NVFP4Tensor(packed, scales.view(torch.float8_e4m3fn), g, (s, k))
+            rp, rs, kp, cp, MODE=1, NKT_OUT=cdiv(cp * 16, bk), **common)
+    return nvfp4.NVFP4Tensor(packed, scales.view(torch.float8_e4m3fn), g, (s, k))
 
 
 def swiglu_quantize(h: torch.Tensor, global_scale: torch.Tensor | float | None = None, *, backend: str = "auto",
-                    pad_rows: int = 1) -> nv.NVFP4Tensor:
+                    pad_rows: int = 1) -> nvfp4.NVFP4Tensor:
     """h [S, 2F] = [gate | up] (fc1's output) -> NVFP4 of silu(gate) * up, [S, F]. Output bytes equal
     ``nvfp4.quantize(swiglu_reference(h), g, pad_rows=pad_rows)``: ``pad_rows=16`` gives the packed
     ``[roundup(S, 16), F/2]`` (zero rows) that the pinned FC2 configurations of the seed require."""
-    _check_2d(h, "h")
+    check_2d(h, "h")
     if h.shape[1] % 2:
         raise ValueError(f"h must be [S, 2F] = [gate | up]; found an odd width {h.shape[1]}")
-    if _pick_backend(backend, h.device) == "reference":
+    if pick_backend(backend, h.device) == "reference":
         y = swiglu_reference(h)
-        g = nv.global_scale(y) if global_scale is None else _global(global_scale, h)
-        return nv.quantize(y, g, pad_rows=pad_rows)
+        g = nvfp4.global_scale(y) if global_scale is None else _global(global_scale, h)
+        return nvfp4.quantize(y, g, pad_rows=pad_rows)
     s, f = h.shape[0], h.shape[1] // 2
     rp, rs, kp, cp = _geometry(s, f)
     bm, bk, nw = _tiles(h.device)["glu"]
     packed, scales = _outputs(s, f, h.device, pad_rows)
     if global_scale is None:
-        grid0 = (_cdiv(s, bm), _cdiv(f, bk))
+        grid0 = (cdiv(s, bm), cdiv(f, bk))
         part = torch.empty(grid0[0] * grid0[1], dtype=torch.float32, device=h.device)
         _launch(nvfp4_kernels.swiglu_kernel, grid0, h, part, packed, scales, part, s, f, h.stride(0), packed.stride(0), rp, rs,
-                kp, cp, MODE=0, H_KIND=_KIND[h.dtype], BM=bm, BK=bk, num_warps=nw)
-        g = nv.global_scale_from_amax(part.amax())
+                kp, cp, MODE=0, H_KIND=DTYPE_CODE[h.dtype], BM=bm, BK=bk, num_warps=nw)
+        g = nvfp4.global_scale_from_amax(part.amax())
     else:
         g = _global(global_scale, h)
-    grid = (_cdiv(rs, bm), _cdiv(cp * 16, bk))
+    grid = (cdiv(rs, bm), cdiv(cp * 16, bk))
     _launch(nvfp4_kernels.swiglu_kernel, grid, h, g, packed, scales, g, s, f, h.stride(0), packed.stride(0), rp, rs, kp, cp,
-            MODE=1, H_KIND=_KIND[h.dtype], BM=bm, BK=bk, num_warps=nw)
-    return nv.NVFP4Tensor(packed, scales.view(torch.float8_e4m3fn), g, (s, f))
+            MODE=1, H_KIND=DTYPE_CODE[h.dtype], BM=bm, BK=bk, num_warps=nw)
+    return nvfp4.NVFP4Tensor(packed, scales.view(torch.float8_e4m3fn), g, (s, f))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -376,42 +374,42 @@ def _scratch_view(out: torch.Tensor | None, n: int, k: int, dtype: torch.dtype, 
     return out.reshape(-1)[: n * k].view(n, k)
 
 
-def dequantize_bf16(t: nv.NVFP4Tensor, multiplier: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
+def dequantize_bf16(t: nvfp4.NVFP4Tensor, multiplier: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
                     backend: str = "auto") -> torch.Tensor:
     """NVFP4 [N, K] -> bf16 [N, K] = bf16(v * s [* multiplier]) written into ``out`` (a reusable scratch
     buffer, at least [N, K]; its leading [N, K] view is returned). multiplier: fp32 device scalar."""
     n, k = t.shape
     view = _scratch_view(out, n, k, torch.bfloat16, t.device)
-    if _pick_backend(backend, t.device) == "reference":
+    if pick_backend(backend, t.device) == "reference":
         view.copy_(dequantize_bf16_reference(t, multiplier))
         return view
     bm, bk, nw = _tiles(t.device)["deq"]
     gm = multiplier if multiplier is not None else t.global_scale
-    _launch(nvfp4_kernels.dequant_kernel, (_cdiv(n, bm), _cdiv(k, bk)), t.packed, t.scales.view(torch.uint8), gm, view,
+    _launch(nvfp4_kernels.dequant_kernel, (cdiv(n, bm), cdiv(k, bk)), t.packed, t.scales.view(torch.uint8), gm, view,
             n, k, t.k_padded, t.scales.shape[1], t.packed.stride(0), view.stride(0), HAS_G=multiplier is not None,
             OUT_KIND=1, BM=bm, BK=bk, num_warps=nw)
     return view
 
 
-def to_fp8_rowwise(t: nv.NVFP4Tensor, *, out: torch.Tensor | None = None, backend: str = "auto"
+def to_fp8_rowwise(t: nvfp4.NVFP4Tensor, *, out: torch.Tensor | None = None, backend: str = "auto"
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """NVFP4 [N, K] -> (float8_e4m3fn [N, K] in ``out`` (reusable scratch), fp32 row scales [N]); see
     ``to_fp8_rowwise_reference`` for the arithmetic."""
     n, k = t.shape
     view = _scratch_view(out, n, k, torch.float8_e4m3fn, t.device)
-    if _pick_backend(backend, t.device) == "reference":
+    if pick_backend(backend, t.device) == "reference":
         q, ra = to_fp8_rowwise_reference(t)
         view.copy_(q)
         return view, ra
     ra = torch.empty(n, dtype=torch.float32, device=t.device)
     bm, bk, nw = _tiles(t.device)["fp8"]
-    _launch(nvfp4_kernels.fp8_rowwise_kernel, (_cdiv(n, bm),), t.packed, t.scales.view(torch.uint8), view.view(torch.uint8),
+    _launch(nvfp4_kernels.fp8_rowwise_kernel, (cdiv(n, bm),), t.packed, t.scales.view(torch.uint8), view.view(torch.uint8),
             ra, n, k, t.k_padded, t.scales.shape[1], t.packed.stride(0), view.stride(0), BM=bm, BK=bk,
-            NKT=_cdiv(t.k_padded, bk), HW=hw_cvt(t.device), num_warps=nw)
+            NKT=cdiv(t.k_padded, bk), HW=hw_cvt(t.device), num_warps=nw)
     return view, ra
 
 
-def nvfp4_gemm(a: nv.NVFP4Tensor, b: nv.NVFP4Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def nvfp4_gemm(a: nvfp4.NVFP4Tensor, b: nvfp4.NVFP4Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Triton: a [M, K] x b [N, K]^T -> [M, N] = ga * gb * sum_k (va*sa)(vb*sb): each product exact,
     fp32 accumulation (tensor-core bf16 MMA), one rounding to ``out_dtype`` (bf16 or fp32)."""
     (m, k), (n, kb) = a.shape, b.shape
@@ -424,10 +422,10 @@ def nvfp4_gemm(a: nv.NVFP4Tensor, b: nv.NVFP4Tensor, out_dtype: torch.dtype = to
         raise RuntimeError(f"nvfp4_gemm is a Triton kernel: {why}")
     bm, bn, bk, gm, nw, ns = _tiles(a.device)["gemm"]
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
-    grid = (_cdiv(m, bm) * _cdiv(n, bn),)
+    grid = (cdiv(m, bm) * cdiv(n, bn),)
     _launch(nvfp4_kernels.gemm_kernel, grid, a.packed, a.scales.view(torch.uint8), b.packed, b.scales.view(torch.uint8),
             a.global_scale, b.global_scale, out, m, n, a.k_padded, a.scales.shape[1], b.scales.shape[1],
             a.packed.stride(0), b.packed.stride(0), out.stride(0), OUT_KIND=1 if out_dtype == torch.bfloat16 else 0,
-            BM=bm, BN=bn, BK=bk, GROUP_M=gm, NKT=_cdiv(a.k_padded, bk), DOT_BF16=a.device.type == "cuda",
+            BM=bm, BN=bn, BK=bk, GROUP_M=gm, NKT=cdiv(a.k_padded, bk), DOT_BF16=a.device.type == "cuda",
             num_warps=nw, num_stages=ns)
     return out

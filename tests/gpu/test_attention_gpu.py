@@ -10,10 +10,7 @@ runtime/ops/attention.py, each with its reason; -s prints the measured values.
 """
 
 import glob
-import os
 import re
-import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -27,7 +24,7 @@ from h3_blackwell.runtime.ops import attention as A  # noqa: E402
 from h3_blackwell.runtime.ops.attention import (  # noqa: E402
     TOLERANCE,
     attention,
-    attention_reference,
+    exact_attention_reference,
     choose_attention_backend,
     qkv_views,
     rel_l2,
@@ -77,7 +74,7 @@ def test_backend_vs_fp32_reference(backend, s, h, record_property):
     torch.cuda.synchronize()
     assert out.shape == (s, h * d) and out.dtype == torch.bfloat16
     rows = _rows(s)
-    ref = attention_reference(*qkv_views(qkv, h, d), rows=rows)
+    ref = exact_attention_reference(*qkv_views(qkv, h, d), rows=rows)
     err = rel_l2(out[rows].float(), ref)
     tol, why = TOLERANCE[backend]
     print(f"\n{backend:15s} S={s:6d} H={h:2d}: rel_l2 {err:.4g} (tol {tol:g}: {why})")
@@ -171,7 +168,7 @@ def _ulp(t, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_norm_rope_kernel_canonical(dtype):
-    from h3_blackwell.runtime.ops.elementwise import norm_rope_, norm_rope_reference
+    from h3_blackwell.runtime.ops.elementwise import norm_rope_, norm_rope_qkv_reference
 
     s, h, d = CANONICAL
     r = 96
@@ -182,7 +179,7 @@ def test_norm_rope_kernel_canonical(dtype):
     ang = torch.rand(s, r // 2, generator=g, device=DEV) * 50
     ang = torch.cat([ang, ang], 1)
     cos, sin = ang.cos(), ang.sin()
-    ref = norm_rope_reference(qkv, qw, kw, cos, sin, 1e-5, r)
+    ref = norm_rope_qkv_reference(qkv, qw, kw, cos, sin, 1e-5, r)
     before_v = qkv[:, 2 * h * d :].clone()
     norm_rope_(qkv, qw, kw, cos, sin, 1e-5, r)
     diff = (qkv.float() - ref.float()).abs()
@@ -271,7 +268,7 @@ def test_sage2_sm90_fused_v_matches_library_operands_and_output(s):
     # reciprocals decides the rounding. Bound: one step, at most 2e-3 of the codes.
     assert int(diff.abs().max()) <= 1 and nd <= max(16, diff.numel() // 500)
     rows_ = _rows(s)
-    ref = attention_reference(*qkv_views(qkv, h, d), rows=rows_)
+    ref = exact_attention_reference(*qkv_views(qkv, h, d), rows=rows_)
     out = attention(qkv, h, d, "sage2", sage_v_pad="fused")
     lib = attention(qkv, h, d, "sage2")
     print(f"fused rel_l2 vs fp32 {rel_l2(out[rows_].float(), ref):.4g}, library {rel_l2(lib[rows_].float(), ref):.4g}, "
