@@ -8,11 +8,8 @@ flag, and turns runtime input errors into one message on this node.
 
 from __future__ import annotations
 
-import inspect
-
 from ..runtime.errors import H3Error, Interrupted
-from ..runtime.model.conditioning import (VISUAL_COND_NOISE_AUG, H3Conditioning, pool_audio_mask,
-                                          pool_video_mask)
+from ..runtime.model.conditioning import H3Conditioning
 from ..runtime.sampling.preview import latent_to_rgb
 from ..runtime.sampling.sampler import sample as run_sample
 from ._common import CATEGORY, intermediate_device, node_error, optional_comfy_module
@@ -96,27 +93,6 @@ _FIELD_SOURCES = (("keyframes", "minimax_keyframes (MiniMaxH3ImageToVideo / Mini
                   ("audio_cond_noise_aug", "minimax_audio_cond_noise_aug"), ("seed", "the seed"))
 
 
-def _runtime_conditioning_kwargs(cond, title: str) -> dict:
-    """The keyword arguments that hand ``cond`` to ``runtime.sample``: the whole contract when the runtime takes
-    it (``conditioning=``), else first/last-frame video keyframes only, refusing the rest by name."""
-    if "conditioning" in inspect.signature(run_sample).parameters:
-        return {"conditioning": cond}
-    missing = []
-    if cond.refs:
-        missing.append("reference conditioning (minimax_refs, from MiniMaxH3ReferenceToVideo)")
-    if any(k.audio_latent is not None for k in cond.keyframes):
-        missing.append("audio guides (an audio on MiniMaxH3AddGuide)")
-    if pool_video_mask(cond.denoise_mask) is not None or pool_audio_mask(cond.audio_denoise_mask) is not None:
-        missing.append("a denoise mask (noise_mask, from SetLatentNoiseMask)")
-    if cond.keyframes and cond.visual_cond_noise_aug != VISUAL_COND_NOISE_AUG:
-        missing.append("a visual condition noise augmentation other than 0.999")
-    if missing:
-        raise node_error(title, "this runtime cannot take " + "; ".join(missing) + " yet (it takes first/last and "
-                                "image/clip guides); remove it or update h3-blackwell")
-    return {"keyframes": [{"resolved_frame_index": k.resolved_frame_index, "latent": k.latent}
-                          for k in cond.keyframes] or None}
-
-
 def _raise_interrupted(exc: Interrupted):
     """Hand an interruption back to ComfyUI as its own exception (the run then ends as 'interrupted')."""
     mm = optional_comfy_module("comfy.model_management")
@@ -171,7 +147,6 @@ class H3Sampler:
             raise node_error(self.TITLE, f"sampler={sampler!r}, scheduler={scheduler!r}: expected a sampler in "
                                          f"{SAMPLERS} and a scheduler in {SCHEDULERS}")
         cond = _conditioning(payload, latent, video, audio, seed, cfg, self.TITLE)
-        cond_kw = _runtime_conditioning_kwargs(cond, self.TITLE)
         progress, preview, interrupt = _callbacks(int(steps))
         # the loader's model is shared and resident: make it carry exactly this graph's LoRAs (none if the
         # graph has no LoRA node), so a LoRA from an earlier prompt never leaks into this one
@@ -180,7 +155,7 @@ class H3Sampler:
             res = run_sample(model, text, tags, video, audio, seed=int(seed), steps=int(steps), sampler=sampler,
                              scheduler=scheduler, shift_video=float(shift_video), shift_audio=float(shift_audio),
                              denoise=float(denoise), progress=progress, preview=preview, interrupt=interrupt,
-                             workload_extra={"frames": pixel_frames(video.shape[2]), "host": "comfyui"}, **cond_kw)
+                             workload_extra={"frames": pixel_frames(video.shape[2]), "host": "comfyui"}, conditioning=cond)
         except Interrupted as e:
             _raise_interrupted(e)
         except H3Error as e:

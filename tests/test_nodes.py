@@ -696,34 +696,49 @@ def test_sampler_noise_masks_as_core_resizes_them(comfy, tiny, monkeypatch):
     assert torch.equal(c.denoise_mask, vm) and torch.equal(c.audio_denoise_mask, am)
 
 
-def test_sampler_refuses_what_an_older_runtime_cannot_take(comfy, tiny, monkeypatch):
-    """A runtime without the contract argument (keyframes= only): the node passes first/last-frame keyframes
-    and refuses refs, audio guides and masks with one message naming them; nothing is dropped."""
-    from h3_blackwell.nodes import sampler as sampler_mod
+@pytest.mark.parametrize("case", ["fl2va", "audio_guide", "image_audio_guide", "ref2va"])
+def test_sampler_output_is_the_runtimes_for_that_conditioning(comfy, tiny, case):
+    """Through the real runtime: the node's latent equals runtime.sample given core's payload directly."""
+    from h3_blackwell.runtime.model.conditioning import H3Conditioning
 
-    seen = []
-
-    def legacy(rt, text, tags, video, audio, *, keyframes=None, **kw):
-        from h3_blackwell.runtime.sampling.sampler import SampleResult
-
-        seen.append(keyframes)
-        return SampleResult(video, audio, {})
-
-    monkeypatch.setattr(sampler_mod, "run_sample", legacy)
     lat, cases = _cases()
-    H3Sampler().sample(tiny, cases["fl2va"], lat, **SAMPLE_ARGS)
-    want = cases["fl2va"][0][1]["minimax_keyframes"]
-    assert [k["resolved_frame_index"] for k in seen[-1]] == [0, 38]
-    assert all(torch.equal(a["latent"], b["latent"]) for a, b in zip(seen[-1], want))
-    for case, what in (("ref2va", "minimax_refs"), ("audio_guide", "audio guides"),
-                       ("image_audio_guide", "audio guides")):
-        msg = _error(H3Sampler().sample, tiny, cases[case], lat, **SAMPLE_ARGS)
-        assert what in msg and msg.count("H3 Sampler:") == 1, msg
-    masked = {**lat, "noise_mask": torch.zeros(1, 1, 64, 96)}
-    assert "noise_mask" in _error(H3Sampler().sample, tiny, core_conditioning(), masked, **SAMPLE_ARGS)
-    full = {**lat, "noise_mask": torch.ones(1, 1, 64, 96)}  # generate everything: core drops such a mask
-    H3Sampler().sample(tiny, core_conditioning(), full, **SAMPLE_ARGS)
-    assert seen[-1] is None
+    positive = cases[case]
+    out, rep = H3Sampler().sample(tiny, positive, lat, **SAMPLE_ARGS)
+    extra = positive[0][1]
+    payload = {"keyframes": extra.get("minimax_keyframes"), "refs": extra.get("minimax_refs"),
+               "seed": SAMPLE_ARGS["seed"]}
+    video, audio = lat["samples"].tensors
+    want = runtime_sample(tiny, positive[0][0], extra["minimax_token_tags"], video, audio,
+                          conditioning=H3Conditioning.from_payload(payload),
+                          **{k: v for k, v in SAMPLE_ARGS.items()})
+    got_v, got_a = out["samples"].tensors
+    assert torch.equal(got_v, want.video) and torch.equal(got_a, want.audio)
+    # the report lists the packed layout: the condition segments each core node asked for
+    kinds = {seg[0] for seg in rep["workload"]["segments"]} - {"text", "audio", "video"}
+    assert kinds == {"fl2va": {"cond"}, "audio_guide": {"cond_audio"}, "image_audio_guide": {"cond", "cond_audio"},
+                     "ref2va": {"ref_img", "ref_audio"}}[case], kinds
+
+
+def test_sampler_noise_mask_keeps_the_masked_out_latent(comfy, tiny):
+    """SetLatentNoiseMask: where the mask is 0 the input latent comes back (core's inpainting), where it is 1
+    the model generates; a plain mask leaves the audio generated."""
+    lat = core_empty_latent(96, 64, 22)
+    g = torch.Generator().manual_seed(5)
+    video = torch.randn(1, 24, 7, 4, 6, generator=g)
+    audio = torch.randn(1, 32, 2, 37, generator=g)
+    lat = {"samples": FakeNestedTensor((video, audio))}
+    pix = torch.zeros(1, 1, 64, 96)
+    pix[..., 48:] = 1.0  # generate latent columns 3..5, keep 0..2
+    out, _ = H3Sampler().sample(tiny, core_conditioning(), {**lat, "noise_mask": pix}, **SAMPLE_ARGS)
+    ov, oa = out["samples"].tensors
+    # patch column 0 (latent columns 0-1) is kept: the sampler's last step lands on the re-blended denoised
+    # latent, equal to the input there up to the step's fp32 rounding (x + (den - x) / s * (0 - s))
+    assert float((ov[..., :2] - video[..., :2]).abs().max()) < 1e-5
+    # the mask is pooled per 2x2 DiT patch (amax): latent column 2 shares a patch with generated column 3
+    assert not torch.allclose(ov[..., 2:], video[..., 2:], atol=1e-3)  # generated
+    assert not torch.allclose(oa, audio, atol=1e-3)  # the audio stream had no mask: generated whole
+    plain, _ = H3Sampler().sample(tiny, core_conditioning(), lat, **SAMPLE_ARGS)
+    assert not torch.equal(plain["samples"].tensors[0][..., :2], ov[..., :2])
 
 
 def test_sampler_conditioning_errors_name_the_core_entry(comfy, tiny):
