@@ -214,8 +214,9 @@ def norm_rope_(
     """In place on ``qkv [S, 3*H*D]`` (bf16/fp16/fp32, unit column stride): per-head RMSNorm of the q
     and k thirds with ``q_weight``/``k_weight [D]`` then split-half RoPE on channels ``[0, rope_dim)``
     with fp32 ``cos``/``sin [S, rope_dim]``; v untouched. One Triton kernel reading and writing through
-    qkv's strides (no copies). Launch defaults: the fastest of the 8 configurations swept on the H200 at
-    S=37,810 (bench/results/attention-h200.json: 1.21 ms, 1822 GB/s vs 2.12 ms for 32/2/4). ``H = cols / (3*D)``, ``D = q_weight.numel()``. Returns ``qkv``."""
+    qkv's strides (no copies). The launch defaults (``block_s``, ``heads_per_program``, ``num_warps``) change
+    speed only, never the bytes; how they were chosen: bench/NOTES.md. ``H = cols / (3*D)``,
+    ``D = q_weight.numel()``. Returns ``qkv``."""
     s, h, d = _check_norm_rope(qkv, q_weight, k_weight, cos, sin, rope_dim)
     if s == 0:
         return qkv

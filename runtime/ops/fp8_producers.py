@@ -43,11 +43,9 @@ Scheme (one launch, input read once from HBM): a program owns BM whole rows.
   between the amax and the write (no recompute, no re-read); costs lanes on padding (14336 -> 16384 is
   12.5 %, 5376 -> 8192 is 34 %) and registers (BM=1 row spread over 16 warps: 32 fp32 per thread).
 
-``auto`` picks ``row`` on CUDA for row widths up to 16384 (every canonical width): the H200 sweep
-(bench/producers_h200.py -> bench/results/producers-h200.json) measured it fastest for all three producers
-(quantize at the copy bandwidth, RMSNorm 1.7x the best ``loop`` tiling, SwiGLU on a par); ``loop`` elsewhere
-and on the CPU. A measured tile table (``set_tile_table``; RuntimeOptions.producer_tiles) overrides the
-built-in choice. Every scheme and tiling writes identical bytes (tests check several).
+``auto`` picks ``row`` on CUDA for row widths up to 16384 (every canonical width) and ``loop`` elsewhere and
+on the CPU (the choice and its measurements: bench/NOTES.md, ``bench/producers_h200.py``). A tile table
+(``set_tile_table``; RuntimeOptions.producer_tiles) overrides the built-in choice. Every scheme and tiling writes identical bytes (tests check several).
 
 Every step is one correctly rounded IEEE operation (``tl.div_rn`` where it divides, no FMA contraction: launches pass
 ``enable_fp_fusion=False``), so kernel, interpreter and torch reference agree bit for bit. The kernels
@@ -91,7 +89,7 @@ def _check_scheme(scheme: str) -> None:
         raise ValueError(f"scheme={scheme!r}: expected one of {', '.join(SCHEMES)}")
 
 
-# A measured tile table (bench/producers_h200.py --tiles-out; RuntimeOptions.producer_tiles): consulted for
+# A tile table (written by bench/producers_h200.py --tiles-out; RuntimeOptions.producer_tiles): consulted for
 # scheme="auto" on CUDA. Tiles change speed only: every configuration writes the same bytes (the tests run
 # both schemes, the bench checks each configuration it times against the reference).
 _TABLE: dict = {}
@@ -127,9 +125,7 @@ def _tiles(op: str, k: int, device: torch.device, scheme: str) -> tuple[str, int
             bk = max(bk, _pow2(k))  # a row tile holds the whole row
         return sch, bm, bk, 1 if sch == "row" else cdiv(k, bk), nw
     if scheme == "auto":
-        # measured on the H200 (bench/results/producers-h200.json): one row per program, the row kept in
-        # registers, beats the two-pass loop for every op at the canonical widths (quantize 4.3 TB/s = the
-        # copy bandwidth; RMSNorm 1.7x; SwiGLU on a par with the best loop tiling)
+        # one row per program, the row kept in registers, on CUDA up to 16384 wide; why: bench/NOTES.md
         scheme = "row" if cuda and k <= 16384 else "loop"
     if scheme == "row":
         bk = max(16, _pow2(k))

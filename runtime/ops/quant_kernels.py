@@ -74,7 +74,7 @@ def _launch(kernel, grid, *args, **kw):
     kernel[grid](*args, enable_fp_fusion=False, **kw)
 
 
-_FP8_TILES: list = []  # [(BM, BK, num_warps)] of a measured tile table (set_fp8_tiles), else empty
+_FP8_TILES: list = []  # [(BM, BK, num_warps)] from a tile table entry (set_fp8_tiles), else empty
 
 
 def set_fp8_tiles(entry) -> tuple | None:
