@@ -177,6 +177,7 @@ def gate_add_reference(
 
 
 _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+GATE_ADD_MAX_SEGMENTS = 32  # segments per gate_add_ launch (its kernel unrolls the segment loop)
 
 
 def _next_pow2(n: int) -> int:
@@ -264,12 +265,30 @@ def gate_add_(
     """In place: ``x[a:b] += gate_rows[row] * y[a:b]`` for each segment ``(a, b, row)`` (the segments tile
     ``[0, S)``). ``x, y [S, hidden]``, ``gate_rows [R, hidden]``; any float dtypes, unit column stride.
     Computed as fp32 ``x + (g*y)`` with separate roundings and one cast to x's dtype: bit-equal to
-    :func:`gate_add_reference`. One Triton launch for all segments. Returns ``x``."""
+    :func:`gate_add_reference`. One Triton launch for up to GATE_ADD_MAX_SEGMENTS segments (longer tables go
+    in chunks of that many, each on its row slice). Returns ``x``."""
     segs = _check_gate_add(x, y, gate_rows, segments)
     s, n = x.shape
     if s == 0 or n == 0:
         return x
     _check_kernel_device(x, "gate_add_")
+    if len(segs) > GATE_ADD_MAX_SEGMENTS:
+        # the kernel unrolls its segment loop: a long table (a masked stream's runs of equal t) goes in chunks
+        # of GATE_ADD_MAX_SEGMENTS, each on its own row slice with re-based segments (padded with empty ones,
+        # so one compiled kernel serves every chunk)
+        for i in range(0, len(segs), GATE_ADD_MAX_SEGMENTS):
+            chunk = segs[i:i + GATE_ADD_MAX_SEGMENTS]
+            a0, b1 = chunk[0][0], chunk[-1][1]
+            rebased = [(a - a0, b - a0, r) for a, b, r in chunk]
+            rebased += [(0, 0, 0)] * (GATE_ADD_MAX_SEGMENTS - len(chunk))
+            _gate_add_launch(x[a0:b1], y[a0:b1], gate_rows, rebased, block_s, block_n, num_warps)
+        return x
+    _gate_add_launch(x, y, gate_rows, segs, block_s, block_n, num_warps)
+    return x
+
+
+def _gate_add_launch(x, y, gate_rows, segs, block_s, block_n, num_warps) -> None:
+    s, n = x.shape
     kernel = elementwise_kernels.gate_add_kernel
     table = segment_table(segs, x.device)
     grid = (-(-s // block_s), -(-n // block_n))
@@ -280,4 +299,3 @@ def gate_add_(
         Y_KIND=_OUT_KIND[y.dtype], G_KIND=_OUT_KIND[gate_rows.dtype],
         num_warps=num_warps, enable_fp_fusion=False,
     )
-    return x
