@@ -22,7 +22,7 @@ except ImportError:  # a plain checkout (the device copy): make the repo root th
 
 from h3_blackwell.runtime.model.config import FULL  # noqa: E402
 from h3_blackwell.runtime.errors import describe  # noqa: E402
-from h3_blackwell.runtime.engine import H3Runtime, _choose_attention, prepare_nvfp4  # noqa: E402
+from h3_blackwell.runtime.engine import load_model  # noqa: E402
 from h3_blackwell.runtime.model.h3 import H3Model  # noqa: E402
 from h3_blackwell.runtime.options import RuntimeOptions  # noqa: E402
 
@@ -53,29 +53,49 @@ def component(name: str) -> str:
     return "other"
 
 
+class RandomSource:
+    """Random H3 weights of any config, made one tensor at a time on the device as the streaming load asks for
+    them (so a full-size bench model goes through the real load path without a file): norms 1, other vectors
+    N(0, 0.02), matrices N(0, 1/fan_in) (AdaLN x0.3). Each tensor has its own generator seed (seed, index)."""
+
+    def __init__(self, cfg, seed: int, dtype: torch.dtype):
+        with torch.device("meta"):
+            m = H3Model(cfg, dtype)
+        self._meta = m.state_dict()
+        self._index = {k: i for i, k in enumerate(self._meta)}
+        self.config, self.seed = cfg, seed
+        self.name = f"random {'full-size' if cfg is FULL else 'tiny'} (seed {seed})"
+
+    def keys(self):
+        return list(self._meta)
+
+    def shape(self, k):
+        return tuple(self._meta[k].shape)
+
+    def quant_format(self, layer):
+        return None
+
+    def tensor(self, k, device="cpu"):
+        if torch.device(device).type == "cpu" and torch.cuda.is_available():
+            return self.tensor(k, "cuda").cpu()  # made on the GPU: much faster than CPU normal_ at this size
+        ref = self._meta[k]
+        if k == "rope.inv_freq":
+            c = self.config
+            return (c.rope_theta ** (-torch.arange(c.rope_inv_freq_len, dtype=torch.float64)
+                                     / c.rope_inv_freq_len)).float().to(device)
+        g = torch.Generator(device=device).manual_seed(self.seed * 100003 + self._index[k])
+        t = torch.empty(ref.shape, dtype=ref.dtype, device=device)
+        if t.dim() == 1 and "norm" in k:
+            return t.fill_(1.0)
+        if t.dim() == 1:
+            return t.normal_(0.0, 0.02, generator=g)
+        return t.normal_(0.0, t.shape[1] ** -0.5 * (0.3 if "adaln" in k else 1.0), generator=g)
+
+
 def build(opts: RuntimeOptions, seed: int, cfg=FULL):
-    dev = torch.device(opts.device)
-    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    with torch.device("meta"):
-        m = H3Model(cfg, dt)
-    m = m.to_empty(device=dev)
-    g = torch.Generator(device=dev).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if p.dim() == 1 and "norm" in name:
-                p.fill_(1.0)
-            elif p.dim() == 1:
-                p.normal_(0.0, 0.02, generator=g)
-            else:
-                std = p.shape[1] ** -0.5 * (0.3 if "adaln" in name else 1.0)
-                p.normal_(0.0, std, generator=g)
-        inv = cfg.rope_theta ** (-torch.arange(cfg.rope_inv_freq_len, dtype=torch.float64) / cfg.rope_inv_freq_len)
-        m.rope.inv_freq = inv.float().to(dev)
-    m.eval().requires_grad_(False)
-    rt = H3Runtime(m, cfg, dev, dt, opts, f"random {'full-size' if cfg is FULL else 'tiny'} (seed {seed})")
-    rt.backends["attention"] = _choose_attention(m, opts, dev)
-    prepare_nvfp4(rt)
-    return rt
+    """A resident runtime on random weights of ``cfg``, loaded through the real plan + streaming load."""
+    dt = torch.bfloat16 if torch.device(opts.device).type == "cuda" else torch.float32
+    return load_model(RandomSource(cfg, seed, dt), opts)
 
 
 def time_ms(fn, iters: int, warmup: int) -> dict:

@@ -38,30 +38,37 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _h3bench import ROOT, build, component, is_annotation, write_json  # noqa: E402
 
+import torch.nn.functional as F  # noqa: E402
+
+from h3_blackwell.runtime.model.block import ReferenceOps, modulate_  # noqa: E402
+from h3_blackwell.runtime.ops import nvfp4 as nv  # noqa: E402
+from h3_blackwell.runtime.ops.attention import bind_attention  # noqa: E402
+from h3_blackwell.runtime.ops.block import LINEARS, Nvfp4Ops  # noqa: E402
 from h3_blackwell.runtime.options import RuntimeOptions  # noqa: E402
 from h3_blackwell.runtime.sampling.sampler import initial_noise, sample  # noqa: E402
 
 SEED_COMPONENTS = {"attention": "sage2"}  # the seed's name for our attention component when it is Sage2
 
 
-def profile_step(model, plan, video, audio) -> dict:
+def profile_step(rt, plan, video, audio) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     with torch.no_grad():
-        model.evaluate(plan, 0, video, audio)  # warm
+        rt.model.evaluate(plan, 0, video, audio, rt.ops)  # warm
         torch.cuda.synchronize()
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             e0.record()
-            model.evaluate(plan, 0, video, audio)
+            rt.model.evaluate(plan, 0, video, audio, rt.ops)
             e1.record()
             torch.cuda.synchronize()
     step_ms = e0.elapsed_time(e1)
+    sage2 = rt.plan.attention == "sage2"
     kernels = [ev for ev in prof.events() if ev.device_type.name == "CUDA" and not is_annotation(ev.name)]
     comps = defaultdict(lambda: {"milliseconds": 0.0, "launches": 0})
     for ev in kernels:
         c = component(ev.name)
-        c = SEED_COMPONENTS.get(c, c) if model.stack and model.stack.attention_backend == "sage2" else c
+        c = SEED_COMPONENTS.get(c, c) if sage2 else c
         c = "other" if c == "copies" else c
         comps[c]["milliseconds"] += ev.device_time / 1000
         comps[c]["launches"] += 1
@@ -80,51 +87,55 @@ def profile_step(model, plan, video, audio) -> dict:
             "components_sum_vs_step": total / step_ms if step_ms else None}
 
 
+class DequantizedReferenceOps(ReferenceOps):
+    """The reference block ops on the dequantized NVFP4 weights at the compute dtype (dense GEMMs), with a bound
+    dense attention: the accuracy stage's reference. Each linear's weight is dequantized when it is used."""
+
+    def __init__(self, cfg, attention, dtype):
+        super().__init__(cfg, attention)
+        self.dtype = dtype
+
+    def _w(self, lin):
+        return nv.dequantize(lin.weight, torch.float32).to(self.dtype)
+
+    def qkv(self, i, blk, x, shift, scale, segs):
+        return F.linear(modulate_(blk.norm1(x), shift, scale, segs), self._w(blk.attn.qkv_proj))
+
+    def out_proj(self, i, blk, o):
+        return F.linear(o, self._w(blk.attn.out_proj))
+
+    def fc1(self, i, blk, x, shift, scale, segs):
+        return F.linear(modulate_(blk.norm2(x), shift, scale, segs), self._w(blk.mlp.fc1))
+
+    def fc2(self, i, blk, h):
+        gate, up = h.chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self._w(blk.mlp.fc2))
+
+
 def accuracy(rt, plan, video, audio) -> dict:
-    """rel-L2 of one forward vs a bf16 dense reference on the same dequantized weights."""
-    import torch.nn as nn
-
-    from h3_blackwell.runtime.ops import nvfp4 as nv
-    from h3_blackwell.runtime.stack import LINEARS
-
-    m = rt.model
+    """rel-L2 of one forward vs a dense reference on the same dequantized weights, and of the NVFP4 W4A4
+    emulation (NVFP4 activations, exact-product GEMMs) vs the same reference."""
+    m, cfg = rt.model, rt.config
 
     def rel(a, b):
         return float((a.double() - b.double()).norm() / b.double().norm())
 
+    sdpa = bind_attention("sdpa", cfg.num_heads, cfg.head_dim)
+    lins = [getattr(getattr(blk, p), n) for blk in m.blocks for p, n in LINEARS]
+    saved = [(lin, lin.backend) for lin in lins]
     with torch.no_grad():
-        cfg_out = m.evaluate(plan, 0, video, audio)
-        lins = [getattr(getattr(blk, p), n) for blk in m.blocks for p, n in LINEARS]
-        saved = [(lin, lin.backend) for lin in lins]
-        # the exact NVFP4 W4A4 numerics: NVFP4 activations from the producers, exact-product GEMMs
-        benchmarked_format = m.stack.act_format
-        m.stack.set_act_format("nvfp4")
-        for lin in lins:
+        cfg_out = m.evaluate(plan, 0, video, audio, rt.ops)
+        for lin in lins:  # the exact NVFP4 products for the emulation, restored below
             lin.backend = "emulated"
-        attn = m.stack.attention_backend
-        m.stack.attention_backend = "sdpa"
-        emu_out = m.evaluate(plan, 0, video, audio)
-        for lin, b in saved:
-            lin.backend = b
-        m.stack.attention_backend = attn
-        assert m.stack.set_act_format(benchmarked_format, strict=True)["choice"] == benchmarked_format
-        # bf16 dense reference: dequantized weights, reference blocks, SDPA attention
-        stack, attn_fn = m.stack, m.attn_fn
-        m.stack, m.attn_fn = None, None
-        keep = []
-        for blk in m.blocks:
-            for p, n in LINEARS:
-                q = getattr(getattr(blk, p), n)
-                dense = nn.Linear(q.in_features, q.out_features, bias=False, device=rt.device, dtype=rt.dtype)
-                dense.weight.data.copy_(nv.dequantize(q.weight, torch.float32).to(rt.dtype))
-                keep.append((getattr(blk, p), n, q))
-                setattr(getattr(blk, p), n, dense)
-        ref_out = m.evaluate(plan, 0, video, audio)
-        for owner, n, q in keep:
-            setattr(owner, n, q)
-        m.stack, m.attn_fn = stack, attn_fn
+        try:
+            emu_out = m.evaluate(plan, 0, video, audio, Nvfp4Ops(cfg, sdpa))
+        finally:
+            for lin, b in saved:
+                lin.backend = b
+        ref_out = m.evaluate(plan, 0, video, audio, DequantizedReferenceOps(cfg, sdpa, rt.dtype))
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+    benchmarked_format = rt.plan.act_format
     r = {"benchmarked": {"video_rel_l2": rel(cfg_out[0], ref_out[0]), "audio_rel_l2": rel(cfg_out[1], ref_out[1]),
                          "act_format": benchmarked_format, "gemm": saved[0][1] if saved else None},
          "nvfp4_w4a4_emulation": {"video_rel_l2": rel(emu_out[0], ref_out[0]),
@@ -196,7 +207,7 @@ def main(argv=None) -> int:
     with torch.no_grad():
         plan = m.plan(text, vshape, ashape, [0.95])
     if "profile" not in skip:
-        prof = profile_step(m, plan, nv_, na_)
+        prof = profile_step(rt, plan, nv_, na_)
         res["one_warmed_step"] = prof
         res["components"] = prof["components"]
         write_json(res, out)

@@ -58,7 +58,8 @@ def main(argv=None) -> int:
                                    act_format=a.act_format)
     t0 = datetime.datetime.now()
     rt = build(opts, 0, cfg)
-    rt.backends["act_format"] = rt.model.stack.set_act_format(opts.act_format, strict=True)
+    if opts.act_format != "auto" and rt.plan.act_format != opts.act_format:
+        raise SystemExit(f"act_format {opts.act_format} unavailable: {rt.backends['act_format']['reason']}")
     if a.fp8_scheme != "auto":
         from h3_blackwell.runtime.ops import fp8_producers
 
@@ -77,7 +78,7 @@ def main(argv=None) -> int:
         plan = m.plan(text, vshape, ashape, [0.9])
         x0 = m.pack(plan, video, audio)
         assert a.tiny or plan.layout.seq_len == 37810
-        m.run_blocks(x0.clone(), plan, 0)  # warm-up (Triton compiles, cuBLAS heuristics)
+        m.run_blocks(x0.clone(), plan, 0, rt.ops)  # warm-up (Triton compiles, cuBLAS heuristics)
         sync()
         if cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -87,7 +88,7 @@ def main(argv=None) -> int:
             x = x0.clone()
             sync()
             t1 = time.perf_counter()
-            m.run_blocks(x, plan, 0)
+            m.run_blocks(x, plan, 0, rt.ops)
             sync()
             times.append(time.perf_counter() - t1)
         peak_extra = (torch.cuda.max_memory_allocated() - base_alloc) if cuda else 0
@@ -95,7 +96,7 @@ def main(argv=None) -> int:
 
         x = x0.clone()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            m.run_blocks(x, plan, 0)
+            m.run_blocks(x, plan, 0, rt.ops)
             sync()
     comps = defaultdict(lambda: {"milliseconds": 0.0, "launches": 0})
     kernel_names = defaultdict(float)
@@ -138,7 +139,7 @@ def main(argv=None) -> int:
                             "an empty dict means q, k, v reached the attention kernel as strided views"),
         "top_kernels_ms": top,
         "fc2": rt.fc2.status() if rt.fc2 is not None else None,
-        "fc2_stack": rt.model.stack.fc2_status(),
+        "fc2_stack": rt.ops.status(),
     }
     if a.tiny:
         res["name"] = "forward-tiny-smoke"

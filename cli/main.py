@@ -292,7 +292,11 @@ def cmd_forward(a) -> int:
                     "video [1,C,T,H,W], audio [1,Ca,2,Ta], text_states [1,L,text_dim], sigma [1] (optional token_tags "
                     "[L]; with --payload also every tensor the payload names)")
     cond = load_payload(a.payload, t)
-    opts = RuntimeOptions.from_env(device=a.device, dtype=a.dtype, quantize=False if a.dense else None)
+    # the reference evaluation by default: stored weights (dequantized where the file is quantized), exact
+    # attention; --fast runs the block stack the load plan picks (NVFP4 / W4A8, fast attention)
+    fast = a.fast and not a.dense
+    opts = RuntimeOptions.from_env(device=a.device, dtype=a.dtype, quantize=None if fast else False,
+                                   attention=None if fast else "reference")
     rt = load_model(a.model, opts)
     check_pdd_schedule(cond, rt.config.head_bank)
     video, audio = t["video"].float(), t["audio"].float()
@@ -300,7 +304,7 @@ def cmd_forward(a) -> int:
     with torch.no_grad():
         plan = rt.model.plan(t["text_states"].float(), tuple(video.shape), tuple(audio.shape), [sigma],
                              token_tags=t.get("token_tags"), cond=cond)
-        v, au = rt.model.evaluate(plan, 0, video, audio)
+        v, au = rt.model.evaluate(plan, 0, video, audio, rt.ops)
     _atomic_dir_write(Path(a.out).parent, {Path(a.out).name: lambda p: save_file(
         {"video": v.float().cpu().contiguous(), "audio": au.float().cpu().contiguous()}, str(p))})
     print(segments_line(plan.layout))
@@ -394,7 +398,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--out", required=True)
     f.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     f.add_argument("--device", default="cpu")
-    f.add_argument("--dense", action="store_true", help="keep dense linears (no NVFP4; the reference stack)")
+    f.add_argument("--dense", action="store_true", help="the reference evaluation (the default): dense linears, exact attention")
+    f.add_argument("--fast", action="store_true",
+                   help="run the fast block stack (NVFP4/W4A8 linears, fast attention) instead of the reference")
     f.set_defaults(fn=cmd_forward)
 
     t = sub.add_parser("make-tiny", help="write a tiny random H3 checkpoint in ComfyUI naming")

@@ -1,7 +1,13 @@
-"""RuntimeOptions: the one place that reads configuration.
+"""RuntimeOptions: every choice defined once (its values and its default), and the one place that reads
+configuration.
 
-Node widgets, CLI flags and the seed's ``H3_*`` environment variables all land here. Nothing else in
-the runtime reads ``os.environ``. Precedence: explicit keyword > environment variable > default.
+Node widgets, CLI flags and the seed's ``H3_*`` environment variables all land here; nothing else in the
+runtime reads ``os.environ``. Precedence: explicit keyword > environment variable > default. The plan
+(``runtime.plan``) turns these requests into what will really run on the device, with the reasons.
+
+Seed variables that name choices this runtime does not have (the seed's own producer family and fusion
+switches, the QKV layout whose winner is built in) are accepted and listed in ``ignored`` with the reason;
+they never appear in a report's ``configuration``.
 """
 
 from __future__ import annotations
@@ -11,28 +17,47 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-# name of the field -> (environment variable, parser)
+# choice -> its values (the first is the default)
+CHOICES: dict[str, tuple[str, ...]] = {
+    "device": ("auto",),  # or cpu / cuda / cuda:N (checked by the plan)
+    "dtype": ("auto", "float32", "bfloat16", "float16"),
+    "attention": ("auto", "sage2", "sage1", "sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math",
+                  "reference"),
+    "gemm": ("auto", "native", "emulated", "fp8", "bf16", "reference"),
+    "act_format": ("auto", "nvfp4", "fp8"),
+    "act_scale": ("dynamic", "calibrated"),
+    "precision": ("fast", "exact"),
+}
+
+# field -> (environment variable, kind)
 _ENV = {
-    "scale_backend": ("H3_NVFP4_SCALE_BACKEND", str),
-    "scale_version": ("H3_NVFP4_SCALE_VERSION", str),
-    "fused_elementwise": ("H3_FUSED_ELEMENTWISE", "bool"),
-    "modulate_fusion": ("H3_NVFP4_MODULATE_FUSION", "bool"),
-    "swiglu_fusion": ("H3_NVFP4_SWIGLU_FUSION", "bool"),
-    "fc2_lt": ("H3_NVFP4_FC2_LT_SPLITK1", "bool"),
-    "fc2_lt_strict": ("H3_NVFP4_FC2_LT_STRICT", "bool"),
-    "qkv_layout": ("H3_SAGE_QKV_LAYOUT", str),
-    "sage_v_pad": ("H3_SAGE_V_PAD", str),
     "attention": ("H3_ATTENTION", str),
     "gemm": ("H3_GEMM", str),
-    "act_scale": ("H3_NVFP4_ACT_SCALE", str),
     "act_format": ("H3_ACT_FORMAT", str),
-    "adaln_cache": ("H3_ADALN_CACHE", "bool"),
-    "cache_dir": ("H3_CACHE_DIR", str),
+    "act_scale": ("H3_NVFP4_ACT_SCALE", str),
+    "precision": ("H3_PRECISION", str),
     "quantize": ("H3_NVFP4", "bool"),
+    "fc2_lt": ("H3_NVFP4_FC2_LT_SPLITK1", "bool"),
+    "fc2_lt_strict": ("H3_NVFP4_FC2_LT_STRICT", "bool"),
+    "adaln_cache": ("H3_ADALN_CACHE", "bool"),
     "producer_tiles": ("H3_PRODUCER_TILES", str),
-    "fp8_accum": ("H3_FP8_ACCUM", str),
-    "silu": ("H3_SILU", str),
+    "cache_dir": ("H3_CACHE_DIR", str),
 }
+
+# seed / earlier names this runtime accepts but does not act on -> why
+IGNORED_ENV = {
+    "H3_NVFP4_SCALE_BACKEND": "the seed's producer family; this runtime has one fused producer family",
+    "H3_NVFP4_SCALE_VERSION": "the seed's producer version; this runtime has one fused producer family",
+    "H3_FUSED_ELEMENTWISE": "norm+RoPE and gate/add always run fused on CUDA (the references on the CPU)",
+    "H3_NVFP4_MODULATE_FUSION": "RMSNorm+modulate+quantize always runs as one producer",
+    "H3_NVFP4_SWIGLU_FUSION": "SwiGLU+quantize always runs as one producer",
+    "H3_SAGE_QKV_LAYOUT": "attention always reads strided views of the QKV buffer (no copies)",
+    "H3_SAGE_V_PAD": "V's handling is automatic: fused fp8 operands where Sage2's sm_90 stages exist, "
+                     "the library wrapper elsewhere",
+}
+
+# earlier names of the precision option's two halves: value -> the precision it means
+_PRECISION_ALIASES = {"H3_FP8_ACCUM": {"fast": "fast", "fp32": "exact"}, "H3_SILU": {"fast": "fast", "exact": "exact"}}
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -47,73 +72,68 @@ def _parse_bool(name: str, v: str) -> bool:
     raise ValueError(f"{name}={v!r}: expected 1/0, true/false, yes/no or on/off")
 
 
+def _precision_from_aliases(env: Mapping[str, str]) -> str | None:
+    """H3_FP8_ACCUM / H3_SILU (earlier names of the two halves of ``precision``) -> precision, or None."""
+    got = {}
+    for var, values in _PRECISION_ALIASES.items():
+        if var in env:
+            v = env[var].strip().lower()
+            if v not in values:
+                raise ValueError(f"{var}={env[var]!r}: expected one of {', '.join(values)} "
+                                 "(or set H3_PRECISION=fast|exact)")
+            got[var] = values[v]
+    if len(set(got.values())) > 1:
+        raise ValueError(f"{' and '.join(f'{k}={env[k]}' for k in got)} ask for different precisions; "
+                         "set H3_PRECISION=fast or H3_PRECISION=exact instead")
+    return next(iter(got.values()), None)
+
+
 @dataclass
 class RuntimeOptions:
-    """Backend choices and switches for one loaded model.
+    """What the user asked for (the plan resolves it for the device and says why).
 
-    attention: auto | sage2 | sage1 | sdpa | reference
-    gemm:      auto | native | emulated | fp8 | bf16 | reference   (NVFP4 linear backend)
-    act_scale: dynamic (amax per call) | calibrated (checkpoint input_scale when present)
-    act_format: auto (fp8 where every block linear runs the fp8 GEMM backend, i.e. Hopper/Ada; else nvfp4) |
-               nvfp4 (W4A4: NVFP4 activations) | fp8 (W4A8, Hopper: e4m3 activations with one fp32 scale
-               per row from the fused producers; used only with the fp8 GEMM backend, see runtime.stack)
-    sage_v_pad: library (SageAttention2's sm90 wrapper pads V with torch.cat: one copy of V per call) |
-               buffer (sm90 sage2 only: the QKV GEMM writes roundup(S, 128) rows, zero tail, and the
-               wrapper calls Sage2's stages itself on that buffer: no copy; see ops.attention) |
-               fused (the default; sm90 sage2 only, a no-op elsewhere: V's fp8 operands built by our Triton
-               producer straight from the strided V view: no pad copy, no transpose copy)
-    fp8_accum: fast (the default; Hopper's reduced-precision fp8 accumulation in the W4A8 GEMMs: ~7 % faster
-               block GEMMs on the H200, per-GEMM rel-L2 0.0023-0.0033 instead of 0.0017 against fp64,
-               bench/results/fp8-accum-h200.json) | fp32 (accumulate in fp32, as cuBLAS does without fast
-               accumulation). The canonical forward's rel-L2 against bf16 is 0.0269 either way (0.0268 fp32):
-               bench/results/canonical-h200.json and canonical-h200-fp32-exact.json.
-    silu:      fast (the default; the W4A8 SwiGLU producer's silu with the hardware exp2 and an approximate
-               division: a few fp32 ulp, so a code may move one e4m3 step) | exact (the reference's own exp and
-               IEEE division: bit-exact against the torch reference)
-    producer_tiles: path of a measured tile table for the producers (bench/producers_h200.py
-               --tiles-out); speed only, the bytes are the same with any tiles
-    fc2_lt:    the guarded cuBLASLt FC2 path (H3_NVFP4_FC2_LT_SPLITK1); strict raises instead of falling back
-    dtype:     compute dtype of the block stack (bfloat16 on GPU, float32 on CPU by default)
+    device:     auto (CUDA if present, else CPU) | cpu | cuda | cuda:N
+    dtype:      compute dtype of the block stack: auto (bfloat16 on CUDA, float32 on the CPU) | float32 |
+                bfloat16 | float16
+    attention:  auto (the fastest backend that passes its capability check and probe) or a backend name
+    gemm:       auto | native (Blackwell FP4) | fp8 (NVFP4 weights expanded to e4m3) | bf16 | emulated
+                (exact NVFP4 products) | reference — the block linears' GEMM backend
+    quantize:   True: block linears run as NVFP4 (quantized while streaming in, or adopted as stored);
+                False: dense linears at the compute dtype (the reference stack)
+    act_format: auto (fp8 where every block linear runs the fp8 GEMM backend, NVFP4 elsewhere) | nvfp4
+                (W4A4) | fp8 (W4A8: e4m3 activations with one fp32 scale per row)
+    act_scale:  NVFP4 activations' global scale: dynamic (amax per call) | calibrated (the checkpoint's
+                input_scale where present)
+    precision:  fast (W4A8 GEMMs with Hopper's fast fp8 accumulation, SwiGLU producer with the hardware exp2)
+                | exact (fp32 accumulation, the bit-exact silu). Lossy trade, measured in bench/NOTES.md.
+    fc2_lt / fc2_lt_strict: the guarded cuBLASLt FC2 path (only where FC2 takes NVFP4 bytes); strict
+                raises instead of falling back
+    adaln_cache: precompute modulation rows per run and keep full-form AdaLN weights in host memory (CUDA)
+    producer_tiles: a measured tile table JSON for the producers (speed only; "" = built-in tiles)
+    cache_dir:  where the FC2 extension build and its tables live
+    ignored:    {variable: why} for accepted names that change nothing here (never reported as configuration)
     """
 
     device: str = "auto"
     dtype: str = "auto"
     attention: str = "auto"
     gemm: str = "auto"
-    quantize: bool = True  # quantize bf16/fp8 sources to NVFP4 at load (False = keep source precision)
-    act_scale: str = "dynamic"
+    quantize: bool = True
     act_format: str = "auto"
-    scale_backend: str = "vortex"
-    scale_version: str = "1"
-    fused_elementwise: bool = True
-    modulate_fusion: bool = True
-    swiglu_fusion: bool = True
+    act_scale: str = "dynamic"
+    precision: str = "fast"
     fc2_lt: bool = True
     fc2_lt_strict: bool = False
-    qkv_layout: str = "strided_nhd"
-    sage_v_pad: str = "fused"
     adaln_cache: bool = True
-    fp8_accum: str = "fast"
-    silu: str = "fast"
-    producer_tiles: str = ""  # a tile table JSON from bench/producers_h200.py --tiles-out ("" = built-in tiles)
+    producer_tiles: str = ""
     cache_dir: str = field(default_factory=lambda: os.path.join(os.path.expanduser("~"), ".cache", "h3_blackwell"))
-
-    _CHOICES = {
-        "attention": ("auto", "sage2", "sage1", "sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math",
-                      "reference"),
-        "gemm": ("auto", "native", "emulated", "fp8", "bf16", "reference"),
-        "act_scale": ("dynamic", "calibrated"),
-        "act_format": ("auto", "nvfp4", "fp8"),
-        "qkv_layout": ("strided_nhd", "contiguous"),
-        "sage_v_pad": ("library", "buffer", "fused"),
-        "fp8_accum": ("fp32", "fast"),
-        "silu": ("exact", "fast"),
-        "dtype": ("auto", "float32", "bfloat16", "float16"),
-    }
+    ignored: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        for name, choices in self._CHOICES.items():
+        for name, choices in CHOICES.items():
             v = getattr(self, name)
+            if name == "device":
+                continue
             if v not in choices:
                 raise ValueError(f"option {name}={v!r}: expected one of {', '.join(choices)}")
 
@@ -122,14 +142,27 @@ class RuntimeOptions:
         """Defaults <- ``H3_*`` environment variables <- explicit ``overrides`` (None values ignored)."""
         env = os.environ if env is None else env
         kw: dict[str, Any] = {}
+        alias = _precision_from_aliases(env)
+        if alias is not None:
+            kw["precision"] = alias
         for name, (var, kind) in _ENV.items():
             if var in env:
                 kw[name] = _parse_bool(var, env[var]) if kind == "bool" else kind(env[var])
+        kw["ignored"] = {var: why for var, why in IGNORED_ENV.items() if var in env}
         kw.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**kw)
 
+    # the two halves of `precision`, as the stack takes them
+    @property
+    def fp8_fast_accum(self) -> bool:
+        return self.precision == "fast"
+
+    @property
+    def silu(self) -> str:
+        return "fast" if self.precision == "fast" else "exact"
+
     def as_env(self) -> dict[str, str]:
-        """The seed-profile ``configuration`` block: every H3_* option in force, as strings."""
+        """The seed-profile ``configuration`` block: every ``H3_*`` option this runtime acts on, as strings."""
         out = {}
         for name, (var, kind) in _ENV.items():
             v = getattr(self, name)

@@ -10,6 +10,9 @@
 #                                       fp8 accumulation and exact or fast silu; then F on the still-warm machine
 #   bash scripts/device_session.sh V    sage2 build (background) + the GPU tests of the W4A8 producers, the NVFP4
 #                                       bytes and the fused-V attention path, then F (H3_* from the environment)
+#   bash scripts/device_session.sh L    sage2 build (background) + the load bench (bf16 at H3 width and its NVFP4
+#                                       file: peak device memory during the load) + the canonical benchmark
+#                                       (CANON_ARGS, default --skip peer)
 #   bash scripts/device_session.sh T    every GPU test (sage2 built alongside the non-attention ones) + the tiny
 #                                       model generated twice on CUDA with the defaults
 # (Sessions C, D, E and G of 2026-11-29 were earlier versions of F and H; their results are in bench/results.)
@@ -125,8 +128,15 @@ T)
   timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_attention_gpu.py -rfs 2>&1 | tail -8 >> "$LOG"
   tiny_cuda
   ;;
+L)
+  sage_build_start
+  phase load-bench
+  timeout 300 python3 bench/load_h200.py --out "$OUT/load-h200.json" 2>&1 | tail -6 >> "$LOG"
+  sage_build_wait
+  CANON_ARGS="${CANON_ARGS:---skip peer}" canonical
+  ;;
 *)
-  echo "usage: $0 A|B|F|H|T|V" >&2; exit 2
+  echo "usage: $0 A|B|F|H|L|T|V" >&2; exit 2
   ;;
 esac
 phase done

@@ -198,3 +198,42 @@ def test_no_function_longer_than_80_lines():
     assert not not_kernels, f"the allow-list holds Triton kernels only; these are not @triton.jit: {not_kernels}"
     assert not long, (f"functions over {MAX_FUNCTION_LINES} lines (docstring not counted): {long}; split them into "
                       "named steps")
+
+
+def test_options_defined_once_with_ignored_seed_names():
+    """Seed names that change nothing here are accepted with the reason and kept out of `configuration`;
+    the precision option's earlier half-names map onto it and refuse a contradiction."""
+    from h3_blackwell.runtime.options import CHOICES, IGNORED_ENV, RuntimeOptions
+
+    env = {"H3_SAGE_QKV_LAYOUT": "contiguous", "H3_NVFP4_SCALE_BACKEND": "vortex", "H3_ATTENTION": "sdpa"}
+    o = RuntimeOptions.from_env(env)
+    assert set(o.ignored) == {"H3_SAGE_QKV_LAYOUT", "H3_NVFP4_SCALE_BACKEND"}
+    cfg = o.as_env()
+    assert not set(cfg) & set(IGNORED_ENV) and cfg["H3_ATTENTION"] == "sdpa"
+    assert RuntimeOptions().precision == CHOICES["precision"][0] == "fast"
+    assert RuntimeOptions.from_env({"H3_FP8_ACCUM": "fp32"}).precision == "exact"
+    assert RuntimeOptions.from_env({"H3_SILU": "exact", "H3_FP8_ACCUM": "fp32"}).precision == "exact"
+    with pytest.raises(ValueError, match="different precisions"):
+        RuntimeOptions.from_env({"H3_SILU": "exact", "H3_FP8_ACCUM": "fast"})
+    with pytest.raises(ValueError, match="precision"):
+        RuntimeOptions(precision="medium")
+
+
+def test_plan_reads_no_tensor_and_orders_its_choices(tmp_path, monkeypatch):
+    """The load plan is made from the header alone (no tensor read) and resolves gemm -> act_format -> FC2
+    -> attention -> V handling; FC2 is 'not applicable' with W4A8 and off on the CPU."""
+    from h3_blackwell.runtime.io import checkpoint as ck
+    from h3_blackwell.runtime.model.tiny import save_tiny
+    from h3_blackwell.runtime.options import RuntimeOptions
+    from h3_blackwell.runtime.plan import make_plan
+
+    path = save_tiny(tmp_path / "t.safetensors", seed=1)
+    monkeypatch.setattr(ck, "_read_raw", lambda *a, **k: (_ for _ in ()).throw(AssertionError("tensor read")))
+    plan = make_plan(path, RuntimeOptions(device="cpu", gemm="fp8"))
+    assert list(plan.choices)[:5] == ["gemm", "act_format", "fc2_lt", "attention", "v_handling"]
+    assert plan.gemm == "fp8" and plan.act_format == "fp8"
+    assert plan.choices["fc2_lt"].choice.startswith("not applicable")
+    plan = make_plan(path, RuntimeOptions(device="cpu"))
+    assert plan.act_format == "nvfp4" and plan.choices["fc2_lt"].choice == "off"
+    dense = make_plan(path, RuntimeOptions(device="cpu", quantize=False))
+    assert dense.gemm == "dense" and dense.act_format == "dense"

@@ -541,15 +541,16 @@ def test_reference_with_seq_len_equals_unpadded():
                        attention(buf[:s].clone(), h, d, "reference"))
 
 
-def test_sage_v_pad_option():
+def test_v_handling_is_not_an_option_any_more():
+    """V's handling is automatic (fused where Sage2's sm_90 stages exist, the library wrapper elsewhere): the
+    old H3_SAGE_V_PAD is accepted, listed as ignored with the reason, and never reported as configuration."""
     from h3_blackwell.runtime.options import RuntimeOptions
 
-    assert RuntimeOptions().sage_v_pad == "fused"  # a no-op off sm_90 sage2
-    assert RuntimeOptions.from_env({"H3_SAGE_V_PAD": "buffer"}).sage_v_pad == "buffer"
-    assert RuntimeOptions.from_env({"H3_SAGE_V_PAD": "fused"}).sage_v_pad == "fused"
-    assert RuntimeOptions(sage_v_pad="buffer").as_env()["H3_SAGE_V_PAD"] == "buffer"
-    with pytest.raises(ValueError, match="sage_v_pad"):
-        RuntimeOptions(sage_v_pad="cat")
+    o = RuntimeOptions.from_env({"H3_SAGE_V_PAD": "buffer"})
+    assert "H3_SAGE_V_PAD" in o.ignored and "automatic" in o.ignored["H3_SAGE_V_PAD"]
+    assert "H3_SAGE_V_PAD" not in o.as_env()
+    with pytest.raises(TypeError):
+        RuntimeOptions(sage_v_pad="fused")
 
 
 def test_sage_v_pad_status_says_what_runs(clean_sage):

@@ -278,9 +278,7 @@ def _inputs(m, seed):
 
 def _w4a8(seed):
     rt = load_model(None, RuntimeOptions(**CPU, gemm="fp8", act_format="fp8"), tiny_seed=seed)
-    st = rt.model.stack
-    # engine.prepare_nvfp4 builds the stack; the act_format option is applied here until it passes it on
-    assert st.set_act_format(rt.options.act_format, strict=True)["choice"] == "fp8"
+    assert rt.ops.name == "w4a8" and rt.plan.act_format == "fp8"
     return rt
 
 
@@ -290,7 +288,8 @@ def test_w4a8_block_equals_float64_reference(monkeypatch, seed):
     real = L.Nvfp4Linear.forward_fp8
     monkeypatch.setattr(L.Nvfp4Linear, "forward_fp8", lambda self, a8, ra, **kw: act.record(self, a8, ra) or
                         real(self, a8, ra, **kw))
-    m = _w4a8(seed).model
+    rt = _w4a8(seed)
+    m = rt.model
     video, audio, text = _inputs(m, 0)
     plan = m.plan(text, tuple(video.shape), tuple(audio.shape), [0.7], token_tags=torch.tensor([1, 1, 0, 0, 1, 1, 1]))
     x = m.pack(plan, video, audio)
@@ -302,7 +301,7 @@ def test_w4a8_block_equals_float64_reference(monkeypatch, seed):
             w8, rw = qk.to_fp8_rowwise_reference(lin.weight)
             wq[n] = w8.double() * (rw.double() * lin.global_scale.double())[:, None]
         mod = plan.mods[0][i]
-        got = m.stack.block(i, blk, x.clone(), mod, segs, plan.cos, plan.sin)
+        got = blk(x.clone(), mod, segs, plan.cos, plan.sin, rt.ops, i)
         expect = reference_block(blk, x, mod, segs, plan.cos, plan.sin, m.cfg, wq, act)
         assert act.used == len(act.fed) == 4 * (i + 1)  # qkv, out_proj, fc1, fc2: each input checked
         # The same e4m3 codes on both sides (checked by act); what differs is fp32 (stack) vs fp64 (here)
@@ -311,7 +310,7 @@ def test_w4a8_block_equals_float64_reference(monkeypatch, seed):
         upd = float(((got.double() - x.double()) - (expect - x.double())).norm() / (expect - x.double()).norm())
         assert upd < 1e-5, (i, upd)
         x = got
-    assert m.stack.fc2_direct_calls == len(m.blocks)
+    assert rt.ops.fc2_direct_calls == len(m.blocks)
     assert act.ambiguous <= 8  # boundary cases over the 12 GEMM inputs (measured: 0-2)
 
 
@@ -320,9 +319,9 @@ def test_w4a8_no_less_accurate_than_w4a4_and_fc2_lt_not_applicable():
     activations), both with NVFP4 weights through the same fp8 GEMM backend. FC2 in W4A8 never reaches the
     dispatcher (its counters stay honest) and the stack says why."""
     dense = load_model(None, RuntimeOptions(**CPU, quantize=False), tiny_seed=2).model
-    w4a4 = load_model(None, RuntimeOptions(**CPU, gemm="fp8", act_format="nvfp4"), tiny_seed=2).model
-    w4a8 = _w4a8(2).model
-    assert w4a4.stack.act_format == "nvfp4"
+    w4a4 = load_model(None, RuntimeOptions(**CPU, gemm="fp8", act_format="nvfp4"), tiny_seed=2)
+    w4a8 = _w4a8(2)
+    assert w4a4.ops.name == "nvfp4"
     calls = []
 
     class Dispatcher:
@@ -330,37 +329,38 @@ def test_w4a8_no_less_accurate_than_w4a4_and_fc2_lt_not_applicable():
             calls.append(1)
             return fallback(None)
 
-    w4a8.stack.fc2 = Dispatcher()
+    w4a4.ops.fc2_dispatcher = Dispatcher()  # W4A4 goes through it; W4A8 has none to call
     args = (*_inputs(None, 1), 0.6)
     dv, da = dense(*args)
     errs = {}
-    for name, mdl in (("w4a4", w4a4), ("w4a8", w4a8)):
-        qv, qa = mdl(*args)
+    for name, r in (("w4a4", w4a4), ("w4a8", w4a8)):
+        qv, qa = r.model(*args, ops=r.ops)
         errs[name] = float(torch.cat([(qv - dv).flatten(), (qa - da).flatten()]).norm()
                            / torch.cat([dv.flatten(), da.flatten()]).norm())
     assert 0 < errs["w4a8"] <= errs["w4a4"], errs
-    assert calls == []
-    st = w4a8.stack.fc2_status()
-    assert st["lt_path"] == "not applicable (act_format fp8)" and st["direct_calls"] == len(w4a8.blocks)
+    assert len(calls) == len(w4a4.model.blocks)  # W4A4 only
+    st = w4a8.ops.status()
+    assert st["lt_path"] == "not applicable (act_format fp8)" and st["direct_calls"] == len(w4a8.model.blocks)
+    assert w4a8.plan.choices["fc2_lt"].choice == "not applicable (act_format fp8)"
 
 
-def test_act_format_option_and_refusal(monkeypatch):
+def test_act_format_option_and_refusal():
+    """The plan resolves the activation format once: fp8 where the block linears run the fp8 GEMM backend,
+    nvfp4 elsewhere, never an error; an explicit fp8 that cannot run says why."""
     assert RuntimeOptions().act_format == "auto"
-    # auto: fp8 where every block linear runs the fp8 backend, else nvfp4, never an error
-    auto8 = load_model(None, RuntimeOptions(**CPU, gemm="fp8"), tiny_seed=1).model.stack
-    assert auto8.act_format == "fp8" and auto8.act_format_reason.startswith("auto: fp8 (W4A8)")
-    auto4 = load_model(None, RuntimeOptions(**CPU), tiny_seed=1).model.stack  # CPU auto gemm: emulated
-    assert auto4.act_format == "nvfp4" and auto4.act_format_reason.startswith("auto: fp8 not applicable")
-    assert auto4.set_act_format("auto", strict=True)["choice"] == "nvfp4"
+    auto8 = load_model(None, RuntimeOptions(**CPU, gemm="fp8"), tiny_seed=1)
+    assert auto8.ops.name == "w4a8" and auto8.backends["act_format"]["reason"].startswith("auto: fp8 (W4A8)")
+    auto4 = load_model(None, RuntimeOptions(**CPU), tiny_seed=1)  # CPU auto gemm: emulated
+    assert auto4.ops.name == "nvfp4" and auto4.backends["act_format"]["reason"].startswith("nvfp4")
+    assert "the block linears run emulated" in auto4.backends["act_format"]["reason"]
     assert RuntimeOptions.from_env({"H3_ACT_FORMAT": "fp8"}).act_format == "fp8"
     assert RuntimeOptions(act_format="fp8").as_env()["H3_ACT_FORMAT"] == "fp8"
     with pytest.raises(ValueError):
         RuntimeOptions(act_format="int8")
-    st = load_model(None, RuntimeOptions(**CPU), tiny_seed=1).model.stack  # CPU auto gemm: emulated
-    got = st.set_act_format("fp8")
+    asked = load_model(None, RuntimeOptions(**CPU, act_format="fp8"), tiny_seed=1)
+    got = asked.backends["act_format"]
     assert got["choice"] == "nvfp4" and "needs the fp8 GEMM backend" in got["reason"]
-    with pytest.raises(RuntimeError, match="requested fp8 unavailable"):
-        st.set_act_format("fp8", strict=True)
+    assert asked.ops.name == "nvfp4"
 
 
 def test_w4a8_out_proj_side_path_is_added():
@@ -384,10 +384,10 @@ def test_w4a8_out_proj_side_path_is_added():
     plan = m.plan(text, tuple(video.shape), tuple(audio.shape), [0.5])
     x = m.pack(plan, video, audio)
     segs = plan.times[0].mod_segments
-    base = m.stack.block(0, blk, x.clone(), plan.mods[0][0], segs, plan.cos, plan.sin)
+    base = blk(x.clone(), plan.mods[0][0], segs, plan.cos, plan.sin, rt.ops, 0)
     prev = lora_mod._install_side("blocks.0.attn.out_proj", lin, side)
     try:
-        got = m.stack.block(0, blk, x.clone(), plan.mods[0][0], segs, plan.cos, plan.sin)
+        got = blk(x.clone(), plan.mods[0][0], segs, plan.cos, plan.sin, rt.ops, 0)
     finally:
         lora_mod._uninstall_side(lin, prev)
     s = x.shape[0]
@@ -411,7 +411,7 @@ def test_canonical_accuracy_stage_and_fc2_counts_for_w4a8():
     video, audio, text = _inputs(m, 0)
     plan = m.plan(text, tuple(video.shape), tuple(audio.shape), [0.95])
     r = canonical.accuracy(rt, plan, torch.randn(video.shape), torch.randn(audio.shape))
-    assert m.stack.act_format == "fp8" and r["benchmarked"]["act_format"] == "fp8"
+    assert rt.ops.name == "w4a8" and r["benchmarked"]["act_format"] == "fp8"
     assert {lin.backend for blk in m.blocks for lin in (blk.attn.qkv_proj, blk.mlp.fc2)} == {"fp8"}  # restored
     assert 0 < r["benchmarked"]["video_rel_l2"] < r["nvfp4_w4a4_emulation"]["video_rel_l2"], r
     assert r["benchmarked_no_less_accurate"] is True
@@ -452,19 +452,18 @@ def test_sage_v_fp8_bit_exact_and_layout(s, h, d):
     assert ((back[:s] - x).abs() <= torch.maximum(x.abs() * 2.0 ** -4, got[1][0].cpu() * 2.0 ** -9)).all()
 
 
-def test_fp8_accum_option_reaches_the_w4a8_linears():
-    """H3_FP8_ACCUM / RuntimeOptions.fp8_accum: "fast" reaches every W4A8 GEMM of the stack (forward_fp8 then
-    asks cuBLAS for fast accumulation on CUDA; the default), "fp32" keeps fp32 accumulation; the backends say which."""
+def test_precision_option_reaches_the_w4a8_linears_and_the_silu():
+    """RuntimeOptions.precision: "fast" (the default) asks every W4A8 GEMM for fast fp8 accumulation (forward_fp8
+    passes it to cuBLAS on CUDA) and the SwiGLU producer for the fast silu; "exact" for neither; the backends
+    say which."""
     from h3_blackwell.runtime.ops import linear as lin_mod
     from h3_blackwell.runtime.ops.linear import scaled_mm_rowwise
 
-    assert RuntimeOptions().fp8_accum == "fast"
-    assert RuntimeOptions.from_env({"H3_FP8_ACCUM": "fp32"}).fp8_accum == "fp32"
-    with pytest.raises(ValueError, match="fp8_accum"):
-        RuntimeOptions(fp8_accum="tf32")
+    assert RuntimeOptions().precision == "fast"
     real = lin_mod.scaled_mm_rowwise
-    for mode in ("fp32", "fast"):
-        rt = load_model(None, RuntimeOptions(**CPU, gemm="fp8", fp8_accum=mode), tiny_seed=1)
+    for mode in ("exact", "fast"):
+        rt = load_model(None, RuntimeOptions(**CPU, gemm="fp8", precision=mode), tiny_seed=1)
+        assert rt.ops.silu == mode and rt.ops.fast_accum == (mode == "fast")
         seen = []
 
         def spy(*a, fast_accum=False, **kw):
@@ -473,12 +472,11 @@ def test_fp8_accum_option_reaches_the_w4a8_linears():
 
         lin_mod.scaled_mm_rowwise = spy
         try:
-            rt.model(*_inputs(None, 1), 0.6)
+            rt.model(*_inputs(None, 1), 0.6, ops=rt.ops)
         finally:
             lin_mod.scaled_mm_rowwise = real
-        flags = set(seen)
         assert len(seen) == 4 * len(rt.model.blocks)  # qkv, out_proj, fc1, fc2 of every block
-        assert flags == {mode == "fast"} and rt.backends["fp8_accum"]["choice"] == mode
+        assert set(seen) == {mode == "fast"} and rt.backends["precision"]["choice"] == mode
     # the CPU product: exact e4m3 products, fp32 accumulation, scales on the sums
     g = torch.Generator().manual_seed(0)
     a8 = (torch.randn(5, 48, generator=g) * 30).to(torch.float8_e4m3fn)
@@ -514,11 +512,3 @@ def test_swiglu_fp8_fast_silu_within_one_step(scheme):
     with pytest.raises(ValueError, match="silu"):
         f8.swiglu_fp8(h, silu="approx")
     assert n <= 11  # 1e-3 of 11100 codes
-
-
-def test_silu_option_reaches_the_stack():
-    assert RuntimeOptions().silu == "fast"
-    assert RuntimeOptions.from_env({"H3_SILU": "exact"}).silu == "exact"
-    for mode in ("exact", "fast"):
-        rt = load_model(None, RuntimeOptions(**CPU, gemm="fp8", silu=mode), tiny_seed=1)
-        assert rt.model.stack.silu == mode and rt.backends["silu"]["choice"] == mode

@@ -18,10 +18,9 @@ from safetensors.torch import save_file
 from h3_blackwell.runtime import RuntimeOptions, load_model, sample
 from h3_blackwell.runtime.lora import apply as L
 from h3_blackwell.runtime.model.config import FULL, TINY
-from h3_blackwell.runtime.engine import H3Runtime
+from h3_blackwell.runtime.io.load import StateDictSource
 from h3_blackwell.runtime.lora.keys import LoraError, match_lora, read_lora_file
 from refblock import reference_block  # the float64 block from the formulas (tests/refblock.py)
-from h3_blackwell.runtime.model.h3 import H3Model
 from h3_blackwell.runtime.ops import nvfp4 as nv
 from h3_blackwell.runtime.ops import quant_kernels as qk
 from h3_blackwell.runtime.model.tiny import save_tiny, tiny_state_dict
@@ -300,6 +299,11 @@ def _q(x):
     return nv.dequantize(nv.quantize(x.float(), nv.global_scale(x.float()), pad_rows=1), torch.float64)
 
 
+def _sides(blk):
+    """The side paths on a block's qkv_proj, fc1, fc2 (the ones the quantized BlockOps add themselves)."""
+    return tuple(L.lora_side(lin) for lin in (blk.attn.qkv_proj, blk.mlp.fc1, blk.mlp.fc2))
+
+
 def test_side_path_in_the_nvfp4_stack_equals_the_w4a4_oracle(files, fp4):
     """NVFP4 block stack + side path on all four block linears, every block: equals the float64 W4A4 oracle
     with the exact LoRA term on the unquantized activations. Same NVFP4 codes on both sides, so only fp32 vs
@@ -313,8 +317,8 @@ def test_side_path_in_the_nvfp4_stack_equals_the_w4a4_oracle(files, fp4):
     g = torch.Generator().manual_seed(4)
     x = m.pack(plan, torch.randn(1, 24, 2, 6, 8, generator=g), torch.randn(1, 32, 2, 5, generator=g))
     L.apply_loras(fp4, [(path, s, "side")])
-    assert all(side is not None for side in m.stack._sides(m.blocks[0]))
-    got = m.run_blocks(x.clone(), plan, 0)
+    assert all(side is not None for side in _sides(m.blocks[0]))
+    got = m.run_blocks(x.clone(), plan, 0, fp4.ops)
     expect = x.double()
     for i, blk in enumerate(m.blocks):
         wq = {n.split(".")[1]: nv.dequantize(getattr(getattr(blk, n.split(".")[0]), n.split(".")[1]).weight,
@@ -327,7 +331,7 @@ def test_side_path_in_the_nvfp4_stack_equals_the_w4a4_oracle(files, fp4):
     upd = float(((got.double() - x.double()) - (expect - x.double())).norm() / (expect - x.double()).norm())
     assert rel < 1e-6 and upd < 1e-5, (rel, upd)
     L.remove_loras(fp4)
-    assert m.stack._sides(m.blocks[0]) == (None, None, None)
+    assert _sides(m.blocks[0]) == (None, None, None)
 
 
 def test_side_on_an_nvfp4_layer_adds_the_exact_term(files, fp4):
@@ -472,10 +476,8 @@ def test_curve_form_skips_adaln_loras_and_says_why(files):
     """A LoRA made for the full-form AdaLN (width 48 here, 2688 in H3) on a curve-form checkpoint (AdaLN
     input = the 8-wide table row): every AdaLN tensor is skipped and listed with the reason; the rest merges."""
     cfg = TINY.replace(adaln_curve_grid=33, time_embed_dim=8)
-    model = H3Model(cfg, torch.float32)
-    model.load_state_dict(tiny_state_dict(cfg, 0))
-    rt = H3Runtime(model.eval().requires_grad_(False), cfg, torch.device("cpu"), torch.float32, RuntimeOptions(**CPU),
-                   "curve-form test model")
+    rt = load_model(StateDictSource(tiny_state_dict(cfg, 0), "curve-form test model", cfg),
+                    RuntimeOptions(**CPU, quantize=False))
     path, truth = files["comfy+diffs"]
     before = _sd(rt)
     rep = L.apply_loras(rt, [(path, 1.0, "merge")])
@@ -517,9 +519,9 @@ def test_fc2_guard_refuses_while_a_side_lora_is_on_fc2(files, fp4, tmp_path):
     (blocks x steps) with the reason 'lora: LoRA side-path active on fc2', falls back, and the run report's
     counters show it; merged or removed, the refusal is no longer the LoRA's."""
     path, truth = files["comfy"]
-    stack = fp4.model.stack
+    ops = fp4.ops
     d = _dispatcher(tmp_path)
-    fp4.fc2, stack.fc2 = d, d
+    fp4.fc2, ops.fc2_dispatcher = d, d
     try:
         text, video, audio = torch.randn(1, 6, 5120), torch.zeros(1, 24, 2, 4, 4), torch.zeros(1, 32, 2, 4)
         rep = L.apply_loras(fp4, [(path, 1.0, "side")])
@@ -540,8 +542,8 @@ def test_fc2_guard_refuses_while_a_side_lora_is_on_fc2(files, fp4, tmp_path):
         assert sum(new.values()) == TINY.num_layers and d.total["reasons"] != reasons
     finally:
         L.remove_loras(fp4)
-        fp4.fc2, stack.fc2 = None, None
-    assert stack.lora_on_fc2(0) is False
+        fp4.fc2, ops.fc2_dispatcher = None, None
+    assert _sides(fp4.model.blocks[0])[2] is None  # removed: no side path left on fc2
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,41 +19,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .block import AdalnProj, Attention, DiTBlock, MLP, ReferenceOps, RMSNorm
 from .config import H3Config
 from .cond_rows import audio_mask_rows, condition_rows, keyframe_specs, video_mask_rows
 from .conditioning import H3Conditioning, pool_audio_mask, pool_video_mask
 from .layout import (PackedLayout, build_layout, pack_audio, pad_video, patchify_video, step_times, time_shift_sigma,
                      unpack_audio, unpatchify_video)
 
-AttentionFn = Callable[[torch.Tensor, int, int], torch.Tensor]
-
-
 # ---------------------------------------------------------------------------------------------
 # reference ops
 # ---------------------------------------------------------------------------------------------
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x * rsqrt(mean(x^2) + eps) * weight over the last dim, computed in fp32, returned in x.dtype."""
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * weight.float()).to(x.dtype)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype=None, device=None):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
-
-    def forward(self, x):
-        return rms_norm(x, self.weight, self.eps)
-
 
 def rope_tables(position_ids: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[S, 3] float64 positions -> (cos, sin) [S, 6F] fp32: angles (t | h | w) x inv_freq, duplicated halves."""
@@ -61,33 +41,6 @@ def rope_tables(position_ids: torch.Tensor, inv_freq: torch.Tensor) -> tuple[tor
     ang = (pos.unsqueeze(-1) * inv_freq.float().view(1, 1, -1)).flatten(1)  # [S, 3F], axis-major
     ang = torch.cat([ang, ang], dim=-1)
     return ang.cos(), ang.sin()
-
-
-def norm_rope_reference(qkv: torch.Tensor, q_weight, k_weight, cos, sin, heads: int, head_dim: int,
-                        eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q, k, v) [S, H, D] from the fused qkv [S, 3*H*D]: per-head RMSNorm of q, k then split-half RoPE on the
-    first cos.shape[-1] channels; fp32 math, cast once to qkv.dtype. v is a view of the buffer."""
-    s = qkv.shape[0]
-    q, k, v = qkv.view(s, 3, heads, head_dim).unbind(1)
-    r = cos.shape[-1]
-    c, sn = cos.float()[:, None, :], sin.float()[:, None, :]
-
-    def one(x, w):
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()
-        xr = xf[..., :r]
-        x1, x2 = xr[..., : r // 2], xr[..., r // 2:]
-        rot = xr * c + torch.cat([-x2, x1], dim=-1) * sn
-        return torch.cat([rot, xf[..., r:]], dim=-1).to(qkv.dtype)
-
-    return one(q, q_weight), one(k, k_weight), v
-
-
-def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Full unmasked attention; q, k, v [S, H, D] -> [S, H*D] (softmax scale 1/sqrt(D))."""
-    out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-                                         v.transpose(0, 1).unsqueeze(0))
-    return out[0].transpose(0, 1).reshape(q.shape[0], -1)
 
 
 def timestep_sinusoid(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -101,61 +54,6 @@ def timestep_sinusoid(t: torch.Tensor, dim: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # modules (names = ComfyUI checkpoint keys)
 # ---------------------------------------------------------------------------------------------
-
-class Attention(nn.Module):
-    def __init__(self, cfg: H3Config, dtype, device=None, gate_compress=False):
-        super().__init__()
-        self.heads, self.head_dim = cfg.num_heads, cfg.head_dim
-        inner = cfg.inner_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, 3 * inner, bias=False, dtype=dtype, device=device)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.eps, dtype=dtype, device=device)
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.eps, dtype=dtype, device=device)
-        self.out_proj = nn.Linear(inner, cfg.hidden_size, bias=False, dtype=dtype, device=device)
-        if gate_compress:
-            # VSA gate; unused by the dense forward (kept so such checkpoints load)
-            self.to_gate_compress = nn.Linear(cfg.hidden_size, inner, bias=False, dtype=dtype, device=device)
-
-    def forward(self, h: torch.Tensor, cos=None, sin=None, attn_fn: AttentionFn | None = None) -> torch.Tensor:
-        qkv = self.qkv_proj(h)
-        if cos is None:  # token refiner: q/k norm, no rope
-            s = qkv.shape[0]
-            q, k, v = qkv.view(s, 3, self.heads, self.head_dim).unbind(1)
-            q, k = self.q_norm(q), self.k_norm(k)
-        else:
-            q, k, v = norm_rope_reference(qkv, self.q_norm.weight, self.k_norm.weight, cos, sin,
-                                          self.heads, self.head_dim, self.q_norm.eps)
-        if attn_fn is not None:
-            qkv2 = torch.stack([q, k, v], dim=1).reshape(qkv.shape)
-            o = attn_fn(qkv2, self.heads, self.head_dim)
-        else:
-            o = attention_reference(q, k, v)
-        return self.out_proj(o)
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: H3Config, dtype, device=None):
-        super().__init__()
-        self.fc1 = nn.Linear(cfg.hidden_size, 2 * cfg.ffn_hidden_size, bias=False, dtype=dtype, device=device)
-        self.fc2 = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=False, dtype=dtype, device=device)
-
-    def forward(self, h):
-        gate, up = self.fc1(h).chunk(2, dim=-1)
-        return self.fc2(F.silu(gate) * up)
-
-
-class AdalnProj(nn.Module):
-    """t_emb [M, t_dim] -> [M * modalities, expand * hidden] (SiLU first in full form, not in curve form)."""
-
-    def __init__(self, t_dim, hidden, expand, modalities, apply_silu, dtype, device=None):
-        super().__init__()
-        self.expand, self.modalities, self.hidden, self.apply_silu = expand, modalities, hidden, apply_silu
-        self.linear = nn.Linear(t_dim, expand * hidden * modalities, bias=True, dtype=dtype, device=device)
-
-    def forward(self, t_emb):
-        x = F.silu(t_emb) if self.apply_silu else t_emb
-        x = self.linear(x.to(self.linear.weight.dtype))
-        return x.reshape(x.shape[0] * self.modalities, self.expand * self.hidden)
-
 
 class RefinerBlock(nn.Module):
     def __init__(self, cfg: H3Config, dtype, device=None):
@@ -191,39 +89,6 @@ class TimeEmbedder(nn.Module):
 
     def forward(self, t):
         return self.proj_out(F.silu(self.proj_in(timestep_sinusoid(t, self.freq_dim))))
-
-
-def modulate_(h: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, segments) -> torch.Tensor:
-    """In place, per segment (a, b, row): h[a:b] = h[a:b] * (1 + scale[row]) + shift[row] at h's dtype."""
-    for a, b, r in segments:
-        h[a:b].mul_(1.0 + scale[r].to(h.dtype)).add_(shift[r].to(h.dtype))
-    return h
-
-
-def gate_add_(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, segments) -> torch.Tensor:
-    """In place, per segment: x[a:b] += gate[row] * y[a:b] (at x's dtype)."""
-    for a, b, r in segments:
-        x[a:b].addcmul_(y[a:b], gate[r].to(x.dtype))
-    return x
-
-
-class DiTBlock(nn.Module):
-    def __init__(self, cfg: H3Config, dtype, adaln_dtype, device=None):
-        super().__init__()
-        self.hidden = cfg.hidden_size
-        self.norm1 = RMSNorm(cfg.hidden_size, cfg.eps, dtype=dtype, device=device)
-        self.norm2 = RMSNorm(cfg.hidden_size, cfg.eps, dtype=dtype, device=device)
-        self.attn = Attention(cfg, dtype, device, gate_compress=cfg.gate_compress)
-        self.mlp = MLP(cfg, dtype, device)
-        self.adaln_proj = AdalnProj(cfg.time_embed_dim, cfg.hidden_size, 6, 3, not cfg.curve_form, adaln_dtype, device)
-
-    def forward(self, x, mod: torch.Tensor, segments, cos, sin, attn_fn=None):
-        """x [S, hidden] (updated in place and returned); mod [M*3, 6*hidden] from adaln_proj."""
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mod.chunk(6, dim=-1)
-        h = modulate_(self.norm1(x), shift_msa, scale_msa, segments)
-        gate_add_(x, self.attn(h, cos, sin, attn_fn), gate_msa, segments)
-        h = modulate_(self.norm2(x), shift_mlp, scale_mlp, segments)
-        return gate_add_(x, self.mlp(h), gate_mlp, segments)
 
 
 class FinalLayer(nn.Module):
@@ -316,10 +181,6 @@ class H3Model(nn.Module):
         self.token_refiner = TokenRefiner(cfg, dtype, device)
         self.blocks = nn.ModuleList([DiTBlock(cfg, dtype, adaln_dtype, device) for _ in range(cfg.num_layers)])
         self.final_layer = FinalLayer(cfg, dtype, adaln_dtype, device)
-        # attention backend for the reference block stack (None = SDPA); set by the loader
-        self.attn_fn: AttentionFn | None = None
-        # the NVFP4 block stack (runtime.stack.Nvfp4Stack); None = the reference blocks
-        self.stack = None
 
     @property
     def device(self) -> torch.device:
@@ -425,24 +286,6 @@ class H3Model(nn.Module):
             out.append(y.reshape(y.shape[0] * ap.modalities, ap.expand * ap.hidden))
         return out
 
-    def offload_adaln(self) -> int:
-        """Keep every block's AdaLN projection in pinned host memory (26 GB for the full-form model) instead of
-        on the device; ``plan`` streams each block's weight over once per run. Returns the bytes moved."""
-        if self.device.type != "cuda":
-            return 0
-        moved = 0
-        for blk in self.blocks:
-            lin = blk.adaln_proj.linear
-            for name in ("weight", "bias"):
-                t = getattr(lin, name)
-                if t.device.type == "cuda":
-                    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                    host.copy_(t)
-                    setattr(lin, name, nn.Parameter(host, requires_grad=False))
-                    moved += t.numel() * t.element_size()
-        torch.cuda.empty_cache()
-        return moved
-
     def _heads_for(self, sigma, sigmas, i, shifts, schedule=None):
         """Output heads of step i. A PDD bank spans [sigma, next): next is the entry after the one nearest to
         sigma in ``schedule`` (the run's full sample_sigmas, core's rule) or else ``sigmas[i + 1]`` (0 at the end)."""
@@ -481,12 +324,11 @@ class H3Model(nn.Module):
         x[a:b] = self.embed_video_rows(patchify_video(pad_video(video.to(self.device).float())))
         return x
 
-    def run_blocks(self, x: torch.Tensor, plan: RunPlan, i: int) -> torch.Tensor:
-        if self.stack is not None:
-            return self.stack.run(x, plan, i)
+    def run_blocks(self, x: torch.Tensor, plan: RunPlan, i: int, ops) -> torch.Tensor:
+        """The block stack at step i over ``ops`` (BlockOps resolved at load; ReferenceOps for the oracle)."""
         segs = plan.times[i].mod_segments
-        for blk, mod in zip(self.blocks, plan.mods[i]):
-            x = blk(x, mod, segs, plan.cos, plan.sin, self.attn_fn)
+        for j, (blk, mod) in enumerate(zip(self.blocks, plan.mods[i])):
+            x = blk(x, mod, segs, plan.cos, plan.sin, ops, j)
         return x
 
     def head(self, x: torch.Tensor, plan: RunPlan, i: int):
@@ -511,21 +353,23 @@ class H3Model(nn.Module):
             audio = audio * plan.audio_mask.to(audio.device)
         return video, audio
 
-    def evaluate(self, plan: RunPlan, i: int, video: torch.Tensor, audio: torch.Tensor):
-        """Model output at step i of a plan: negated velocity (video, audio), fp32, no audio carry."""
+    def evaluate(self, plan: RunPlan, i: int, video: torch.Tensor, audio: torch.Tensor, ops=None):
+        """Model output at step i of a plan: negated velocity (video, audio), fp32, no audio carry. ops: the
+        BlockOps to run the blocks with (default: the exact reference)."""
         x = self.pack(plan, video, audio)
-        x = self.run_blocks(x, plan, i)
+        x = self.run_blocks(x, plan, i, ops if ops is not None else ReferenceOps(self.cfg))
         return self.head(x, plan, i)
 
     @torch.no_grad()
     def forward(self, video, audio, text_states, sigma: float, token_tags=None, keyframes=None, shifts=None,
-                sample_sigmas=None, seed: int = 0, cond: H3Conditioning | None = None):
+                sample_sigmas=None, seed: int = 0, cond: H3Conditioning | None = None, ops=None):
         """One evaluation: exactly ComfyUI core's H3 output for the same conditioning, with no audio carry.
 
         video [1, C, T, H, W], audio [1, Ca, 2, Ta], text_states [1, L, text_dim] (fp32 ok), sigma: video sigma.
         cond: keyframes, references, masks, noise augmentation, seed and sample_sigmas (``H3Conditioning``);
         without it ``keyframes`` / ``seed`` build one. sample_sigmas (or cond.sample_sigmas): the run's
-        schedule, needed only by PDD head banks. Returns (video, audio) fp32.
+        schedule, needed only by PDD head banks. ops: the BlockOps (default: the exact reference, whatever the
+        stored weights' format). Returns (video, audio) fp32.
         """
         sigma = float(sigma)
         sig = [sigma]
@@ -537,4 +381,4 @@ class H3Model(nn.Module):
         plan = self.plan(text_states, tuple(video.shape), tuple(audio.shape), sig, token_tags=token_tags,
                          keyframes=keyframes, shifts=shifts, seed=seed, cond=cond)
         plan.sigmas = sig
-        return self.evaluate(plan, 0, video, audio)
+        return self.evaluate(plan, 0, video, audio, ops)

@@ -52,9 +52,10 @@ import shutil
 import sys
 import tempfile
 import zipfile
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
+import torch.nn.attention
 
 from ..errors import describe
 from .fp8_producers import sage_v_fp8
@@ -640,3 +641,57 @@ def backend_table(device: "torch.device | str", *, head_dim: int = 128, dtype: t
     """{backend: (available, reason)} for every backend on ``device`` (for the load-time printout)."""
     device = torch.device(device)
     return {b: _available(b, device, head_dim, dtype, probe) for b in BACKENDS}
+
+
+def bind_attention(backend: str, heads: int, head_dim: int, *, v_handling: str = "none",
+                   scale: Optional[float] = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Resolve ``backend`` once (module, kernel, V handling, softmax scale) into ``fn(qkv [S, 3*H*D]) ->
+    [S, H*D]`` in qkv's dtype, reading q, k and v as strided views of the buffer (sage1 alone gets a private
+    copy of K). ``v_handling``: "fused" (Sage2's sm_90 kernel with V's fp8 operands built from the strided
+    view), else the library's own wrapper. Nothing is re-validated per call: the load plan checked it."""
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+    sm_scale = head_dim ** -0.5 if scale is None else float(scale)
+    hd = heads * head_dim
+
+    def views(qkv):
+        return qkv_views(qkv, heads, head_dim)
+
+    if backend == "reference":
+        return lambda qkv: attention_reference(*views(qkv), scale=sm_scale).to(qkv.dtype)
+    if backend.startswith("sdpa"):
+        kernel = None if backend == "sdpa" else getattr(torch.nn.attention.SDPBackend, _SDPA_KERNELS[backend])
+
+        def sdpa(qkv):
+            qh, kh, vh = (t.transpose(1, 2) for t in views(qkv))
+            if kernel is None:
+                o = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, scale=sm_scale)
+            else:
+                with torch.nn.attention.sdpa_kernel([kernel]):
+                    o = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, scale=sm_scale)
+            return o.transpose(1, 2).reshape(qkv.shape[0], hd)
+        return sdpa
+    if backend == "sage1":
+        mod, why = _sage1_module()
+        if mod is None:
+            raise RuntimeError(why)
+
+        def sage1(qkv):
+            q, k, v = views(qkv)
+            k_own = k.clone(memory_format=torch.contiguous_format)  # sageattn subtracts K's mean in place
+            return mod.sageattn(q, k_own, v, tensor_layout="NHD", is_causal=False, sm_scale=sm_scale,
+                                smooth_k=True).reshape(qkv.shape[0], hd)
+        return sage1
+    mod, why = _sage2_module()
+    if mod is None:
+        raise RuntimeError(why)
+    if v_handling == "fused":
+        return lambda qkv: _sage2_sm90_fused_v(mod, *views(qkv), sm_scale).reshape(qkv.shape[0], hd)
+    fn_name, kwargs, _ = _sage2_plan(_capability(torch.device("cuda", torch.cuda.current_device())))
+    fn = getattr(mod, fn_name)
+
+    def sage2(qkv):
+        q, k, v = views(qkv)
+        return fn(q, k, v, tensor_layout="NHD", is_causal=False, sm_scale=sm_scale, smooth_k=True,
+                  **kwargs).reshape(qkv.shape[0], hd)
+    return sage2

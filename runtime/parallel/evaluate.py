@@ -13,31 +13,43 @@ Per evaluation (every rank, the same calls in the same order):
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Callable
 
 import torch
 
-from ..model.h3 import attention_reference
+from ..model.block import ReferenceOps, exact_attention
+from ..ops.attention import bind_attention
 from .group import ParallelContext
 from .shard import RowShard
 from .ulysses import CommStats, UlyssesAttention
 
 
-def model_attention(model) -> Callable[..., torch.Tensor]:
-    """The single-device attention op the model itself runs, as ``inner(qkv, heads, head_dim, seq_len)``.
+def sharded_ops(ops, cfg, attention: Callable[[torch.Tensor], torch.Tensor]):
+    """``ops`` (the BlockOps bound at load) with its attention replaced by ``attention`` (the Ulysses wrapper);
+    every other op is row-local and runs unchanged on the rank's rows. The reference ops get the bound-backend
+    form (they then hand the normed qkv buffer to attention)."""
+    if isinstance(ops, ReferenceOps):
+        return ReferenceOps(cfg, attention)
+    out = copy.copy(ops)
+    out._attention = attention
+    return out
 
-    model.attn_fn (the backend bound at load) when set, else the reference blocks' own SDPA call, so the
-    sharded run computes every head exactly as the single-process run does.
-    """
-    fn = getattr(model, "attn_fn", None)
+
+def make_inner(backend: str | None, v_handling: str = "none") -> Callable[..., torch.Tensor]:
+    """The single-device attention as ``inner(qkv, heads, head_dim, seq_len)`` for the Ulysses wrapper: the
+    load plan's backend bound once per local head count, or exact attention (``backend`` None: the reference
+    block ops), so every head is computed as the single-process run computes it."""
+    bound: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
 
     def inner(qkv: torch.Tensor, heads: int, head_dim: int, seq_len: int) -> torch.Tensor:
         qkv = qkv[:seq_len]
-        if fn is not None:
-            return fn(qkv, heads, head_dim)
-        q, k, v = qkv.view(seq_len, 3, heads, head_dim).unbind(1)
-        return attention_reference(q, k, v)
+        if backend is None:
+            return exact_attention(*qkv.view(seq_len, 3, heads, head_dim).unbind(1))
+        if heads not in bound:
+            bound[heads] = bind_attention(backend, heads, head_dim, v_handling=v_handling)
+        return bound[heads](qkv)
 
     return inner
 
@@ -55,23 +67,20 @@ class ShardedEvaluator:
     fp32, whole latents), computed over the ranks of ``ctx``. Bound to one plan; ``stats`` holds the
     all-to-all time and bytes of the run."""
 
-    def __init__(self, ctx: ParallelContext, model, plan, inner: Callable[..., torch.Tensor] | None = None):
+    def __init__(self, ctx: ParallelContext, model, plan, ops=None, inner: Callable[..., torch.Tensor] | None = None,
+                 attention_backend: str | None = None, v_handling: str = "none"):
         self.ctx, self.model, self.plan = ctx, model, plan
         self.shard = RowShard(plan.layout.seq_len, ctx.world_size, ctx.rank)
         self.local = local_plan(plan, self.shard)
         self.stats = CommStats()
-        self.attention = UlyssesAttention(self.shard, inner or model_attention(model), ctx.group, self.stats)
+        ops = ops if ops is not None else ReferenceOps(model.cfg)
+        inner = inner or make_inner(attention_backend, v_handling)
+        self.attention = UlyssesAttention(self.shard, inner, ctx.group, self.stats)
+        self.ops = sharded_ops(ops, model.cfg, lambda qkv: self.attention(qkv, model.cfg.num_heads, model.cfg.head_dim))
 
     def run_blocks(self, x: torch.Tensor, i: int) -> torch.Tensor:
-        """The reference block stack over this rank's rows ``x [c, hidden]`` (in place) with Ulysses attention."""
-        if getattr(self.model, "stack", None) is not None:
-            raise NotImplementedError("sequence parallelism runs the reference block stack only until the "
-                                      "block redesign binds attention per run; use --dense")
-        lp = self.local
-        segs = lp.times[i].mod_segments
-        for blk, mod in zip(self.model.blocks, lp.mods[i]):
-            x = blk(x, mod, segs, lp.cos, lp.sin, self.attention)
-        return x
+        """The block stack over this rank's rows ``x [c, hidden]`` (in place) with Ulysses attention."""
+        return self.model.run_blocks(x, self.local, i, self.ops)
 
     @torch.no_grad()
     def evaluate(self, plan, i: int, video: torch.Tensor, audio: torch.Tensor):

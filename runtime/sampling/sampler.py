@@ -17,6 +17,7 @@ import torch
 
 from ..errors import H3Error, Interrupted
 from ..model.conditioning import H3Conditioning
+from ..model.block import ReferenceOps
 from ..parallel.evaluate import ShardedEvaluator
 from ..parallel.report import gather_ranks, parallel_section, rank_run
 from .report import RunRecord, StepTimer, build_report, latent_sha256
@@ -71,7 +72,9 @@ def _peaks(device) -> tuple[int, int]:
 def _run_once(rt, plan, sigmas, sampler, video0, audio0, noise_v, noise_a, scale, shifts, progress, interrupt,
               run_index: int, total_runs: int, preview=None, evaluate=None, inpaint: Inpaint | None = None):
     model = rt.model
-    evaluate = evaluate or model.evaluate
+    if evaluate is None:
+        def evaluate(plan_, i_, video_, audio_):
+            return model.evaluate(plan_, i_, video_, audio_, rt.ops)
     dev = rt.device
     steps = len(sigmas) - 1
     s0 = sigmas[0]
@@ -82,7 +85,7 @@ def _run_once(rt, plan, sigmas, sampler, video0, audio0, noise_v, noise_a, scale
     fc2 = rt.fc2
     if fc2 is not None:
         fc2.begin_run()
-    stack = getattr(model, "stack", None)
+    stack = rt.ops
     direct0 = getattr(stack, "fc2_direct_calls", 0)
     _peak_reset(dev)
     t0 = time.perf_counter()
@@ -123,7 +126,9 @@ def _measure(run_args: tuple, warmup: int, runs: int, parallel, preview=None, in
     the ``sequence_parallel`` report block or None). With ``parallel`` every run goes through one
     ShardedEvaluator; each rank's numbers are gathered once, after the last run."""
     rt, plan, sigmas = run_args[:3]
-    ev = ShardedEvaluator(parallel, rt.model, plan) if parallel is not None else None
+    exact = isinstance(rt.ops, ReferenceOps) and rt.plan.attention == "reference"
+    ev = ShardedEvaluator(parallel, rt.model, plan, rt.ops, attention_backend=None if exact else rt.plan.attention,
+                          v_handling=rt.plan.v_handling) if parallel is not None else None
     steps = len(sigmas) - 1
     out, records, rank_runs = None, [], []
     for r in range(warmup + runs):
@@ -241,13 +246,13 @@ def sample(rt, text_states: torch.Tensor, token_tags: torch.Tensor | None, video
     fc2_status = None
     if rt.fc2 is not None and hasattr(rt.fc2, "status"):
         fc2_status = rt.fc2.status()
-    stack = getattr(rt.model, "stack", None)
-    if stack is not None and callable(getattr(stack, "fc2_status", None)):
-        fc2_status = {**(fc2_status or {}), **stack.fc2_status()}
+    fc2_status = {**(fc2_status or {}), **rt.ops.status()}
     report = build_report(rt, workload, records, warmup, out[0], out[1],
                           fc2_required=cfg.num_layers * steps, fc2_status=fc2_status)
     if rt.fc2 is None:
-        report["fc2_dispatch"]["status"] = "not active: the block stack runs dense linears (no NVFP4 FC2 path)"
+        report["fc2_dispatch"]["status"] = (
+            f"not active: {rt.plan.choices['fc2_lt'].reason}" if rt.ops.name != "reference" else
+            "not active: the block stack runs dense linears (no NVFP4 FC2 path)")
     report["load_seconds"] = rt.load_seconds
     if sp_section is not None:
         report["sequence_parallel"] = sp_section

@@ -1,0 +1,220 @@
+"""BlockOps: the operations one DiT block is made of, resolved once at load into bound callables.
+
+``DiTBlock.forward`` (runtime.model.h3) is the one block; it calls, per block (x [S, hidden] residual,
+updated in place, DESIGN.md section 3):
+
+  a+b  qkv(i, blk, x, shift, scale, segs)   RMSNorm(x) -> per-segment modulate -> [quantize] -> QKV GEMM
+  c    norm_rope_(blk, qkv, cos, sin)       per-head RMSNorm(q, k) + split-half RoPE, in place
+  d    attention(qkv)                       attention on strided views of the qkv buffer -> [S, H*D]
+  e    out_proj(i, blk, o)                  [quantize] -> out_proj GEMM
+  f    gate_add_(x, y, gate, segs)          x += gate * y, per segment
+  g+h  fc1(i, blk, x, shift, scale, segs)   RMSNorm -> modulate -> [quantize] -> FC1 GEMM -> [gate | up]
+  i+j  fc2(i, blk, h)                       silu(gate) * up -> [quantize] -> FC2 (guarded cuBLASLt path for
+                                            NVFP4 bytes, the fallback GEMM on the same bytes otherwise)
+  k    gate_add_(x, m, gate, segs)
+
+Three implementations, chosen by the load plan:
+
+- ``ReferenceOps`` (runtime.model.block): the dense reference (torch modules, fp32-math norms, exact attention unless the plan
+  bound a faster dense backend). The oracle every other path is tested against.
+- ``Nvfp4Ops`` (W4A4): NVFP4 activations written by the fused producers (``quant_kernels``), NVFP4 GEMMs,
+  FC2 through the guarded dispatcher on the SwiGLU producer's bytes (padded to 16 rows).
+- ``W4A8Ops``: e4m3 activations with one fp32 scale per row from the fused producers (``fp8_producers``),
+  NVFP4 weights expanded per layer to rowwise e4m3; FC2 runs its layer directly (the pinned cuBLASLt FC2
+  takes NVFP4 bytes, so it is not applicable).
+
+On the CPU every quantized step runs its torch reference (the producers' references write the same bytes),
+so the whole stack is testable without a GPU. LoRA side paths (runtime.lora) are found per layer with
+``lora_side``: qkv_proj, fc1 and fc2 get the producers' bytes, so the ops add their side terms; out_proj
+and the reference linears are called as modules, whose forward hook adds it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..lora.apply import lora_side
+from ..model.block import ReferenceOps, modulate_, rms_norm
+from . import elementwise, fp8_producers, quant_kernels
+from .attention import bind_attention
+from .linear import Nvfp4Linear, Scratch
+
+LINEARS = (("attn", "qkv_proj"), ("attn", "out_proj"), ("mlp", "fc1"), ("mlp", "fc2"))
+FC2_PRODUCER = "swiglu_nvfp4"  # fc2.table.PRODUCER_SWIGLU_NVFP4: the producer that wrote FC2's input
+
+
+def _on_cuda(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda"
+
+
+def _modulated(x, norm, shift, scale, segs) -> torch.Tensor:
+    """The reference block's ``modulate(norm(x))`` at x's dtype (also a side path's input for qkv/fc1)."""
+    return modulate_(rms_norm(x, norm.weight, norm.eps), shift, scale, segs)
+
+
+class _QuantizedOps:
+    """What the NVFP4 and W4A8 ops share: fused norm+RoPE and gate/add on CUDA (references on the CPU), the
+    bound attention, and the LoRA side terms of the GEMMs fed by producers."""
+
+    name = "quantized"
+
+    def __init__(self, cfg, attention: Callable[[torch.Tensor], torch.Tensor]):
+        self.cfg = cfg
+        self._attention = attention
+        self.fc2_direct_calls = 0  # FC2 GEMMs run without the dispatcher
+
+    def norm_rope_(self, blk, qkv, cos, sin):
+        c = self.cfg
+        if _on_cuda(qkv):
+            return elementwise.norm_rope_(qkv, blk.attn.q_norm.weight, blk.attn.k_norm.weight, cos, sin, c.eps,
+                                          c.rope_dim)
+        qkv.copy_(elementwise.norm_rope_reference(qkv, blk.attn.q_norm.weight, blk.attn.k_norm.weight, cos, sin,
+                                                  c.eps, c.rope_dim))
+        return qkv
+
+    def attention(self, qkv):
+        with torch.profiler.record_function("h3.attention"):  # a named range for the profiler's copy count
+            return self._attention(qkv)
+
+    def gate_add_(self, x, y, gate, segs):
+        if _on_cuda(x):
+            return elementwise.gate_add_(x, y, gate, segs)
+        x.copy_(elementwise.gate_add_reference(x, y, gate, segs))
+        return x
+
+    def qkv(self, i, blk, x, shift, scale, segs):
+        y = self._norm_linear(blk.attn.qkv_proj, x, blk.norm1, shift, scale, segs)
+        side = lora_side(blk.attn.qkv_proj)
+        if side is not None:
+            side.add_(_modulated(x, blk.norm1, shift, scale, segs), y)
+        return y
+
+    def fc1(self, i, blk, x, shift, scale, segs):
+        y = self._norm_linear(blk.mlp.fc1, x, blk.norm2, shift, scale, segs)
+        side = lora_side(blk.mlp.fc1)
+        if side is not None:
+            side.add_(_modulated(x, blk.norm2, shift, scale, segs), y)
+        return y
+
+    def fc2(self, i, blk, h):
+        side = lora_side(blk.mlp.fc2)
+        m = self._fc2(i, blk, h, lora_active=side is not None and side.active)
+        if side is not None:
+            gate, up = h.chunk(2, dim=-1)
+            side.add_(F.silu(gate) * up, m)
+        return m
+
+
+class Nvfp4Ops(_QuantizedOps):
+    """W4A4: NVFP4 activations from the fused producers; FC2 through the guarded dispatcher (``fc2``, an
+    Fc2Dispatcher, or None for the fallback GEMM) on the SwiGLU producer's bytes."""
+
+    name = "nvfp4"
+
+    def __init__(self, cfg, attention, fc2=None, act_scale: str = "dynamic"):
+        super().__init__(cfg, attention)
+        self.fc2_dispatcher = fc2
+        self.act_scale = act_scale
+
+    def _input_scale(self, lin: Nvfp4Linear):
+        g, _ = quant_kernels.activation_global_scale(self.act_scale, lin.input_scale)
+        return g
+
+    def _norm_linear(self, lin: Nvfp4Linear, x, norm, shift, scale, segs):
+        a = quant_kernels.rms_modulate_quantize(x, norm.weight, scale, shift, segs, self.cfg.eps,
+                                                self._input_scale(lin))
+        return lin.forward_quantized(a.packed, a.scales, a.global_scale)
+
+    def out_proj(self, i, blk, o):
+        return blk.attn.out_proj(o)  # a module call: quantize + GEMM, and its hooks (pre_quant_scale, LoRA)
+
+    def _fc2(self, i, blk, h, lora_active: bool):
+        """silu(gate) * up -> NVFP4 bytes padded to 16 rows (the packed M the pinned FC2 configuration needs)
+        -> the guarded dispatcher, whose fallback runs the layer's GEMM on the same bytes."""
+        fc2: Nvfp4Linear = blk.mlp.fc2
+        s_q = quant_kernels.swiglu_quantize(h, self._input_scale(fc2), pad_rows=16)
+        rows = s_q.shape[0]
+
+        def fallback(ops):
+            return fc2.forward_quantized(s_q.packed, s_q.scales, s_q.global_scale)[:rows]
+
+        if self.fc2_dispatcher is None:
+            self.fc2_direct_calls += 1
+            return fallback(None)
+        w = fc2.weight
+        return self.fc2_dispatcher(s_q.packed, w.packed, x_scale=s_q.scales, w_scale=w.scales,
+                                   alpha=(s_q.global_scale * w.global_scale).reshape(1), m_logical=rows,
+                                   producer=FC2_PRODUCER, lora_active=lora_active, bias=fc2.bias,
+                                   fallback=fallback)
+
+    def status(self) -> dict:
+        return {"lt_path": "dispatcher" if self.fc2_dispatcher is not None else "none (fallback GEMM)",
+                "direct_calls": self.fc2_direct_calls}
+
+
+class W4A8Ops(_QuantizedOps):
+    """W4A8: e4m3 activations, one fp32 scale per row (row amax / 448) from the fused producers; the NVFP4
+    weights expanded per layer to rowwise e4m3. silu / fast_accum: the SwiGLU producer's silu ("exact" or
+    "fast") and the GEMMs' fp8 accumulation (RuntimeOptions.precision)."""
+
+    name = "w4a8"
+
+    def __init__(self, cfg, attention, silu: str = "exact", fast_accum: bool = False):
+        super().__init__(cfg, attention)
+        self.silu = silu
+        self.fast_accum = fast_accum
+
+    def _norm_linear(self, lin: Nvfp4Linear, x, norm, shift, scale, segs):
+        a8, ra = fp8_producers.rms_modulate_fp8(x, norm.weight, scale, shift, segs, self.cfg.eps)
+        return lin.forward_fp8(a8, ra, fast_accum=self.fast_accum)
+
+    def out_proj(self, i, blk, o):
+        """quantize_fp8(o) -> out_proj, plus what calling the module would add: pre_quant_scale and a LoRA
+        side path."""
+        lin: Nvfp4Linear = blk.attn.out_proj
+        src = o
+        if lin.pre_quant_scale is not None:
+            o = o * lin.pre_quant_scale.to(o.dtype)
+        o8, ro = fp8_producers.quantize_fp8(o if o.stride(-1) == 1 else o.contiguous())
+        y = lin.forward_fp8(o8, ro, fast_accum=self.fast_accum)
+        del o8, ro
+        side = lora_side(lin)
+        if side is not None:
+            side.add_(src, y)
+        return y
+
+    def _fc2(self, i, blk, h, lora_active: bool):
+        s8, rs = fp8_producers.swiglu_fp8(h, silu=self.silu)
+        self.fc2_direct_calls += 1
+        return blk.mlp.fc2.forward_fp8(s8, rs, fast_accum=self.fast_accum)
+
+    def status(self) -> dict:
+        return {"lt_path": "not applicable (act_format fp8)", "direct_calls": self.fc2_direct_calls,
+                "reason": "the pinned cuBLASLt FC2 takes NVFP4 bytes; with e4m3 rowwise activations FC2 runs "
+                          "Nvfp4Linear.forward_fp8 directly and the dispatcher is not called (no attempts)"}
+
+
+def build_ops(plan, fc2=None):
+    """The BlockOps for a load plan (runtime.plan.LoadPlan): reference for dense linears, else NVFP4 or W4A8
+    by the plan's activation format; attention bound once for the plan's backend and V handling."""
+    cfg = plan.config
+    attn = bind_attention(plan.attention, cfg.num_heads, cfg.head_dim, v_handling=plan.v_handling)
+    if plan.act_format == "dense":
+        return ReferenceOps(cfg, None if plan.attention == "reference" else attn)
+    if plan.act_format == "fp8":
+        o = plan.options
+        return W4A8Ops(cfg, attn, silu=o.silu, fast_accum=o.fp8_fast_accum)
+    return Nvfp4Ops(cfg, attn, fc2=fc2, act_scale=plan.options.act_scale)
+
+
+def to_nvfp4_linear(layer: str, weight: torch.Tensor | None, shape: tuple[int, int], *, stored: dict | None,
+                    backend: str, act_scale: str, out_dtype: torch.dtype, scratch: Scratch) -> Nvfp4Linear:
+    """One block linear as an Nvfp4Linear: adopted from its stored comfy_quant NVFP4 tensors, or quantized
+    from ``weight`` [N, K] (on its device; the Triton quantizer on CUDA, the reference elsewhere: same bytes)."""
+    kw = dict(backend=backend, act_scale=act_scale, out_dtype=out_dtype, scratch=scratch)
+    if stored is not None:
+        return Nvfp4Linear.from_comfy_quant(stored, layer, shape=shape, **kw)
+    return Nvfp4Linear.from_float(weight.detach(), **kw)

@@ -1,0 +1,96 @@
+"""The backend registry: for each op, its backends in preference order, each with a capability check and the
+reference it is tested against.
+
+Shape (after comfy-kitchen's registry): ``Backend(op, name, check, reference)``. ``check(device, **kw)`` ->
+``(available, reason)`` never raises. ``resolve(op, device, requested)`` picks the backend once, at load:
+``auto`` takes the first available one in preference order; an explicit request that cannot run falls back
+to ``auto`` with ``"requested <name> unavailable: <why>"`` (never a silent swap). ``capability_table``
+is what the load prints and what the tests loop over.
+
+The checks and the choosers themselves live beside their kernels (``ops.attention``, ``ops.linear``); this
+module is the one table that names them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from . import attention, linear
+
+
+@dataclass(frozen=True)
+class Backend:
+    op: str
+    name: str
+    check: Callable[..., tuple[bool, str]]
+    reference: str  # the backend this one is tested against ("" for the reference itself)
+
+
+def _attention_check(name: str):
+    def check(device: torch.device, *, head_dim: int = 128, probe: bool = True, **_):
+        if name == "reference":
+            return True, "reference: fp32 math, the oracle"
+        if torch.device(device).type != "cuda" and name != "sdpa":
+            return False, f"{name}: needs a CUDA device"
+        return attention._available(name, torch.device(device), head_dim, torch.bfloat16, probe)
+    return check
+
+
+def _gemm_check(name: str):
+    def check(device: torch.device, **_):
+        for c in linear.gemm_capability_table(device):
+            if c.backend == name:
+                return c.available, c.reason
+        return False, f"{name}: unknown"
+    return check
+
+
+REGISTRY: dict[str, list[Backend]] = {
+    "attention": [Backend("attention", n, _attention_check(n), "" if n == "reference" else "reference")
+                  for n in ("sage2", "sdpa_cudnn", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_math", "sage1",
+                            "reference")],
+    "gemm": [Backend("gemm", n, _gemm_check(n), "" if n == "reference" else "reference")
+             for n in ("native", "fp8", "bf16", "emulated", "reference")],
+}
+
+
+def _choose_attention(device, requested, head_dim=128, **_):
+    return attention.choose_attention_backend(device, requested, head_dim=head_dim)
+
+
+def _choose_gemm(device, requested, **_):
+    return linear.choose_gemm_backend(device, requested)
+
+
+def _choose_v_handling(device, attention_backend, head_dim=128, **_):
+    """V's handling for Sage2's sm_90 kernel: fused fp8 operands where its stages exist, else the library
+    wrapper; nothing to choose for other attention backends."""
+    if attention_backend != "sage2":
+        return "none", f"no effect: attention runs {attention_backend} (it acts on Sage2's sm_90 kernel)"
+    return attention.sage_v_pad_status("fused", device, head_dim)
+
+
+_CHOOSERS = {"attention": _choose_attention, "gemm": _choose_gemm, "v_handling": _choose_v_handling}
+
+
+def resolve(op: str, device: torch.device | str, requested: str = "auto", **kw) -> tuple[str, str]:
+    """(backend, reason) for ``op`` on ``device`` (module docstring). Made once per load."""
+    if op not in _CHOOSERS:
+        raise ValueError(f"op {op!r}: expected one of {', '.join(_CHOOSERS)}")
+    return _CHOOSERS[op](torch.device(device), requested, **kw)
+
+
+def capability_table(device: torch.device | str, *, probe: bool = False, head_dim: int = 128) -> dict:
+    """{op: [{"backend", "available", "reason", "reference"}]} for every registered backend on ``device``."""
+    device = torch.device(device)
+    out = {}
+    for op, backends in REGISTRY.items():
+        rows = []
+        for b in backends:
+            ok, why = b.check(device, head_dim=head_dim, probe=probe)
+            rows.append({"backend": b.name, "available": bool(ok), "reason": why, "reference": b.reference})
+        out[op] = rows
+    return out

@@ -1,0 +1,216 @@
+"""LoadPlan: what a load will do, resolved from the device, the options and the checkpoint header before
+any tensor is read.
+
+Order of resolution (each step can depend only on the ones before it):
+
+1. device and compute dtype;
+2. the GEMM backend of the block linears (``quantize`` off: dense linears at the compute dtype);
+3. the activation format: fp8 (W4A8) where the block linears run the fp8 GEMM backend, NVFP4 elsewhere;
+4. FC2's guarded cuBLASLt path, only where FC2 takes NVFP4 bytes (NVFP4 activations on CUDA);
+5. the attention backend, and 6. the V handling of Sage2's sm_90 kernel;
+7. precision and AdaLN placement.
+
+Every step is a ``Choice`` (what will run, and why a faster one was not taken). ``describe()`` is what the
+CLI and the loader node print; ``report()`` is the report's ``backends`` block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+import torch
+
+from .errors import CheckpointError
+from .io.checkpoint import Checkpoint, open_checkpoint
+from .model.config import QUANT_LINEARS, TINY, H3Config
+from .ops.registry import resolve
+from .options import RuntimeOptions
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FC2_NOT_APPLICABLE = "not applicable (act_format fp8)"
+
+
+@dataclass(frozen=True)
+class Choice:
+    choice: str
+    reason: str
+
+    def as_dict(self) -> dict:
+        return {"choice": self.choice, "reason": self.reason}
+
+
+@dataclass
+class LoadPlan:
+    """Every backend choice of one load. ``checkpoint`` is None for the embedded tiny model."""
+
+    options: RuntimeOptions
+    device: torch.device
+    dtype: torch.dtype
+    config: H3Config
+    source: str
+    checkpoint: object | None  # a Checkpoint, an in-memory source, or None (embedded tiny)
+    choices: dict[str, Choice] = field(default_factory=dict)
+    stored_nvfp4: tuple[str, ...] = ()  # block linears stored as NVFP4 (adopted as they are)
+
+    @property
+    def quantize(self) -> bool:
+        return self.options.quantize
+
+    @property
+    def gemm(self) -> str:
+        return self.choices["gemm"].choice
+
+    @property
+    def act_format(self) -> str:
+        return self.choices["act_format"].choice
+
+    @property
+    def attention(self) -> str:
+        return self.choices["attention"].choice
+
+    @property
+    def v_handling(self) -> str:
+        return self.choices["v_handling"].choice
+
+    @property
+    def fc2_lt(self) -> bool:
+        return self.choices["fc2_lt"].choice in ("dispatcher", "strict")
+
+    @property
+    def adaln_on_host(self) -> bool:
+        return self.choices["adaln"].choice == "rows per run"
+
+    def report(self) -> dict:
+        out = {k: c.as_dict() for k, c in self.choices.items()}
+        if self.options.ignored:
+            out["ignored_options"] = {"choice": ", ".join(sorted(self.options.ignored)),
+                                      "reason": "; ".join(f"{k}: {v}" for k, v in sorted(self.options.ignored.items()))}
+        return out
+
+    def describe(self) -> str:
+        c = self.config
+        lines = [f"H3 model {self.source}: {c.num_layers} blocks, hidden {c.hidden_size}, "
+                 f"{self.device} {str(self.dtype).replace('torch.', '')}"]
+        for op, ch in self.report().items():
+            lines.append(f"  {op:<12} {ch['choice']:<14} {ch['reason']}")
+        return "\n".join(lines)
+
+
+def resolve_device(options: RuntimeOptions) -> torch.device:
+    if options.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(options.device)
+    except RuntimeError:
+        raise CheckpointError(f"device {options.device!r}: expected auto, cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise CheckpointError(f"device {options.device!r}: expected auto, cpu, cuda or cuda:N")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise CheckpointError("device 'cuda' was requested but torch sees no CUDA device; use --device cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise CheckpointError(f"device {options.device!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    return dev
+
+
+def resolve_dtype(options: RuntimeOptions, device: torch.device) -> torch.dtype:
+    if options.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[options.dtype]
+
+
+def _stored_nvfp4(ck) -> tuple[str, ...]:
+    if not isinstance(ck, Checkpoint):
+        return ()
+    out = []
+    for k in ck.keys():
+        if k.endswith(".weight") and QUANT_LINEARS.match(k[:-7]):
+            fmt = ck.quant_format(k[:-7])
+            if fmt and fmt.get("format") == "nvfp4":
+                out.append(k[:-7])
+    return tuple(out)
+
+
+def _gemm(options: RuntimeOptions, device: torch.device, dtype: torch.dtype, stored: tuple) -> Choice:
+    if not options.quantize:
+        return Choice("dense", f"quantize off: dense linears at {str(dtype).replace('torch.', '')}")
+    name, why = resolve("gemm", device, options.gemm)
+    src = "NVFP4 as stored" if stored else "quantized to NVFP4 while streaming in"
+    return Choice(name, f"{why}; block linears {src}")
+
+
+def _act_format(options: RuntimeOptions, gemm: str) -> Choice:
+    if gemm == "dense":
+        return Choice("dense", "quantize off: activations stay at the compute dtype")
+    fp8_ok = gemm == "fp8"
+    if options.act_format == "fp8" and not fp8_ok:
+        return Choice("nvfp4", f"requested fp8 unavailable: W4A8 needs the fp8 GEMM backend (block linears run "
+                               f"{gemm}); using nvfp4")
+    if options.act_format == "nvfp4" or not fp8_ok:
+        why = "requested" if options.act_format == "nvfp4" else f"auto: the block linears run {gemm}"
+        return Choice("nvfp4", f"nvfp4: NVFP4 activations (W4A4); {why}")
+    prefix = "auto: " if options.act_format == "auto" else ""
+    return Choice("fp8", prefix + "fp8 (W4A8): e4m3 activations, one fp32 scale per row (row amax / 448), written "
+                                  "by the fused producers; NVFP4 weights expanded per layer to rowwise e4m3")
+
+
+def _fc2(options: RuntimeOptions, device: torch.device, act_format: str) -> Choice:
+    if act_format == "dense":
+        return Choice("off", "quantize off: FC2 is a dense linear")
+    if act_format == "fp8":
+        return Choice(FC2_NOT_APPLICABLE, "the pinned cuBLASLt FC2 takes NVFP4 bytes; with e4m3 activations FC2 "
+                                          "runs its layer directly (no dispatcher, no extension build)")
+    if device.type != "cuda":
+        return Choice("off", "cpu: no cuBLASLt; FC2 runs the fallback GEMM on the producer's bytes")
+    if not options.fc2_lt:
+        return Choice("off", "fc2_lt off: FC2 runs the fallback GEMM on the producer's bytes")
+    mode = "strict" if options.fc2_lt_strict else "dispatcher"
+    return Choice(mode, "guarded cuBLASLt FC2 (entries checked at prepare; fallback on the same bytes"
+                        + (", strict: a refusal raises" if mode == "strict" else "") + ")")
+
+
+def _precision(options: RuntimeOptions, device: torch.device, act_format: str) -> Choice:
+    if act_format != "fp8":
+        return Choice(options.precision, f"no effect: it acts on the W4A8 GEMMs and producers (act_format {act_format})")
+    what = ("fast: Hopper's fast fp8 accumulation in the W4A8 GEMMs, hardware exp2 silu in the SwiGLU producer"
+            if options.precision == "fast" else
+            "exact: fp32 accumulation in the W4A8 GEMMs, the bit-exact silu in the SwiGLU producer")
+    return Choice(options.precision, what + ("; CPU: the exact references either way" if device.type != "cuda" else ""))
+
+
+def _adaln(options: RuntimeOptions, device: torch.device, cfg: H3Config) -> Choice:
+    if cfg.curve_form:
+        return Choice("resident", "curve form: the AdaLN tables are small")
+    if options.adaln_cache and device.type == "cuda":
+        return Choice("rows per run", "modulation rows precomputed per run; full-form AdaLN weights stream into "
+                                      "pinned host memory, never onto the device")
+    return Choice("resident", "adaln_cache off or not CUDA: AdaLN weights stay with the model")
+
+
+def make_plan(path, options: RuntimeOptions, tiny_seed: int = 0) -> LoadPlan:
+    """Resolve every choice of a load (module docstring) from the header alone; reads no tensor.
+
+    path: a checkpoint path, None for the embedded tiny model, or an in-memory tensor source (an object with
+    ``config``, ``name``, ``keys()``, ``shape()``, ``quant_format()`` and ``tensor()``, e.g. the benches'
+    random full-size weights)."""
+    device = resolve_device(options)
+    dtype = resolve_dtype(options, device)
+    if path is None:
+        ck, cfg, source = None, TINY, f"embedded tiny (seed {tiny_seed})"
+    elif hasattr(path, "tensor"):
+        ck, cfg, source = path, path.config, path.name
+    else:
+        ck = open_checkpoint(path)
+        cfg, source = ck.config, str(path)
+    plan = LoadPlan(options, device, dtype, cfg, source, ck, stored_nvfp4=_stored_nvfp4(ck))
+    ch = plan.choices
+    ch["gemm"] = _gemm(options, device, dtype, plan.stored_nvfp4)
+    ch["act_format"] = _act_format(options, ch["gemm"].choice)
+    ch["fc2_lt"] = _fc2(options, device, ch["act_format"].choice)
+    name, why = resolve("attention", device, options.attention, head_dim=cfg.head_dim)
+    ch["attention"] = Choice(name, why)
+    ch["v_handling"] = Choice(*resolve("v_handling", device, name, head_dim=cfg.head_dim))
+    ch["precision"] = _precision(options, device, ch["act_format"].choice)
+    ch["act_scale"] = Choice(options.act_scale, "NVFP4 activations' global scale: " + (
+        "amax per call" if options.act_scale == "dynamic" else "the checkpoint's input_scale where present")
+        if ch["act_format"].choice == "nvfp4" else f"no effect: act_format {ch['act_format'].choice}")
+    ch["adaln"] = _adaln(options, device, cfg)
+    return plan
