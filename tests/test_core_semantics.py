@@ -128,13 +128,13 @@ def test_nvfp4_stack_close_to_dense_with_conditioning(name, models):
     """The NVFP4 stack on the same conditioning: the usual W4A4 bound of the dense path (tests/test_stack.py)."""
     case = CASES[name]
     path = _model_file(models, case)
-    dense = load_model(path, RuntimeOptions(device="cpu", dtype="float32", quantize=False)).model
-    fp4 = load_model(path, RuntimeOptions(device="cpu", dtype="float32")).model
-    assert fp4.stack is not None and dense.stack is None
+    dense = load_model(path, RuntimeOptions(device="cpu", dtype="float32", quantize=False))
+    fp4 = load_model(path, RuntimeOptions(device="cpu", dtype="float32"))
+    assert fp4.ops.name == "nvfp4" and dense.ops.name == "reference"
     cond = H3Conditioning.from_payload(case["payload"])
     args = (case["video"], case["audio"], case["text_states"], case["sigma"])
-    dv, da = dense(*args, token_tags=case["token_tags"], cond=cond)
-    qv, qa = fp4(*args, token_tags=case["token_tags"], cond=cond)
+    dv, da = dense.model(*args, token_tags=case["token_tags"], cond=cond, ops=dense.ops)
+    qv, qa = fp4.model(*args, token_tags=case["token_tags"], cond=cond, ops=fp4.ops)
     assert 1e-4 < _rel(qv, dv) < 0.2 and 1e-4 < _rel(qa, da) < 0.2, (_rel(qv, dv), _rel(qa, da))
 
 
@@ -146,7 +146,8 @@ def test_stack_block_with_masked_runs_equals_w4a4_reference(models):
     """A masked stream's many (start, stop, row) runs go through the NVFP4 producers exactly like plain
     segments: the stack block equals the explicit W4A4 reference block (same bound as test_stack.py)."""
     case = CASES["video_mask_partial"]
-    m = load_model(_model_file(models, case), RuntimeOptions(device="cpu", dtype="float32", gemm="reference")).model
+    rt = load_model(_model_file(models, case), RuntimeOptions(device="cpu", dtype="float32", gemm="reference"))
+    m = rt.model
     cond = H3Conditioning.from_payload(case["payload"])
     plan = m.plan(case["text_states"], tuple(case["video"].shape), tuple(case["audio"].shape), [case["sigma"]],
                   token_tags=case["token_tags"], cond=cond)
@@ -157,5 +158,5 @@ def test_stack_block_with_masked_runs_equals_w4a4_reference(models):
     wq = {n: nv.dequantize(getattr(getattr(blk, p), n).weight, torch.float64)
           for p, n in (("attn", "qkv_proj"), ("attn", "out_proj"), ("mlp", "fc1"), ("mlp", "fc2"))}
     expect = reference_block(blk, x, plan.mods[0][0], segs, plan.cos, plan.sin, m.cfg, wq, _q)
-    got = m.stack.block(0, blk, x.clone(), plan.mods[0][0], segs, plan.cos, plan.sin)
+    got = blk(x.clone(), plan.mods[0][0], segs, plan.cos, plan.sin, rt.ops, 0)
     assert _rel(got, expect) < 1e-6
