@@ -658,7 +658,7 @@ def bind_attention(backend: str, heads: int, head_dim: int, *, v_handling: str =
         return qkv_views(qkv, heads, head_dim)
 
     if backend == "reference":
-        return lambda qkv: attention_reference(*views(qkv), scale=sm_scale).to(qkv.dtype)
+        return lambda qkv: exact_attention_reference(*views(qkv), scale=sm_scale).to(qkv.dtype)
     if backend.startswith("sdpa"):
         kernel = None if backend == "sdpa" else getattr(torch.nn.attention.SDPBackend, _SDPA_KERNELS[backend])
 

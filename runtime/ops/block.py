@@ -71,7 +71,7 @@ class _QuantizedOps:
         if _on_cuda(qkv):
             return elementwise.norm_rope_(qkv, blk.attn.q_norm.weight, blk.attn.k_norm.weight, cos, sin, c.eps,
                                           c.rope_dim)
-        qkv.copy_(elementwise.norm_rope_reference(qkv, blk.attn.q_norm.weight, blk.attn.k_norm.weight, cos, sin,
+        qkv.copy_(elementwise.norm_rope_qkv_reference(qkv, blk.attn.q_norm.weight, blk.attn.k_norm.weight, cos, sin,
                                                   c.eps, c.rope_dim))
         return qkv
 

@@ -153,11 +153,6 @@ def norm_rope_qkv_reference(
     return out
 
 
-# The old name, kept only for runtime/stack.py (the block redesign's file) until it calls norm_rope_qkv_reference;
-# runtime/model/h3.py has a different norm_rope_reference (per-head q, k, v out), so this alias goes then.
-norm_rope_reference = norm_rope_qkv_reference
-
-
 def gate_add_reference(
     x: torch.Tensor, y: torch.Tensor, gate_rows: torch.Tensor, segments: Sequence[Sequence[int]]
 ) -> torch.Tensor:
