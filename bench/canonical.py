@@ -159,6 +159,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gemm", default="auto")
     ap.add_argument("--act-format", default=None, choices=["auto", "nvfp4", "fp8"],
                     help="activation format of the block stack (default: RuntimeOptions / H3_ACT_FORMAT)")
+    ap.add_argument("--baseline-step-seconds", type=float, default=3.959,
+                    help="the step time to hold (bench/results/canonical-h200.json before the redesign: 3.959)")
     ap.add_argument("--skip", default="", help="comma list of stages to skip: profile,accuracy,peer")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "canonical-h200.json"))
     a = ap.parse_args(argv)
@@ -232,11 +234,13 @@ def main(argv=None) -> int:
             res["speedup_vs_peer"] = res["peer_step_seconds"] / res["median_step_seconds"]
         else:
             res["peer"] = {"error": p.stderr[-2000:]}
+    res["baseline_step_seconds"] = a.baseline_step_seconds
     res["acceptance"] = {
         "median_step_seconds_le_4.2": res["median_step_seconds"] <= 4.2,
         "speedup_ge_1.5": (res.get("speedup_vs_peer") or 0) >= 1.5,
         "peak_allocated_le_20e9": res["peak_allocated_bytes"] <= 20e9,
         "hashes_exact_across_runs": res["latent_checksums"]["exact_across_measured_runs"],
+        "within_3pct_of_baseline_step": res["median_step_seconds"] <= 1.03 * a.baseline_step_seconds,
         "fc2_counts_consistent_with_configuration": res["fc2_dispatch"].get("consistent_with_configuration"),
         "components_sum_within_5pct": (abs(res["one_warmed_step"]["components_sum_vs_step"] - 1) <= 0.05
                                        if "one_warmed_step" in res else None),
