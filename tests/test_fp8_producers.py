@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from h3_blackwell.runtime import RuntimeOptions, load_model  # noqa: E402
-from h3_blackwell.runtime.lora import apply as lora_mod  # noqa: E402
+from h3_blackwell.runtime.lora.side import LoraSide, install_side, uninstall_side  # noqa: E402
 from h3_blackwell.runtime.ops import fp8_producers as f8  # noqa: E402
 from h3_blackwell.runtime.ops import linear as L  # noqa: E402
 from h3_blackwell.runtime.ops import quant_kernels as qk  # noqa: E402
@@ -370,7 +370,7 @@ def test_w4a8_out_proj_side_path_is_added():
     m = rt.model
     seen = []
 
-    class Spy(lora_mod.LoraSide):
+    class Spy(LoraSide):
         def add_(self, x, y):
             seen.append((tuple(x.shape), tuple(y.shape)))
             y.add_(1.0)
@@ -385,11 +385,11 @@ def test_w4a8_out_proj_side_path_is_added():
     x = m.pack(plan, video, audio)
     segs = plan.times[0].mod_segments
     base = blk(x.clone(), plan.mods[0][0], segs, plan.cos, plan.sin, rt.ops, 0)
-    prev = lora_mod._install_side("blocks.0.attn.out_proj", lin, side)
+    prev = install_side("blocks.0.attn.out_proj", lin, side)
     try:
         got = blk(x.clone(), plan.mods[0][0], segs, plan.cos, plan.sin, rt.ops, 0)
     finally:
-        lora_mod._uninstall_side(lin, prev)
+        uninstall_side(lin, prev)
     s = x.shape[0]
     assert seen == [((s, lin.in_features), (s, lin.out_features))]
     assert not torch.equal(got, base)

@@ -22,7 +22,6 @@ from h3_blackwell.runtime.io.load import StateDictSource
 from h3_blackwell.runtime.lora.keys import LoraError, match_lora, read_lora_file
 from refblock import reference_block  # the float64 block from the formulas (tests/refblock.py)
 from h3_blackwell.runtime.ops import nvfp4 as nv
-from h3_blackwell.runtime.ops import quant_kernels as qk
 from h3_blackwell.runtime.model.tiny import save_tiny, tiny_state_dict
 from fixtures.tiny_lora import FORMS, expected_merge, save_tiny_lora, tiny_lora_truth
 
@@ -375,8 +374,8 @@ def test_side_mode_merges_layers_computed_outside_their_module(files, d32, monke
     path, truth = files["comfy"]
     off = {"blocks.1.adaln_proj.linear", "final_layer.adaln_proj.linear"}
     mods = dict(d32.model.named_modules())
-    real = L._module_device
-    monkeypatch.setattr(L, "_module_device", lambda m: torch.device("meta") if any(m is mods[n] for n in off)
+    real = L.module_device
+    monkeypatch.setattr(L, "module_device", lambda m: torch.device("meta") if any(m is mods[n] for n in off)
                         else real(m))
     before = _sd(d32)
     rep = L.apply_loras(d32, [(path, 0.3, "side")])

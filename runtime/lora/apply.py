@@ -2,8 +2,9 @@
 
 ``apply_loras(rt, [(path, strength, mode), ...])`` makes the resident model carry exactly that stack
 (replacing whatever was applied before; ``[]`` removes everything) and returns a report. Files are read
-and validated first (``lora_keys``: every key form, one LoraError per bad stack); the model changes only
-when all of them fit. Several LoRAs stack in list order, each with its own strength and mode.
+and validated first (``keys``: every key form, one LoraError per bad stack); the model changes only
+when all of them fit. Several LoRAs stack in list order, each with its own strength and mode. This module
+groups the updates and drives ``merge`` (weights), ``side`` (the side path) and ``source`` (originals).
 
 Modes, per LoRA:
 
@@ -51,160 +52,23 @@ back on the same activation bytes and the run's FC2 counters record it.
 
 from __future__ import annotations
 
-import math
-import os
 import re
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable
 
 import torch
-import torch.nn as nn
 
-from ..ops import nvfp4
-from .keys import LOWRANK, LoraError, LoraMatch, LoraUpdate, match_lora, read_lora_file
+from .keys import LOWRANK, LoraError, LoraMatch, match_lora, read_lora_file
+from .merge import STATE_ATTR, LoraState, lora_state, merge_dense, merge_nvfp4, merged_weight, restore_all
+from .side import SIDE_ATTR, LoraSide, install_side, install_stack, lora_side, module_device, side_active
+from .source import SourceWeights
+from .spec import MODES, LoraSpec, as_spec, parse_lora_arg
 
 __all__ = ["MODES", "LoraError", "LoraSpec", "LoraSide", "LoraView", "parse_lora_arg", "apply_loras",
-           "remove_loras", "sync_loras", "with_lora", "lora_side", "side_active", "lora_report"]
+           "remove_loras", "sync_loras", "with_lora", "lora_side", "side_active", "lora_report", "merged_weight"]
 
-MODES = ("merge", "side")
-_STATE = "_h3_lora_state"
-_SIDE = "_h3_lora_side"
+
 _FC2 = re.compile(r"^blocks\.\d+\.mlp\.fc2$")
-_ROW_CHUNK = 2048  # rows merged per float64 step (bounds the temporaries whatever the layer size)
-
-
-# ---------------------------------------------------------------------------------------------
-# the stack
-# ---------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class LoraSpec:
-    """One entry of a LoRA stack: a ``.safetensors`` file, its strength, ``merge`` or ``side``."""
-
-    path: str
-    strength: float = 1.0
-    mode: str = "merge"
-
-    def __post_init__(self):
-        if self.mode not in MODES:
-            raise LoraError(f"LoRA mode {self.mode!r}: expected one of {', '.join(MODES)}")
-        s = float(self.strength)
-        if not math.isfinite(s):
-            raise LoraError(f"LoRA strength {self.strength!r} is not a finite number")
-        object.__setattr__(self, "strength", s)
-        object.__setattr__(self, "path", str(self.path))
-
-    def signature(self) -> tuple:
-        """Identifies this entry and the file's bytes (size, mtime) for ``sync_loras``."""
-        p = Path(self.path)
-        try:
-            st = p.stat()
-            stamp = (st.st_size, st.st_mtime_ns)
-        except OSError:
-            stamp = None
-        return (str(p.resolve()), stamp, self.strength, self.mode)
-
-
-def _as_spec(s) -> LoraSpec:
-    if isinstance(s, LoraSpec):
-        return s
-    if isinstance(s, (str, os.PathLike)):
-        return LoraSpec(str(s))
-    if isinstance(s, (tuple, list)) and 1 <= len(s) <= 3:
-        return LoraSpec(*s)
-    raise LoraError(f"a LoRA entry must be (path, strength, mode) or a LoraSpec; found {s!r}")
-
-
-def parse_lora_arg(text: str) -> LoraSpec:
-    """``FILE:STRENGTH[:MODE]`` (the CLI's ``--lora``) -> LoraSpec. FILE may itself contain ':' (``C:\\...``);
-    the fields are taken from the right. The file must exist."""
-    parts = text.split(":")
-    mode = "merge"
-    if len(parts) >= 3 and parts[-1] in MODES:
-        mode = parts.pop()
-    if len(parts) < 2:
-        raise LoraError(f"--lora {text!r}: expected FILE:STRENGTH[:MODE], e.g. turbo.safetensors:1.0:merge "
-                        f"(MODE one of {', '.join(MODES)})")
-    try:
-        strength = float(parts[-1])
-    except ValueError:
-        raise LoraError(f"--lora {text!r}: strength {parts[-1]!r} is not a number (expected FILE:STRENGTH[:MODE], "
-                        f"MODE one of {', '.join(MODES)})") from None
-    path = ":".join(parts[:-1])
-    if not Path(path).is_file():
-        raise LoraError(f"--lora {text!r}: LoRA file not found: {path}")
-    return LoraSpec(path, strength, mode)
-
-
-# ---------------------------------------------------------------------------------------------
-# the side path
-# ---------------------------------------------------------------------------------------------
-
-@dataclass
-class _SideTerm:
-    down: torch.Tensor  # [r, K] at the side dtype
-    up: torch.Tensor  # [b - a, r]
-    scale: float  # strength * alpha / r
-    rows: tuple[int, int]
-    source: str
-
-
-class LoraSide:
-    """The low-rank terms added to one layer's output: ``y[..., a:b] += scale * (x @ A^T) @ B^T``.
-
-    dtype: the layer's compute dtype (A, B and the [S, r] intermediate); x [..., K] any float dtype,
-    y [..., N] the layer's output, updated in place (the fp32-accumulating GEMM writes ``y + scale * t @ B^T``
-    with one rounding when y has the side dtype).
-    """
-
-    def __init__(self, module_name: str, in_features: int, out_features: int, dtype: torch.dtype,
-                 device: torch.device):
-        self.module_name, self.in_features, self.out_features = module_name, in_features, out_features
-        self.dtype, self.device = dtype, device
-        self.terms: list[_SideTerm] = []
-
-    def add_term(self, u: LoraUpdate, strength: float, source: str) -> None:
-        self.terms.append(_SideTerm(u.down.to(self.device, self.dtype).contiguous(),
-                                    u.up.to(self.device, self.dtype).contiguous(),
-                                    strength * u.unit_scale, u.rows, source))
-
-    @property
-    def active(self) -> bool:
-        return bool(self.terms)
-
-    def add_(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y += the side path of x (in place; returns y)."""
-        if x.shape[-1] != self.in_features or y.shape[-1] != self.out_features:
-            raise ValueError(f"LoRA side path of {self.module_name}: x [..., {x.shape[-1]}] / y [..., {y.shape[-1]}]; "
-                             f"expected [..., {self.in_features}] / [..., {self.out_features}]")
-        xs = x.reshape(-1, self.in_features).to(self.dtype)
-        y2 = y if y.dim() == 2 else y.reshape(-1, self.out_features)
-        for t in self.terms:
-            h = xs @ t.down.t()  # [S, r]
-            ys = y2[:, t.rows[0]:t.rows[1]]
-            if ys.dtype == h.dtype:
-                ys.addmm_(h, t.up.t(), alpha=t.scale)
-            else:
-                ys.add_((h @ t.up.t()).to(ys.dtype), alpha=t.scale)
-        if y2.data_ptr() != y.data_ptr():  # reshape had to copy (a non-viewable y): write back
-            y.copy_(y2.view(y.shape))
-        return y
-
-    def nbytes(self) -> int:
-        return sum(t.down.numel() * t.down.element_size() + t.up.numel() * t.up.element_size() for t in self.terms)
-
-
-def lora_side(module: nn.Module) -> LoraSide | None:
-    """The side path active on ``module`` (None when there is none)."""
-    s = getattr(module, _SIDE, None)
-    return s if isinstance(s, LoraSide) and s.active else None
-
-
-def side_active(module: nn.Module) -> bool:
-    """True while a side-path LoRA is active on ``module`` (the FC2 guard's ``lora_active``)."""
-    return lora_side(module) is not None
 
 
 def _nvfp4_linear_cls():
@@ -213,350 +77,9 @@ def _nvfp4_linear_cls():
     return Nvfp4Linear
 
 
-def _module_device(module: nn.Module) -> torch.device:
-    t = getattr(module, "packed", None)
-    t = t if isinstance(t, torch.Tensor) else getattr(module, "weight", None)
-    return t.device if isinstance(t, torch.Tensor) else torch.device("cpu")
-
-
-def _install_side(name: str, module: nn.Module, side: LoraSide) -> dict:
-    """Hook ``module``'s forward to add ``side`` (per instance; returns what ``_uninstall_side`` needs)."""
-    prev = {"forward": module.__dict__.get("forward")}
-    cls = type(module)
-
-    def forward(x):
-        f = prev["forward"]
-        y = f(x) if f is not None else cls.forward(module, x)
-        side.add_(x, y)
-        return y
-
-    module.forward = forward
-    setattr(module, _SIDE, side)
-    return prev
-
-
-def _uninstall_side(module: nn.Module, prev: dict) -> None:
-    for k, f in prev.items():
-        module.__dict__.pop(k, None)
-        if f is not None:
-            module.__dict__[k] = f
-    module.__dict__.pop(_SIDE, None)
-
-
-# ---------------------------------------------------------------------------------------------
-# the NVFP4 block stack with side paths
-# ---------------------------------------------------------------------------------------------
-
-def _install_stack(model, st: "_State") -> None:
-    """Tell the NVFP4 stack's FC2 guard which blocks carry a side path on fc2 (the stack adds the side terms
-    of qkv/fc1/fc2 itself: ``Nvfp4Stack._sides``)."""
-    stack = getattr(model, "stack", None)
-    if stack is None or st.stack is not None:
-        return
-    blocks = model.blocks
-    st.stack = (stack, stack.__dict__.get("lora_on_fc2"))
-    stack.lora_on_fc2 = lambda i: side_active(blocks[i].mlp.fc2)
-
-
-def _uninstall_stack(model, st: "_State") -> None:
-    if st.stack is None:
-        return
-    stack, prev = st.stack
-    if prev is not None:
-        stack.lora_on_fc2 = prev
-    st.stack = None
-
-
-# ---------------------------------------------------------------------------------------------
-# source weights and originals
-# ---------------------------------------------------------------------------------------------
-
-_TINY_SOURCE = re.compile(r"^embedded tiny \(seed (-?\d+)\)$")
-
-
-class _Source:
-    """Where the resident model's source weights can be read again.
-
-    - the checkpoint file ``rt.source`` (opened lazily, headers only; files stamped by size and mtime);
-    - the embedded tiny model (``rt.source == "embedded tiny (seed N)"`` with the TINY config): its
-      weights are a pure function of the seed (``tiny.tiny_state_dict``);
-    - nothing (``available`` False): merges into NVFP4 layers start from the resident NVFP4 weights and
-      originals are kept as host copies.
-    """
-
-    def __init__(self, rt, cache: dict | None = None):
-        from ..model.config import TINY
-
-        self.cache = cache if cache is not None else {}
-        src = getattr(rt, "source", None)
-        self.path = Path(src) if isinstance(src, (str, os.PathLike)) and Path(src).is_file() else None
-        m = _TINY_SOURCE.match(src) if isinstance(src, str) and self.path is None else None
-        self.tiny_seed = int(m.group(1)) if m and rt.config == TINY else None
-        self.dtype = rt.dtype
-        self._ck = None
-        self._stamp = None
-        self._tiny = None
-
-    @property
-    def available(self) -> bool:
-        return self.path is not None or self.tiny_seed is not None
-
-    @property
-    def label(self) -> str:
-        return "checkpoint" if self.path is not None else "embedded tiny weights (from the seed)"
-
-    @staticmethod
-    def _stamps(ck) -> tuple:
-        return tuple((str(h.path), h.path.stat().st_size, h.path.stat().st_mtime_ns) for h in ck.headers)
-
-    def ck(self):
-        if self._ck is None:
-            from ..io.checkpoint import open_checkpoint
-
-            self._ck = open_checkpoint(self.path)
-            self._stamp = self._stamps(self._ck)
-        return self._ck
-
-    def tiny(self) -> dict:
-        if self._tiny is None:
-            from ..model.config import TINY
-            from ..model.tiny import tiny_state_dict
-
-            key = ("tiny", self.tiny_seed, self.dtype)
-            if key not in self.cache:
-                self.cache.clear()
-                self.cache[key] = tiny_state_dict(TINY, self.tiny_seed, self.dtype)
-            self._tiny = self.cache[key]
-        return self._tiny
-
-    def stamp(self) -> tuple:
-        if self.path is None:
-            return ("tiny", self.tiny_seed)
-        self.ck()
-        return self._stamp
-
-    def check_unchanged(self, stamp: tuple) -> None:
-        if self.stamp() != stamp:
-            raise LoraError(f"the checkpoint {self.path} changed on disk since its layers were patched, so the "
-                            "original weights cannot be restored from it; reload the model")
-
-    def dense(self, param: str, like: torch.Tensor) -> torch.Tensor | None:
-        """The parameter as the loader assigned it (dtype and device of ``like``), or None."""
-        from ..io.checkpoint import dequantize_layer
-
-        if not self.available:
-            return None
-        if self.path is None:
-            t = self.tiny().get(param)
-        else:
-            ck = self.ck()
-            layer = param[: -len(".weight")] if param.endswith(".weight") else None
-            fmt = ck.quant_format(layer) if layer and param in ck.keys() else None
-            if fmt is None and layer and param in ck.keys() and ck.dtype_name(param) in ("F8_E4M3", "F8_E5M2", "I8",
-                                                                                           "U8"):
-                fmt = {"format": "int8_tensorwise"}
-            if fmt is not None:
-                t = dequantize_layer(ck, layer, fmt, like.device)
-            elif param in ck.keys():
-                t = ck.tensor(param, like.device)
-            else:
-                t = None
-        if t is None or tuple(t.shape) != tuple(like.shape):
-            return None
-        return t.to(device=like.device, dtype=like.dtype)
-
-    def nvfp4_parts(self, layer: str, shape: tuple[int, int], device):
-        """(stored NVFP4Tensor or None, float source W0 or None) of a block linear."""
-        from ..io.checkpoint import dequantize_layer
-        if not self.available:
-            return None, None
-        if self.path is None:
-            t = self.tiny().get(layer + ".weight")
-            return None, (t.to(device) if t is not None and tuple(t.shape) == tuple(shape) else None)
-        ck = self.ck()
-        if layer + ".weight" not in ck.keys():
-            return None, None
-        fmt = ck.quant_format(layer)
-        if fmt is not None and fmt.get("format") == "nvfp4":
-            q = nvfp4.from_comfy_quant(*(ck.tensor(layer + s, device) for s in (".weight", ".weight_scale",
-                                                                                ".weight_scale_2")), shape=shape)
-            return q, None
-        if fmt is None and ck.dtype_name(layer + ".weight") in ("F8_E4M3", "F8_E5M2", "I8", "U8"):
-            fmt = {"format": "int8_tensorwise"}
-        t = dequantize_layer(ck, layer, fmt, device) if fmt is not None else ck.tensor(layer + ".weight", device)
-        return None, (t if tuple(t.shape) == tuple(shape) else None)
-
-
-@dataclass
-class _Original:
-    """How to put one patched tensor (a dense parameter, or an NVFP4 layer's three buffers) back."""
-
-    kind: str  # "dense" | "nvfp4"
-    backup: dict | None = None  # host copies when the checkpoint cannot reproduce the original
-    stamp: tuple | None = None  # the checkpoint files' (path, size, mtime) when it can
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.backup or {}).values())
-
-
-def _nv_equal(a, b) -> bool:
-    return (a.shape == b.shape and torch.equal(a.packed, b.packed) and torch.equal(a.scales.view(torch.uint8),
-            b.scales.view(torch.uint8)) and torch.equal(a.global_scale, b.global_scale))
-
-
-def _quantize_like(w: torch.Tensor, module):
-    """nvfp4.quantize with the row padding of ``module``'s packed buffer."""
-    n = module.out_features
-    pad = 16 if module.packed.shape[0] == nvfp4.roundup(n, 16) else 1
-    q = nvfp4.quantize(w, pad_rows=pad)
-    if q.packed.shape != module.packed.shape:
-        raise LoraError(f"re-quantizing {n}x{module.in_features}: packed {list(q.packed.shape)} does not fit the "
-                        f"layer's buffer {list(module.packed.shape)}")
-    return q
-
-
-# ---------------------------------------------------------------------------------------------
-# merging
-# ---------------------------------------------------------------------------------------------
-
-def merged_weight(w0: torch.Tensor, entries: Sequence[tuple[float, LoraUpdate]],
-                  device: torch.device | None = None) -> torch.Tensor:
-    """The merge contract: fp32(W0 + sum s*(alpha/r)*B@A (+ s*diff)) in float64, rounded once.
-
-    w0 [N, K] or [N] any float dtype; entries: (strength, update) in stack order; device: where the
-    float64 math runs (default w0's; the result is on w0's device). Row-chunked so the float64 temporaries
-    stay ~_ROW_CHUNK rows whatever N is.
-    """
-    n = w0.shape[0]
-    out = torch.empty(w0.shape, dtype=torch.float32, device=w0.device)
-    dev = torch.device(device) if device is not None else w0.device
-    ups = [(s, u, (u.down.to(dev, torch.float64) if u.kind == LOWRANK else None)) for s, u in entries]
-    for r0 in range(0, n, _ROW_CHUNK):
-        r1 = min(n, r0 + _ROW_CHUNK)
-        acc = w0[r0:r1].to(dev, torch.float64, copy=True)
-        for s, u, down in ups:
-            a, b = u.rows
-            i0, i1 = max(r0, a), min(r1, b)
-            if i0 >= i1:
-                continue
-            if u.kind == LOWRANK:
-                acc[i0 - r0:i1 - r0] += (u.up[i0 - a:i1 - a].to(dev, torch.float64) @ down) * (s * u.unit_scale)
-            else:
-                acc[i0 - r0:i1 - r0] += u.delta[i0 - a:i1 - a].to(dev, torch.float64) * s
-        out[r0:r1] = acc.to(torch.float32).to(out.device)
-    return out
-
-
-@dataclass
-class _State:
-    originals: dict = field(default_factory=dict)  # tensor name -> _Original
-    sides: dict = field(default_factory=dict)  # module name -> (module, prev hooks)
-    stack: tuple | None = None  # (the model's Nvfp4Stack, its previous lora_on_fc2) while wrapped
-    verified: dict = field(default_factory=dict)  # tensor name -> source stamp that reproduces it exactly
-    source_cache: dict = field(default_factory=dict)  # the embedded tiny model's source weights
-    signature: tuple = ()
-    report: dict | None = None
-
-
-def _state(model: nn.Module) -> _State:
-    st = model.__dict__.get(_STATE)
-    if st is None:
-        st = _State()
-        model.__dict__[_STATE] = st
-    return st
-
-
 def _base(rt):
     return rt._base if isinstance(rt, LoraView) else rt
 
-
-def _restore_all(rt, st: _State, source: _Source) -> None:
-    model = rt.model
-    mods = dict(model.named_modules())
-    _uninstall_stack(model, st)
-    for name, (module, prev) in list(st.sides.items()):
-        _uninstall_side(module, prev)
-        del st.sides[name]
-    for tname, rec in list(st.originals.items()):
-        if rec.kind == "nvfp4":
-            module = mods[tname]
-            if rec.backup is not None:
-                parts = rec.backup
-            else:
-                source.check_unchanged(rec.stamp)
-                stored, w = source.nvfp4_parts(tname, (module.out_features, module.in_features), module.packed.device)
-                q = stored if stored is not None else _quantize_like(w, module)
-                parts = {"packed": q.packed, "scales": q.scales, "global_scale": q.global_scale}
-            for k in ("packed", "scales", "global_scale"):
-                getattr(module, k).copy_(parts[k])
-        else:
-            mod_name, pname = tname.rsplit(".", 1)
-            p = getattr(mods[mod_name], pname)
-            if rec.backup is not None:
-                p.data.copy_(rec.backup["t"])
-            else:
-                source.check_unchanged(rec.stamp)
-                p.data.copy_(source.dense(tname, p.data))
-        del st.originals[tname]
-
-
-def _record_dense(st: _State, tname: str, p: torch.Tensor, source: _Source) -> _Original:
-    rec = st.originals.get(tname)
-    if rec is None:
-        stamp = source.stamp() if source.available else None
-        if stamp is not None and st.verified.get(tname) != stamp:
-            ref = source.dense(tname, p.data)
-            if ref is not None and torch.equal(ref, p.data):
-                st.verified[tname] = stamp
-        if stamp is not None and st.verified.get(tname) == stamp:
-            rec = _Original("dense", stamp=stamp)
-        else:
-            rec = _Original("dense", backup={"t": p.detach().to("cpu", copy=True)})
-        st.originals[tname] = rec
-    return rec
-
-
-def _merge_nvfp4(st: _State, name: str, module, entries, source: _Source, report: dict) -> None:
-    shape = (module.out_features, module.in_features)
-    stored, w0 = source.nvfp4_parts(name, shape, module.packed.device)
-    resident = module.weight
-    if name not in st.originals:
-        stamp = source.stamp() if source.available else None
-        if stamp is not None and st.verified.get(name) != stamp:
-            exact = stored if stored is not None else (_quantize_like(w0, module) if w0 is not None else None)
-            if exact is not None and _nv_equal(exact, resident):
-                st.verified[name] = stamp
-        if stamp is not None and st.verified.get(name) == stamp:
-            st.originals[name] = _Original("nvfp4", stamp=stamp)
-        else:
-            st.originals[name] = _Original("nvfp4", backup={k: getattr(module, k).detach().to("cpu", copy=True)
-                                                             for k in ("packed", "scales", "global_scale")})
-    if stored is not None:
-        base, origin = nvfp4.dequantize(stored, torch.float64), "checkpoint NVFP4 (dequantized exactly)"
-    elif w0 is not None:
-        base, origin = w0, f"{source.label} ({str(w0.dtype).replace('torch.', '')})"
-    else:
-        base, origin = nvfp4.dequantize(resident, torch.float64), "resident NVFP4 (no source weights to read)"
-    q = _quantize_like(merged_weight(base, entries), module)
-    module.packed.copy_(q.packed)
-    module.scales.copy_(q.scales)
-    module.global_scale.copy_(q.global_scale)
-    report["merged_nvfp4"].append(name)
-    report["base_weights"][origin] = report["base_weights"].get(origin, 0) + 1
-
-
-def _merge_dense(st: _State, tname: str, p: torch.Tensor, entries, source: _Source, report: dict,
-                 device: torch.device) -> None:
-    """Merge into a dense tensor in place (it stays where it lives, e.g. offloaded AdaLN in pinned host
-    memory); the float64 math runs on the model's device."""
-    _record_dense(st, tname, p, source)
-    p.data.copy_(merged_weight(p.data, entries, device).to(p.dtype))
-    report["merged_dense"].append(tname)
-
-
-# ---------------------------------------------------------------------------------------------
-# the public entry points
-# ---------------------------------------------------------------------------------------------
 
 def _read_all(rt, specs: list[LoraSpec]) -> list[LoraMatch]:
     errors, matches = [], []
@@ -579,7 +102,7 @@ def apply_loras(rt, specs: Iterable) -> dict:
     before the model changes: a bad stack raises ONE LoraError and leaves the model as it was. The report
     is also put in ``rt.backends["lora"]`` (so every run report carries it).
     """
-    specs = [_as_spec(s) for s in specs]
+    specs = [as_spec(s) for s in specs]
     rep = _apply(_base(rt), specs)
     rt.lora_stack = tuple(specs)
     return rep
@@ -608,7 +131,7 @@ def _group_updates(specs: list[LoraSpec], matches: list[LoraMatch], mods: dict, 
             continue
         diffs_merged, off_device = 0, set()
         for u in m.updates:
-            if sp.mode == "side" and u.kind == LOWRANK and _module_device(mods[u.module]) != model_device:
+            if sp.mode == "side" and u.kind == LOWRANK and module_device(mods[u.module]) != model_device:
                 off_device.add(u.module)  # computed outside its module (offloaded AdaLN): no hook would run
             if sp.mode == "side" and u.kind == LOWRANK and u.module not in off_device:
                 sides.setdefault(u.module, []).append((sp.strength, u, m.file.name))
@@ -635,7 +158,7 @@ def _refuse_awq_merges(merges: dict[tuple[str, str], list], mods: dict, nv_cls: 
                             "supported. Nothing was changed; use mode 'side' for this LoRA")
 
 
-def _install_sides(rt, st: _State, sides: dict[str, list], mods: dict, nv_cls: type, report: dict) -> None:
+def _install_sides(rt, st: LoraState, sides: dict[str, list], mods: dict, nv_cls: type, report: dict) -> None:
     """One LoraSide per module (at the layer's compute dtype, on its device) with its terms, hooked in."""
     for mname, terms in sides.items():
         module = mods[mname]
@@ -644,20 +167,20 @@ def _install_sides(rt, st: _State, sides: dict[str, list], mods: dict, nv_cls: t
         side = LoraSide(mname, module.in_features, module.out_features, side_dtype, dev)
         for s, u, fname in terms:
             side.add_term(u, s, fname)
-        st.sides[mname] = (module, _install_side(mname, module, side))
+        st.sides[mname] = (module, install_side(mname, module, side))
         report["side"].append(mname)
         if _FC2.match(mname):
             report["fc2_side"].append(mname)
     if st.sides:
-        _install_stack(rt.model, st)
+        install_stack(rt.model, st)
 
 
-def _finish_report(rt, st: _State, mods: dict, nv_cls: type, report: dict) -> None:
+def _finish_report(rt, st: LoraState, mods: dict, nv_cls: type, report: dict) -> None:
     """What the model now holds: originals kept, side bytes, which stack merged, the FC2 guard's refusal."""
     report["originals"] = {"from_source": sum(r.backup is None for r in st.originals.values()),
                            "host_copies": sum(r.backup is not None for r in st.originals.values()),
                            "host_copy_bytes": sum(r.nbytes() for r in st.originals.values())}
-    report["side_bytes"] = sum(m.__dict__[_SIDE].nbytes() for m, _ in st.sides.values())
+    report["side_bytes"] = sum(m.__dict__[SIDE_ATTR].nbytes() for m, _ in st.sides.values())
     report["stack"] = "dense reference stack (merge = into the dense weights)" if not any(
         isinstance(m, nv_cls) for m in mods.values()) else "NVFP4 stack (merge = re-quantized NVFP4)"
     if report["fc2_side"]:
@@ -677,23 +200,23 @@ def _apply(rt, specs: list[LoraSpec]) -> dict:
     model = rt.model
     mods = dict(model.named_modules())
     nv_cls = _nvfp4_linear_cls()
-    st = _state(model)
-    source = _Source(rt, st.source_cache)
+    st = lora_state(model)
+    source = SourceWeights(rt, st.source_cache)
     model_device = model.device
     report = _new_report()
     merges, sides = _group_updates(specs, matches, mods, model_device, report)
     _refuse_awq_merges(merges, mods, nv_cls)
     try:
-        _restore_all(rt, st, source)
+        restore_all(rt, st, source)
         for (mname, pname), entries in merges.items():
             module = mods[mname]
             if pname == "weight" and isinstance(module, nv_cls):
-                _merge_nvfp4(st, mname, module, entries, source, report)
+                merge_nvfp4(st, mname, module, entries, source, report)
             else:
-                _merge_dense(st, f"{mname}.{pname}", getattr(module, pname), entries, source, report, model_device)
+                merge_dense(st, f"{mname}.{pname}", getattr(module, pname), entries, source, report, model_device)
         _install_sides(rt, st, sides, mods, nv_cls, report)
     except BaseException:
-        _restore_all(rt, st, source)  # never leave a half-applied stack behind
+        restore_all(rt, st, source)  # never leave a half-applied stack behind
         st.signature, st.report = (), None
         rt.backends.pop("lora", None)
         raise
@@ -729,7 +252,7 @@ def remove_loras(rt) -> dict:
 
 def lora_report(rt) -> dict | None:
     """The report of the stack the resident model carries now (None when it carries none)."""
-    st = _base(rt).model.__dict__.get(_STATE)
+    st = _base(rt).model.__dict__.get(STATE_ATTR)
     return st.report if st is not None and st.signature else None
 
 
@@ -739,9 +262,9 @@ def sync_loras(rt, specs: Iterable | None = None) -> dict | None:
     does (same files, sizes, mtimes, strengths, modes). Call it before sampling with ``rt``."""
     if specs is None:
         specs = getattr(rt, "lora_stack", ())
-    specs = [_as_spec(s) for s in specs]
+    specs = [as_spec(s) for s in specs]
     base = _base(rt)
-    st = base.model.__dict__.get(_STATE)
+    st = base.model.__dict__.get(STATE_ATTR)
     sig = tuple(sp.signature() for sp in specs)
     if (st.signature if st is not None else ()) == sig:
         return st.report if st is not None else None
@@ -757,7 +280,7 @@ class LoraView:
 
     def __init__(self, base, stack: Iterable):
         object.__setattr__(self, "_base", _base(base))
-        self.lora_stack = tuple(_as_spec(s) for s in stack)
+        self.lora_stack = tuple(as_spec(s) for s in stack)
 
     @property
     def model(self):

@@ -1,0 +1,157 @@
+"""Merging LoRA updates into the weights, and restoring the originals.
+
+Contract (``merged_weight``): ``W = fp32(W0 + sum_i s_i * (alpha_i / r_i) * B_i @ A_i [+ s_j * diff_j])`` in
+float64, rounded once; an NVFP4 layer then holds the reference quantizer's bytes of W (``merge_nvfp4``), a
+dense parameter ``W.to(its dtype)`` (``merge_dense``). Before a tensor is first patched its ``Original`` is
+recorded in the model's ``LoraState``; ``restore_all`` puts every patched tensor back bit for bit and
+unhooks every side path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+
+from ..ops import nvfp4
+from .keys import LOWRANK, LoraUpdate
+from .side import uninstall_side, uninstall_stack
+from .source import Original, SourceWeights, nvfp4_equal, quantize_like
+
+STATE_ATTR = "_h3_lora_state"
+
+
+_ROW_CHUNK = 2048  # rows merged per float64 step (bounds the temporaries whatever the layer size)
+
+
+def merged_weight(w0: torch.Tensor, entries: Sequence[tuple[float, LoraUpdate]],
+                  device: torch.device | None = None) -> torch.Tensor:
+    """The merge contract: fp32(W0 + sum s*(alpha/r)*B@A (+ s*diff)) in float64, rounded once.
+
+    w0 [N, K] or [N] any float dtype; entries: (strength, update) in stack order; device: where the
+    float64 math runs (default w0's; the result is on w0's device). Row-chunked so the float64 temporaries
+    stay ~_ROW_CHUNK rows whatever N is.
+    """
+    n = w0.shape[0]
+    out = torch.empty(w0.shape, dtype=torch.float32, device=w0.device)
+    dev = torch.device(device) if device is not None else w0.device
+    ups = [(s, u, (u.down.to(dev, torch.float64) if u.kind == LOWRANK else None)) for s, u in entries]
+    for r0 in range(0, n, _ROW_CHUNK):
+        r1 = min(n, r0 + _ROW_CHUNK)
+        acc = w0[r0:r1].to(dev, torch.float64, copy=True)
+        for s, u, down in ups:
+            a, b = u.rows
+            i0, i1 = max(r0, a), min(r1, b)
+            if i0 >= i1:
+                continue
+            if u.kind == LOWRANK:
+                acc[i0 - r0:i1 - r0] += (u.up[i0 - a:i1 - a].to(dev, torch.float64) @ down) * (s * u.unit_scale)
+            else:
+                acc[i0 - r0:i1 - r0] += u.delta[i0 - a:i1 - a].to(dev, torch.float64) * s
+        out[r0:r1] = acc.to(torch.float32).to(out.device)
+    return out
+
+
+@dataclass
+class LoraState:
+    originals: dict = field(default_factory=dict)  # tensor name -> Original
+    sides: dict = field(default_factory=dict)  # module name -> (module, prev hooks)
+    stack: tuple | None = None  # (the model's Nvfp4Stack, its previous lora_on_fc2) while wrapped
+    verified: dict = field(default_factory=dict)  # tensor name -> source stamp that reproduces it exactly
+    source_cache: dict = field(default_factory=dict)  # the embedded tiny model's source weights
+    signature: tuple = ()
+    report: dict | None = None
+
+
+def lora_state(model: nn.Module) -> LoraState:
+    st = model.__dict__.get(STATE_ATTR)
+    if st is None:
+        st = LoraState()
+        model.__dict__[STATE_ATTR] = st
+    return st
+
+
+def restore_all(rt, st: LoraState, source: SourceWeights) -> None:
+    model = rt.model
+    mods = dict(model.named_modules())
+    uninstall_stack(model, st)
+    for name, (module, prev) in list(st.sides.items()):
+        uninstall_side(module, prev)
+        del st.sides[name]
+    for tname, rec in list(st.originals.items()):
+        if rec.kind == "nvfp4":
+            module = mods[tname]
+            if rec.backup is not None:
+                parts = rec.backup
+            else:
+                source.check_unchanged(rec.stamp)
+                stored, w = source.nvfp4_parts(tname, (module.out_features, module.in_features), module.packed.device)
+                q = stored if stored is not None else quantize_like(w, module)
+                parts = {"packed": q.packed, "scales": q.scales, "global_scale": q.global_scale}
+            for k in ("packed", "scales", "global_scale"):
+                getattr(module, k).copy_(parts[k])
+        else:
+            mod_name, pname = tname.rsplit(".", 1)
+            p = getattr(mods[mod_name], pname)
+            if rec.backup is not None:
+                p.data.copy_(rec.backup["t"])
+            else:
+                source.check_unchanged(rec.stamp)
+                p.data.copy_(source.dense(tname, p.data))
+        del st.originals[tname]
+
+
+def record_dense(st: LoraState, tname: str, p: torch.Tensor, source: SourceWeights) -> Original:
+    rec = st.originals.get(tname)
+    if rec is None:
+        stamp = source.stamp() if source.available else None
+        if stamp is not None and st.verified.get(tname) != stamp:
+            ref = source.dense(tname, p.data)
+            if ref is not None and torch.equal(ref, p.data):
+                st.verified[tname] = stamp
+        if stamp is not None and st.verified.get(tname) == stamp:
+            rec = Original("dense", stamp=stamp)
+        else:
+            rec = Original("dense", backup={"t": p.detach().to("cpu", copy=True)})
+        st.originals[tname] = rec
+    return rec
+
+
+def merge_nvfp4(st: LoraState, name: str, module, entries, source: SourceWeights, report: dict) -> None:
+    shape = (module.out_features, module.in_features)
+    stored, w0 = source.nvfp4_parts(name, shape, module.packed.device)
+    resident = module.weight
+    if name not in st.originals:
+        stamp = source.stamp() if source.available else None
+        if stamp is not None and st.verified.get(name) != stamp:
+            exact = stored if stored is not None else (quantize_like(w0, module) if w0 is not None else None)
+            if exact is not None and nvfp4_equal(exact, resident):
+                st.verified[name] = stamp
+        if stamp is not None and st.verified.get(name) == stamp:
+            st.originals[name] = Original("nvfp4", stamp=stamp)
+        else:
+            st.originals[name] = Original("nvfp4", backup={k: getattr(module, k).detach().to("cpu", copy=True)
+                                                             for k in ("packed", "scales", "global_scale")})
+    if stored is not None:
+        base, origin = nvfp4.dequantize(stored, torch.float64), "checkpoint NVFP4 (dequantized exactly)"
+    elif w0 is not None:
+        base, origin = w0, f"{source.label} ({str(w0.dtype).replace('torch.', '')})"
+    else:
+        base, origin = nvfp4.dequantize(resident, torch.float64), "resident NVFP4 (no source weights to read)"
+    q = quantize_like(merged_weight(base, entries), module)
+    module.packed.copy_(q.packed)
+    module.scales.copy_(q.scales)
+    module.global_scale.copy_(q.global_scale)
+    report["merged_nvfp4"].append(name)
+    report["base_weights"][origin] = report["base_weights"].get(origin, 0) + 1
+
+
+def merge_dense(st: LoraState, tname: str, p: torch.Tensor, entries, source: SourceWeights, report: dict,
+                 device: torch.device) -> None:
+    """Merge into a dense tensor in place (it stays where it lives, e.g. offloaded AdaLN in pinned host
+    memory); the float64 math runs on the model's device."""
+    record_dense(st, tname, p, source)
+    p.data.copy_(merged_weight(p.data, entries, device).to(p.dtype))
+    report["merged_dense"].append(tname)
