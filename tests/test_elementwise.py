@@ -103,7 +103,7 @@ def test_norm_rope_row_strided_view_and_bf16_weights():
     assert torch.equal(after_tail, tail), "bytes between rows (outside the view) were written"
 
 
-def test_norm_rope_reference_conventions():
+def test_norm_rope_qkv_reference_conventions():
     """The reference itself, against the stated conventions (fp32, unit weights)."""
     s, h, d, r = 5, 2, 128, 96
     gen = torch.Generator().manual_seed(3)
