@@ -22,6 +22,7 @@ from typing import Any, Mapping, Protocol
 import torch
 
 from ..options import RuntimeOptions
+from . import ext
 from .table import COMPAT_SCHEMA, Fc2Entry
 from .guard import Fc2Environment, Fc2Operands
 
@@ -85,8 +86,6 @@ class LtPlanLayer:
 
     def _ext(self):
         if self._status is None:
-            from . import ext
-
             self._status = ext.load(self.options)
         return self._status
 

@@ -58,6 +58,7 @@ from typing import Iterable
 
 import torch
 
+from ..ops.linear import Nvfp4Linear
 from .keys import LOWRANK, LoraError, LoraMatch, match_lora, read_lora_file
 from .merge import STATE_ATTR, LoraState, lora_state, merge_dense, merge_nvfp4, merged_weight, restore_all
 from .side import SIDE_ATTR, LoraSide, install_side, install_stack, lora_side, module_device, side_active
@@ -69,12 +70,6 @@ __all__ = ["MODES", "LoraError", "LoraSpec", "LoraSide", "LoraView", "parse_lora
 
 
 _FC2 = re.compile(r"^blocks\.\d+\.mlp\.fc2$")
-
-
-def _nvfp4_linear_cls():
-    from ..ops.linear import Nvfp4Linear
-
-    return Nvfp4Linear
 
 
 def _base(rt):
@@ -199,7 +194,7 @@ def _apply(rt, specs: list[LoraSpec]) -> dict:
     matches = _read_all(rt, specs)
     model = rt.model
     mods = dict(model.named_modules())
-    nv_cls = _nvfp4_linear_cls()
+    nv_cls = Nvfp4Linear
     st = lora_state(model)
     source = SourceWeights(rt, st.source_cache)
     model_device = model.device

@@ -16,6 +16,9 @@ from pathlib import Path
 
 import torch
 
+from ..io.checkpoint import dequantize_layer, open_checkpoint
+from ..model.config import TINY
+from ..model.tiny import tiny_state_dict
 from ..ops import nvfp4
 from .keys import LoraError
 
@@ -33,8 +36,6 @@ class SourceWeights:
     """
 
     def __init__(self, rt, cache: dict | None = None):
-        from ..model.config import TINY
-
         self.cache = cache if cache is not None else {}
         src = getattr(rt, "source", None)
         self.path = Path(src) if isinstance(src, (str, os.PathLike)) and Path(src).is_file() else None
@@ -59,17 +60,12 @@ class SourceWeights:
 
     def ck(self):
         if self._ck is None:
-            from ..io.checkpoint import open_checkpoint
-
             self._ck = open_checkpoint(self.path)
             self._stamp = self._stamps(self._ck)
         return self._ck
 
     def tiny(self) -> dict:
         if self._tiny is None:
-            from ..model.config import TINY
-            from ..model.tiny import tiny_state_dict
-
             key = ("tiny", self.tiny_seed, self.dtype)
             if key not in self.cache:
                 self.cache.clear()
@@ -90,8 +86,6 @@ class SourceWeights:
 
     def dense(self, param: str, like: torch.Tensor) -> torch.Tensor | None:
         """The parameter as the loader assigned it (dtype and device of ``like``), or None."""
-        from ..io.checkpoint import dequantize_layer
-
         if not self.available:
             return None
         if self.path is None:
@@ -115,7 +109,6 @@ class SourceWeights:
 
     def nvfp4_parts(self, layer: str, shape: tuple[int, int], device):
         """(stored NVFP4Tensor or None, float source W0 or None) of a block linear."""
-        from ..io.checkpoint import dequantize_layer
         if not self.available:
             return None, None
         if self.path is None:
