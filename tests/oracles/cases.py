@@ -186,3 +186,24 @@ def random_case(seed: int) -> dict:
         case["head_bank"] = (2, 4, 8, 32)[_ri(g, 0, 3)]
         payload["sample_sigmas"] = sched
     return case
+
+
+def sampling_case(masks: bool):
+    """A guided run with a kept first stretch (video frames and audio) for the sampler checks: (video0, audio0,
+    text_states, token_tags, payload)."""
+    g = torch.Generator().manual_seed(21)
+    video0, audio0 = torch.randn(1, 24, 7, 4, 6, generator=g), torch.randn(1, 32, 2, 37, generator=g)
+    payload = {"keyframes": [{"resolved_frame_index": 0, "latent": torch.randn(1, 24, 1, 4, 6, generator=g),
+                              "audio_latent": torch.randn(1, 32, 2, 9, generator=g)}],
+               "refs": [{"kind": "image", "latent_h": 2, "latent_w": 4, "latent": torch.randn(1, 24, 1, 2, 4, generator=g)}],
+               "visual_cond_noise_aug": 0.99, "seed": 5}
+    if masks:
+        m = torch.rand(1, 1, 7, 4, 6, generator=g)
+        m[..., :3, :, :] = 0.0       # keep the first frames
+        m[..., 5:, :2, :2] = 1.0
+        am = torch.ones(1, 1, 2, 37)
+        am[..., :12] = 0.0
+        am[..., 12:16] = 0.5
+        payload.update(denoise_mask=m, audio_denoise_mask=am)
+    text = torch.randn(1, 6, TEXT_DIM, generator=g)
+    return video0, audio0, text, torch.tensor([1, 0, 0, 1, 1, 1]), payload

@@ -157,11 +157,129 @@ def run_runtime(case, sd):
         return m.evaluate(plan, 0, case["video"], case["audio"])
 
 
+def run_core_sampling(sd, masks: bool, steps: int = 3):
+    """Core's own sampling pieces on the sampling case: ModelSamplingAV + CONST, the simple scheduler,
+    KSamplerX0Inpaint with MiniMaxH3.scale_latent_inpaint / _denoise_mask_values, k-diffusion's euler, around
+    core's MiniMaxH3Model (the audio carried at audio_scale 4). -> (video, audio, sigmas)."""
+    import comfy.k_diffusion.sampling as kd
+    import comfy.model_base
+    import comfy.model_sampling as cms
+    import comfy.samplers
+    import comfy.utils
+
+    video0, audio0, text, tags, payload = case_mod.sampling_case(masks)
+
+    class Sampling(cms.ModelSamplingAV, cms.CONST):
+        pass
+
+    ms = Sampling(types.SimpleNamespace(sampling_settings={"shift": 12.0, "audio_shift": 3.0}))
+    ms.set_parameters(shift=12.0, audio_shift=3.0)
+    cls = comfy.model_base.MiniMaxH3
+
+    class Base:  # the MiniMaxH3 BaseModel around core's diffusion model, without the model patcher
+        _pool_masks_to_token_grid = cls._pool_masks_to_token_grid
+        _token_grid_masks = cls._token_grid_masks
+        _denoise_mask_values = cls._denoise_mask_values
+        scale_latent_inpaint = cls.scale_latent_inpaint
+        audio_scale = cls.audio_scale
+
+    base = Base()
+    base.diffusion_model = core_model(False, sd)
+    base.model_sampling = ms
+    scale = ms.audio_scale
+    packed_latent, shapes = comfy.utils.pack_latents([video0, audio0 * scale])
+    base.latent_shapes = shapes
+    gen = torch.Generator("cpu").manual_seed(int(payload["seed"]))
+    noise = comfy.utils.pack_latents([torch.randn(video0.shape, generator=gen), torch.randn(audio0.shape, generator=gen)])[0]
+    dmask = None
+    if masks:
+        dmask = comfy.utils.pack_latents([payload["denoise_mask"].expand(video0.shape).contiguous(),
+                                          payload["audio_denoise_mask"].expand(audio0.shape).contiguous()])[0]
+    sigmas = comfy.samplers.simple_scheduler(ms, steps)
+    case = {"token_tags": tags, "payload": {k: v for k, v in payload.items()
+                                            if k not in ("denoise_mask", "audio_denoise_mask")}}
+    mp = dict(core_payload(case), audio_scale=scale)
+    conds = {} if dmask is None else base._denoise_mask_values(dmask, shapes)
+
+    def model(x, sigma, model_options={}, seed=None):
+        xs = comfy.utils.unpack_latents(x, shapes)
+        out = base.diffusion_model(xs, ms.timestep(sigma).float(), text, transformer_options={},
+                                   minimax_payload=dict(mp), **conds)
+        return ms.calculate_denoised(sigma, comfy.utils.pack_latents(list(out))[0].float(), x)
+
+    k = comfy.samplers.KSamplerX0Inpaint(_Callable(model, base), sigmas)
+    k.latent_image, k.noise = packed_latent, noise
+    x = ms.noise_scaling(sigmas[0], noise, packed_latent)
+    with torch.no_grad():
+        out = kd.sample_euler(k, x, sigmas, extra_args={"denoise_mask": dmask, "model_options": {}, "seed": 0},
+                              disable=True)
+    v, a = comfy.utils.unpack_latents(out, shapes)
+    return v, a / scale, sigmas
+
+
+class _Callable:
+    """KSamplerX0Inpaint's inner_model: called for the denoised, with .inner_model the BaseModel."""
+
+    def __init__(self, fn, base):
+        self.fn, self.inner_model = fn, base
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
+def check_sampling(results: dict, runtime: bool) -> None:
+    """Core's sampling pieces vs the float64 sampling oracle (and the runtime's sample()) on the sampling case."""
+    import core_sampling
+
+    for masks in (False, True):
+        name = "sampling_masked" if masks else "sampling_guided"
+        probe = __import__("comfy.ldm.minimax.model", fromlist=["x"]).MiniMaxH3Model(
+            **dict(CFG, adaln_curve_grid=None), dtype=torch.float32, device="meta",
+            operations=__import__("comfy.ops", fromlist=["x"]).disable_weight_init)
+        sd = random_state_dict(probe, seed=77)
+        cv, ca, sigmas = run_core_sampling(sd, masks)
+        video0, audio0, text, tags, payload = case_mod.sampling_case(masks)
+        ov, oa = core_sampling.core_sample_euler(sd, video0, audio0, text, tags, payload, payload["seed"], sigmas)
+        r = {"core_vs_oracle_video": rel_l2(cv, ov), "core_vs_oracle_audio": rel_l2(ca, oa)}
+        if runtime:
+            from h3_blackwell.runtime.model.conditioning import H3Conditioning
+            from h3_blackwell.runtime.sampling.sampler import sample
+            from h3_blackwell.runtime.sampling.schedule import get_sigmas
+
+            rv, ra = _runtime_sample(sd, video0, audio0, text, tags, H3Conditioning.from_payload(payload), sample)
+            r["core_vs_runtime_video"], r["core_vs_runtime_audio"] = rel_l2(rv, cv), rel_l2(ra, ca)
+            r["core_vs_runtime_sigmas"] = rel_l2(get_sigmas("simple", len(sigmas) - 1, 12.0, 1.0), sigmas)
+        results[name] = r
+        print(f"{name:28s} " + " ".join(f"{k[8:]} {v:.2e}" for k, v in r.items()))
+
+
+def _runtime_sample(sd, video0, audio0, text, tags, cond, sample):
+    import tempfile
+
+    from h3_blackwell.runtime import RuntimeOptions, load_model
+    from h3_blackwell.runtime.model.config import H3Config, config_metadata
+
+    from safetensors.torch import save_file
+
+    cfg = H3Config(hidden_size=96, num_layers=3, num_refiner_layers=2, num_heads=4, head_dim=32, ffn_hidden_size=160,
+                   text_dim=case_mod.TEXT_DIM, timestep_input_dim=256, time_embed_hidden_size=96, time_embed_dim=48,
+                   rope_inv_freq_len=4)
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "m.safetensors"
+        save_file({k: v.contiguous() for k, v in sd.items()}, str(path),
+                  metadata={"config": config_metadata(cfg)})
+        rt = load_model(path, RuntimeOptions(device="cpu", dtype="float32", quantize=False))
+        res = sample(rt, text, tags, video0, audio0, seed=cond.seed, steps=3, sampler="euler", conditioning=cond)
+    return res.video, res.audio
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--runtime", action="store_true")
     ap.add_argument("--random", type=int, default=0, help="also N random cases (cases.random_case)")
+    ap.add_argument("--sampling", action="store_true", help="also core's sampler pieces (inpainting masks)")
+    ap.add_argument("--note", default="", help="recorded verbatim in the JSON (e.g. what the checkout's changes are)")
     a = ap.parse_args(argv)
     import comfy.cli_args
 
@@ -197,6 +315,8 @@ def main(argv=None) -> int:
         print(f"{name:28s} oracle: video {r['core_vs_oracle_video']:.2e} audio {r['core_vs_oracle_audio']:.2e}"
               f" | unconditioned: video {r['core_vs_unconditioned_video']:.2e}"
               f" audio {r['core_vs_unconditioned_audio']:.2e}")
+    if a.sampling:
+        check_sampling(results, a.runtime)
     if a.json:
         import subprocess
 
@@ -204,10 +324,10 @@ def main(argv=None) -> int:
 
         root = Path(list(comfy.__path__)[0]).resolve().parent
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
-        dirty = subprocess.run(["git", "-C", str(root), "diff", "--stat", "--", "comfy"], capture_output=True,
-                               text=True).stdout.strip().splitlines()
+        dirty = subprocess.run(["git", "-C", str(root), "diff", "--stat", "--", "comfy/ldm/minimax", "comfy/model_base.py",
+                                "comfy/samplers.py"], capture_output=True, text=True).stdout.strip().splitlines()
         meta = {"command": " ".join(["python"] + sys.argv), "comfy_checkout": str(root), "comfy_head": head.strip(),
-                "comfy_local_changes": dirty, "torch": torch.__version__, "bound": 1e-5}
+                "comfy_local_changes": dirty, "torch": torch.__version__, "bound": 1e-5, "note": a.note}
         Path(a.json).write_text(json.dumps({"meta": meta, "cases": results}, indent=2))
     worst = max(v for r in results.values() for k, v in r.items() if k.startswith(("core_vs_oracle", "core_vs_runtime")))
     print(f"worst rel-L2 {worst:.2e} (bound 1e-5)")
