@@ -160,3 +160,19 @@ def test_stack_block_with_masked_runs_equals_w4a4_reference(models):
     expect = reference_block(blk, x, plan.mods[0][0], segs, plan.cos, plan.sin, m.cfg, wq, _q)
     got = blk(x.clone(), plan.mods[0][0], segs, plan.cos, plan.sin, rt.ops, 0)
     assert _rel(got, expect) < 1e-6
+
+
+@pytest.mark.parametrize("name", ["ref2va", "video_mask_partial"])
+def test_forward_fast_payload_within_nvfp4_bound(name, models, tmp_path):
+    """``forward --fast --payload``: the plan's NVFP4 stack on core's conditioning, within the W4A4 bound of the
+    reference evaluation of the same command."""
+    case = CASES[name]
+    args = ["forward", "--model", str(_model_file(models, case)), *_write_inputs(tmp_path, case)]
+    outs = {}
+    for flag in ("--dense", "--fast"):
+        out = tmp_path / f"o{flag}.safetensors"
+        assert cli.main([*args, "--out", str(out), flag]) == 0
+        with safe_open(str(out), "pt") as f:
+            outs[flag] = (f.get_tensor("video"), f.get_tensor("audio"))
+    (dv, da), (qv, qa) = outs["--dense"], outs["--fast"]
+    assert 1e-4 < _rel(qv, dv) < 0.2 and 1e-4 < _rel(qa, da) < 0.2, (_rel(qv, dv), _rel(qa, da))

@@ -49,7 +49,7 @@ message starts with the field path (``refs[1].audio_latent``) and says what was 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch

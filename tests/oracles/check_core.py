@@ -281,16 +281,16 @@ def main(argv=None) -> int:
     ap.add_argument("--sampling", action="store_true", help="also core's sampler pieces (inpainting masks)")
     ap.add_argument("--note", default="", help="recorded verbatim in the JSON (e.g. what the checkout's changes are)")
     a = ap.parse_args(argv)
-    import comfy.cli_args
+    from comfy.cli_args import args as comfy_args
 
-    comfy.cli_args.args.cpu = True
+    comfy_args.cpu = True
+    import comfy.ldm.minimax.model as mm
+    import comfy.ops
+
     results = {}
     all_cases = dict(case_mod.make_cases())
     all_cases.update({f"random_{i}": case_mod.random_case(i) for i in range(a.random)})
     for name, case in all_cases.items():
-        import comfy.ldm.minimax.model as mm
-        import comfy.ops
-
         probe = mm.MiniMaxH3Model(**dict(CFG, adaln_curve_grid=CURVE_GRID if case.get("curve") else None),
                                   dtype=torch.float32, device="meta", operations=comfy.ops.disable_weight_init)
         sd = random_state_dict(probe, seed=len(name), head_bank=case.get("head_bank", 1))
