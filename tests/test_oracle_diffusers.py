@@ -57,25 +57,10 @@ def diffusers_model(cfg, sd):
     return m.eval()
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_forward_equals_diffusers(name):
-    cfg, (T, H, W), L, anchors, tags = CONFIGS[name]
-    seed = 3 + len(name)
-    ours = tiny_model(cfg, seed=seed)
-    theirs = diffusers_model(cfg, tiny_state_dict(cfg, seed=seed))
-    g = torch.Generator().manual_seed(11)
-    Ta = 6
-    video = torch.randn(1, cfg.video_channels, T, H, W, generator=g)
-    audio = torch.randn(1, cfg.audio_channels, 2, Ta, generator=g)
-    text = torch.randn(1, L, cfg.text_dim, generator=g)
-    token_tags = torch.tensor(tags if tags else [1] * L, dtype=torch.long)
-    keyframes = [{"resolved_frame_index": 0 if a == "first" else 17 * ((T - 2) // 5) + 4,
-                  "latent": torch.randn(1, cfg.video_channels, 1, H, W, generator=g)} for a in anchors]
-    sigma = 0.7
-    with torch.no_grad():
-        ov, oa = ours(video, audio, text, sigma, token_tags=token_tags, keyframes=keyframes, seed=5)
-
-    # ---- diffusers side, built independently ----
+def diffusers_forward(theirs, cfg, video, audio, text, token_tags, sigma, anchors=(), keyframes=()):
+    """diffusers' output in our layout (video [1,C,T,H,W], audio [1,Ca,2,Ta]) with its own packed layout and
+    per-row timesteps written out from the formulas; also the distinct timestep values."""
+    T, H, W, Ta = video.shape[2], video.shape[3], video.shape[4], audio.shape[3]
     vp = pad_video(video)
     hp, wp = vp.shape[3], vp.shape[4]
     pos, tt, vidx, aidx, tidx, ncond, _ = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
@@ -100,6 +85,28 @@ def test_forward_equals_diffusers(name):
                         return_dict=False)
     dvid = unpatchify_video(dv[0, ncond:], T, hp, wp, cfg.video_channels)[..., :H, :W]
     daud = da[0].reshape(2, Ta, -1).permute(2, 0, 1)[None]
+    return dvid, daud, values
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_forward_equals_diffusers(name):
+    cfg, (T, H, W), L, anchors, tags = CONFIGS[name]
+    seed = 3 + len(name)
+    ours = tiny_model(cfg, seed=seed)
+    theirs = diffusers_model(cfg, tiny_state_dict(cfg, seed=seed))
+    g = torch.Generator().manual_seed(11)
+    Ta = 6
+    video = torch.randn(1, cfg.video_channels, T, H, W, generator=g)
+    audio = torch.randn(1, cfg.audio_channels, 2, Ta, generator=g)
+    text = torch.randn(1, L, cfg.text_dim, generator=g)
+    token_tags = torch.tensor(tags if tags else [1] * L, dtype=torch.long)
+    keyframes = [{"resolved_frame_index": 0 if a == "first" else 17 * ((T - 2) // 5) + 4,
+                  "latent": torch.randn(1, cfg.video_channels, 1, H, W, generator=g)} for a in anchors]
+    sigma = 0.7
+    with torch.no_grad():
+        ov, oa = ours(video, audio, text, sigma, token_tags=token_tags, keyframes=keyframes, seed=5)
+
+    dvid, daud, values = diffusers_forward(theirs, cfg, video, audio, text, token_tags, sigma, anchors, keyframes)
     assert len(values) == (3 if anchors else 2)
     assert ov.abs().mean() > 0.05 and oa.abs().mean() > 0.05  # a real signal, not ~0
     assert rel_l2(ov, -dvid) <= 1e-5, rel_l2(ov, -dvid)
@@ -118,3 +125,30 @@ def test_key_map_matches_diffusers_converter():
     assert sorted(ours) == sorted(theirs)
     for k in ours:
         assert torch.equal(ours[k], theirs[k]), k
+
+
+def test_cli_forward_float32_equals_diffusers(tmp_path, capsys):
+    """`h3-blackwell forward --dtype float32` on an fp32 checkpoint, with no other flag, is the reference
+    evaluation: it equals diffusers at rel-L2 <= 1e-5 (same tolerance and reason as above)."""
+    from safetensors.torch import load_file, save_file
+
+    from h3_blackwell.cli.main import main
+    from h3_blackwell.runtime.model.tiny import save_tiny
+
+    cfg = CONFIGS["fl2va"][0]
+    model = save_tiny(tmp_path / "fp32.safetensors", cfg, seed=9, dtype=torch.float32)
+    g = torch.Generator().manual_seed(12)
+    video = torch.randn(1, cfg.video_channels, 7, 4, 6, generator=g)
+    audio = torch.randn(1, cfg.audio_channels, 2, 6, generator=g)
+    text = torch.randn(1, 12, cfg.text_dim, generator=g)
+    tags = torch.tensor(CONFIGS["fl2va"][4], dtype=torch.long)
+    save_file({"video": video, "audio": audio, "text_states": text, "sigma": torch.tensor([0.6]),
+               "token_tags": tags}, str(tmp_path / "in.safetensors"))
+    assert main(["forward", "--model", str(model), "--inputs", str(tmp_path / "in.safetensors"),
+                 "--out", str(tmp_path / "out.safetensors"), "--dtype", "float32"]) == 0
+    got = load_file(str(tmp_path / "out.safetensors"))
+    theirs = diffusers_model(cfg, load_file(str(model)))
+    dvid, daud, _ = diffusers_forward(theirs, cfg, video, audio, text, tags, 0.6)
+    assert got["video"].abs().mean() > 0.05
+    assert rel_l2(got["video"], -dvid) <= 1e-5, rel_l2(got["video"], -dvid)
+    assert rel_l2(got["audio"], -daud) <= 1e-5, rel_l2(got["audio"], -daud)
