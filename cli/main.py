@@ -228,8 +228,6 @@ def _parallel_generate(a, job: GenerateJob, heads: int):
                        "drop the flag under torchrun or make them match")
     dev_type = _device_type(job.options)
     check_degree(n, heads, dev_type)
-    if n > 1 and not a.dense:
-        raise CliError(f"--sequence-parallel {n} runs the reference block stack for now; add --dense")
     if n > 1 and job.options.device not in ("auto", "cpu", "cuda"):
         raise CliError(f"--device {job.options.device} with --sequence-parallel {n}: rank r uses cuda:r; pass "
                        "--device cuda and pick the GPUs with CUDA_VISIBLE_DEVICES")

@@ -37,6 +37,15 @@ def sharded_ops(ops, cfg, attention: Callable[[torch.Tensor], torch.Tensor]):
     return out
 
 
+def numerics(ops) -> str:
+    """What splitting the rows does to the numbers, for the report. Every op but one is row-local: the NVFP4
+    activation producers with a dynamic scale (W4A4) take one amax per tensor, here per rank."""
+    if getattr(ops, "name", None) == "nvfp4" and getattr(ops, "act_scale", None) == "dynamic":
+        return ("W4A4 with a dynamic activation scale: each rank quantizes with the amax of its own rows (a valid "
+                "NVFP4 quantization, not the single-device bytes); everything else row-local")
+    return "row-local: each rank runs the single-device per-row and per-head math on its rows and heads"
+
+
 def make_inner(backend: str | None, v_handling: str = "none") -> Callable[..., torch.Tensor]:
     """The single-device attention as ``inner(qkv, heads, head_dim, seq_len)`` for the Ulysses wrapper: the
     load plan's backend bound once per local head count, or exact attention (``backend`` None: the reference

@@ -32,7 +32,7 @@ def gather_ranks(ctx: ParallelContext, runs: list[dict]) -> list[dict]:
 
 
 def parallel_section(ctx: ParallelContext, shard: RowShard, stats: CommStats, ranks: list[dict],
-                     blocks: int) -> dict:
+                     blocks: int, numerics: str = "") -> dict:
     """The report block. bytes_per_block: what one rank hands to the two all-to-alls of one block (qkv out,
     attention output back); offrank_bytes_per_block: the share of it that crosses to other ranks."""
     steps_a2a = [s for r in ranks for run in r["runs"] for s in run["all_to_all_seconds_per_step"]]
@@ -42,6 +42,7 @@ def parallel_section(ctx: ParallelContext, shard: RowShard, stats: CommStats, ra
         "backend": ctx.backend,
         "rows_per_rank": shard.chunk,
         "padding_rows": shard.padded_len - shard.seq_len,
+        "numerics": numerics,
         "median_step_seconds_all_ranks": statistics.median(steps) if steps else None,
         # every rank runs the sampler on the same gathered velocity: their latents must be the same bytes
         "latents_identical_across_ranks": len({tuple(r["runs"][-1]["latent_sha256"]) for r in ranks

@@ -1,10 +1,11 @@
 """Row sharding of the packed sequence: each rank holds one contiguous share.
 
-The S packed rows are padded at the END to ``S_pad = N * ceil(S / N)``; rank r holds global rows
-``[r*c, (r+1)*c)`` with ``c = S_pad / N``. Real rows stop at S, so the padding (fewer than N rows) sits at
-the tail of the last rank(s): after the all-to-all the sequence is back in global order with the padding
-last, and attention excludes it exactly by attending the first S rows only. Padding rows belong to no
-segment, so modulation and gating never touch them; they stay zero through the blocks.
+Rank r holds global rows ``[r*c, min((r+1)*c, S))`` with ``c = ceil(S / N)``: every rank c rows except the
+last, which may hold fewer. The blocks' row-local ops (norms, producers, GEMMs, gates, RoPE) run on exactly
+those rows, so the segment tables tile them. Padding to ``S_pad = N * c`` rows (fewer than N, all at the
+tail of the sequence) exists only inside the collectives, which need equal shares: the all-to-all send
+buffers and the final all-gather. After the all-to-all the sequence is in global order with the padding
+last, and attention excludes it exactly by attending the first S rows only.
 
 Segment tables ``[(start, stop, payload)]`` are clipped to a rank's rows and shifted to local indices; a
 segment that straddles a boundary appears on both ranks with the same payload.
@@ -68,24 +69,25 @@ class RowShard:
                 out.append((a - self.start, b - self.start, *seg[2:]))
         return out
 
-    def take(self, x: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
-        """Rows of global ``x [S, ...]`` this rank holds -> ``[chunk, ...]`` (a new tensor; padding = ``fill``)."""
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows of global ``x [S, ...]`` this rank holds -> ``[real_rows, ...]`` (a new tensor)."""
         if x.shape[0] != self.seq_len:
             raise ValueError(f"expected {self.seq_len} rows (the packed sequence); found {x.shape[0]}")
-        out = x.new_full((self.chunk, *x.shape[1:]), fill)
-        out[: self.real_rows] = x[self.start:self.stop]
-        return out
+        return x[self.start:self.stop].clone()
 
     def rope(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's RoPE rows ``[chunk, rope_dim]``; padding rows get cos 1, sin 0 (the identity rotation)."""
-        return self.take(cos, 1.0), self.take(sin, 0.0)
+        """This rank's RoPE rows ``[real_rows, rope_dim]``."""
+        return self.take(cos), self.take(sin)
 
     def gather(self, x_local: torch.Tensor, group=None) -> torch.Tensor:
-        """All ranks' ``[chunk, ...]`` rows -> the global ``[S, ...]`` on every rank (one all-gather)."""
-        if x_local.shape[0] != self.chunk:
-            raise ValueError(f"expected {self.chunk} local rows; found {x_local.shape[0]}")
+        """All ranks' ``[real_rows, ...]`` rows -> the global ``[S, ...]`` on every rank (one all-gather; a
+        short last share is padded to ``chunk`` rows for it)."""
+        if x_local.shape[0] != self.real_rows:
+            raise ValueError(f"expected {self.real_rows} local rows; found {x_local.shape[0]}")
         if self.world_size == 1:
-            return x_local[: self.seq_len]
+            return x_local
+        if self.real_rows != self.chunk:
+            x_local = torch.cat([x_local, x_local.new_zeros((self.chunk - self.real_rows, *x_local.shape[1:]))])
         full = x_local.new_empty((self.padded_len, *x_local.shape[1:]))
         _all_gather_single(full, x_local.contiguous(), group=group)
         return full[: self.seq_len]

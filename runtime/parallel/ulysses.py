@@ -1,6 +1,7 @@
 """Ulysses attention: rows-split -> heads-split around the attention op, one all-to-all each way.
 
-Rank r holds rows ``[r*c, (r+1)*c)`` of every head (:class:`.shard.RowShard`). Before attention one
+Rank r holds rows ``[r*c, (r+1)*c)`` of every head (:class:`.shard.RowShard`; the last rank may hold fewer,
+and its send buffer's tail is zero). Before attention one
 all-to-all sends head group j (heads ``[j*H/N, (j+1)*H/N)``) of q, k AND v, as one buffer, to rank j;
 rank r then holds every row of its H/N heads as a qkv buffer ``[S_pad, 3*(H/N)*D]`` in the same contiguous
 thirds layout ``[q | k | v]`` the single-GPU op reads. The local attention op attends the first S rows
@@ -67,9 +68,9 @@ class CommStats:
 
 
 class UlyssesAttention:
-    """An attention function over a rank's rows ``qkv [c, 3*H*D] -> [c, H*D]`` that attends the full sequence.
+    """An attention function over a rank's rows ``qkv [r, 3*H*D] -> [r, H*D]`` that attends the full sequence.
 
-    shard: this rank's RowShard (c = shard.chunk); inner: the single-device attention op (see
+    shard: this rank's RowShard (r = shard.real_rows, at most shard.chunk); inner: the single-device attention op (see
     InnerAttention); group: the process group (None = world); stats: where time and bytes go (optional).
     """
 
@@ -90,23 +91,33 @@ class UlyssesAttention:
         return out
 
     def __call__(self, qkv: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
-        n, c, s = self.shard.world_size, self.shard.chunk, self.shard.seq_len
+        n, c, s, r = self.shard.world_size, self.shard.chunk, self.shard.seq_len, self.shard.real_rows
         if heads % n:
             raise ValueError(f"{heads} heads do not split over {n} ranks; the degree must divide the head count")
-        if qkv.shape != (c, 3 * heads * head_dim):
-            raise ValueError(f"qkv must be [{c}, {3 * heads * head_dim}] (this rank's rows, 3*H*D); "
+        if qkv.shape != (r, 3 * heads * head_dim):
+            raise ValueError(f"qkv must be [{r}, {3 * heads * head_dim}] (this rank's rows, 3*H*D); "
                              f"found {list(qkv.shape)}")
         hl = heads // n
-        # [c, 3, n, hl, D] -> [n, c, 3, hl, D]: block j = head group j of q, k and v, one buffer
-        send = qkv.reshape(c, 3, n, hl, head_dim).permute(2, 0, 1, 3, 4).contiguous()  # no copy when n == 1
+        # [r, 3, n, hl, D] -> [n, c, 3, hl, D]: block j = head group j of q, k and v, one buffer (zero tail
+        # rows when this rank holds fewer than c); no copy at all when n == 1
+        parts = qkv.reshape(r, 3, n, hl, head_dim).permute(2, 0, 1, 3, 4)
+        if r == c:
+            send = parts.contiguous()
+        else:
+            send = qkv.new_empty((n, c, 3, hl, head_dim))
+            send[:, :r] = parts
+            send[:, r:] = 0
         recv = self._exchange(send)  # recv[i] = rank i's rows of my head group
         o = self.inner(recv.view(n * c, 3 * hl * head_dim), hl, head_dim, seq_len=s)  # [S, hl*D]
-        back = o.new_zeros((n * c, hl * head_dim)) if n * c != s else o.contiguous()
-        if n * c != s:
+        if n * c == s:
+            back = o.contiguous()
+        else:
+            back = o.new_empty((n * c, hl * head_dim))
             back[:s] = o
+            back[s:] = 0
         home = self._exchange(back)  # home[j] = my rows of head group j
         if self.stats is not None and n > 1:  # a world of one hands nothing to a collective
             self.stats.calls += 1
             self.stats.bytes_per_call = (send.numel() + back.numel()) * qkv.element_size()
             self.stats.offrank_bytes_per_call = self.stats.bytes_per_call * (n - 1) // n
-        return home.view(n, c, hl, head_dim).permute(1, 0, 2, 3).reshape(c, heads * head_dim)
+        return home.view(n, c, hl, head_dim)[:, :r].permute(1, 0, 2, 3).reshape(r, heads * head_dim)

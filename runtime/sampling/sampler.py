@@ -18,7 +18,7 @@ import torch
 from ..errors import H3Error, Interrupted
 from ..model.conditioning import H3Conditioning
 from ..model.block import ReferenceOps
-from ..parallel.evaluate import ShardedEvaluator
+from ..parallel.evaluate import ShardedEvaluator, numerics
 from ..parallel.report import gather_ranks, parallel_section, rank_run
 from .report import RunRecord, StepTimer, build_report, latent_sha256
 from .inpaint import Inpaint
@@ -147,7 +147,8 @@ def _measure(run_args: tuple, warmup: int, runs: int, parallel, preview=None, in
     if ev is None:
         return out, records, None
     ranks = gather_ranks(parallel, rank_runs)
-    return out, records, parallel_section(parallel, ev.shard, ev.stats, ranks, rt.config.num_layers)
+    return out, records, parallel_section(parallel, ev.shard, ev.stats, ranks, rt.config.num_layers,
+                                          numerics(rt.ops))
 
 
 def _with_run_schedule(cond: H3Conditioning, sigmas: torch.Tensor) -> H3Conditioning:
