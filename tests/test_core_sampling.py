@@ -108,3 +108,22 @@ def test_sample_refuses_a_foreign_schedule(model_file):
     cond = H3Conditioning.from_payload({**payload, "sample_sigmas": torch.tensor([1.0, 0.5, 0.0])})
     with pytest.raises(H3Error, match="^sample_sigmas: expected this run's schedule"):
         sample(rt, text, tags, video0, audio0, seed=5, steps=3, sampler="euler", conditioning=cond)
+
+
+def test_generate_payload_sequence_parallel_matches_single_process(model_file, tmp_path):
+    """References, guides and masked runs through the sequence-parallel path (2 gloo workers, clipped segment
+    tables) give the single-process latents (fp32 both sides; 1e-5 as the sp tests)."""
+    video0, audio0, text, tags, payload = _case(True)
+    p, tensors = H3Conditioning.from_payload(payload).to_payload()
+    tensors.update(video=video0, audio=audio0, text_states=text, token_tags=tags)
+    save_file(tensors, str(tmp_path / "in.safetensors"))
+    (tmp_path / "p.json").write_text(json.dumps(p))
+    base = ["generate", "--model", str(model_file), "--inputs", str(tmp_path / "in.safetensors"), "--payload",
+            str(tmp_path / "p.json"), "--steps", "2", "--dense", "--device", "cpu", "--dtype", "float32"]
+    assert cli.main([*base, "--output", str(tmp_path / "one")]) == 0
+    assert cli.main([*base, "--output", str(tmp_path / "sp"), "--sequence-parallel", "2"]) == 0
+    outs = []
+    for d in ("one", "sp"):
+        with safe_open(str(tmp_path / d / "latents.safetensors"), "pt") as f:
+            outs.append((f.get_tensor("video"), f.get_tensor("audio")))
+    assert _rel(outs[1][0], outs[0][0]) <= 1e-5 and _rel(outs[1][1], outs[0][1]) <= 1e-5

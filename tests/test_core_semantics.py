@@ -176,3 +176,36 @@ def test_forward_fast_payload_within_nvfp4_bound(name, models, tmp_path):
             outs[flag] = (f.get_tensor("video"), f.get_tensor("audio"))
     (dv, da), (qv, qa) = outs["--dense"], outs["--fast"]
     assert 1e-4 < _rel(qv, dv) < 0.2 and 1e-4 < _rel(qa, da) < 0.2, (_rel(qv, dv), _rel(qa, da))
+
+
+@pytest.mark.parametrize("payload,needle", [
+    ({"keyframes": [{"resolved_frame_index": 0, "latent": "nope"}]}, "keyframes[0].latent: expected a key of the inputs"),
+    ({"keyframes": [{"resolved_frame_index": 22, "latent": "kf"}]}, "keyframes[0].resolved_frame_index"),
+    ({"refs": [{"kind": "depth", "latent": "kf"}]}, "refs[0].kind: expected one of image, video, video_audio, audio"),
+    ({"refs": [{"kind": "image", "latent_h": 4, "latent_w": 4, "latent": "kf"}]}, "refs[0].latent: expected"),
+    ({"denoise_mask": "kf"}, "denoise_mask: expected a mask [1, 1, T, H, W]"),
+    ({"seed": "x"}, "seed: expected an integer"),
+    ("not json", "not valid JSON"),
+])
+def test_forward_bad_payload_is_one_error_line(payload, needle, models, tmp_path, capsys):
+    case = CASES["fl2va_first_last"]
+    save_file({"video": case["video"], "audio": case["audio"], "text_states": case["text_states"],
+               "sigma": torch.tensor([0.5]), "kf": torch.randn(1, 24, 1, 4, 6)}, str(tmp_path / "in.safetensors"))
+    (tmp_path / "p.json").write_text(payload if isinstance(payload, str) else json.dumps(payload))
+    capsys.readouterr()
+    assert cli.main(["forward", "--model", str(_model_file(models, case)), "--inputs", str(tmp_path / "in.safetensors"),
+                     "--payload", str(tmp_path / "p.json"), "--out", str(tmp_path / "o.safetensors")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_forward_pdd_without_schedule_is_refused(models, tmp_path, capsys):
+    """Core raises for a PDD head bank without the sampler's schedule; forward names the field."""
+    case = CASES["pdd_mid_schedule"]
+    args = _write_inputs(tmp_path, {**case, "payload": {}})
+    capsys.readouterr()
+    assert cli.main(["forward", "--model", str(_model_file(models, case)), *args,
+                     "--out", str(tmp_path / "o.safetensors")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: sample_sigmas: expected the run's full sigma schedule"), err
