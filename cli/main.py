@@ -129,9 +129,14 @@ def _generate_job(a) -> tuple[GenerateJob, object]:
         raise CliError(f"text states file not found: {a.text_states}")
     inputs = _generate_inputs(a, model_cfg)
     fc2 = {"on": (True, False), "off": (False, False), "strict": (True, True)}[a.fc2]
-    opts = RuntimeOptions.from_env(device=a.device, dtype=a.dtype, attention=a.attention, gemm=a.gemm,
-                                   act_format=a.act_format, fc2_lt=fc2[0], fc2_lt_strict=fc2[1],
-                                   quantize=False if a.dense else None)
+    try:
+        opts = RuntimeOptions.from_env(device=a.device, dtype=a.dtype, attention=a.attention, gemm=a.gemm,
+                                       act_format=a.act_format, fc2_lt=fc2[0], fc2_lt_strict=fc2[1],
+                                       quantize=False if a.dense else None, sparse_tau=a.sparse_tau,
+                                       sparse_start=a.sparse_start, sparse_extra_tokens=a.sparse_extra_tokens,
+                                       sparse_min_tokens=a.sparse_min_tokens, first_block_cache=a.first_block_cache)
+    except ValueError as e:  # an option out of range: one error line, exit 2
+        raise CliError(str(e)) from e
     loras = [parse_lora_arg(s) for s in a.lora]
     if a.preview:
         check_preview_available()
@@ -341,6 +346,21 @@ def cmd_comfy_run(argv) -> int:
 
 # ---------------------------------------------------------------------------------------------
 
+def _add_lossy_args(g) -> None:
+    """generate's LOSSY speed options (sparse attention's settings, the First-Block Cache)."""
+    g.add_argument("--sparse-tau", type=float, default=None,
+                   help="LOSSY: sparse routing threshold (default 1.3, ComfyUI core's; higher = faster, less exact)")
+    g.add_argument("--sparse-start", type=float, default=None,
+                   help="LOSSY: fraction of the timestep range that stays dense before sparse starts (default 0.2)")
+    g.add_argument("--sparse-extra-tokens", type=int, default=None, choices=[0, 64, 128, 192, 256],
+                   help="LOSSY: exact extra tokens per 64-row query block (default 256, core's)")
+    g.add_argument("--sparse-min-tokens", type=int, default=None,
+                   help="sequences shorter than this stay dense with --attention sparse (default 12288, core's)")
+    g.add_argument("--first-block-cache", type=float, default=None, metavar="THRESHOLD",
+                   help="LOSSY step reuse: skip blocks 1.. when the first block's residual change is within this "
+                        "relative L1 of the last computed step's (off by default; 0 never reuses; peers ~0.05-0.1)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="h3-blackwell", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -368,7 +388,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--warmup", type=int, default=0)
     g.add_argument("--device", default=None, help="auto | cpu | cuda[:N]")
     g.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"])
-    g.add_argument("--attention", default=None, choices=["auto", "sage2", "sage1", "sdpa", "reference"])
+    g.add_argument("--attention", default=None, choices=["auto", "sage2", "sage1", "sdpa", "reference", "sparse"],
+                   help="attention backend; sparse = LOSSY training-free sparse attention (comfy-kitchen sol_attn; "
+                        "refused with the reason where it cannot run)")
+    _add_lossy_args(g)
     g.add_argument("--gemm", default=None, choices=["auto", "native", "emulated", "fp8", "bf16", "reference"])
     g.add_argument("--act-format", default=None, choices=["auto", "nvfp4", "fp8"],
                    help="block activations: auto (W4A8 where the fp8 GEMM backend runs, else NVFP4), nvfp4, fp8")

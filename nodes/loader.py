@@ -16,7 +16,7 @@ from ._common import CATEGORY, comfy_module, node_error, optional_comfy_module
 
 TINY_CHOICE = "embedded tiny (seed 0)"
 GEMM_CHOICES = ["auto", "native", "emulated", "fp8", "bf16", "reference"]
-ATTENTION_CHOICES = ["auto", "sage2", "sage1", "sdpa", "reference"]
+ATTENTION_CHOICES = ["auto", "sage2", "sage1", "sdpa", "reference", "sparse"]
 FC2_CHOICES = ["on", "off", "strict"]
 
 # One resident model, keyed on everything that determines it.
@@ -74,7 +74,9 @@ class H3ModelLoader:
                 "default": TINY_CHOICE,
                 "tooltip": "an H3 DiT file in models/diffusion_models, or the embedded tiny random model (tests)"}),
             "gemm": (GEMM_CHOICES, {"default": "auto", "tooltip": "NVFP4 linear backend (auto picks per GPU)"}),
-            "attention": (ATTENTION_CHOICES, {"default": "auto", "tooltip": "attention backend (auto picks per GPU)"}),
+            "attention": (ATTENTION_CHOICES, {"default": "auto", "tooltip": (
+                "attention backend (auto picks per GPU); sparse = LOSSY training-free sparse attention "
+                "(comfy-kitchen sol_attn, ComfyUI core's H3 rules; its tau is on the H3 Sampler)")}),
             "fc2_lt": (FC2_CHOICES, {"default": "on", "tooltip": "guarded cuBLASLt FC2 path: on (fall back when the "
                                                                  "guard fails), off, strict (fail instead)"}),
             "adaln_cache": ("BOOLEAN", {"default": True, "tooltip": "compute the AdaLN modulation rows of every "

@@ -132,10 +132,18 @@ class H3Sampler:
             "shift_audio": ("FLOAT", {"default": 3.0, "min": 0.01, "max": 100.0, "step": 0.01,
                                       "tooltip": "sigma shift of the audio stream (model default 3)"}),
             "denoise": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 1.0, "step": 0.01}),
+        }, "optional": {
+            "sparse_tau": ("FLOAT", {"default": 1.3, "min": 0.0, "max": 4.0, "step": 0.05, "tooltip": (
+                "LOSSY, only when the loader's attention is sparse: routing threshold (higher = sparser, faster, "
+                "less accurate; core's default 1.3). Dense for the first 20 % of the schedule.")}),
+            "first_block_cache": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1.0, "step": 0.01, "tooltip": (
+                "LOSSY step reuse (First-Block Cache): skip blocks 1.. when the first block's change is within this "
+                "relative L1 of the last computed step's; 0 = off (peers use 0.05-0.1)")}),
         }}
 
     def sample(self, model, positive, latent, seed: int, steps: int, sampler: str, scheduler: str,
-               shift_video: float, shift_audio: float, denoise: float):
+               shift_video: float, shift_audio: float, denoise: float, sparse_tau: float = 1.3,
+               first_block_cache: float = 0.0):
         from ..runtime.lora.apply import sync_loras
 
         if not hasattr(model, "config") or not hasattr(model, "model"):
@@ -155,7 +163,9 @@ class H3Sampler:
             res = run_sample(model, text, tags, video, audio, seed=int(seed), steps=int(steps), sampler=sampler,
                              scheduler=scheduler, shift_video=float(shift_video), shift_audio=float(shift_audio),
                              denoise=float(denoise), progress=progress, preview=preview, interrupt=interrupt,
-                             workload_extra={"frames": pixel_frames(video.shape[2]), "host": "comfyui"}, conditioning=cond)
+                             workload_extra={"frames": pixel_frames(video.shape[2]), "host": "comfyui"}, conditioning=cond,
+                             sparse_tau=float(sparse_tau) if getattr(model, "sparse", None) is not None else None,
+                             first_block_cache=float(first_block_cache) if first_block_cache > 0 else None)
         except Interrupted as e:
             _raise_interrupted(e)
         except H3Error as e:

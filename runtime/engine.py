@@ -24,7 +24,9 @@ from .model.config import H3Config
 from .model.h3 import H3Model
 from .model.tiny import tiny_state_dict
 from .ops import fp8_producers, quant_kernels
+from .ops.attention import bind_attention
 from .ops.block import build_ops
+from .ops.sparse_attention import SparseStepAttention, bind_sparse
 from .options import RuntimeOptions
 from .plan import LoadPlan, make_plan
 
@@ -43,6 +45,8 @@ class H3Runtime:
     backends: dict = field(default_factory=dict)
     load_seconds: float = 0.0
     fc2: object | None = None  # the guarded FC2 dispatcher, where FC2 takes NVFP4 bytes on CUDA
+    sparse: SparseStepAttention | None = None  # the sparse attention bound in ops (attention=sparse): the sampler
+    #                                            sets its per-run routing and per-step schedule switch
 
     @property
     def config(self) -> H3Config:
@@ -105,6 +109,17 @@ def _prepare_fc2(plan: LoadPlan) -> tuple[object | None, dict | None]:
     return fc2, {"choice": plan.choices["fc2_lt"].choice, "reason": reason}
 
 
+def _bind_sparse(plan: LoadPlan) -> SparseStepAttention | None:
+    """attention=sparse: the kernel plus the plan's dense backend for the dense steps, bound once."""
+    if plan.attention != "sparse":
+        return None
+    cfg, o = plan.config, plan.options
+    dense = bind_attention(plan.dense_attention, cfg.num_heads, cfg.head_dim, v_handling=plan.v_handling)
+    return bind_sparse(plan.device, plan.dtype, cfg.num_heads, cfg.head_dim, dense, plan.dense_attention,
+                       tau=o.sparse_tau, extra_tokens=o.sparse_extra_tokens, start_percent=o.sparse_start,
+                       min_tokens=o.sparse_min_tokens)
+
+
 def load_model(path: str | Path | None = None, options: RuntimeOptions | None = None, tiny_seed: int = 0,
                progress: Callable[[int, int, str], None] | None = None) -> H3Runtime:
     """Load an H3 DiT (or the embedded tiny model when ``path`` is None, or an in-memory tensor source, see
@@ -124,6 +139,7 @@ def load_model(path: str | Path | None = None, options: RuntimeOptions | None = 
     fc2, fc2_report = _prepare_fc2(plan)
     if fc2_report is not None:
         backends["fc2_lt"] = fc2_report
-    rt = H3Runtime(model, plan, build_ops(plan, fc2), backends, fc2=fc2)
+    sparse = _bind_sparse(plan)
+    rt = H3Runtime(model, plan, build_ops(plan, fc2, attention=sparse), backends, fc2=fc2, sparse=sparse)
     rt.load_seconds = time.perf_counter() - t0
     return rt

@@ -22,7 +22,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "device": ("auto",),  # or cpu / cuda / cuda:N (checked by the plan)
     "dtype": ("auto", "float32", "bfloat16", "float16"),
     "attention": ("auto", "sage2", "sage1", "sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math",
-                  "reference"),
+                  "reference", "sparse"),
     "gemm": ("auto", "native", "emulated", "fp8", "bf16", "reference"),
     "act_format": ("auto", "nvfp4", "fp8"),
     "act_scale": ("dynamic", "calibrated"),
@@ -95,7 +95,18 @@ class RuntimeOptions:
     device:     auto (CUDA if present, else CPU) | cpu | cuda | cuda:N
     dtype:      compute dtype of the block stack: auto (bfloat16 on CUDA, float32 on the CPU) | float32 |
                 bfloat16 | float16
-    attention:  auto (the fastest backend that passes its capability check and probe) or a backend name
+    attention:  auto (the fastest backend that passes its capability check and probe) or a backend name;
+                sparse = LOSSY training-free sparse attention (comfy-kitchen's sol_attn on CUDA, its fp32
+                reference on the CPU; refused with the reason where it cannot run), dense before
+                ``sparse_start`` of the schedule and on the dense backend auto picks
+    sparse_tau: sparse routing threshold (higher = sparser, faster, less accurate); ComfyUI core's default 1.3
+    sparse_start: fraction of the schedule's timestep range that stays dense (core: 0.2 -> sparse from model
+                sigma <= 0.9796 at video shift 12)
+    sparse_extra_tokens: exact extra tokens per 64-row query block (comfy-kitchen token_aug: 0, 64, ..., 256;
+                core's default 256)
+    sparse_min_tokens: sequences shorter than this stay dense (core's min_tokens, 12288)
+    first_block_cache: LOSSY step reuse (First-Block Cache) threshold on the first block's relative L1 change;
+                None = off; 0 = on but never reuses (exactly the uncached latents); peers use ~0.05-0.1
     gemm:       auto | native (Blackwell FP4) | fp8 (NVFP4 weights expanded to e4m3) | bf16 | emulated
                 (exact NVFP4 products) | reference — the block linears' GEMM backend
     quantize:   True: block linears run as NVFP4 (quantized while streaming in, or adopted as stored);
@@ -127,6 +138,11 @@ class RuntimeOptions:
     adaln_cache: bool = True
     producer_tiles: str = ""
     cache_dir: str = field(default_factory=lambda: os.path.join(os.path.expanduser("~"), ".cache", "h3_blackwell"))
+    sparse_tau: float = 1.3
+    sparse_start: float = 0.2
+    sparse_extra_tokens: int = 256
+    sparse_min_tokens: int = 12288
+    first_block_cache: float | None = None
     ignored: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -136,6 +152,22 @@ class RuntimeOptions:
                 continue
             if v not in choices:
                 raise ValueError(f"option {name}={v!r}: expected one of {', '.join(choices)}")
+        self._check_lossy()
+
+    def _check_lossy(self):
+        """The sparse attention and step-reuse numbers: finite and in range."""
+        if not (0.0 <= self.sparse_tau < float("inf")):
+            raise ValueError(f"option sparse_tau={self.sparse_tau!r}: expected a finite number >= 0 (core: 1.3)")
+        if not 0.0 <= self.sparse_start <= 1.0:
+            raise ValueError(f"option sparse_start={self.sparse_start!r}: expected a fraction in [0, 1] (core: 0.2)")
+        if self.sparse_extra_tokens not in (0, 64, 128, 192, 256):
+            raise ValueError(f"option sparse_extra_tokens={self.sparse_extra_tokens!r}: expected 0, 64, 128, 192 "
+                             f"or 256 (core: 256)")
+        if self.sparse_min_tokens < 0:
+            raise ValueError(f"option sparse_min_tokens={self.sparse_min_tokens!r}: expected >= 0 (core: 12288)")
+        fbc = self.first_block_cache
+        if fbc is not None and not (0.0 <= fbc < float("inf")):
+            raise ValueError(f"option first_block_cache={fbc!r}: expected None (off) or a finite number >= 0")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "RuntimeOptions":

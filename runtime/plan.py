@@ -7,7 +7,8 @@ Order of resolution (each step can depend only on the ones before it):
 2. the GEMM backend of the block linears (``quantize`` off: dense linears at the compute dtype);
 3. the activation format: fp8 (W4A8) where the block linears run the fp8 GEMM backend, NVFP4 elsewhere;
 4. FC2's guarded cuBLASLt path, only where FC2 takes NVFP4 bytes (NVFP4 activations on CUDA);
-5. the attention backend, and 6. the V handling of Sage2's sm_90 kernel;
+5. the attention backend (``sparse``: also the dense backend of its dense steps), and 6. the V handling of
+   Sage2's sm_90 kernel (for the dense backend);
 7. precision and AdaLN placement.
 
 Every step is a ``Choice`` (what will run, and why a faster one was not taken). ``describe()`` is what the
@@ -66,6 +67,11 @@ class LoadPlan:
     @property
     def attention(self) -> str:
         return self.choices["attention"].choice
+
+    @property
+    def dense_attention(self) -> str:
+        """The dense backend: the attention choice, or the one the sparse backend's dense steps run."""
+        return self.choices.get("attention_dense", self.choices["attention"]).choice
 
     @property
     def v_handling(self) -> str:
@@ -185,6 +191,18 @@ def _adaln(options: RuntimeOptions, device: torch.device, cfg: H3Config) -> Choi
     return Choice("resident", "adaln_cache off or not CUDA: AdaLN weights stay with the model")
 
 
+def _sparse(options: RuntimeOptions, device: torch.device, cfg: H3Config, ch: dict) -> str:
+    """attention=sparse: the dense backend of its dense steps and the sparse settings -> the dense backend."""
+    dense, dense_why = resolve("attention", device, "auto", head_dim=cfg.head_dim)
+    ch["attention_dense"] = Choice(dense, "the sparse backend's dense steps (before sparse_start) and short "
+                                          f"sequences: {dense_why}")
+    ch["sparse"] = Choice(f"tau {options.sparse_tau}", (
+        f"LOSSY: sparse from {options.sparse_start:.0%} of the schedule and from {options.sparse_min_tokens} rows, "
+        f"{options.sparse_extra_tokens} extra tokens per query block; conditioning rows exact for every query, "
+        "target-audio query rows dense"))
+    return dense
+
+
 def make_plan(path, options: RuntimeOptions, tiny_seed: int = 0) -> LoadPlan:
     """Resolve every choice of a load (module docstring) from the header alone; reads no tensor.
 
@@ -205,8 +223,10 @@ def make_plan(path, options: RuntimeOptions, tiny_seed: int = 0) -> LoadPlan:
     ch["gemm"] = _gemm(options, device, dtype, plan.stored_nvfp4)
     ch["act_format"] = _act_format(options, ch["gemm"].choice)
     ch["fc2_lt"] = _fc2(options, device, ch["act_format"].choice)
-    name, why = resolve("attention", device, options.attention, head_dim=cfg.head_dim)
+    name, why = resolve("attention", device, options.attention, head_dim=cfg.head_dim, dtype=dtype)
     ch["attention"] = Choice(name, why)
+    if name == "sparse":
+        name = _sparse(options, device, cfg, ch)
     ch["v_handling"] = Choice(*resolve("v_handling", device, name, head_dim=cfg.head_dim))
     ch["precision"] = _precision(options, device, ch["act_format"].choice)
     ch["act_scale"] = Choice(options.act_scale, "NVFP4 activations' global scale: " + (

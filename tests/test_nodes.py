@@ -238,7 +238,10 @@ def test_types():
     assert s["seed"][1]["control_after_generate"] is True
     loader = H3ModelLoader.INPUT_TYPES()["required"]
     assert loader["gemm"][0] == ["auto", "native", "emulated", "fp8", "bf16", "reference"]
-    assert loader["attention"][0] == ["auto", "sage2", "sage1", "sdpa", "reference"]
+    assert loader["attention"][0] == ["auto", "sage2", "sage1", "sdpa", "reference", "sparse"]
+    lossy = H3Sampler.INPUT_TYPES()["optional"]
+    assert lossy["sparse_tau"][1]["default"] == 1.3 and lossy["first_block_cache"][1]["default"] == 0.0
+    assert all("LOSSY" in lossy[k][1]["tooltip"] for k in ("sparse_tau", "first_block_cache"))
     assert loader["fc2_lt"][0] == ["on", "off", "strict"] and loader["adaln_cache"][0] == "BOOLEAN"
     assert H3Diagnostics.OUTPUT_NODE is True
     assert H3Diagnostics.INPUT_TYPES()["required"]["diagnostics"][0] == "H3_DIAGNOSTICS"
@@ -381,6 +384,15 @@ def test_sampler_runs_headless_without_comfy_modules(tiny):
     (lat,) = H3EmptyLatent().create(64, 64, 5)
     out, _ = H3Sampler().sample(tiny, core_conditioning(), lat, **SAMPLE_ARGS)
     assert "h3_audio" in out  # no comfy.nested_tensor here: the fallback form
+
+
+def test_sampler_first_block_cache_widget_reaches_the_report(tiny):
+    (lat,) = H3EmptyLatent().create(64, 64, 5)
+    _, off = H3Sampler().sample(tiny, core_conditioning(), lat, **SAMPLE_ARGS)
+    _, on = H3Sampler().sample(tiny, core_conditioning(), lat, **SAMPLE_ARGS, sparse_tau=2.0, first_block_cache=5.0)
+    assert "first_block_cache" not in off and on["first_block_cache"]["threshold"] == 5.0
+    assert on["first_block_cache"]["reused_steps"]           # a huge threshold reuses every step after the first
+    assert "sparse_attention" not in on                       # the tiny loader's attention is not sparse: tau unused
 
 
 def test_sampler_passes_keyframes(comfy, tiny):

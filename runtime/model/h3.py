@@ -324,12 +324,20 @@ class H3Model(nn.Module):
         x[a:b] = self.embed_video_rows(patchify_video(pad_video(video.to(self.device).float())))
         return x
 
-    def run_blocks(self, x: torch.Tensor, plan: RunPlan, i: int, ops) -> torch.Tensor:
-        """The block stack at step i over ``ops`` (BlockOps resolved at load; ReferenceOps for the oracle)."""
+    def run_blocks(self, x: torch.Tensor, plan: RunPlan, i: int, ops, cache=None) -> torch.Tensor:
+        """The block stack at step i over ``ops`` (BlockOps resolved at load; ReferenceOps for the oracle).
+        ``cache``: a First-Block Cache (runtime.sampling.step_cache) that may skip blocks 1.. at this step."""
         segs = plan.times[i].mod_segments
-        for j, (blk, mod) in enumerate(zip(self.blocks, plan.mods[i])):
-            x = blk(x, mod, segs, plan.cos, plan.sin, ops, j)
-        return x
+
+        def blocks(x, first, stop):
+            for j in range(first, stop):
+                x = self.blocks[j](x, plan.mods[i][j], segs, plan.cos, plan.sin, ops, j)
+            return x
+
+        n = len(self.blocks)
+        if cache is None:
+            return blocks(x, 0, n)
+        return cache.run(i, x, lambda x: blocks(x, 0, 1), lambda x: blocks(x, 1, n))
 
     def head(self, x: torch.Tensor, plan: RunPlan, i: int):
         """Final layer on the target segments -> negated (video [1,C,T,H,W], audio [1,Ca,2,Ta]) in fp32, scaled by
@@ -353,11 +361,11 @@ class H3Model(nn.Module):
             audio = audio * plan.audio_mask.to(audio.device)
         return video, audio
 
-    def evaluate(self, plan: RunPlan, i: int, video: torch.Tensor, audio: torch.Tensor, ops=None):
+    def evaluate(self, plan: RunPlan, i: int, video: torch.Tensor, audio: torch.Tensor, ops=None, cache=None):
         """Model output at step i of a plan: negated velocity (video, audio), fp32, no audio carry. ops: the
-        BlockOps to run the blocks with (default: the exact reference)."""
+        BlockOps to run the blocks with (default: the exact reference); cache: see run_blocks."""
         x = self.pack(plan, video, audio)
-        x = self.run_blocks(x, plan, i, ops if ops is not None else ReferenceOps(self.cfg))
+        x = self.run_blocks(x, plan, i, ops if ops is not None else ReferenceOps(self.cfg), cache)
         return self.head(x, plan, i)
 
     @torch.no_grad()

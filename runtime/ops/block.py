@@ -197,11 +197,13 @@ class W4A8Ops(_QuantizedOps):
                           "Nvfp4Linear.forward_fp8 directly and the dispatcher is not called (no attempts)"}
 
 
-def build_ops(plan, fc2=None):
+def build_ops(plan, fc2=None, attention=None):
     """The BlockOps for a load plan (runtime.plan.LoadPlan): reference for dense linears, else NVFP4 or W4A8
-    by the plan's activation format; attention bound once for the plan's backend and V handling."""
+    by the plan's activation format; attention bound once for the plan's backend and V handling, or the
+    given bound ``attention`` (the sparse backend, runtime.ops.sparse_attention.bind_sparse)."""
     cfg = plan.config
-    attn = bind_attention(plan.attention, cfg.num_heads, cfg.head_dim, v_handling=plan.v_handling)
+    attn = attention if attention is not None else bind_attention(plan.attention, cfg.num_heads, cfg.head_dim,
+                                                                   v_handling=plan.v_handling)
     if plan.act_format == "dense":
         return ReferenceOps(cfg, None if plan.attention == "reference" else attn)
     if plan.act_format == "fp8":

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from . import attention, linear
+from . import attention, linear, sparse_attention
 
 
 @dataclass(frozen=True)
@@ -51,13 +51,17 @@ def _gemm_check(name: str):
 REGISTRY: dict[str, list[Backend]] = {
     "attention": [Backend("attention", n, _attention_check(n), "" if n == "reference" else "reference")
                   for n in ("sage2", "sdpa_cudnn", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_math", "sage1",
-                            "reference")],
+                            "reference")]
+                 # LOSSY, never picked by auto; tested against the fp32 reference of the same sparse algorithm
+                 + [Backend("attention", "sparse", sparse_attention.sparse_check, "sol_attention_reference")],
     "gemm": [Backend("gemm", n, _gemm_check(n), "" if n == "reference" else "reference")
              for n in ("native", "fp8", "bf16", "emulated", "reference")],
 }
 
 
-def _choose_attention(device, requested, head_dim=128, **_):
+def _choose_attention(device, requested, head_dim=128, dtype=torch.bfloat16, **_):
+    if requested == "sparse":  # lossy: refused with the reason where it cannot run, never swapped for another
+        return sparse_attention.choose_sparse(device, head_dim=head_dim, dtype=dtype)
     return attention.choose_attention_backend(device, requested, head_dim=head_dim)
 
 

@@ -49,7 +49,10 @@ __all__ = [
     "SparseUnavailable",
     "SolAttention",
     "SparseStepAttention",
+    "bind_sparse",
+    "choose_sparse",
     "reference_kernel",
+    "sparse_check",
     "routing_for_segments",
     "percent_to_sigma",
     "sol_attention_reference",
@@ -403,54 +406,69 @@ def reference_kernel(qkv: torch.Tensor, heads: int, head_dim: int, routing: Spar
 
 @dataclass
 class SparseStepAttention:
-    """``attention(qkv [S, 3*H*D], heads, head_dim) -> [S, H*D]`` for the block stack: ``kernel`` with the run's
-    routing on the steps the schedule makes sparse, ``dense`` on the others. LOSSY on sparse steps.
+    """``attention(qkv [S, 3*H*D]) -> [S, H*D]`` for the block stack: ``kernel`` with the run's routing on the
+    steps the schedule makes sparse, ``dense`` on the others. LOSSY on sparse steps. Bound once per load.
 
-    Per run: ``begin_run(segments)`` builds the routing from the packed layout; per step: ``begin_step(i, sigma)``
-    with the MODEL sigma decides sparse or dense. ``summary()`` is the report's ``sparse_attention`` block.
+    Per run: ``begin_run(segments, shift_video, tau)`` builds the routing from the packed layout and the schedule
+    from the video shift; per step: ``begin_step(i, sigma)`` with the MODEL sigma decides sparse or dense (the
+    context the sampler sets; nothing is re-derived per call). ``summary()`` is the report's block.
     """
 
-    kernel: Any                   # SolAttention or reference_kernel
-    dense: Any                    # the dense backend: attention(qkv, heads, head_dim)
-    schedule: SparseSchedule
+    kernel: Any                   # SolAttention or reference_kernel: (qkv, heads, head_dim, routing) -> [S, H*D]
+    dense: Any                    # the dense backend, bound: qkv -> [S, H*D]
+    heads: int
+    head_dim: int
     tau: float = DEFAULT_TAU
     token_aug: int = DEFAULT_EXTRA_TOKENS
+    start_percent: float = DEFAULT_START_PERCENT
+    min_tokens: int = DEFAULT_MIN_TOKENS
     kernel_name: str = ""
     dense_name: str = ""
     routing: Optional[SparseRouting] = None
+    schedule: Optional[SparseSchedule] = None
     sparse_now: bool = False
     steps: list = field(default_factory=list)
     calls: dict = field(default_factory=lambda: {"sparse": 0, "dense": 0})
 
-    def begin_run(self, segments: Sequence[tuple[int, int, str]]) -> None:
-        self.routing = routing_for_segments(segments, tau=self.tau, token_aug=self.token_aug)
+    def begin_run(self, segments: Sequence[tuple[int, int, str]], shift_video: float,
+                  tau: Optional[float] = None) -> None:
+        """Routing and schedule of one sampling run (``tau``: this run's, default the bound one)."""
+        self.routing = routing_for_segments(segments, tau=self.tau if tau is None else float(tau),
+                                            token_aug=self.token_aug)
+        self.schedule = SparseSchedule(float(shift_video), self.start_percent, 1.0, self.min_tokens)
         self.steps = []
         self.calls = {"sparse": 0, "dense": 0}
         self.sparse_now = False
 
     def begin_step(self, step: int, sigma: float) -> None:
         if self.routing is None:
-            raise H3Error("sparse attention: begin_run(segments) must come before begin_step (no routing yet)")
+            raise H3Error("sparse attention: begin_run(segments, shift) must come before begin_step (no routing yet)")
         reason = self.schedule.dense_reason(sigma, self.routing.seq_len)
         self.sparse_now = reason is None
         self.steps.append({"step": step, "sigma": float(sigma), "sparse": self.sparse_now,
                            **({} if reason is None else {"dense_because": reason})})
 
-    def __call__(self, qkv: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    def end_run(self) -> None:
+        """Back to dense until the next begin_run (a forward outside a sampling run stays exact-path dense)."""
+        self.sparse_now = False
+
+    def __call__(self, qkv: torch.Tensor) -> torch.Tensor:
         if self.sparse_now and qkv.shape[0] == self.routing.seq_len:
             self.calls["sparse"] += 1
-            return self.kernel(qkv, heads, head_dim, self.routing)
+            return self.kernel(qkv, self.heads, self.head_dim, self.routing)
         self.calls["dense"] += 1
-        return self.dense(qkv, heads, head_dim)
+        return self.dense(qkv)
 
     def summary(self) -> dict:
         """Report fields: what ran, the routing, the schedule switch, which steps were sparse, calls, copies."""
-        r = self.routing
-        out = {"lossy": True, "kernel": self.kernel_name, "dense_backend": self.dense_name, "tau": self.tau,
-               "extra_tokens": self.token_aug, "start_percent": self.schedule.start_percent,
-               "sparse_below_sigma": self.schedule.sigma_start, "min_tokens": self.schedule.min_tokens,
+        r, sch = self.routing, self.schedule
+        out = {"lossy": True, "kernel": self.kernel_name, "dense_backend": self.dense_name,
+               "tau": self.tau if r is None else r.tau, "extra_tokens": self.token_aug,
+               "start_percent": self.start_percent, "min_tokens": self.min_tokens,
                "sparse_steps": [s["step"] for s in self.steps if s["sparse"]],
                "dense_steps": [s["step"] for s in self.steps if not s["sparse"]], "calls": dict(self.calls)}
+        if sch is not None:
+            out["sparse_at_or_below_sigma"] = sch.sigma_start
         if r is not None:
             out.update(sink_blocks=list(r.sink_blocks), dense_query_blocks=list(r.dense_q_blocks),
                        sink_rows=list(r.sink_rows()), dense_query_rows=list(r.dense_rows()))
@@ -458,3 +476,49 @@ class SparseStepAttention:
         if copies is not None:
             out["qkv_copies"] = dict(copies)
         return out
+
+
+def sparse_check(device: torch.device | str, *, head_dim: int = HEAD_DIM, dtype: torch.dtype = torch.bfloat16,
+                 probe: bool = True, **_) -> tuple[bool, str]:
+    """(available, reason) of the ``sparse`` attention backend: the fp32 reference on the CPU; on CUDA
+    comfy-kitchen's sol_attn where installed, built for the GPU and (``probe``) passing its load-time probe."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return True, "LOSSY sparse: the fp32 reference of Sol-Attn (CPU: every op runs its reference)"
+    reason = sol_unavailable_reason(device, head_dim, dtype)
+    if reason is not None:
+        return False, reason
+    try:
+        sol = SolAttention.resolve(device, head_dim, dtype)
+        rec = sol.probe(device) if probe else None
+    except SparseUnavailable as e:
+        return False, str(e)
+    got = f"; probe: dense rows rel-L2 {rec['dense_rows_rel_l2']:.3g}" if rec else ""
+    return True, f"LOSSY sparse: comfy-kitchen {sol.version} sol_attn (training-free, Sol-Attn){got}"
+
+
+def choose_sparse(device: torch.device | str, *, head_dim: int = HEAD_DIM, dtype: torch.dtype = torch.bfloat16,
+                  probe: bool = True, **_) -> tuple[str, str]:
+    """("sparse", reason), or SparseUnavailable saying why: a lossy backend is never swapped in or out silently."""
+    ok, why = sparse_check(device, head_dim=head_dim, dtype=dtype, probe=probe)
+    if not ok:
+        raise SparseUnavailable(f"attention=sparse was requested but cannot run: {why}. Choose another attention "
+                                f"backend (auto), or install comfy-kitchen>=0.2.40 on an sm_80+ GPU.")
+    return "sparse", why
+
+
+def bind_sparse(device: torch.device | str, dtype: torch.dtype, heads: int, head_dim: int, dense, dense_name: str,
+                *, tau: float = DEFAULT_TAU, extra_tokens: int = DEFAULT_EXTRA_TOKENS,
+                start_percent: float = DEFAULT_START_PERCENT,
+                min_tokens: int = DEFAULT_MIN_TOKENS) -> SparseStepAttention:
+    """The sparse backend bound once at load: comfy-kitchen's kernel on CUDA (reference on the CPU) plus the
+    bound ``dense`` backend for the dense steps."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        kernel, name = reference_kernel, "fp32 reference (sol_attention_reference)"
+    else:
+        kernel = SolAttention.resolve(device, head_dim, dtype)
+        name = f"comfy-kitchen {kernel.version} sol_attn"
+    return SparseStepAttention(kernel, dense, heads, head_dim, tau=float(tau), token_aug=int(extra_tokens),
+                               start_percent=float(start_percent), min_tokens=int(min_tokens), kernel_name=name,
+                               dense_name=dense_name)

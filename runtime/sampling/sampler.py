@@ -22,6 +22,7 @@ from ..parallel.evaluate import ShardedEvaluator, numerics
 from ..parallel.report import gather_ranks, parallel_section, rank_run
 from .report import RunRecord, StepTimer, build_report, latent_sha256
 from .inpaint import Inpaint
+from .lossy import LossyRun
 from .schedule import Stepper, audio_scale, carry_in, carry_out, get_sigmas, model_sigma
 
 
@@ -70,11 +71,13 @@ def _peaks(device) -> tuple[int, int]:
 
 @torch.no_grad()
 def _run_once(rt, plan, sigmas, sampler, video0, audio0, noise_v, noise_a, scale, shifts, progress, interrupt,
-              run_index: int, total_runs: int, preview=None, evaluate=None, inpaint: Inpaint | None = None):
+              run_index: int, total_runs: int, preview=None, evaluate=None, inpaint: Inpaint | None = None,
+              lossy: LossyRun | None = None, measured: bool = True):
     model = rt.model
+    cache = lossy.cache if lossy is not None else None
     if evaluate is None:
         def evaluate(plan_, i_, video_, audio_):
-            return model.evaluate(plan_, i_, video_, audio_, rt.ops)
+            return model.evaluate(plan_, i_, video_, audio_, rt.ops, cache)
     dev = rt.device
     steps = len(sigmas) - 1
     s0 = sigmas[0]
@@ -88,10 +91,14 @@ def _run_once(rt, plan, sigmas, sampler, video0, audio0, noise_v, noise_a, scale
     stack = rt.ops
     direct0 = getattr(stack, "fc2_direct_calls", 0)
     _peak_reset(dev)
+    if lossy is not None:
+        lossy.begin_run(plan, shifts[0])
     t0 = time.perf_counter()
     for i in range(steps):
         if interrupt is not None and interrupt():
             raise Interrupted(f"interrupted before step {i + 1} of {steps}")
+        if lossy is not None:
+            lossy.begin_step(i, plan.sigmas[i])
         timer.start(i)
         s = sigmas[i].to(dev)
         sm = model_sigma(s)
@@ -111,6 +118,8 @@ def _run_once(rt, plan, sigmas, sampler, video0, audio0, noise_v, noise_a, scale
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     secs = time.perf_counter() - t0
+    if lossy is not None:
+        lossy.end_run(measured)
     video = xv.float().cpu()
     audio = (y / scale).float().cpu() if scale != 1.0 else y.float().cpu()
     pa, pr = _peaks(dev)
@@ -121,7 +130,7 @@ def _run_once(rt, plan, sigmas, sampler, video0, audio0, noise_v, noise_a, scale
     return video, audio, rec
 
 
-def _measure(run_args: tuple, warmup: int, runs: int, parallel, preview=None, inpaint=None):
+def _measure(run_args: tuple, warmup: int, runs: int, parallel, preview=None, inpaint=None, lossy=None):
     """``warmup`` + ``runs`` resident runs -> (the last run's (video, audio, record), the measured records,
     the ``sequence_parallel`` report block or None). With ``parallel`` every run goes through one
     ShardedEvaluator; each rank's numbers are gathered once, after the last run."""
@@ -135,7 +144,7 @@ def _measure(run_args: tuple, warmup: int, runs: int, parallel, preview=None, in
         if ev is not None:
             ev.stats.reset()
         out = _run_once(*run_args, r, warmup + runs, preview, evaluate=None if ev is None else ev.evaluate,
-                        inpaint=inpaint)
+                        inpaint=inpaint, lossy=lossy, measured=r >= warmup)
         if r < warmup:
             continue
         rec = out[2]
@@ -200,7 +209,8 @@ def sample(rt, text_states: torch.Tensor, token_tags: torch.Tensor | None, video
            interrupt: Callable[[], bool] | None = None, runs: int = 1, warmup: int = 0,
            workload_extra: dict | None = None,
            preview: Callable[[int, int, torch.Tensor], None] | None = None, parallel=None,
-           conditioning: H3Conditioning | None = None) -> SampleResult:
+           conditioning: H3Conditioning | None = None, sparse_tau: float | None = None,
+           first_block_cache: float | None = None) -> SampleResult:
     """Sample H3 latents with a resident model (ComfyUI core's math; see module docstring).
 
     text_states [1, L, text_dim] fp32; token_tags LongTensor [L] (1 text, 0 vision) or None (all text);
@@ -217,6 +227,8 @@ def sample(rt, text_states: torch.Tensor, token_tags: torch.Tensor | None, video
     parallel: a ParallelContext (runtime.parallel) when this process is one rank of a sequence-parallel run:
     every rank calls ``sample`` with the same arguments, the rows are split over the ranks, and every rank
     returns the same latents; the report gains a ``sequence_parallel`` block.
+    sparse_tau / first_block_cache: this call's LOSSY settings (runtime.sampling.lossy; default the load
+    options'); the report gains ``sparse_attention`` / ``first_block_cache`` blocks when they are on.
     """
     cfg = rt.config
     _check_inputs(rt, text_states, token_tags, video, audio)
@@ -240,8 +252,9 @@ def sample(rt, text_states: torch.Tensor, token_tags: torch.Tensor | None, video
     noise_v, noise_a = initial_noise(seed, video.shape, audio.shape)
     video0, audio0 = video.float().cpu(), audio.float().cpu()
     inpaint = None if conditioning is None else Inpaint.build(conditioning, video0, audio0, noise_v, scale, rt.device)
+    lossy = LossyRun.for_call(rt, sparse_tau, first_block_cache, parallel)
     run_args = (rt, plan, sigmas, sampler, video0, audio0, noise_v, noise_a, scale, shifts, progress, interrupt)
-    out, records, sp_section = _measure(run_args, warmup, runs, parallel, preview, inpaint)
+    out, records, sp_section = _measure(run_args, warmup, runs, parallel, preview, inpaint, lossy)
     workload = _workload(rt, plan, video, audio, steps, seed, sampler, scheduler, denoise, shifts, workload_extra,
                          conditioning)
     fc2_status = None
@@ -257,4 +270,6 @@ def sample(rt, text_states: torch.Tensor, token_tags: torch.Tensor | None, video
     report["load_seconds"] = rt.load_seconds
     if sp_section is not None:
         report["sequence_parallel"] = sp_section
+    if lossy is not None:
+        report.update(lossy.report())
     return SampleResult(out[0], out[1], report)

@@ -1,0 +1,75 @@
+"""The LOSSY speed options of one ``sample`` call: sparse attention's per-run routing and per-step schedule
+switch, and the First-Block Cache. The sampler sets this context; the blocks never re-derive it per call.
+
+- sparse attention (``attention=sparse`` at load, runtime.ops.sparse_attention): the routing comes from the run's
+  packed layout, the dense/sparse switch from each step's model sigma and the video shift; ``tau`` may be set per
+  run (the sampler node's widget), default the load options' ``sparse_tau``.
+- First-Block Cache (runtime.sampling.step_cache): threshold per run, default the options' ``first_block_cache``
+  (None = off).
+
+Neither works with sequence parallelism yet (a rank sees its rows only); that is refused before any work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..errors import H3Error
+from .step_cache import FirstBlockCache
+
+
+@dataclass
+class LossyRun:
+    """sparse: the runtime's SparseStepAttention or None; cache: a FirstBlockCache or None; tau: this call's."""
+
+    sparse: object | None
+    cache: FirstBlockCache | None
+    tau: Optional[float] = None
+    cache_runs: list = field(default_factory=list)
+
+    @classmethod
+    def for_call(cls, rt, sparse_tau: Optional[float], first_block_cache: Optional[float],
+                 parallel) -> Optional["LossyRun"]:
+        """The context of one sample call, or None when no lossy option is on."""
+        threshold = rt.options.first_block_cache if first_block_cache is None else first_block_cache
+        if sparse_tau is not None and rt.sparse is None:
+            raise H3Error(f"sparse_tau={sparse_tau} was given but the model was loaded with attention="
+                          f"{rt.plan.attention}; load it with attention=sparse (or drop sparse_tau)")
+        if rt.sparse is None and threshold is None:
+            return None
+        if parallel is not None:
+            raise H3Error("sparse attention and the First-Block Cache do not run under sequence parallelism yet; "
+                          "load with another attention backend and leave first_block_cache off, or run on one GPU")
+        return cls(rt.sparse, None if threshold is None else FirstBlockCache(threshold), sparse_tau)
+
+    def begin_run(self, plan, shift_video: float) -> None:
+        if self.sparse is not None:
+            self.sparse.begin_run(plan.layout.segments, shift_video, self.tau)
+        if self.cache is not None:
+            self.cache.reset()
+
+    def begin_step(self, i: int, model_sigma: float) -> None:
+        if self.sparse is not None:
+            self.sparse.begin_step(i, model_sigma)
+
+    def end_run(self, measured: bool) -> None:
+        if self.sparse is not None:
+            self.sparse.end_run()
+        if self.cache is not None and measured:
+            self.cache_runs.append(self.cache.summary())
+
+    def report(self) -> dict:
+        """The report's ``sparse_attention`` / ``first_block_cache`` blocks (only for what was on)."""
+        out = {}
+        if self.sparse is not None:
+            out["sparse_attention"] = self.sparse.summary()
+        if self.cache is not None:
+            last = self.cache_runs[-1] if self.cache_runs else self.cache.summary()
+            out["first_block_cache"] = {"lossy": True, "threshold": self.cache.threshold,
+                                        "reused_steps": last["reused_steps"], "rel_l1": last["rel_l1"],
+                                        "reused_steps_per_measured_run": [r["reused_steps"] for r in self.cache_runs],
+                                        "rule": "skip blocks 1.. and add their cached residual when the first "
+                                                "block's residual change differs from the last computed step's "
+                                                "by relative L1 < threshold"}
+        return out
