@@ -11,6 +11,7 @@
 #   5. node errors reach the runner as one message: a non-H3 latent (core EmptyLatentImage); a value over a
 #      widget's maximum is rejected at /prompt
 #   6. /interrupt stops a long run (execution_interrupted), and the resident model then runs again
+#   7. where ComfyUI has core H3 support: core's EmptyMiniMaxH3LatentAV + SetLatentNoiseMask into our sampler
 #
 # Usage: scripts/comfy_smoke.sh [--setup]
 #   --setup   create what is missing first: the ComfyUI checkout (from COMFYUI_GIT_DIR, a git dir of
@@ -27,6 +28,9 @@
 #     plus `transformers<5` and `requests`. torchaudio is left out: core's audio nodes then fail to import
 #     (logged, harmless here); the pack needs only torch, safetensors, einops and numpy, all in that list.
 #   * start: python main.py --cpu --listen 127.0.0.1 --port 8188 --base-directory <scratch> --database-url sqlite:///:memory:
+# Also passes against a ComfyUI with core H3 support (upstream as of 2026-08-15, torch 2.14.1): its
+# comfy_extras/nodes_minimax_h3.py imports torchaudio, so without it core's H3 nodes are missing (step 7
+# is then skipped); torchaudio 2.11 (`pip install --no-deps torchaudio`) imports beside torch 2.14.1 there.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -200,7 +204,17 @@ set +e
 "$H3B" comfy-run "$WORKFLOW" --server "$SERVER" --output "$WORK/fetched6" --quiet --set 4.steps=200 \
   --set 4.seed=2 2> "$WORK/interrupt.err" &
 runner=$!
-sleep 3  # the loaders are cached: the sampler is ~0.1 s/step into its 200 steps by now
+# interrupt only once the server runs the prompt: an /interrupt that arrives before it (a slow runner start on
+# a loaded machine) clears nothing and the 200 steps run to the end
+for _ in $(seq 1 240); do
+  curl -s "$SERVER/queue" > "$WORK/queue.json" || true
+  py "$WORK/queue.json" <<'EOF' && break
+import json, sys
+sys.exit(0 if json.load(open(sys.argv[1])).get("queue_running") else 1)
+EOF
+  sleep 0.5
+done
+sleep 2  # the loaders are cached: the sampler is into its 200 steps by now
 curl -s -X POST "$SERVER/interrupt" > /dev/null
 wait "$runner"
 rc=$?
@@ -210,5 +224,27 @@ set -e
 "$H3B" comfy-run "$WORKFLOW" --server "$SERVER" --output "$WORK/fetched7" --quiet --set 4.seed=3 \
   || die "the resident model did not run again after the interruption"
 ok "/interrupt stops the sampler between steps; the resident model runs again afterwards"
+
+# --- 7. core's H3 nodes into our sampler (only where this ComfyUI has core H3 support) ----------------------
+if py "$WORK/object_info.json" <<'EOF'
+import json, sys
+sys.exit(0 if "EmptyMiniMaxH3LatentAV" in json.load(open(sys.argv[1])) else 1)
+EOF
+then
+  py "$WORKFLOW" "$WORK/core_latent.api.json" <<'EOF'
+import json, sys
+p = json.load(open(sys.argv[1]))
+p["3"] = {"class_type": "EmptyMiniMaxH3LatentAV", "inputs": {"width": 128, "height": 96, "length": 22}}
+p["6"] = {"class_type": "SolidMask", "inputs": {"value": 0.5, "width": 128, "height": 96}}
+p["7"] = {"class_type": "SetLatentNoiseMask", "inputs": {"samples": ["3", 0], "mask": ["6", 0]}}
+p["4"]["inputs"].update(latent=["7", 0], steps=2)
+json.dump(p, open(sys.argv[2], "w"))
+EOF
+  "$H3B" comfy-run "$WORK/core_latent.api.json" --server "$SERVER" --output "$WORK/fetched8" --quiet \
+    || die "core's EmptyMiniMaxH3LatentAV + SetLatentNoiseMask into the H3 Sampler failed"
+  ok "core's EmptyMiniMaxH3LatentAV with SetLatentNoiseMask runs through the H3 Sampler"
+else
+  echo "comfy_smoke: note: this ComfyUI has no core H3 nodes; step 7 (core latent + noise mask) skipped"
+fi
 
 echo "comfy_smoke: all $CHECKS checks passed"
