@@ -61,7 +61,7 @@ import torch
 from ..ops.linear import Nvfp4Linear
 from .keys import LOWRANK, LoraError, LoraMatch, match_lora, read_lora_file
 from .merge import STATE_ATTR, LoraState, lora_state, merge_dense, merge_nvfp4, merged_weight, restore_all
-from .side import SIDE_ATTR, LoraSide, install_side, install_stack, lora_side, module_device, side_active
+from .side import SIDE_ATTR, LoraSide, install_side, lora_side, module_device, side_active
 from .source import SourceWeights
 from .spec import MODES, LoraSpec, as_spec, parse_lora_arg
 
@@ -166,8 +166,6 @@ def _install_sides(rt, st: LoraState, sides: dict[str, list], mods: dict, nv_cls
         report["side"].append(mname)
         if _FC2.match(mname):
             report["fc2_side"].append(mname)
-    if st.sides:
-        install_stack(rt.model, st)
 
 
 def _finish_report(rt, st: LoraState, mods: dict, nv_cls: type, report: dict) -> None:

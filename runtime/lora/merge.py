@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from ..ops import nvfp4
 from .keys import LOWRANK, LoraUpdate
-from .side import uninstall_side, uninstall_stack
+from .side import uninstall_side
 from .source import Original, SourceWeights, nvfp4_equal, quantize_like
 
 STATE_ATTR = "_h3_lora_state"
@@ -58,7 +58,6 @@ def merged_weight(w0: torch.Tensor, entries: Sequence[tuple[float, LoraUpdate]],
 class LoraState:
     originals: dict = field(default_factory=dict)  # tensor name -> Original
     sides: dict = field(default_factory=dict)  # module name -> (module, prev hooks)
-    stack: tuple | None = None  # (the model's Nvfp4Stack, its previous lora_on_fc2) while wrapped
     verified: dict = field(default_factory=dict)  # tensor name -> source stamp that reproduces it exactly
     source_cache: dict = field(default_factory=dict)  # the embedded tiny model's source weights
     signature: tuple = ()
@@ -76,7 +75,6 @@ def lora_state(model: nn.Module) -> LoraState:
 def restore_all(rt, st: LoraState, source: SourceWeights) -> None:
     model = rt.model
     mods = dict(model.named_modules())
-    uninstall_stack(model, st)
     for name, (module, prev) in list(st.sides.items()):
         uninstall_side(module, prev)
         del st.sides[name]

@@ -4,7 +4,7 @@ output at the layer's compute dtype, without touching its weights.
 Contract: ``install_side(name, module, side)`` hooks a per-instance ``forward`` (names, types and state-dict
 keys stay) and records the side on the module (attribute ``SIDE_ATTR``) where ``lora_side`` / ``side_active``
 find it (the NVFP4 stack adds the side terms of qkv / fc1 / fc2 itself); ``uninstall_side`` undoes it.
-``install_stack`` points the NVFP4 stack's FC2 guard (``lora_on_fc2``) at the blocks' fc2 side paths.
+The quantized BlockOps (runtime.ops.block) find the side of fc2 with ``lora_side`` and tell the FC2 guard.
 """
 
 from __future__ import annotations
@@ -112,25 +112,3 @@ def uninstall_side(module: nn.Module, prev: dict) -> None:
         if f is not None:
             module.__dict__[k] = f
     module.__dict__.pop(SIDE_ATTR, None)
-
-
-def install_stack(model, st) -> None:
-    """Tell the NVFP4 stack's FC2 guard which blocks carry a side path on fc2 (the stack adds the side terms
-    of qkv/fc1/fc2 itself: ``Nvfp4Stack._sides``). ``st``: the model's ``merge.LoraState`` (its ``stack`` field
-    remembers the guard's previous callable)."""
-    stack = getattr(model, "stack", None)
-    if stack is None or st.stack is not None:
-        return
-    blocks = model.blocks
-    st.stack = (stack, stack.__dict__.get("lora_on_fc2"))
-    stack.lora_on_fc2 = lambda i: side_active(blocks[i].mlp.fc2)
-
-
-def uninstall_stack(model, st) -> None:
-    """Undo :func:`install_stack` (``st``: the model's ``merge.LoraState``)."""
-    if st.stack is None:
-        return
-    stack, prev = st.stack
-    if prev is not None:
-        stack.lora_on_fc2 = prev
-    st.stack = None
