@@ -15,6 +15,11 @@
    emulation (emulated GEMMs, exact attention).
 5. The peer in the same run: diffusers' MiniMaxH3Transformer3DModel in BF16 with its default SDPA
    (bench/diffusers_peer.py, per-block extrapolation to 50 blocks), after our model is freed.
+6. ``--attention sparse`` (LOSSY; writes canonical-h200-sparse.json): after the sparse runs, in the same
+   process, dense runs on the same model (sparse switched off: the bound dense backend every step) for
+   ``dense_median_step_seconds``, the final-latent rel-L2 sparse vs dense, the rel-L2 of one forward at the
+   schedule's first / middle / last sparse steps, and a First-Block Cache run at ``--fbcache`` (steps reused,
+   time, final-latent rel-L2 vs the uncached run). Random weights: see ``quality_note`` in the file.
 The JSON is rewritten after every stage, so a run cut short keeps what it measured.
 """
 
@@ -37,6 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _h3bench import ROOT, build, component, is_annotation, write_json  # noqa: E402
+from _sparse_bench import canonical_sparse  # noqa: E402
 
 import torch.nn.functional as F  # noqa: E402
 
@@ -162,18 +168,27 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline-step-seconds", type=float, default=3.959,
                     help="the step time to hold (bench/results/canonical-h200.json before the redesign: 3.959)")
     ap.add_argument("--skip", default="", help="comma list of stages to skip: profile,accuracy,peer")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "canonical-h200.json"))
+    ap.add_argument("--sparse-tau", type=float, default=None, help="with --attention sparse (default: core's 1.3)")
+    ap.add_argument("--sparse-extra-tokens", type=int, default=None, help="with --attention sparse (default 256)")
+    ap.add_argument("--dense-runs", type=int, default=1, help="with --attention sparse: measured dense runs")
+    ap.add_argument("--fbcache", type=float, default=0.08,
+                    help="with --attention sparse: First-Block Cache threshold of the extra cached run (<0: none)")
+    ap.add_argument("--out", default=None, help="default bench/results/canonical-h200.json "
+                                                "(canonical-h200-sparse.json with --attention sparse)")
     a = ap.parse_args(argv)
     skip = set(filter(None, a.skip.split(",")))
-    out = Path(a.out)
-    res = {"name": "canonical-h200",
+    sparse = a.attention == "sparse"
+    name = "canonical-h200-sparse" if sparse else "canonical-h200"
+    out = Path(a.out or ROOT / "bench" / "results" / f"{name}.json")
+    res = {"name": name,
            "command": " ".join([*(f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items()) if k.startswith("H3_")),
                                 "python3", *(shlex.quote(x) for x in [sys.argv[0], *(argv or sys.argv[1:])])]),
            "date": datetime.datetime.now().isoformat(timespec="seconds"),
            "device": torch.cuda.get_device_name(),
            "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()}}
     t0 = time.perf_counter()
-    opts = RuntimeOptions.from_env(device="cuda", attention=a.attention, gemm=a.gemm, act_format=a.act_format)
+    opts = RuntimeOptions.from_env(device="cuda", attention=a.attention, gemm=a.gemm, act_format=a.act_format,
+                                   sparse_tau=a.sparse_tau, sparse_extra_tokens=a.sparse_extra_tokens)
     rt = build(opts, 0)
     torch.cuda.synchronize()
     res["build_seconds"] = time.perf_counter() - t0
@@ -185,8 +200,9 @@ def main(argv=None) -> int:
     text = torch.randn(1, 100, rt.config.text_dim, generator=g)
     vshape, ashape = (1, 24, 37, 48, 84), (1, 32, 2, 207)
     video, audio = torch.zeros(vshape), torch.zeros(ashape)
-    r = sample(rt, text, None, video, audio, seed=440420, steps=a.steps, sampler="res_multistep",
-               runs=a.runs, warmup=a.warmup, workload_extra={"frames": 124, "text_source": "random (seed 440420)"})
+    sample_kw = dict(seed=440420, sampler="res_multistep",
+                     workload_extra={"frames": 124, "text_source": "random (seed 440420)"})
+    r = sample(rt, text, None, video, audio, steps=a.steps, runs=a.runs, warmup=a.warmup, **sample_kw)
     rep = r.report
     steps_flat = [[s["seconds"] for s in run] for run in rep["per_step_seconds"]]
     res.update({
@@ -203,6 +219,11 @@ def main(argv=None) -> int:
         "measurement_policy": rep["measurement_policy"],
     })
     write_json(res, out)
+    if sparse:  # LOSSY: dense run, quality and a First-Block Cache run in the same process
+        res.update(canonical_sparse(rt, r, text, vshape, ashape, a.steps, sample_kw,
+                                    a.fbcache if a.fbcache >= 0 else None, a.dense_runs,
+                                    lambda part: write_json({**res, **part}, out)))
+        write_json(res, out)
 
     m = rt.model
     nv_, na_ = initial_noise(440420, vshape, ashape)
@@ -246,6 +267,8 @@ def main(argv=None) -> int:
                                        if "one_warmed_step" in res else None),
         "accuracy_no_worse_than_1.5x_emulation": res.get("accuracy", {}).get("benchmarked_no_less_accurate"),
     }
+    if sparse:
+        res["acceptance"]["sparse_median_step_seconds_le_3.2"] = res["median_step_seconds"] <= 3.2
     res["total_seconds"] = time.perf_counter() - t0
     write_json(res, out)
     print(json.dumps({k: res.get(k) for k in ("median_step_seconds", "peer_step_seconds", "speedup_vs_peer",
