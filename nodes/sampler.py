@@ -105,8 +105,10 @@ def _raise_interrupted(exc: Interrupted):
 class H3Sampler:
     TITLE = "H3 Sampler"
     DESCRIPTION = ("Samples an H3 audio+video latent with the resident model: flow schedule with separate video / "
-                   "audio shifts, euler or res_multistep, CFG-free (one model pass per step). Outputs core's H3 "
-                   "LATENT (for VAEDecode and VAEDecodeAudio) and the run's diagnostics.")
+                   "audio shifts, euler or res_multistep, CFG-free (one model pass per step). Takes core's H3 "
+                   "conditioning as is: first/last frames, guides (image, clip, audio) and references (images, "
+                   "videos with soundtrack, audio), and a latent noise mask. Outputs core's H3 LATENT (for "
+                   "VAEDecode and VAEDecodeAudio) and the run's diagnostics; shows live previews while sampling.")
     CATEGORY = CATEGORY
     RETURN_TYPES = ("LATENT", "H3_DIAGNOSTICS")
     RETURN_NAMES = ("latent", "diagnostics")
@@ -118,10 +120,12 @@ class H3Sampler:
     def INPUT_TYPES(cls):
         return {"required": {
             "model": ("H3_MODEL", {"tooltip": "from H3 NVFP4 Model Loader"}),
-            "positive": ("CONDITIONING", {"tooltip": "H3 text conditioning [1, L, 5120] (CLIPLoader type minimax + "
-                                                     "CLIPTextEncode, MiniMaxH3ImageToVideo or H3 Text States Loader)"}),
-            "latent": ("LATENT", {"tooltip": "H3 audio+video latent (EmptyMiniMaxH3LatentAV, MiniMaxH3ImageToVideo "
-                                             "or H3 Empty Latent)"}),
+            "positive": ("CONDITIONING", {"tooltip": "H3 conditioning [1, L, 5120] (CLIPLoader type minimax + "
+                                                     "CLIPTextEncode, MiniMaxH3ImageToVideo, MiniMaxH3AddGuide, "
+                                                     "MiniMaxH3ReferenceToVideo or H3 Text States Loader)"}),
+            "latent": ("LATENT", {"tooltip": "H3 audio+video latent (EmptyMiniMaxH3LatentAV, MiniMaxH3ImageToVideo, "
+                                             "MiniMaxH3ReferenceToVideo or H3 Empty Latent), optionally with a "
+                                             "noise mask (SetLatentNoiseMask: 0 keeps the latent, 1 generates)"}),
             "seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF, "control_after_generate": True,
                              "tooltip": "noise seed (CPU generator: video noise, then audio noise, as core)"}),
             "steps": ("INT", {"default": 20, "min": 1, "max": 200, "tooltip": "sampling steps (model passes)"}),
