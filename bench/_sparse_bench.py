@@ -86,8 +86,10 @@ def bench_sparse(dev, heads: int, head_dim: int, taus, extra_tokens, iters: int,
                                   device=dev).to(torch.bfloat16),
             "space_time_local": local_qkv(segs, grid, heads, head_dim, dev, seed=0)}
     rows = torch.linspace(0, s - 1, min(ref_rows, s), device=dev).round().long().unique()
-    out = {"sparse_setup": {"kitchen": sol.version, "segments": segs, "probe": sol.probe(dev, token_aug=0 if dev.type == "cpu" else SA.DEFAULT_EXTRA_TOKENS),
-                            "reference": f"fp32 exact attention, {int(rows.numel())} evenly spaced query rows, all keys"}}
+    probe = sol.probe(dev, token_aug=0 if dev.type == "cpu" else SA.DEFAULT_EXTRA_TOKENS)
+    out = {"sparse_setup": {"kitchen": sol.version, "segments": segs, "probe": probe,
+                            "reference": f"fp32 exact attention, {int(rows.numel())} evenly spaced query rows, "
+                                         "all keys"}}
     dense_anchor = {}
     for name, qkv in data.items():
         ref = A.exact_attention_reference(*A.qkv_views(qkv, heads, head_dim), rows=rows)
