@@ -13,6 +13,9 @@
 #   bash scripts/device_session.sh L    sage2 build (background) + the load bench (bf16 at H3 width and its NVFP4
 #                                       file: peak device memory during the load) + the canonical benchmark
 #                                       (CANON_ARGS, default --skip peer)
+#   bash scripts/device_session.sh S    comfy-kitchen from .whl (scripts/kitchen_carry.sh) + sparse GPU tests + the sparse
+#                                       rows of attention-h200.json (merged) + sage2 build; then Z on the warm machine:
+#   bash scripts/device_session.sh Z    the LOSSY sparse canonical (canonical-h200-sparse.json: dense, quality, FBCache)
 #   bash scripts/device_session.sh T    every GPU test (sage2 built alongside the non-attention ones) + the tiny
 #                                       model generated twice on CUDA with the defaults
 # (Sessions C, D, E and G of 2026-11-29 were earlier versions of F and H; their results are in bench/results.)
@@ -49,6 +52,17 @@ tiny_cuda() {
 canonical() {  # needs sage2; CANON_ARGS, CANON_TIMEOUT and any H3_* from the environment
   phase "canonical ($(env | grep ^H3_ | tr '\n' ' '))"
   timeout "${CANON_TIMEOUT:-$(( 585 - SECONDS ))}" python3 bench/canonical.py --out "$OUT/canonical-h200.json" ${CANON_ARGS:-} 2>&1 | tail -8 >> "$LOG"
+}
+kitchen_unpack() {  # comfy-kitchen (sparse attention's optional dependency) from scripts/kitchen_carry.sh's archive
+  phase kitchen
+  mkdir -p /tmp/site && tar xzf .whl/comfy_kitchen-*-cuda-cp312.tar.gz -C /tmp/site >> "$LOG" 2>&1
+  python3 -c "import torch, comfy_kitchen as ck; print('comfy-kitchen', ck.__file__, 'sol_attn available:', \
+ck.sol_attn_is_available(torch.device('cuda')))" >> "$LOG" 2>&1
+}
+canonical_sparse() {  # LOSSY sparse canonical (issue 17): dense run, quality and a First-Block Cache run inside
+  phase "canonical sparse (${CANON_ARGS:---skip profile,accuracy,peer})"
+  timeout "${CANON_TIMEOUT:-$(( 585 - SECONDS ))}" python3 bench/canonical.py --attention sparse \
+    --out "$OUT/canonical-h200-sparse.json" ${CANON_ARGS:---skip profile,accuracy,peer} 2>&1 | tail -8 >> "$LOG"
 }
 phase setup
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >> "$LOG" 2>&1
@@ -135,8 +149,25 @@ L)
   sage_build_wait
   CANON_ARGS="${CANON_ARGS:---skip peer}" canonical
   ;;
+S)  # sparse attention (issue 17), part 1: GPU tests + the sparse rows merged into attention-h200.json (+ sage2 build)
+  kitchen_unpack
+  sage_build_start
+  phase sparse-gpu-tests
+  timeout 150 python3 -m pytest -q -s -m gpu tests/gpu/test_sparse_attention_gpu.py -rs 2>&1 \
+    | grep -E "probe|rel_l2|passed|failed|skipped|Error" | tail -12 >> "$LOG"
+  phase sparse-attention-bench
+  cp bench/results/attention-h200.json "$OUT/attention-h200.json"
+  timeout 300 python3 bench/attention_h200.py --backends sparse --merge --out "$OUT/attention-h200.json" 2>&1 \
+    | tail -22 >> "$LOG"
+  sage_build_wait
+  ;;
+Z)  # sparse attention (issue 17), part 2: the sparse canonical (sage2 for the dense steps; a no-op build if S ran here)
+  kitchen_unpack
+  sage_build_start; sage_build_wait
+  canonical_sparse
+  ;;
 *)
-  echo "usage: $0 A|B|F|H|L|T|V" >&2; exit 2
+  echo "usage: $0 A|B|F|H|L|S|T|V|Z" >&2; exit 2
   ;;
 esac
 phase done
