@@ -17,34 +17,41 @@ Node ids, inputs, outputs and behaviour are the same either way; if building the
 classes are registered and the error is logged with its traceback.
 """
 
-import logging
-import sys
+# Imported as the package (ComfyUI loads the folder as a package, pip installs it as h3_blackwell). A test
+# runner that collects a checkout whose folder name is not a Python identifier imports this file on its own,
+# with no parent package: then there is nothing to register and nothing is imported.
+NODE_CLASS_MAPPINGS: dict = {}
+NODE_DISPLAY_NAME_MAPPINGS: dict = {}
 
-from .nodes import NODE_DISPLAY_NAME_MAPPINGS, NODES
+if __package__:
+    import logging
+    import sys
 
-__version__ = "0.1.0"
+    from .nodes import NODE_DISPLAY_NAME_MAPPINGS, NODES
 
-NODE_CLASS_MAPPINGS = dict(NODES)
+    __version__ = "0.1.0"
 
-if "comfy_api.latest" in sys.modules:
-    try:
-        from .nodes.v3 import v3_node_classes
+    NODE_CLASS_MAPPINGS = dict(NODES)
 
-        NODE_CLASS_MAPPINGS = v3_node_classes(NODES)
+    if "comfy_api.latest" in sys.modules:
+        try:
+            from .nodes.v3 import v3_node_classes
 
-        async def comfy_entrypoint():
-            from comfy_api.latest import ComfyExtension
+            NODE_CLASS_MAPPINGS = v3_node_classes(NODES)
 
-            classes = list(NODE_CLASS_MAPPINGS.values())
+            async def comfy_entrypoint():
+                from comfy_api.latest import ComfyExtension
 
-            class H3BlackwellExtension(ComfyExtension):
-                async def get_node_list(self):
-                    return classes
+                classes = list(NODE_CLASS_MAPPINGS.values())
 
-            return H3BlackwellExtension()
-    except Exception:  # any V3 API drift must not cost the pack its nodes
-        logging.getLogger("h3_blackwell").exception(
-            "h3-blackwell: building the V3 node classes failed; registering the V1 classes instead")
-        NODE_CLASS_MAPPINGS = dict(NODES)
+                class H3BlackwellExtension(ComfyExtension):
+                    async def get_node_list(self):
+                        return classes
+
+                return H3BlackwellExtension()
+        except Exception:  # any V3 API drift must not cost the pack its nodes
+            logging.getLogger("h3_blackwell").exception(
+                "h3-blackwell: building the V3 node classes failed; registering the V1 classes instead")
+            NODE_CLASS_MAPPINGS = dict(NODES)
 
 __all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"]
