@@ -36,15 +36,12 @@ _GRACE_S = 5.0
 _RESULT = "result.pt"
 _JOB = "job.pkl"
 
-# The worker's first lines: make ``h3_blackwell`` importable the way the parent imported it (an installed
-# package, or a plain checkout whose folder has another name), then run the worker entry.
+# The worker's first lines: ``h3_blackwell`` is the package folder the parent imported it from (an installed
+# package or a plain checkout), never another copy that the worker's sys.path might find first; then the entry.
 _BOOT = """\
 import sys, types
 sys.path[:0] = {path!r}
-try:
-    import h3_blackwell
-except ImportError:
-    pkg = types.ModuleType("h3_blackwell"); pkg.__path__ = [{root!r}]; sys.modules["h3_blackwell"] = pkg
+pkg = types.ModuleType("h3_blackwell"); pkg.__path__ = [{root!r}]; sys.modules["h3_blackwell"] = pkg
 from h3_blackwell.runtime.parallel.worker import main
 sys.exit(main(sys.argv[1], int(sys.argv[2])))
 """
