@@ -209,3 +209,21 @@ def test_forward_pdd_without_schedule_is_refused(models, tmp_path, capsys):
                      "--out", str(tmp_path / "o.safetensors")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: sample_sigmas: expected the run's full sigma schedule"), err
+
+
+def test_step_mods_equal_precomputed_rows(models, monkeypatch):
+    """A soft mask gives many distinct timesteps; past MOD_CACHE_BYTES the modulation rows are computed per step
+    (StepMods) and the output is bit-identical to the precomputed rows."""
+    from h3_blackwell.runtime.model import h3
+
+    case = CASES["video_mask_partial"]
+    rt = load_model(_model_file(models, case), RuntimeOptions(device="cpu", dtype="float32", quantize=False))
+    cond = H3Conditioning.from_payload(case["payload"])
+    args = (case["video"], case["audio"], case["text_states"], case["sigma"])
+    v0, a0 = rt.model(*args, token_tags=case["token_tags"], cond=cond, ops=rt.ops)
+    monkeypatch.setattr(h3, "MOD_CACHE_BYTES", 0)
+    plan = rt.model.plan(case["text_states"], tuple(case["video"].shape), tuple(case["audio"].shape),
+                         [case["sigma"]], token_tags=case["token_tags"], cond=cond)
+    assert isinstance(plan.mods[0], h3.StepMods)
+    v1, a1 = rt.model(*args, token_tags=case["token_tags"], cond=cond, ops=rt.ops)
+    assert torch.equal(v0, v1) and torch.equal(a0, a1)

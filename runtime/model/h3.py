@@ -131,6 +131,28 @@ def pdd_span(sigma: float, sigma_next: float, n: int, shift_v: float) -> tuple[i
 # the model
 # ---------------------------------------------------------------------------------------------
 
+# Precomputed modulation rows of a run above this many bytes are computed step by step instead (StepMods).
+MOD_CACHE_BYTES = 2 << 30
+
+
+class StepMods:
+    """The block modulation rows of one step, computed when a block asks for them: ``mods[j]`` is block j's
+    [M*3, 6*hidden] (exactly what the precomputed rows hold). Used when a run has so many distinct timesteps
+    (a soft denoise mask gives one per mask level) that precomputing every (step, block) would not fit."""
+
+    def __init__(self, model: "H3Model", t_emb: torch.Tensor):
+        self.model, self.t_emb = model, t_emb
+
+    def __len__(self) -> int:
+        return len(self.model.blocks)
+
+    def __getitem__(self, j: int) -> torch.Tensor:
+        return self.model._block_mods(self.model.blocks[j], [self.t_emb])[0]
+
+    def __iter__(self):
+        return (self[j] for j in range(len(self)))
+
+
 @dataclass
 class RunPlan:
     """Everything of one sampling run that depends only on its shapes, conditioning and schedule.
@@ -263,6 +285,11 @@ class H3Model(nn.Module):
             shift, scale = self.final_layer.adaln_proj(t_embs[-1]).chunk(2, dim=-1)
             p.final_mod.append((shift, scale))
             p.heads.append(self._heads_for(sigma, p.sigmas, i, shifts, schedule))
+        rows = sum(len(st.t_values) for st in p.times) * 3 * len(self.blocks)
+        if rows * 6 * self.cfg.hidden_size * 4 > MOD_CACHE_BYTES:
+            # many distinct t (a soft denoise mask: one per mask level): each step's rows when it runs
+            p.mods = [StepMods(self, t) for t in t_embs]
+            return
         # modulation rows of every (step, block), block-major so an offloaded AdaLN weight crosses to the
         # device once per run
         per_block = [self._block_mods(b, t_embs) for b in self.blocks]

@@ -302,6 +302,13 @@ def _text_runs(a: int, b: int, base: int, text_tags) -> list:
     return runs
 
 
+def _rows_to_index(rows_t: torch.Tensor, index: dict) -> torch.Tensor:
+    """Per-row t values (float32) -> their t-table indices [n] long (vectorised over the distinct levels)."""
+    levels = rows_t.unique()
+    base = torch.tensor([index[v] for v in levels.tolist()], dtype=torch.long)
+    return base[torch.searchsorted(levels, rows_t)]
+
+
 def _row_runs(a: int, rows_index: torch.Tensor, tag: int) -> list:
     """Per-row t indices -> [(start, stop, t_index * 3 + tag)] runs of equal index."""
     vals, counts = torch.unique_consecutive(rows_index, return_counts=True)
@@ -342,8 +349,7 @@ def step_times(layout: PackedLayout, sigma_v: float, shift_v: float, shift_a: fl
             values |= set(rt.unique().tolist())
     values = sorted(values)
     index = {t: i for i, t in enumerate(values)}
-    row_index = {k: None if rt is None else torch.tensor([index[v] for v in rt.tolist()], dtype=torch.long)
-                 for k, rt in rows_t.items()}
+    row_index = {k: None if rt is None else _rows_to_index(rt, index) for k, rt in rows_t.items()}
     mod = []
     for a, b, kind in layout.segments:
         base = index[seg_t[kind]] * 3
