@@ -7,7 +7,8 @@ node errors, then download every output file (``/view``) into ``--output`` besid
 
 Exit codes: 0 the prompt ran to success and its outputs were fetched; 1 the server rejected the prompt, a
 node failed, the run was interrupted or an output could not be fetched; 2 bad arguments or workflow file
-(including a UI graph that cannot be converted); 3 the server could not be reached or the run timed out.
+(including a UI graph that cannot be converted); 3 the server could not be reached, is not ComfyUI (it answered
+something that is not ComfyUI's JSON API) or the run timed out.
 
 Standard library only (urllib, json); never imports ComfyUI.
 """
@@ -310,8 +311,21 @@ class Client:
         except (UnicodeDecodeError, json.JSONDecodeError):
             return status, raw.decode(errors="replace")
 
+    def not_comfy(self, method: str, path: str, status: int, data) -> ServerError:
+        """The error for an answer that is not ComfyUI's API (an HTML page, other JSON, a 404)."""
+        if isinstance(data, str):
+            text = data.lstrip()[:200].lower()
+            what = "an HTML page" if text.startswith(("<!doctype", "<html", "<")) else "text that is not JSON"
+        else:
+            what = f"JSON without ComfyUI's fields ({', '.join(sorted(data)[:4]) if isinstance(data, dict) else type(data).__name__})"
+        return ServerError(f"{self.server} is not a ComfyUI server (or not its API port): {method} {path} answered "
+                           f"HTTP {status} with {what}; check --server (ComfyUI listens on http://127.0.0.1:8188 "
+                           "by default)")
+
     def get_json(self, path: str):
         status, data = self.request_json(path)
+        if not isinstance(data, (dict, list)):
+            raise self.not_comfy("GET", path, status, data)
         if status != 200:
             raise ServerError(f"GET {path} answered HTTP {status}: {str(data)[:300]}")
         return data
@@ -523,6 +537,8 @@ def run(args) -> int:
         if extra:
             body["extra_data"] = extra
         status, answer = client.request_json("/prompt", body)
+        if not isinstance(answer, dict) or not ({"prompt_id", "error", "node_errors"} & set(answer)):
+            raise client.not_comfy("POST", "/prompt", status, answer)
         if status != 200 or not isinstance(answer, dict) or "prompt_id" not in answer:
             print("error: " + format_node_errors(answer if isinstance(answer, dict) else {"error": answer}),
                   file=sys.stderr)

@@ -11,6 +11,9 @@ from __future__ import annotations
 from ..runtime.errors import H3Error, Interrupted
 from ..runtime.model.conditioning import H3Conditioning
 from ..runtime.sampling.preview import latent_to_rgb
+from ..runtime.sampling.report import nonfinite_message
+from ..runtime.sampling.request import (check_int, check_latents, check_memory_rows, check_seed, check_text_states,
+                                        latent_rows)
 from ..runtime.sampling.sampler import sample as run_sample
 from ._common import CATEGORY, intermediate_device, node_error, optional_comfy_module
 from .conditioning import read_conditioning
@@ -93,6 +96,21 @@ _FIELD_SOURCES = (("keyframes", "minimax_keyframes (MiniMaxH3ImageToVideo / Mini
                   ("audio_cond_noise_aug", "minimax_audio_cond_noise_aug"), ("seed", "the seed"))
 
 
+def _check_request(rt, text, tags, video, audio, seed, steps, title: str) -> None:
+    """The CLI's request checks, before any work: finite text states of the right shape, finite latents, the
+    seed and step count, and the memory estimate against what the model's device has free."""
+    try:
+        check_text_states(text, tags, rt.config, "positive")
+        check_latents(video, audio, rt.config, "latent")
+        check_seed(int(seed))
+        check_int("steps", int(steps))
+        rows = latent_rows(video.shape, audio.shape, text.shape[-2])
+        check_memory_rows(rt.config, rows, text.shape[-2], rt.device, rt.dtype.itemsize, 0,
+                          f"a {video.shape[4] * 16}x{video.shape[3] * 16} latent of {video.shape[2]} latent frames")
+    except H3Error as e:
+        raise node_error(title, str(e)) from e
+
+
 def _raise_interrupted(exc: Interrupted):
     """Hand an interruption back to ComfyUI as its own exception (the run then ends as 'interrupted')."""
     mm = optional_comfy_module("comfy.model_management")
@@ -158,6 +176,7 @@ class H3Sampler:
         if sampler not in SAMPLERS or scheduler not in SCHEDULERS:
             raise node_error(self.TITLE, f"sampler={sampler!r}, scheduler={scheduler!r}: expected a sampler in "
                                          f"{SAMPLERS} and a scheduler in {SCHEDULERS}")
+        _check_request(model, text, tags, video, audio, seed, steps, self.TITLE)
         cond = _conditioning(payload, latent, video, audio, seed, cfg, self.TITLE)
         progress, preview, interrupt = _callbacks(int(steps))
         # the loader's model is shared and resident: make it carry exactly this graph's LoRAs (none if the
@@ -174,4 +193,6 @@ class H3Sampler:
             _raise_interrupted(e)
         except H3Error as e:
             raise node_error(self.TITLE, str(e)) from e
+        if res.report.get("latents_finite") is False:
+            raise node_error(self.TITLE, nonfinite_message(res.report["nonfinite"]))
         return (make_latent(res.video, res.audio), res.report)

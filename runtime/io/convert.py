@@ -29,6 +29,9 @@ from ..model.config import QUANT_LINEARS as QUANTIZED_LINEAR, core_safe_config_m
 from .header import TORCH_TO_ST as ST_DTYPE
 from ..errors import H3Error
 from ..ops import nvfp4
+from .checkpoint import open_checkpoint
+from .finite import check_finite
+from .verify import check_checkpoint
 
 __all__ = ["QUANTIZED_LINEAR", "quantize_state_dict_streaming", "quantize_checkpoint", "plan_output"]
 
@@ -219,14 +222,27 @@ def quantize_checkpoint(in_path: str | os.PathLike, out_path: str | os.PathLike,
                         progress: Progress | None = None, scheme: str | None = None) -> dict:
     """``h3-blackwell quantize IN OUT``: open any H3 checkpoint (ComfyUI, diffusers or raw-release naming,
     single file or sharded index) and write its NVFP4 ComfyUI form, header first."""
-    from .checkpoint import open_checkpoint
-
     if Path(in_path).resolve() == Path(out_path).resolve():
         raise H3Error(f"input and output are the same file ({in_path}); choose another output path")
+    if Path(out_path).is_dir():
+        raise H3Error(f"output {out_path} is a directory; expected a file path such as "
+                      f"{Path(out_path) / 'h3_nvfp4.safetensors'}")
     ck = open_checkpoint(in_path, scheme=scheme)
+    check_checkpoint(ck)  # every tensor present with its shape, before anything is written
     shapes = {k: (tuple(ck.shape(k)), ck.dtype_name(k)) for k in ck.keys()}
     # the config entry names only core's keys under "transformer" (core merges them into its model's
     # arguments); ours go under "h3_blackwell". This also repairs files from an older make-tiny.
     meta = {**ck.metadata, "config": core_safe_config_metadata(ck.metadata.get("config"), ck.config)}
-    return quantize_state_dict_streaming(ck.iter_tensors("cpu"), out_path, device, progress,
-                                         shapes=shapes, metadata=meta)
+    return quantize_state_dict_streaming(_finite_stream(ck.iter_tensors("cpu"), str(in_path)), out_path, device,
+                                         progress, shapes=shapes, metadata=meta)
+
+
+def _finite_stream(tensors: Iterable[tuple[str, torch.Tensor]], source: str):
+    """The same (name, tensor) stream, each tensor checked finite (CheckpointError naming it) as it passes.
+    Holds no reference to a tensor once the consumer asks for the next one."""
+    for name, t in tensors:
+        check_finite(name, t, source=source)
+        pair = (name, t)
+        del t
+        yield pair
+        del pair

@@ -26,6 +26,7 @@ from ..model.config import QUANT_LINEARS
 from ..ops.block import to_nvfp4_linear
 from ..ops.linear import Scratch
 from .checkpoint import Checkpoint, dequantize_layer
+from .finite import check_finite
 
 Progress = Callable[[int, int, str], None]
 
@@ -72,18 +73,6 @@ def check_names_and_shapes(want: dict, src, quant: set[str], label: str, num_lay
            if k in have and tuple(src.shape(k)) != tuple(p.shape) and k[:-7] not in quant]
     if bad:
         raise CheckpointError("wrong tensor shapes: " + "; ".join(bad[:5]))
-
-
-def check_finite(name: str, t: torch.Tensor) -> None:
-    """Raise CheckpointError when a floating tensor holds NaN or Inf (one reduction; costs almost nothing)."""
-    if not t.is_floating_point() or not t.numel():
-        return
-    if t.element_size() == 1:  # fp8 storage: judge the values through fp16 (exact for e4m3 / e5m2)
-        t = t.to(torch.float16)
-    if not bool(torch.isfinite(t).all()):
-        bad = int((~torch.isfinite(t)).sum())
-        raise CheckpointError(f"{name} holds {bad} NaN/Inf value(s) of {t.numel()}; the checkpoint is corrupt or "
-                              "was saved after a diverged run: re-download or re-export it")
 
 
 def _set(model, name: str, value, as_parameter: bool = True) -> None:

@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from ..io.finite import check_finite
 from ..io.keys import diffusers_to_comfy_name
 from ..errors import H3Error
 
@@ -87,6 +88,8 @@ def read_lora_file(path: str | Path) -> LoraFile:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except (SafetensorError, OSError, ValueError) as e:
         raise LoraError(f"{p.name} is not a readable safetensors file ({e})") from None
+    for k, t in tensors.items():  # one reduction per tensor: a NaN factor would make every latent NaN
+        check_finite(k, t, LoraError, p.name, "the LoRA is damaged or was trained to divergence; re-export it")
     return LoraFile(str(p), tensors, meta)
 
 

@@ -51,6 +51,14 @@ def as_spec(s) -> LoraSpec:
     raise LoraError(f"a LoRA entry must be (path, strength, mode) or a LoraSpec; found {s!r}")
 
 
+def _is_number(s: str) -> bool:
+    try:
+        float(s)
+    except ValueError:
+        return False
+    return True
+
+
 def parse_lora_arg(text: str) -> LoraSpec:
     """``FILE:STRENGTH[:MODE]`` (the CLI's ``--lora``) -> LoraSpec. FILE may itself contain ':' (``C:\\...``);
     the fields are taken from the right. The file must exist."""
@@ -58,6 +66,9 @@ def parse_lora_arg(text: str) -> LoraSpec:
     mode = "merge"
     if len(parts) >= 3 and parts[-1] in MODES:
         mode = parts.pop()
+    elif len(parts) >= 3 and _is_number(parts[-2]) and not _is_number(parts[-1]):
+        raise LoraError(f"--lora {text!r}: mode {parts[-1]!r} is not a LoRA mode; expected FILE:STRENGTH[:MODE] "
+                        f"with MODE one of {', '.join(MODES)}")
     if len(parts) < 2:
         raise LoraError(f"--lora {text!r}: expected FILE:STRENGTH[:MODE], e.g. turbo.safetensors:1.0:merge "
                         f"(MODE one of {', '.join(MODES)})")

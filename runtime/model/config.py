@@ -171,11 +171,20 @@ def _io_kw(shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
     ain = _need(shapes, "audio_patch_proj.weight")[1]
     kw["audio_channels"] = ain
     patch_area = 4
+    if patch_dim <= 0 or patch_dim % patch_area:
+        raise CheckpointError(f"video_patch_proj.weight has shape {[hidden, patch_dim]}; its {patch_dim} input "
+                              f"columns must be video_channels x {patch_area} (96 for H3's 24 channels); the file is "
+                              "damaged or not an H3 checkpoint")
     kw["video_channels"] = patch_dim // patch_area
     vout = _need(shapes, "final_layer.video_out.weight")[0]
     bank = vout // patch_dim
-    if bank * patch_dim != vout or audio_ch % ain:
-        raise CheckpointError(f"final_layer.video_out.weight has {vout} rows; expected a multiple of {patch_dim}")
+    if bank == 0 or bank * patch_dim != vout:
+        raise CheckpointError(f"final_layer.video_out.weight has {vout} rows and video_patch_proj.weight "
+                              f"{patch_dim} input columns; the head must have a positive multiple of {patch_dim} "
+                              "rows (one per patch feature and head); one of the two tensors is damaged")
+    if ain <= 0 or audio_ch % ain:
+        raise CheckpointError(f"final_layer.audio_out.weight has {audio_ch} rows; expected a positive multiple of "
+                              f"audio_patch_proj.weight's {ain} input columns")
     kw["head_bank"] = bank
     return kw
 

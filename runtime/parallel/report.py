@@ -13,11 +13,13 @@ from .shard import RowShard
 from .ulysses import CommStats
 
 
-def rank_run(step_seconds: list[float], all_to_all_seconds: list[float], peak_allocated: int,
-             peak_reserved: int, latent_sha256: tuple[str, str]) -> dict:
-    """One measured run as this rank saw it (plain numbers, gathered later); latent_sha256: (video, audio)."""
+def rank_run(step_seconds: list[float], all_to_all_seconds: list[float], peak_allocated: int | None,
+             peak_reserved: int | None, latent_sha256: tuple[str, str]) -> dict:
+    """One measured run as this rank saw it (plain numbers, gathered later); latent_sha256: (video, audio).
+    Peaks are None on the CPU (no allocator statistics)."""
     return {"per_step_seconds": list(step_seconds), "all_to_all_seconds_per_step": list(all_to_all_seconds),
-            "peak_allocated_bytes": int(peak_allocated), "peak_reserved_bytes": int(peak_reserved),
+            "peak_allocated_bytes": None if peak_allocated is None else int(peak_allocated),
+            "peak_reserved_bytes": None if peak_reserved is None else int(peak_reserved),
             "latent_sha256": list(latent_sha256)}
 
 

@@ -57,13 +57,39 @@ class StepTimer:
 
 @dataclass
 class RunRecord:
+    """One run's measurements. Peaks are None where the device keeps no allocator statistics (the CPU);
+    nonfinite: None when every step's latents were finite, else where they first were not."""
+
     sampling_seconds: float
     per_step_seconds: list
-    peak_allocated_bytes: int
-    peak_reserved_bytes: int
+    peak_allocated_bytes: int | None
+    peak_reserved_bytes: int | None
     video_sha256: str
     audio_sha256: str
     fc2: dict = field(default_factory=lambda: {"attempts": 0, "successes": 0, "fallbacks": 0})
+    nonfinite: dict | None = None
+
+
+STREAMS = ("video", "audio")
+NO_PEAKS = "cpu: torch keeps no allocator statistics for host memory, so no peak is measured"
+
+
+def first_nonfinite(finite: torch.Tensor, run_index: int) -> dict | None:
+    """finite: bool [steps, 2] (video, audio) after each step -> None when all true, else
+    {"run", "step", "stream"} (1-based) of the first false entry."""
+    bad = (~finite).nonzero()
+    if bad.numel() == 0:
+        return None
+    step, stream = (int(v) for v in bad[0])
+    return {"run": run_index + 1, "step": step + 1, "steps": int(finite.shape[0]), "stream": STREAMS[stream]}
+
+
+def nonfinite_message(where: dict) -> str:
+    """What a non-finite latent means and what to try (the inputs and weights were checked finite at load)."""
+    return (f"the {where['stream']} latents became NaN/Inf at step {where['step']} of {where['steps']} "
+            f"(run {where['run']}); the weights and text states were finite, so a backend's numerics diverged: "
+            "try another attention or GEMM backend (--attention reference, --gemm reference or --dense), "
+            "or check the checkpoint")
 
 
 def device_info(device: torch.device) -> tuple[str, str]:
@@ -115,6 +141,8 @@ def build_report(rt, workload: dict, measured: list, warmup_runs: int, video: to
     """The seed-schema report for ``measured`` runs (RunRecord list, warm-ups excluded)."""
     dev_name, cc = device_info(rt.device)
     secs = [r.sampling_seconds for r in measured]
+    bad = [r.nonfinite for r in measured if r.nonfinite is not None]
+    peaks = all(r.peak_allocated_bytes is not None for r in measured)
     videos = {r.video_sha256 for r in measured}
     audios = {r.audio_sha256 for r in measured}
     runs_fc2 = [dict(r.fc2) for r in measured]
@@ -141,8 +169,11 @@ def build_report(rt, workload: dict, measured: list, warmup_runs: int, video: to
         "sampling_seconds": secs,
         "median_sampling_seconds": statistics.median(secs) if secs else None,
         "per_step_seconds": [r.per_step_seconds for r in measured],
-        "peak_allocated_bytes": [r.peak_allocated_bytes for r in measured],
-        "peak_reserved_bytes": [r.peak_reserved_bytes for r in measured],
+        "peak_allocated_bytes": [r.peak_allocated_bytes for r in measured] if peaks else None,
+        "peak_reserved_bytes": [r.peak_reserved_bytes for r in measured] if peaks else None,
+        **({} if peaks else {"peak_bytes_reason": NO_PEAKS}),
+        "latents_finite": not bad,
+        **({"nonfinite": bad[0]} if bad else {}),
         "latent_checksums": {
             "video_sha256": measured[-1].video_sha256,
             "audio_sha256": measured[-1].audio_sha256,

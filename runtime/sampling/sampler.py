@@ -20,9 +20,9 @@ from ..model.conditioning import H3Conditioning
 from ..model.block import ReferenceOps
 from ..parallel.evaluate import ShardedEvaluator, numerics
 from ..parallel.report import gather_ranks, parallel_section, rank_run
-from .report import RunRecord, StepTimer, build_report, latent_sha256
 from .inpaint import Inpaint
 from .lossy import LossyRun
+from .report import RunRecord, StepTimer, build_report, first_nonfinite, latent_sha256
 from .schedule import Stepper, audio_scale, carry_in, carry_out, get_sigmas, model_sigma
 
 
@@ -63,10 +63,12 @@ def _peak_reset(device):
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def _peaks(device) -> tuple[int, int]:
+def _peaks(device) -> tuple[int | None, int | None]:
+    """(peak allocated, peak reserved) bytes of the run on CUDA; (None, None) on the CPU (no allocator
+    statistics for host memory: the report says so)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
-    return 0, 0
+    return None, None
 
 
 @torch.no_grad()
@@ -90,6 +92,7 @@ def _run_once(rt, plan, sigmas, sampler, video0, audio0, noise_v, noise_a, scale
         fc2.begin_run()
     stack = rt.ops
     direct0 = getattr(stack, "fc2_direct_calls", 0)
+    finite = torch.ones(steps, 2, dtype=torch.bool, device=dev)  # [step, (video, audio)]: read once at the end
     _peak_reset(dev)
     if lossy is not None:
         lossy.begin_run(plan, shifts[0])
@@ -110,6 +113,7 @@ def _run_once(rt, plan, sigmas, sampler, video0, audio0, noise_v, noise_a, scale
         if inpaint is not None:
             den = list(inpaint.denoised(*den))
         xv, y = stepper.step(i, [xv, y], den)
+        finite[i, 0], finite[i, 1] = torch.isfinite(xv).all(), torch.isfinite(y).all()  # no host sync
         timer.stop(i)
         if progress is not None:
             progress(i + 1, steps)
@@ -126,7 +130,8 @@ def _run_once(rt, plan, sigmas, sampler, video0, audio0, noise_v, noise_a, scale
     counts = fc2.end_run() if fc2 is not None else {"attempts": 0, "successes": 0, "fallbacks": 0}
     counts = {k: counts[k] for k in ("attempts", "successes", "fallbacks")}
     counts["direct_calls"] = getattr(stack, "fc2_direct_calls", 0) - direct0  # FC2 run without the dispatcher
-    rec = RunRecord(secs, timer.seconds(), pa, pr, latent_sha256(video), latent_sha256(audio), counts)
+    rec = RunRecord(secs, timer.seconds(), pa, pr, latent_sha256(video), latent_sha256(audio), counts,
+                    nonfinite=first_nonfinite(finite.cpu(), run_index))
     return video, audio, rec
 
 

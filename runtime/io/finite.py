@@ -1,0 +1,56 @@
+"""Finite checks on tensors as they stream in: one reduction per tensor, the bad one named.
+
+A NaN or an Inf in one weight, one LoRA factor or one text state turns every output latent into NaN
+(attention mixes every row with every other). These checks refuse such inputs by name at load time, for
+the cost of one ``isfinite().all()`` reduction per tensor (no copy of the tensor, no host sync beyond
+the one boolean).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import CheckpointError, H3Error
+
+# dtypes that cannot hold NaN or Inf (integer codes, packed NVFP4 bytes, booleans): nothing to check
+_ALWAYS_FINITE = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool)
+
+
+def _float_view(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor as a dtype torch can test for finiteness (fp8 is widened to fp32 for the reduction;
+    integer and packed dtypes cannot hold NaN/Inf: None)."""
+    if t.dtype in _ALWAYS_FINITE or not (t.is_floating_point() or t.is_complex()):
+        return None
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) or str(t.dtype).startswith("torch.float8"):
+        return t.float()
+    return t
+
+
+def count_nonfinite(t: torch.Tensor) -> int:
+    """Number of NaN/Inf entries of ``t`` (0 for integer and packed dtypes). Used for the message only."""
+    f = _float_view(t)
+    return 0 if f is None else int((~torch.isfinite(f)).sum())
+
+
+def is_finite(t: torch.Tensor) -> bool:
+    """True when every entry of ``t`` is finite (integer and packed dtypes always are). One reduction."""
+    f = _float_view(t)
+    return True if f is None or f.numel() == 0 else bool(torch.isfinite(f).all())
+
+
+def check_finite(name: str, tensor: torch.Tensor, error: type[H3Error] = CheckpointError,
+                 source: str = "", what_to_do: str = "") -> torch.Tensor:
+    """Return ``tensor`` unchanged when every entry is finite; else raise ``error`` naming the tensor, how many
+    entries are NaN/Inf, and what to do. ``source`` (a file name) prefixes the message.
+
+    tensor: any shape, dtype and device (fp8 is widened for the test; integer/uint8-packed tensors pass).
+    """
+    if is_finite(tensor):
+        return tensor
+    f = _float_view(tensor)
+    nan = int(torch.isnan(f).sum())
+    inf = int(torch.isinf(f).sum())
+    where = f"{source}: " if source else ""
+    todo = what_to_do or "the file is damaged or was saved from a diverged run; re-download or re-export it"
+    raise error(f"{where}tensor {name!r} {list(tensor.shape)} must be finite; found {nan} NaN and {inf} Inf "
+                f"of {tensor.numel()} values; {todo}")

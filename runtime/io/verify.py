@@ -1,0 +1,69 @@
+"""A checkpoint checked against its detected config from the headers alone: every tensor present, every
+shape right, quantized layers included (an NVFP4 layer's packed weight and scales by the layout of its
+[N, K] weight). Reads no tensor data except the few-byte ``comfy_quant`` markers.
+
+``generate`` and ``forward`` call it before the model loads, ``quantize`` before it writes anything.
+"""
+
+from __future__ import annotations
+
+from ..errors import CheckpointError
+from ..ops.nvfp4 import comfy_quant_shapes
+from .checkpoint import Checkpoint, expected_keys
+
+_QUANT_DTYPES = ("F8_E4M3", "F8_E5M2", "I8", "U8")
+
+
+def _quant_layers(ck: Checkpoint) -> set[str]:
+    have = ck.keys()
+    layers = {k[: -len(".comfy_quant")] for k in have if k.endswith(".comfy_quant")}
+    layers |= {k[: -len(".weight")] for k in have if k.endswith(".weight") and ck.dtype_name(k) in _QUANT_DTYPES}
+    return layers
+
+
+def _quant_problems(ck: Checkpoint, layer: str, shape: tuple) -> list[str]:
+    """Shape problems of one stored quantized linear whose dense weight is ``shape`` [N, K]."""
+    fmt = (ck.quant_format(layer) or {}).get("format")
+    have = set(ck.keys())
+    if fmt == "nvfp4" or (fmt is None and ck.dtype_name(layer + ".weight") == "U8"):
+        want = {s: shp for s, (_, shp) in comfy_quant_shapes(*shape).items() if s != ".comfy_quant"}
+        out = []
+        for suffix, shp in want.items():
+            name = layer + suffix
+            if name not in have:
+                out.append(f"{name}: missing (an nvfp4 layer needs .weight, .weight_scale and .weight_scale_2)")
+            elif tuple(ck.shape(name)) != tuple(shp):
+                out.append(f"{name} (nvfp4 of a {list(shape)} weight): expected {list(shp)}, found "
+                           f"{list(ck.shape(name))}")
+        return out
+    w = layer + ".weight"
+    if w in have and tuple(ck.shape(w)) != tuple(shape):
+        return [f"{w} ({fmt or ck.dtype_name(w)}): expected {list(shape)}, found {list(ck.shape(w))}"]
+    return []
+
+
+def check_checkpoint(ck: Checkpoint) -> None:
+    """Raise CheckpointError naming missing tensors and wrong shapes (expected vs found, at most 5 of each)
+    for the config detected from ``ck``'s headers."""
+    cfg = ck.config
+    want = expected_keys(cfg)
+    have = set(ck.keys())
+    quant = _quant_layers(ck)
+    missing, bad = [], []
+    for k, shape in want.items():
+        layer = k[: -len(".weight")] if k.endswith(".weight") else None
+        if layer in quant:
+            bad += _quant_problems(ck, layer, shape)
+        elif k not in have:
+            if k != "rope.inv_freq":
+                missing.append(k)
+        elif tuple(ck.shape(k)) != tuple(shape):
+            bad.append(f"{k}: expected {list(shape)}, found {list(ck.shape(k))}")
+    where = ck.headers[0].path
+    what = f"the detected config ({cfg.num_layers} blocks, hidden {cfg.hidden_size}, {cfg.num_heads} heads)"
+    if missing:
+        raise CheckpointError(f"{where}: missing {len(missing)} tensor(s) that {what} needs, e.g. {missing[:5]}; "
+                              "the file is incomplete: re-download or re-export it")
+    if bad:
+        raise CheckpointError(f"{where}: {len(bad)} tensor(s) with the wrong shape for {what}: "
+                              + "; ".join(bad[:5]) + "; the file is damaged or not an H3 checkpoint")

@@ -1,0 +1,282 @@
+"""A generation request validated before any work: sizes, numbers, device, memory, output paths, text states.
+
+Everything here reads only the request, the model's config (from the checkpoint header) and the machine's
+free memory: no weight is read and no tensor of the request's size is allocated, so a hostile request
+(``--width 100000``, ``--frames 1700005``, ``--text-tokens 10000000``) is refused in milliseconds.
+
+The CLI and the nodes call the same checks; each raises RequestError (an H3Error: one ``error:`` line in
+the CLI, the node's error in ComfyUI) saying what was expected, what was found and what to do.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import H3Error
+from ..io.finite import check_finite
+from ..model.config import H3Config
+from ..model.layout import (CANVAS_MULTIPLE, VAE_SPATIAL, audio_frames, check_canvas, check_frames,
+                            latent_frames, snap_frames)
+
+SEED_RANGE = (0, 2 ** 64 - 1)  # ComfyUI's seed widget range; torch.Generator.manual_seed takes it whole
+SMALL_MODEL_HIDDEN = 512  # models this small (the embedded tiny, make-tiny files) get the small defaults
+GB = 1e9
+
+
+class RequestError(H3Error):
+    """A request that cannot run as given (bad number, too large for the device, unwritable output)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# numbers
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Request:
+    """One t2va request in pixels: width/height multiples of 32, frames on the 17k+5 grid, steps >= 1."""
+
+    width: int
+    height: int
+    frames: int
+    steps: int
+    text_tokens: int
+
+    @property
+    def packed_rows(self) -> int:
+        """Rows of the packed sequence: text + 2 * audio frames + latent frames * (H/32) * (W/32)."""
+        lat_h = -(-(self.height // VAE_SPATIAL) // 2)
+        lat_w = -(-(self.width // VAE_SPATIAL) // 2)
+        return self.text_tokens + 2 * audio_frames(self.frames) + latent_frames(self.frames) * lat_h * lat_w
+
+
+def defaults_for(cfg: H3Config) -> dict[str, int]:
+    """The request defaults of a model: small models run a seconds-long 256x256 / 22 frames / 8 steps canvas,
+    the full model the reference 1344x768 / 124 frames / 20 steps."""
+    if cfg.hidden_size <= SMALL_MODEL_HIDDEN:
+        return {"width": 256, "height": 256, "frames": 22, "steps": 8}
+    return {"width": 1344, "height": 768, "frames": 124, "steps": 20}
+
+
+def check_int(name: str, value, low: int = 1, high: int | None = None, hint: str = "") -> int:
+    """``value`` as an int in [low, high]; RequestError otherwise (booleans and floats are refused)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(f"{name}={value!r}: expected an integer{hint}")
+    if value < low or (high is not None and value > high):
+        rng = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise RequestError(f"{name}={value}: expected an integer {rng}{hint}")
+    return value
+
+
+def check_seed(seed) -> int:
+    """A seed in ComfyUI's range [0, 2**64 - 1]."""
+    return check_int("seed", seed, *SEED_RANGE, hint=" (ComfyUI's seed range)")
+
+
+def check_denoise(denoise) -> float:
+    d = float(denoise)
+    if not math.isfinite(d) or not 0.0 < d <= 1.0:
+        raise RequestError(f"denoise={denoise!r}: expected a number in (0, 1] (1 = full generation)")
+    return d
+
+
+def resolve_request(cfg: H3Config, width: int | None = None, height: int | None = None, frames: int | None = None,
+                    steps: int | None = None, text_tokens: int = 32, snap: bool = False) -> Request:
+    """Apply the model's defaults to the sizes that were not given (None) and check every size.
+
+    An explicit 0 is an error, never "use the default". width/height: positive multiples of 32; frames:
+    the 17k+5 grid (``snap`` moves it up onto the grid first); steps, text_tokens: >= 1.
+    """
+    d = defaults_for(cfg)
+    width = d["width"] if width is None else check_int("width", width, hint=f" (a multiple of {CANVAS_MULTIPLE})")
+    height = d["height"] if height is None else check_int("height", height,
+                                                          hint=f" (a multiple of {CANVAS_MULTIPLE})")
+    frames = d["frames"] if frames is None else check_int("frames", frames, hint=" on the 17k+5 grid (5, 22, 39, ...)")
+    steps = d["steps"] if steps is None else check_int("steps", steps)
+    text_tokens = check_int("text_tokens", text_tokens, hint=" (the length of the random text states)")
+    check_canvas(width, height)
+    if snap:
+        frames = snap_frames(frames)
+    check_frames(frames)
+    return Request(width, height, frames, steps, text_tokens)
+
+
+# ---------------------------------------------------------------------------------------------
+# device and memory
+# ---------------------------------------------------------------------------------------------
+
+def _cgroup_free() -> int | None:
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if limit == "max" else max(0, int(limit) - used)
+
+
+def host_available_bytes() -> int:
+    """Host memory a new allocation can get: MemAvailable (Linux), capped by the cgroup limit when set."""
+    free = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                free = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    if free is None:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    cg = _cgroup_free()
+    return free if cg is None else min(free, cg)
+
+
+def device_available_bytes(device: torch.device) -> tuple[int, str]:
+    """(bytes free for the run, what that number is) for a CPU or CUDA device."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return free, f"{free / GB:.1f} GB free of {total / GB:.1f} GB on {device}"
+    free = host_available_bytes()
+    return free, f"{free / GB:.1f} GB of available host memory"
+
+
+def approx_param_bytes(cfg: H3Config, bytes_per_param: int = 4) -> int:
+    """Weights of a model of ``cfg`` from its dimensions alone (no model is built): the block and refiner
+    linears and AdaLN, the text projection, the patch projections and heads, the time embedder."""
+    h = cfg.hidden_size
+    block = h * 4 * cfg.inner_dim + 3 * cfg.ffn_hidden_size * h + 6 * h * cfg.time_embed_dim
+    io = cfg.text_dim * h + 2 * h * (cfg.video_patch_dim * cfg.head_bank + cfg.audio_channels)
+    time = cfg.timestep_input_dim * cfg.time_embed_hidden_size + cfg.time_embed_hidden_size * cfg.time_embed_dim
+    return bytes_per_param * ((cfg.num_layers + cfg.num_refiner_layers) * block + io + time)
+
+
+def latent_rows(video_shape, audio_shape, text_tokens: int) -> int:
+    """Packed rows of a t2va evaluation from its latent shapes: video [1, C, T, H, W] (H, W padded to even),
+    audio [1, Ca, 2, Ta], plus the text tokens."""
+    t, h, w = video_shape[2], -(-video_shape[3] // 2), -(-video_shape[4] // 2)
+    return text_tokens + 2 * audio_shape[3] + t * h * w
+
+
+def estimate_bytes(cfg: H3Config, rows: int, text_tokens: int, compute_bytes: int, weight_bytes: int) -> int:
+    """Rough peak memory of one run over ``rows`` packed rows: the resident weights plus the activations of
+    one block (residual and modulation temporaries, qkv, attention output, fc1 and SwiGLU at the compute
+    dtype; the fp32 residual stream; RoPE tables; latents, noise and velocities of the target rows), the text
+    states on the host, and the attention score chunk of the reference attention (at most 1 GiB).
+    Deliberately not above the real peak (no allocator slack): it refuses only what cannot fit."""
+    h, inner, ffn = cfg.hidden_size, cfg.inner_dim, cfg.ffn_hidden_size
+    per_row = compute_bytes * (4 * h + 4 * inner + 3 * ffn) + 4 * (2 * h + 2 * cfg.head_dim) + 24
+    per_row += 4 * 6 * max(cfg.video_patch_dim, cfg.audio_channels)
+    scores = min(4 * cfg.num_heads * rows * rows, 1 << 30)
+    text = 2 * 4 * text_tokens * cfg.text_dim
+    return weight_bytes + rows * per_row + scores + text
+
+
+def check_memory_rows(cfg: H3Config, rows: int, text_tokens: int, device: torch.device, compute_bytes: int,
+                      weight_bytes: int, what: str, available: tuple[int, str] | None = None,
+                      lower: str = "the width, height, frames or text length") -> int:
+    """Refuse ``rows`` packed rows when the estimate exceeds what the device has: ``needs ~N GB, the device has
+    M``. ``what`` describes the request, ``lower`` what to reduce. Returns the estimate in bytes."""
+    need = estimate_bytes(cfg, rows, text_tokens, compute_bytes, weight_bytes)
+    free, have = available if available is not None else device_available_bytes(device)
+    if need > free:
+        raise RequestError(f"{what} ({rows:,} packed rows) needs ~{need / GB:.1f} GB, the device has {have}; "
+                           f"lower {lower}, or use a device with more memory")
+    return need
+
+
+def check_memory(cfg: H3Config, req: Request, device: torch.device, compute_bytes: int, weight_bytes: int,
+                 available: tuple[int, str] | None = None) -> int:
+    """``check_memory_rows`` for a pixel request (the CLI's flags named in the message)."""
+    what = f"{req.width}x{req.height}, {req.frames} frames, {req.text_tokens} text tokens"
+    return check_memory_rows(cfg, req.packed_rows, req.text_tokens, device, compute_bytes, weight_bytes, what,
+                             available, lower="--width/--height/--frames/--text-tokens")
+
+
+# ---------------------------------------------------------------------------------------------
+# output paths
+# ---------------------------------------------------------------------------------------------
+
+def _probe_writable(directory: Path, what: str) -> None:
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".h3-probe-", dir=directory)
+    except OSError as e:
+        raise RequestError(f"{what}: cannot write into {directory} ({e.strerror or e}); choose a writable "
+                           "location") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def _nearest_existing(path: Path, what: str) -> Path:
+    """The closest existing ancestor of ``path``; it must be a directory (a file in the way is an error)."""
+    p = path
+    while not p.exists():
+        if p.parent == p:
+            break
+        p = p.parent
+    if not p.is_dir():
+        raise RequestError(f"{what}: {p} is a file, so {path} cannot be created under it; choose another path")
+    return p
+
+
+def check_output_dir(path: str | os.PathLike, what: str = "--output") -> Path:
+    """A directory that exists or can be created, and that can be written. Nothing is left behind."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise RequestError(f"{what} {path} is a file; expected a directory (it will hold latents.safetensors "
+                           "and report.json); choose a directory path")
+    _probe_writable(_nearest_existing(path, what), what)
+    return path
+
+
+def check_output_file(path: str | os.PathLike, what: str = "output") -> Path:
+    """A file path whose directory exists or can be created and can be written; an existing directory at
+    ``path`` is an error (a file is replaced atomically). Nothing is left behind."""
+    path = Path(path)
+    if path.is_dir():
+        raise RequestError(f"{what} {path} is a directory; expected a file path such as {path / 'out.safetensors'}")
+    if not path.name:
+        raise RequestError(f"{what} {str(path)!r}: expected a file path")
+    _probe_writable(_nearest_existing(path.parent, what), what)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# tensors of the request
+# ---------------------------------------------------------------------------------------------
+
+def check_text_states(text_states: torch.Tensor, token_tags: torch.Tensor | None, cfg: H3Config,
+                      source: str = "text states") -> None:
+    """text_states [1, L, text_dim] (or [L, text_dim]) with L >= 1, every value finite; token_tags None or
+    L entries of 0 (vision) / 1 (text)."""
+    shape = list(text_states.shape)
+    if text_states.dim() not in (2, 3) or (text_states.dim() == 3 and shape[0] != 1) \
+            or shape[-1] != cfg.text_dim:
+        raise RequestError(f"{source}: text_states has shape {shape}; expected [1, L, {cfg.text_dim}] "
+                           f"(Qwen3-VL states for H3 are [1, L, 5120])")
+    if shape[-2] == 0:
+        raise RequestError(f"{source}: text_states is empty ([1, 0, {cfg.text_dim}]); expected at least one token")
+    if not text_states.is_floating_point():
+        raise RequestError(f"{source}: text_states has dtype {text_states.dtype}; expected a float tensor")
+    check_finite("text_states", text_states, RequestError, source,
+                 "the text encoder output is broken; re-encode the prompt")
+    if token_tags is not None:
+        if token_tags.numel() != shape[-2]:
+            raise RequestError(f"{source}: token_tags has {token_tags.numel()} entries for {shape[-2]} text tokens; "
+                               "expected one tag per token")
+        bad = set(token_tags.flatten().tolist()) - {0, 1}
+        if bad:
+            raise RequestError(f"{source}: token_tags must be 1 (text) or 0 (vision); found {sorted(bad)[:5]}")
+
+
+def check_latents(video: torch.Tensor, audio: torch.Tensor, cfg: H3Config, source: str = "inputs") -> None:
+    """video [1, C, T, H, W] and audio [1, Ca, 2, Ta] with the model's channels, non-empty and finite."""
+    c, ca = cfg.video_channels, cfg.audio_channels
+    if video.dim() != 5 or video.shape[0] != 1 or video.shape[1] != c or 0 in video.shape:
+        raise RequestError(f"{source}: video has shape {list(video.shape)}; this model expects [1, {c}, T, H, W]")
+    if audio.dim() != 4 or audio.shape[0] != 1 or audio.shape[1] != ca or audio.shape[2] != 2 or 0 in audio.shape:
+        raise RequestError(f"{source}: audio has shape {list(audio.shape)}; this model expects [1, {ca}, 2, Ta]")
+    for name, t in (("video", video), ("audio", audio)):
+        check_finite(name, t, RequestError, source, "pass finite latents")

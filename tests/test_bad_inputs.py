@@ -1,0 +1,569 @@
+"""Every bad input ends in one ``error:`` line before any work, with nothing written (issue 16).
+
+Each refusal asserts the exit status, that the last stderr line starts with ``error:``, that no traceback is
+printed and that nothing was written. Most cases call ``cli.main`` in-process (fast); subprocesses only where
+the process itself is the subject: SIGINT, the memory of a refused huge request.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from h3_blackwell.cli import main as cli
+from h3_blackwell.runtime.io.convert import quantize_checkpoint
+from h3_blackwell.runtime.model.tiny import save_tiny
+
+SMALL = ["--width", "64", "--height", "64", "--frames", "5", "--steps", "1"]
+NO_CUDA = not torch.cuda.is_available()
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+
+def _listing(d: Path) -> set:
+    return {str(p.relative_to(d)) for p in d.rglob("*")} if d.exists() else set()
+
+
+def _check_refusal(err: str, rc: int, code: int, needles) -> str:
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert rc == code, (rc, err)
+    assert lines and lines[-1].startswith("error:"), err
+    assert "Traceback" not in err, err
+    for n in needles:
+        assert n in lines[-1], (n, lines[-1])
+    return lines[-1]
+
+
+def refused(capsys, argv, *needles, code=2, watch: Path | None = None) -> str:
+    """Run the CLI in-process; assert the refusal contract; ``watch``: a folder whose content must not change
+    (its files and sub-folders listed before and after). Returns the error line."""
+    before = _listing(watch) if watch is not None else None
+    capsys.readouterr()
+    rc = cli.main([str(x) for x in argv])
+    line = _check_refusal(capsys.readouterr().err, rc, code, needles)
+    if watch is not None:
+        assert _listing(watch) == before, "something was written"
+    return line
+
+
+def _rewrite(src: Path, dst: Path, edit) -> Path:
+    """Copy a safetensors file with ``edit(tensors)`` applied (metadata kept)."""
+    with safe_open(str(src), "pt") as f:
+        meta = f.metadata()
+        t = {k: f.get_tensor(k) for k in f.keys()}
+    edit(t)
+    save_file(t, str(dst), metadata=meta)
+    return dst
+
+
+def _py(code_or_args, **kw):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    return subprocess.Popen([sys.executable, *code_or_args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                            **kw)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bad")
+    tiny = save_tiny(d / "tiny.safetensors", seed=0)
+    nv = d / "nv.safetensors"
+    quantize_checkpoint(tiny, nv)
+    return {"dir": d, "tiny": tiny, "nvfp4": nv}
+
+
+@pytest.fixture
+def out(tmp_path):
+    """A work folder: the output goes below it, and nothing else may appear in it."""
+    w = tmp_path / "work"
+    w.mkdir()
+    return w
+
+
+# ---------------------------------------------------------------------------------------------
+# a valid run still succeeds
+# ---------------------------------------------------------------------------------------------
+
+def test_valid_run_has_finite_latents_and_a_truthful_report(out, capsys):
+    assert cli.main(["generate", "--output", str(out / "o"), *SMALL]) == 0
+    rep = json.loads((out / "o" / "report.json").read_text())
+    assert rep["latents_finite"] is True and "nonfinite" not in rep
+    with safe_open(str(out / "o" / "latents.safetensors"), "pt") as f:
+        assert all(torch.isfinite(f.get_tensor(k)).all() for k in ("video", "audio"))
+    # the default run is the NVFP4 stack (emulated on the CPU): the status says which FC2 ran, not "dense"
+    status = rep["fc2_dispatch"]["status"]
+    assert rep["backends"]["gemm"]["choice"] != "dense" and "dense" not in status and "FC2 runs" in status, status
+    assert rep["backends"]["gemm"]["reason"]
+    if NO_CUDA:  # no allocator statistics on the CPU: null with the reason, never a [0] that reads as measured
+        assert rep["peak_allocated_bytes"] is None and rep["peak_reserved_bytes"] is None
+        assert "cpu" in rep["peak_bytes_reason"]
+
+
+def test_nvfp4_file_run_reports_a_gemm_reason(files, out):
+    assert cli.main(["generate", "--output", str(out / "o"), "--model", str(files["nvfp4"]), *SMALL]) == 0
+    rep = json.loads((out / "o" / "report.json").read_text())
+    assert rep["backends"]["gemm"]["reason"].strip(), rep["backends"]["gemm"]
+    assert rep["latents_finite"] is True
+
+
+# ---------------------------------------------------------------------------------------------
+# numbers: zero, negative, huge, overflowing
+# ---------------------------------------------------------------------------------------------
+
+NUMBER_CASES = [
+    (["--width", "0"], ["width=0"]),
+    (["--height", "0"], ["height=0"]),
+    (["--frames", "0"], ["frames=0"]),
+    (["--steps", "0"], ["steps=0"]),
+    (["--width", "0", "--height", "0", "--frames", "0", "--steps", "0"], ["width=0"]),
+    (["--width", "-32"], ["width=-32"]),
+    (["--width", "250"], ["width=250", "multiple of 32"]),
+    (["--frames", "30"], ["17k+5", "--snap"]),
+    (["--text-tokens", "0"], ["text_tokens=0"]),
+    (["--text-tokens", "-5"], ["text_tokens=-5"]),
+    (["--seed", "-1"], ["seed=-1"]),
+    (["--seed", str(2 ** 64)], ["seed="]),
+    (["--seed", "99999999999999999999999"], ["seed=99999999999999999999999"]),
+    (["--tiny-seed", "-3"], ["tiny_seed=-3"]),
+    (["--runs", "0"], ["runs=0"]),
+    (["--warmup", "-1"], ["warmup=-1"]),
+    (["--denoise", "0"], ["denoise"]),
+    (["--denoise", "nan"], ["denoise"]),
+    (["--denoise", "1.5"], ["denoise"]),
+    (["--sequence-parallel", "0"], ["--sequence-parallel 0"]),
+    (["--width", "abc"], ["--width", "invalid int"]),
+    (["--steps", "1e3"], ["--steps"]),
+    (["--device", "foo"], ["device 'foo'"]),
+    (["--device", "cuda:99"], ["cuda"]),
+    (["--sampler", "dpm"], ["--sampler"]),
+]
+
+
+@pytest.mark.parametrize("args,needles", NUMBER_CASES, ids=[" ".join(a) for a, _ in NUMBER_CASES])
+def test_bad_numbers(args, needles, out, capsys):
+    refused(capsys, ["generate", "--output", out / "o", *args], *needles, watch=out)
+
+
+@pytest.mark.parametrize("args", [["--width", "100000", "--height", "100000"], ["--frames", "1700005"],
+                                  ["--text-tokens", "10000000"], ["--width", str(32 * 2 ** 70)]])
+def test_huge_requests_refused_with_the_estimate(args, out, capsys):
+    line = refused(capsys, ["generate", "--output", out / "o", *args], "needs ~", "GB, the device has", watch=out)
+    assert "lower" in line
+
+
+def test_zero_is_not_the_default(out, capsys):
+    # absent flags take the defaults; an explicit 0 never does
+    refused(capsys, ["generate", "--output", out / "o", "--steps", "0"], "steps=0", watch=out)
+
+
+def test_huge_request_is_refused_fast_and_small(out):
+    """Acceptance: refused in under 10 s (process start included) without allocating more than 1 GB.
+
+    The child reports its own peak resident memory (VmHWM of its address space, read at exit): ru_maxrss
+    would include the pytest parent's pages inherited across fork."""
+    argv = ["generate", "--output", str(out / "o"), "--width", "100000", "--height", "100000", "--frames", "1700005",
+            "--text-tokens", "10000000"]
+    code = ("import atexit, sys\n"
+            "def hwm():\n"
+            "    kb = [ln.split()[1] for ln in open('/proc/self/status') if ln.startswith('VmHWM')][0]\n"
+            "    print('VmHWM', kb, flush=True)\n"
+            "atexit.register(hwm)\n"
+            "from h3_blackwell.cli.main import main\n"
+            f"sys.exit(main({argv!r}))\n")
+    t0 = time.perf_counter()
+    p = _py(["-c", code])
+    stdout, err = p.communicate(timeout=120)
+    secs = time.perf_counter() - t0
+    _check_refusal(err.decode(), p.returncode, 2, ["needs ~"])
+    assert secs < 10, secs
+    peak_kib = int(stdout.decode().split("VmHWM")[1].split()[0])
+    assert peak_kib * 1024 < 1e9, peak_kib
+    assert not (out / "o").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# output paths
+# ---------------------------------------------------------------------------------------------
+
+def test_output_is_a_file(out, capsys):
+    (out / "f").write_text("x")
+    refused(capsys, ["generate", "--output", out / "f"], "is a file", watch=out)
+
+
+def test_output_under_a_file(out, capsys):
+    (out / "f").write_text("x")
+    refused(capsys, ["generate", "--output", out / "f" / "sub"], "is a file", watch=out)
+
+
+def test_output_not_writable(capsys):
+    # /sys refuses new files for every user, root included (a chmod'ed folder would not stop root)
+    refused(capsys, ["generate", "--output", "/sys/h3-blackwell-out"], "cannot write")
+
+
+def test_make_tiny_onto_a_directory(out, capsys):
+    (out / "d").mkdir()
+    refused(capsys, ["make-tiny", out / "d"], "is a directory", watch=out)
+    refused(capsys, ["make-tiny", "/sys/h3.safetensors"], "cannot write")
+
+
+def test_quantize_onto_an_existing_directory(files, out, capsys):
+    (out / "d").mkdir()
+    refused(capsys, ["quantize", files["tiny"], out / "d"], "is a directory", watch=out)
+
+
+def test_forward_out_is_a_directory(files, out, capsys):
+    (out / "d").mkdir()
+    refused(capsys, ["forward", "--model", files["tiny"], "--inputs", files["tiny"], "--out", out / "d"],
+            "is a directory", watch=out)
+
+
+# ---------------------------------------------------------------------------------------------
+# corrupt, truncated, hostile and foreign files
+# ---------------------------------------------------------------------------------------------
+
+def _bad_model(kind: str, files, d: Path) -> Path:
+    tiny = files["tiny"]
+    p = d / f"{kind}.safetensors"
+    if kind == "truncated":
+        p.write_bytes(tiny.read_bytes()[: tiny.stat().st_size // 2])
+    elif kind == "garbage_header":
+        p.write_bytes(struct.pack("<Q", 64) + b"{not json" + b" " * 60)
+    elif kind == "huge_header":
+        p.write_bytes(struct.pack("<Q", 2 ** 62) + b"{}")
+    elif kind == "empty":
+        p.write_bytes(b"")
+    elif kind == "pickle":
+        p = d / "model.pt"
+        torch.save({"a": torch.zeros(2)}, p)
+    elif kind == "foreign":
+        save_file({"encoder.layer.0.weight": torch.randn(4, 4)}, str(p))
+    elif kind == "missing_tensor":
+        _rewrite(tiny, p, lambda t: t.pop("blocks.1.mlp.fc2.weight"))
+    elif kind == "wrong_shape":
+        _rewrite(tiny, p, lambda t: t.update({"blocks.0.attn.out_proj.weight": t["blocks.0.attn.out_proj.weight"][:, :64].contiguous()}))
+    elif kind == "nvfp4_fc2_wrong_shape":
+        def edit(t):
+            w = t["blocks.0.mlp.fc2.weight"]
+            t["blocks.0.mlp.fc2.weight"] = torch.cat([w, w[:16]])
+        _rewrite(files["nvfp4"], p, edit)
+    elif kind == "patch_proj_huge":
+        _rewrite(tiny, p, lambda t: t.update({"video_patch_proj.weight": torch.zeros(96, 4000, dtype=torch.float32)}))
+    elif kind == "directory":
+        p = d / "adir"
+        p.mkdir()
+    return p
+
+
+MODEL_CASES = {
+    "truncated": ["truncated"], "garbage_header": ["header"], "huge_header": ["header"], "empty": ["safetensors"],
+    "pickle": ["pickle"], "foreign": ["another model"], "missing_tensor": ["blocks.1.mlp.fc2.weight"],
+    "wrong_shape": ["blocks.0.attn.out_proj.weight", "expected"],
+    "nvfp4_fc2_wrong_shape": ["blocks.0.mlp.fc2.weight", "nvfp4"],
+    "patch_proj_huge": ["video_patch_proj.weight"], "directory": ["directory"],
+}
+
+
+@pytest.mark.parametrize("kind", sorted(MODEL_CASES))
+def test_bad_model_files(kind, files, out, tmp_path, capsys):
+    m = _bad_model(kind, files, tmp_path)
+    line = refused(capsys, ["generate", "--output", out / "o", "--model", m], *MODEL_CASES[kind], watch=out)
+    if kind == "patch_proj_huge":
+        assert not line.split("video_patch_proj")[0].endswith("final_layer.video_out.weight has ")
+
+
+@pytest.mark.parametrize("kind", ["missing_tensor", "wrong_shape", "nan", "truncated"])
+def test_quantize_validates_its_input_and_writes_nothing(kind, files, out, tmp_path, capsys):
+    if kind == "nan":
+        src = _rewrite(files["tiny"], tmp_path / "nan.safetensors",
+                       lambda t: t["blocks.2.mlp.fc1.weight"].view(-1).__setitem__(7, float("nan")))
+        needles = ["blocks.2.mlp.fc1.weight", "NaN"]
+    else:
+        src, needles = _bad_model(kind, files, tmp_path), MODEL_CASES[kind]
+    refused(capsys, ["quantize", src, out / "q.safetensors"], *needles, watch=out)
+
+
+# ---------------------------------------------------------------------------------------------
+# NaN and Inf: weights, text states, LoRAs, latents
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_nonfinite_weight_is_named_at_load(value, files, out, tmp_path, capsys):
+    m = _rewrite(files["tiny"], tmp_path / "w.safetensors",
+                 lambda t: t["blocks.1.attn.qkv_proj.weight"].view(-1).__setitem__(3, value))
+    refused(capsys, ["generate", "--output", out / "o", "--model", m, *SMALL], "blocks.1.attn.qkv_proj.weight",
+            "finite", watch=out)
+
+
+def _text_file(d: Path, ts, tags=None) -> Path:
+    p = d / "ts.safetensors"
+    save_file({"text_states": ts, **({} if tags is None else {"token_tags": tags})}, str(p))
+    return p
+
+
+TEXT_CASES = {
+    "nan": (lambda: torch.randn(1, 5, 5120).index_fill_(1, torch.tensor([2]), float("nan")), None, ["NaN"]),
+    "inf": (lambda: torch.randn(1, 5, 5120).index_fill_(1, torch.tensor([0]), float("inf")), None, ["Inf"]),
+    "empty": (lambda: torch.zeros(1, 0, 5120), None, ["empty"]),
+    "width_4096": (lambda: torch.randn(1, 7, 4096), None, ["[1, 7, 4096]", "5120"]),
+    "batch_2": (lambda: torch.randn(2, 7, 5120), None, ["[2, 7, 5120]"]),
+    "tags_count": (lambda: torch.randn(1, 4, 5120), torch.tensor([1, 0]), ["token_tags"]),
+    "tags_value": (lambda: torch.randn(1, 2, 5120), torch.tensor([1, 7]), ["token_tags"]),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(TEXT_CASES))
+def test_bad_text_states(kind, out, tmp_path, capsys):
+    make, tags, needles = TEXT_CASES[kind]
+    p = _text_file(tmp_path, make(), tags)
+    refused(capsys, ["generate", "--output", out / "o", "--text-states", p, *SMALL], *needles, watch=out)
+
+
+def _lora_file(d: Path, value=None) -> Path:
+    a, b = torch.randn(4, 96), torch.randn(96, 4)
+    if value is not None:
+        b[5, 1] = value
+    p = d / "lora.safetensors"
+    save_file({"diffusion_model.blocks.0.attn.out_proj.lora_A.weight": a,
+               "diffusion_model.blocks.0.attn.out_proj.lora_B.weight": b}, str(p))
+    return p
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("-inf")])
+def test_nonfinite_lora_is_named(value, out, tmp_path, capsys):
+    p = _lora_file(tmp_path, value)
+    refused(capsys, ["generate", "--output", out / "o", "--lora", f"{p}:1.0", *SMALL],
+            "blocks.0.attn.out_proj.lora_B.weight", "finite", watch=out)
+
+
+@pytest.mark.parametrize("spec,needles", [
+    ("{f}:1.0:fuse", ["mode 'fuse'", "merge, side"]),
+    ("{f}:strong", ["strength 'strong'"]),
+    ("{f}", ["FILE:STRENGTH"]),
+    ("{f}:inf", ["finite"]),
+    ("{d}/none.safetensors:1.0", ["not found"]),
+    ("{d}/lora.pt:1.0", ["pickle"]),
+])
+def test_bad_lora_specs(spec, needles, out, tmp_path, capsys):
+    f = _lora_file(tmp_path)
+    torch.save({"x": torch.zeros(1)}, tmp_path / "lora.pt")
+    refused(capsys, ["generate", "--output", out / "o", "--lora", spec.format(f=f, d=tmp_path)], *needles, watch=out)
+
+
+def test_nonfinite_latents_are_an_error(out, capsys, monkeypatch):
+    """A backend that diverges mid-run: the step and the stream are named, nothing is written."""
+    import h3_blackwell.runtime.sampling.sampler as sampler_mod
+
+    class Diverging(sampler_mod.Stepper):
+        def step(self, i, x, den):
+            xv, y = super().step(i, x, den)
+            return (xv * float("nan") if i == 1 else xv), y
+
+    monkeypatch.setattr(sampler_mod, "Stepper", Diverging)
+    refused(capsys, ["generate", "--output", out / "o", *SMALL[:-1], "3"], "step 2 of 3", "video", "--attention",
+            watch=out)
+
+
+# ---------------------------------------------------------------------------------------------
+# forward inputs
+# ---------------------------------------------------------------------------------------------
+
+def _forward_inputs(d: Path, **over) -> Path:
+    g = torch.Generator().manual_seed(0)
+    t = {"video": torch.randn(1, 24, 2, 4, 4, generator=g), "audio": torch.randn(1, 32, 2, 4, generator=g),
+         "text_states": torch.randn(1, 4, 5120, generator=g), "sigma": torch.tensor([0.5])}
+    t.update(over)
+    p = d / "in.safetensors"
+    save_file(t, str(p))
+    return p
+
+
+@pytest.mark.parametrize("kind,needles", [
+    ("text_4096", ["[1, 4, 4096]"]), ("video_16ch", ["[1, 16, 2, 4, 4]", "[1, 24, T, H, W]"]),
+    ("audio_nan", ["audio", "NaN"]), ("sigma_2", ["sigma"]), ("text_empty", ["empty"]),
+])
+def test_bad_forward_inputs(kind, needles, files, out, tmp_path, capsys):
+    over = {"text_4096": {"text_states": torch.randn(1, 4, 4096)}, "video_16ch": {"video": torch.randn(1, 16, 2, 4, 4)},
+            "audio_nan": {"audio": torch.full((1, 32, 2, 4), float("nan"))}, "sigma_2": {"sigma": torch.tensor([2.0])},
+            "text_empty": {"text_states": torch.zeros(1, 0, 5120)}}[kind]
+    p = _forward_inputs(tmp_path, **over)
+    refused(capsys, ["forward", "--model", files["tiny"], "--inputs", p, "--out", out / "o.safetensors"], *needles,
+            watch=out)
+
+
+# ---------------------------------------------------------------------------------------------
+# one error path: internal errors
+# ---------------------------------------------------------------------------------------------
+
+def test_internal_error_is_one_line_exit_1_traceback_only_with_debug(out, capsys, monkeypatch):
+    import h3_blackwell.runtime.sampling.sampler as sampler_mod
+
+    def boom(*a, **k):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(sampler_mod, "sample", boom)
+    line = refused(capsys, ["generate", "--output", out / "o", *SMALL], "internal", "RuntimeError", "kernel exploded",
+                   code=1, watch=out)
+    assert "--debug" in line
+    capsys.readouterr()
+    assert cli.main(["generate", "--output", str(out / "o"), *SMALL, "--debug"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.strip().splitlines()[-1].startswith("error: internal")
+    assert not (out / "o").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# comfy-run: dead port, a server that is not ComfyUI, malformed workflows
+# ---------------------------------------------------------------------------------------------
+
+def _api_workflow(d: Path) -> Path:
+    p = d / "wf.json"
+    p.write_text(json.dumps({"1": {"class_type": "H3B_EmptyLatent", "inputs": {}}}))
+    return p
+
+
+def test_comfy_run_dead_port(out, tmp_path, capsys):
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    refused(capsys, ["comfy-run", _api_workflow(tmp_path), "--server", f"127.0.0.1:{port}", "--output", out / "o",
+                     "--no-websocket", "--http-timeout", "5"], "cannot reach", code=3, watch=out)
+
+
+class _HtmlHandler(http.server.BaseHTTPRequestHandler):
+    def _page(self):
+        body = b"<!DOCTYPE html><html><body><h1>Welcome to nginx!</h1></body></html>"
+        self.send_response(200 if self.command == "GET" else 405)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = _page
+
+    def log_message(self, *a):
+        pass
+
+
+def test_comfy_run_not_comfyui(out, tmp_path, capsys):
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _HtmlHandler)
+    th = threading.Thread(target=srv.serve_forever, daemon=True)
+    th.start()
+    try:
+        line = refused(capsys, ["comfy-run", _api_workflow(tmp_path), "--server", f"127.0.0.1:{srv.server_port}",
+                                "--output", out / "o", "--no-websocket"], "not a ComfyUI server", "HTML", code=3,
+                       watch=out)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert "<html" not in line.lower() and "nginx" not in line
+
+
+@pytest.mark.parametrize("content,needle", [("{not json", "JSON"), ('{"a": 1}', "neither an API prompt"),
+                                                  ("[]", "neither an API prompt")])
+def test_comfy_run_malformed_workflow(content, needle, out, tmp_path, capsys):
+    p = tmp_path / "wf.json"
+    p.write_text(content)
+    refused(capsys, ["comfy-run", p, "--server", "127.0.0.1:9", "--output", out / "o"], needle, watch=out)
+
+
+# ---------------------------------------------------------------------------------------------
+# SIGINT while importing and while sampling (real processes)
+# ---------------------------------------------------------------------------------------------
+
+def test_interrupt_during_imports_deterministic(out):
+    """KeyboardInterrupt raised by the torch import itself: one line, exit 130."""
+    code = ("import sys\n"
+            "class Stop:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'torch':\n"
+            "            raise KeyboardInterrupt\n"
+            "sys.meta_path.insert(0, Stop())\n"
+            "from h3_blackwell.cli.main import main\n"
+            f"sys.exit(main(['generate', '--output', {str(out / 'o')!r}]))\n")
+    p = _py(["-c", code])
+    _, err = p.communicate(timeout=60)
+    err = err.decode()
+    assert p.returncode == 130, err
+    assert err.strip().splitlines() == ["interrupted; nothing was written"], err
+
+
+def _read_until(stream, needle: bytes, timeout: float) -> bytes:
+    buf, t_end = b"", time.monotonic() + timeout
+    os.set_blocking(stream.fileno(), False)
+    while needle not in buf and time.monotonic() < t_end:
+        chunk = stream.read(65536)
+        if chunk:
+            buf += chunk
+        else:
+            time.sleep(0.02)
+    os.set_blocking(stream.fileno(), True)
+    return buf
+
+
+def test_sigint_during_imports(out):
+    """A real SIGINT while torch is being imported: the import log shows torch's extension module loaded, and
+    torch's package (imported only inside ``main``, with the rest of the runtime) not yet complete."""
+    p = _py(["-X", "importtime", "-m", "h3_blackwell.cli.main", "generate", "--output", str(out / "o")])
+    head = _read_until(p.stderr, b" torch._C\n", 60)
+    assert b" torch._C\n" in head and not any(ln.endswith(b"| torch") for ln in head.splitlines())
+    p.send_signal(signal.SIGINT)
+    rest = p.stderr.read()
+    p.wait(timeout=60)
+    err = (head + rest).decode()
+    assert p.returncode == 130, err[-2000:]
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == "interrupted; nothing was written"
+    assert not (out / "o").exists()
+
+
+def test_sigint_while_sampling(out):
+    p = _py(["-m", "h3_blackwell.cli.main", "generate", "--output", str(out / "o"), "--width", "64", "--height", "64",
+             "--frames", "5", "--steps", "200", "--progress"])
+    head = _read_until(p.stderr, b"sampling [", 120)
+    assert b"sampling [" in head, head.decode()[-2000:]
+    p.send_signal(signal.SIGINT)
+    rest = p.stderr.read()
+    p.wait(timeout=60)
+    err = (head + rest).decode()
+    assert p.returncode == 130, err[-2000:]
+    assert "Traceback" not in err
+    last = err.replace("\r", "\n").strip().splitlines()[-1]
+    assert last == "interrupted; nothing was written", err[-500:]
+    assert "\ninterrupted" in err  # on its own line, not after the progress bar
+    assert not (out / "o").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# the nodes give the same messages
+# ---------------------------------------------------------------------------------------------
+
+def test_sampler_node_refuses_nonfinite_conditioning():
+    from h3_blackwell.nodes import NODES
+    from h3_blackwell.runtime import H3Error, RuntimeOptions, load_model
+
+    rt = load_model(None, RuntimeOptions(device="cpu", quantize=False))
+    latent = NODES["H3B_EmptyLatent"]().create(64, 64, 5)[0]
+    text = torch.randn(1, 4, 5120)
+    text[0, 1, 3] = float("nan")
+    with pytest.raises(H3Error) as e:
+        NODES["H3B_Sampler"]().sample(rt, [[text, {}]], latent, 1, 1, "euler", "simple", 12.0, 3.0, 1.0)
+    msg = str(e.value)
+    assert "H3 Sampler" in msg and "text_states" in msg and "1 NaN" in msg, msg
+    with pytest.raises(H3Error, match="seed=-1"):
+        NODES["H3B_Sampler"]().sample(rt, [[text.nan_to_num(), {}]], latent, -1, 1, "euler", "simple", 12.0, 3.0, 1.0)
