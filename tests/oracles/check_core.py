@@ -157,7 +157,7 @@ def run_runtime(case, sd):
         return m.evaluate(plan, 0, case["video"], case["audio"])
 
 
-def run_core_sampling(sd, masks: bool, steps: int = 3):
+def run_core_sampling(sd, masks: bool, steps: int = 3, sampler: str = "euler"):
     """Core's own sampling pieces on the sampling case: ModelSamplingAV + CONST, the simple scheduler,
     KSamplerX0Inpaint with MiniMaxH3.scale_latent_inpaint / _denoise_mask_values, k-diffusion's euler, around
     core's MiniMaxH3Model (the audio carried at audio_scale 4). -> (video, audio, sigmas)."""
@@ -211,8 +211,8 @@ def run_core_sampling(sd, masks: bool, steps: int = 3):
     k.latent_image, k.noise = packed_latent, noise
     x = ms.noise_scaling(sigmas[0], noise, packed_latent)
     with torch.no_grad():
-        out = kd.sample_euler(k, x, sigmas, extra_args={"denoise_mask": dmask, "model_options": {}, "seed": 0},
-                              disable=True)
+        out = getattr(kd, f"sample_{sampler}")(k, x, sigmas, extra_args={"denoise_mask": dmask, "model_options": {},
+                                                                       "seed": 0}, disable=True)
     v, a = comfy.utils.unpack_latents(out, shapes)
     return v, a / scale, sigmas
 
@@ -222,6 +222,8 @@ class _Callable:
 
     def __init__(self, fn, base):
         self.fn, self.inner_model = fn, base
+        # res_multistep reads the model sampling's noise_scale through the patcher
+        self.model_patcher = types.SimpleNamespace(get_model_object=lambda name: getattr(base, name))
 
     def __call__(self, *args, **kwargs):
         return self.fn(*args, **kwargs)
@@ -231,29 +233,32 @@ def check_sampling(results: dict, runtime: bool) -> None:
     """Core's sampling pieces vs the float64 sampling oracle (and the runtime's sample()) on the sampling case."""
     import core_sampling
 
-    for masks in (False, True):
-        name = "sampling_masked" if masks else "sampling_guided"
+    for masks, sampler in ((False, "euler"), (True, "euler"), (True, "res_multistep")):
+        name = ("sampling_masked" if masks else "sampling_guided") + ("" if sampler == "euler" else "_" + sampler)
         probe = __import__("comfy.ldm.minimax.model", fromlist=["x"]).MiniMaxH3Model(
             **dict(CFG, adaln_curve_grid=None), dtype=torch.float32, device="meta",
             operations=__import__("comfy.ops", fromlist=["x"]).disable_weight_init)
         sd = random_state_dict(probe, seed=77)
-        cv, ca, sigmas = run_core_sampling(sd, masks)
+        cv, ca, sigmas = run_core_sampling(sd, masks, sampler=sampler)
         video0, audio0, text, tags, payload = case_mod.sampling_case(masks)
-        ov, oa = core_sampling.core_sample_euler(sd, video0, audio0, text, tags, payload, payload["seed"], sigmas)
-        r = {"core_vs_oracle_video": rel_l2(cv, ov), "core_vs_oracle_audio": rel_l2(ca, oa)}
+        r = {}
+        if sampler == "euler":  # the float64 sampling oracle is euler only
+            ov, oa = core_sampling.core_sample_euler(sd, video0, audio0, text, tags, payload, payload["seed"], sigmas)
+            r = {"core_vs_oracle_video": rel_l2(cv, ov), "core_vs_oracle_audio": rel_l2(ca, oa)}
         if runtime:
             from h3_blackwell.runtime.model.conditioning import H3Conditioning
             from h3_blackwell.runtime.sampling.sampler import sample
             from h3_blackwell.runtime.sampling.schedule import get_sigmas
 
-            rv, ra = _runtime_sample(sd, video0, audio0, text, tags, H3Conditioning.from_payload(payload), sample)
+            rv, ra = _runtime_sample(sd, video0, audio0, text, tags, H3Conditioning.from_payload(payload), sample,
+                                     sampler)
             r["core_vs_runtime_video"], r["core_vs_runtime_audio"] = rel_l2(rv, cv), rel_l2(ra, ca)
             r["core_vs_runtime_sigmas"] = rel_l2(get_sigmas("simple", len(sigmas) - 1, 12.0, 1.0), sigmas)
         results[name] = r
         print(f"{name:28s} " + " ".join(f"{k[8:]} {v:.2e}" for k, v in r.items()))
 
 
-def _runtime_sample(sd, video0, audio0, text, tags, cond, sample):
+def _runtime_sample(sd, video0, audio0, text, tags, cond, sample, sampler):
     import tempfile
 
     from h3_blackwell.runtime import RuntimeOptions, load_model
@@ -269,7 +274,7 @@ def _runtime_sample(sd, video0, audio0, text, tags, cond, sample):
         save_file({k: v.contiguous() for k, v in sd.items()}, str(path),
                   metadata={"config": config_metadata(cfg)})
         rt = load_model(path, RuntimeOptions(device="cpu", dtype="float32", quantize=False))
-        res = sample(rt, text, tags, video0, audio0, seed=cond.seed, steps=3, sampler="euler", conditioning=cond)
+        res = sample(rt, text, tags, video0, audio0, seed=cond.seed, steps=3, sampler=sampler, conditioning=cond)
     return res.video, res.audio
 
 
