@@ -12,6 +12,8 @@ import logging
 import os
 
 from ..runtime.errors import H3Error
+from ..runtime.io.checkpoint import open_checkpoint
+from ..runtime.io.verify import check_checkpoint
 from ._common import CATEGORY, comfy_module, node_error, optional_comfy_module
 
 TINY_CHOICE = "embedded tiny (seed 0)"
@@ -110,6 +112,8 @@ class H3ModelLoader:
             return (_RESIDENT["model"],)
         release_resident()
         try:
+            if path is not None:  # every tensor and shape from the headers (NVFP4 layers too) before any is read
+                check_checkpoint(open_checkpoint(path))
             rt = load_model(path, options, tiny_seed=0, progress=_load_progress())
         except H3Error as e:
             raise node_error(self.TITLE, str(e)) from e

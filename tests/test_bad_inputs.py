@@ -567,3 +567,17 @@ def test_sampler_node_refuses_nonfinite_conditioning():
     assert "H3 Sampler" in msg and "text_states" in msg and "1 NaN" in msg, msg
     with pytest.raises(H3Error, match="seed=-1"):
         NODES["H3B_Sampler"]().sample(rt, [[text.nan_to_num(), {}]], latent, -1, 1, "euler", "simple", 12.0, 3.0, 1.0)
+
+
+def test_help_documents_every_option_with_its_default(capsys):
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "cmd")
+    for name in ("generate", "forward", "make-tiny", "quantize"):
+        for action in sub.choices[name]._actions:
+            if action.dest != "help":
+                assert action.help, f"{name} {action.option_strings or action.dest} has no help text"
+    assert cli.main(["generate", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for shown in ("(default: 440420)", "(default: 32)", "(default: res_multistep)", "(default: 1)",
+                  "256 for small models", "(default: 0)"):
+        assert shown in out, shown

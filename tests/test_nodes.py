@@ -312,6 +312,25 @@ def test_loader_bad_checkpoint_is_reported_on_the_node(comfy):
         H3ModelLoader().load("junk.safetensors", "auto", "auto", "on", True)
 
 
+def test_loader_mis_shaped_nvfp4_layer_is_reported_before_loading(comfy, tmp_path):
+    """An NVFP4 file whose fc2 has extra packed rows: the header check names the tensor, expected vs found."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from h3_blackwell.runtime.io.convert import quantize_checkpoint
+    from h3_blackwell.runtime.model.tiny import save_tiny
+
+    nv = tmp_path / "nv.safetensors"
+    quantize_checkpoint(save_tiny(tmp_path / "tiny.safetensors"), nv)
+    with safe_open(str(nv), "pt") as f:
+        meta, t = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    w = t["blocks.0.mlp.fc2.weight"]
+    t["blocks.0.mlp.fc2.weight"] = torch.cat([w, w[:16]])
+    save_file(t, str(comfy.models_dir / "bad_nv.safetensors"), metadata=meta)
+    with pytest.raises(H3NodeError, match=r"^H3 NVFP4 Model Loader: .*blocks\.0\.mlp\.fc2\.weight \(nvfp4.*expected"):
+        H3ModelLoader().load("bad_nv.safetensors", "auto", "auto", "on", True)
+
+
 # ---------------------------------------------------------------------------------------------
 # latents
 # ---------------------------------------------------------------------------------------------
