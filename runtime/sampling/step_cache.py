@@ -12,8 +12,8 @@ computed step, in the stream's dtype). Otherwise the remaining blocks run and th
 first step of a run always computes. Threshold 0 never reuses (``rel_l1 >= 0``), so its latents are exactly
 the uncached ones: the bookkeeping reads the stream but never changes what the blocks compute.
 
-Cost when on: three copies of the residual stream per computed step (``[S, hidden]`` each), and one host
-sync per step (the reuse decision is made on the host). It does not care which attention backend the
+Cost when on: per computed step two copies and two differences of the residual stream (``[S, hidden]`` each;
+two of them kept until the next step), and one host sync per step (the reuse decision is made on the host). It does not care which attention backend the
 blocks use.
 """
 
