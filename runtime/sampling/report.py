@@ -198,8 +198,17 @@ def summary(report: dict) -> str:
     lc = report["latent_checksums"]
     med = report["median_sampling_seconds"]
     steps = w.get("steps") or 1
-    return (f"{report['device']} ({report['compute_capability']}): {w['resolution'][0]}x{w['resolution'][1]}, "
+    text = (f"{report['device']} ({report['compute_capability']}): {w['resolution'][0]}x{w['resolution'][1]}, "
             f"{w['frames']} frames, {w['packed_tokens']} packed rows, {steps} steps -> median {med:.3f} s "
             f"({med / steps:.3f} s/step) over {len(report['sampling_seconds'])} run(s)\n"
             f"video sha256 {lc['video_sha256'][:16]}..  audio sha256 {lc['audio_sha256'][:16]}..  "
             f"exact across runs: {lc['exact_across_measured_runs']}")
+    sp = report.get("sequence_parallel")
+    if sp:
+        a2a = sp["all_to_all"]
+        med_a2a = a2a["median_seconds_per_step_all_ranks"]
+        text += (f"\nsequence parallel: {sp['world_size']} ranks ({sp['backend']}), {sp['rows_per_rank']} rows per "
+                 f"rank; all-to-all {a2a['bytes_per_block'] / 1e6:.1f} MB per block per rank, "
+                 + (f"{med_a2a * 1e3:.1f} ms per step (median over ranks)" if med_a2a is not None else "none")
+                 + f"; latents identical across ranks: {sp['latents_identical_across_ranks']}")
+    return text
