@@ -581,3 +581,49 @@ def test_help_documents_every_option_with_its_default(capsys):
     for shown in ("(default: 440420)", "(default: 32)", "(default: res_multistep)", "(default: 1)",
                   "256 for small models", "(default: 0)"):
         assert shown in out, shown
+
+
+# ---------------------------------------------------------------------------------------------
+# the pieces: finite checks, the memory estimate
+# ---------------------------------------------------------------------------------------------
+
+def test_check_finite_every_dtype():
+    from h3_blackwell.runtime.errors import CheckpointError, H3Error
+    from h3_blackwell.runtime.io.finite import check_finite, is_finite
+
+    g = torch.Generator().manual_seed(0)
+    for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2):
+        x = torch.randn(64, 32, generator=g).to(dt)
+        assert is_finite(x) and check_finite("ok", x) is x
+        bad = x.clone()
+        bad.view(-1)[77] = float("nan") if dt != torch.float8_e5m2 else float("inf")
+        assert not is_finite(bad)
+        with pytest.raises(CheckpointError, match=r"'layer\.w' \[64, 32\] must be finite; found"):
+            check_finite("layer.w", bad)
+    assert is_finite(torch.full((4,), 255, dtype=torch.uint8)) and is_finite(torch.zeros(0))
+
+    class Mine(H3Error):
+        pass
+
+    with pytest.raises(Mine, match=r"^f\.safetensors: tensor 't' .* 2 NaN and 1 Inf .*; do this$"):
+        check_finite("t", torch.tensor([float("nan"), float("nan"), float("inf"), 0.0]), Mine, "f.safetensors",
+                     "do this")
+
+
+def test_memory_estimate_admits_the_canonical_run_and_refuses_what_cannot_fit():
+    """The H200 canonical workload (full model, 1344x768, 124 frames, bf16, ~16.6 GB peak measured) passes on a
+    139 GB device; the same request on a 16 GB device, and a 100000x100000 tiny request, are refused."""
+    from h3_blackwell.runtime.model.config import FULL, TINY
+    from h3_blackwell.runtime.sampling.request import RequestError, check_memory, resolve_request
+
+    req = resolve_request(FULL, text_tokens=512)
+    assert (req.width, req.height, req.frames, req.steps) == (1344, 768, 124, 20)
+    weights = 18_000_000_000  # an NVFP4 file of the full model is about this size
+    need = check_memory(FULL, req, torch.device("cuda"), 2, weights, available=(139e9, "139 GB"))
+    assert 16.6e9 < need < 139e9, need
+    with pytest.raises(RequestError, match=r"needs ~\d+\.\d GB, the device has 16 GB"):
+        check_memory(FULL, req, torch.device("cuda"), 2, weights, available=(16e9, "16 GB"))
+    tiny = resolve_request(TINY)
+    assert check_memory(TINY, tiny, torch.device("cpu"), 4, 5_000_000, available=(1e9, "1 GB")) < 1e9
+    with pytest.raises(RequestError, match="needs ~"):
+        check_memory(TINY, resolve_request(TINY, 100000, 100000), torch.device("cpu"), 4, 0, available=(64e9, "x"))

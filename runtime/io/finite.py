@@ -12,24 +12,13 @@ import torch
 
 from ..errors import CheckpointError, H3Error
 
-# dtypes that cannot hold NaN or Inf (integer codes, packed NVFP4 bytes, booleans): nothing to check
-_ALWAYS_FINITE = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool)
-
-
 def _float_view(t: torch.Tensor) -> torch.Tensor | None:
-    """The tensor as a dtype torch can test for finiteness (fp8 is widened to fp32 for the reduction;
-    integer and packed dtypes cannot hold NaN/Inf: None)."""
-    if t.dtype in _ALWAYS_FINITE or not (t.is_floating_point() or t.is_complex()):
+    """The tensor as a dtype torch can test for finiteness, or None when its dtype cannot hold NaN/Inf
+    (integer codes, packed NVFP4 bytes, booleans). fp8 storage is judged through fp16 (exact for e4m3 and
+    e5m2, NaN/Inf kept; half the temporary of fp32)."""
+    if not t.is_floating_point():
         return None
-    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) or str(t.dtype).startswith("torch.float8"):
-        return t.float()
-    return t
-
-
-def count_nonfinite(t: torch.Tensor) -> int:
-    """Number of NaN/Inf entries of ``t`` (0 for integer and packed dtypes). Used for the message only."""
-    f = _float_view(t)
-    return 0 if f is None else int((~torch.isfinite(f)).sum())
+    return t.to(torch.float16) if t.element_size() == 1 else t
 
 
 def is_finite(t: torch.Tensor) -> bool:
