@@ -627,3 +627,14 @@ def test_memory_estimate_admits_the_canonical_run_and_refuses_what_cannot_fit():
     assert check_memory(TINY, tiny, torch.device("cpu"), 4, 5_000_000, available=(1e9, "1 GB")) < 1e9
     with pytest.raises(RequestError, match="needs ~"):
         check_memory(TINY, resolve_request(TINY, 100000, 100000), torch.device("cpu"), 4, 0, available=(64e9, "x"))
+
+
+def test_load_model_refuses_a_mis_shaped_nvfp4_layer(files, tmp_path):
+    """The library load (not only the CLI's pre-check) names the packed NVFP4 tensor, expected vs found."""
+    from h3_blackwell.runtime import load_model
+    from h3_blackwell.runtime.errors import CheckpointError
+
+    m = _bad_model("nvfp4_fc2_wrong_shape", files, tmp_path)
+    with pytest.raises(CheckpointError, match=r"blocks\.0\.mlp\.fc2\.weight \(nvfp4 of a \[96, 160\] weight\): "
+                                              r"expected \[96, 80\], found \[112, 80\]"):
+        load_model(m)

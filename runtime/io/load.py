@@ -27,6 +27,7 @@ from ..ops.block import to_nvfp4_linear
 from ..ops.linear import Scratch
 from .checkpoint import Checkpoint, dequantize_layer
 from .finite import check_finite
+from .verify import check_names_and_shapes, quant_layers
 
 Progress = Callable[[int, int, str], None]
 
@@ -52,29 +53,6 @@ class StateDictSource:
         return self._sd[k].to(device)
 
 
-def _quant_layers(src) -> set[str]:
-    if not isinstance(src, Checkpoint):
-        return set()
-    have = set(src.keys())
-    layers = {k[: -len(".comfy_quant")] for k in have if k.endswith(".comfy_quant")}
-    layers |= {k[:-7] for k in have if k.endswith(".weight") and src.dtype_name(k) in ("F8_E4M3", "F8_E5M2", "I8", "U8")}
-    return layers
-
-
-def check_names_and_shapes(want: dict, src, quant: set[str], label: str, num_layers: int) -> None:
-    """Raise CheckpointError naming missing tensors and wrong shapes (expected vs found)."""
-    have = set(src.keys())
-    missing = [k for k in want if k not in have and not (k.endswith(".weight") and k[:-7] in quant)
-               and k != "rope.inv_freq"]
-    if missing:
-        raise CheckpointError(f"checkpoint {label} is missing {len(missing)} tensors the {num_layers}-block H3 "
-                              f"config needs, e.g. {missing[:5]}")
-    bad = [f"{k}: expected {list(p.shape)}, found {list(src.shape(k))}" for k, p in want.items()
-           if k in have and tuple(src.shape(k)) != tuple(p.shape) and k[:-7] not in quant]
-    if bad:
-        raise CheckpointError("wrong tensor shapes: " + "; ".join(bad[:5]))
-
-
 def _set(model, name: str, value, as_parameter: bool = True) -> None:
     *path, leaf = name.split(".")
     mod = model
@@ -94,7 +72,7 @@ class _Loader:
     def __init__(self, model, src, plan, progress: Progress | None):
         self.model, self.src, self.plan, self.progress = model, src, plan, progress
         self.device, self.dtype = plan.device, plan.dtype
-        self.quant = _quant_layers(src)
+        self.quant = quant_layers(src)
         self.scratch = Scratch()
         self.stored = set(plan.stored_nvfp4)
         self.have = set(src.keys())

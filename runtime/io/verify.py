@@ -14,10 +14,14 @@ from .checkpoint import Checkpoint, expected_keys
 _QUANT_DTYPES = ("F8_E4M3", "F8_E5M2", "I8", "U8")
 
 
-def _quant_layers(ck: Checkpoint) -> set[str]:
-    have = ck.keys()
+def quant_layers(src) -> set[str]:
+    """Layers stored quantized (a ``comfy_quant`` marker, or an fp8/int8/uint8 weight); none for an in-memory
+    source that is not a Checkpoint."""
+    if not isinstance(src, Checkpoint):
+        return set()
+    have = src.keys()
     layers = {k[: -len(".comfy_quant")] for k in have if k.endswith(".comfy_quant")}
-    layers |= {k[: -len(".weight")] for k in have if k.endswith(".weight") and ck.dtype_name(k) in _QUANT_DTYPES}
+    layers |= {k[: -len(".weight")] for k in have if k.endswith(".weight") and src.dtype_name(k) in _QUANT_DTYPES}
     return layers
 
 
@@ -42,28 +46,38 @@ def _quant_problems(ck: Checkpoint, layer: str, shape: tuple) -> list[str]:
     return []
 
 
-def check_checkpoint(ck: Checkpoint) -> None:
-    """Raise CheckpointError naming missing tensors and wrong shapes (expected vs found, at most 5 of each)
-    for the config detected from ``ck``'s headers."""
-    cfg = ck.config
-    want = expected_keys(cfg)
-    have = set(ck.keys())
-    quant = _quant_layers(ck)
+def check_names_and_shapes(want: dict, src, quant: set[str], label: str, num_layers: int,
+                           what: str = "") -> None:
+    """Raise CheckpointError naming missing tensors and wrong shapes (expected vs found, at most 5 of each).
+
+    want: {name: shape or tensor} the model needs; src: a Checkpoint or an in-memory source (keys, shape);
+    quant: its quantized layers (``quant_layers``), whose stored tensors are checked against the layout of
+    their dense [N, K] weight (NVFP4: packed weight and scales). ``what`` describes the config for the message.
+    """
+    have = set(src.keys())
     missing, bad = [], []
     for k, shape in want.items():
+        shape = tuple(getattr(shape, "shape", shape))
         layer = k[: -len(".weight")] if k.endswith(".weight") else None
         if layer in quant:
-            bad += _quant_problems(ck, layer, shape)
+            bad += _quant_problems(src, layer, shape)
         elif k not in have:
             if k != "rope.inv_freq":
                 missing.append(k)
-        elif tuple(ck.shape(k)) != tuple(shape):
-            bad.append(f"{k}: expected {list(shape)}, found {list(ck.shape(k))}")
-    where = ck.headers[0].path
-    what = f"the detected config ({cfg.num_layers} blocks, hidden {cfg.hidden_size}, {cfg.num_heads} heads)"
+        elif tuple(src.shape(k)) != shape:
+            bad.append(f"{k}: expected {list(shape)}, found {list(src.shape(k))}")
+    what = what or f"the {num_layers}-block H3 config"
     if missing:
-        raise CheckpointError(f"{where}: missing {len(missing)} tensor(s) that {what} needs, e.g. {missing[:5]}; "
-                              "the file is incomplete: re-download or re-export it")
+        raise CheckpointError(f"checkpoint {label} is missing {len(missing)} tensor(s) that {what} needs, e.g. "
+                              f"{missing[:5]}; the file is incomplete: re-download or re-export it")
     if bad:
-        raise CheckpointError(f"{where}: {len(bad)} tensor(s) with the wrong shape for {what}: "
+        raise CheckpointError(f"checkpoint {label}: {len(bad)} tensor(s) with the wrong shape for {what}: "
                               + "; ".join(bad[:5]) + "; the file is damaged or not an H3 checkpoint")
+
+
+def check_checkpoint(ck: Checkpoint) -> None:
+    """``check_names_and_shapes`` for the config detected from ``ck``'s headers (no tensor data is read)."""
+    cfg = ck.config
+    check_names_and_shapes(expected_keys(cfg), ck, quant_layers(ck), str(ck.headers[0].path), cfg.num_layers,
+                           f"the detected config ({cfg.num_layers} blocks, hidden {cfg.hidden_size}, "
+                           f"{cfg.num_heads} heads)")
