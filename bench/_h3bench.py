@@ -144,6 +144,12 @@ def versions(**extra) -> dict:
             v[key] = subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
         except Exception:
             v[key] = None
+    try:  # the device gets a copy of the working tree whose .git may be older than the code: say so
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=20).stdout.strip()
+        v["git_tree_matches_commit"] = not dirty
+    except Exception:
+        v["git_tree_matches_commit"] = None
     v.update(extra)
     return v
 
