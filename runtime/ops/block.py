@@ -85,19 +85,20 @@ class _QuantizedOps:
         x.copy_(elementwise.gate_add_reference(x, y, gate, segs))
         return x
 
-    def qkv(self, i, blk, x, shift, scale, segs):
-        y = self._norm_linear(blk.attn.qkv_proj, x, blk.norm1, shift, scale, segs)
-        side = lora_side(blk.attn.qkv_proj)
+    def _modulated_linear(self, lin, norm, x, shift, scale, segs):
+        """RMSNorm -> modulate -> quantize -> GEMM in the producer, plus the layer's LoRA side term on the
+        unquantized modulated rows."""
+        y = self._norm_linear(lin, x, norm, shift, scale, segs)
+        side = lora_side(lin)
         if side is not None:
-            side.add_(_modulated(x, blk.norm1, shift, scale, segs), y)
+            side.add_(_modulated(x, norm, shift, scale, segs), y)
         return y
 
+    def qkv(self, i, blk, x, shift, scale, segs):
+        return self._modulated_linear(blk.attn.qkv_proj, blk.norm1, x, shift, scale, segs)
+
     def fc1(self, i, blk, x, shift, scale, segs):
-        y = self._norm_linear(blk.mlp.fc1, x, blk.norm2, shift, scale, segs)
-        side = lora_side(blk.mlp.fc1)
-        if side is not None:
-            side.add_(_modulated(x, blk.norm2, shift, scale, segs), y)
-        return y
+        return self._modulated_linear(blk.mlp.fc1, blk.norm2, x, shift, scale, segs)
 
     def fc2(self, i, blk, h):
         side = lora_side(blk.mlp.fc2)
