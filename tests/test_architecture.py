@@ -237,3 +237,41 @@ def test_plan_reads_no_tensor_and_orders_its_choices(tmp_path, monkeypatch):
     assert plan.act_format == "nvfp4" and plan.choices["fc2_lt"].choice == "off"
     dense = make_plan(path, RuntimeOptions(device="cpu", quantize=False))
     assert dense.gemm == "dense" and dense.act_format == "dense"
+
+
+def test_every_registered_backend_available_here_matches_its_reference():
+    """The registry is the one table of backends: every one its capability check accepts on this device runs
+    and matches its reference on random data (never zeros). Attention: fp32, the summation order alone differs
+    (1e-5). GEMMs: NVFP4 operands; tolerances are the load-time probe's (ops.linear.PROBE_TOL: the fp8 path
+    rounds the operands to e4m3 rowwise), 1e-5 for the exact emulation, 1e-2 for bf16 (the dequantized
+    operands rounded to bf16, 2^-8 each). Sparse attention is lossy by design
+    and has its own tests (tests/test_sparse_attention.py)."""
+    from h3_blackwell.runtime.ops import linear, nvfp4
+    from h3_blackwell.runtime.ops.attention import bind_attention, exact_attention_reference, qkv_views
+    from h3_blackwell.runtime.ops.registry import REGISTRY, capability_table
+
+    dev = torch.device("cpu")
+    table = {op: {r["backend"]: r for r in rows} for op, rows in capability_table(dev).items()}
+    assert set(table) == set(REGISTRY) and all(len(table[op]) == len(REGISTRY[op]) for op in REGISTRY)
+    g = torch.Generator().manual_seed(0)
+    heads, hd, s = 3, 32, 70
+    qkv = torch.randn(s, 3 * heads * hd, generator=g)
+    ref = exact_attention_reference(*qkv_views(qkv, heads, hd))
+    ran = []
+    for b in REGISTRY["attention"]:
+        if not table["attention"][b.name]["available"] or b.name == "sparse":
+            continue
+        out = bind_attention(b.name, heads, hd)(qkv)
+        assert float((out.double() - ref.double()).norm() / ref.double().norm()) < 1e-5, b.name
+        ran.append(b.name)
+    a = nvfp4.quantize(torch.randn(48, 64, generator=g))
+    w = nvfp4.quantize(torch.randn(40, 64, generator=g))
+    gref = linear.nvfp4_matmul(a, w, "reference", out_dtype=torch.float32).double()
+    for b in REGISTRY["gemm"]:
+        if not table["gemm"][b.name]["available"] or b.name == "reference":
+            continue
+        got = linear.nvfp4_matmul(a, w, b.name, out_dtype=torch.float32).double()
+        tol = linear.PROBE_TOL.get(b.name, 1e-5 if b.name == "emulated" else 1e-2)
+        assert float((got - gref).norm() / gref.norm()) < tol, b.name
+        ran.append(b.name)
+    assert {"reference", "sdpa", "emulated", "fp8"} <= set(ran), ran
