@@ -162,9 +162,6 @@ def _generate_inputs(a, cfg: H3Config):
     without --inputs. The latents give the canvas; a payload without ``seed`` takes --seed (core's payload seed
     is the sampler's). Text states and latents are checked like every other request (shape, finite)."""
     if a.inputs is None:
-        if a.payload is not None:
-            raise RequestError("--payload needs --inputs: the safetensors with video, audio, text_states and the "
-                               "tensors the payload names")
         return None
     clash = [f for f, v in (("--text-states", a.text_states), ("--width", a.width), ("--height", a.height),
                             ("--frames", a.frames)) if v is not None]
@@ -202,6 +199,9 @@ def _validate_generate(a):
                     sparse_min_tokens=a.sparse_min_tokens, first_block_cache=a.first_block_cache)
     device = resolve_device(opts)
     compute_bytes = resolve_dtype(opts, device).itemsize
+    if a.inputs is None and a.payload is not None:
+        raise RequestError("--payload needs --inputs: the safetensors with video, audio, text_states and the "
+                           "tensors the payload names")
     if a.inputs is None:
         tokens = a.text_tokens if a.text_states is None else _text_states_tokens(a.text_states, cfg)
         req = resolve_request(cfg, a.width, a.height, a.frames, a.steps, tokens, a.snap)

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 import traceback
 
 from . import progress
@@ -166,9 +168,31 @@ def _dispatch(argv: list[str]) -> int:
 
         return int(run_main(argv[1:]) or 0)
     a = build_parser().parse_args(argv)
-    from . import commands  # torch and the runtime: imported here, inside main's error handling
+    return getattr(_import_commands(), a.fn)(a)
 
-    return getattr(commands, a.fn)(a)
+
+def _exit_interrupted(signum, frame) -> None:
+    """SIGINT while torch and the runtime are being imported: nothing has been written yet, and import code of
+    other packages may swallow a KeyboardInterrupt (a bare ``except``), so end the process here, at once."""
+    progress.end_line()
+    sys.stderr.write("interrupted; nothing was written\n")
+    sys.stderr.flush()
+    os._exit(EXIT_INTERRUPTED)
+
+
+def _import_commands():
+    """cli.commands (torch and the runtime), imported under :func:`_exit_interrupted` where this is the main
+    thread (only it receives signals); the previous SIGINT handler is back before any command runs."""
+    if threading.current_thread() is not threading.main_thread():
+        from . import commands
+
+        return commands
+    prev = signal.signal(signal.SIGINT, _exit_interrupted)
+    try:
+        from . import commands
+    finally:
+        signal.signal(signal.SIGINT, prev)
+    return commands
 
 
 def _one_line(e: BaseException) -> str:
