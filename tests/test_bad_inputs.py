@@ -516,20 +516,26 @@ def _read_until(stream, needle: bytes, timeout: float) -> bytes:
     return buf
 
 
-def test_sigint_during_imports(out):
-    """A real SIGINT while torch is being imported: the import log shows torch's extension module loaded, and
-    torch's package (imported only inside ``main``, with the rest of the runtime) not yet complete."""
-    p = _py(["-X", "importtime", "-m", "h3_blackwell.cli.main", "generate", "--output", str(out / "o")])
-    head = _read_until(p.stderr, b" torch._C\n", 60)
-    assert b" torch._C\n" in head and not any(ln.endswith(b"| torch") for ln in head.splitlines())
+def _interrupt(p, head: bytes, out) -> str:
+    """SIGINT to ``p`` -> its whole stderr; it must end with status 130, no traceback and nothing written."""
     p.send_signal(signal.SIGINT)
     rest = p.stderr.read()
     p.wait(timeout=60)
     err = (head + rest).decode()
     assert p.returncode == 130, err[-2000:]
     assert "Traceback" not in err
-    assert err.strip().splitlines()[-1] == "interrupted; nothing was written"
     assert not (out / "o").exists()
+    return err
+
+
+def test_sigint_during_imports(out):
+    """A real SIGINT while torch is being imported: the import log shows torch's extension module loaded, and
+    torch's package (imported only inside ``main``, with the rest of the runtime) not yet complete."""
+    p = _py(["-X", "importtime", "-m", "h3_blackwell.cli.main", "generate", "--output", str(out / "o")])
+    head = _read_until(p.stderr, b" torch._C\n", 60)
+    assert b" torch._C\n" in head and not any(ln.endswith(b"| torch") for ln in head.splitlines())
+    err = _interrupt(p, head, out)
+    assert err.strip().splitlines()[-1] == "interrupted; nothing was written"
 
 
 def test_sigint_while_sampling(out):
@@ -537,16 +543,10 @@ def test_sigint_while_sampling(out):
              "--frames", "5", "--steps", "200", "--progress"])
     head = _read_until(p.stderr, b"sampling [", 120)
     assert b"sampling [" in head, head.decode()[-2000:]
-    p.send_signal(signal.SIGINT)
-    rest = p.stderr.read()
-    p.wait(timeout=60)
-    err = (head + rest).decode()
-    assert p.returncode == 130, err[-2000:]
-    assert "Traceback" not in err
+    err = _interrupt(p, head, out)
     last = err.replace("\r", "\n").strip().splitlines()[-1]
     assert last == "interrupted; nothing was written", err[-500:]
     assert "\ninterrupted" in err  # on its own line, not after the progress bar
-    assert not (out / "o").exists()
 
 
 # ---------------------------------------------------------------------------------------------
