@@ -23,7 +23,7 @@ import torch
 from .errors import CheckpointError
 from .io.checkpoint import Checkpoint, open_checkpoint
 from .model.config import QUANT_LINEARS, TINY, H3Config
-from .ops.registry import resolve
+from .ops.registry import capability_table, resolve
 from .options import RuntimeOptions
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -51,6 +51,7 @@ class LoadPlan:
     checkpoint: object | None  # a Checkpoint, an in-memory source, or None (embedded tiny)
     choices: dict[str, Choice] = field(default_factory=dict)
     stored_nvfp4: tuple[str, ...] = ()  # block linears stored as NVFP4 (adopted as they are)
+    capabilities: dict = field(default_factory=dict)  # ops.registry.capability_table on this device
 
     @property
     def quantize(self) -> bool:
@@ -233,4 +234,5 @@ def make_plan(path, options: RuntimeOptions, tiny_seed: int = 0) -> LoadPlan:
         "amax per call" if options.act_scale == "dynamic" else "the checkpoint's input_scale where present")
         if ch["act_format"].choice == "nvfp4" else f"no effect: act_format {ch['act_format'].choice}")
     ch["adaln"] = _adaln(options, device, cfg)
+    plan.capabilities = capability_table(device, head_dim=cfg.head_dim)
     return plan

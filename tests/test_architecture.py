@@ -275,3 +275,18 @@ def test_every_registered_backend_available_here_matches_its_reference():
         assert float((got - gref).norm() / gref.norm()) < tol, b.name
         ran.append(b.name)
     assert {"reference", "sdpa", "emulated", "fp8"} <= set(ran), ran
+
+
+def test_report_carries_the_registry_capability_table():
+    """Every registered backend appears in the load plan's capability table and in the report, with a reason."""
+    from h3_blackwell.runtime import RuntimeOptions, load_model, sample
+    from h3_blackwell.runtime.ops.registry import REGISTRY
+
+    rt = load_model(None, RuntimeOptions(device="cpu", dtype="float32"))
+    rep = sample(rt, torch.randn(1, 5, rt.config.text_dim), None, torch.zeros(1, 24, 2, 4, 4),
+                 torch.zeros(1, 32, 2, 4), seed=1, steps=1).report
+    for op, backends in REGISTRY.items():
+        rows = {r["backend"]: r for r in rep["capabilities"][op]}
+        assert set(rows) == {b.name for b in backends}, op
+        assert all(r["reason"] for r in rows.values()), op
+    assert rows["reference"]["available"] is True

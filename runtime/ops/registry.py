@@ -5,7 +5,7 @@ Shape (after comfy-kitchen's registry): ``Backend(op, name, check, reference)``.
 ``(available, reason)`` never raises. ``resolve(op, device, requested)`` picks the backend once, at load:
 ``auto`` takes the first available one in preference order; an explicit request that cannot run falls back
 to ``auto`` with ``"requested <name> unavailable: <why>"`` (never a silent swap). ``capability_table``
-is what the load prints and what the tests loop over.
+is what the load plan records (every report's ``capabilities``) and what the tests loop over.
 
 The checks and the choosers themselves live beside their kernels (``ops.attention``, ``ops.linear``); this
 module is the one table that names them.

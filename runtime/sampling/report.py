@@ -166,6 +166,7 @@ def build_report(rt, workload: dict, measured: list, warmup_runs: int, video: to
         "workload": workload,
         "configuration": config,
         "backends": rt.backends,
+        "capabilities": rt.plan.capabilities,
         "sampling_seconds": secs,
         "median_sampling_seconds": statistics.median(secs) if secs else None,
         "per_step_seconds": [r.per_step_seconds for r in measured],
