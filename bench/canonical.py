@@ -113,7 +113,7 @@ class DequantizedReferenceOps(ReferenceOps):
     def fc1(self, i, blk, x, shift, scale, segs):
         return F.linear(modulate_(blk.norm2(x), shift, scale, segs), self._w(blk.mlp.fc1))
 
-    def fc2(self, i, blk, h):
+    def fc2(self, i, blk, h, lora_active: bool = False):
         gate, up = h.chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, self._w(blk.mlp.fc2))
 

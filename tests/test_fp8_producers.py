@@ -19,7 +19,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from h3_blackwell.runtime import RuntimeOptions, load_model  # noqa: E402
-from h3_blackwell.runtime.lora.side import LoraSide, install_side, uninstall_side  # noqa: E402
+from h3_blackwell.runtime.lora.ops import LoraOps  # noqa: E402
+from h3_blackwell.runtime.lora.side import LoraSide  # noqa: E402
 from h3_blackwell.runtime.ops import fp8_producers as f8  # noqa: E402
 from h3_blackwell.runtime.ops import linear as L  # noqa: E402
 from h3_blackwell.runtime.ops import quant_kernels as qk  # noqa: E402
@@ -364,8 +365,8 @@ def test_act_format_option_and_refusal():
 
 
 def test_w4a8_out_proj_side_path_is_added():
-    """A LoRA side path on out_proj (installed as its forward hook) still reaches the W4A8 block, which calls
-    forward_fp8 rather than the module."""
+    """A LoRA side path on out_proj (the LoraOps wrapper around the W4A8 ops) reaches the W4A8 block, which calls
+    forward_fp8 rather than the module, with o before any pre_quant_scale."""
     rt = _w4a8(4)
     m = rt.model
     seen = []
@@ -385,11 +386,8 @@ def test_w4a8_out_proj_side_path_is_added():
     x = m.pack(plan, video, audio)
     segs = plan.times[0].mod_segments
     base = blk(x.clone(), plan.mods[0][0], segs, plan.cos, plan.sin, rt.ops, 0)
-    prev = install_side("blocks.0.attn.out_proj", lin, side)
-    try:
-        got = blk(x.clone(), plan.mods[0][0], segs, plan.cos, plan.sin, rt.ops, 0)
-    finally:
-        uninstall_side(lin, prev)
+    ops = LoraOps(rt.ops, {"blocks.0.attn.out_proj": side})
+    got = blk(x.clone(), plan.mods[0][0], segs, plan.cos, plan.sin, ops, 0)
     s = x.shape[0]
     assert seen == [((s, lin.in_features), (s, lin.out_features))]
     assert not torch.equal(got, base)

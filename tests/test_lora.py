@@ -20,6 +20,8 @@ from h3_blackwell.runtime.lora import apply as L
 from h3_blackwell.runtime.model.config import FULL, TINY
 from h3_blackwell.runtime.io.load import StateDictSource
 from h3_blackwell.runtime.lora.keys import LoraError, match_lora, read_lora_file
+from h3_blackwell.runtime.lora.ops import BLOCK_LINEAR, LoraOps
+from h3_blackwell.runtime.lora.side import SIDE_ATTR
 from refblock import reference_block  # the float64 block from the formulas (tests/refblock.py)
 from h3_blackwell.runtime.ops import nvfp4 as nv
 from h3_blackwell.runtime.model.tiny import save_tiny, tiny_state_dict
@@ -257,6 +259,7 @@ def test_side_path_equals_bf16_merged_reference(files, d16, form):
     assert sorted(rep["side"]) == sorted(truth.modules()) and not rep["merged_dense"]
     mods = dict(d16.model.named_modules())
     g = torch.Generator().manual_seed(7)
+    sides = L.lora_sides(d16)
     for name in sorted(truth.modules()):
         mod = mods[name]
         w0, b = mod.weight.detach(), mod.bias
@@ -268,6 +271,9 @@ def test_side_path_equals_bf16_merged_reference(files, d16, form):
         bound = 3 * U_BF16 * (x64.abs() @ w0.double().abs().T + b64.abs()
                               + _side_bound_terms(truth, name + ".weight", x64, s))
         y = mod(x)
+        if BLOCK_LINEAR.match(name):  # no hook on a block linear: its side path is in the LoraOps (rt.ops)
+            assert not L.side_active(mod) and d16.ops.sides[name] is sides[name]
+            sides[name].add_(x, y)
         assert y.dtype == torch.bfloat16
         assert bool(((y.double() - exact).abs() <= bound).all()), name
         merged = torch.nn.functional.linear(x, w_merged.to(torch.bfloat16), b)
@@ -277,20 +283,58 @@ def test_side_path_equals_bf16_merged_reference(files, d16, form):
 
 
 def test_side_path_whole_model_fp32_equals_merged(files, d32):
-    """The wiring: the whole fp32 forward (AdaLN at plan time, refiner, blocks) with the side path equals the
-    forward with the same LoRA merged, to fp32 rounding (rel < 1e-6; measured ~2e-7)."""
+    """The wiring: the whole fp32 forward (AdaLN at plan time, refiner, blocks over ``rt.ops``) with the side
+    path equals the forward with the same LoRA merged, to fp32 rounding (rel < 1e-6; measured ~2e-7)."""
     path, _ = files["diffusers"]
     args = _inputs()
-    v0, a0 = d32.model(*args)
+    v0, a0 = d32.model(*args, ops=d32.ops)
     L.apply_loras(d32, [(path, 0.8, "side")])
-    vs, as_ = d32.model(*args)
+    vs, as_ = d32.model(*args, ops=d32.ops)
     L.apply_loras(d32, [(path, 0.8, "merge")])
-    vm, am = d32.model(*args)
+    vm, am = d32.model(*args, ops=d32.ops)
     L.remove_loras(d32)
-    v1, a1 = d32.model(*args)
+    v1, a1 = d32.model(*args, ops=d32.ops)
     assert float((vs - vm).norm() / (vm - v0).norm()) < 1e-4  # relative to the LoRA's own effect
     assert float((vs - vm).norm() / vm.norm()) < 1e-6 and float((as_ - am).norm() / am.norm()) < 1e-6
     assert torch.equal(v1, v0) and torch.equal(a1, a0)  # unhooked: bit-identical to before
+
+
+def test_block_side_paths_are_an_ops_wrapper(files, d32):
+    """Side mode: the four block linears get no forward hook and no attribute; ``rt.ops`` becomes a LoraOps
+    around the base ops (the refiner's layers keep their hook); the whole forward equals the merged LoRA to fp32
+    rounding (rel < 1e-6, as the wiring test above); the sequence-parallel ``with_attention`` keeps the side
+    paths; removing restores the very base ops object and bit-identical outputs."""
+    path, truth = files["diffusers"]
+    args = _inputs(seed=5)
+    base = d32.ops
+    v0, a0 = d32.model(*args, ops=base)
+    rep = L.apply_loras(d32, [(path, 0.8, "side")])
+    mods = dict(d32.model.named_modules())
+    block = sorted(n for n in rep["side"] if BLOCK_LINEAR.match(n))
+    assert len(block) == 4 * TINY.num_layers and any(not BLOCK_LINEAR.match(n) for n in rep["side"])
+    for name, mod in mods.items():
+        if BLOCK_LINEAR.match(name):
+            assert "forward" not in mod.__dict__ and SIDE_ATTR not in mod.__dict__, name
+    assert all("forward" in mods[n].__dict__ for n in rep["side"] if not BLOCK_LINEAR.match(n))
+    ops = d32.ops
+    assert isinstance(ops, LoraOps) and ops.inner is base and sorted(ops.sides) == block
+    assert ops.name == base.name and ops.attends_exactly == base.attends_exactly and ops.status() == base.status()
+    assert rep["side_bytes"] == sum(s.nbytes() for s in L.lora_sides(d32).values()) > 0
+    vs, as_ = d32.model(*args, ops=ops)
+    swapped = ops.with_attention(lambda qkv: torch.zeros(qkv.shape[0], qkv.shape[1] // 3))
+    assert isinstance(swapped, LoraOps) and swapped.sides == ops.sides and swapped.inner is not base
+    assert not swapped.attends_exactly and base.attends_exactly  # the original ops are left as they were
+    L.apply_loras(d32, [(path, 0.8, "merge")])
+    assert d32.ops is base
+    vm, am = d32.model(*args, ops=d32.ops)
+    assert float((vs - vm).norm() / (vm - v0).norm()) < 1e-4
+    assert float((vs - vm).norm() / vm.norm()) < 1e-6 and float((as_ - am).norm() / am.norm()) < 1e-6
+    L.apply_loras(d32, [(path, 0.8, "side")])
+    L.remove_loras(d32)
+    assert d32.ops is base and L.lora_sides(d32) == {}
+    assert not any("forward" in m.__dict__ or SIDE_ATTR in m.__dict__ for m in d32.model.modules())
+    v1, a1 = d32.model(*args, ops=d32.ops)
+    assert torch.equal(v1, v0) and torch.equal(a1, a0)
 
 
 def _q(x):
@@ -298,9 +342,10 @@ def _q(x):
     return nv.dequantize(nv.quantize(x.float(), nv.global_scale(x.float()), pad_rows=1), torch.float64)
 
 
-def _sides(blk):
-    """The side paths on a block's qkv_proj, fc1, fc2 (the ones the quantized BlockOps add themselves)."""
-    return tuple(L.lora_side(lin) for lin in (blk.attn.qkv_proj, blk.mlp.fc1, blk.mlp.fc2))
+def _sides(rt, i=0):
+    """The side paths on block i's qkv_proj, fc1, fc2 (carried by the LoraOps around the runtime's ops)."""
+    sides = L.lora_sides(rt)
+    return tuple(sides.get(f"blocks.{i}.{n}") for n in ("attn.qkv_proj", "mlp.fc1", "mlp.fc2"))
 
 
 def test_side_path_in_the_nvfp4_stack_equals_the_w4a4_oracle(files, fp4):
@@ -316,7 +361,7 @@ def test_side_path_in_the_nvfp4_stack_equals_the_w4a4_oracle(files, fp4):
     g = torch.Generator().manual_seed(4)
     x = m.pack(plan, torch.randn(1, 24, 2, 6, 8, generator=g), torch.randn(1, 32, 2, 5, generator=g))
     L.apply_loras(fp4, [(path, s, "side")])
-    assert all(side is not None for side in _sides(m.blocks[0]))
+    assert all(side is not None for side in _sides(fp4))
     got = m.run_blocks(x.clone(), plan, 0, fp4.ops)
     expect = x.double()
     for i, blk in enumerate(m.blocks):
@@ -330,24 +375,27 @@ def test_side_path_in_the_nvfp4_stack_equals_the_w4a4_oracle(files, fp4):
     upd = float(((got.double() - x.double()) - (expect - x.double())).norm() / (expect - x.double()).norm())
     assert rel < 1e-6 and upd < 1e-5, (rel, upd)
     L.remove_loras(fp4)
-    assert _sides(m.blocks[0]) == (None, None, None)
+    assert _sides(fp4) == (None, None, None)
 
 
 def test_side_on_an_nvfp4_layer_adds_the_exact_term(files, fp4):
-    """On an Nvfp4Linear called as a module (out_proj) the side path adds s*(alpha/r)*(x A^T) B^T to the
-    unchanged NVFP4 GEMM output: fp32 side math, |err| <= (K + r + 2) 2^-24 (|y0| + |s||x||A|^T|B|^T)."""
+    """On an Nvfp4Linear run as a module by the NVFP4 ops (out_proj) the LoraOps adds s*(alpha/r)*(x A^T) B^T to
+    the unchanged NVFP4 GEMM output: fp32 side math, |err| <= (K + r + 2) 2^-24 (|y0| + |s||x||A|^T|B|^T)."""
     path, truth = files["comfy"]
     name = "blocks.2.attn.out_proj"
-    mod = dict(fp4.model.named_modules())[name]
+    blk = fp4.model.blocks[2]
+    mod = blk.attn.out_proj
     x = torch.randn(6, mod.in_features, generator=torch.Generator().manual_seed(9))
-    y0 = mod(x)
+    y0 = fp4.ops.out_proj(2, blk, x)
+    assert torch.equal(y0, mod(x))
     L.apply_loras(fp4, [(path, 1.3, "side")])
-    y = mod(x)
+    y = fp4.ops.out_proj(2, blk, x)
     x64 = x.double()
     term = x64 @ (1.3 * truth.delta(name + ".weight", (mod.out_features, mod.in_features))).T
     bound = (mod.in_features + 8) * U_FP32 * (y0.double().abs() + _side_bound_terms(truth, name + ".weight", x64, 1.3))
     assert bool((((y.double() - y0.double()) - term).abs() <= bound).all())
-    assert L.side_active(mod) and L.lora_side(mod).dtype == torch.float32
+    assert L.lora_sides(fp4)[name].dtype == torch.float32 and not L.side_active(mod)
+    assert torch.equal(mod(x), y0)  # the module itself is unchanged: the term is the ops wrapper's
 
 
 def test_mixed_modes_stack_on_one_layer(files, d32):
@@ -542,7 +590,7 @@ def test_fc2_guard_refuses_while_a_side_lora_is_on_fc2(files, fp4, tmp_path):
     finally:
         L.remove_loras(fp4)
         fp4.fc2, ops.fc2_dispatcher = None, None
-    assert _sides(fp4.model.blocks[0])[2] is None  # removed: no side path left on fc2
+    assert _sides(fp4)[2] is None  # removed: no side path left on fc2
 
 
 # ---------------------------------------------------------------------------------------------

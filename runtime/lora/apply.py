@@ -31,23 +31,25 @@ resident NVFP4 weight dequantized exactly; the report says which (``base_weights
 
 Removal restores every patched tensor bit for bit: from the source when it reproduces the resident
 original exactly (checked when the layer is first patched; no memory held), else from a host copy taken
-then. Side paths are unhooked. ``remove_loras(rt)`` = ``apply_loras(rt, [])``; ``sync_loras`` applies
-only when the stack differs; a ``LoraView`` (what the "H3 LoRA" node outputs) syncs its stack whenever
-its ``.model`` is used.
+then. Side paths are unhooked and the runtime's base BlockOps object is put back as ``rt.ops``.
+``remove_loras(rt)`` = ``apply_loras(rt, [])``; ``sync_loras`` applies only when the stack differs; a
+``LoraView`` (what the "H3 LoRA" node outputs) syncs its stack whenever its ``.model`` or ``.ops`` is used.
 
 Where the side path is added:
 
-- layers called as modules (dense linears of the reference blocks, the refiner, AdaLN, condition_proj,
-  and out_proj in the NVFP4 stack): a per-instance ``forward`` hook; names, types and state-dict keys
-  stay as they are;
-- qkv_proj, fc1, fc2 in the NVFP4 block stack (``runtime.stack.Nvfp4Stack``), which feeds them bytes
-  from its fused producers: the stack's block adds their side terms itself (``Nvfp4Stack._sides``) on the
-  reference block's activations (``modulate(norm(x))``, ``silu(gate) * up`` at the compute dtype).
+- the DiT block linears (``blocks.N.attn.qkv_proj``, ``attn.out_proj``, ``mlp.fc1``, ``mlp.fc2``), whatever the
+  stack (reference, NVFP4, W4A8): a BlockOps wrapper, ``rt.ops = LoraOps(base_ops, sides)``
+  (``runtime.lora.ops``): the side terms on the reference block's activations (``modulate(norm(x))``, o,
+  ``silu(gate) * up`` at the compute dtype). The modules get no hook and no attribute; the base ops object is
+  kept on the model's LoraState and put back when the side paths go. ``model(...)`` / ``model.evaluate``
+  without ``ops`` run the bare reference, so evaluate with ``rt.ops`` to see block side paths.
+- layers outside BlockOps (the token refiner, AdaLN, condition_proj, the final layer): a per-instance
+  ``forward`` hook (``runtime.lora.side``); names, types and state-dict keys stay as they are.
 
-FC2 guard: the stack's ``lora_on_fc2`` callable is pointed at ``side_active(blocks[i].mlp.fc2)``, so
-with a side path on a block's fc2 the guarded dispatcher refuses its pinned cuBLASLt path on every call
-of that block (reason ``lora: LoRA side-path active on fc2; the pinned GEMM has no LoRA term``), falls
-back on the same activation bytes and the run's FC2 counters record it.
+FC2 guard: ``LoraOps.fc2`` calls the inner fc2 with ``lora_active=True`` on a block whose fc2 has a side path,
+so the guarded dispatcher refuses its pinned cuBLASLt path on every call of that block (reason ``lora: LoRA
+side-path active on fc2; the pinned GEMM has no LoRA term``), falls back on the same activation bytes and
+the run's FC2 counters record it.
 """
 
 from __future__ import annotations
@@ -61,12 +63,14 @@ import torch
 from ..ops.linear import Nvfp4Linear
 from .keys import LOWRANK, LoraError, LoraMatch, match_lora, read_lora_file
 from .merge import STATE_ATTR, LoraState, lora_state, merge_dense, merge_nvfp4, merged_weight, restore_all
-from .side import SIDE_ATTR, LoraSide, install_side, lora_side, module_device, side_active
+from .ops import BLOCK_LINEAR, LoraOps
+from .side import LoraSide, install_side, lora_side, module_device, side_active
 from .source import SourceWeights
 from .spec import MODES, LoraSpec, as_spec, parse_lora_arg
 
 __all__ = ["MODES", "LoraError", "LoraSpec", "LoraSide", "LoraView", "parse_lora_arg", "apply_loras",
-           "remove_loras", "sync_loras", "with_lora", "lora_side", "side_active", "lora_report", "merged_weight"]
+           "remove_loras", "sync_loras", "with_lora", "lora_side", "lora_sides", "side_active", "lora_report",
+           "merged_weight"]
 
 
 _FC2 = re.compile(r"^blocks\.\d+\.mlp\.fc2$")
@@ -154,7 +158,9 @@ def _refuse_awq_merges(merges: dict[tuple[str, str], list], mods: dict, nv_cls: 
 
 
 def _install_sides(rt, st: LoraState, sides: dict[str, list], mods: dict, nv_cls: type, report: dict) -> None:
-    """One LoraSide per module (at the layer's compute dtype, on its device) with its terms, hooked in."""
+    """One LoraSide per module (at the layer's compute dtype, on its device) with its terms: the block linears'
+    in a LoraOps around the runtime's ops (``rt.ops``; the base kept in ``st.base_ops``), the others hooked in."""
+    block: dict[str, LoraSide] = {}
     for mname, terms in sides.items():
         module = mods[mname]
         side_dtype = (module.out_dtype or rt.dtype) if isinstance(module, nv_cls) else module.weight.dtype
@@ -162,10 +168,16 @@ def _install_sides(rt, st: LoraState, sides: dict[str, list], mods: dict, nv_cls
         side = LoraSide(mname, module.in_features, module.out_features, side_dtype, dev)
         for s, u, fname in terms:
             side.add_term(u, s, fname)
-        st.sides[mname] = (module, install_side(mname, module, side))
+        if BLOCK_LINEAR.match(mname):
+            block[mname] = side
+        else:
+            st.sides[mname] = (module, install_side(mname, module, side))
         report["side"].append(mname)
         if _FC2.match(mname):
             report["fc2_side"].append(mname)
+    if block:
+        st.base_ops, st.block_sides = rt.ops, block
+        rt.ops = LoraOps(rt.ops, block)
 
 
 def _finish_report(rt, st: LoraState, mods: dict, nv_cls: type, report: dict) -> None:
@@ -173,7 +185,7 @@ def _finish_report(rt, st: LoraState, mods: dict, nv_cls: type, report: dict) ->
     report["originals"] = {"from_source": sum(r.backup is None for r in st.originals.values()),
                            "host_copies": sum(r.backup is not None for r in st.originals.values()),
                            "host_copy_bytes": sum(r.nbytes() for r in st.originals.values())}
-    report["side_bytes"] = sum(m.__dict__[SIDE_ATTR].nbytes() for m, _ in st.sides.values())
+    report["side_bytes"] = sum(s.nbytes() for s in lora_sides(rt).values())
     report["stack"] = "dense reference stack (merge = into the dense weights)" if not any(
         isinstance(m, nv_cls) for m in mods.values()) else "NVFP4 stack (merge = re-quantized NVFP4)"
     if report["fc2_side"]:
@@ -243,6 +255,20 @@ def remove_loras(rt) -> dict:
     return apply_loras(rt, [])
 
 
+def lora_sides(rt) -> dict[str, LoraSide]:
+    """Every active side path of the resident model by module name: the block linears' (in the LoraOps that
+    is ``rt.ops``) and the hooked layers' (refiner, AdaLN, condition_proj, final layer)."""
+    st = _base(rt).model.__dict__.get(STATE_ATTR)
+    if st is None:
+        return {}
+    out = {n: s for n, s in st.block_sides.items() if s.active}
+    for n, (m, _) in st.sides.items():
+        side = lora_side(m)
+        if side is not None:
+            out[n] = side
+    return out
+
+
 def lora_report(rt) -> dict | None:
     """The report of the stack the resident model carries now (None when it carries none)."""
     st = _base(rt).model.__dict__.get(STATE_ATTR)
@@ -284,6 +310,12 @@ class LoraView:
         if name.startswith("__") or name == "_base":
             raise AttributeError(name)
         return getattr(self._base, name)
+
+    @property
+    def ops(self):
+        """The base runtime's BlockOps once the shared model carries ``lora_stack`` (block side paths live there)."""
+        sync_loras(self._base, self.lora_stack)
+        return self._base.ops
 
     def describe(self) -> str:
         sync_loras(self._base, self.lora_stack)

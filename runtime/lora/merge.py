@@ -3,8 +3,9 @@
 Contract (``merged_weight``): ``W = fp32(W0 + sum_i s_i * (alpha_i / r_i) * B_i @ A_i [+ s_j * diff_j])`` in
 float64, rounded once; an NVFP4 layer then holds the reference quantizer's bytes of W (``merge_nvfp4``), a
 dense parameter ``W.to(its dtype)`` (``merge_dense``). Before a tensor is first patched its ``Original`` is
-recorded in the model's ``LoraState``; ``restore_all`` puts every patched tensor back bit for bit and
-unhooks every side path.
+recorded in the model's ``LoraState``; ``restore_all`` puts every patched tensor back bit for bit, unhooks
+every side path and puts the runtime's base BlockOps back (``rt.ops``, kept in ``base_ops`` while a
+``LoraOps`` carries the block linears' side paths).
 """
 
 from __future__ import annotations
@@ -57,7 +58,9 @@ def merged_weight(w0: torch.Tensor, entries: Sequence[tuple[float, LoraUpdate]],
 @dataclass
 class LoraState:
     originals: dict = field(default_factory=dict)  # tensor name -> Original
-    sides: dict = field(default_factory=dict)  # module name -> (module, prev hooks)
+    sides: dict = field(default_factory=dict)  # module name -> (module, prev hooks): layers outside BlockOps
+    block_sides: dict = field(default_factory=dict)  # block linear name -> LoraSide (in the LoraOps that is rt.ops)
+    base_ops: object | None = None  # rt.ops before the LoraOps wrapped it (None: not wrapped)
     verified: dict = field(default_factory=dict)  # tensor name -> source stamp that reproduces it exactly
     source_cache: dict = field(default_factory=dict)  # the embedded tiny model's source weights
     signature: tuple = ()
@@ -78,6 +81,9 @@ def restore_all(rt, st: LoraState, source: SourceWeights) -> None:
     for name, (module, prev) in list(st.sides.items()):
         uninstall_side(module, prev)
         del st.sides[name]
+    if st.base_ops is not None:
+        rt.ops = st.base_ops
+    st.base_ops, st.block_sides = None, {}
     for tname, rec in list(st.originals.items()):
         if rec.kind == "nvfp4":
             module = mods[tname]

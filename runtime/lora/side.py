@@ -3,8 +3,9 @@ output at the layer's compute dtype, without touching its weights.
 
 Contract: ``install_side(name, module, side)`` hooks a per-instance ``forward`` (names, types and state-dict
 keys stay) and records the side on the module (attribute ``SIDE_ATTR``) where ``lora_side`` / ``side_active``
-find it (the NVFP4 stack adds the side terms of qkv / fc1 / fc2 itself); ``uninstall_side`` undoes it.
-The quantized BlockOps (runtime.ops.block) find the side of fc2 with ``lora_side`` and tell the FC2 guard.
+find it; ``uninstall_side`` undoes it. This hook is for the layers outside BlockOps (token refiner, AdaLN,
+whose offloaded form ``H3Model._block_mods`` reads SIDE_ATTR itself, condition_proj, final layer). The DiT
+block linears never get it: their side paths are the BlockOps wrapper ``runtime.lora.ops.LoraOps``.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ the MLP ``fc2(silu(gate) * up)``.
 
 from __future__ import annotations
 
+import copy
 from typing import Callable
 
 import torch
@@ -119,6 +120,12 @@ def modulate_(h: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, segment
     return h
 
 
+def modulated(x: torch.Tensor, norm: RMSNorm, shift: torch.Tensor, scale: torch.Tensor, segments) -> torch.Tensor:
+    """``modulate_(norm(x))`` at x's dtype, a new tensor (x is not changed): the rows qkv_proj / fc1 see in the
+    reference block, and the input of their LoRA side paths (runtime.lora.ops) whatever the stack."""
+    return modulate_(rms_norm(x, norm.weight, norm.eps), shift, scale, segments)
+
+
 def gate_add_(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, segments) -> torch.Tensor:
     """In place, per segment: x[a:b] += gate[row] * y[a:b] (at x's dtype)."""
     for a, b, r in segments:
@@ -156,14 +163,26 @@ class DiTBlock(nn.Module):
 class ReferenceOps:
     """The dense reference BlockOps (see runtime.ops.block for the protocol): torch modules, fp32-math norms,
     exact attention, unless ``attention`` binds a faster dense backend taking the normed qkv buffer
-    [S, 3*H*D] -> [S, H*D]. The oracle every other path is tested against. Linears are called as modules,
-    so a LoRA side path's forward hook (runtime.lora) adds its term."""
+    [S, 3*H*D] -> [S, H*D]. The oracle every other path is tested against. Linears are called as modules
+    (no LoRA here: a side path on a block linear is the ``runtime.lora.ops.LoraOps`` wrapper around these ops)."""
 
     name = "reference"
 
     def __init__(self, cfg: H3Config, attention: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.cfg = cfg
         self._attention = attention
+
+    @property
+    def attends_exactly(self) -> bool:
+        """True when attention is the exact reference (no bound backend): the oracle's attention."""
+        return self._attention is None
+
+    def with_attention(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "ReferenceOps":
+        """New ops of the same kind (a copy: a subclass keeps its linears) whose attention is the bound ``fn``
+        (normed qkv buffer [S, 3*H*D] -> [S, H*D]); everything else unchanged."""
+        out = copy.copy(self)
+        out._attention = fn
+        return out
 
     def qkv(self, i, blk, x, shift, scale, segs):
         return blk.attn.qkv_proj(modulate_(blk.norm1(x), shift, scale, segs))
@@ -191,7 +210,8 @@ class ReferenceOps:
     def fc1(self, i, blk, x, shift, scale, segs):
         return blk.mlp.fc1(modulate_(blk.norm2(x), shift, scale, segs))
 
-    def fc2(self, i, blk, h):
+    def fc2(self, i, blk, h, lora_active: bool = False):
+        """silu(gate) * up -> fc2 (lora_active: unused, the dense fc2 has no guarded path to refuse)."""
         gate, up = h.chunk(2, dim=-1)
         return blk.mlp.fc2(F.silu(gate) * up)
 

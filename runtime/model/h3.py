@@ -307,7 +307,9 @@ class H3Model(nn.Module):
         for t in t_embs:
             x = F.silu(t) if ap.apply_silu else t
             y = F.linear(x.to(w.dtype), w, b)
-            side = getattr(lin, "_h3_lora_side", None)  # a side-path LoRA on this AdaLN (runtime.lora)
+            # a side-path LoRA on this AdaLN: AdaLN is outside BlockOps, so it keeps the module's side attribute
+            # (runtime.lora.side), here read because the offloaded weight is applied without calling the module
+            side = getattr(lin, "_h3_lora_side", None)
             if side is not None and side.active:
                 side.add_(x, y)
             out.append(y.reshape(y.shape[0] * ap.modalities, ap.expand * ap.hidden))

@@ -24,20 +24,21 @@ Three implementations, chosen by the load plan:
   takes NVFP4 bytes, so it is not applicable).
 
 On the CPU every quantized step runs its torch reference (the producers' references write the same bytes),
-so the whole stack is testable without a GPU. LoRA side paths (runtime.lora) are found per layer with
-``lora_side``: qkv_proj, fc1 and fc2 get the producers' bytes, so the ops add their side terms; out_proj
-and the reference linears are called as modules, whose forward hook adds it.
+so the whole stack is testable without a GPU. A LoRA side path on a block linear is a BlockOps wrapper
+(``runtime.lora.ops.LoraOps``) around any of these: it adds the side terms to qkv / out_proj / fc1 / fc2 and
+tells ``fc2(..., lora_active=True)`` so the FC2 guard refuses its pinned path. Every BlockOps also has
+``name``, ``attends_exactly`` (exact reference attention, the oracle) and ``with_attention(fn)`` (the same ops
+with another bound attention: the sequence-parallel wrapper).
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
-from ..lora.apply import lora_side
-from ..model.block import ReferenceOps, modulate_, rms_norm
+from ..model.block import ReferenceOps
 from . import elementwise, fp8_producers, quant_kernels
 from .attention import bind_attention
 from .linear import Nvfp4Linear, Scratch
@@ -50,16 +51,12 @@ def _on_cuda(t: torch.Tensor) -> bool:
     return t.device.type == "cuda"
 
 
-def _modulated(x, norm, shift, scale, segs) -> torch.Tensor:
-    """The reference block's ``modulate(norm(x))`` at x's dtype (also a side path's input for qkv/fc1)."""
-    return modulate_(rms_norm(x, norm.weight, norm.eps), shift, scale, segs)
-
-
 class _QuantizedOps:
     """What the NVFP4 and W4A8 ops share: fused norm+RoPE and gate/add on CUDA (references on the CPU), the
-    bound attention, and the LoRA side terms of the GEMMs fed by producers."""
+    bound attention, and qkv / fc1 (RMSNorm -> modulate -> quantize -> GEMM in the producer)."""
 
     name = "quantized"
+    attends_exactly = False  # attention is always a bound backend
 
     def __init__(self, cfg, attention: Callable[[torch.Tensor], torch.Tensor]):
         self.cfg = cfg
@@ -75,6 +72,12 @@ class _QuantizedOps:
                                                   c.eps, c.rope_dim))
         return qkv
 
+    def with_attention(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "_QuantizedOps":
+        """A copy of these ops whose attention is ``fn`` (qkv [S, 3*H*D] -> [S, H*D]); everything else shared."""
+        out = copy.copy(self)
+        out._attention = fn
+        return out
+
     def attention(self, qkv):
         with torch.profiler.record_function("h3.attention"):  # a named range for the profiler's copy count
             return self._attention(qkv)
@@ -85,28 +88,11 @@ class _QuantizedOps:
         x.copy_(elementwise.gate_add_reference(x, y, gate, segs))
         return x
 
-    def _modulated_linear(self, lin, norm, x, shift, scale, segs):
-        """RMSNorm -> modulate -> quantize -> GEMM in the producer, plus the layer's LoRA side term on the
-        unquantized modulated rows."""
-        y = self._norm_linear(lin, x, norm, shift, scale, segs)
-        side = lora_side(lin)
-        if side is not None:
-            side.add_(_modulated(x, norm, shift, scale, segs), y)
-        return y
-
     def qkv(self, i, blk, x, shift, scale, segs):
-        return self._modulated_linear(blk.attn.qkv_proj, blk.norm1, x, shift, scale, segs)
+        return self._norm_linear(blk.attn.qkv_proj, x, blk.norm1, shift, scale, segs)
 
     def fc1(self, i, blk, x, shift, scale, segs):
-        return self._modulated_linear(blk.mlp.fc1, blk.norm2, x, shift, scale, segs)
-
-    def fc2(self, i, blk, h):
-        side = lora_side(blk.mlp.fc2)
-        m = self._fc2(i, blk, h, lora_active=side is not None and side.active)
-        if side is not None:
-            gate, up = h.chunk(2, dim=-1)
-            side.add_(F.silu(gate) * up, m)
-        return m
+        return self._norm_linear(blk.mlp.fc1, x, blk.norm2, shift, scale, segs)
 
 
 class Nvfp4Ops(_QuantizedOps):
@@ -130,11 +116,12 @@ class Nvfp4Ops(_QuantizedOps):
         return lin.forward_quantized(a.packed, a.scales, a.global_scale)
 
     def out_proj(self, i, blk, o):
-        return blk.attn.out_proj(o)  # a module call: quantize + GEMM, and its hooks (pre_quant_scale, LoRA)
+        return blk.attn.out_proj(o)  # a module call: pre_quant_scale, quantize, GEMM
 
-    def _fc2(self, i, blk, h, lora_active: bool):
+    def fc2(self, i, blk, h, lora_active: bool = False):
         """silu(gate) * up -> NVFP4 bytes padded to 16 rows (the packed M the pinned FC2 configuration needs)
-        -> the guarded dispatcher, whose fallback runs the layer's GEMM on the same bytes."""
+        -> the guarded dispatcher, whose fallback runs the layer's GEMM on the same bytes. lora_active: a LoRA
+        side path will be added to this fc2's output (the guard then refuses the pinned path)."""
         fc2: Nvfp4Linear = blk.mlp.fc2
         s_q = quant_kernels.swiglu_quantize(h, self._input_scale(fc2), pad_rows=16)
         rows = s_q.shape[0]
@@ -173,21 +160,15 @@ class W4A8Ops(_QuantizedOps):
         return lin.forward_fp8(a8, ra, fast_accum=self.fast_accum)
 
     def out_proj(self, i, blk, o):
-        """quantize_fp8(o) -> out_proj, plus what calling the module would add: pre_quant_scale and a LoRA
-        side path."""
+        """quantize_fp8(o) -> out_proj, plus what calling the module would add: pre_quant_scale."""
         lin: Nvfp4Linear = blk.attn.out_proj
-        src = o
         if lin.pre_quant_scale is not None:
             o = o * lin.pre_quant_scale.to(o.dtype)
         o8, ro = fp8_producers.quantize_fp8(o if o.stride(-1) == 1 else o.contiguous())
-        y = lin.forward_fp8(o8, ro, fast_accum=self.fast_accum)
-        del o8, ro
-        side = lora_side(lin)
-        if side is not None:
-            side.add_(src, y)
-        return y
+        return lin.forward_fp8(o8, ro, fast_accum=self.fast_accum)
 
-    def _fc2(self, i, blk, h, lora_active: bool):
+    def fc2(self, i, blk, h, lora_active: bool = False):
+        """silu(gate) * up -> e4m3 rows -> the layer's GEMM (no dispatcher, so lora_active has nothing to refuse)."""
         s8, rs = fp8_producers.swiglu_fp8(h, silu=self.silu)
         self.fc2_direct_calls += 1
         return blk.mlp.fc2.forward_fp8(s8, rs, fast_accum=self.fast_accum)

@@ -13,7 +13,6 @@ Per evaluation (every rank, the same calls in the same order):
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from typing import Callable
 
@@ -26,15 +25,11 @@ from .shard import RowShard
 from .ulysses import CommStats, UlyssesAttention
 
 
-def sharded_ops(ops, cfg, attention: Callable[[torch.Tensor], torch.Tensor]):
-    """``ops`` (the BlockOps bound at load) with its attention replaced by ``attention`` (the Ulysses wrapper);
-    every other op is row-local and runs unchanged on the rank's rows. The reference ops get the bound-backend
-    form (they then hand the normed qkv buffer to attention)."""
-    if isinstance(ops, ReferenceOps):
-        return ReferenceOps(cfg, attention)
-    out = copy.copy(ops)
-    out._attention = attention
-    return out
+def sharded_ops(ops, attention: Callable[[torch.Tensor], torch.Tensor]):
+    """``ops`` (the BlockOps bound at load, LoRA wrapper included) with its attention replaced by ``attention``
+    (the Ulysses wrapper; ``ops.with_attention``); every other op is row-local and runs unchanged on the rank's
+    rows. The reference ops take the bound-backend form (they then hand the normed qkv buffer to attention)."""
+    return ops.with_attention(attention)
 
 
 def numerics(ops) -> str:
@@ -85,7 +80,7 @@ class ShardedEvaluator:
         ops = ops if ops is not None else ReferenceOps(model.cfg)
         inner = inner or make_inner(attention_backend, v_handling)
         self.attention = UlyssesAttention(self.shard, inner, ctx.group, self.stats)
-        self.ops = sharded_ops(ops, model.cfg, lambda qkv: self.attention(qkv, model.cfg.num_heads, model.cfg.head_dim))
+        self.ops = sharded_ops(ops, lambda qkv: self.attention(qkv, model.cfg.num_heads, model.cfg.head_dim))
 
     def run_blocks(self, x: torch.Tensor, i: int) -> torch.Tensor:
         """The block stack over this rank's rows ``x [c, hidden]`` (in place) with Ulysses attention."""

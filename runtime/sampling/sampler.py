@@ -17,7 +17,6 @@ import torch
 
 from ..errors import H3Error, Interrupted
 from ..model.conditioning import H3Conditioning
-from ..model.block import ReferenceOps
 from ..parallel.evaluate import ShardedEvaluator, numerics
 from ..parallel.report import gather_ranks, parallel_section, rank_run
 from .inpaint import Inpaint
@@ -140,7 +139,7 @@ def _measure(run_args: tuple, warmup: int, runs: int, parallel, preview=None, in
     the ``sequence_parallel`` report block or None). With ``parallel`` every run goes through one
     ShardedEvaluator; each rank's numbers are gathered once, after the last run."""
     rt, plan, sigmas = run_args[:3]
-    exact = isinstance(rt.ops, ReferenceOps) and rt.plan.attention == "reference"
+    exact = rt.ops.attends_exactly and rt.plan.attention == "reference"
     ev = ShardedEvaluator(parallel, rt.model, plan, rt.ops, attention_backend=None if exact else rt.plan.attention,
                           v_handling=rt.plan.v_handling) if parallel is not None else None
     steps = len(sigmas) - 1

@@ -1,0 +1,115 @@
+"""LoRA side paths on the DiT block linears as a BlockOps wrapper: ``LoraOps(inner, sides)``.
+
+The four block linears (``blocks.N.attn.qkv_proj``, ``attn.out_proj``, ``mlp.fc1``, ``mlp.fc2``) are only ever
+run through the runtime's BlockOps (runtime.ops.block), so their side paths live there: ``apply_loras`` sets
+``rt.ops = LoraOps(base_ops, sides)`` and removing the LoRAs puts ``base_ops`` back. The modules get no
+forward hook and no attribute. Per block i (x [S, hidden], h [S, 2*ffn], o [S, H*D], at the compute dtype):
+
+- qkv / fc1: ``inner``'s result + the side term on the unquantized modulated rows ``modulate_(rms_norm(x))``
+  (the reference block's input of the layer, whatever the inner ops feed their GEMM);
+- out_proj: ``inner``'s result + side(o), o as attention returned it (before any AWQ pre_quant_scale);
+- fc2: ``inner.fc2(..., lora_active=True)`` when the block's fc2 has a side path (the FC2 guard then refuses its
+  pinned cuBLASLt path: the pinned GEMM has no LoRA term) + side(silu(gate) * up);
+- every other op (norm_rope_, attention, gate_add_, status, name, counters) is the inner ops'.
+
+Layers outside BlockOps (AdaLN ``adaln_proj.linear``, the token refiner, condition_proj, the final layer) keep
+the per-module forward hook of ``runtime.lora.side``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..model.block import modulated
+from .side import LoraSide
+
+BLOCK_LINEAR = re.compile(r"^blocks\.(\d+)\.(attn\.qkv_proj|attn\.out_proj|mlp\.fc1|mlp\.fc2)$")
+_OWN = ("inner", "sides")
+
+
+class LoraOps:
+    """BlockOps = ``inner`` (any BlockOps) + the LoRA side paths ``sides`` {block linear name: LoraSide}.
+
+    Reading an attribute it does not define reads the inner ops' (``fc2_direct_calls``, ``act_scale``, ...);
+    setting one sets the inner ops' (``fc2_dispatcher``), so the wrapper never shadows the state it wraps.
+    """
+
+    def __init__(self, inner, sides: dict[str, LoraSide]):
+        bad = sorted(n for n in sides if not BLOCK_LINEAR.match(n))
+        if bad:
+            raise ValueError(f"LoraOps: side paths are for the block linears blocks.N.(attn.qkv_proj|attn.out_proj|"
+                             f"mlp.fc1|mlp.fc2); found {bad[:3]}; hook other layers with runtime.lora.side")
+        object.__setattr__(self, "inner", inner)
+        object.__setattr__(self, "sides", {n: s for n, s in sides.items() if s.active})
+
+    def __getattr__(self, name):
+        if name.startswith("__") or name in _OWN:
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def __setattr__(self, name, value):
+        if name in _OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.inner, name, value)
+
+    def side(self, i: int, layer: str) -> LoraSide | None:
+        """The side path of ``blocks.{i}.{layer}`` (layer e.g. "mlp.fc2"), None when it has none."""
+        return self.sides.get(f"blocks.{i}.{layer}")
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    @property
+    def attends_exactly(self) -> bool:
+        return self.inner.attends_exactly
+
+    def with_attention(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "LoraOps":
+        """The same side paths around ``inner.with_attention(fn)``."""
+        return LoraOps(self.inner.with_attention(fn), self.sides)
+
+    def qkv(self, i, blk, x, shift, scale, segs):
+        y = self.inner.qkv(i, blk, x, shift, scale, segs)
+        side = self.side(i, "attn.qkv_proj")
+        if side is not None:
+            side.add_(modulated(x, blk.norm1, shift, scale, segs), y)
+        return y
+
+    def norm_rope_(self, blk, qkv, cos, sin):
+        return self.inner.norm_rope_(blk, qkv, cos, sin)
+
+    def attention(self, qkv):
+        return self.inner.attention(qkv)
+
+    def out_proj(self, i, blk, o):
+        y = self.inner.out_proj(i, blk, o)
+        side = self.side(i, "attn.out_proj")
+        if side is not None:
+            side.add_(o, y)
+        return y
+
+    def gate_add_(self, x, y, gate, segs):
+        return self.inner.gate_add_(x, y, gate, segs)
+
+    def fc1(self, i, blk, x, shift, scale, segs):
+        y = self.inner.fc1(i, blk, x, shift, scale, segs)
+        side = self.side(i, "mlp.fc1")
+        if side is not None:
+            side.add_(modulated(x, blk.norm2, shift, scale, segs), y)
+        return y
+
+    def fc2(self, i, blk, h, lora_active: bool = False):
+        side = self.side(i, "mlp.fc2")
+        m = self.inner.fc2(i, blk, h, lora_active=lora_active or side is not None)
+        if side is not None:
+            gate, up = h.chunk(2, dim=-1)
+            side.add_(F.silu(gate) * up, m)
+        return m
+
+    def status(self) -> dict:
+        return self.inner.status()
