@@ -25,7 +25,7 @@ from ..errors import CheckpointError
 from ..model.config import QUANT_LINEARS
 from ..ops.block import to_nvfp4_linear
 from ..ops.linear import Scratch
-from .checkpoint import Checkpoint, dequantize_layer
+from .checkpoint import dequantize_layer
 from .finite import check_finite
 from .verify import check_names_and_shapes, quant_layers
 

@@ -189,8 +189,7 @@ def _finish_report(rt, st: LoraState, mods: dict, nv_cls: type, report: dict) ->
     report["stack"] = "dense reference stack (merge = into the dense weights)" if not any(
         isinstance(m, nv_cls) for m in mods.values()) else "NVFP4 stack (merge = re-quantized NVFP4)"
     if report["fc2_side"]:
-        stack = getattr(rt.model, "stack", None)
-        disp = (getattr(rt, "fc2", None) or getattr(stack, "fc2", None)) is not None
+        disp = getattr(rt.ops, "fc2_dispatcher", None) is not None
         report["fc2_guard"] = ("refused on every FC2 call of " + ", ".join(report["fc2_side"])
                                + ": reason 'lora: LoRA side-path active on fc2' (the pinned GEMM has no LoRA term)"
                                + ("" if disp else "; no FC2 dispatcher is active on this stack"))
