@@ -120,21 +120,21 @@ def test_tiny_model_w4a8_no_less_accurate_than_w4a4():
     from h3_blackwell.runtime import RuntimeOptions, load_model
 
     kw = dict(device="cuda", dtype="float32", attention="sdpa")
-    dense = load_model(None, RuntimeOptions(**kw, quantize=False), tiny_seed=2).model
-    w4a4 = load_model(None, RuntimeOptions(**kw, gemm="fp8", act_format="nvfp4"), tiny_seed=2).model
-    w4a8 = load_model(None, RuntimeOptions(**kw, gemm="fp8", act_format="fp8"), tiny_seed=2).model
-    assert w4a8.stack.set_act_format("fp8", strict=True)["choice"] == "fp8"
+    dense = load_model(None, RuntimeOptions(**kw, quantize=False), tiny_seed=2)
+    w4a4 = load_model(None, RuntimeOptions(**kw, gemm="fp8", act_format="nvfp4"), tiny_seed=2)
+    w4a8 = load_model(None, RuntimeOptions(**kw, gemm="fp8", act_format="fp8"), tiny_seed=2)
+    assert (w4a4.ops.name, w4a8.ops.name) == ("nvfp4", "w4a8")
     g = torch.Generator().manual_seed(1)
     args = (torch.randn(1, 24, 2, 6, 8, generator=g), torch.randn(1, 32, 2, 5, generator=g),
             torch.randn(1, 7, 5120, generator=g), 0.6)
-    dv, da = dense(*args)
+    dv, da = dense.model(*args, ops=dense.ops)
     errs = {}
-    for name, mdl in (("w4a4", w4a4), ("w4a8", w4a8)):
-        qv, qa = mdl(*args)
+    for name, rt in (("w4a4", w4a4), ("w4a8", w4a8)):
+        qv, qa = rt.model(*args, ops=rt.ops)
         errs[name] = float(torch.cat([(qv - dv).flatten(), (qa - da).flatten()]).norm()
                            / torch.cat([dv.flatten(), da.flatten()]).norm())
     assert 0 < errs["w4a8"] <= errs["w4a4"], errs
-    assert w4a8.stack.fc2_status()["lt_path"] == "not applicable (act_format fp8)"
+    assert w4a8.ops.status()["lt_path"] == "not applicable (act_format fp8)"
 
 
 @pytest.mark.parametrize("layer", list(LAYERS))
