@@ -27,6 +27,7 @@ import torch
 from ..errors import CheckpointError
 from ..model.config import H3Config, config_from_shapes
 from ..model.h3 import H3Model
+from ..ops.nvfp4 import parse_comfy_quant_marker, parse_quantization_metadata
 from .header import ST_DTYPES, Header, read_header
 from .keys import _QKV_PART, deinterleave_qkv, detect_scheme, diffusers_to_comfy_name, strip_prefix
 
@@ -125,18 +126,14 @@ class Checkpoint:
     def quant_format(self, layer: str) -> dict | None:
         """The comfy_quant descriptor of a layer (``{"format": "nvfp4", ...}``), None when unquantized."""
         marker = layer + ".comfy_quant"
-        if marker in self._sources:
-            raw = _read_raw(self._sources[marker][0])
-            try:
-                d = json.loads(bytes(raw.tolist()).decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise CheckpointError(f"{marker} is not UTF-8 JSON ({e})") from None
-            return {**d.get("params", {}), **{k: v for k, v in d.items() if k != "params"}}
-        meta = self.metadata.get("_quantization_metadata")
-        if meta:
-            layers = json.loads(meta).get("layers", {})
-            if layer in layers:
-                return layers[layer]
+        try:
+            if marker in self._sources:
+                return parse_comfy_quant_marker(_read_raw(self._sources[marker][0]))
+            layers = parse_quantization_metadata(self.metadata)
+        except ValueError as e:
+            raise CheckpointError(f"{self.headers[0].path.name}: {marker}: {e}; re-export the file") from None
+        if layer in layers:
+            return layers[layer]
         if self._dtypes.get(layer + ".weight") in ("F8_E4M3", "F8_E5M2") and layer + ".weight_scale" in self._sources:
             return {"format": "float8_e4m3fn" if self._dtypes[layer + ".weight"] == "F8_E4M3" else "float8_e5m2"}
         return None

@@ -73,12 +73,16 @@ class LoraOps:
         """The same side paths around ``inner.with_attention(fn)``."""
         return LoraOps(self.inner.with_attention(fn), self.sides)
 
+    def _add_modulated(self, y, i, layer, norm, x, shift, scale, segs):
+        """y += the side term of ``blocks.{i}.{layer}`` on the unquantized modulated rows (in place)."""
+        side = self.side(i, layer)
+        if side is not None:
+            side.add_(modulated(x, norm, shift, scale, segs), y)
+        return y
+
     def qkv(self, i, blk, x, shift, scale, segs):
         y = self.inner.qkv(i, blk, x, shift, scale, segs)
-        side = self.side(i, "attn.qkv_proj")
-        if side is not None:
-            side.add_(modulated(x, blk.norm1, shift, scale, segs), y)
-        return y
+        return self._add_modulated(y, i, "attn.qkv_proj", blk.norm1, x, shift, scale, segs)
 
     def norm_rope_(self, blk, qkv, cos, sin):
         return self.inner.norm_rope_(blk, qkv, cos, sin)
@@ -98,10 +102,7 @@ class LoraOps:
 
     def fc1(self, i, blk, x, shift, scale, segs):
         y = self.inner.fc1(i, blk, x, shift, scale, segs)
-        side = self.side(i, "mlp.fc1")
-        if side is not None:
-            side.add_(modulated(x, blk.norm2, shift, scale, segs), y)
-        return y
+        return self._add_modulated(y, i, "mlp.fc1", blk.norm2, x, shift, scale, segs)
 
     def fc2(self, i, blk, h, lora_active: bool = False):
         side = self.side(i, "mlp.fc2")
