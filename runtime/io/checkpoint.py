@@ -29,7 +29,7 @@ from ..model.config import H3Config, config_from_shapes
 from ..model.h3 import H3Model
 from ..ops.nvfp4 import parse_comfy_quant_marker, parse_quantization_metadata
 from .header import ST_DTYPES, Header, read_header
-from .keys import _QKV_PART, deinterleave_qkv, detect_scheme, diffusers_to_comfy_name, strip_prefix
+from .keys import QKV_PART, deinterleave_qkv, detect_scheme, diffusers_to_comfy_name, strip_prefix
 
 # ---------------------------------------------------------------------------------------------
 # the checkpoint
@@ -105,7 +105,7 @@ class Checkpoint:
         if scheme == "diffusers":
             for cn, srcs in self._sources.items():
                 if cn.endswith("attn.qkv_proj.weight"):
-                    parts = sorted(srcs, key=lambda s: "qkv".index(_QKV_PART.search(s.key).group(1)))
+                    parts = sorted(srcs, key=lambda s: "qkv".index(QKV_PART.search(s.key).group(1)))
                     if len(parts) != 3:
                         raise CheckpointError(f"diffusers checkpoint: {cn} needs to_q, to_k and to_v; found "
                                               f"{[p.key for p in parts]}")

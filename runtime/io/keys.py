@@ -55,7 +55,8 @@ _D2C_TOP = [
     ("audio_proj_out.", "final_layer.audio_out."), ("token_refiner.final_norm.", "token_refiner.final_norm."),
     ("adaln_t_table", "adaln_t_table"),
 ]
-_QKV_PART = re.compile(r"\.attn\.to_([qkv])\.weight$")
+# diffusers q/k/v weight names: which third of the fused qkv_proj each one is
+QKV_PART = re.compile(r"\.attn\.to_([qkv])\.weight$")
 
 
 def diffusers_to_comfy_name(key: str) -> str | None:
