@@ -1,0 +1,294 @@
+"""load_model: plan, stream, bind. A resident H3 model with its BlockOps, ready for ``sample``.
+
+1. ``plan.make_plan``: every backend choice from the device, the options and the checkpoint header (no
+   tensor read yet); printed by the callers and copied into every report.
+2. ``stream_load``: one pass over a checkpoint (or the embedded tiny state dict) into a model built on the
+   meta device, converting or adopting each block linear as it arrives.
+3. FC2's guarded dispatcher is prepared (its extension built) only where the plan says FC2 takes NVFP4 bytes,
+   then ``ops.block_ops.build_ops`` binds the block operations the plan chose.
+
+The streaming load, 
+For every tensor, in the model's order: read it (plain reads, never mmap, never unpickle), check it is finite,
+then
+
+- a block linear (``blocks.N.{attn.qkv_proj, attn.out_proj, mlp.fc1, mlp.fc2}``) with ``quantize`` on: its
+  stored NVFP4 tensors are adopted as they are, or its dense weight (dequantized when stored as fp8/int8)
+  is cast to the compute dtype on the device and quantized there (``_nvfp4_linear``, the same quantizer
+  ``quantize`` uses); the dense copy is dropped before the next tensor is read;
+- a full-form AdaLN projection when the plan keeps AdaLN rows per run: straight into pinned host memory;
+- anything else: onto the device at the parameter's dtype.
+
+Peak device memory during a load is therefore the resident result plus about one source tensor (and the
+quantizer's temporaries for it). Errors name the tensor: missing keys, wrong shapes, non-finite values.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .errors import CheckpointError, H3Error
+from .io.checkpoint import dequantize_layer
+from .io.comfy_quant import from_comfy_quant_tensors
+from .io.finite import check_finite
+from .io.verify import check_names_and_shapes, quant_layers
+from .model.config import QUANT_LINEARS, H3Config
+from .model.h3 import H3Model
+from .model.tiny import tiny_state_dict
+from .ops import fp8_producers, nvfp4_producers
+from .ops.attention import bind_attention
+from .ops.block_ops import build_ops
+from .ops.linear import Nvfp4Linear, Scratch
+from .ops.sparse_attention import SparseStepAttention, bind_sparse
+from .options import RuntimeOptions
+from .plan import LoadPlan, make_plan
+
+Progress = Callable[[int, int, str], None]
+
+
+class StateDictSource:
+    """A ComfyUI-named state dict (the embedded tiny model) behind the checkpoint reading interface."""
+
+    def __init__(self, sd: dict[str, torch.Tensor], name: str, config=None):
+        self._sd = sd
+        self.name = name
+        self.config = config
+
+    def keys(self) -> list[str]:
+        return list(self._sd)
+
+    def shape(self, k: str) -> tuple:
+        return tuple(self._sd[k].shape)
+
+    def quant_format(self, layer: str) -> dict | None:
+        return None
+
+    def tensor(self, k: str, device="cpu") -> torch.Tensor:
+        return self._sd[k].to(device)
+
+
+def _set(model, name: str, value, as_parameter: bool = True) -> None:
+    *path, leaf = name.split(".")
+    mod = model
+    for p in path:
+        mod = getattr(mod, p)
+    if isinstance(value, torch.nn.Module):
+        mod._modules[leaf] = value
+    elif isinstance(getattr(mod, leaf), torch.nn.Parameter) and as_parameter:
+        mod._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
+    else:
+        mod._buffers[leaf] = value
+
+
+def _nvfp4_linear(layer: str, weight: torch.Tensor | None, shape: tuple[int, int], *, stored: dict | None,
+                  backend: str, act_scale: str, out_dtype: torch.dtype, scratch: Scratch) -> Nvfp4Linear:
+    """One block linear as an Nvfp4Linear: adopted from its stored comfy_quant NVFP4 tensors, or quantized
+    from ``weight`` [N, K] (on its device; the Triton quantizer on CUDA, the reference elsewhere: same bytes)."""
+    kw = dict(backend=backend, act_scale=act_scale, out_dtype=out_dtype, scratch=scratch)
+    if stored is not None:
+        q = from_comfy_quant_tensors(stored, layer, shape=shape)
+        return Nvfp4Linear(q.weight, bias=stored.get(f"{layer}.bias"), input_scale=q.input_scale,
+                           pre_quant_scale=q.pre_quant_scale, **kw)
+    return Nvfp4Linear.from_float(weight.detach(), **kw)
+
+
+class _Loader:
+    """One streaming pass (module docstring)."""
+
+    def __init__(self, model, src, plan, progress: Progress | None):
+        self.model, self.src, self.plan, self.progress = model, src, plan, progress
+        self.device, self.dtype = plan.device, plan.dtype
+        self.quant = quant_layers(src)
+        self.scratch = Scratch()
+        self.stored = set(plan.stored_nvfp4)
+        self.have = set(src.keys())
+
+    def _dense(self, layer: str) -> torch.Tensor:
+        """A block linear's weight at the compute dtype on the device (dequantized when stored quantized)."""
+        if layer in self.quant:
+            fmt = self.src.quant_format(layer) or {"format": "int8_tensorwise"}
+            w = dequantize_layer(self.src, layer, fmt, self.device)
+        else:
+            w = self.src.tensor(layer + ".weight", self.device)
+        check_finite(layer + ".weight", w)
+        return w.to(self.dtype)
+
+    def _linear(self, layer: str, shape: tuple) -> None:
+        if layer in self.stored:
+            names = [x for x in self.src.keys() if x.startswith(layer + ".") and x.count(".") == layer.count(".") + 1]
+            tensors = {x: self.src.tensor(x, self.device) for x in names}
+            for x, t in tensors.items():
+                check_finite(x, t)
+            lin = _nvfp4_linear(layer, None, shape, stored=tensors, backend=self.plan.gemm,
+                                act_scale=self.plan.options.act_scale, out_dtype=self.dtype, scratch=self.scratch)
+        else:
+            w = self._dense(layer)
+            lin = _nvfp4_linear(layer, w, shape, stored=None, backend=self.plan.gemm,
+                                act_scale=self.plan.options.act_scale, out_dtype=self.dtype, scratch=self.scratch)
+            del w
+        _set(self.model, layer, lin)
+
+    def _to_host(self, k: str, p) -> None:
+        t = self.src.tensor(k, "cpu")
+        check_finite(k, t)
+        host = torch.empty(tuple(p.shape), dtype=p.dtype, pin_memory=torch.cuda.is_available())
+        host.copy_(t)
+        _set(self.model, k, host)
+
+    def _tensor(self, k: str, p) -> None:
+        layer = k[:-7] if k.endswith(".weight") else None
+        if layer is not None and layer in self.quant:
+            t = dequantize_layer(self.src, layer, self.src.quant_format(layer) or {"format": "int8_tensorwise"},
+                                 self.device)
+        elif k in self.have or k == "rope.inv_freq":
+            t = self.src.tensor(k, self.device)
+        else:
+            return
+        check_finite(k, t)
+        _set(self.model, k, t.to(device=self.device, dtype=p.dtype))
+
+    def run(self) -> None:
+        want = dict(self.model.state_dict(keep_vars=True))
+        label = getattr(self.src, "name", None) or self.src.headers[0].path.name
+        check_names_and_shapes(want, self.src, self.quant, label, self.plan.config.num_layers)
+        keys = list(want)
+        adaln_host = self.plan.adaln_on_host
+        for i, k in enumerate(keys):
+            if self.progress:
+                self.progress(i, len(keys), k)
+            p = want[k]
+            layer = k[:-7] if k.endswith(".weight") else None
+            if self.plan.quantize and layer is not None and QUANT_LINEARS.match(layer):
+                self._linear(layer, tuple(p.shape))
+            elif adaln_host and k.startswith("blocks.") and ".adaln_proj." in k:
+                self._to_host(k, p)
+            else:
+                self._tensor(k, p)
+        left = [n for n, t in list(self.model.named_parameters()) + list(self.model.named_buffers()) if t.is_meta]
+        if left:
+            raise CheckpointError(f"{label}: no tensor for {left[:5]}")
+
+
+def stream_load(model, src, plan, progress: Progress | None = None) -> None:
+    """Fill ``model`` (built on the meta device) from ``src`` (a Checkpoint or StateDictSource) as the load
+    plan says (module docstring). Raises CheckpointError naming the tensor for bad input."""
+    _Loader(model, src, plan, progress).run()
+
+
+@dataclass
+class H3Runtime:
+    """A loaded model that stays resident across runs.
+
+    plan: the LoadPlan it was loaded with; ops: the BlockOps every evaluation runs; backends: {op: {"choice",
+    "reason"}} (the plan's choices plus what prepare found), copied into every report.
+    """
+
+    model: H3Model
+    plan: LoadPlan
+    ops: object
+    backends: dict = field(default_factory=dict)
+    load_seconds: float = 0.0
+    fc2: object | None = None  # the guarded FC2 dispatcher, where FC2 takes NVFP4 bytes on CUDA
+    sparse: SparseStepAttention | None = None  # the sparse attention bound in ops (attention=sparse): the sampler
+    #                                            sets its per-run routing and per-step schedule switch
+
+    @property
+    def config(self) -> H3Config:
+        return self.plan.config
+
+    @property
+    def device(self) -> torch.device:
+        return self.plan.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.plan.dtype
+
+    @property
+    def options(self) -> RuntimeOptions:
+        return self.plan.options
+
+    @property
+    def source(self) -> str:
+        return self.plan.source
+
+    @source.setter
+    def source(self, value: str) -> None:  # where LoRA merges read source weights from (runtime.lora)
+        self.plan.source = value
+
+    def describe(self) -> str:
+        lines = self.plan.describe().splitlines()
+        extra = {k: v for k, v in self.backends.items() if k not in self.plan.report()}
+        lines += [f"  {op:<12} {b['choice']:<14} {b['reason']}" for op, b in extra.items()]
+        return "\n".join(lines)
+
+
+def apply_tile_table(path: str | Path) -> dict:
+    """Install the producer tile table at ``path`` (written by bench/producers_h200.py --tiles-out) ->
+    {"choice", "reason"}. Tiles change speed only. A missing or malformed file raises H3Error naming it."""
+    try:
+        table = json.loads(Path(path).read_text())
+        if not isinstance(table, dict):
+            raise ValueError(f"expected a JSON object, found {type(table).__name__}")
+        installed = fp8_producers.set_tile_table(table)
+        fp8 = nvfp4_producers.set_fp8_tiles(table.get("to_fp8_rowwise"))
+    except (OSError, ValueError) as e:
+        raise H3Error(f"producer tile table {path}: {e}; write one with bench/producers_h200.py --tiles-out, "
+                      "or unset H3_PRODUCER_TILES for the built-in tiles") from e
+    if fp8:
+        installed["to_fp8_rowwise"] = list(fp8)
+    return {"choice": str(path), "reason": f"measured on {table.get('device', '?')}: {installed}"}
+
+
+def _prepare_fc2(plan: LoadPlan) -> tuple[object | None, dict | None]:
+    """The guarded FC2 dispatcher, prepared before any capture, only where the plan applies it."""
+    if not plan.fc2_lt:
+        return None, None
+    from .fc2.dispatcher import Fc2Dispatcher  # builds/loads the C++ extension: only where FC2 applies
+
+    fc2 = Fc2Dispatcher(plan.options)
+    prep = fc2.prepare(plan.device)
+    reason = prep.get("reason") or "prepared: " + ", ".join(
+        f"{k}: {v.get('status', v) if isinstance(v, dict) else v}" for k, v in prep.get("entries", {}).items())
+    return fc2, {"choice": plan.choices["fc2_lt"].choice, "reason": reason}
+
+
+def _bind_sparse(plan: LoadPlan) -> SparseStepAttention | None:
+    """attention=sparse: the kernel plus the plan's dense backend for the dense steps, bound once."""
+    if plan.attention != "sparse":
+        return None
+    cfg, o = plan.config, plan.options
+    dense = bind_attention(plan.dense_attention, cfg.num_heads, cfg.head_dim, v_handling=plan.v_handling)
+    return bind_sparse(plan.device, plan.dtype, cfg.num_heads, cfg.head_dim, dense, plan.dense_attention,
+                       tau=o.sparse_tau, extra_tokens=o.sparse_extra_tokens, start_percent=o.sparse_start,
+                       min_tokens=o.sparse_min_tokens)
+
+
+def load_model(path: str | Path | None = None, options: RuntimeOptions | None = None, tiny_seed: int = 0,
+               progress: Callable[[int, int, str], None] | None = None) -> H3Runtime:
+    """Load an H3 DiT (or the embedded tiny model when ``path`` is None, or an in-memory tensor source, see
+    ``plan.make_plan``): plan, stream, bind (module docstring). Raises CheckpointError with the problem named
+    for bad files."""
+    options = options or RuntimeOptions.from_env()
+    t0 = time.perf_counter()
+    plan = make_plan(path, options, tiny_seed)
+    backends = plan.report()
+    if options.producer_tiles:
+        backends["producer_tiles"] = apply_tile_table(options.producer_tiles)
+    model = H3Model(plan.config, plan.dtype, device="meta")
+    src = plan.checkpoint if path is not None else StateDictSource(
+        tiny_state_dict(plan.config, tiny_seed, plan.dtype), plan.source, plan.config)
+    stream_load(model, src, plan, progress)
+    model.eval().requires_grad_(False)
+    fc2, fc2_report = _prepare_fc2(plan)
+    if fc2_report is not None:
+        backends["fc2_lt"] = fc2_report
+    sparse = _bind_sparse(plan)
+    rt = H3Runtime(model, plan, build_ops(plan, fc2, attention=sparse), backends, fc2=fc2, sparse=sparse)
+    rt.load_seconds = time.perf_counter() - t0
+    return rt
