@@ -22,7 +22,7 @@ except ImportError:  # a plain checkout (the device copy): make the repo root th
 
 from h3_blackwell.runtime.model.config import FULL  # noqa: E402
 from h3_blackwell.runtime.errors import describe  # noqa: E402
-from h3_blackwell.runtime.engine import load_model  # noqa: E402
+from h3_blackwell.runtime.load import load_model  # noqa: E402
 from h3_blackwell.runtime.model.h3 import H3Model  # noqa: E402
 from h3_blackwell.runtime.options import RuntimeOptions  # noqa: E402
 

@@ -46,10 +46,10 @@ from _sparse_bench import canonical_sparse  # noqa: E402
 
 import torch.nn.functional as F  # noqa: E402
 
-from h3_blackwell.runtime.model.block import ReferenceOps, modulate_  # noqa: E402
+from h3_blackwell.runtime.ops.reference import ReferenceOps, modulate_  # noqa: E402
 from h3_blackwell.runtime.ops import nvfp4 as nv  # noqa: E402
 from h3_blackwell.runtime.ops.attention import bind_attention  # noqa: E402
-from h3_blackwell.runtime.ops.block import LINEARS, Nvfp4Ops  # noqa: E402
+from h3_blackwell.runtime.ops.block_ops import LINEARS, Nvfp4Ops  # noqa: E402
 from h3_blackwell.runtime.options import RuntimeOptions  # noqa: E402
 from h3_blackwell.runtime.sampling.sampler import initial_noise, sample  # noqa: E402
 

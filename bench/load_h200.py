@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _h3bench import ROOT, RandomSource, versions, write_json  # noqa: E402
 
-from h3_blackwell.runtime.engine import load_model  # noqa: E402
+from h3_blackwell.runtime.load import load_model  # noqa: E402
 from h3_blackwell.runtime.io.convert import quantize_checkpoint  # noqa: E402
 from h3_blackwell.runtime.io.header import read_header  # noqa: E402
 from h3_blackwell.runtime.model.config import FULL  # noqa: E402

@@ -40,7 +40,7 @@ from _h3bench import bench_copy, err_text, time_ms, versions, write_json  # noqa
 
 from h3_blackwell.runtime.ops import linear as L  # noqa: E402
 from h3_blackwell.runtime.ops import nvfp4 as nv  # noqa: E402
-from h3_blackwell.runtime.ops import quant_kernels as qk  # noqa: E402
+from h3_blackwell.runtime.ops import nvfp4_producers as qk  # noqa: E402
 
 M = 37810
 HIDDEN, INNER, FFN = 5376, 7168, 14336

@@ -4,7 +4,7 @@
     python3 bench/producers_h200.py [--out bench/results/producers-h200.json] [--iters 10] [--warmup 3]
 
 For each op (the shapes of one block at 37,810 rows, bf16 inputs) every candidate tile configuration of
-``fp8_producers._tiles`` / ``quant_kernels._tiles`` is timed (CUDA events, median of ``--iters`` after
+``fp8_producers._tiles`` / ``nvfp4_producers._tiles`` is timed (CUDA events, median of ``--iters`` after
 ``--warmup``), and its output is checked against the torch reference once (``check_passed``: bytes equal;
 for the fast-silu SwiGLU, codes within one e4m3 step and at most 1e-3 of them moved), so a configuration that
 is fast but wrong is visible. GB/s = (input read once + output written) / time, next to
@@ -28,7 +28,7 @@ from _h3bench import bench_copy, err_text, time_ms, versions, write_json  # noqa
 
 from h3_blackwell.runtime.ops import fp8_producers as f8  # noqa: E402
 from h3_blackwell.runtime.ops import nvfp4 as nv  # noqa: E402
-from h3_blackwell.runtime.ops import quant_kernels as qk  # noqa: E402
+from h3_blackwell.runtime.ops import nvfp4_producers as qk  # noqa: E402
 
 M = 37810
 HIDDEN, INNER, FFN = 5376, 7168, 14336
@@ -116,7 +116,7 @@ def same(a, b) -> bool:
 
 def tile_table(report: dict) -> dict:
     """The fastest byte-exact configuration of each op, in the format of fp8_producers.set_tile_table
-    ([scheme, BM, BK, num_warps]) and quant_kernels.set_fp8_tiles ([BM, BK, num_warps]: the one with the
+    ([scheme, BM, BK, num_warps]) and nvfp4_producers.set_fp8_tiles ([BM, BK, num_warps]: the one with the
     least total time over the four weight shapes)."""
     table: dict = {"device": report["device"]}
     for op, key in (("quantize", "quantize_fp8"), ("rms", "rms_modulate_fp8"), ("swiglu", "swiglu_fp8"),

@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..runtime.engine import load_model
+from ..runtime.load import load_model
 from ..runtime.errors import H3Error
 from ..runtime.io.checkpoint import Checkpoint, open_checkpoint
 from ..runtime.io.convert import quantize_checkpoint

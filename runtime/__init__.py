@@ -9,7 +9,7 @@ Public surface::
 """
 
 from .model.config import H3Config
-from .engine import H3Runtime, load_model
+from .load import H3Runtime, load_model
 from .errors import H3Error, Interrupted
 from .options import RuntimeOptions
 from .sampling.sampler import SampleResult, sample

@@ -16,8 +16,9 @@ from h3_blackwell.runtime.io import checkpoint as ckmod
 from h3_blackwell.runtime.errors import CheckpointError
 from h3_blackwell.runtime.io.checkpoint import detect_config, expected_keys, open_checkpoint
 from h3_blackwell.runtime.io.keys import comfy_to_diffusers_state_dict, interleave_qkv
-from h3_blackwell.runtime.model.config import FULL, TINY, H3Config, config_from_shapes
-from h3_blackwell.runtime.engine import load_model
+from h3_blackwell.runtime.io.detect import config_from_shapes
+from h3_blackwell.runtime.model.config import FULL, TINY, H3Config
+from h3_blackwell.runtime.load import load_model
 from h3_blackwell.runtime.options import RuntimeOptions
 from h3_blackwell.runtime.model.tiny import save_tiny, tiny_state_dict
 

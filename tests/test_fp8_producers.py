@@ -23,7 +23,7 @@ from h3_blackwell.runtime.lora.ops import LoraOps  # noqa: E402
 from h3_blackwell.runtime.lora.side import LoraSide  # noqa: E402
 from h3_blackwell.runtime.ops import fp8_producers as f8  # noqa: E402
 from h3_blackwell.runtime.ops import linear as L  # noqa: E402
-from h3_blackwell.runtime.ops import quant_kernels as qk  # noqa: E402
+from h3_blackwell.runtime.ops import nvfp4_producers as qk  # noqa: E402
 from refblock import reference_block  # noqa: E402  (tests/refblock.py)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -170,7 +170,7 @@ def test_any_tile_configuration_writes_the_same_bytes(monkeypatch, cand):
 
 
 def test_tile_table_is_used_for_auto_on_cuda_only(tmp_path):
-    from h3_blackwell.runtime.engine import apply_tile_table
+    from h3_blackwell.runtime.load import apply_tile_table
     from h3_blackwell.runtime.errors import H3Error
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from h3_blackwell.runtime import RuntimeOptions, load_model, sample
 from h3_blackwell.runtime.lora import apply as L
 from h3_blackwell.runtime.model.config import FULL, TINY
-from h3_blackwell.runtime.io.load import StateDictSource
+from h3_blackwell.runtime.load import StateDictSource
 from h3_blackwell.runtime.lora.keys import LoraError, match_lora, read_lora_file
 from h3_blackwell.runtime.lora.ops import BLOCK_LINEAR, LoraOps
 from h3_blackwell.runtime.lora.side import SIDE_ATTR

@@ -12,6 +12,7 @@ import comfy_kitchen as ck  # noqa: E402
 import pytest  # noqa: E402
 from comfy_kitchen.float_utils import _f32_to_floatx_unpacked  # noqa: E402
 
+from h3_blackwell.runtime.io import comfy_quant as cq  # noqa: E402
 from h3_blackwell.runtime.ops import nvfp4 as nv  # noqa: E402
 
 
@@ -42,7 +43,7 @@ def test_quantize_equals_comfy_kitchen_bytes(shape):
     x = _weights(shape, seed=shape[0] * 7 + shape[1])
     t = nv.quantize(x)
     q_ck, s_ck = _ck_quantize(x, t.global_scale)
-    disk = nv.to_comfy_quant(t, "l")
+    disk = cq.to_comfy_quant(t, "l")
     assert disk["l.weight"].shape == q_ck.shape == nv.packed_shape(*shape)
     assert torch.equal(disk["l.weight"], q_ck)
     assert disk["l.weight_scale"].dtype == torch.float8_e4m3fn
@@ -110,7 +111,7 @@ def test_swizzle_equals_comfy_kitchen_to_blocked(rows, cols):
 def test_dequantize_equals_comfy_kitchen_and_is_exact_in_fp64():
     x = _weights((100, 160), seed=11)
     t = nv.quantize(x)
-    disk = nv.to_comfy_quant(t, "l")
+    disk = cq.to_comfy_quant(t, "l")
     with ck.use_backend("eager"):
         d_ck = ck.dequantize_nvfp4(disk["l.weight"], disk["l.weight_scale_2"], disk["l.weight_scale"],
                                    output_type=torch.float32)
@@ -130,18 +131,18 @@ def test_nibble_order_trap_with_asymmetric_data():
     g = torch.tensor(1.0)
     t = nv.quantize(x, g)
     assert (t.packed[:16] == 0x97).all()
-    disk = nv.to_comfy_quant(t, "l")
+    disk = cq.to_comfy_quant(t, "l")
     assert (disk["l.weight"] == 0x79).all()
     q_ck, _ = _ck_quantize(x, g)
     assert (q_ck == 0x79).all()
     q_lo, _ = _ck_quantize(x, g, hi_first=False)
     assert torch.equal(q_lo, t.packed)
-    back = nv.from_comfy_quant(disk["l.weight"], disk["l.weight_scale"], disk["l.weight_scale_2"], shape=(16, 32))
+    back = cq.from_comfy_quant(disk["l.weight"], disk["l.weight_scale"], disk["l.weight_scale_2"], shape=(16, 32))
     assert torch.equal(nv.dequantize(back), x)
-    wrong = nv.from_comfy_quant(disk["l.weight"], disk["l.weight_scale"], disk["l.weight_scale_2"], shape=(16, 32),
+    wrong = cq.from_comfy_quant(disk["l.weight"], disk["l.weight_scale"], disk["l.weight_scale_2"], shape=(16, 32),
                                 hi_first=False)
     assert torch.equal(nv.dequantize(wrong), x.flip(-1))  # every pair swapped: (-0.5, 6)
-    mo = nv.from_modelopt(disk["l.weight"], nv.unswizzle_scales(disk["l.weight_scale"], 16, 2), disk["l.weight_scale_2"])
+    mo = cq.from_modelopt(disk["l.weight"], nv.unswizzle_scales(disk["l.weight_scale"], 16, 2), disk["l.weight_scale_2"])
     assert torch.equal(nv.dequantize(mo), x.flip(-1))  # ModelOpt reads low nibble first: the same trap
 
 
@@ -149,39 +150,39 @@ def test_comfy_quant_round_trip_marker_and_extras():
     x = _weights((37, 50), seed=2)
     t = nv.quantize(x)
     ins, pqs = torch.tensor(0.0123), torch.rand(50) + 0.5
-    sd = nv.to_comfy_quant(t, "blocks.0.mlp.fc2", input_scale=ins, pre_quant_scale=pqs)
+    sd = cq.to_comfy_quant(t, "blocks.0.mlp.fc2", input_scale=ins, pre_quant_scale=pqs)
     assert set(sd) == {f"blocks.0.mlp.fc2.{s}" for s in
                        ("weight", "weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale", "comfy_quant")}
     marker = sd["blocks.0.mlp.fc2.comfy_quant"]
     assert marker.dtype == torch.uint8 and json.loads(bytes(marker.tolist())) == {"format": "nvfp4"}
-    layer = nv.from_comfy_quant_tensors(sd, "blocks.0.mlp.fc2", shape=(37, 50))
+    layer = cq.from_comfy_quant_tensors(sd, "blocks.0.mlp.fc2", shape=(37, 50))
     assert torch.equal(nv.dequantize(layer.weight), nv.dequantize(t))
     assert torch.equal(layer.input_scale, ins) and torch.equal(layer.pre_quant_scale, pqs)
     # the safetensors-metadata alternative to the marker tensor
     del sd["blocks.0.mlp.fc2.comfy_quant"]
-    meta = {"_quantization_metadata": nv.quantization_metadata({"blocks.0.mlp.fc2": {"format": "nvfp4"}})}
-    layer2 = nv.from_comfy_quant_tensors(sd, "blocks.0.mlp.fc2", shape=(37, 50), metadata=meta)
+    meta = {"_quantization_metadata": cq.quantization_metadata({"blocks.0.mlp.fc2": {"format": "nvfp4"}})}
+    layer2 = cq.from_comfy_quant_tensors(sd, "blocks.0.mlp.fc2", shape=(37, 50), metadata=meta)
     assert torch.equal(layer2.weight.packed, t.packed)
     # markers nesting their keys under "params" are accepted, as ComfyUI accepts them
     nested = torch.tensor(list(b'{"params": {"format": "nvfp4"}}'), dtype=torch.uint8)
-    assert nv.parse_comfy_quant_marker(nested) == {"format": "nvfp4"}
+    assert cq.parse_comfy_quant_marker(nested) == {"format": "nvfp4"}
 
 
 def test_comfy_quant_errors_say_what_to_do():
     t = nv.quantize(_weights((32, 64)))
-    sd = nv.to_comfy_quant(t, "l")
+    sd = cq.to_comfy_quant(t, "l")
     with pytest.raises(ValueError, match="no l.comfy_quant marker"):
-        nv.from_comfy_quant_tensors({k: v for k, v in sd.items() if not k.endswith("comfy_quant")}, "l")
-    bad = dict(sd, **{"l.comfy_quant": nv.comfy_quant_marker({"format": "int8_tensorwise"})})
+        cq.from_comfy_quant_tensors({k: v for k, v in sd.items() if not k.endswith("comfy_quant")}, "l")
+    bad = dict(sd, **{"l.comfy_quant": cq.comfy_quant_marker({"format": "int8_tensorwise"})})
     with pytest.raises(ValueError, match="expected 'nvfp4'"):
-        nv.from_comfy_quant_tensors(bad, "l")
+        cq.from_comfy_quant_tensors(bad, "l")
     with pytest.raises(ValueError, match="lacks l.weight_scale_2"):
-        nv.from_comfy_quant_tensors({k: v for k, v in sd.items() if not k.endswith("scale_2")}, "l")
+        cq.from_comfy_quant_tensors({k: v for k, v in sd.items() if not k.endswith("scale_2")}, "l")
     linear = nv.unswizzle_scales(sd["l.weight_scale"], 32, 4)
     with pytest.raises(ValueError, match="ModelOpt layout: use from_modelopt"):
-        nv.from_comfy_quant(sd["l.weight"], linear, sd["l.weight_scale_2"])
+        cq.from_comfy_quant(sd["l.weight"], linear, sd["l.weight_scale_2"])
     with pytest.raises(ValueError, match=r"must be \[32, 32\]"):
-        nv.from_comfy_quant(sd["l.weight"][:, :30], sd["l.weight_scale"], sd["l.weight_scale_2"], shape=(32, 64))
+        cq.from_comfy_quant(sd["l.weight"][:, :30], sd["l.weight_scale"], sd["l.weight_scale_2"], shape=(32, 64))
     with pytest.raises(TypeError, match="dequantize it first"):
         nv.quantize(torch.zeros(4, 16, dtype=torch.int8))
 
@@ -191,10 +192,10 @@ def test_from_modelopt_layout():
     t = nv.quantize(x, pad_rows=1)
     w = t.packed  # ModelOpt: low nibble first, [N, K/2]
     ws = nv.unswizzle_scales(t.scales, 48, 6)  # linear [N, K/16]
-    mo = nv.from_modelopt(w, ws, t.global_scale)
+    mo = cq.from_modelopt(w, ws, t.global_scale)
     assert torch.equal(nv.dequantize(mo), nv.dequantize(t))
     with pytest.raises(ValueError, match=r"linear e4m3 \[48, 6\]"):
-        nv.from_modelopt(w, t.scales, t.global_scale)
+        cq.from_modelopt(w, t.scales, t.global_scale)
 
 
 def test_global_scale_policy_and_zero_tensor():

@@ -25,8 +25,9 @@ if not torch.cuda.is_available():  # before anything imports triton (comfy_kitch
 import pytest  # noqa: E402
 
 from h3_blackwell.runtime.ops import linear as L  # noqa: E402
+from h3_blackwell.runtime.io import comfy_quant as cq  # noqa: E402
 from h3_blackwell.runtime.ops import nvfp4 as nv  # noqa: E402
-from h3_blackwell.runtime.ops import quant_kernels as qk  # noqa: E402
+from h3_blackwell.runtime.ops import nvfp4_producers as qk  # noqa: E402
 
 U = 2.0 ** -24
 
@@ -160,10 +161,12 @@ def test_from_comfy_quant_calibrated_scale_pre_quant_scale_and_bias():
     w = nv.quantize(_rand((n, k), seed=6))
     ins = torch.tensor(0.002)
     pqs = torch.rand(k) + 0.5
-    sd = nv.to_comfy_quant(w, "blocks.0.attn.out_proj", input_scale=ins, pre_quant_scale=pqs)
+    sd = cq.to_comfy_quant(w, "blocks.0.attn.out_proj", input_scale=ins, pre_quant_scale=pqs)
     sd["blocks.0.attn.out_proj.bias"] = _rand((n,), seed=7, dtype=torch.float32)
-    lin = L.Nvfp4Linear.from_comfy_quant(sd, "blocks.0.attn.out_proj", shape=(n, k), backend="reference",
-                                         act_scale="calibrated", out_dtype=torch.float32)
+    q = cq.from_comfy_quant_tensors(sd, "blocks.0.attn.out_proj", shape=(n, k))
+    lin = L.Nvfp4Linear(q.weight, bias=sd["blocks.0.attn.out_proj.bias"], input_scale=q.input_scale,
+                        pre_quant_scale=q.pre_quant_scale, backend="reference", act_scale="calibrated",
+                        out_dtype=torch.float32)
     assert torch.equal(lin.packed, w.packed) and lin.act_scale_reason.startswith("calibrated")
     x = _rand((2, 5, k), seed=8)  # any leading dims
     y = lin(x)
@@ -172,7 +175,9 @@ def test_from_comfy_quant_calibrated_scale_pre_quant_scale_and_bias():
     assert torch.equal(a.global_scale, ins)
     ref, _ = _exact(a, w)
     assert torch.equal(y.reshape(10, n), (ref.float() + sd["blocks.0.attn.out_proj.bias"]))
-    back = lin.comfy_quant_tensors("blocks.0.attn.out_proj")
+    back = cq.to_comfy_quant(lin.weight, "blocks.0.attn.out_proj", input_scale=lin.input_scale,
+                             pre_quant_scale=lin.pre_quant_scale)
+    back["blocks.0.attn.out_proj.bias"] = lin.bias
     assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)  # round trip to disk form
     dyn = L.Nvfp4Linear(w, act_scale="calibrated", backend="reference")
     assert "no input_scale" in dyn.act_scale_reason  # falls back to dynamic and says so

@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from h3_blackwell.runtime.ops import nvfp4 as nv  # noqa: E402
-from h3_blackwell.runtime.ops import quant_kernels as qk  # noqa: E402
+from h3_blackwell.runtime.ops import nvfp4_producers as qk  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 U = 2.0 ** -24  # fp32 unit roundoff

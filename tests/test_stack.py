@@ -6,6 +6,7 @@ from safetensors.torch import save_file
 
 from h3_blackwell.runtime import RuntimeOptions, load_model
 from h3_blackwell.runtime.model.config import TINY
+from h3_blackwell.runtime.io import comfy_quant as cq
 from h3_blackwell.runtime.ops import nvfp4 as nv
 from h3_blackwell.runtime.model.tiny import tiny_state_dict
 from refblock import reference_block  # the float64 block from the formulas (tests/refblock.py)
@@ -63,7 +64,7 @@ def test_nvfp4_file_loads_without_requantization(tmp_path, monkeypatch):
             layer = k[: -len(".weight")]
             q = nv.quantize(sd.pop(k))
             ref[layer] = q
-            sd.update(nv.to_comfy_quant(q, layer))
+            sd.update(cq.to_comfy_quant(q, layer))
     p = tmp_path / "nvfp4.safetensors"
     save_file(sd, str(p))
     calls = []
@@ -107,7 +108,7 @@ def test_fc2_gets_producer_bytes_padded_to_16_rows():
 
 def test_qkv_producers_pad_rows_zero_tail():
     from h3_blackwell.runtime.ops import fp8_producers as f8
-    from h3_blackwell.runtime.ops import quant_kernels as qk
+    from h3_blackwell.runtime.ops import nvfp4_producers as qk
 
     g = torch.Generator().manual_seed(2)
     x, w = torch.randn(50, 64, generator=g), torch.randn(64, generator=g)

@@ -25,9 +25,10 @@ from typing import Callable, Iterator
 import torch
 
 from ..errors import CheckpointError
-from ..model.config import H3Config, config_from_shapes
+from ..model.config import H3Config
+from .detect import config_from_shapes
 from ..model.h3 import H3Model
-from ..ops.nvfp4 import parse_comfy_quant_marker, parse_quantization_metadata
+from .comfy_quant import from_comfy_quant, parse_comfy_quant_marker, parse_quantization_metadata
 from .header import ST_DTYPES, Header, read_header
 from .keys import QKV_PART, deinterleave_qkv, detect_scheme, diffusers_to_comfy_name, strip_prefix
 
@@ -241,7 +242,7 @@ def dequantize_layer(ck: Checkpoint, layer: str, fmt: dict, device) -> torch.Ten
         from ..ops import nvfp4
 
         tensors = {s: ck.tensor(layer + s, device) for s in (".weight", ".weight_scale", ".weight_scale_2")}
-        q = nvfp4.from_comfy_quant(tensors[".weight"], tensors[".weight_scale"], tensors[".weight_scale_2"])
+        q = from_comfy_quant(tensors[".weight"], tensors[".weight_scale"], tensors[".weight_scale_2"])
         return nvfp4.dequantize(q).float()
     raise CheckpointError(f"{layer}: quantization format {name!r} is not supported "
                           "(supported: nvfp4, float8_e4m3fn, float8_e5m2, int8_tensorwise)")

@@ -29,6 +29,7 @@ from ..model.config import QUANT_LINEARS as QUANTIZED_LINEAR, core_safe_config_m
 from .header import TORCH_TO_ST as ST_DTYPE
 from ..errors import H3Error
 from ..ops import nvfp4
+from . import comfy_quant as cq
 from .checkpoint import open_checkpoint
 from .finite import check_finite
 from .verify import check_checkpoint
@@ -75,7 +76,7 @@ def plan_output(shapes: Mapping[str, tuple[tuple[int, ...], str]]) -> list[tuple
         shape = tuple(int(s) for s in shape)
         if _check_target(name, dtype, shape):
             layer = name[: -len(".weight")]
-            for suffix, (dt, shp) in nvfp4.comfy_quant_shapes(*shape).items():
+            for suffix, (dt, shp) in cq.comfy_quant_shapes(*shape).items():
                 out.append((layer + suffix, dt, tuple(shp)))
         else:
             out.append((name, dtype, shape))
@@ -112,11 +113,11 @@ def _write_tensor(f, t: torch.Tensor) -> int:
 
 def _metadata(source: Mapping[str, str] | None, layers: dict[str, dict]) -> dict[str, str]:
     meta = {k: str(v) for k, v in (source or {}).items() if k not in _DROP_META}
-    merged = nvfp4.parse_quantization_metadata(source)
+    merged = cq.parse_quantization_metadata(source)
     merged.update(layers)
     meta["format"] = "pt"
     if merged:
-        meta["_quantization_metadata"] = nvfp4.quantization_metadata(merged)
+        meta["_quantization_metadata"] = cq.quantization_metadata(merged)
     return meta
 
 
@@ -132,7 +133,7 @@ def _convert(name: str, box: list, device) -> list[tuple[str, torch.Tensor]]:
     layer = name[: -len(".weight")]
     q = nvfp4.quantize(t.to(device))
     del t  # the source is freed here (when the iterator keeps no reference), before the on-disk copy
-    parts = nvfp4.to_comfy_quant(q, layer)
+    parts = cq.to_comfy_quant(q, layer)
     del q
     return [(k, v.to("cpu")) for k, v in parts.items()]
 

@@ -8,7 +8,7 @@ shape right, quantized layers included (an NVFP4 layer's packed weight and scale
 from __future__ import annotations
 
 from ..errors import CheckpointError
-from ..ops.nvfp4 import comfy_quant_shapes
+from .comfy_quant import comfy_quant_shapes
 from .checkpoint import Checkpoint, expected_keys
 
 _QUANT_DTYPES = ("F8_E4M3", "F8_E5M2", "I8", "U8")

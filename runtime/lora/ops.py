@@ -1,7 +1,7 @@
 """LoRA side paths on the DiT block linears as a BlockOps wrapper: ``LoraOps(inner, sides)``.
 
 The four block linears (``blocks.N.attn.qkv_proj``, ``attn.out_proj``, ``mlp.fc1``, ``mlp.fc2``) are only ever
-run through the runtime's BlockOps (runtime.ops.block), so their side paths live there: ``apply_loras`` sets
+run through the runtime's BlockOps (runtime.ops.block_ops), so their side paths live there: ``apply_loras`` sets
 ``rt.ops = LoraOps(base_ops, sides)`` and removing the LoRAs puts ``base_ops`` back. The modules get no
 forward hook and no attribute. Per block i (x [S, hidden], h [S, 2*ffn], o [S, H*D], at the compute dtype):
 
@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..model.block import modulated
+from ..ops.reference import modulated
 from .side import LoraSide
 
 BLOCK_LINEAR = re.compile(r"^blocks\.(\d+)\.(attn\.qkv_proj|attn\.out_proj|mlp\.fc1|mlp\.fc2)$")

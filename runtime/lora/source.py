@@ -19,6 +19,7 @@ import torch
 from ..io.checkpoint import dequantize_layer, open_checkpoint
 from ..model.config import TINY
 from ..model.tiny import tiny_state_dict
+from ..io.comfy_quant import from_comfy_quant
 from ..ops import nvfp4
 from .keys import LoraError
 
@@ -119,7 +120,7 @@ class SourceWeights:
             return None, None
         fmt = ck.quant_format(layer)
         if fmt is not None and fmt.get("format") == "nvfp4":
-            q = nvfp4.from_comfy_quant(*(ck.tensor(layer + s, device) for s in (".weight", ".weight_scale",
+            q = from_comfy_quant(*(ck.tensor(layer + s, device) for s in (".weight", ".weight_scale",
                                                                                 ".weight_scale_2")), shape=shape)
             return q, None
         if fmt is None and ck.dtype_name(layer + ".weight") in ("F8_E4M3", "F8_E5M2", "I8", "U8"):

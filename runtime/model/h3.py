@@ -24,7 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .block import AdalnProj, Attention, DiTBlock, MLP, ReferenceOps, RMSNorm
+from ..ops.reference import ReferenceOps
+from .block import AdalnProj, Attention, DiTBlock, MLP, RMSNorm
 from .config import H3Config
 from .cond_rows import audio_mask_rows, condition_rows, keyframe_specs, video_mask_rows
 from .conditioning import H3Conditioning, pool_audio_mask, pool_video_mask

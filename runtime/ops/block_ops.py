@@ -15,9 +15,9 @@ updated in place, DESIGN.md section 3):
 
 Three implementations, chosen by the load plan:
 
-- ``ReferenceOps`` (runtime.model.block): the dense reference (torch modules, fp32-math norms, exact attention unless the plan
+- ``ReferenceOps`` (runtime.ops.reference): the dense reference (torch modules, fp32-math norms, exact attention unless the plan
   bound a faster dense backend). The oracle every other path is tested against.
-- ``Nvfp4Ops`` (W4A4): NVFP4 activations written by the fused producers (``quant_kernels``), NVFP4 GEMMs,
+- ``Nvfp4Ops`` (W4A4): NVFP4 activations written by the fused producers (``nvfp4_producers``), NVFP4 GEMMs,
   FC2 through the guarded dispatcher on the SwiGLU producer's bytes (padded to 16 rows).
 - ``W4A8Ops``: e4m3 activations with one fp32 scale per row from the fused producers (``fp8_producers``),
   NVFP4 weights expanded per layer to rowwise e4m3; FC2 runs its layer directly (the pinned cuBLASLt FC2
@@ -38,8 +38,8 @@ from typing import Callable
 
 import torch
 
-from ..model.block import ReferenceOps
-from . import elementwise, fp8_producers, quant_kernels
+from .reference import ReferenceOps
+from . import elementwise, fp8_producers, nvfp4_producers
 from .attention import bind_attention
 from .linear import Nvfp4Linear, Scratch
 
@@ -107,11 +107,11 @@ class Nvfp4Ops(_QuantizedOps):
         self.act_scale = act_scale
 
     def _input_scale(self, lin: Nvfp4Linear):
-        g, _ = quant_kernels.activation_global_scale(self.act_scale, lin.input_scale)
+        g, _ = nvfp4_producers.activation_global_scale(self.act_scale, lin.input_scale)
         return g
 
     def _norm_linear(self, lin: Nvfp4Linear, x, norm, shift, scale, segs):
-        a = quant_kernels.rms_modulate_quantize(x, norm.weight, scale, shift, segs, self.cfg.eps,
+        a = nvfp4_producers.rms_modulate_quantize(x, norm.weight, scale, shift, segs, self.cfg.eps,
                                                 self._input_scale(lin))
         return lin.forward_quantized(a.packed, a.scales, a.global_scale)
 
@@ -123,7 +123,7 @@ class Nvfp4Ops(_QuantizedOps):
         -> the guarded dispatcher, whose fallback runs the layer's GEMM on the same bytes. lora_active: a LoRA
         side path will be added to this fc2's output (the guard then refuses the pinned path)."""
         fc2: Nvfp4Linear = blk.mlp.fc2
-        s_q = quant_kernels.swiglu_quantize(h, self._input_scale(fc2), pad_rows=16)
+        s_q = nvfp4_producers.swiglu_quantize(h, self._input_scale(fc2), pad_rows=16)
         rows = s_q.shape[0]
 
         def fallback(ops):
@@ -194,11 +194,3 @@ def build_ops(plan, fc2=None, attention=None):
     return Nvfp4Ops(cfg, attn, fc2=fc2, act_scale=plan.options.act_scale)
 
 
-def to_nvfp4_linear(layer: str, weight: torch.Tensor | None, shape: tuple[int, int], *, stored: dict | None,
-                    backend: str, act_scale: str, out_dtype: torch.dtype, scratch: Scratch) -> Nvfp4Linear:
-    """One block linear as an Nvfp4Linear: adopted from its stored comfy_quant NVFP4 tensors, or quantized
-    from ``weight`` [N, K] (on its device; the Triton quantizer on CUDA, the reference elsewhere: same bytes)."""
-    kw = dict(backend=backend, act_scale=act_scale, out_dtype=out_dtype, scratch=scratch)
-    if stored is not None:
-        return Nvfp4Linear.from_comfy_quant(stored, layer, shape=shape, **kw)
-    return Nvfp4Linear.from_float(weight.detach(), **kw)

@@ -1,6 +1,6 @@
 """Hopper W4A8 activation producers: e4m3 with ONE fp32 scale per row, written directly by the fused ops.
 
-The NVFP4 producers of ``quant_kernels`` write NVFP4 with a global scale (an extra amax pass over the
+The NVFP4 producers of ``nvfp4_producers`` write NVFP4 with a global scale (an extra amax pass over the
 whole tensor), and on Hopper the fp8 GEMM backend then re-expresses those bytes as rowwise e4m3
 (``to_fp8_rowwise``). The producers here skip both: each is ONE kernel launch that reads its input and
 writes ``float8_e4m3fn [S, K]`` plus ``row_scale fp32 [S]`` with ``value ~= e4m3 * row_scale[row]``.
@@ -8,8 +8,8 @@ Weights stay NVFP4 (``Nvfp4Linear.forward_fp8`` expands them per layer, as the f
 
 * ``quantize_fp8(x)``: x [S, K] -> e4m3 rowwise; the out_proj input.
 * ``rms_modulate_fp8(x, weight, scale_rows, shift_rows, segments, eps)``: RMSNorm -> per-segment modulate
-  (the exact arithmetic of ``quant_kernels.rms_modulate_reference``) -> e4m3 rowwise; QKV and FC1 inputs.
-* ``swiglu_fp8(h)``: h [S, 2F] = [gate | up] -> ``silu(gate) * up`` (``quant_kernels.swiglu_reference``'s
+  (the exact arithmetic of ``nvfp4_producers.rms_modulate_reference``) -> e4m3 rowwise; QKV and FC1 inputs.
+* ``swiglu_fp8(h)``: h [S, 2F] = [gate | up] -> ``silu(gate) * up`` (``nvfp4_producers.swiglu_reference``'s
   arithmetic) -> e4m3 rowwise; the FC2 input.
 
 Numerics (``fp8_rowwise_reference`` is the definition; the kernels write its bytes exactly). For the fp32
@@ -60,7 +60,7 @@ from typing import Sequence
 
 import torch
 
-from .quant_kernels import (DTYPE_CODE, cdiv, check_2d, check_norm_inputs, const_like, hw_cvt, padded_segment_table,
+from .nvfp4_producers import (DTYPE_CODE, cdiv, check_2d, check_norm_inputs, const_like, hw_cvt, padded_segment_table,
                             pick_backend, rms_modulate_reference, swiglu_reference)
 from .triton import MISSING as TRITON_MISSING
 
@@ -225,7 +225,7 @@ def rms_modulate_fp8(x: torch.Tensor, weight: torch.Tensor | None, scale_rows: t
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm(x) * weight -> per-segment modulate -> e4m3 rowwise, in one kernel launch.
 
-    Arguments as ``quant_kernels.rms_modulate_quantize`` (segments: (start, stop, row) triples tiling
+    Arguments as ``nvfp4_producers.rms_modulate_quantize`` (segments: (start, stop, row) triples tiling
     [0, S) in order). Output equals ``fp8_rowwise_reference(rms_modulate_reference(...))`` bit for bit.
     ``pad_rows`` > 1: outputs of ``roundup(S, pad_rows)`` rows, zero codes and row scale 1.0 past S (the
     zero-tailed qkv buffer of ``RuntimeOptions.sage_v_pad="buffer"``).

@@ -33,7 +33,7 @@ GPU is missing or wrong is refused at load with its error. The choice is made on
 and kept in ``backend`` / ``backend_reason``. A requested backend that cannot run is never swapped
 silently: ``strict=True`` raises, otherwise the reason starts ``requested <name> unavailable: ...``.
 
-The activation is quantized by the producers of ``quant_kernels`` (Triton on CUDA, the reference on
+The activation is quantized by the producers of ``nvfp4_producers`` (Triton on CUDA, the reference on
 CPU) with the ``act_scale`` policy: ``dynamic`` (amax per call) or ``calibrated`` (the checkpoint's
 ``input_scale``; layers without one fall back to dynamic, see ``act_scale_reason``).
 """
@@ -41,14 +41,13 @@ CPU) with the ``act_scale`` policy: ``dynamic`` (amax per call) or ``calibrated`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import describe
-from . import nvfp4, quant_kernels
+from . import nvfp4, nvfp4_producers
 
 __all__ = ["BACKENDS", "Capability", "gemm_capability_table", "choose_gemm_backend", "probe_backend", "Scratch",
            "Nvfp4Linear", "nvfp4_matmul"]
@@ -147,7 +146,7 @@ def gemm_capability_table(device: torch.device | str) -> list[Capability]:
     dev = torch.device(device)
     rows = [_probed("native", dev, *_native_status(dev))]
     if dev.type == "cuda":
-        ok, why = quant_kernels.triton_status(dev)
+        ok, why = nvfp4_producers.triton_status(dev)
         rows.append(Capability("emulated", ok, f"emulated: Triton exact-product kernel (bf16 MMA, fp32 "
                                                f"accumulation); {why}" if ok else f"emulated: refused, {why}"))
         cc = _cc(dev)
@@ -235,7 +234,7 @@ def _native(a: nvfp4.NVFP4Tensor, w: nvfp4.NVFP4Tensor, out_dtype: torch.dtype) 
 
 def _emulated(a: nvfp4.NVFP4Tensor, w: nvfp4.NVFP4Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     if a.device.type == "cuda":
-        return quant_kernels.nvfp4_gemm(a, w, out_dtype if out_dtype in (torch.bfloat16, torch.float32) else torch.float32
+        return nvfp4_producers.nvfp4_gemm(a, w, out_dtype if out_dtype in (torch.bfloat16, torch.float32) else torch.float32
                              ).to(out_dtype)
     acc = nvfp4.dequantize_blocks(a, torch.float32) @ nvfp4.dequantize_blocks(w, torch.float32).t()
     return (acc * (a.global_scale * w.global_scale)).to(out_dtype)
@@ -245,8 +244,8 @@ def _bf16(a: nvfp4.NVFP4Tensor, w: nvfp4.NVFP4Tensor, out_dtype: torch.dtype, sc
     (m, k), (n, _) = a.shape, w.shape
     sa = scratch.get("a", m * k, torch.bfloat16, a.device)
     sw = scratch.get("w", n * k, torch.bfloat16, a.device)
-    a16 = quant_kernels.dequantize_bf16(a, None, out=sa)
-    w16 = quant_kernels.dequantize_bf16(w, a.global_scale * w.global_scale, out=sw)
+    a16 = nvfp4_producers.dequantize_bf16(a, None, out=sa)
+    w16 = nvfp4_producers.dequantize_bf16(w, a.global_scale * w.global_scale, out=sw)
     return (a16 @ w16.t()).to(out_dtype)
 
 
@@ -268,8 +267,8 @@ def scaled_mm_rowwise(a8: torch.Tensor, w8: torch.Tensor, scale_a: torch.Tensor,
 def _fp8(a: nvfp4.NVFP4Tensor, w: nvfp4.NVFP4Tensor, out_dtype: torch.dtype, scratch: Scratch,
          fast_accum: bool = False) -> torch.Tensor:
     (m, k), (n, _) = a.shape, w.shape
-    a8, ra = quant_kernels.to_fp8_rowwise(a, out=scratch.get("a", m * k, torch.float8_e4m3fn, a.device))
-    w8, rw = quant_kernels.to_fp8_rowwise(w, out=scratch.get("w", n * k, torch.float8_e4m3fn, a.device))
+    a8, ra = nvfp4_producers.to_fp8_rowwise(a, out=scratch.get("a", m * k, torch.float8_e4m3fn, a.device))
+    w8, rw = nvfp4_producers.to_fp8_rowwise(w, out=scratch.get("w", n * k, torch.float8_e4m3fn, a.device))
     # rowwise-scaled fp8 cuBLASLt GEMMs produce bf16 (the one output type every torch version accepts)
     out = scaled_mm_rowwise(a8, w8, (ra * a.global_scale).unsqueeze(1), (rw * w.global_scale).unsqueeze(0),
                             torch.bfloat16, fast_accum)
@@ -324,7 +323,7 @@ class Nvfp4Linear(nn.Module):
         super().__init__()
         if not isinstance(weight, nvfp4.NVFP4Tensor):
             raise TypeError(f"Nvfp4Linear needs an NVFP4Tensor weight; found {type(weight).__name__} "
-                            "(use Nvfp4Linear.from_float or from_comfy_quant)")
+                            "(use Nvfp4Linear.from_float, or runtime.io.comfy_quant to decode a stored layer)")
         self.out_features, self.in_features = weight.shape
         self.register_buffer("packed", weight.packed)
         self.register_buffer("scales", weight.scales)
@@ -353,7 +352,7 @@ class Nvfp4Linear(nn.Module):
             if self.strict and self.requested_backend == self.backend:
                 raise RuntimeError(why)
             self.backend, self.backend_reason = "emulated" if self.packed.is_cuda else "reference", why
-        _, self.act_scale_reason = quant_kernels.activation_global_scale(self.act_scale, self.input_scale)
+        _, self.act_scale_reason = nvfp4_producers.activation_global_scale(self.act_scale, self.input_scale)
 
     def _apply(self, fn, recurse=True):
         before = self.packed.device
@@ -368,24 +367,8 @@ class Nvfp4Linear(nn.Module):
         """Quantize a float weight [N, K] (global scale amax / 2688): the Triton quantizer on CUDA, the
         reference elsewhere; both write the reference's bytes."""
         if weight.is_cuda:
-            return cls(quant_kernels.quantize(weight.contiguous()), bias=bias, **kw)
+            return cls(nvfp4_producers.quantize(weight.contiguous()), bias=bias, **kw)
         return cls(nvfp4.quantize(weight), bias=bias, **kw)
-
-    @classmethod
-    def from_comfy_quant(cls, tensors: Mapping[str, torch.Tensor], layer: str, *,
-                         shape: tuple[int, int] | None = None, metadata: Mapping[str, str] | None = None,
-                         **kw) -> "Nvfp4Linear":
-        """Build from ComfyUI ``comfy_quant`` nvfp4 tensors ``<layer>.weight`` etc. (no re-quantization)."""
-        q = nvfp4.from_comfy_quant_tensors(tensors, layer, shape=shape, metadata=metadata)
-        return cls(q.weight, bias=tensors.get(f"{layer}.bias"), input_scale=q.input_scale,
-                   pre_quant_scale=q.pre_quant_scale, **kw)
-
-    def comfy_quant_tensors(self, layer: str) -> dict[str, torch.Tensor]:
-        """This layer as ComfyUI ``comfy_quant`` nvfp4 state-dict entries (``<layer>.weight`` ...)."""
-        out = nvfp4.to_comfy_quant(self.weight, layer, input_scale=self.input_scale, pre_quant_scale=self.pre_quant_scale)
-        if self.bias is not None:
-            out[f"{layer}.bias"] = self.bias.clone()
-        return out
 
     @property
     def weight(self) -> nvfp4.NVFP4Tensor:
@@ -397,7 +380,7 @@ class Nvfp4Linear(nn.Module):
 
     # -- forward -----------------------------------------------------------------------------------
     def _act_global(self) -> torch.Tensor | None:
-        g, _ = quant_kernels.activation_global_scale(self.act_scale, self.input_scale)
+        g, _ = nvfp4_producers.activation_global_scale(self.act_scale, self.input_scale)
         return g
 
     def _finish(self, y: torch.Tensor, shape_prefix: tuple) -> torch.Tensor:
@@ -412,7 +395,7 @@ class Nvfp4Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if self.pre_quant_scale is not None:
             x2 = x2 * self.pre_quant_scale.to(x2.dtype)
-        a = quant_kernels.quantize(x2.contiguous() if x2.stride(-1) != 1 else x2, self._act_global())
+        a = nvfp4_producers.quantize(x2.contiguous() if x2.stride(-1) != 1 else x2, self._act_global())
         y = nvfp4_matmul(a, self.weight, self.backend, self.out_dtype or x.dtype, self.scratch)
         return self._finish(y, prefix)
 
@@ -423,10 +406,10 @@ class Nvfp4Linear(nn.Module):
         prefix = tuple(h.shape[:-1])
         h2 = h.reshape(-1, h.shape[-1])
         if self.pre_quant_scale is not None:  # the smoothing sits between the activation and the quantizer
-            y = (quant_kernels.swiglu_reference(h2) * self.pre_quant_scale.float()).to(h.dtype)
-            a = quant_kernels.quantize(y, self._act_global())
+            y = (nvfp4_producers.swiglu_reference(h2) * self.pre_quant_scale.float()).to(h.dtype)
+            a = nvfp4_producers.quantize(y, self._act_global())
         else:
-            a = quant_kernels.swiglu_quantize(h2, self._act_global())
+            a = nvfp4_producers.swiglu_quantize(h2, self._act_global())
         y = nvfp4_matmul(a, self.weight, self.backend, self.out_dtype or h.dtype, self.scratch)
         return self._finish(y, prefix)
 
@@ -458,7 +441,7 @@ class Nvfp4Linear(nn.Module):
         out_dtype = self.out_dtype or torch.bfloat16
         scratch = self.scratch if self.scratch is not None else DEFAULT_SCRATCH
         n, k = self.out_features, self.in_features
-        w8, rw = quant_kernels.to_fp8_rowwise(self.weight, out=scratch.get("w", n * k, torch.float8_e4m3fn, a8.device))
+        w8, rw = nvfp4_producers.to_fp8_rowwise(self.weight, out=scratch.get("w", n * k, torch.float8_e4m3fn, a8.device))
         mm_dtype = torch.float32 if a8.device.type != "cuda" and out_dtype == torch.float32 else torch.bfloat16
         y = scaled_mm_rowwise(a8, w8, row_scale.unsqueeze(1), (rw * self.global_scale).unsqueeze(0), mm_dtype,
                               fast_accum=fast_accum)

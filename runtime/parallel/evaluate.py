@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from ..model.block import ReferenceOps, exact_attention
+from ..ops.reference import ReferenceOps, exact_attention
 from ..ops.attention import bind_attention
 from .group import ParallelContext
 from .shard import RowShard

@@ -14,7 +14,7 @@ import torch
 
 from h3_blackwell.runtime.ops import fp8_producers as f8
 from h3_blackwell.runtime.ops import linear as L
-from h3_blackwell.runtime.ops import quant_kernels as qk
+from h3_blackwell.runtime.ops import nvfp4_producers as qk
 
 pytestmark = [
     pytest.mark.gpu,

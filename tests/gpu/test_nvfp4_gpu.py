@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 from h3_blackwell.runtime.ops import linear as L  # noqa: E402
 from h3_blackwell.runtime.ops import nvfp4 as nv  # noqa: E402
-from h3_blackwell.runtime.ops import quant_kernels as qk  # noqa: E402
+from h3_blackwell.runtime.ops import nvfp4_producers as qk  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,

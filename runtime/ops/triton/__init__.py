@@ -3,7 +3,7 @@
 Kernel modules (plain modules, kernels at module level under ``@triton.jit``; each imports triton):
 
 - ``common``: device helpers shared by the NVFP4 and fp8 kernels (exact loads, IEEE rounding, exp, RMSNorm);
-- ``nvfp4_kernels``: behind ``ops.quant_kernels`` (NVFP4 producers and consumers);
+- ``nvfp4_kernels``: behind ``ops.nvfp4_producers`` (NVFP4 producers and consumers);
 - ``fp8_kernels``: behind ``ops.fp8_producers`` (e4m3 rowwise producers, SageAttention V);
 - ``elementwise_kernels``: behind ``ops.elementwise`` (q/k norm + RoPE, gate + residual add).
 

@@ -2,7 +2,7 @@
 exp, and the fused RMSNorm + per-segment modulate of the producers.
 
 Every step is one correctly rounded IEEE operation (launches pass ``enable_fp_fusion=False``), so the GPU,
-Triton's CPU interpreter and the torch references (``quant_kernels.*_reference``) agree bit for bit.
+Triton's CPU interpreter and the torch references (``nvfp4_producers.*_reference``) agree bit for bit.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""The NVFP4 kernels behind ``quant_kernels``: the producers (quantize, RMSNorm + modulate + quantize,
+"""The NVFP4 kernels behind ``nvfp4_producers``: the producers (quantize, RMSNorm + modulate + quantize,
 SwiGLU + quantize) and the consumers (dequantize to bf16, re-express as e4m3 rowwise, the exact-product GEMM).
 
-Contracts (shapes, layouts, dtypes) are those of the ``quant_kernels`` functions that launch them; each writes
+Contracts (shapes, layouts, dtypes) are those of the ``nvfp4_producers`` functions that launch them; each writes
 exactly the bytes of its torch reference there.
 """
 
