@@ -12,7 +12,9 @@ Payload (JSON object; every field optional, defaults are core's)::
                "ref_audio_t": int, "latent": key, "audio_latent": key|null},
               {"kind": "audio", "ref_audio_t": int, "audio_latent": key}],
      "denoise_mask": key|null, "audio_denoise_mask": key|null, "sample_sigmas": key|null,
-     "visual_cond_noise_aug": 0.999, "audio_cond_noise_aug": 1.0, "seed": 0}
+     "visual_cond_noise_aug": 0.999, "audio_cond_noise_aug": 1.0, "seed": 0,
+     "control": {"hint": key, "strength": 1.0, "sigma_start": 1.0, "sigma_end": 0.0,
+                 "fade_in_frames": 0, "fade_out_frames": 0}}
 
 A ``key`` names a tensor of the accompanying tensor mapping (the ``--inputs`` safetensors); a value may also
 be a ``torch.Tensor`` itself, so a node can hand core's in-memory dicts straight to ``from_payload``.
@@ -36,6 +38,13 @@ Tensors (any float dtype; stored as float32, on the CPU):
   runtime pools them as core does (``pool_video_mask`` / ``pool_audio_mask``, idempotent).
 - ``sample_sigmas`` ``[N + 1]``: the run's full sigma schedule including the trailing 0 (needed by PDD
   head banks to find the step's [sigma, sigma_next] interval).
+
+- ``control`` (Fun ControlNet, ``runtime.model.control``): ``hint`` the control latent ``[1, C, T, H, W]`` (C = 24:
+  the control video; 49: control | visibility | masked source, core's inpaint hint; T, H, W those of the target
+  video latent, unpadded); ``strength`` (>= 0, finite); ``sigma_start`` / ``sigma_end`` the window core resolves
+  at apply time (``percent_to_sigma``), the tower active iff ``sigma_end <= sigma <= sigma_start``;
+  ``fade_in_frames`` / ``fade_out_frames`` (0 .. 3600, core's PR #16283). Only ``hint`` is required; the
+  tower itself is a model patch file (``--control``), not part of the payload.
 
 Scalars: ``visual_cond_noise_aug`` (default 0.999) and ``audio_cond_noise_aug`` (1.0) in [0, 1]: condition
 rows become ``aug * rows + (1 - aug) * noise`` (only when aug < 1) and run at timestep ``max(t, aug)``;
@@ -65,7 +74,10 @@ MASK_QUANT = 256.0  # core quantises pooled masks to ceil(256 * m) / 256
 MASK_FULL = 1.0 - 1e-3  # a mask whose minimum reaches this is "generate everything" and is dropped
 
 _TOP_FIELDS = ("keyframes", "refs", "denoise_mask", "audio_denoise_mask", "sample_sigmas",
-               "visual_cond_noise_aug", "audio_cond_noise_aug", "seed")
+               "visual_cond_noise_aug", "audio_cond_noise_aug", "seed", "control")
+_CONTROL_FIELDS = ("hint", "strength", "sigma_start", "sigma_end", "fade_in_frames", "fade_out_frames")
+CONTROL_HINT_CHANNELS = (24, 49)  # the control video; control | visibility | masked source (inpaint)
+MAX_FADE_FRAMES = 3600  # core's widget range
 _KEYFRAME_FIELDS = ("resolved_frame_index", "latent", "audio_latent")
 _REF_FIELDS = {
     "image": ("kind", "picture_index", "latent_h", "latent_w", "latent"),
@@ -137,6 +149,23 @@ class Ref:
 
 
 @dataclass(frozen=True)
+class ControlHint:
+    """The payload's ``control``: the hint latent of a Fun ControlNet and how it is applied (core's
+    ``MiniMaxH3FunControlNetApply`` inputs after apply time). hint [1, C, T, H, W] float32, C = 24 or 49."""
+
+    hint: torch.Tensor
+    strength: float = 1.0
+    sigma_start: float = 1.0
+    sigma_end: float = 0.0
+    fade_in_frames: int = 0
+    fade_out_frames: int = 0
+
+    def active(self, sigma: float) -> bool:
+        """Core's window, both ends inclusive: ``sigma_end <= sigma <= sigma_start``."""
+        return self.sigma_end <= float(sigma) <= self.sigma_start
+
+
+@dataclass(frozen=True)
 class H3Conditioning:
     """One evaluation's conditioning beyond the text; defaults are core's (no conditioning at all)."""
 
@@ -148,6 +177,7 @@ class H3Conditioning:
     visual_cond_noise_aug: float = VISUAL_COND_NOISE_AUG
     audio_cond_noise_aug: float = AUDIO_COND_NOISE_AUG
     seed: int = 0
+    control: ControlHint | None = None
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
@@ -177,6 +207,7 @@ class H3Conditioning:
             audio_cond_noise_aug=_unit("audio_cond_noise_aug",
                                        payload.get("audio_cond_noise_aug", AUDIO_COND_NOISE_AUG)),
             seed=_seed(payload.get("seed", 0)),
+            control=_control(payload.get("control"), res),
         )
 
     def to_payload(self) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -212,6 +243,11 @@ class H3Conditioning:
                    "sample_sigmas": put("sample_sigmas", self.sample_sigmas),
                    "visual_cond_noise_aug": self.visual_cond_noise_aug,
                    "audio_cond_noise_aug": self.audio_cond_noise_aug, "seed": self.seed}
+        c = self.control
+        if c is not None:
+            payload["control"] = {"hint": put("control.hint", c.hint), "strength": c.strength,
+                                  "sigma_start": c.sigma_start, "sigma_end": c.sigma_end,
+                                  "fade_in_frames": c.fade_in_frames, "fade_out_frames": c.fade_out_frames}
         return payload, tensors
 
     # -- fit with the target ---------------------------------------------------------------------
@@ -236,6 +272,9 @@ class H3Conditioning:
         if self.audio_denoise_mask is not None and self.audio_denoise_mask.shape[-1] != ta:
             raise _err("audio_denoise_mask", f"[1, 1, 2, {ta}] (the target audio latent's Ta)",
                        list(self.audio_denoise_mask.shape))
+        if self.control is not None and tuple(self.control.hint.shape[2:]) != (t, h, w):
+            raise _err("control.hint", f"[1, 24 or 49, {t}, {h}, {w}] (the target video latent's T, H, W, unpadded)",
+                       list(self.control.hint.shape), "encode the control video at the target's size")
         return self
 
     # -- what the packed sequence gets -------------------------------------------------------------
@@ -436,6 +475,36 @@ def _ref(path: str, r: Mapping, res: _Resolver) -> Ref:
         _audio_latent(f"{path}.audio_latent", aud)
         _shape(f"{path}.audio_latent", aud, f"[1, Ca, 2, {rt}] (ref_audio_t = {rt})", aud.shape[3] == rt)
     return Ref(kind, lat, aud, lt, lh, lw, rt)
+
+
+def _number(path: str, value: Any, lo: float | None = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _err(path, "a finite number", f"{type(value).__name__} {value!r}")
+    if lo is not None and value < lo:
+        raise _err(path, f"a number >= {lo}", value)
+    return float(value)
+
+
+def _control(c: Any, res: _Resolver) -> ControlHint | None:
+    if c is None:
+        return None
+    if not isinstance(c, Mapping):
+        raise _err("control", "an object {hint, strength, sigma_start, sigma_end, fade_in_frames, fade_out_frames}",
+                   type(c).__name__)
+    _no_unknown("control", c, _CONTROL_FIELDS)
+    hint = res.tensor("control.hint", c.get("hint"), optional=False)
+    _shape("control.hint", hint, f"a control latent [1, C, T, H, W] with C in {CONTROL_HINT_CHANNELS} (24: the "
+           "control video; 49: control | visibility | masked source)",
+           hint.dim() == 5 and hint.shape[0] == 1 and hint.shape[1] in CONTROL_HINT_CHANNELS and hint.numel() > 0)
+    fades = []
+    for name in ("fade_in_frames", "fade_out_frames"):
+        f = _int(f"control.{name}", c.get(name, 0), lo=0)
+        if f > MAX_FADE_FRAMES:
+            raise _err(f"control.{name}", f"an integer in [0, {MAX_FADE_FRAMES}] (core's range)", f)
+        fades.append(f)
+    return ControlHint(hint, _number("control.strength", c.get("strength", 1.0), lo=0.0),
+                       _number("control.sigma_start", c.get("sigma_start", 1.0), lo=0.0),
+                       _number("control.sigma_end", c.get("sigma_end", 0.0), lo=0.0), *fades)
 
 
 def _mask(path: str, t: torch.Tensor | None, dims: int) -> torch.Tensor | None:

@@ -180,6 +180,7 @@ class RunPlan:
     cond_audio_embed: torch.Tensor | None = None
     video_mask: torch.Tensor | None = None
     audio_mask: torch.Tensor | None = None
+    control: object | None = None  # a bound Fun ControlNet (runtime.model.control.bind_control) or None
 
 
 class H3Model(nn.Module):
@@ -356,12 +357,18 @@ class H3Model(nn.Module):
 
     def run_blocks(self, x: torch.Tensor, plan: RunPlan, i: int, ops, cache=None) -> torch.Tensor:
         """The block stack at step i over ``ops`` (BlockOps resolved at load; ReferenceOps for the oracle).
-        ``cache``: a First-Block Cache (runtime.sampling.step_cache) that may skip blocks 1.. at this step."""
+        ``cache``: a First-Block Cache (runtime.sampling.step_cache) that may skip blocks 1.. at this step.
+        A control tower bound to the plan (``plan.control``) runs beside the blocks it is placed after."""
         segs = plan.times[i].mod_segments
+        ctl = None if plan.control is None else plan.control.step(plan, i)
 
         def blocks(x, first, stop):
             for j in range(first, stop):
+                if ctl is not None:
+                    ctl.before(j, x)
                 x = self.blocks[j](x, plan.mods[i][j], segs, plan.cos, plan.sin, ops, j)
+                if ctl is not None:
+                    x = ctl.after(j, x, ops)
             return x
 
         n = len(self.blocks)
