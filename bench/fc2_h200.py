@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 from h3_blackwell.runtime.fc2 import ext  # noqa: E402
 from h3_blackwell.runtime.fc2.dispatcher import Fc2Dispatcher
 from h3_blackwell.runtime.fc2.guard import Fc2Operands
-from h3_blackwell.runtime.fc2.plan import LtPlanLayer
+from h3_blackwell.runtime.fc2.lt_plans import LtPlanLayer
 from h3_blackwell.runtime.fc2.table import GB10_CANONICAL, PRODUCER_SWIGLU_NVFP4, Fc2Entry, Fc2LtError, Fc2Table  # noqa: E402
 from h3_blackwell.runtime.options import RuntimeOptions  # noqa: E402
 from h3_blackwell.runtime.fc2.tune import (  # noqa: E402

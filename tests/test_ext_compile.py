@@ -16,7 +16,7 @@ import torch
 
 from h3_blackwell.runtime.fc2 import ext
 from h3_blackwell.runtime.fc2.dispatcher import Fc2Dispatcher
-from h3_blackwell.runtime.fc2.plan import LtPlanLayer
+from h3_blackwell.runtime.fc2.lt_plans import LtPlanLayer
 from h3_blackwell.runtime.fc2.table import Fc2Table, GB10_CANONICAL
 from h3_blackwell.runtime.options import RuntimeOptions
 

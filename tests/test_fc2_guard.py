@@ -17,7 +17,7 @@ from h3_blackwell.runtime.fc2.dispatcher import Fc2Dispatcher
 
 from h3_blackwell.runtime.fc2.guard import Fc2Call, Fc2Environment, match
 
-from h3_blackwell.runtime.fc2.plan import CompatCache, PlanError
+from h3_blackwell.runtime.fc2.lt_plans import CompatCache, PlanError
 
 from h3_blackwell.runtime.fc2.table import AlgoSpec, Fc2Entry, Fc2LtError, Fc2Table, GB10_CANONICAL, PRODUCER_SWIGLU_NVFP4, Refusal, table_dir
 from h3_blackwell.runtime.options import RuntimeOptions

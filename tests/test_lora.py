@@ -19,7 +19,7 @@ from h3_blackwell.runtime import RuntimeOptions, load_model, sample
 from h3_blackwell.runtime.lora import apply as L
 from h3_blackwell.runtime.model.config import FULL, TINY
 from h3_blackwell.runtime.load import StateDictSource
-from h3_blackwell.runtime.lora.keys import LoraError, match_lora, read_lora_file
+from h3_blackwell.runtime.lora.key_forms import LoraError, match_lora, read_lora_file
 from h3_blackwell.runtime.lora.ops import BLOCK_LINEAR, LoraOps
 from h3_blackwell.runtime.lora.side import SIDE_ATTR
 from refblock import reference_block  # the float64 block from the formulas (tests/refblock.py)
@@ -553,7 +553,7 @@ def test_curve_form_skips_adaln_loras_and_says_why(files):
 def _dispatcher(tmp_path):
     from h3_blackwell.runtime.fc2.ext import ExtStatus
     from h3_blackwell.runtime.fc2.dispatcher import Fc2Dispatcher
-    from h3_blackwell.runtime.fc2.plan import LtPlanLayer
+    from h3_blackwell.runtime.fc2.lt_plans import LtPlanLayer
     from h3_blackwell.runtime.fc2.table import Fc2Table, GB10_CANONICAL
 
     o = RuntimeOptions(**CPU, cache_dir=str(tmp_path / "cache"))

@@ -3,7 +3,7 @@ is byte-identical to the fallback, otherwise the fallback on the same activation
 
 - ``table``: accepted entries (the seed's GB10 entry, tuned JSON files) and the ``code: detail`` Refusal;
 - ``guard``: a call and the device checked against the entries, in a fixed order;
-- ``plan``: the plan layer over the extension (or a test fake) and the on-disk compatibility cache;
+- ``lt_plans``: the cuBLASLt plan layer over the extension (or a test fake) and the on-disk compatibility cache;
 - ``dispatcher``: ``Fc2Dispatcher``, the one object the block stack calls; counters per run;
 - ``operands``: synthetic operands, the reference GEMM and the byte comparison (self-test and tuner);
 - ``tune``: ``h3-blackwell tune-fc2``, which sweeps, verifies and times configurations into an entry;

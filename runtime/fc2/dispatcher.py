@@ -6,7 +6,7 @@ returns the bf16 ``[m_padded, n]`` output of the pinned plan only when the guard
 call, the device and the plan; otherwise it returns ``fallback(ops)`` called with the very same
 ``Fc2Operands`` object (no second quantization) and records the guard's reason (``code: detail``).
 ``prepare`` (at load, before any CUDA-graph capture) builds the plans and self-tests them against the
-reference GEMM (:mod:`.operands`); its results are cached per device and versions (:mod:`.plan`).
+reference GEMM (:mod:`.operands`); its results are cached per device and versions (:mod:`.lt_plans`).
 
 Counters: every call is an attempt; it ends as a success or a fallback (or, in strict mode, an
 error raised as :class:`Fc2LtError`). ``begin_run()``/``end_run()`` bracket one sampling run;
@@ -27,7 +27,7 @@ import torch
 from ..options import RuntimeOptions
 from .table import Fc2Entry, Fc2LtError, Fc2Table, PLAN_STAGES, ROLE_FC2, Refusal
 from .guard import Fc2Environment, Fc2Operands, describe_call, env_checks, first_failure, match_call, match_env
-from .plan import CompatCache, LtPlanLayer, PlanError, PlanLayer
+from .lt_plans import CompatCache, LtPlanLayer, PlanError, PlanLayer
 from .operands import compare_bytes, reference_gemm, synthetic_operands
 
 log = logging.getLogger("h3_blackwell.fc2_lt")

@@ -1,6 +1,6 @@
 """LoRA on the resident H3 model.
 
-- ``keys``: reading a LoRA file, every key form mapped onto the model's module names and validated;
+- ``key_forms``: reading a LoRA file, every key form mapped onto the model's module names and validated;
 - ``spec``: a stack's entries (``LoraSpec``) and the CLI's ``FILE:STRENGTH[:MODE]``;
 - ``source``: the model's source weights read again, and how a patched tensor is put back;
 - ``merge``: the merge contract (float64, rounded once; NVFP4 re-quantized) and restoring the originals;

@@ -2,7 +2,7 @@
 
 ``apply_loras(rt, [(path, strength, mode), ...])`` makes the resident model carry exactly that stack
 (replacing whatever was applied before; ``[]`` removes everything) and returns a report. Files are read
-and validated first (``keys``: every key form, one LoraError per bad stack); the model changes only
+and validated first (``key_forms``: every key form, one LoraError per bad stack); the model changes only
 when all of them fit. Several LoRAs stack in list order, each with its own strength and mode. This module
 groups the updates and drives ``merge`` (weights), ``side`` (the side path) and ``source`` (originals).
 
@@ -61,7 +61,7 @@ from typing import Iterable
 import torch
 
 from ..ops.linear import Nvfp4Linear
-from .keys import LOWRANK, LoraError, LoraMatch, match_lora, read_lora_file
+from .key_forms import LOWRANK, LoraError, LoraMatch, match_lora, read_lora_file
 from .merge import STATE_ATTR, LoraState, lora_state, merge_dense, merge_nvfp4, merged_weight, restore_all
 from .ops import BLOCK_LINEAR, LoraOps
 from .side import LoraSide, install_side, lora_side, module_device, side_active

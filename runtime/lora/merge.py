@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from ..ops import nvfp4
-from .keys import LOWRANK, LoraUpdate
+from .key_forms import LOWRANK, LoraUpdate
 from .side import uninstall_side
 from .source import Original, SourceWeights, nvfp4_equal, quantize_like
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from .keys import LoraUpdate
+from .key_forms import LoraUpdate
 
 SIDE_ATTR = "_h3_lora_side"
 

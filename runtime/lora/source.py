@@ -21,7 +21,7 @@ from ..model.config import TINY
 from ..model.tiny import tiny_state_dict
 from ..io.comfy_quant import from_comfy_quant
 from ..ops import nvfp4
-from .keys import LoraError
+from .key_forms import LoraError
 
 _TINY_SOURCE = re.compile(r"^embedded tiny \(seed (-?\d+)\)$")
 

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .keys import LoraError
+from .key_forms import LoraError
 
 MODES = ("merge", "side")
 

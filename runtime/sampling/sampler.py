@@ -18,7 +18,7 @@ import torch
 from ..errors import H3Error, Interrupted
 from ..model.conditioning import H3Conditioning
 from ..parallel.evaluate import ShardedEvaluator, numerics
-from ..parallel.report import gather_ranks, parallel_section, rank_run
+from ..parallel.rank_stats import gather_ranks, parallel_section, rank_run
 from .inpaint import Inpaint
 from .lossy import LossyRun
 from .report import RunRecord, StepTimer, build_report, first_nonfinite, latent_sha256

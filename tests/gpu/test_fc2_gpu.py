@@ -14,7 +14,7 @@ import torch
 
 from h3_blackwell.runtime.fc2 import ext
 from h3_blackwell.runtime.fc2.dispatcher import Fc2Dispatcher
-from h3_blackwell.runtime.fc2.plan import LtPlanLayer
+from h3_blackwell.runtime.fc2.lt_plans import LtPlanLayer
 from h3_blackwell.runtime.fc2.table import AlgoSpec, Fc2Entry, Fc2LtError, Fc2Table, GB10_CANONICAL, PRODUCER_SWIGLU_NVFP4
 from h3_blackwell.runtime.options import RuntimeOptions
 from h3_blackwell.runtime.fc2.tune import (
