@@ -160,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _dispatch(argv: list[str]) -> int:
     if argv and argv[0] == "tune-fc2":
-        from ..runtime.fc2.tune import main as tune_main
+        from .tune_fc2 import main as tune_main
 
         return int(tune_main(argv[1:]) or 0)
     if argv and argv[0] == "comfy-run":

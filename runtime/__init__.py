@@ -13,6 +13,7 @@ from .load import H3Runtime, load_model
 from .errors import H3Error, Interrupted
 from .options import RuntimeOptions
 from .sampling.sampler import SampleResult, sample
+from .fc2 import tune as fc2_tune  # the FC2 cuBLASLt sweep behind `h3-blackwell tune-fc2`
 
 __all__ = ["H3Config", "H3Runtime", "load_model", "H3Error", "Interrupted", "RuntimeOptions", "SampleResult",
-           "sample"]
+           "sample", "fc2_tune"]

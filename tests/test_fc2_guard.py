@@ -537,12 +537,25 @@ def test_reference_gemm_bf16_is_torch_linear():
 
 
 def test_tune_cli_without_gpu_is_a_clean_error(capsys):
-    from h3_blackwell.runtime.fc2.tune import main
+    from h3_blackwell.cli.tune_fc2 import main
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     assert main(["--dtype", "bf16"]) == 2
     assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_tune_subprocess_reports_the_childs_refusal(tmp_path):
+    """The sweep's child process (runtime side, not the CLI) gets its arguments and answers through its files:
+    without a GPU it refuses with one line, which the parent's TuneCrash carries."""
+    from h3_blackwell.runtime.fc2.tune import TuneCrash, tune_subprocess
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(TuneCrash) as ei:
+        tune_subprocess(dtype="bf16", m_logical=30, m_padded=32, n=16, k=64, cache_dir=str(tmp_path), trace=False,
+                        timeout=120, say=lambda s: None)
+    assert ei.value.returncode == 2 and "needs a CUDA device" in str(ei.value)
 
 
 class _FakeLtPlan:

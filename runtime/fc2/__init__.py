@@ -6,6 +6,7 @@ is byte-identical to the fallback, otherwise the fallback on the same activation
 - ``lt_plans``: the cuBLASLt plan layer over the extension (or a test fake) and the on-disk compatibility cache;
 - ``dispatcher``: ``Fc2Dispatcher``, the one object the block stack calls; counters per run;
 - ``operands``: synthetic operands, the reference GEMM and the byte comparison (self-test and tuner);
-- ``tune``: ``h3-blackwell tune-fc2``, which sweeps, verifies and times configurations into an entry;
+- ``tune``: the sweep behind ``h3-blackwell tune-fc2`` (its command line: ``cli/tune_fc2.py``), which
+  sweeps, verifies and times configurations into an entry;
 - ``ext``: builds and loads the host C++ extension ``csrc/fc2_nvfp4_lt.cpp``.
 """

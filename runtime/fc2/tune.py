@@ -1,4 +1,5 @@
-"""``h3-blackwell tune-fc2``: find a pinned cuBLASLt configuration for FC2 on this GPU.
+"""The FC2 tuner behind ``h3-blackwell tune-fc2`` (its command line: ``cli/tune_fc2.py``): find a pinned
+cuBLASLt configuration for FC2 on this GPU.
 
 What it does, for one role / shape / dtype (bf16 or fp8 on Hopper, NVFP4 on Blackwell):
 
@@ -18,7 +19,6 @@ What it does, for one role / shape / dtype (bf16 or fp8 on Hopper, NVFP4 on Blac
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -158,7 +158,7 @@ def tune_subprocess(*, dtype: str, m_logical: int, m_padded: int, n: int, k: int
                     seeds: int = 3, check_seconds: float = 90.0, run_seconds: float = 120.0, device: str = "cuda",
                     timeout: float | None = None, trace: bool = True, log_path: str | None = None,
                     say: Callable[[str], None] = print) -> dict[str, Any]:
-    """:func:`tune` in a child process (the ``tune-fc2`` command line), so that a crash inside cuBLASLt is
+    """:func:`tune` in a child process (:func:`_child_main`), so that a crash inside cuBLASLt is
     reported as a :class:`TuneCrash` naming the signal instead of killing the caller.
 
     Returns ``{"entry": <entry JSON or None>, "evidence": {...}}`` like :func:`tune`. The child runs with
@@ -167,20 +167,16 @@ def tune_subprocess(*, dtype: str, m_logical: int, m_padded: int, n: int, k: int
     """
     with tempfile.TemporaryDirectory(prefix="tune-fc2-") as td:
         evidence = Path(td) / "result.json"
-        entry_out = Path(td) / "entry.json"
         log = Path(log_path) if log_path else Path(td) / "stderr.log"
         log.parent.mkdir(parents=True, exist_ok=True)
-        args = ["--dtype", dtype, "--role", role, "--m", str(m_logical), "--m-padded", str(m_padded), "--n", str(n),
-                "--k", str(k), "--workspace-mb", repr(workspace_limit / (1 << 20)),
-                "--heuristic-workspace-mb", repr(heuristic_workspace / (1 << 20)),
-                "--max-candidates", str(max_candidates), "--top", str(top), "--rounds", str(rounds),
-                "--seeds", str(seeds), "--check-seconds", str(check_seconds), "--run-seconds", str(run_seconds),
-                "--device", str(device), "--cache-dir", str(cache_dir), "--out", str(entry_out),
-                "--evidence", str(evidence)]
-        if scale_mode:
-            args += ["--scale-mode", scale_mode]
-        code = ("import sys; from h3_blackwell.runtime.fc2.tune import main; "
-                "sys.exit(main(sys.argv[1:]))")
+        kw = {"dtype": dtype, "role": role, "m_logical": m_logical, "m_padded": m_padded, "n": n, "k": k,
+              "workspace_limit": workspace_limit, "heuristic_workspace": heuristic_workspace,
+              "scale_mode": scale_mode, "max_candidates": max_candidates, "top": top, "rounds": rounds,
+              "seeds": seeds, "check_seconds": check_seconds, "run_seconds": run_seconds, "device": str(device),
+              "cache_dir": str(cache_dir), "command": "tune_subprocess"}
+        args = [json.dumps(kw), str(evidence)]
+        code = ("import sys; from h3_blackwell.runtime.fc2.tune import _child_main; "
+                "sys.exit(_child_main(sys.argv[1:]))")
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         env["PYTHONUNBUFFERED"] = "1"
@@ -542,79 +538,33 @@ def _record_winner(bench: _Bench, env: Fc2Environment, role: str, producer: str 
 
 
 # ----------------------------------------------------------------------------------------------
-# command line
+# the tuner's results and its child process (the command line itself is cli/tune_fc2.py)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="h3-blackwell tune-fc2", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dtype", default="auto", choices=("auto",) + KINDS,
-                   help="operand dtype; auto = nvfp4 on compute capability >= 10, else bf16")
-    p.add_argument("--role", default=ROLE_FC2)
-    p.add_argument("--m", type=int, default=CANONICAL["m_logical"], help="logical rows (default: canonical 37810)")
-    p.add_argument("--m-padded", type=int, default=None, help="descriptor rows (default: --m rounded up to 16)")
-    p.add_argument("--n", type=int, default=CANONICAL["n"])
-    p.add_argument("--k", type=int, default=CANONICAL["k"])
-    p.add_argument("--scale-mode", default=None, help="fp8: tensor | outer (default tensor)")
-    p.add_argument("--producer", default=None, help="record the activation producer this entry requires")
-    p.add_argument("--workspace-mb", type=float, default=0.0,
-                   help="workspace limit of the pinned candidates (default 0: zero-workspace configs only)")
-    p.add_argument("--heuristic-workspace-mb", type=float, default=32.0,
-                   help="workspace the unpinned heuristic baseline may use (default 32)")
-    p.add_argument("--max-candidates", type=int, default=300, help="legal configurations executed for exactness")
-    p.add_argument("--top", type=int, default=6, help="exact configurations carried into the timed rounds")
-    p.add_argument("--rounds", type=int, default=20)
-    p.add_argument("--seeds", type=int, default=3, help="random inputs every finalist must be exact on")
-    p.add_argument("--check-seconds", type=float, default=90.0, help="time limit of the AlgoCheck sweep")
-    p.add_argument("--run-seconds", type=float, default=120.0, help="time limit of the exactness runs")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--cache-dir", default=None, help="overrides H3_CACHE_DIR / RuntimeOptions.cache_dir")
-    p.add_argument("--out", default=None, help="entry JSON path (default: <cache_dir>/fc2_lt/table/<name>.json)")
-    p.add_argument("--evidence", default=None, help="also write the full evidence (entry or not) to this path")
-    return p
+def auto_dtype(device: torch.device | str) -> str:
+    """The operand dtype ``--dtype auto`` means on ``device``: nvfp4 on compute capability >= 10, else bf16."""
+    return "nvfp4" if torch.cuda.get_device_capability(torch.device(device))[0] >= 10 else "bf16"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Exit status: 0 entry written, 1 no exact configuration, 2 usage or environment error."""
-    a = build_parser().parse_args(list(argv) if argv is not None else None)
-    options = RuntimeOptions.from_env(cache_dir=a.cache_dir)
+def write_entry(entry: Mapping[str, Any], options: RuntimeOptions, out: str | Path | None = None) -> Path:
+    """Write a tuned entry's JSON to ``out`` (default: ``<cache_dir>/fc2_lt/table/<name>.json``, where
+    ``Fc2Table.default`` picks it up); returns the path written."""
+    if entry.get("schema") != ENTRY_SCHEMA:
+        raise TuneError(f"entry schema {entry.get('schema')!r}; expected {ENTRY_SCHEMA!r}")
+    path = Path(out) if out else table_dir(options) / f"{entry['name']}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(entry), indent=1, default=str))
+    return path
+
+
+def _child_main(argv: Sequence[str]) -> int:
+    """The child of :func:`tune_subprocess`: ``argv`` = [tune's keyword arguments as JSON, result path]. Writes
+    ``{"entry", "evidence"}`` to the result path; exit status 0 entry found, 1 none exact, 2 error."""
+    kw, result = json.loads(argv[0]), Path(argv[1])
     if not torch.cuda.is_available():
         print("error: tune-fc2 needs a CUDA device; torch sees none", file=sys.stderr)
         return 2
-    device = torch.device(a.device)
-    dtype = a.dtype
-    if dtype == "auto":
-        major = torch.cuda.get_device_capability(device)[0]
-        dtype = "nvfp4" if major >= 10 else "bf16"
-    m_padded = a.m_padded if a.m_padded is not None else (a.m + 15) // 16 * 16
-    if m_padded < a.m:
-        print(f"error: --m-padded {m_padded} < --m {a.m}", file=sys.stderr)
-        return 2
-    try:
-        res = tune(dtype=dtype, m_logical=a.m, m_padded=m_padded, n=a.n, k=a.k, role=a.role, options=options,
-                   device=device, workspace_limit=int(a.workspace_mb * (1 << 20)), scale_mode=a.scale_mode,
-                   heuristic_workspace=int(a.heuristic_workspace_mb * (1 << 20)),
-                   producer=a.producer, max_candidates=a.max_candidates, top=a.top, rounds=a.rounds,
-                   seeds=a.seeds, check_seconds=a.check_seconds, run_seconds=a.run_seconds,
-                   command="h3-blackwell tune-fc2 " + " ".join(argv if argv is not None else sys.argv[1:]),
-                   say=lambda s: print(s, file=sys.stderr))
-    except Exception as e:  # noqa: BLE001 - one line, exit 2
-        print(f"error: tune-fc2: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
-    if a.evidence:
-        Path(a.evidence).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.evidence).write_text(json.dumps(res, indent=1, default=str))
-    if res["entry"] is None:
-        print("no byte-identical configuration found; nothing written", file=sys.stderr)
-        return 1
-    entry = res["entry"]
-    assert entry["schema"] == ENTRY_SCHEMA
-    out = Path(a.out) if a.out else table_dir(options) / f"{entry['name']}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(entry, indent=1, default=str))
-    print(str(out))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    kw["options"] = RuntimeOptions.from_env(cache_dir=kw.pop("cache_dir"))
+    res = tune(**kw, say=lambda s: print(s, file=sys.stderr))
+    result.write_text(json.dumps(res, indent=1, default=str))
+    return 0 if res["entry"] is not None else 1
