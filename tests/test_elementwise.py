@@ -23,13 +23,9 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from h3_blackwell.runtime.ops.elementwise import (  # noqa: E402
-    check_segments,
-    gate_add_,
-    gate_add_reference,
-    norm_rope_,
-    norm_rope_qkv_reference,
-)
+from h3_blackwell.runtime.ops.elementwise import gate_add_, norm_rope_  # noqa: E402
+from h3_blackwell.runtime.ops.operand_checks import check_segments  # noqa: E402
+from h3_blackwell.runtime.ops.reference import gate_add_reference, norm_rope_qkv_reference  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

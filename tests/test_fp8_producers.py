@@ -24,6 +24,7 @@ from h3_blackwell.runtime.lora.side import LoraSide  # noqa: E402
 from h3_blackwell.runtime.ops import fp8_producers as f8  # noqa: E402
 from h3_blackwell.runtime.ops import linear as L  # noqa: E402
 from h3_blackwell.runtime.ops import nvfp4_producers as qk  # noqa: E402
+from h3_blackwell.runtime.ops import reference as R  # noqa: E402
 from refblock import reference_block  # noqa: E402  (tests/refblock.py)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -124,7 +125,7 @@ def test_rms_modulate_fp8_bit_exact(s, k, dtype, scheme):
     args = (x, weight, scale_rows, shift_rows, segs, 1e-5)
     ref = f8.rms_modulate_fp8(*args, backend="reference")
     _same(f8.rms_modulate_fp8(*args, backend="triton", scheme=scheme), ref)
-    h = qk.rms_modulate_reference(*args)
+    h = R.rms_modulate_reference(*args)
     _check_definition(h, *ref)
     if len(segs) > 1 and segs[1] == (1, 2, 3):
         assert ref[1][1].item() == 1.0 and (ref[0][1].view(torch.uint8) == 0).all()
@@ -141,7 +142,7 @@ def test_swiglu_fp8_bit_exact(s, f, dtype, scheme):
         h[2, f:] *= 1e-3 if dtype == torch.float16 else 1e-20  # a row far below the others
     ref = f8.swiglu_fp8(h, backend="reference")
     _same(f8.swiglu_fp8(h, backend="triton", scheme=scheme), ref)
-    _check_definition(qk.swiglu_reference(h), *ref)
+    _check_definition(R.swiglu_reference(h), *ref)
     assert ref[1][1].item() == 1.0
 
 
@@ -212,7 +213,7 @@ def test_forward_fp8_is_the_rowwise_product():
     x = _magnitudes(_rand((m, k), torch.float32, seed=2, scale=3.0), seed=5)
     a8, ra = f8.quantize_fp8(x)
     y = lin.forward_fp8(a8, ra)
-    w8, rw = qk.to_fp8_rowwise_reference(lin.weight)
+    w8, rw = R.to_fp8_rowwise_reference(lin.weight)
     a64 = a8.double() * ra.double()[:, None]
     w64 = w8.double() * (rw.double() * lin.global_scale.double())[:, None]
     ref = a64 @ w64.T + lin.bias.double()
@@ -299,7 +300,7 @@ def test_w4a8_block_equals_float64_reference(monkeypatch, seed):
         wq = {}
         for p, n in (("attn", "qkv_proj"), ("attn", "out_proj"), ("mlp", "fc1"), ("mlp", "fc2")):
             lin = getattr(getattr(blk, p), n)
-            w8, rw = qk.to_fp8_rowwise_reference(lin.weight)
+            w8, rw = R.to_fp8_rowwise_reference(lin.weight)
             wq[n] = w8.double() * (rw.double() * lin.global_scale.double())[:, None]
         mod = plan.mods[0][i]
         got = blk(x.clone(), mod, segs, plan.cos, plan.sin, rt.ops, i)

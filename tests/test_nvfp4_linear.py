@@ -28,6 +28,7 @@ from h3_blackwell.runtime.ops import linear as L  # noqa: E402
 from h3_blackwell.runtime.io import comfy_quant as cq  # noqa: E402
 from h3_blackwell.runtime.ops import nvfp4 as nv  # noqa: E402
 from h3_blackwell.runtime.ops import nvfp4_producers as qk  # noqa: E402
+from h3_blackwell.runtime.ops import reference as R  # noqa: E402
 
 U = 2.0 ** -24
 
@@ -130,8 +131,8 @@ def test_backend_forward_within_stated_bound(backend, out_dtype):
     ref, absprod = _exact(a, lin.weight)
     out_round = 0.0 if out_dtype == torch.float32 else 2 ** -8
     if backend == "fp8":
-        a8, ra = qk.to_fp8_rowwise_reference(a)
-        w8, rw = qk.to_fp8_rowwise_reference(lin.weight)
+        a8, ra = R.to_fp8_rowwise_reference(a)
+        w8, rw = R.to_fp8_rowwise_reference(lin.weight)
         a64 = a8.double() * (ra.double() * a.global_scale.double()).unsqueeze(1)
         w64 = w8.double() * (rw.double() * lin.global_scale.double()).unsqueeze(1)
         ref, absprod = a64 @ w64.T, a64.abs() @ w64.abs().T

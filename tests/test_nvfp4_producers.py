@@ -22,6 +22,7 @@ pytest.importorskip("triton")
 
 from h3_blackwell.runtime.ops import nvfp4 as nv  # noqa: E402
 from h3_blackwell.runtime.ops import nvfp4_producers as qk  # noqa: E402
+from h3_blackwell.runtime.ops import reference as R  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 U = 2.0 ** -24  # fp32 unit roundoff
@@ -69,7 +70,7 @@ def test_rms_modulate_quantize_bit_exact(s, k, dtype, calibrated):
     args = (x, weight, scale_rows, shift_rows, SEGS[s], 1e-5, g)
     ref = qk.rms_modulate_quantize(*args, backend="reference")
     _same(qk.rms_modulate_quantize(*args, backend="triton"), ref)
-    h = qk.rms_modulate_reference(x, weight, scale_rows, shift_rows, SEGS[s], 1e-5)
+    h = R.rms_modulate_reference(x, weight, scale_rows, shift_rows, SEGS[s], 1e-5)
     _same(ref, nv.quantize(h, ref.global_scale, pad_rows=1))
 
 
@@ -81,18 +82,18 @@ def test_swiglu_quantize_bit_exact(s, f, dtype, calibrated):
     g = torch.tensor(0.01, device=DEV) if calibrated else None
     ref = qk.swiglu_quantize(h, g, backend="reference")
     _same(qk.swiglu_quantize(h, g, backend="triton"), ref)
-    _same(ref, nv.quantize(qk.swiglu_reference(h), ref.global_scale, pad_rows=1))
+    _same(ref, nv.quantize(R.swiglu_reference(h), ref.global_scale, pad_rows=1))
 
 
 def test_exp_and_silu_reference_are_accurate():
     """Our fixed-sequence exp (shared by kernel and reference so they agree bit for bit) is a real exp:
     within 4 fp32 ulps of the float64 exp on [-80, 80]."""
     t = torch.cat([torch.linspace(-80, 80, 20001), torch.randn(5000) * 10]).clamp(-80, 80)
-    ours = qk.exp_reference(t).double()
+    ours = R.exp_reference(t).double()
     true = torch.exp(t.double())
     assert ((ours - true).abs() / true).max() < 4 * U
     a = torch.randn(4000) * 6
-    silu = qk.silu_reference(a).double()
+    silu = R.silu_reference(a).double()
     assert ((silu - torch.nn.functional.silu(a.double())).abs() <= 8 * U * a.double().abs() + 1e-30).all()
 
 
@@ -100,13 +101,13 @@ def test_exp_and_silu_reference_are_accurate():
 def test_dequantize_bf16_kernel_bit_exact(shape):
     t = nv.quantize(_rand(shape, torch.bfloat16, seed=7))
     exact = qk.dequantize_bf16(t, backend="triton")
-    assert torch.equal(exact, qk.dequantize_bf16_reference(t))
+    assert torch.equal(exact, R.dequantize_bf16_reference(t))
     assert torch.equal(exact.double(), nv.dequantize_blocks(t, torch.float64))  # v*s is exact in bf16
     m = torch.tensor(0.0123, device=DEV)
     scratch = torch.empty(shape[0] * shape[1] + 100, dtype=torch.bfloat16, device=DEV)
     scaled = qk.dequantize_bf16(t, m, out=scratch, backend="triton")
     assert scaled.data_ptr() == scratch.data_ptr()  # written into the reusable scratch
-    assert torch.equal(scaled, qk.dequantize_bf16_reference(t, m))
+    assert torch.equal(scaled, R.dequantize_bf16_reference(t, m))
 
 
 @pytest.mark.parametrize("shape", [(37, 96), (130, 256)])
@@ -115,7 +116,7 @@ def test_fp8_rowwise_kernel_bit_exact_and_within_bound(shape):
     x[3] = 0  # an all-zero row gets row scale 1
     t = nv.quantize(x)
     q, r = qk.to_fp8_rowwise(t, backend="triton")
-    q_ref, r_ref = qk.to_fp8_rowwise_reference(t)
+    q_ref, r_ref = R.to_fp8_rowwise_reference(t)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(r, r_ref)
     assert r[3] == 1.0
     # stated numerics: e4m3 keeps 3 mantissa bits -> |error| <= 2^-4 |v*s| (normal range), or half

@@ -39,7 +39,7 @@ from typing import Callable
 import torch
 
 from .reference import ReferenceOps
-from . import elementwise, fp8_producers, nvfp4_producers
+from . import elementwise, fp8_producers, nvfp4_producers, reference
 from .attention import bind_attention
 from .linear import Nvfp4Linear, Scratch
 
@@ -68,7 +68,7 @@ class _QuantizedOps:
         if _on_cuda(qkv):
             return elementwise.norm_rope_(qkv, blk.attn.q_norm.weight, blk.attn.k_norm.weight, cos, sin, c.eps,
                                           c.rope_dim)
-        qkv.copy_(elementwise.norm_rope_qkv_reference(qkv, blk.attn.q_norm.weight, blk.attn.k_norm.weight, cos, sin,
+        qkv.copy_(reference.norm_rope_qkv_reference(qkv, blk.attn.q_norm.weight, blk.attn.k_norm.weight, cos, sin,
                                                   c.eps, c.rope_dim))
         return qkv
 
@@ -85,7 +85,7 @@ class _QuantizedOps:
     def gate_add_(self, x, y, gate, segs):
         if _on_cuda(x):
             return elementwise.gate_add_(x, y, gate, segs)
-        x.copy_(elementwise.gate_add_reference(x, y, gate, segs))
+        x.copy_(reference.gate_add_reference(x, y, gate, segs))
         return x
 
     def qkv(self, i, blk, x, shift, scale, segs):

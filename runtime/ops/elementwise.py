@@ -1,7 +1,8 @@
 """Fused elementwise ops of one block: per-head q/k RMSNorm + split-half RoPE, and gate + residual add.
 
-Both work in place on the block's own buffers, each in ONE Triton kernel, and each has a pure-torch
-reference that is the oracle of the tests (and of the reference block).
+Both work in place on the block's own buffers, each in ONE Triton kernel; their definitions are
+``runtime.ops.reference.norm_rope_qkv_reference`` and ``gate_add_reference`` (the oracles of the tests; the
+first is the reference block's ``qk_norm_rope``), and both check their inputs with ``runtime.ops.operand_checks``.
 
 Conventions (the model's; the references implement exactly these):
 
@@ -29,141 +30,13 @@ from typing import Sequence
 
 import torch
 
+from .operand_checks import check_gate_add, check_norm_rope
 from .triton import MISSING as TRITON_MISSING, interpreting
 
 if TRITON_MISSING is None:  # the kernels, loaded once; without triton only the references run
     from .triton import elementwise_kernels
 
-__all__ = [
-    "norm_rope_",
-    "norm_rope_qkv_reference",
-    "gate_add_",
-    "gate_add_reference",
-    "check_segments",
-]
-
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-# ----------------------------------------------------------------------------------------------
-# validation (shared by kernels and references, so both refuse the same inputs)
-# ----------------------------------------------------------------------------------------------
-
-
-def _check_norm_rope(qkv, q_weight, k_weight, cos, sin, rope_dim):
-    if qkv.dim() != 2:
-        raise ValueError(f"qkv must be [S, 3*H*D]; found shape {tuple(qkv.shape)}")
-    if qkv.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"qkv dtype must be one of {_FLOAT_DTYPES}; found {qkv.dtype}")
-    if qkv.stride(-1) != 1:
-        raise ValueError(f"qkv needs unit column stride (row-major); found strides {qkv.stride()}")
-    if q_weight.dim() != 1 or k_weight.shape != q_weight.shape:
-        raise ValueError(
-            f"q_weight and k_weight must both be [D]; found {tuple(q_weight.shape)} and {tuple(k_weight.shape)}"
-        )
-    for name, t in (("q_weight", q_weight), ("k_weight", k_weight)):
-        if t.dtype not in _FLOAT_DTYPES or t.stride(0) != 1:
-            raise ValueError(f"{name} must be a contiguous float vector; found {t.dtype}, stride {t.stride()}")
-    d = q_weight.shape[0]
-    s, cols = qkv.shape
-    if cols % (3 * d) != 0:
-        raise ValueError(f"qkv has {cols} columns, not a multiple of 3*D = {3 * d} (D from q_weight)")
-    h = cols // (3 * d)
-    if rope_dim % 2 != 0 or not 0 <= rope_dim <= d:
-        raise ValueError(f"rope_dim must be even and in [0, D={d}]; found {rope_dim}")
-    for name, t in (("cos", cos), ("sin", sin)):
-        if tuple(t.shape) != (s, rope_dim):
-            raise ValueError(f"{name} must be [S, rope_dim] = [{s}, {rope_dim}]; found {tuple(t.shape)}")
-        if t.dtype != torch.float32:
-            raise ValueError(f"{name} must be float32 (the model computes angles in fp32); found {t.dtype}")
-        if rope_dim and t.stride(-1) != 1:
-            raise ValueError(f"{name} needs unit column stride; found strides {t.stride()}")
-    for name, t in (("q_weight", q_weight), ("k_weight", k_weight), ("cos", cos), ("sin", sin)):
-        if t.device != qkv.device:
-            raise ValueError(f"{name} is on {t.device}, qkv on {qkv.device}")
-    return s, h, d
-
-
-def check_segments(segments: Sequence[Sequence[int]], rows: int, gate_rows: int) -> list[tuple[int, int, int]]:
-    """Validate a segment table ``[(a, b, row), ...]``: sorted, contiguous, covering ``[0, rows)``,
-    each ``row`` an index into ``gate_rows``. Returns it as a list of int triples."""
-    out = []
-    pos = 0
-    for i, seg in enumerate(segments):
-        if len(seg) != 3:
-            raise ValueError(f"segment {i} must be (start, stop, gate_row); found {seg!r}")
-        a, b, r = (int(v) for v in seg)
-        if a != pos or b <= a:
-            raise ValueError(
-                f"segments must tile [0, {rows}) in order without gaps; segment {i} is [{a}, {b}) "
-                f"but the previous one ended at {pos}"
-            )
-        if not 0 <= r < gate_rows:
-            raise ValueError(f"segment {i} uses gate row {r}; gate_rows has {gate_rows} rows")
-        out.append((a, b, r))
-        pos = b
-    if pos != rows:
-        raise ValueError(f"segments end at row {pos}; x has {rows} rows (they must cover all of x)")
-    return out
-
-
-def _check_gate_add(x, y, gate_rows, segments):
-    if x.dim() != 2 or y.shape != x.shape:
-        raise ValueError(f"x and y must both be [S, hidden]; found {tuple(x.shape)} and {tuple(y.shape)}")
-    if gate_rows.dim() != 2 or gate_rows.shape[1] != x.shape[1]:
-        raise ValueError(f"gate_rows must be [R, hidden={x.shape[1]}]; found {tuple(gate_rows.shape)}")
-    for name, t in (("x", x), ("y", y), ("gate_rows", gate_rows)):
-        if t.dtype not in _FLOAT_DTYPES:
-            raise ValueError(f"{name} dtype must be one of {_FLOAT_DTYPES}; found {t.dtype}")
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} needs unit column stride; found strides {t.stride()}")
-        if t.device != x.device:
-            raise ValueError(f"{name} is on {t.device}, x on {x.device}")
-    return check_segments(segments, x.shape[0], gate_rows.shape[0])
-
-
-# ----------------------------------------------------------------------------------------------
-# references (fp32 math, out of place: they return new tensors and leave their inputs alone)
-# ----------------------------------------------------------------------------------------------
-
-
-def norm_rope_qkv_reference(
-    qkv: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    eps: float = 1e-5,
-    rope_dim: int = 96,
-) -> torch.Tensor:
-    """Reference of :func:`norm_rope_`: returns a new ``[S, 3*H*D]`` tensor (qkv's dtype) whose q and k
-    thirds are normed + rotated and whose v third is copied; ``qkv`` itself is not changed."""
-    s, h, d = _check_norm_rope(qkv, q_weight, k_weight, cos, sin, rope_dim)
-    out = qkv.clone()
-    half = rope_dim // 2
-    for third, w in ((0, q_weight), (1, k_weight)):
-        x = qkv[:, third * h * d : (third + 1) * h * d].float().view(s, h, d)
-        n = x * torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + eps) * w.float()
-        if rope_dim:
-            n_r = n[..., :rope_dim]
-            rotated = torch.cat((-n_r[..., half:], n_r[..., :half]), dim=-1)
-            n_r = n_r * cos[:, None, :] + rotated * sin[:, None, :]
-            n = torch.cat((n_r, n[..., rope_dim:]), dim=-1)
-        out[:, third * h * d : (third + 1) * h * d] = n.reshape(s, h * d).to(qkv.dtype)
-    return out
-
-
-def gate_add_reference(
-    x: torch.Tensor, y: torch.Tensor, gate_rows: torch.Tensor, segments: Sequence[Sequence[int]]
-) -> torch.Tensor:
-    """Reference of :func:`gate_add_`: returns a new x (x's dtype). fp32 product, then fp32 sum, then one
-    cast; ``x`` itself is not changed."""
-    segs = _check_gate_add(x, y, gate_rows, segments)
-    out = x.clone()
-    for a, b, r in segs:
-        prod = gate_rows[r].float() * y[a:b].float()
-        out[a:b] = (x[a:b].float() + prod).to(x.dtype)
-    return out
+__all__ = ["norm_rope_", "gate_add_", "segment_table"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -181,11 +54,11 @@ def _next_pow2(n: int) -> int:
 
 def _check_kernel_device(t: torch.Tensor, what: str) -> None:
     if TRITON_MISSING is not None:
-        raise RuntimeError(f"{what} is a Triton kernel and {TRITON_MISSING}; use the *_reference function")
+        raise RuntimeError(f"{what} is a Triton kernel and {TRITON_MISSING}; use runtime.ops.reference")
     if not t.is_cuda and not interpreting():
         raise RuntimeError(
             f"{what} is a Triton kernel and needs a CUDA tensor (found {t.device}); on CPU use the "
-            f"*_reference function, or set TRITON_INTERPRET=1 before importing h3_blackwell (tests)"
+            f"runtime.ops.reference function, or set TRITON_INTERPRET=1 before importing h3_blackwell (tests)"
         )
 
 
@@ -213,7 +86,7 @@ def norm_rope_(
     qkv's strides (no copies). The launch defaults (``block_s``, ``heads_per_program``, ``num_warps``) change
     speed only, never the bytes; how they were chosen: bench/NOTES.md. ``H = cols / (3*D)``,
     ``D = q_weight.numel()``. Returns ``qkv``."""
-    s, h, d = _check_norm_rope(qkv, q_weight, k_weight, cos, sin, rope_dim)
+    s, h, d = check_norm_rope(qkv, q_weight, k_weight, cos, sin, rope_dim)
     if s == 0:
         return qkv
     _check_kernel_device(qkv, "norm_rope_")
@@ -260,9 +133,9 @@ def gate_add_(
     """In place: ``x[a:b] += gate_rows[row] * y[a:b]`` for each segment ``(a, b, row)`` (the segments tile
     ``[0, S)``). ``x, y [S, hidden]``, ``gate_rows [R, hidden]``; any float dtypes, unit column stride.
     Computed as fp32 ``x + (g*y)`` with separate roundings and one cast to x's dtype: bit-equal to
-    :func:`gate_add_reference`. One Triton launch for up to GATE_ADD_MAX_SEGMENTS segments (longer tables go
+    ``reference.gate_add_reference``. One Triton launch for up to GATE_ADD_MAX_SEGMENTS segments (longer tables go
     in chunks of that many, each on its row slice). Returns ``x``."""
-    segs = _check_gate_add(x, y, gate_rows, segments)
+    segs = check_gate_add(x, y, gate_rows, segments)
     s, n = x.shape
     if s == 0 or n == 0:
         return x

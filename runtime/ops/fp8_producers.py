@@ -8,30 +8,22 @@ Weights stay NVFP4 (``Nvfp4Linear.forward_fp8`` expands them per layer, as the f
 
 * ``quantize_fp8(x)``: x [S, K] -> e4m3 rowwise; the out_proj input.
 * ``rms_modulate_fp8(x, weight, scale_rows, shift_rows, segments, eps)``: RMSNorm -> per-segment modulate
-  (the exact arithmetic of ``nvfp4_producers.rms_modulate_reference``) -> e4m3 rowwise; QKV and FC1 inputs.
-* ``swiglu_fp8(h)``: h [S, 2F] = [gate | up] -> ``silu(gate) * up`` (``nvfp4_producers.swiglu_reference``'s
+  (the exact arithmetic of ``reference.rms_modulate_reference``) -> e4m3 rowwise; QKV and FC1 inputs.
+* ``swiglu_fp8(h)``: h [S, 2F] = [gate | up] -> ``silu(gate) * up`` (``reference.swiglu_reference``'s
   arithmetic) -> e4m3 rowwise; the FC2 input.
 
-Numerics (``fp8_rowwise_reference`` is the definition; the kernels write its bytes exactly). For the fp32
-row y of the fused op (never rounded to bf16 first):
-
-  amax      = max_k |y[k]|
-  row_scale = amax / 448 (one correctly rounded fp32 division); where that is 0 or subnormal
-              (amax < 448 * 2^-126 ~ 5.3e-36, the all-zero row included) row_scale = 1 instead, so the
-              scale is never 0, NaN or subnormal; such a row's elements then all round to +-0
-  inv       = 1 / row_scale, correctly rounded in fp32 (once per row)
-  code[k]   = e4m3_rne(clamp(y[k] * inv, +-448)): the product rounded in fp32 (within 2 ulp of the exact
-              quotient; a multiply instead of a per-element IEEE division), then ONE rounding to 3 mantissa
-              bits (nearest, ties to even; e4m3 subnormals below 2^-6). On CUDA that rounding is the
-              hardware conversion (cvt.rn.satfinite), elsewhere integer arithmetic; the bytes are the same.
+Numerics: ``runtime.ops.reference.fp8_rowwise_reference`` is the definition (its docstring gives the steps) and
+the kernels write its bytes exactly, for the fp32 row y of the fused op (never rounded to bf16 first): a row
+scale ``amax / 448`` (1 where that is 0 or subnormal), the product ``y * (1 / row_scale)`` in fp32, then ONE
+rounding to e4m3. On CUDA that rounding is the hardware conversion (cvt.rn.satfinite), elsewhere integer
+arithmetic; the bytes are the same.
 
 So every activation is rounded once to e4m3: relative error <= 2^-4 per element (absolute <= 2^-10 *
-row_scale in e4m3's subnormal range, i.e. for |y| < amax / 28672). That is strictly more accurate (as a
-per-element worst-case bound) than the NVFP4 activation path it replaces, whose elements get E2M1 (one
-mantissa bit: relative error up to 1/5..1/3, and values under a quarter of their block's scale unit
-flushed to 0) under an e4m3 block scale -- and on Hopper the fp8 GEMM backend then rounds those values
-AGAIN to rowwise e4m3 (a second 2^-4). Finite inputs only (an inf/NaN row is not defined). The GEMM side
-is unchanged: ``torch._scaled_mm`` rowwise, fp32 accumulation, no fast accumulation.
+row_scale in e4m3's subnormal range, i.e. for |y| < amax / 28672). As a per-element worst-case bound that is
+more accurate than NVFP4 activations, whose elements get E2M1 (one mantissa bit: relative error up to
+1/5..1/3, and values under a quarter of their block's scale unit flushed to 0) under an e4m3 block scale, and
+which the fp8 GEMM backend on Hopper rounds AGAIN to rowwise e4m3 (a second 2^-4). Finite inputs only (an
+inf/NaN row is not defined). The GEMM side is ``torch._scaled_mm`` rowwise (``Nvfp4Linear.forward_fp8``).
 
 Scheme (one launch, input read once from HBM): a program owns BM whole rows.
 
@@ -60,20 +52,20 @@ from typing import Sequence
 
 import torch
 
-from .nvfp4_producers import (DTYPE_CODE, cdiv, check_2d, check_norm_inputs, const_like, hw_cvt, padded_segment_table,
-                            pick_backend, rms_modulate_reference, swiglu_reference)
+from .nvfp4_producers import DTYPE_CODE, cdiv, hw_cvt, padded_segment_table, pick_backend
+from .operand_checks import check_2d, check_norm_inputs
+from .nvfp4 import E4M3_MAX
+from .reference import (FP32_MIN_NORMAL, const_like, quantize_fp8_reference, rms_modulate_fp8_reference,
+                        swiglu_fp8_reference)
 from .triton import MISSING as TRITON_MISSING
 
 if TRITON_MISSING is None:  # the kernels, loaded once; without triton the references run
     from .triton import fp8_kernels
 
-__all__ = ["E4M3_MAX", "SCHEMES", "fp8_rowwise_reference", "quantize_fp8", "rms_modulate_fp8", "swiglu_fp8",
-           "sage_v_fp8", "sage_v_fp8_reference", "SAGE_V_PERM",
-           "quantize_fp8_reference", "rms_modulate_fp8_reference", "swiglu_fp8_reference"]
+__all__ = ["E4M3_MAX", "SCHEMES", "quantize_fp8", "rms_modulate_fp8", "swiglu_fp8", "sage_v_fp8", "sage_v_fp8_reference",
+           "SAGE_V_PERM"]
 
-E4M3_MAX = 448.0
 SCHEMES = ("auto", "loop", "row")
-_MIN_NORMAL = 1.1754943508222875e-38  # 2^-126
 
 def _launch(kernel, grid, device, *args, **kw):
     # fp fusion off: the references round every multiply and add separately (no FMA), and so must we.
@@ -138,35 +130,6 @@ def _tiles(op: str, k: int, device: torch.device, scheme: str) -> tuple[str, int
     else:
         bm, bk, nw = 8, 64, 1
     return scheme, bm, bk, cdiv(k, bk), nw
-
-
-# ----------------------------------------------------------------------------------------------
-# references (pure torch; the definition the kernels are tested against)
-# ----------------------------------------------------------------------------------------------
-
-def fp8_rowwise_reference(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 y [S, K] -> (float8_e4m3fn [S, K], fp32 row_scale [S]); see the module docstring."""
-    y = y.float()
-    if y.shape[1] == 0:
-        raise ValueError("fp8 rowwise quantization needs K >= 1")
-    amax = y.abs().amax(1)
-    ra = torch.div(amax, const_like(E4M3_MAX, y))
-    ra = torch.where(ra < _MIN_NORMAL, const_like(1.0, y), ra)
-    inv = torch.div(const_like(1.0, y), ra)
-    q = torch.mul(y, inv.unsqueeze(1)).clamp(-E4M3_MAX, E4M3_MAX)
-    return q.to(torch.float8_e4m3fn), ra
-
-
-def quantize_fp8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return fp8_rowwise_reference(x.float())
-
-
-def rms_modulate_fp8_reference(x, weight, scale_rows, shift_rows, segments, eps) -> tuple[torch.Tensor, torch.Tensor]:
-    return fp8_rowwise_reference(rms_modulate_reference(x, weight, scale_rows, shift_rows, segments, eps))
-
-
-def swiglu_fp8_reference(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return fp8_rowwise_reference(swiglu_reference(h))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -307,7 +270,7 @@ def _sage_v_check(v: torch.Tensor) -> tuple[int, int, int]:
 def _v_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel amax [H, D] -> (scale = amax / 448, 1 where that is 0 or subnormal; inv = 1 / scale)."""
     sc = torch.div(amax, const_like(E4M3_MAX, amax))
-    sc = torch.where(sc < _MIN_NORMAL, const_like(1.0, amax), sc)
+    sc = torch.where(sc < FP32_MIN_NORMAL, const_like(1.0, amax), sc)
     return sc, torch.div(const_like(1.0, amax), sc)
 
 

@@ -47,7 +47,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import describe
-from . import nvfp4, nvfp4_producers
+from . import nvfp4, nvfp4_producers, reference
 
 __all__ = ["BACKENDS", "Capability", "gemm_capability_table", "choose_gemm_backend", "probe_backend", "Scratch",
            "Nvfp4Linear", "nvfp4_matmul"]
@@ -406,7 +406,7 @@ class Nvfp4Linear(nn.Module):
         prefix = tuple(h.shape[:-1])
         h2 = h.reshape(-1, h.shape[-1])
         if self.pre_quant_scale is not None:  # the smoothing sits between the activation and the quantizer
-            y = (nvfp4_producers.swiglu_reference(h2) * self.pre_quant_scale.float()).to(h.dtype)
+            y = (reference.swiglu_reference(h2) * self.pre_quant_scale.float()).to(h.dtype)
             a = nvfp4_producers.quantize(y, self._act_global())
         else:
             a = nvfp4_producers.swiglu_quantize(h2, self._act_global())

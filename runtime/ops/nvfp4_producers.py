@@ -11,16 +11,9 @@ fp32 reference input; the tests compare bytes):
 Consumers: ``dequantize_bf16`` (NVFP4 -> bf16 scratch, optionally times a device scalar), ``to_fp8_rowwise``
 (NVFP4 -> e4m3 with one fp32 scale per row) and ``nvfp4_gemm`` (the exact-product "emulated" GEMM).
 
-Fused-op arithmetic (the ``*_reference`` functions are the definition; every step is one correctly
-rounded IEEE operation, no FMA contraction, so the kernel and the torch reference agree bit for bit):
-
-* RMSNorm: ``ss = sum(fp64(x)^2)`` (fp64, so the summation order cannot change the fp32 result except
-  in ~1e-16-relative ties), ``rstd = fp32(1 / sqrt(ss / K + eps))`` in fp64, ``n = fp32(x) * rstd``,
-  then ``n = n * weight`` when there is a weight, then ``h = n * (1 + scale) + shift`` in fp32. h is
-  quantized from fp32 (never rounded to bf16 first).
-* SwiGLU: ``silu(a) = a / (1 + exp(-a))`` with ``exp`` our own fp32 routine (Cody-Waite reduction,
-  degree-7 polynomial, argument clamped to [-80, 80]; a few ulp from the true exp) so GPU, CPU and
-  interpreter compute the same bits; ``y = silu(gate) * up``; |y| < 2^-126 is flushed to a signed zero.
+Fused-op arithmetic: ``runtime.ops.reference`` (``rms_modulate_reference``, ``swiglu_reference``,
+``dequantize_bf16_reference``, ``to_fp8_rowwise_reference``) is the definition; every step is one correctly
+rounded IEEE operation, no FMA contraction, so the kernel and the torch reference agree bit for bit.
 
 Activation global scale (the ``act_scale`` option): ``g=None`` -> dynamic, ``g = amax(|input|) / 2688``
 computed on the device in an extra read pass (no host sync) so nothing saturates; a tensor ``g`` ->
@@ -39,7 +32,10 @@ from typing import Sequence
 import torch
 
 from . import nvfp4
-from .elementwise import check_segments, segment_table
+from .elementwise import segment_table
+from .operand_checks import FLOAT_DTYPES, check_2d, check_norm_inputs
+from .reference import (const_like, dequantize_bf16_reference, rms_modulate_reference, swiglu_reference,
+                        to_fp8_rowwise_reference)
 from .triton import MISSING as TRITON_MISSING, hw_cvt, status as triton_status
 
 if TRITON_MISSING is None:  # the kernels, loaded once; without triton the references run (triton_status says why)
@@ -48,14 +44,12 @@ if TRITON_MISSING is None:  # the kernels, loaded once; without triton the refer
 __all__ = [
     "triton_status", "hw_cvt", "activation_global_scale",
     "quantize", "rms_modulate_quantize", "swiglu_quantize",
-    "rms_modulate_reference", "swiglu_reference", "exp_reference", "silu_reference",
-    "dequantize_bf16", "dequantize_bf16_reference", "to_fp8_rowwise", "to_fp8_rowwise_reference",
-    "nvfp4_gemm",
+    "dequantize_bf16", "to_fp8_rowwise", "nvfp4_gemm",
 ]
 
 
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_FLOATS = tuple(DTYPE_CODE)
+assert tuple(DTYPE_CODE) == FLOAT_DTYPES
 
 
 def pick_backend(backend: str, device: torch.device) -> str:
@@ -102,102 +96,14 @@ def _tiles(device: torch.device) -> dict:
                 gemm=(16, 16, 32, 4, 1, 1))
 
 
-# ----------------------------------------------------------------------------------------------
-# references (pure torch; the definition the kernels are tested against)
-# ----------------------------------------------------------------------------------------------
-
-_CONSTS: dict = {}
-
-
-def const_like(v: float, like: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    # 0-dim tensor on the data's device: CUDA turns `tensor / python_scalar` into a multiply by the
-    # reciprocal, which is not the correctly rounded quotient the kernels compute. On CUDA it is cached:
-    # building it is a host->device copy from pageable memory, which makes the host wait for the GPU to
-    # drain its queue (and the GPU then idle while the host launches the next kernels).
-    if like.device.type != "cuda":
-        return torch.tensor(v, dtype=dtype, device=like.device)
-    key = (float(v), dtype, like.device)
-    t = _CONSTS.get(key)
-    if t is None:
-        if len(_CONSTS) > 256:
-            _CONSTS.clear()
-        t = _CONSTS[key] = torch.tensor(v, dtype=dtype, device=like.device)
-    return t
-
-
 def padded_segment_table(segs: list, nseg: int, device: torch.device) -> torch.Tensor:
     """(start, stop, row) triples padded with empty entries to ``nseg`` -> int32 [3*nseg] on the device,
     cached per layout (elementwise.segment_table): no host->device copy, so no host sync, per call."""
     return segment_table([tuple(sg) for sg in segs] + [(0, 0, 0)] * (nseg - len(segs)), device)
 
 
-def exp_reference(t: torch.Tensor) -> torch.Tensor:
-    """fp32 exp by the fixed operation sequence the kernels use (see module docstring)."""
-    t = torch.clamp(t.float(), -80.0, 80.0)
-    n = torch.round(t * 1.4426950408889634)
-    r = t - n * 0.693145751953125
-    r = r - n * 1.428606765330187e-06
-    p = r * 1.984126984126984e-04 + 1.388888888888889e-03
-    for c in (8.333333333333333e-03, 4.166666666666667e-02, 1.666666666666667e-01, 0.5, 1.0, 1.0):
-        p = p * r + c
-    return p * ((n.to(torch.int32) + 127) << 23).view(torch.float32)
-
-
-def silu_reference(a: torch.Tensor) -> torch.Tensor:
-    a = a.float()
-    return a / (exp_reference(-a) + 1.0)
-
-
-def swiglu_reference(h: torch.Tensor) -> torch.Tensor:
-    """h [S, 2F] = [gate | up] (any float dtype) -> fp32 [S, F] = silu(gate) * up, as the kernel computes it."""
-    f = h.shape[1] // 2
-    y = silu_reference(h[:, :f]) * h[:, f:].float()
-    return torch.where(y.abs() < 1.1754943508222875e-38, y * 0.0, y)
-
-
-def rms_modulate_reference(x: torch.Tensor, weight: torch.Tensor | None, scale_rows: torch.Tensor,
-                           shift_rows: torch.Tensor, segments: Sequence[Sequence[int]], eps: float) -> torch.Tensor:
-    """x [S, K] -> fp32 h [S, K]: RMSNorm (fp64 sum of squares) * weight, then per segment (a, b, row)
-    ``h[a:b] = n[a:b] * (1 + scale_rows[row]) + shift_rows[row]`` (module docstring has the exact steps)."""
-    segs = check_norm_inputs(x, weight, scale_rows, shift_rows, segments)
-    k = x.shape[1]
-    xf = x.float()
-    ss = xf.double().pow(2).sum(-1)
-    rstd = torch.div(const_like(1.0, x, torch.float64),
-                     torch.sqrt(ss / const_like(k, x, torch.float64) + const_like(eps, x, torch.float64))).float()
-    n = xf * rstd.unsqueeze(1)
-    if weight is not None:
-        n = n * weight.float()
-    h = torch.empty_like(n)
-    for a, b, r in segs:
-        h[a:b] = n[a:b] * (scale_rows[r].float() + 1.0) + shift_rows[r].float()
-    return h
-
-
-def dequantize_bf16_reference(t: nvfp4.NVFP4Tensor, multiplier: torch.Tensor | None = None) -> torch.Tensor:
-    """[N, K] bf16 = bf16(v * s [* multiplier]) (fp32 product, one rounding); exact without multiplier."""
-    v = nvfp4.dequantize_blocks(t, torch.float32)
-    if multiplier is not None:
-        v = v * multiplier.float()
-    return v.to(torch.bfloat16)
-
-
-def to_fp8_rowwise_reference(t: nvfp4.NVFP4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """NVFP4 [N, K] -> (e4m3 [N, K], fp32 row scales [N]) with ``v*s ~= e4m3 * row_scale``:
-    ``row_scale = 6 * max(block scales of the row) / 448`` (1 for an all-zero row), each element
-    ``e4m3_rne(clamp(v * s * inv, +-448))`` with ``inv = 1 / row_scale`` correctly rounded in fp32 (a
-    multiply, not a per-element division: cheaper on the GPU; the fp32 product is within 2 ulp of the
-    quotient, and one rounding to 3 mantissa bits follows: relative error <= 2^-4)."""
-    v = nvfp4.dequantize_blocks(t, torch.float32)
-    smax = t.linear_scales().float().amax(1) if v.shape[1] else torch.zeros(v.shape[0], device=v.device)
-    ra = torch.div(smax * 6.0, const_like(448.0, v))
-    ra = torch.where(ra == 0, const_like(1.0, v), ra)
-    inv = torch.div(const_like(1.0, v), ra)
-    return torch.mul(v, inv.unsqueeze(1)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), ra
-
-
 # ----------------------------------------------------------------------------------------------
-# policy and validation
+# policy
 # ----------------------------------------------------------------------------------------------
 
 def activation_global_scale(policy: str, input_scale: torch.Tensor | None) -> tuple[torch.Tensor | None, str]:
@@ -213,33 +119,6 @@ def activation_global_scale(policy: str, input_scale: torch.Tensor | None) -> tu
             return None, "dynamic: act_scale=calibrated but this layer has no input_scale"
         return input_scale.reshape(()).float(), "calibrated: the checkpoint's input_scale"
     raise ValueError(f"act_scale={policy!r}: expected dynamic or calibrated")
-
-
-def check_2d(x: torch.Tensor, name: str) -> None:
-    if x.dim() != 2:
-        raise ValueError(f"{name} must be 2-D [S, K]; found shape {tuple(x.shape)}")
-    if x.dtype not in _FLOATS:
-        raise TypeError(f"{name} must be float32/bfloat16/float16; found {x.dtype}")
-    if x.stride(1) != 1:
-        raise ValueError(f"{name} needs unit column stride; found strides {x.stride()}")
-
-
-def check_norm_inputs(x, weight, scale_rows, shift_rows, segments):
-    check_2d(x, "x")
-    k = x.shape[1]
-    if weight is not None and (weight.dim() != 1 or weight.shape[0] != k):
-        raise ValueError(f"norm weight must be [K={k}]; found {tuple(weight.shape)}")
-    for name, t in (("scale_rows", scale_rows), ("shift_rows", shift_rows)):
-        if t.dim() != 2 or t.shape[1] != k:
-            raise ValueError(f"{name} must be [rows, K={k}]; found {tuple(t.shape)}")
-        if t.dtype not in _FLOATS or t.stride(1) != 1:
-            raise ValueError(f"{name} must be a float table with unit column stride; found {t.dtype}, {t.stride()}")
-    if scale_rows.shape[0] != shift_rows.shape[0]:
-        raise ValueError(f"scale_rows has {scale_rows.shape[0]} rows, shift_rows {shift_rows.shape[0]}")
-    for name, t in (("weight", weight), ("scale_rows", scale_rows), ("shift_rows", shift_rows)):
-        if t is not None and t.device != x.device:
-            raise ValueError(f"{name} is on {t.device}, x on {x.device}")
-    return check_segments(segments, x.shape[0], scale_rows.shape[0])
 
 
 def _global(g, x: torch.Tensor) -> torch.Tensor:

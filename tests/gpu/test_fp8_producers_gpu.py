@@ -14,7 +14,7 @@ import torch
 
 from h3_blackwell.runtime.ops import fp8_producers as f8
 from h3_blackwell.runtime.ops import linear as L
-from h3_blackwell.runtime.ops import nvfp4_producers as qk
+from h3_blackwell.runtime.ops import reference as R
 
 pytestmark = [
     pytest.mark.gpu,
@@ -107,7 +107,7 @@ def test_forward_fp8_vs_fp64(layer, m):
     lin = L.Nvfp4Linear.from_float(_rand((n, k), seed=31), backend="fp8", strict=True, out_dtype=torch.float32)
     a8, ra = f8.quantize_fp8(_rand((m, k), seed=32, scale=2.0))
     y = lin.forward_fp8(a8, ra)
-    w8, rw = qk.to_fp8_rowwise_reference(lin.weight)
+    w8, rw = R.to_fp8_rowwise_reference(lin.weight)
     a64 = a8.double() * ra.double().unsqueeze(1)
     w64 = w8.double() * (rw.double() * lin.global_scale.double()).unsqueeze(1)
     ref, absprod = a64 @ w64.T, a64.abs() @ w64.abs().T
@@ -146,7 +146,7 @@ def test_forward_fp8_fast_accum_within_its_bound(layer):
     lin = L.Nvfp4Linear.from_float(_rand((n, k), seed=5), backend="fp8", strict=True)
     a8, ra = f8.quantize_fp8(_rand((1024, k), seed=6))
     got = lin.forward_fp8(a8, ra, fast_accum=True).double()
-    w8, rw = qk.to_fp8_rowwise_reference(lin.weight)
+    w8, rw = R.to_fp8_rowwise_reference(lin.weight)
     want = (a8.double() * ra.double()[:, None]) @ (w8.double() * (rw.double() * lin.global_scale.double())[:, None]).t()
     err = float((got - want).norm() / want.norm())
     print(f"\n{layer}: fast accumulation rel-L2 {err:.3g}")

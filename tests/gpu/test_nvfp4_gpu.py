@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 from h3_blackwell.runtime.ops import linear as L  # noqa: E402
 from h3_blackwell.runtime.ops import nvfp4 as nv  # noqa: E402
 from h3_blackwell.runtime.ops import nvfp4_producers as qk  # noqa: E402
+from h3_blackwell.runtime.ops import reference as R  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -150,8 +151,8 @@ def test_backend_vs_fp64_reference(layer, backend):
     a = qk.quantize(x)
     y = lin.forward_quantized(a.packed, a.scales, a.global_scale)
     if backend == "fp8":
-        a8, ra = qk.to_fp8_rowwise_reference(a)
-        w8, rw = qk.to_fp8_rowwise_reference(lin.weight)
+        a8, ra = R.to_fp8_rowwise_reference(a)
+        w8, rw = R.to_fp8_rowwise_reference(lin.weight)
         a64 = a8.double() * (ra.double() * a.global_scale.double()).unsqueeze(1)
         w64 = w8.double() * (rw.double() * lin.global_scale.double()).unsqueeze(1)
     else:
