@@ -10,6 +10,7 @@ from .diagnostics import H3Diagnostics
 from .latents import H3EmptyLatent
 from .loader import H3ModelLoader
 from .lora import H3LoRA
+from .model_report import H3ModelReport
 from .sampler import H3Sampler
 
 NODES = {
@@ -19,6 +20,7 @@ NODES = {
     "H3B_EmptyLatent": H3EmptyLatent,
     "H3B_TextStatesLoader": H3TextStatesLoader,
     "H3B_LoRA": H3LoRA,
+    "H3B_ModelReport": H3ModelReport,
 }
 
 NODE_CLASS_MAPPINGS = dict(NODES)

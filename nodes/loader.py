@@ -2,7 +2,9 @@
 
 The model stays loaded across prompts. It is reloaded only when an input changes (file, backends, switches)
 or the file on disk changes (size / mtime); the previous model is released first, so at most one H3 DiT
-loaded by this node is resident. ComfyUI's model management does not see it: "Unload models" does not free it.
+loaded by this node is resident. The H3_MODEL output is invisible to ComfyUI's model management ("Unload models"
+does not free it); the MODEL output (core's type, ``core_model``) is the same resident model as ComfyUI sees it:
+unloading it there releases the resident model, and it is read again when a graph needs it.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import weakref
 
 from ..runtime.errors import H3Error
 from ..runtime.io.checkpoint import open_checkpoint
@@ -22,7 +25,7 @@ ATTENTION_CHOICES = ["auto", "sage2", "sage1", "sdpa", "reference", "sparse"]
 FC2_CHOICES = ["on", "off", "strict"]
 
 # One resident model, keyed on everything that determines it.
-_RESIDENT: dict = {"key": None, "model": None}
+_RESIDENT: dict = {"key": None, "model": None, "core": None}
 log = logging.getLogger("h3_blackwell")
 
 
@@ -40,7 +43,22 @@ def release_resident() -> None:
     """Drop the resident model (the next load reads the file again)."""
     _RESIDENT["key"] = None
     _RESIDENT["model"] = None
+    _RESIDENT["core"] = None
     gc.collect()
+
+
+def _core_model(rt, inputs: tuple):
+    """The MODEL output over the resident ``rt`` (nodes/core_model.py): it reloads through this node's inputs when
+    ComfyUI unloaded it, and releasing it releases the resident model here too."""
+    from .core_model import make_core_model
+
+    ref = weakref.ref(rt)
+
+    def on_release():
+        if _RESIDENT["model"] is not None and _RESIDENT["model"] is ref():
+            release_resident()
+
+    return make_core_model(rt, reload=lambda: H3ModelLoader().load(*inputs)[0], on_release=on_release)
 
 
 def _load_progress():
@@ -64,9 +82,11 @@ class H3ModelLoader:
                    "or the embedded tiny random model, picks the GEMM / attention backends once, and keeps the "
                    "model resident across prompts (reloaded only when an input or the file changes).")
     CATEGORY = CATEGORY
-    RETURN_TYPES = ("H3_MODEL",)
-    RETURN_NAMES = ("model",)
-    OUTPUT_TOOLTIPS = ("the resident H3 model with its backend choices",)
+    RETURN_TYPES = ("H3_MODEL", "MODEL")
+    RETURN_NAMES = ("model", "MODEL")
+    OUTPUT_TOOLTIPS = ("the resident H3 model with its backend choices",
+                       "the same resident model as ComfyUI core's MODEL: core's KSampler / SamplerCustomAdvanced, "
+                       "MiniMaxH3SigmaShift and LoraLoaderModelOnly drive this pack's fast stack")
     FUNCTION = "load"
 
     @classmethod
@@ -109,7 +129,7 @@ class H3ModelLoader:
             raise node_error(self.TITLE, str(e)) from e
         key = (model, path, stamp, tuple(sorted(options.to_dict().items())))
         if _RESIDENT["key"] == key and _RESIDENT["model"] is not None:
-            return (_RESIDENT["model"],)
+            return (_RESIDENT["model"], _RESIDENT["core"])
         release_resident()
         try:
             if path is not None:  # every tensor and shape from the headers (NVFP4 layers too) before any is read
@@ -119,4 +139,5 @@ class H3ModelLoader:
             raise node_error(self.TITLE, str(e)) from e
         log.info("[h3-blackwell] %s", rt.describe())
         _RESIDENT["key"], _RESIDENT["model"] = key, rt
-        return (rt,)
+        _RESIDENT["core"] = _core_model(rt, (model, gemm, attention, fc2_lt, adaln_cache))
+        return (rt, _RESIDENT["core"])

@@ -162,7 +162,7 @@ def old_comfy(monkeypatch, tmp_path):
 @pytest.fixture(scope="module")
 def tiny():
     loader_mod.release_resident()
-    (rt,) = H3ModelLoader().load(TINY_CHOICE, "auto", "auto", "on", True)
+    rt = H3ModelLoader().load(TINY_CHOICE, "auto", "auto", "on", True)[0]
     return rt
 
 
@@ -195,7 +195,7 @@ SAMPLE_ARGS = {"seed": 7, "steps": 2, "sampler": "res_multistep", "scheduler": "
 
 def test_registration_table():
     assert set(NODE_CLASS_MAPPINGS) == {"H3B_ModelLoader", "H3B_Sampler", "H3B_Diagnostics", "H3B_EmptyLatent",
-                                        "H3B_TextStatesLoader", "H3B_LoRA"}
+                                        "H3B_TextStatesLoader", "H3B_LoRA", "H3B_ModelReport"}
     assert h3_blackwell.NODE_CLASS_MAPPINGS == NODE_CLASS_MAPPINGS  # V1 outside a running ComfyUI
     assert h3_blackwell.NODE_DISPLAY_NAME_MAPPINGS == NODE_DISPLAY_NAME_MAPPINGS
     assert NODE_DISPLAY_NAME_MAPPINGS["H3B_ModelLoader"] == "H3 NVFP4 Model Loader"
@@ -229,7 +229,7 @@ def test_node_contract(node_id):
 
 
 def test_types():
-    assert H3ModelLoader.RETURN_TYPES == ("H3_MODEL",)
+    assert H3ModelLoader.RETURN_TYPES == ("H3_MODEL", "MODEL")
     assert H3Sampler.RETURN_TYPES == ("LATENT", "H3_DIAGNOSTICS")
     s = H3Sampler.INPUT_TYPES()["required"]
     assert [s[k][0] for k in ("model", "positive", "latent")] == ["H3_MODEL", "CONDITIONING", "LATENT"]
@@ -254,7 +254,7 @@ def test_import_needs_no_comfyui():
             "bad = [m for m in sys.modules if m == 'comfy' or m.startswith(('comfy.', 'comfy_api')) "
             "or m == 'folder_paths']; "
             "assert not bad, bad; "
-            "assert len(h3_blackwell.NODE_CLASS_MAPPINGS) == 6; print('ok')")
+            "assert len(h3_blackwell.NODE_CLASS_MAPPINGS) == 7; print('ok')")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 

@@ -1,0 +1,385 @@
+"""The resident H3 runtime as ComfyUI core's MODEL (H3 NVFP4 Model Loader's second output).
+
+Core's samplers (KSampler, KSamplerAdvanced, SamplerCustomAdvanced: every sampler and scheduler), its sigma shift
+(``MiniMaxH3SigmaShift``), its H3 conditioning nodes and its LoRA loaders drive this pack's fast stack, as they drive
+a model loaded by ``UNETLoader``. Three pieces, the core classes subclassed when the loader first runs (importing
+this module needs no ComfyUI):
+
+- ``H3DiffusionModel`` fills core's ``diffusion_model`` slot. Its ``forward`` has the signature of core's
+  ``MiniMaxH3Model.forward`` (``comfy/ldm/minimax/model.py``, newest core)::
+
+      forward(x=[video [B,24,T,H,W], carried audio [B,32,2,Ta]], timestep [B] (= sigma * 1000),
+              context [B, L, 5120], transformer_options, minimax_payload, denoise_mask, audio_denoise_mask,
+              control=None) -> [video velocity, carried audio velocity]
+
+  ``minimax_payload`` is what ``MiniMaxH3.extra_conds`` builds (``text_token_tags``, ``keyframes``, ``refs``, the
+  condition-noise values, ``seed``, ``audio_scale``, ``layout``); it becomes the runtime's ``H3Conditioning``
+  (built once per payload and run). ``transformer_options`` gives the run's schedule (``sample_sigmas``) and the
+  shifts ``MiniMaxH3SigmaShift`` sets (``minimax_h3_sigma_shift_video`` / ``_audio``). The evaluation is the
+  runtime's ``ModelCall`` (audio carry as core's model; the network sees ``timestep / 1000``).
+- ``H3CoreModel`` is core's ``model_base.MiniMaxH3`` (its ``extra_conds``, audio carry in ``process_latent_in`` /
+  ``_out``, inpainting, ``ModelSamplingAV``) with that slot filled and no weights of its own. Its ``state_dict``
+  names every weight as core would (meta tensors), so core's LoRA loaders find their keys.
+- ``H3ModelPatcher`` is core's ``ModelPatcher`` whose weight work goes to the runtime: ``model_size`` is the
+  resident model's bytes; loading makes sure the runtime is resident; an unload from a CUDA device releases it
+  (the next load reads the file again); at sampling start (``pre_run``) the LoRA records on the patcher are
+  applied through the runtime's LoRA machinery (``core_patches.lora_specs``) and anything it cannot honour is
+  refused (``core_patches``); ``cleanup`` closes the run, whose report ``H3 Model Run Report`` reads.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+import torch
+
+from ..runtime import H3Conditioning, H3Error, ModelCall, sync_loras, weight_shapes
+from ._common import H3NodeError, node_error, optional_comfy_module
+from .core_patches import TITLE, check_patcher, check_transformer_options, lora_specs
+
+log = logging.getLogger("h3_blackwell")
+
+# what core's _apply_model passes besides the documented arguments, all None in an H3 graph
+_EMPTY_KWARGS = ("y", "c_concat", "crossattn_controlnet")
+# payload entries MiniMaxH3.extra_conds writes that carry no information of their own (derived, or core's caches)
+_DERIVED = ("cond_video_latents", "cond_audio_latents", "layout", "audio_scale", "_text_token_tags_list")
+# core's payload field -> where it comes from in a graph (for error messages)
+_SOURCES = {"keyframes": "minimax_keyframes (MiniMaxH3ImageToVideo / MiniMaxH3AddGuide)",
+            "refs": "minimax_refs (MiniMaxH3ReferenceToVideo)",
+            "denoise_mask": "the latent's noise mask (video)", "audio_denoise_mask": "the latent's noise mask (audio)",
+            "visual_cond_noise_aug": "minimax_visual_cond_noise_aug", "audio_cond_noise_aug": "minimax_audio_cond_noise_aug",
+            "seed": "the sampler's seed"}
+# per-graph LOSSY settings a node may put in transformer_options (default: the loader's)
+SPARSE_TAU_KEY, FIRST_BLOCK_CACHE_KEY = "h3b_sparse_tau", "h3b_first_block_cache"
+
+
+def resident_bytes(rt) -> int:
+    """Bytes the resident model holds (parameters and buffers: NVFP4 bytes and scales where quantized)."""
+    m = rt.model
+    return sum(t.nbytes for t in m.parameters()) + sum(t.nbytes for t in m.buffers())
+
+
+# ---------------------------------------------------------------------------------------------
+# core's conditioning kwargs -> the runtime's conditioning
+# ---------------------------------------------------------------------------------------------
+
+def conditioning_from_core(payload: dict | None, denoise_mask=None, audio_denoise_mask=None
+                           ) -> tuple[torch.Tensor | None, H3Conditioning]:
+    """core's ``minimax_payload`` (+ the pooled masks of the newest core) -> (token tags [L] or None,
+    H3Conditioning). Unknown payload entries and fields the runtime cannot honour raise H3NodeError naming them."""
+    payload = dict(payload or {})
+    tags = payload.pop("text_token_tags", None)
+    for k in _DERIVED:
+        payload.pop(k, None)
+    unknown = sorted(k for k in payload if k not in _SOURCES)
+    if unknown:
+        raise node_error(TITLE, f"the conditioning payload carries {unknown[0]!r}, an H3 entry this pack does not "
+                                f"know (it takes {', '.join(sorted(_SOURCES))}); update h3-blackwell or remove the "
+                                "node that adds it")
+    payload["denoise_mask"], payload["audio_denoise_mask"] = denoise_mask, audio_denoise_mask
+    try:
+        cond = H3Conditioning.from_payload(payload)
+    except H3Error as e:
+        msg = str(e)
+        field = msg.split(":", 1)[0].split("[", 1)[0].split(".", 1)[0]
+        raise node_error(TITLE, f"{_SOURCES.get(field, field)}: {msg}") from e
+    if tags is not None:
+        tags = torch.as_tensor(tags).reshape(-1).long().cpu()
+    return tags, cond
+
+
+def _same(a, b) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a.shape == b.shape and torch.equal(a, b.to(a.device, a.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# the resident runtime behind every MODEL of one loader
+# ---------------------------------------------------------------------------------------------
+
+class RuntimeHandle:
+    """The resident runtime a MODEL evaluates (shared by every clone of its patcher), the per-run state, and
+    release / reload. ``reload()`` returns the runtime again (the loader's resident one, reading the file when it
+    was released); ``on_release()`` tells the loader to drop it too."""
+
+    def __init__(self, rt, reload=None, on_release=None):
+        self._rt, self._reload, self._on_release = rt, reload, on_release
+        self.size = resident_bytes(rt)
+        self.dtype, self.device, self.config = rt.dtype, rt.device, rt.config
+        self.names = weight_shapes(rt)
+        self.call = ModelCall(rt)
+        self.pending = False  # a run started (pre_run): the first call begins it with the schedule it sees
+        self.conds: list = []  # (payload, masks, batch index) -> (tags, H3Conditioning), per run
+        self.lossy: dict = {}
+
+    @property
+    def resident(self) -> bool:
+        return self._rt is not None
+
+    def runtime(self):
+        if self._rt is None:
+            if self._reload is None:
+                raise node_error(TITLE, "the H3 model was unloaded and this MODEL cannot reload it; run the graph "
+                                        "again from H3 NVFP4 Model Loader")
+            self._rt = self._reload()
+            self.call = ModelCall(self._rt)
+            log.info("[h3-blackwell] H3 model reloaded for the MODEL output")
+        return self._rt
+
+    def release(self) -> int:
+        """Drop the runtime (device memory freed once nothing else holds it) -> the bytes it held."""
+        if self._rt is None:
+            return 0
+        self.call.end_run()
+        self._rt, self.call = None, ModelCall(None)
+        if self._on_release is not None:
+            self._on_release()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        log.info("[h3-blackwell] H3 model released (ComfyUI unloaded the MODEL)")
+        return self.size
+
+    # -- one sampling run --------------------------------------------------------------------
+    def begin_sampling(self, patcher) -> None:
+        """Sampling starts with ``patcher``: refuse what it cannot honour, make the resident model carry the
+        patcher's LoRAs, reset the run."""
+        check_patcher(patcher)
+        specs = lora_specs(getattr(patcher, "patches", {}) or {})
+        rt = self.runtime()
+        try:
+            sync_loras(rt, specs)
+        except H3Error as e:
+            raise node_error(TITLE, f"LoRA from the MODEL's patches (LoraLoaderModelOnly / LoraLoader): {e}") from e
+        self.call.end_run()
+        to = (getattr(patcher, "model_options", {}) or {}).get("transformer_options", {}) or {}
+        self.lossy = {"sparse_tau": to.get(SPARSE_TAU_KEY), "first_block_cache": to.get(FIRST_BLOCK_CACHE_KEY)}
+        self.pending, self.conds = True, []
+
+    def end_sampling(self) -> None:
+        self.pending = False
+        if self._rt is not None:
+            self.call.end_run()
+
+    def conditioning(self, payload, denoise_mask, audio_denoise_mask):
+        for p, dm, adm, out in self.conds:
+            if p is payload and _same(dm, denoise_mask) and _same(adm, audio_denoise_mask):
+                return out
+        out = conditioning_from_core(payload, denoise_mask, audio_denoise_mask)
+        self.conds.append((payload, denoise_mask, audio_denoise_mask, out))
+        return out
+
+
+class H3DiffusionModel(torch.nn.Module):
+    """core's ``diffusion_model`` slot over the runtime (module docstring). Holds no parameters."""
+
+    patch_size = (1, 2, 2)
+
+    def __init__(self, handle: RuntimeHandle):
+        super().__init__()
+        self.handle = handle
+        cfg = handle.config
+        self.hidden_size, self.latents_dim, self.audio_latents_dim = (cfg.hidden_size, cfg.video_channels,
+                                                                      cfg.audio_channels)
+        self.sigma_shift_video, self.sigma_shift_audio = cfg.shift_video, cfg.shift_audio
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.handle.dtype
+
+    def preprocess_text_embeds(self, text_states: torch.Tensor) -> torch.Tensor:
+        """core refines the text once in ``extra_conds``; the runtime refines it once per run in its plan (through
+        the LoRA the run carries), so the states pass through unchanged."""
+        return text_states
+
+    def forward(self, x, timestep, context, transformer_options=None, minimax_payload=None, denoise_mask=None,
+                audio_denoise_mask=None, control=None, **kwargs):
+        options = transformer_options or {}
+        if control is not None:
+            raise node_error(TITLE, "a ControlNet on the conditioning (Apply ControlNet) cannot run on the H3 MODEL; "
+                                    "remove it, or use core's UNETLoader model for ControlNet graphs")
+        extra = sorted(k for k, v in kwargs.items() if not (k in _EMPTY_KWARGS and v is None))
+        if extra:
+            raise node_error(TITLE, f"the model call carries {extra[0]!r} (from a conditioning or model node), which "
+                                    "the H3 MODEL does not take; remove that node")
+        check_transformer_options(options)
+        h = self.handle
+        h.runtime()
+        if h.pending or h.call.run is None:
+            h.call.begin_run(options.get("sample_sigmas"), **h.lossy)
+            h.pending = False
+        payload = minimax_payload or {}
+        scale = float(payload.get("audio_scale", 1.0))
+        shifts = (float(options.get("minimax_h3_sigma_shift_video", h.config.shift_video)),
+                  float(options.get("minimax_h3_sigma_shift_audio", h.config.shift_audio)))
+        video, audio = x[0], x[1]
+        steps = timestep.flatten()
+        outs = []
+        for b in range(video.shape[0]):  # core's model takes one clip; a batch (cfg > 1) runs clip by clip
+            dm = None if denoise_mask is None else denoise_mask[b:b + 1]
+            adm = None if audio_denoise_mask is None else audio_denoise_mask[b:b + 1]
+            tags, cond = h.conditioning(payload, dm, adm)
+            sigma = (steps[min(b, steps.numel() - 1)] / 1000.0).float()
+            try:
+                outs.append(h.call(video[b:b + 1], audio[b:b + 1], sigma, context[b:b + 1], tags, cond, shifts, scale))
+            except H3NodeError:
+                raise
+            except H3Error as e:
+                raise node_error(TITLE, str(e)) from e
+        vv = torch.cat([o[0] for o in outs]).to(video.dtype)
+        va = torch.cat([o[1] for o in outs]).to(audio.dtype)
+        return [vv, va]
+
+
+# ---------------------------------------------------------------------------------------------
+# core's classes, subclassed once core is importable
+# ---------------------------------------------------------------------------------------------
+
+_CLASSES: dict = {}
+
+
+def _core_classes():
+    """(H3CoreModel, H3ModelPatcher), built on the running ComfyUI's classes; None without core H3 support."""
+    if _CLASSES:
+        return _CLASSES["model"], _CLASSES["patcher"]
+    mb = optional_comfy_module("comfy.model_base")
+    mp = optional_comfy_module("comfy.model_patcher")
+    if mb is None or mp is None or not hasattr(mb, "MiniMaxH3"):
+        return None
+    utils = optional_comfy_module("comfy.utils")
+    ext = optional_comfy_module("comfy.patcher_extension")
+
+    class H3CoreModel(mb.MiniMaxH3):
+        """core's MiniMaxH3 whose diffusion model is this pack's runtime (module docstring)."""
+
+        def __init__(self, model_config, handle: RuntimeHandle, device=None):
+            super().__init__(model_config, device=device)
+            self.diffusion_model = H3DiffusionModel(handle)
+
+        @property
+        def h3_handle(self) -> RuntimeHandle:
+            return self.diffusion_model.handle
+
+        def state_dict(self, *args, **kwargs):
+            """core's names of every weight (meta tensors of core's dense shapes: what LoRA loaders match
+            against; the resident weights live in the runtime) plus this module's own buffers."""
+            sd = super().state_dict(*args, **kwargs)
+            for k, (shape, dtype) in self.h3_handle.names.items():
+                sd["diffusion_model." + k] = torch.empty(shape, dtype=dtype, device="meta")
+            return sd
+
+    class H3ModelPatcher(mp.ModelPatcher):
+        """core's ModelPatcher whose weight work goes to the runtime (module docstring)."""
+
+        def _handle(self) -> RuntimeHandle:
+            return self.model.h3_handle
+
+        def model_size(self):
+            return self._handle().size
+
+        def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False):
+            with self.use_ejected():
+                self._handle().runtime()
+                m = self.model
+                if device_to is not None:
+                    m.device = device_to
+                m.model_loaded_weight_memory = self._handle().size
+                m.model_lowvram, m.lowvram_patch_counter, m.model_offload_buffer_memory = False, 0, 0
+                m.current_weight_patches_uuid = self.patches_uuid
+                if ext is not None:
+                    for cb in self.get_all_callbacks(ext.CallbacksMP.ON_LOAD):
+                        cb(self, device_to, lowvram_model_memory, force_patch_weights, full_load)
+
+        def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):
+            before = self.model.model_loaded_weight_memory if self._handle().resident else 0
+            self.patch_model(device_to, load_weights=before == 0)
+            return self.model.model_loaded_weight_memory - before
+
+        def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False):
+            return self._unload(device_to)
+
+        def _unload(self, device_to) -> int:
+            h = self._handle()
+            self.model.model_loaded_weight_memory = 0
+            self.model.current_weight_patches_uuid = None
+            if h.resident and h.device.type == "cuda" and (device_to is None or torch.device(device_to).type != "cuda"):
+                return h.release()
+            return 0
+
+        def unpatch_model(self, device_to=None, unpatch_weights=True):
+            self.eject_model()
+            if unpatch_weights:
+                self._unload(device_to)
+            for k, old in list(self.object_patches_backup.items()):
+                utils.set_attr(self.model, k, old)
+            self.object_patches_backup.clear()
+
+        def patch_weight_to_device(self, key, *args, **kwargs):
+            raise node_error(TITLE, f"core tried to patch the weight {key} of the H3 MODEL; its weights live in this "
+                                    "pack's runtime (LoRAs are applied there at sampling start)")
+
+        def get_key_patches(self, filter_prefix=None):
+            raise node_error(TITLE, "model merging reads the weights in core's format, which the H3 MODEL does not "
+                                    "hold; merge checkpoints with core's UNETLoader models")
+
+        def state_dict_for_saving(self, *args, **kwargs):
+            raise node_error(TITLE, "saving the H3 MODEL is not supported (its weights are the loader's file, in "
+                                    "this pack's resident format); save or convert the file itself")
+
+        def pre_run(self):
+            super().pre_run()
+            self._handle().begin_sampling(self)
+
+        def cleanup(self):
+            super().cleanup()
+            self._handle().end_sampling()
+
+    _CLASSES.update(model=H3CoreModel, patcher=H3ModelPatcher)
+    return H3CoreModel, H3ModelPatcher
+
+
+class UnavailableModel:
+    """The MODEL output where the running ComfyUI has no core H3 support (or outside ComfyUI): any use says so."""
+
+    def __init__(self, why: str):
+        self._why = why
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise node_error("H3 NVFP4 Model Loader", f"its MODEL output needs ComfyUI core's MiniMax H3 support "
+                                                  f"({self._why}); update ComfyUI, or use the H3_MODEL output with "
+                                                  "H3 Sampler")
+
+
+def make_core_model(rt, reload=None, on_release=None):
+    """The MODEL of a resident runtime: an H3ModelPatcher over an H3CoreModel (or UnavailableModel)."""
+    classes = _core_classes()
+    if classes is None:
+        return UnavailableModel("comfy.model_base has no MiniMaxH3")
+    model_cls, patcher_cls = classes
+    sm = optional_comfy_module("comfy.supported_models")
+    mm = optional_comfy_module("comfy.model_management")
+    handle = RuntimeHandle(rt, reload, on_release)
+    cfg = rt.config
+    config = sm.MiniMaxH3({"image_model": "minimax_h3", "disable_unet_model_creation": True})
+    config.sampling_settings = {"shift": cfg.shift_video, "audio_shift": cfg.shift_audio}
+    config.set_inference_dtype(rt.dtype, None)
+    model = model_cls(config, handle, device=rt.device)
+    offload = mm.unet_offload_device() if mm is not None else torch.device("cpu")
+    return patcher_cls(model, load_device=rt.device, offload_device=offload)
+
+
+def run_report(model, latent_video, latent_audio, title: str) -> dict:
+    """The last sampling run's report of a MODEL from the loader (for H3 Diagnostics)."""
+    handle = getattr(getattr(model, "model", None), "h3_handle", None)
+    if not isinstance(handle, RuntimeHandle):
+        raise node_error(title, f"model must be the MODEL output of H3 NVFP4 Model Loader (or a patched copy of it); "
+                                f"got {type(getattr(model, 'model', model)).__name__}")
+    try:
+        rep = handle.call.report(latent_video, latent_audio, {"host": "comfyui core sampler"})
+    except H3Error as e:
+        raise node_error(title, str(e)) from e
+    return rep

@@ -1,0 +1,182 @@
+"""What MODEL patch nodes record on core's ModelPatcher, read for the H3 MODEL (``core_model``).
+
+- **LoRAs** (``LoraLoaderModelOnly``, ``LoraLoader``): core records ``model.patches[key] = [(strength_patch, adapter,
+  strength_model, offset, function), ...]`` per weight name (``diffusion_model.blocks.3.attn.qkv_proj.weight``),
+  meaning to merge them into its own weights when the model loads. The H3 MODEL has no weights in core's format:
+  ``lora_specs`` turns the records into LoRA files of this pack's key forms (the LoRA factors as core read them,
+  written once per distinct set to a temporary folder) that the runtime's LoRA machinery applies (merge into the
+  resident weights, NVFP4 re-quantized, or the side path; the FC2 guard sees side paths). The n-th record of every
+  weight with the same strength forms one LoRA (chained loader nodes stack in order). Low-rank (``LoRAAdapter``)
+  and full ``diff`` records are taken; anything else (LoHa, LoKr, OFT, DoRA, offsets, weight functions, model
+  merges, ``strength_model != 1``) is refused by name.
+- **Refusals**: a patch that would change what the network computes and that the runtime cannot honour
+  (``patches_replace`` entries, ``patches``, an attention override, a diffusion-model wrapper, object patches
+  other than ``model_sampling``, weight hooks, a ControlNet) raises ONE H3NodeError naming the entry, where it
+  comes from and what to use instead. Nothing is silently ignored.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import tempfile
+
+import torch
+
+from ._common import node_error, optional_comfy_module
+
+TITLE = "H3 MODEL"
+LORA_MODE = "merge"  # core merges LoRAs into its weights; the runtime merges too (NVFP4 layers re-quantized)
+PREFIX = "diffusion_model."
+
+# object patches core's own H3 nodes make and the runtime follows (MiniMaxH3SigmaShift patches model_sampling)
+ALLOWED_OBJECT_PATCHES = ("model_sampling",)
+
+_files: dict = {}  # content signature -> (temporary LoRA file, the records it came from: keeps their ids unique)
+_MAX_FILES = 16
+_tmp: dict = {"dir": None}
+
+
+def _refuse(what: str, todo: str):
+    raise node_error(TITLE, f"{what} cannot run on the H3 MODEL from H3 NVFP4 Model Loader (this pack's fast "
+                            f"stack has no such hook), and it is never dropped silently. {todo}")
+
+
+_CORE_ROUTE = ("Load the same checkpoint with core's UNETLoader for that graph, or remove the node that adds it "
+               "before the sampler")
+
+
+def check_transformer_options(options: dict) -> None:
+    """Refuse what in ``transformer_options`` (as core hands it to the diffusion model) would change the
+    network and cannot be honoured. Keys core itself sets per call (sigmas, sample_sigmas, shifts, uuids, ...)
+    and callbacks pass."""
+    options = options or {}
+    replace = options.get("patches_replace") or {}
+    for group, entries in replace.items():
+        for key in (entries or {}):
+            _refuse(f"a block replacement patches_replace[{group!r}][{key!r}] (added by a MODEL patch node such as "
+                    "MiniMaxH3FunControlNetApply or another pack's block patch)", _CORE_ROUTE + ".")
+    for name, fns in (options.get("patches") or {}).items():
+        if fns:
+            _refuse(f"a model patch patches[{name!r}] (added by a MODEL patch node, e.g. an attention or block "
+                    "patch)", _CORE_ROUTE + ".")
+    if options.get("optimized_attention_override") is not None:
+        _refuse("an attention override (optimized_attention_override, set by an attention node of another pack)",
+                "The loader's attention widget picks this pack's attention backends (sage2, sdpa, sparse, ...); "
+                "remove the override node, or use core's UNETLoader for it.")
+    wrappers = (options.get("wrappers") or {}).get("diffusion_model") or {}
+    for key, fns in wrappers.items():
+        if fns:
+            _refuse(f"a diffusion-model wrapper ({key or 'unnamed'}: {_names(fns)}; e.g. EasyCache, a Fun "
+                    "ControlNet or another pack's cache)",
+                    "Use the loader's first_block_cache / attention=sparse for speed, or core's UNETLoader for that "
+                    "node.")
+
+
+def _names(fns) -> str:
+    return ", ".join(getattr(f, "__qualname__", type(f).__name__) for f in fns)
+
+
+def check_patcher(patcher) -> None:
+    """Refuse object patches and weight hooks recorded on the ModelPatcher (LoRA patches are read by
+    ``lora_specs``, transformer options by ``check_transformer_options``)."""
+    for name in getattr(patcher, "object_patches", {}) or {}:
+        if name not in ALLOWED_OBJECT_PATCHES:
+            _refuse(f"an object patch of {name!r} (ModelPatcher.add_object_patch, from a MODEL patch node)",
+                    _CORE_ROUTE + ".")
+    if getattr(patcher, "hook_patches", None):
+        _refuse("weight hooks (CreateHookLora / hooks on the conditioning)",
+                "Use LoraLoaderModelOnly on the MODEL instead, or core's UNETLoader for hooks.")
+    for k, fn in (getattr(patcher, "weight_wrapper_patches", {}) or {}).items():
+        if fn:
+            _refuse(f"a weight wrapper on {k!r} (ModelPatcher.add_weight_wrapper)", _CORE_ROUTE + ".")
+    check_transformer_options((getattr(patcher, "model_options", {}) or {}).get("transformer_options", {}))
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA records -> LoRA files of this pack's key forms
+# ---------------------------------------------------------------------------------------------
+
+def _lora_adapter_class():
+    mod = optional_comfy_module("comfy.weight_adapter")
+    return getattr(mod, "LoRAAdapter", None) if mod is not None else None
+
+
+def _entry_tensors(key: str, entry, lora_cls) -> dict[str, torch.Tensor]:
+    """One record of ``model.patches[key]`` -> its tensors under this pack's key forms (module + suffix)."""
+    strength, adapter, strength_model, offset, function = (tuple(entry) + (None,) * 5)[:5]
+    if not key.startswith(PREFIX) or not key.endswith((".weight", ".bias")):
+        _refuse(f"a patch of {key!r} (core patches weights named diffusion_model.<module>.weight/.bias)",
+                "Remove the node that adds it.")
+    module, param = key[len(PREFIX):].rsplit(".", 1)
+    where = f"the patch of {key} (strength {strength})"
+    if strength_model not in (None, 1.0):
+        _refuse(f"{where} scales the model weight by strength_model={strength_model} (a model merge)",
+                "Merge checkpoints offline, or use core's UNETLoader for merges.")
+    if offset is not None:
+        _refuse(f"{where} updates a slice {offset} of the weight", "Convert the LoRA to whole-module keys "
+                "(ComfyUI names such as blocks.N.attn.qkv_proj) or use H3 LoRA on the H3_MODEL output.")
+    if function is not None:
+        _refuse(f"{where} carries a weight function", _CORE_ROUTE + ".")
+    if lora_cls is not None and isinstance(adapter, lora_cls):
+        up, down, alpha, mid, dora, reshape = (tuple(adapter.weights) + (None,) * 6)[:6]
+        if mid is not None or dora is not None or reshape is not None:
+            kind = "DoRA" if dora is not None else ("a LoCon mid weight" if mid is not None else "a reshape")
+            _refuse(f"{where} is a LoRA with {kind}", "Use a plain low-rank LoRA (lora_up/lora_down).")
+        if param != "weight":
+            _refuse(f"{where} is a low-rank update of a bias", "Use a LoRA whose bias updates are .diff_b tensors.")
+        out = {f"{module}.lora_up.weight": up, f"{module}.lora_down.weight": down}
+        if alpha is not None:
+            out[f"{module}.alpha"] = torch.tensor(float(alpha))
+        return out
+    if isinstance(adapter, tuple) and (len(adapter) == 1 or (len(adapter) == 2 and adapter[0] == "diff")):
+        diff = adapter[0] if len(adapter) == 1 else adapter[1][0]
+        if isinstance(diff, torch.Tensor):
+            return {f"{module}.{'diff' if param == 'weight' else 'diff_b'}": diff}
+    kind = getattr(adapter, "name", None) or (adapter[0] if isinstance(adapter, tuple) and adapter
+                                              and isinstance(adapter[0], str) else type(adapter).__name__)
+    _refuse(f"{where} is of kind {kind!r} (LoHa / LoKr / OFT / GLoRA adapters, 'set' patches and model merges "
+            "have no form in this pack's LoRA machinery, which takes low-rank LoRAs and full diffs)",
+            "Convert the adapter to a plain LoRA, or use core's UNETLoader for it.")
+
+
+def _tmp_dir() -> str:
+    if _tmp["dir"] is None:
+        _tmp["dir"] = tempfile.mkdtemp(prefix="h3b-core-loras-")
+        atexit.register(shutil.rmtree, _tmp["dir"], True)
+    return _tmp["dir"]
+
+
+def lora_specs(patches: dict, mode: str = LORA_MODE) -> list[tuple[str, float, str]]:
+    """``ModelPatcher.patches`` -> the runtime's LoRA stack ``[(file, strength, mode)]``: one file per stack
+    position and strength (the n-th record of each weight), written once per distinct content and reused (the
+    runtime then sees the same stack and does nothing). Raises H3NodeError for a record it cannot take."""
+    if not patches:
+        return []
+    from safetensors.torch import save_file
+
+    lora_cls = _lora_adapter_class()
+    groups: dict[tuple[int, float], dict] = {}
+    ident: dict[tuple[int, float], list] = {}
+    for key in sorted(patches):
+        for j, entry in enumerate(patches[key]):
+            strength = float(entry[0])
+            tensors = _entry_tensors(key, entry, lora_cls)
+            groups.setdefault((j, strength), {}).update(tensors)
+            ident.setdefault((j, strength), []).append((key, id(entry[1])))
+    specs = []
+    for g in sorted(groups):
+        sig = (g, tuple(ident[g]), tuple((k, tuple(t.shape), t.dtype, t.data_ptr()) for k, t in
+                                         sorted(groups[g].items())))
+        hit = _files.get(sig)
+        if hit is None:
+            if len(_files) >= _MAX_FILES:
+                old, _ = _files.pop(next(iter(_files)))
+                os.remove(old)
+            _tmp["count"] = _tmp.get("count", 0) + 1
+            path = os.path.join(_tmp_dir(), f"core-lora-{_tmp['count']}-x{g[1]:g}.safetensors")
+            save_file({k: t.detach().to("cpu").contiguous() for k, t in groups[g].items()}, path)
+            hit = _files[sig] = (path, groups[g])
+        specs.append((hit[0], g[1], mode))
+    return specs

@@ -1,0 +1,305 @@
+"""One model evaluation for a host that runs its own sampler (ComfyUI's KSampler driving the H3 MODEL).
+
+The contract is core's ``MiniMaxH3Model.forward`` (``comfy/ldm/minimax/model.py``): per call the host hands
+over the video latent ``[B, C, T, H, W]``, the audio latent ``[B, Ca, 2, Ta]`` *carried* on the video
+schedule (``y = (sigma_v / sigma_a) * x_audio`` when ``audio_scale != 1``, the sampler's ``ModelSamplingAV``),
+the video sigma (core passes ``timestep = sigma * 1000`` and divides again, fp32), the text states and the
+conditioning. It gets back the negated network output (CONST velocity ``eps - x0``) for the video and, for
+the audio, the velocity of the carried variable ``(1 - s) * x_a + (1 + (s - 1) * sigma_a) * v_a``
+(``runtime.sampling.schedule.carry_in`` / ``carry_out``): exactly what ``sample`` computes inside its loop.
+
+A sampling run (``begin_run`` .. ``end_run``) builds the run plan once, from the first call's text states,
+shapes, conditioning and the host's whole schedule (``schedule``: core's ``sample_sigmas``, trailing 0
+included): the refined text, layout, RoPE tables and the modulation rows of every scheduled sigma. A call at a
+scheduled sigma then costs only the block stack; a call at another sigma (a sampler's intermediate point)
+plans that one sigma. A call whose text, shapes, conditioning or shifts differ (a second conditioning: CFG)
+gets its own plan. Sparse attention and the First-Block Cache follow the calls (``runtime.sampling.lossy``):
+the sparse window from each call's sigma, the cache's steps are the calls of the run; both need one
+conditioning per run. ``report(video, audio)`` gives the run's report (the ``sample`` report's fields; the
+latent hashes are those of the final latents the host hands in).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import H3Error
+from ..model.conditioning import H3Conditioning
+from .lossy import LossyRun
+from .report import RunRecord, build_report, latent_sha256
+from .schedule import carry_in, carry_out, model_sigma
+
+__all__ = ["ModelCall", "weight_shapes"]
+
+_OFF_SCHEDULE_PLANS = 8  # plans kept for sigmas outside the schedule (a sampler's intermediate points)
+
+
+def weight_shapes(rt) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every weight of the model under ComfyUI's checkpoint names (``blocks.3.attn.qkv_proj.weight`` ...), with
+    the shape and dtype of the dense tensor core would hold: the names a host that patches weights by name
+    (ComfyUI's LoRA loaders) addresses. Built on the meta device: no memory, whatever the resident format."""
+    from ..model.h3 import H3Model
+
+    cfg = rt.config
+    m = H3Model(cfg, rt.dtype, device="meta")
+    return {k: (tuple(v.shape), v.dtype) for k, v in m.state_dict().items()}
+
+
+@dataclass
+class _Plan:
+    """One conditioning's plan within a run: the inputs it was built for, the plan, the schedule's model sigmas."""
+
+    text: torch.Tensor
+    tags: torch.Tensor | None
+    shapes: tuple
+    cond: H3Conditioning | None
+    shifts: tuple
+    plan: object
+    sigmas: list
+    cond_full: H3Conditioning | None = None  # cond with the run's schedule as sample_sigmas
+    extra: dict = field(default_factory=dict)  # off-schedule sigma -> one-sigma plan
+
+    def matches(self, text, tags, shapes, cond, shifts) -> bool:
+        if self.shapes != shapes or self.shifts != shifts or self.cond is not cond:
+            return False
+        if (self.tags is None) != (tags is None) or (tags is not None and not torch.equal(self.tags, tags)):
+            return False
+        return self.text.shape == text.shape and torch.equal(self.text, text.to(self.text.device, self.text.dtype))
+
+
+@dataclass
+class _Run:
+    schedule: list | None
+    plans: list = field(default_factory=list)
+    lossy: LossyRun | None = None
+    lossy_plan: object = None
+    calls: int = 0
+    marks: list = field(default_factory=list)  # (start, stop) CUDA events or perf_counter floats per call
+    finite: list = field(default_factory=list)  # 0-d bool tensors per call (video, audio): read at the end
+    t0: float = 0.0
+    seconds: float | None = None
+    direct0: int = 0
+    fc2: dict | None = None
+    sparse_tau: float | None = None
+    first_block_cache: float | None = None
+    last: tuple | None = None  # (text shape, video shape, audio shape, shifts) of the last call, for the report
+
+
+class ModelCall:
+    """Evaluate the resident model ``rt`` (an H3Runtime or a LoRA view of it) one sigma at a time.
+
+    Use: ``begin_run(schedule)``, then ``__call__`` once per model evaluation, then ``end_run()``; a call
+    outside a run starts one implicitly (no schedule known: each sigma is planned alone).
+    """
+
+    def __init__(self, rt):
+        self.rt = rt
+        self.run: _Run | None = None
+        self.last_run: _Run | None = None
+
+    # -- run boundaries ------------------------------------------------------------------------
+    def begin_run(self, schedule=None, sparse_tau: float | None = None,
+                  first_block_cache: float | None = None) -> None:
+        """Start a sampling run. schedule: the host's sigmas [N + 1] (trailing 0) or None; sparse_tau /
+        first_block_cache: this run's LOSSY settings (None: the load options')."""
+        if self.run is not None:
+            self.end_run()
+        sched = None if schedule is None else [float(s) for s in torch.as_tensor(schedule).flatten().float()]
+        rt = self.rt
+        self.run = _Run(sched, sparse_tau=sparse_tau, first_block_cache=first_block_cache)
+        self.run.direct0 = getattr(rt.ops, "fc2_direct_calls", 0)
+        if rt.fc2 is not None:
+            rt.fc2.begin_run()
+        self.run.t0 = time.perf_counter()
+
+    def end_run(self) -> None:
+        """Close the run: its FC2 counters, lossy summaries and timings are kept for ``report``."""
+        run, rt = self.run, self.rt
+        if run is None:
+            return
+        if rt.device.type == "cuda":
+            torch.cuda.synchronize(rt.device)
+        run.seconds = time.perf_counter() - run.t0
+        counts = rt.fc2.end_run() if rt.fc2 is not None else {"attempts": 0, "successes": 0, "fallbacks": 0}
+        run.fc2 = {k: counts[k] for k in ("attempts", "successes", "fallbacks")}
+        run.fc2["direct_calls"] = getattr(rt.ops, "fc2_direct_calls", 0) - run.direct0
+        if run.lossy is not None:
+            run.lossy.end_run(True)
+        self.last_run, self.run = run, None
+
+    # -- one evaluation --------------------------------------------------------------------------
+    @torch.no_grad()
+    def __call__(self, video: torch.Tensor, audio: torch.Tensor, sigma, text_states: torch.Tensor,
+                 token_tags: torch.Tensor | None = None, cond: H3Conditioning | None = None,
+                 shifts: tuple | None = None, audio_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(video [1, C, T, H, W], audio [1, Ca, 2, Ta] carried when audio_scale != 1) at video sigma ``sigma``
+        (the value the network sees: core's ``timestep / 1000`` in fp32, clamped at 1e-6; a scheduled sigma s
+        arrives as ``(s * 1000) / 1000``, ``schedule.model_sigma``) -> (video velocity, carried audio velocity), fp32,
+        on the inputs' device. text_states [1, L, text_dim] (or already refined [1, L, hidden]); cond: the
+        conditioning (its ``sample_sigmas`` is replaced by the run's schedule); shifts: (video, audio) flow
+        shifts, default the model's. Batch 1 (core's model refuses more; the host loops)."""
+        rt = self.rt
+        if self.run is None:
+            self.begin_run()
+        run = self.run
+        cfg = rt.config
+        if video.shape[0] != 1 or audio.shape[0] != 1 or text_states.shape[0] != 1:
+            raise H3Error(f"one clip per call (batch 1); got video {list(video.shape)}, audio {list(audio.shape)}, "
+                          f"text {list(text_states.shape)}")
+        shifts = (float(shifts[0]), float(shifts[1])) if shifts is not None else (cfg.shift_video, cfg.shift_audio)
+        sm = torch.as_tensor(sigma, dtype=torch.float32).reshape(()).cpu().clamp(min=1e-6)
+        p = self._plan_for(text_states, token_tags, (tuple(video.shape), tuple(audio.shape)), cond, shifts)
+        plan, i = self._step(p, float(sm))
+        lossy = self._lossy(p, plan)
+        if lossy is not None:
+            lossy.begin_step(run.calls, float(sm))
+        out_dev = video.device
+        dev = rt.device
+        self._mark_start()
+        xv = video.to(dev, torch.float32)
+        y = audio.to(dev, torch.float32)
+        s_dev = sm.to(dev)
+        xa = carry_in(y, s_dev, *shifts) if audio_scale != 1.0 else y
+        model = rt.model
+        ops = rt.ops
+        if lossy is not None and lossy.cache is not None:
+            vv, va = model.evaluate(plan, i, xv, xa, ops, _CallCache(lossy.cache, run.calls))
+        else:
+            vv, va = model.evaluate(plan, i, xv, xa, ops)
+        vy = carry_out(va, xa, s_dev, shifts[0], shifts[1], audio_scale) if audio_scale != 1.0 else va
+        run.finite.append((torch.isfinite(vv).all(), torch.isfinite(vy).all()))
+        self._mark_stop()
+        run.calls += 1
+        run.last = (tuple(text_states.shape), tuple(video.shape), tuple(audio.shape), shifts)
+        return vv.float().to(out_dev), vy.float().to(out_dev)
+
+    # -- plans -----------------------------------------------------------------------------------
+    def _plan_for(self, text, tags, shapes, cond, shifts) -> _Plan:
+        run = self.run
+        for p in run.plans:
+            if p.matches(text, tags, shapes, cond, shifts):
+                return p
+        sched = run.schedule
+        sigmas = [float(model_sigma(torch.tensor(s))) for s in sched[:-1]] if sched else []
+        c = cond if cond is not None else H3Conditioning()
+        if sched:
+            c = H3Conditioning(c.keyframes, c.refs, c.denoise_mask, c.audio_denoise_mask,
+                               torch.tensor(sched, dtype=torch.float32), c.visual_cond_noise_aug,
+                               c.audio_cond_noise_aug, c.seed)
+        plan = None
+        if sigmas:
+            plan = self.rt.model.plan(text.float(), shapes[0], shapes[1], sigmas, token_tags=tags, shifts=shifts,
+                                      cond=c)
+        p = _Plan(text.detach().clone(), None if tags is None else tags.detach().clone(), shapes, cond, shifts,
+                  plan, sigmas, c)
+        run.plans.append(p)
+        return p
+
+    def _step(self, p: _Plan, sigma: float):
+        """(plan, step index) for a model sigma: the run plan's step when the schedule has it, else a one-sigma
+        plan (kept for a few sigmas)."""
+        for i, s in enumerate(p.sigmas):
+            if s == sigma:
+                return p.plan, i
+        if sigma not in p.extra:
+            if len(p.extra) >= _OFF_SCHEDULE_PLANS:
+                p.extra.pop(next(iter(p.extra)))
+            p.extra[sigma] = self.rt.model.plan(p.text.float(), p.shapes[0], p.shapes[1], [sigma], token_tags=p.tags,
+                                                shifts=p.shifts, cond=p.cond_full)
+        return p.extra[sigma], 0
+
+    def _lossy(self, p: _Plan, plan) -> LossyRun | None:
+        """The run's sparse attention / First-Block Cache context, bound to the run's one conditioning."""
+        run, rt = self.run, self.rt
+        if run.lossy is None:
+            run.lossy = LossyRun.for_call(rt, run.sparse_tau, run.first_block_cache, None)
+            if run.lossy is None:
+                return None
+            run.lossy_plan = p
+            run.lossy.begin_run(plan, p.shifts[0])
+        elif run.lossy_plan is not p:
+            raise H3Error("sparse attention / the First-Block Cache follow one conditioning per sampling run; this "
+                          "run evaluates a second one (CFG with a negative prompt, or a changed conditioning). "
+                          "Sample with cfg 1 (BasicGuider), or load without attention=sparse and first_block_cache")
+        return run.lossy
+
+    # -- timing ----------------------------------------------------------------------------------
+    def _mark_start(self):
+        if self.rt.device.type == "cuda":
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.run.marks.append([e, None])
+        else:
+            self.run.marks.append([time.perf_counter(), None])
+
+    def _mark_stop(self):
+        if self.rt.device.type == "cuda":
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.run.marks[-1][1] = e
+        else:
+            self.run.marks[-1][1] = time.perf_counter()
+
+    # -- the report ------------------------------------------------------------------------------
+    def report(self, video: torch.Tensor, audio: torch.Tensor, workload_extra: dict | None = None) -> dict:
+        """The last finished run's report (``sample``'s fields): per-call seconds as ``per_step_seconds``, the
+        FC2 counters, the lossy blocks, ``latents_finite`` from every call's output, and the sha256 of ``video`` /
+        ``audio`` (the host's final latents). Raises H3Error when no run has finished."""
+        run = self.last_run
+        if run is None or run.seconds is None:
+            raise H3Error("no sampling run of this model has finished yet; connect the report after the sampler")
+        rt = self.rt
+        if rt.device.type == "cuda":
+            per_call = [a.elapsed_time(b) / 1000.0 for a, b in run.marks]
+        else:
+            per_call = [b - a for a, b in run.marks]
+        bad = None
+        for k, (fv, fa) in enumerate(run.finite):
+            if not bool(fv) or not bool(fa):
+                bad = {"run": 1, "step": k + 1, "steps": len(run.finite), "stream": "video" if not bool(fv) else "audio"}
+                break
+        rec = RunRecord(run.seconds, [{"step": k + 1, "seconds": v} for k, v in enumerate(per_call)], None, None,
+                        latent_sha256(video.float()), latent_sha256(audio.float()), dict(run.fc2), nonfinite=bad)
+        workload = self._workload(run, video, audio, workload_extra)
+        fc2_status = rt.fc2.status() if rt.fc2 is not None and hasattr(rt.fc2, "status") else None
+        fc2_status = {**(fc2_status or {}), **rt.ops.status()}
+        report = build_report(rt, workload, [rec], 0, video.float(), audio.float(),
+                              fc2_required=rt.config.num_layers * run.calls, fc2_status=fc2_status)
+        if rt.fc2 is None:
+            report["fc2_dispatch"]["status"] = (
+                f"not active: {rt.plan.choices['fc2_lt'].reason}" if rt.ops.name != "reference" else
+                "not active: the block stack runs dense linears (no NVFP4 FC2 path)")
+        report["load_seconds"] = rt.load_seconds
+        if run.lossy is not None:
+            report.update(run.lossy.report())
+        return report
+
+    @staticmethod
+    def _workload(run: _Run, video, audio, extra: dict | None) -> dict:
+        p = run.plans[0] if run.plans else None
+        lay = None if p is None or p.plan is None else p.plan.layout
+        w = {"resolution": [video.shape[-1] * 16, video.shape[-2] * 16], "frames": None,
+             "latent_frames": video.shape[2], "audio_frames": audio.shape[-1],
+             "packed_tokens": lay.seq_len if lay is not None else None,
+             "text_tokens": p.text.shape[1] if p is not None else None,
+             "steps": max(len(run.schedule) - 1, 0) if run.schedule else run.calls,
+             "model_calls": run.calls, "conditionings": len(run.plans),
+             "shifts": list(p.shifts) if p is not None else None, "sampler": "host (ComfyUI core)"}
+        if lay is not None:
+            w["segments"] = [[k, a, b] for a, b, k in lay.segments]
+        if extra:
+            w.update(extra)
+        return w
+
+
+class _CallCache:
+    """The run's First-Block Cache seen from one call: its step is the call's index in the run."""
+
+    def __init__(self, cache, step: int):
+        self.cache, self.step = cache, step
+
+    def run(self, i, x, first, rest):
+        return self.cache.run(self.step, x, first, rest)

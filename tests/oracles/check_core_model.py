@@ -1,0 +1,214 @@
+"""Acceptance of the H3 MODEL (H3 NVFP4 Model Loader's second output) inside a ComfyUI with core H3, on the CPU.
+
+Not a pytest module and not run by CI (it needs a ComfyUI checkout, which is never committed). Core's own nodes run
+the same graph twice on the same ``make-tiny`` file: once on core's ``UNETLoader`` model, once on our MODEL (the
+runtime loaded dense: ``H3_NVFP4=0``, fp32, attention reference); the two LATENTs must agree within 1e-3 rel-L2
+per stream. Graphs:
+
+- ``shift_ksampler``: ``MiniMaxH3SigmaShift`` (video 8, audio 2) + ``KSampler`` (euler, simple);
+- ``guides_ksampler_advanced``: ``MiniMaxH3AddGuide`` first frame (index 0) and last frame (index -1) +
+  ``KSamplerAdvanced`` (dpmpp_2m, beta);
+- ``lora_shift_ksampler``: ``LoraLoaderModelOnly`` at strength 0.8 before the shift, then as the first graph;
+- ``custom_advanced_refs``: a ``MiniMaxH3ReferenceToVideo``-shaped conditioning (two images, a video with its
+  soundtrack, an audio) through ``SamplerCustomAdvanced`` (BasicGuider, res_multistep, simple), the template's
+  sampling path.
+
+The guide images go through a stand-in VAE (a fixed projection of 16x16 pixel blocks to 24 channels): the graphs
+need latents of the real shapes, not real VAE weights. Usage::
+
+    cd <ComfyUI checkout> && <its python> <repo>/tests/oracles/check_core_model.py [--json out.json]
+
+The repository must be importable as ``h3_blackwell`` (the script puts a link to it on sys.path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+TOL = 1e-3
+
+
+def _import_path() -> None:
+    """Make ``import h3_blackwell`` resolve to this checkout (a link named h3_blackwell in a temp folder)."""
+    link_dir = Path(tempfile.mkdtemp(prefix="h3b-pkg-"))
+    (link_dir / "h3_blackwell").symlink_to(REPO)
+    sys.path.insert(0, str(link_dir))
+    sys.path.insert(1, str(REPO / "tests"))
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+class StandInVAE:
+    """``encode(pixels [F, H, W, 3])`` -> ``[1, 24, t, H/16, W/16]`` (t = 1 for one frame, 5k+2 for 17k+5):
+    mean of each 16x16 block through a fixed 3->24 projection (seed 7), so guides carry image content."""
+
+    def __init__(self):
+        self.proj = torch.randn(24, 3, generator=torch.Generator().manual_seed(7))
+
+    def encode(self, pixels):
+        f, h, w, _ = pixels.shape
+        blocks = pixels[..., :3].float().reshape(f, h // 16, 16, w // 16, 16, 3).mean(dim=(2, 4))  # [F, h, w, 3]
+        lat = torch.einsum("fhwc,dc->dfhw", blocks, self.proj)
+        t = 1 if f < 5 else (f - 5) // 17 * 5 + 2
+        idx = torch.linspace(0, f - 1, t).round().long()
+        return lat[:, idx][None]
+
+
+def setup(work: Path):
+    sys.argv = ["main.py", "--cpu"]
+    sys.path.insert(0, os.getcwd())  # the ComfyUI checkout
+    import comfy.options
+
+    comfy.options.enable_args_parsing()
+    import folder_paths
+    import nodes
+
+    asyncio.run(nodes.init_extra_nodes(init_custom_nodes=False, init_api_nodes=False))
+    for kind in ("diffusion_models", "loras"):
+        (work / kind).mkdir(parents=True, exist_ok=True)
+        folder_paths.add_model_folder_path(kind, str(work / kind), is_default=True)
+    from h3_blackwell.runtime.model.config import TINY
+    from h3_blackwell.runtime.model.tiny import save_tiny
+
+    save_tiny(work / "diffusion_models" / "tiny.safetensors", seed=0, dtype=torch.bfloat16)
+    from fixtures.tiny_lora import save_tiny_lora, tiny_lora_truth
+
+    save_tiny_lora(work / "loras" / "tiny_lora.safetensors", tiny_lora_truth(TINY, seed=3), "diffusion_model")
+    return nodes
+
+
+def _v3(node_cls, **kw):
+    out = node_cls.execute(**kw)
+    return out.result if hasattr(out, "result") else out
+
+
+def _streams(latent):
+    v, a = latent["samples"].unbind()
+    return v.float(), a.float()
+
+
+def text_conditioning(tokens: int = 12, seed: int = 1234):
+    g = torch.Generator().manual_seed(seed)
+    states = torch.randn(1, tokens, 5120, generator=g)
+    tags = torch.ones(tokens, dtype=torch.long)
+    tags[3:6] = 0  # a vision span inside the text, as the minimax CLIP tags it
+    return [[states, {"minimax_token_tags": tags}]]
+
+
+def graphs(nodes):
+    """name -> fn(model) -> LATENT, each a graph of core's nodes around the given MODEL."""
+    h3 = nodes.NODE_CLASS_MAPPINGS
+    shift_cls, guide_cls = h3["MiniMaxH3SigmaShift"], h3["MiniMaxH3AddGuide"]
+    empty_cls = h3["EmptyMiniMaxH3LatentAV"]
+    (latent,) = _v3(empty_cls, width=128, height=96, length=22)
+    pos = text_conditioning()
+    vae = StandInVAE()
+    g = torch.Generator().manual_seed(11)
+    first, last = torch.rand(1, 96, 128, 3, generator=g), torch.rand(1, 96, 128, 3, generator=g)
+    (guided,) = _v3(guide_cls, positive=pos, latent=latent, frame_idx=0, vae=vae, image=first)
+    (guided,) = _v3(guide_cls, positive=guided, latent=latent, frame_idx=-1, vae=vae, image=last)
+
+    def shift_ksampler(model):
+        (m,) = _v3(shift_cls, model=model, shift_video=8.0, shift_audio=2.0)
+        return nodes.KSampler().sample(m, 440420, 6, 1.0, "euler", "simple", pos, pos, latent)[0]
+
+    def guides_ksampler_advanced(model):
+        return nodes.KSamplerAdvanced().sample(model, "enable", 77, 6, 1.0, "dpmpp_2m", "beta", guided, guided,
+                                               latent, 0, 10000, "disable")[0]
+
+    def lora_shift_ksampler(model):
+        (m,) = nodes.LoraLoaderModelOnly().load_lora_model_only(model, "tiny_lora.safetensors", 0.8)
+        return shift_ksampler(m)
+
+    def custom_advanced_refs(model):
+        refs = ref_conditioning(pos)
+        cs = {k: h3[k] for k in ("BasicGuider", "RandomNoise", "KSamplerSelect", "BasicScheduler",
+                                 "SamplerCustomAdvanced")}
+        (guider,) = _v3(cs["BasicGuider"], model=model, conditioning=refs)
+        (noise,) = _v3(cs["RandomNoise"], noise_seed=5)
+        (sampler,) = _v3(cs["KSamplerSelect"], sampler_name="res_multistep")
+        (sigmas,) = _v3(cs["BasicScheduler"], model=model, scheduler="simple", steps=5, denoise=1.0)
+        out = _v3(cs["SamplerCustomAdvanced"], noise=noise, guider=guider, sampler=sampler, sigmas=sigmas,
+                  latent_image=latent)
+        return out[0]
+
+    return {"shift_ksampler": shift_ksampler, "guides_ksampler_advanced": guides_ksampler_advanced,
+            "lora_shift_ksampler": lora_shift_ksampler, "custom_advanced_refs": custom_advanced_refs}
+
+
+def ref_conditioning(pos):
+    """Two reference images, a 22-frame video with its soundtrack and an audio, as MiniMaxH3ReferenceToVideo
+    writes them (images, then videos, then audio)."""
+    g = torch.Generator().manual_seed(21)
+    refs = [{"kind": "image", "picture_index": 1, "latent_h": 6, "latent_w": 8, "latent": torch.randn(1, 24, 1, 6, 8, generator=g)},
+            {"kind": "image", "picture_index": 2, "latent_h": 4, "latent_w": 6, "latent": torch.randn(1, 24, 1, 4, 6, generator=g)},
+            {"kind": "video_audio", "latent_t": 7, "latent_h": 6, "latent_w": 8, "ref_audio_t": 37,
+             "latent": torch.randn(1, 24, 7, 6, 8, generator=g), "audio_latent": torch.randn(1, 32, 2, 37, generator=g)},
+            {"kind": "audio", "ref_audio_t": 20, "audio_latent": torch.randn(1, 32, 2, 20, generator=g)}]
+    return [[pos[0][0], {**pos[0][1], "minimax_refs": refs}]]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--only", nargs="*", help="graph names to run (default: all)")
+    a = ap.parse_args()
+    _import_path()
+    os.environ["H3_NVFP4"] = "0"  # our runtime dense: the comparison is of the adapter, not of NVFP4
+    work = Path(tempfile.mkdtemp(prefix="h3b-core-model-"))
+    nodes = setup(work)
+    import comfy.model_management as mm
+    from h3_blackwell.nodes.loader import H3ModelLoader
+    from h3_blackwell.nodes.model_report import H3ModelReport
+
+    core_model = nodes.UNETLoader().load_unet("tiny.safetensors", "default")[0]
+    rt, ours = H3ModelLoader().load("tiny.safetensors", "auto", "reference", "off", True)
+    results = {"comfyui": "kat3ri/ComfyUI snapshot (upstream 2026-08-15), --cpu", "torch": torch.__version__,
+               "tolerance_rel_l2": TOL, "our_model": {"dtype": str(rt.dtype), "stack": rt.ops.name,
+                                                      "attention": rt.plan.attention},
+               "core_model_dtype": str(core_model.model_dtype()), "graphs": {}}
+    ok = True
+    for name, fn in graphs(nodes).items():
+        if a.only and name not in a.only:
+            continue
+        t0 = time.perf_counter()
+        ref = _streams(fn(core_model))
+        t1 = time.perf_counter()
+        lat = fn(ours)
+        t2 = time.perf_counter()
+        got = _streams(lat)
+        errs = {"video": rel_l2(got[0], ref[0]), "audio": rel_l2(got[1], ref[1])}
+        report = H3ModelReport().report(ours, lat)[0]
+        passed = all(v <= TOL for v in errs.values())
+        ok &= passed
+        results["graphs"][name] = {"rel_l2": errs, "passed": passed, "core_seconds": round(t1 - t0, 3),
+                                   "ours_seconds": round(t2 - t1, 3), "video_shape": list(ref[0].shape),
+                                   "audio_shape": list(ref[1].shape),
+                                   "report": {"model_calls": report["workload"]["model_calls"],
+                                              "packed_tokens": report["workload"]["packed_tokens"],
+                                              "lora": (report["backends"].get("lora") or {}).get("reason"),
+                                              "latents_finite": report["latents_finite"]}}
+        print(f"{name}: video {errs['video']:.3g}, audio {errs['audio']:.3g} rel-L2 -> "
+              f"{'ok' if passed else 'FAIL'} ({report['workload']['model_calls']} calls)")
+    mm.unload_all_models()
+    results["passed"] = ok
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=2) + "\n")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
