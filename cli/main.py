@@ -71,7 +71,10 @@ def _generate_parser(sub) -> None:
     g.add_argument("--inputs", help="safetensors with video / audio (the LATENT to sample from: its shape is the "
                                     "canvas), text_states [, token_tags] and the tensors --payload names")
     g.add_argument("--payload", help="JSON conditioning with core's field names (keyframes, refs, denoise masks, "
-                                     "noise augmentation, seed: default --seed); needs --inputs")
+                                     "noise augmentation, seed: default --seed, control); needs --inputs")
+    g.add_argument("--control", metavar="CONTROL.safetensors",
+                   help="a Fun ControlNet (core's model patch file) applied with the payload's control field "
+                        "(hint, strength, sigma window, fades); needs --inputs and --payload")
     g.add_argument("--width", type=int, help="pixels, a multiple of 32 (default: 256 for small models such as the "
                                              "embedded tiny one, 1344 for the full model)")
     g.add_argument("--height", type=int, help="pixels, a multiple of 32 (default: 256 small models, 768 full)")
@@ -127,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "tensors the payload names")
     f.add_argument("--payload", help="JSON conditioning with core's field names (keyframes, refs, denoise_mask, "
                                      "audio_denoise_mask, sample_sigmas, *_cond_noise_aug, seed)")
+    f.add_argument("--control", metavar="CONTROL.safetensors",
+                   help="a Fun ControlNet (core's model patch file) applied with the payload's control field")
     f.add_argument("--out", required=True, help="safetensors file for the video and audio velocities")
     f.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
     f.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")

@@ -170,6 +170,11 @@ class ControlFile:
             return {"format": "nvfp4"}
         return None
 
+    def check_base(self, base) -> "ControlFile":
+        """Refuse a tower that does not fit the base model's H3Config (``FunControl.check_base``), from headers."""
+        check_fits(self.spec.block_config, self.spec.places, base)
+        return self
+
     def expected(self) -> dict[str, tuple]:
         """Names and shapes of every tensor the tower needs (its dense layout)."""
         with torch.device("meta"):

@@ -17,6 +17,7 @@ import torch
 
 from ..errors import H3Error, Interrupted
 from ..model.conditioning import H3Conditioning
+from ..model.control import bind_control
 from ..parallel.evaluate import ShardedEvaluator, numerics
 from ..parallel.rank_stats import gather_ranks, parallel_section, rank_run
 from .inpaint import Inpaint
@@ -214,7 +215,7 @@ def sample(rt, text_states: torch.Tensor, token_tags: torch.Tensor | None, video
            workload_extra: dict | None = None,
            preview: Callable[[int, int, torch.Tensor], None] | None = None, parallel=None,
            conditioning: H3Conditioning | None = None, sparse_tau: float | None = None,
-           first_block_cache: float | None = None) -> SampleResult:
+           first_block_cache: float | None = None, control=None) -> SampleResult:
     """Sample H3 latents with a resident model (ComfyUI core's math; see module docstring).
 
     text_states [1, L, text_dim] fp32; token_tags LongTensor [L] (1 text, 0 vision) or None (all text);
@@ -231,6 +232,9 @@ def sample(rt, text_states: torch.Tensor, token_tags: torch.Tensor | None, video
     parallel: a ParallelContext (runtime.parallel) when this process is one rank of a sequence-parallel run:
     every rank calls ``sample`` with the same arguments, the rows are split over the ranks, and every rank
     returns the same latents; the report gains a ``sequence_parallel`` block.
+    control: a Fun ControlNet tower (``runtime.io.control.load_control``) applied with ``conditioning.control``
+    (its hint, strength, sigma window and fades; core's MiniMaxH3FunControlNetApply); the report gains a
+    ``control`` block when it runs at some step.
     sparse_tau / first_block_cache: this call's LOSSY settings (runtime.sampling.lossy; default the load
     options'); the report gains ``sparse_attention`` / ``first_block_cache`` blocks when they are on.
     """
@@ -250,9 +254,18 @@ def sample(rt, text_states: torch.Tensor, token_tags: torch.Tensor | None, video
         raise H3Error("pass keyframes inside conditioning (H3Conditioning.keyframes), not both")
     if conditioning is not None:
         conditioning = _with_run_schedule(conditioning, sigmas)
+    hint = None if conditioning is None else conditioning.control
+    if (control is None) != (hint is None):
+        raise H3Error("a Fun ControlNet needs both the tower (control=, --control FILE) and the conditioning's "
+                      f"control hint (payload field control); found {'the tower' if hint is None else 'the hint'} only")
+    if control is not None and parallel is not None:
+        raise H3Error("the Fun ControlNet tower does not run under sequence parallelism yet; run it on one GPU")
     with torch.no_grad():
         plan = rt.model.plan(text_states.float(), tuple(video.shape), tuple(audio.shape), model_sigmas,
                              token_tags=token_tags, keyframes=keyframes, shifts=shifts, seed=seed, cond=conditioning)
+        if control is not None:  # core's window reads the sampler's sigma; the tower runs dense attention
+            bind_control(rt.model, control, hint, plan, [float(s) for s in sigmas[:-1]],
+                         ops=None if rt.sparse is None else rt.ops.with_attention(rt.sparse.dense))
     noise_v, noise_a = initial_noise(seed, video.shape, audio.shape)
     video0, audio0 = video.float().cpu(), audio.float().cpu()
     inpaint = None if conditioning is None else Inpaint.build(conditioning, video0, audio0, noise_v, scale, rt.device)
@@ -266,12 +279,15 @@ def sample(rt, text_states: torch.Tensor, token_tags: torch.Tensor | None, video
         fc2_status = rt.fc2.status()
     fc2_status = {**(fc2_status or {}), **rt.ops.status()}
     report = build_report(rt, workload, records, warmup, out[0], out[1],
-                          fc2_required=cfg.num_layers * steps, fc2_status=fc2_status)
+                          fc2_required=cfg.num_layers * steps + (0 if plan.control is None else plan.control.fc2_calls),
+                          fc2_status=fc2_status)
     if rt.fc2 is None:
         report["fc2_dispatch"]["status"] = (
             f"not active: {rt.plan.choices['fc2_lt'].reason}" if rt.ops.name != "reference" else
             "not active: the block stack runs dense linears (no NVFP4 FC2 path)")
     report["load_seconds"] = rt.load_seconds
+    if plan.control is not None:
+        report["control"] = plan.control.summary()
     if sp_section is not None:
         report["sequence_parallel"] = sp_section
     if lossy is not None:

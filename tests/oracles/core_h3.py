@@ -372,12 +372,27 @@ def pdd_span(sigma, sample_sigmas, n, shift_v):
 # the whole evaluation
 # ---------------------------------------------------------------------------------------------
 
+def dit_block(sd: dict, p: str, x: torch.Tensor, ctx: dict) -> torch.Tensor:
+    """One DiT block ``p`` (e.g. ``blocks.3``) of float64 weights ``sd`` over rows x: every row modulated by the
+    adaLN of its own (t, tag) from ``ctx`` (times, tags, temb, angles, heads, hd, eps, curve)."""
+    hidden, eps = x.shape[1], ctx["eps"]
+    mods = {tv: adaln(sd, p, e, not ctx["curve"]).reshape(3, 6, hidden) for tv, e in ctx["temb"].items()}
+    m = torch.stack([mods[tv][tag] for tv, tag in zip(ctx["times"], ctx["tags"])])  # [S, 6, hidden]
+    hmod = rms(x, sd[p + ".norm1.weight"], eps) * (1.0 + m[:, 1]) + m[:, 0]
+    x = x + m[:, 2] * attention(sd, p + ".attn", hmod, ctx["heads"], ctx["hd"], eps, ctx["angles"])
+    hmod = rms(x, sd[p + ".norm2.weight"], eps) * (1.0 + m[:, 4]) + m[:, 3]
+    return x + m[:, 5] * mlp(sd, p + ".mlp", hmod)
+
+
 def core_forward(sd: dict, video: torch.Tensor, audio: torch.Tensor, text_states: torch.Tensor, sigma: float,
-                 token_tags=None, payload: dict | None = None, shifts=(12.0, 3.0), eps: float = 1e-5):
+                 token_tags=None, payload: dict | None = None, shifts=(12.0, 3.0), eps: float = 1e-5,
+                 block_hook=None):
     """Core's model output (video [1,C,T,H,W], audio [1,Ca,2,Ta]) in float64 for one evaluation.
 
     sd: ComfyUI-named state dict (any dtype; used in float64). payload: core's payload with tensors in place
     (keyframes, refs, denoise_mask, audio_denoise_mask, sample_sigmas, *_cond_noise_aug, seed).
+    block_hook(i, x, ctx) -> x: called after base block i (a model patch such as core_control's tower); ctx holds
+    the embedded sequence ``x0`` and the per-row pieces ``dit_block`` reads, plus ``kinds``, ``latent_t``, ``sigma``.
     """
     payload = payload or {}
     sd = {k: v.to(F64) for k, v in sd.items()}
@@ -412,15 +427,13 @@ def core_forward(sd: dict, video: torch.Tensor, audio: torch.Tensor, text_states
 
     temb = {tv: t_embedding(sd, tv) for tv in sorted(set(times))}
     hidden = x.shape[1]
+    ctx = dict(x0=x.clone(), kinds=list(r.kind), times=times, tags=r.tag, angles=angles, temb=temb, heads=heads,
+               hd=hd, eps=eps, curve=curve, latent_t=t, sigma=sigma)
     i = 0
     while f"blocks.{i}.norm1.weight" in sd:
-        p = f"blocks.{i}"
-        mods = {tv: adaln(sd, p, e, not curve).reshape(3, 6, hidden) for tv, e in temb.items()}
-        m = torch.stack([mods[tv][tag] for tv, tag in zip(times, r.tag)])  # [S, 6, hidden]
-        hmod = rms(x, sd[p + ".norm1.weight"], eps) * (1.0 + m[:, 1]) + m[:, 0]
-        x = x + m[:, 2] * attention(sd, p + ".attn", hmod, heads, hd, eps, angles)
-        hmod = rms(x, sd[p + ".norm2.weight"], eps) * (1.0 + m[:, 4]) + m[:, 3]
-        x = x + m[:, 5] * mlp(sd, p + ".mlp", hmod)
+        x = dit_block(sd, f"blocks.{i}", x, ctx)
+        if block_hook is not None:
+            x = block_hook(i, x, ctx)
         i += 1
 
     fmods = {tv: adaln(sd, "final_layer", e, not curve).reshape(2, hidden) for tv, e in temb.items()}
