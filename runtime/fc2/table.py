@@ -8,7 +8,7 @@ SM count, CUDA / cuBLAS header and runtime versions). Entries come from evidence
   N=5,376, logical M=37,810, packed M=37,824, NVFP4 x NVFP4 -> BF16, no bias, no LoRA, after the
   SwiGLU NVFP4 producer, GB10 (sm_121), CUDA 13.0 runtime and headers, cuBLAS 13.1 headers,
   cuBLASLt 13.0 runtime; algo 70 / tile 20 / stages 37 / split-K 1 / reduction 0 / swizzle 0 /
-  custom 0, zero workspace. Nearby M values were *not* all exact there, so nothing generalises.
+  custom 0, zero workspace; for this exact shape only (its evidence: bench/NOTES.md).
 - JSON files written by ``h3-blackwell tune-fc2`` (:mod:`.tune`) under
   ``RuntimeOptions.cache_dir/fc2_lt/table/`` (``table_dir``) or loaded explicitly.
 
@@ -256,14 +256,8 @@ GB10_CANONICAL = Fc2Entry(
     scale_mode="vec16_ue4m3",
     producer=PRODUCER_SWIGLU_NVFP4,
     source="builtin: seed 003 (fc2_nvfp4_scheduling/RESULTS.md, 2025-08-25)",
-    evidence={
-        "fc2_p50_ms": {"baseline_stream_k": 53.618, "pinned_splitk1": 15.636},
-        "block_gate_p50_ms": {"0": [464.153, 420.714], "24": [460.184, 422.656], "49": [456.183, 420.335]},
-        "trajectory_12step_s": [286.431, 262.979],
-        "dispatch_12step": "600/600, zero fallback",
-        "exact": "block outputs and 2/12-step video/audio BF16 byte-exact vs baseline",
-        "not_exact_rows": [37711, 37725, 37742],
-    },
+    evidence={"notes": "bench/NOTES.md, 'The seed's GB10 FC2 entry': its timings, exactness and the logical M "
+                        "values that were not exact"},
 )
 
 BUILTIN_ENTRIES: tuple[Fc2Entry, ...] = (GB10_CANONICAL,)

@@ -67,6 +67,7 @@ __all__ = ["E4M3_MAX", "SCHEMES", "quantize_fp8", "rms_modulate_fp8", "swiglu_fp
 
 SCHEMES = ("auto", "loop", "row")
 
+
 def _launch(kernel, grid, device, *args, **kw):
     # fp fusion off: the references round every multiply and add separately (no FMA), and so must we.
     kernel[grid](*args, HW=hw_cvt(device), enable_fp_fusion=False, **kw)
