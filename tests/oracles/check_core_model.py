@@ -181,6 +181,7 @@ def main() -> int:
                                                       "attention": rt.plan.attention},
                "core_model_dtype": str(core_model.model_dtype()), "graphs": {}}
     ok = True
+    refs = {}
     for name, fn in graphs(nodes).items():
         if a.only and name not in a.only:
             continue
@@ -190,6 +191,7 @@ def main() -> int:
         lat = fn(ours)
         t2 = time.perf_counter()
         got = _streams(lat)
+        refs[name] = ref
         errs = {"video": rel_l2(got[0], ref[0]), "audio": rel_l2(got[1], ref[1])}
         report = H3ModelReport().report(ours, lat)[0]
         passed = all(v <= TOL for v in errs.values())
@@ -203,6 +205,14 @@ def main() -> int:
                                               "latents_finite": report["latents_finite"]}}
         print(f"{name}: video {errs['video']:.3g}, audio {errs['audio']:.3g} rel-L2 -> "
               f"{'ok' if passed else 'FAIL'} ({report['workload']['model_calls']} calls)")
+    if "lora_shift_ksampler" in refs and "shift_ksampler" in refs:
+        # the LoRA must change core's result (else the comparison would not test the LoRA path)
+        effect = rel_l2(refs["lora_shift_ksampler"][0], refs["shift_ksampler"][0])
+        results["lora_effect_on_core_video_rel_l2"] = effect
+        ok &= effect > 10 * TOL
+        print(f"LoRA x0.8 changes core's video by rel-L2 {effect:.3g}")
+    rep = results["graphs"].get("lora_shift_ksampler", {}).get("report", {})
+    ok &= not rep or "merged" in (rep.get("lora") or "")  # the run carried the LoRA
     mm.unload_all_models()
     results["passed"] = ok
     if a.json:
