@@ -3,7 +3,8 @@
 Every refusal ends as one line ``error: what was expected, what was found, what to do`` on stderr and exit
 status 2; nothing partial is written. An unexpected exception ends as ``error: internal: ...`` and exit
 status 1 (with its traceback only under ``--debug`` or ``H3_DEBUG=1``). Ctrl-C ends as one line and exit
-status 130, during the imports too.
+status 130, SIGTERM likewise with exit status 143, during the imports too: the interruption unwinds through
+every writer's cleanup, so no temporary file, no partial output and no worker process is left.
 
 Only the standard library is imported at module level: torch and the runtime are imported inside ``main``
 (``cli.commands``), so an interrupt or a broken install during those imports takes the same error path.
@@ -20,7 +21,23 @@ import traceback
 
 from . import progress
 
-EXIT_INTERNAL, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+EXIT_INTERNAL, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 1, 2, 130, 143
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as Ctrl-C's KeyboardInterrupt is: every cleanup an interruption runs
+    (temporary files, sequence-parallel workers) runs for it too."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the cleanup this starts must not be cut short by a second one
+    raise Terminated()
+
+
+def _interrupt_line(e: BaseException) -> tuple[str, int]:
+    if isinstance(e, Terminated):
+        return "terminated; nothing was written", EXIT_TERMINATED
+    return "interrupted; nothing was written", EXIT_INTERRUPTED
 
 
 class Parser(argparse.ArgumentParser):
@@ -207,22 +224,30 @@ def _one_line(e: BaseException) -> str:
 def _refusal_types() -> tuple:
     """The exceptions that are the user's to fix (exit 2): H3Error and the OS's file errors."""
     try:
-        from ..runtime.errors import H3Error
+        from ..runtime import H3Error
     except Exception:  # a broken install: everything is internal then
         return (OSError, MemoryError)
     return (H3Error, OSError, MemoryError, NotImplementedError)
 
 
+def _is_out_of_memory(e: BaseException) -> bool:
+    try:
+        from ..runtime import is_out_of_memory
+    except Exception:  # a broken install
+        return isinstance(e, MemoryError)
+    return is_out_of_memory(e)
+
+
 def _report(e: Exception, debug: bool) -> int:
     progress.end_line()
     try:
-        from ..runtime.errors import Interrupted
+        from ..runtime import Interrupted
     except Exception:
         Interrupted = ()
     if isinstance(e, Interrupted):
         print(f"interrupted: {_one_line(e)}; nothing was written", file=sys.stderr)
         return EXIT_INTERRUPTED
-    oom = type(e).__name__ == "OutOfMemoryError" or isinstance(e, MemoryError)
+    oom = _is_out_of_memory(e)  # CUDA's OutOfMemoryError, the CPU allocator's RuntimeError, MemoryError, ...
     if debug:
         traceback.print_exc(file=sys.stderr)
     if oom:
@@ -237,23 +262,37 @@ def _report(e: Exception, debug: bool) -> int:
     return EXIT_INTERNAL
 
 
+def _handle_sigterm():
+    """SIGTERM raises :class:`Terminated` in the main thread while a command runs; returns what puts the previous
+    handler back (nothing to do off the main thread, where no handler can be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    prev = signal.signal(signal.SIGTERM, _raise_terminated)
+    return lambda: signal.signal(signal.SIGTERM, prev)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; returns the exit status (0 ok, 1 internal error, 2 refused, 130 interrupted)."""
+    """Run one command; returns the exit status (0 ok, 1 internal error, 2 refused, 130 interrupted, 143
+    terminated)."""
     debug = False
+    restore = _handle_sigterm()
     try:
         argv = list(sys.argv[1:] if argv is None else argv)
         debug = "--debug" in argv or os.environ.get("H3_DEBUG", "").strip() not in ("", "0")
         if argv and argv[0] not in ("tune-fc2", "comfy-run"):
             argv = [x for x in argv if x != "--debug"]
         return _dispatch(argv)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (Terminated)
         progress.end_line()
-        print("interrupted; nothing was written", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        line, code = _interrupt_line(e)
+        print(line, file=sys.stderr)
+        return code
     except SystemExit as e:  # argparse: --help (0) or a usage error already printed as "error: ..." (2)
         return e.code if isinstance(e.code, int) else EXIT_USAGE
     except Exception as e:
         return _report(e, debug)
+    finally:
+        restore()
 
 
 if __name__ == "__main__":

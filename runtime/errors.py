@@ -1,5 +1,7 @@
 """Error types. Every message says what was expected, what was found and what to do."""
 
+import errno
+
 
 class H3Error(ValueError):
     """Base of the runtime's user-facing errors (bad input, bad checkpoint, bad geometry)."""
@@ -18,3 +20,17 @@ def describe(e: BaseException, limit: int = 300) -> str:
     the error of a kernel that could not run."""
     lines = str(e).strip().splitlines()
     return f"{type(e).__name__}: {lines[0][:limit] if lines else ''}"
+
+
+_OOM_TEXT = ("out of memory", "can't allocate memory", "cannot allocate memory", "defaultcpuallocator")
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """True for an allocation failure on any device: MemoryError, torch's OutOfMemoryError (CUDA), the CPU
+    allocator's RuntimeError (``DefaultCPUAllocator: can't allocate memory``), MPS / XPU out of memory, and an
+    OSError ENOMEM."""
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
+        return True
+    if isinstance(e, OSError):
+        return e.errno == errno.ENOMEM
+    return isinstance(e, RuntimeError) and any(s in str(e).lower() for s in _OOM_TEXT)

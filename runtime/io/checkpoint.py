@@ -29,7 +29,7 @@ from ..model.config import H3Config
 from .detect import config_from_shapes
 from ..model.h3 import H3Model
 from .comfy_quant import from_comfy_quant, parse_comfy_quant_marker, parse_quantization_metadata
-from .header import ST_DTYPES, Header, read_header
+from .header import Header, read_header, read_tensor
 from .keys import QKV_PART, deinterleave_qkv, detect_scheme, diffusers_to_comfy_name, strip_prefix
 
 # ---------------------------------------------------------------------------------------------
@@ -43,27 +43,8 @@ class _Source:
 
 
 def _read_raw(src: _Source) -> torch.Tensor:
-    """Read one tensor's bytes with a plain read into a buffer of exactly its size."""
-    info = src.header.tensors[src.key]
-    if info.dtype not in ST_DTYPES:
-        raise CheckpointError(f"{src.header.path}: tensor {src.key!r} has dtype {info.dtype}, which this loader "
-                              f"does not read (supported: {', '.join(ST_DTYPES)})")
-    dt = ST_DTYPES[info.dtype]
-    n = info.offsets[1] - info.offsets[0]
-    numel = 1
-    for s in info.shape:
-        numel *= s
-    esize = torch.empty((), dtype=dt).element_size()
-    if numel * esize != n:
-        raise CheckpointError(f"{src.header.path}: tensor {src.key!r} has {n} bytes but shape {list(info.shape)} "
-                              f"of {info.dtype} needs {numel * esize}; the file is corrupt")
-    buf = torch.empty(n, dtype=torch.uint8)
-    with open(src.header.path, "rb") as f:
-        f.seek(src.header.data_start + info.offsets[0])
-        got = f.readinto(memoryview(buf.numpy()))
-    if got != n:
-        raise CheckpointError(f"{src.header.path} is truncated while reading {src.key!r}")
-    return buf.view(dt).reshape(info.shape) if n else torch.empty(info.shape, dtype=dt)
+    """Read one tensor's bytes with a plain read into a buffer of exactly its size (``header.read_tensor``)."""
+    return read_tensor(src.header, src.key)
 
 
 class Checkpoint:
@@ -181,7 +162,10 @@ def open_checkpoint(path: str | Path, scheme: str | None = None) -> Checkpoint:
         try:
             index = json.loads(path.read_text())
             files = sorted(set(index["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            if not all(isinstance(f, str) for f in files):
+                raise TypeError("weight_map values must be shard file names (strings)")
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError,
+                RecursionError) as e:
             raise CheckpointError(f"{path}: not a safetensors index (expected a JSON object with 'weight_map'): {e}") from None
         headers = [read_header(path.parent / f) for f in files]
         missing = [k for k, f in index["weight_map"].items()

@@ -11,8 +11,10 @@ Streaming: with the source shapes known (``shapes=``, which ``quantize_checkpoin
 source header) the output header is computed and written first, then each tensor's bytes as it is
 converted; host memory stays near one source tensor plus its NVFP4 form (quantization works 256 rows at a
 time). Without shapes the bytes go to a spool file beside the output and the header is prepended at the
-end (one extra sequential copy on disk, still one tensor in memory). The file is written as
-``OUT.partial`` and renamed when complete.
+end (one extra sequential copy on disk, still one tensor in memory). The file is written under a unique
+hidden name beside the output (``.OUT.XXXXXXXX.partial``, ``atomic.temp_path``) and renamed when complete, so
+two conversions to one output each install their own complete file (the last rename wins), and an error or an
+interruption leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from .header import TORCH_TO_ST as ST_DTYPE
 from ..errors import H3Error
 from ..ops import nvfp4
 from . import comfy_quant as cq
+from .atomic import no_space, temp_path
 from .checkpoint import open_checkpoint
 from .finite import check_finite
 from .verify import check_checkpoint
@@ -151,7 +154,7 @@ def quantize_state_dict_streaming(tensor_iter: Iterable[tuple[str, torch.Tensor]
     ``_quantization_metadata`` merged). Returns a summary dict (layers, tensors, bytes, path).
     """
     out_path = Path(out_path)
-    partial = out_path.with_name(out_path.name + ".partial")
+    partial = temp_path(out_path)
     device = torch.device(device)
     layers: dict[str, dict] = {}
     written = 0
@@ -189,7 +192,7 @@ def quantize_state_dict_streaming(tensor_iter: Iterable[tuple[str, torch.Tensor]
                     raise H3Error(f"source ended after {pos} of {len(order)} planned tensors; next missing: "
                                   f"{order[pos]!r}")
         else:
-            spool = out_path.with_name(out_path.name + ".spool")
+            spool = temp_path(out_path, ".spool")
             entries = []
             try:
                 with open(spool, "wb") as f:
@@ -213,8 +216,11 @@ def quantize_state_dict_streaming(tensor_iter: Iterable[tuple[str, torch.Tensor]
             finally:
                 spool.unlink(missing_ok=True)
         os.replace(partial, out_path)
-    except BaseException:
+    except BaseException as e:
         partial.unlink(missing_ok=True)
+        full = no_space(e, out_path)
+        if full is not None:
+            raise full from None
         raise
     return {"path": str(out_path), "quantized_layers": len(layers), "bytes": written}
 

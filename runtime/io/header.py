@@ -1,7 +1,9 @@
 """safetensors headers: the JSON index of a file, read without touching tensor bytes.
 
-``read_header`` validates every extent against the file size, so a truncated or hostile file is refused
-before any tensor is read; nothing is mmapped and nothing is unpickled.
+``read_header`` validates every extent against the file size and against its tensor's shape and dtype, so a
+truncated or hostile file (a header that lies about a tensor's extent) is refused before any tensor is read;
+nothing is mmapped and nothing is unpickled. ``read_tensor`` / ``read_tensors`` read tensors of such a checked
+header with plain reads: every reader of a safetensors file (checkpoints, inputs, text states) goes through here.
 """
 
 from __future__ import annotations
@@ -42,20 +44,55 @@ class Header:
     data_start: int = 0
 
 
-_DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
-                "U8": 1, "U16": 2, "U32": 4, "U64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1,
-                "F8_E8M0": 1, "F4": 1, "F6_E2M3": 1, "F6_E3M2": 1}
+# bits per element of every safetensors dtype (F4 / F6 pack several elements per byte)
+_DTYPE_BITS = {"F64": 64, "F32": 32, "F16": 16, "BF16": 16, "I64": 64, "I32": 32, "I16": 16, "I8": 8,
+               "U8": 8, "U16": 16, "U32": 32, "U64": 64, "BOOL": 8, "F8_E4M3": 8, "F8_E5M2": 8,
+               "F8_E8M0": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
 
 
-def read_header(path: str | Path) -> Header:
+def _entry(path: Path, name: str, info, data_len: int) -> TensorInfo:
+    """One header entry checked: a known dtype, a shape of non-negative integers, an extent inside the data
+    section whose length is exactly what the shape and dtype need."""
+    try:
+        dt, shape, offs = info["dtype"], info["shape"], info["data_offsets"]
+        ints = list(shape) + list(offs)
+        if not isinstance(dt, str) or len(offs) != 2 or any(isinstance(v, bool) or not isinstance(v, int)
+                                                           for v in ints):
+            raise TypeError
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointError(f"{path}: corrupt safetensors header entry for {name!r} (expected dtype, shape and "
+                              "data_offsets); re-export the file") from None
+    shape, offs = tuple(shape), tuple(offs)
+    if dt not in _DTYPE_BITS:
+        raise CheckpointError(f"{path}: tensor {name!r} has dtype {dt!r}, which is not a safetensors dtype "
+                              f"({', '.join(_DTYPE_BITS)}); the file is corrupt or from a newer writer")
+    if any(s < 0 for s in shape) or offs[0] < 0 or offs[0] > offs[1]:
+        raise CheckpointError(f"{path}: tensor {name!r} has shape {list(shape)} and data_offsets {list(offs)}; "
+                              "expected non-negative sizes and begin <= end; the file is corrupt")
+    if offs[1] > data_len:
+        raise CheckpointError(
+            f"{path} is truncated: tensor {name!r} needs bytes {offs[0]}..{offs[1]} of the data section but "
+            f"the file has only {data_len}; re-download the file")
+    numel = 1
+    for s in shape:
+        numel *= s
+    need = numel * _DTYPE_BITS[dt]
+    if need % 8 or need // 8 != offs[1] - offs[0]:
+        raise CheckpointError(f"{path}: tensor {name!r} has {offs[1] - offs[0]} bytes but shape {list(shape)} of {dt} "
+                              f"needs {need / 8:g}; the header lies about the tensor's extent (the file is corrupt)")
+    return TensorInfo(dt, shape, offs)
+
+
+def read_header(path: str | Path, what: str = "checkpoint") -> Header:
     """Parse a safetensors header (JSON only; no tensor bytes are read).
 
-    Raises CheckpointError naming the problem for: a missing file, a file too short or not
-    safetensors, a truncated or corrupt header, tensor extents past the end of the file.
+    Raises CheckpointError naming the problem for: a missing file (``what`` names the file's role), a file too
+    short or not safetensors, a truncated or corrupt header, tensor extents past the end of the file or not
+    what the tensor's shape and dtype need.
     """
     path = Path(path)
     if not path.exists():
-        raise CheckpointError(f"checkpoint not found: {path}")
+        raise CheckpointError(f"{what} not found: {path}")
     if path.is_dir():
         raise CheckpointError(f"{path} is a directory; pass a .safetensors file or a *.safetensors.index.json")
     size = path.stat().st_size
@@ -77,21 +114,45 @@ def read_header(path: str | Path) -> Header:
         obj = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: corrupt safetensors header ({e}); re-download or re-export the file") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: corrupt safetensors header (JSON nested too deeply; a header is a flat "
+                              "object of tensor entries); re-download or re-export the file") from None
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path}: corrupt safetensors header (expected a JSON object)")
     meta = obj.pop("__metadata__", None) or {}
-    tensors: dict[str, TensorInfo] = {}
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (__metadata__ is {type(meta).__name__}, expected "
+                              "an object of strings)")
     data_len = size - 8 - n
-    for name, info in obj.items():
-        try:
-            dt, shape, offs = info["dtype"], tuple(int(s) for s in info["shape"]), tuple(int(o) for o in info["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: corrupt safetensors header entry for {name!r}") from None
-        if offs[1] > data_len or offs[0] > offs[1]:
-            raise CheckpointError(
-                f"{path} is truncated: tensor {name!r} needs bytes {offs[0]}..{offs[1]} of the data section but "
-                f"the file has only {data_len}; re-download the file")
-        tensors[name] = TensorInfo(dt, shape, offs)
+    tensors = {name: _entry(path, name, info, data_len) for name, info in obj.items()}
     return Header(path=path, tensors=tensors, metadata=dict(meta), data_start=8 + n)
+
+
+def read_tensor(header: Header, name: str) -> torch.Tensor:
+    """Tensor ``name`` of a checked header, read with a plain read into a buffer of exactly its size (CPU, its
+    stored dtype). Raises CheckpointError for a dtype torch cannot hold or a file that shrank since."""
+    info = header.tensors[name]
+    if info.dtype not in ST_DTYPES:
+        raise CheckpointError(f"{header.path}: tensor {name!r} has dtype {info.dtype}, which this loader does not "
+                              f"read (supported: {', '.join(ST_DTYPES)})")
+    dt = ST_DTYPES[info.dtype]
+    n = info.offsets[1] - info.offsets[0]
+    if not n:
+        return torch.empty(info.shape, dtype=dt)
+    buf = torch.empty(n, dtype=torch.uint8)
+    with open(header.path, "rb") as f:
+        f.seek(header.data_start + info.offsets[0])
+        got = f.readinto(memoryview(buf.numpy()))
+    if got != n:
+        raise CheckpointError(f"{header.path} is truncated while reading {name!r}")
+    return buf.view(dt).reshape(info.shape)
+
+
+def read_tensors(path: str | Path, what: str, names=None) -> tuple[Header, dict[str, torch.Tensor]]:
+    """(checked header, {name: tensor}) of a safetensors file: every tensor, or those of ``names`` it holds.
+    ``what`` names the file's role in the errors (``--inputs file``, ``text states file``)."""
+    hdr = read_header(path, what)
+    keep = hdr.tensors if names is None else [k for k in names if k in hdr.tensors]
+    return hdr, {k: read_tensor(hdr, k) for k in keep}
 
 

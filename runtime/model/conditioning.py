@@ -92,6 +92,9 @@ class ConditioningError(H3Error):
 
 
 def _err(path: str, expected: str, found: Any, todo: str = "") -> ConditioningError:
+    found = str(found)
+    if len(found) > 200:  # a hostile value (a list of a million numbers) must not become a megabyte error line
+        found = found[:200] + f"... ({len(found):,} characters)"
     msg = f"{path}: expected {expected}; found {found}"
     return ConditioningError(msg + (f"; {todo}" if todo else ""))
 
@@ -358,9 +361,10 @@ class _Resolver:
             raise _err(path, "a tensor key (string) or null", f"{type(value).__name__} {value!r}")
         if not t.is_floating_point():
             raise _err(path, "a floating-point tensor", str(t.dtype))
+        t = t.detach().to("cpu", torch.float32)  # any float dtype (fp8, fp16, bf16, fp64) is taken as float32
         if not bool(torch.isfinite(t).all()):
-            raise _err(path, "finite values", "NaN or inf")
-        return t.detach().to("cpu", torch.float32)
+            raise _err(path, "finite values (in float32)", "NaN or inf")
+        return t
 
     def get(self, path: str, value: Any) -> torch.Tensor | None:
         return self.tensor(path, value, optional=True)
@@ -530,6 +534,12 @@ def _sigmas(t: torch.Tensor | None) -> torch.Tensor | None:
     if float(t[-1]) != 0.0 or float(t.amin()) < 0.0:
         raise _err("sample_sigmas", "sigmas >= 0 ending with the trailing 0 (the full schedule)",
                    f"{[round(float(v), 6) for v in t[-3:]]} at the end")
+    up = torch.nonzero(t[1:] > t[:-1])
+    if up.numel():
+        i = int(up[0, 0])
+        raise _err("sample_sigmas", "a non-increasing schedule (each sigma <= the one before, ending with 0)",
+                   f"{float(t[i]):.6g} then {float(t[i + 1]):.6g} at indices {i}, {i + 1}",
+                   "pass the sampler's sigmas in step order")
     return t
 
 

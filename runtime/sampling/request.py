@@ -10,6 +10,7 @@ the CLI, the node's error in ComfyUI) saying what was expected, what was found a
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import tempfile
@@ -153,11 +154,30 @@ def approx_param_bytes(cfg: H3Config, bytes_per_param: int = 4) -> int:
     return bytes_per_param * ((cfg.num_layers + cfg.num_refiner_layers) * block + io + time)
 
 
-def latent_rows(video_shape, audio_shape, text_tokens: int) -> int:
-    """Packed rows of a t2va evaluation from its latent shapes: video [1, C, T, H, W] (H, W padded to even),
-    audio [1, Ca, 2, Ta], plus the text tokens."""
-    t, h, w = video_shape[2], -(-video_shape[3] // 2), -(-video_shape[4] // 2)
-    return text_tokens + 2 * audio_shape[3] + t * h * w
+def _video_rows(shape) -> int:
+    """Patch rows of a video latent [1, C, T, H, W]: T * ceil(H / 2) * ceil(W / 2)."""
+    return int(shape[2]) * -(-int(shape[3]) // 2) * -(-int(shape[4]) // 2)
+
+
+def condition_rows(cond) -> int:
+    """Packed rows a conditioning adds (an ``H3Conditioning``, or None): every keyframe's and reference's video
+    rows (T * H/2 * W/2) and stereo audio rows (2 * ta), each counted as often as the payload lists it (a
+    thousand keyframes naming one tensor are a thousand blocks of rows)."""
+    if cond is None:
+        return 0
+    rows = 0
+    for block in (*cond.keyframes, *cond.refs):
+        if block.latent is not None:
+            rows += _video_rows(block.latent.shape)
+        if block.audio_latent is not None:
+            rows += 2 * int(block.audio_latent.shape[3])
+    return rows
+
+
+def latent_rows(video_shape, audio_shape, text_tokens: int, cond=None) -> int:
+    """Packed rows of an evaluation from its latent shapes: video [1, C, T, H, W] (H, W padded to even),
+    audio [1, Ca, 2, Ta], the text tokens, and the condition rows of ``cond`` (``condition_rows``)."""
+    return text_tokens + 2 * int(audio_shape[3]) + _video_rows(video_shape) + condition_rows(cond)
 
 
 def estimate_bytes(cfg: H3Config, rows: int, text_tokens: int, compute_bytes: int, weight_bytes: int) -> int:
@@ -209,38 +229,67 @@ def _probe_writable(directory: Path, what: str) -> None:
     os.unlink(probe)
 
 
-def _nearest_existing(path: Path, what: str) -> Path:
-    """The closest existing ancestor of ``path``; it must be a directory (a file in the way is an error)."""
+def _resolved(p: Path, path: Path, what: str) -> Path:
+    """``p`` (an existing name on the way to ``path``) with every symbolic link resolved; a dangling link or a
+    link loop is refused naming the link."""
+    try:
+        return Path(os.path.realpath(p, strict=True))
+    except OSError as e:
+        link = next((q for q in (p, *p.parents) if q.is_symlink()), p)
+        if e.errno == errno.ELOOP:
+            found = f"{link} is a symbolic link loop"
+        else:
+            found = f"{link} is a symbolic link to {os.readlink(link) if link.is_symlink() else link}, which does " \
+                    "not exist"
+        raise RequestError(f"{what} {path}: expected a path that exists or can be created; {found}; remove the "
+                           "link or choose another path") from None
+
+
+def _nearest_existing(path: Path, what: str) -> tuple[Path, Path]:
+    """(the closest existing name at or above ``path``, that name with its links resolved). Dangling links and
+    link loops on the way are refused; an existing ancestor must be a directory (a file in the way is an
+    error)."""
     p = path
-    while not p.exists():
-        if p.parent == p:
-            break
+    while not os.path.lexists(p) and p.parent != p:
         p = p.parent
-    if not p.is_dir():
+    real = _resolved(p, path, what)
+    if p != path and not real.is_dir():
         raise RequestError(f"{what}: {p} is a file, so {path} cannot be created under it; choose another path")
-    return p
+    return p, real
 
 
 def check_output_dir(path: str | os.PathLike, what: str = "--output") -> Path:
-    """A directory that exists or can be created, and that can be written. Nothing is left behind."""
+    """A directory that exists or can be created, and that can be written. Symbolic links on the way are
+    resolved first (a dangling link or a loop is refused). Nothing is left behind. Returns the resolved path."""
     path = Path(path)
-    if path.exists() and not path.is_dir():
+    near, real = _nearest_existing(path, what)
+    if near == path and not real.is_dir():
         raise RequestError(f"{what} {path} is a file; expected a directory (it will hold latents.safetensors "
                            "and report.json); choose a directory path")
-    _probe_writable(_nearest_existing(path, what), what)
-    return path
+    _probe_writable(real, what)
+    return real / path.relative_to(near) if near != path else real
 
 
 def check_output_file(path: str | os.PathLike, what: str = "output") -> Path:
     """A file path whose directory exists or can be created and can be written; an existing directory at
-    ``path`` is an error (a file is replaced atomically). Nothing is left behind."""
+    ``path`` is an error (a file is replaced atomically). Symbolic links are resolved first: a link to a file
+    is written through (the link keeps pointing at the new file), a dangling link or a loop is refused.
+    Nothing is left behind. Returns the resolved path to write."""
     path = Path(path)
-    if path.is_dir():
-        raise RequestError(f"{what} {path} is a directory; expected a file path such as {path / 'out.safetensors'}")
     if not path.name:
         raise RequestError(f"{what} {str(path)!r}: expected a file path")
-    _probe_writable(_nearest_existing(path.parent, what), what)
-    return path
+    near, real = _nearest_existing(path, what)
+    if near == path:
+        if real.is_dir():
+            raise RequestError(f"{what} {path} is a directory; expected a file path such as "
+                               f"{path / 'out.safetensors'}")
+        if not real.is_file():
+            raise RequestError(f"{what} {path} is not a regular file ({'a link to ' if real != path else ''}"
+                               f"{real}); expected a file path to write")
+        _probe_writable(real.parent, what)
+        return real
+    _probe_writable(real, what)
+    return real / path.relative_to(near)
 
 
 # ---------------------------------------------------------------------------------------------

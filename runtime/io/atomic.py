@@ -1,0 +1,129 @@
+"""Atomic outputs: every file is written under a unique temporary name in its target folder, then renamed.
+
+- :func:`write_file`: ``writer(tmp)`` then one ``os.replace`` onto the path. Two writers to one path each
+  install their own complete file (the last rename wins); neither can rename the other's bytes, and nothing
+  is left behind on an error or an interruption (SIGINT / SIGTERM unwind through here).
+- :func:`write_dir`: several files written into a unique temporary folder inside the output folder, then
+  moved in while holding an exclusive lock (``flock``) on that folder, so two runs into one folder never
+  mix their files: the last run's set wins whole.
+- :func:`save_tensors`: safetensors bytes written with Python's file I/O, so a full disk is an ``OSError``.
+
+A write that fails for lack of space (ENOSPC, EDQUOT, EFBIG) raises :class:`OutputError` naming the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable, Iterator, Mapping
+
+import torch
+
+from ..errors import H3Error
+
+_NO_SPACE = {errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC)}
+
+
+class OutputError(H3Error):
+    """An output that could not be written (no space left, a file size limit); nothing was left behind."""
+
+
+def no_space(e: BaseException, path: str | os.PathLike) -> OutputError | None:
+    """The OutputError naming ``path`` when ``e`` is a full disk (or quota / file size limit), else None."""
+    if not isinstance(e, OSError) or e.errno not in _NO_SPACE:
+        return None
+    return OutputError(f"{path}: the disk is full or a size limit was reached while writing it "
+                       f"({e.strerror or e}); nothing was written; free space or choose another location")
+
+
+@contextlib.contextmanager
+def no_space_is_a_refusal(path: str | os.PathLike) -> Iterator[None]:
+    """Turn a full disk (or quota / file size limit) while writing ``path`` into an OutputError naming it."""
+    try:
+        yield
+    except OSError as e:
+        full = no_space(e, path)
+        if full is None:
+            raise
+        raise full from None
+
+
+def temp_path(path: Path, suffix: str = ".partial") -> Path:
+    """A new empty file with a unique hidden name beside ``path`` (``.NAME.XXXXXXXX.partial``); the caller
+    renames it onto ``path`` or removes it."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
+    os.close(fd)
+    return Path(tmp)
+
+
+def write_file(path: str | os.PathLike, writer: Callable[[Path], None]) -> None:
+    """``writer(tmp)`` beside ``path`` (its folder created), then one rename; nothing is left on failure."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path(path)
+    try:
+        with no_space_is_a_refusal(path):
+            writer(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+@contextlib.contextmanager
+def _locked(directory: Path) -> Iterator[None]:
+    """An exclusive advisory lock on ``directory`` itself (no lock file is left); a no-op where the OS has no
+    flock."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def write_dir(out_dir: str | os.PathLike, files: Mapping[str, Callable[[Path], None]]) -> None:
+    """Write ``files`` ({name: writer(path)}) into ``out_dir`` as one set: each into a unique temporary folder
+    inside ``out_dir``, then all moved in under the folder's lock. On failure nothing is moved, the temporary
+    folder is removed, and ``out_dir`` too when this call created it and it is still empty."""
+    out_dir = Path(out_dir)
+    created = not out_dir.exists()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".h3-tmp-", dir=out_dir))
+    moved = False
+    try:
+        for name, writer in files.items():
+            with no_space_is_a_refusal(out_dir / name):
+                writer(tmp / name)
+        with _locked(out_dir):
+            for name in files:
+                os.replace(tmp / name, out_dir / name)
+                moved = True
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if created and not moved:
+            with contextlib.suppress(OSError):  # another run may be writing into it now
+                out_dir.rmdir()
+
+
+def save_tensors(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
+                 metadata: Mapping[str, str] | None = None) -> None:
+    """A safetensors file of ``tensors`` (CPU-contiguous copies made as needed) at ``path``, written with plain
+    file I/O (errors are OSErrors, a full disk included)."""
+    from safetensors.torch import save
+
+    data = save({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()},
+                metadata=None if metadata is None else dict(metadata))
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
