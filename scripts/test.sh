@@ -4,7 +4,7 @@
 # GPU-marked tests skip without CUDA. Extra arguments go to pytest.
 set -euo pipefail
 source "$(dirname "$0")/_env.sh"
-"$PY" -m pip install -q -e "$ROOT[test,cuda-headers]"
+h3_install test,cuda-headers
 # the PyPI SageAttention 1.0.6 wheel as a file (never installed: it would shadow SageAttention2's module name),
 # for the test that loads a real SageAttention 1 wheel through use_sage1_from
 SAGE1_WHL="$ROOT/.whl/sageattention-1.0.6-py3-none-any.whl"
