@@ -1,0 +1,176 @@
+"""Compare the Fun ControlNet oracle (core_control.py), this repository's runtime and ComfyUI core's own control
+code, on the CPU. Not a pytest module and not run by CI (it needs a ComfyUI checkout, never committed). Usage::
+
+    cd <ComfyUI checkout> && PYTHONPATH=<dir holding h3_blackwell> python <repo>/tests/oracles/check_core_control.py \\
+        --patch-module fun_patch.py [--json out.json] [--note "..."]
+
+The checkout must have core's ``comfy/ldm/minimax/controlnet.py`` (9b7fcfe0) and a ``model.py`` that hands
+``layout`` to its ``patches_replace["dit"]`` entries (01a56b76 does). ``--patch-module``: a file defining core's
+``MiniMaxH3FunControlPatch`` and ``MiniMaxH3FunControlBlockPatch`` (``comfy_extras/nodes_minimax_h3.py`` @
+542de101, the fades PR), loaded by path so a checkout whose node file predates them can run the check.
+
+Core's side: ``MiniMaxH3Model`` and ``MiniMaxH3FunControl`` built with ``comfy.ops.disable_weight_init`` at the
+tiny dimensions (the same weights everywhere), the patch's ``diffusion_model_wrapper`` around the model's
+``_forward`` with one ``MiniMaxH3FunControlBlockPatch`` per place in ``transformer_options["patches_replace"]``
+and the sampler's sigma in ``transformer_options["sigmas"]``, the hint latent handed in as the patch's
+prepared ``control_latent`` (the VAE side is checked by the node tests). Cases: tests/oracles/control_cases.py
+(the masked one needs a model.py with denoise masks and is skipped when the checkout's has none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+import json
+import os
+import sys
+import tempfile
+import types
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+import check_core  # noqa: E402
+import control_cases  # noqa: E402
+import core_control  # noqa: E402
+
+
+def _load_patch_module(path: str):
+    spec = importlib.util.spec_from_file_location("core_fun_patch", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def core_tower(csd: dict, places, curve: bool):
+    import comfy.ldm.minimax.controlnet as cn
+    import comfy.ops
+
+    c = check_core.CFG
+    m = cn.MiniMaxH3FunControl(control_in_dim=49, injection_layers=tuple(places), hidden_size=c["hidden_size"],
+                               num_attention_heads=c["num_attention_heads"], attention_head_dim=c["attention_head_dim"],
+                               ffn_hidden_size=c["ffn_hidden_size"], time_embed_dim=c["time_embed_dim"],
+                               use_adaln_curves=curve, dtype=torch.float32, device="cpu",
+                               operations=comfy.ops.disable_weight_init)
+    m.load_state_dict({k: v.float() for k, v in csd.items()}, strict=True)
+    return m.eval().requires_grad_(False)  # as ModelPatchLoader leaves it
+
+
+def run_core(case, sd, csd, patch_mod):
+    curve = case["base"] == "curve"
+    m = check_core.core_model(curve, sd)
+    ctl = case["control"]
+    patch = patch_mod.MiniMaxH3FunControlPatch(
+        types.SimpleNamespace(model=core_tower(csd, case["places"], curve)), None, None, None, None,
+        ctl.get("strength", 1.0), ctl.get("sigma_start", 1.0), ctl.get("sigma_end", 0.0),
+        ctl.get("fade_in_frames", 0), ctl.get("fade_out_frames", 0))
+    patch.control_latent = ctl["hint"].float()
+    patch.control_latent_shape = tuple(case["video"].shape)
+    replace = {("double_block", p): patch_mod.MiniMaxH3FunControlBlockPatch(patch, p, None) for p in case["places"]}
+    sigma = torch.tensor([case["sigma"]], dtype=torch.float32)
+    opts = {"patches_replace": {"dit": replace}, "sigmas": sigma}
+    kw = check_core.core_masks({**case, "payload": case["payload"]})
+
+    def executor(x, t, c, to, **k):
+        return m._forward(x, t, c, to, **k)
+
+    with torch.no_grad():
+        v, a = patch.diffusion_model_wrapper(executor, [case["video"], case["audio"]], sigma * 1000.0,
+                                             case["text_states"], transformer_options=opts,
+                                             minimax_payload=check_core.core_payload(case), **kw)
+    return v, a, patch.active
+
+
+def run_runtime(case, sd, csd):
+    from h3_blackwell.runtime import RuntimeOptions, bind_control
+    from h3_blackwell.runtime.model.conditioning import H3Conditioning
+    from h3_blackwell.runtime.io.control import load_control
+    from h3_blackwell.runtime.model.h3 import H3Model
+    from h3_blackwell.runtime.sampling.schedule import model_sigma
+    from safetensors.torch import save_file
+
+    cfg = base_config(case)
+    m = H3Model(cfg, torch.float32)
+    m.load_state_dict(sd)
+    cond = H3Conditioning.from_payload({**case["payload"], "control": case["control"]})
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "tower.safetensors"
+        meta = {"control_blocks_places": json.dumps(list(case["places"]))}
+        if case["base"] == "curve":
+            meta["minimax_h3_fun_controlnet"] = "adaln_basis"
+        save_file({k: v.contiguous() for k, v in csd.items()}, str(path), metadata=meta)
+        plan_like = types.SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32, quantize=False,
+                                          adaln_on_host=False, options=RuntimeOptions(device="cpu"))
+        tower = load_control(path, plan_like, cfg)
+    sigma = float(model_sigma(torch.tensor(case["sigma"])))
+    with torch.no_grad():
+        plan = m.plan(case["text_states"], tuple(case["video"].shape), tuple(case["audio"].shape), [sigma],
+                      token_tags=case["token_tags"], cond=cond)
+        bind_control(m, tower, cond.control, plan, [float(torch.tensor(case["sigma"], dtype=torch.float32))])
+        return m.evaluate(plan, 0, case["video"], case["audio"])
+
+
+def base_config(case):
+    from h3_blackwell.runtime.model.config import TINY
+
+    return TINY.replace(text_dim=control_cases.TEXT_DIM,
+                        adaln_curve_grid=control_cases.CURVE_GRID if case["base"] == "curve" else 0)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--patch-module", required=True)
+    ap.add_argument("--json")
+    ap.add_argument("--note", default="")
+    a = ap.parse_args(argv)
+    sys.path.insert(0, os.getcwd())  # the ComfyUI checkout
+    from comfy.cli_args import args as comfy_args
+
+    comfy_args.cpu = True
+    import comfy.ldm.minimax.model as mm
+    from fixtures.tiny_control import tiny_control_state_dict
+    from h3_blackwell.runtime.model.tiny import tiny_state_dict
+
+    patch_mod = _load_patch_module(a.patch_module)
+    masks_ok = "denoise_mask" in inspect.signature(mm.MiniMaxH3Model._forward).parameters
+    rel = check_core.rel_l2
+    out = {"meta": {"command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "note": a.note,
+                    "torch": torch.__version__, "bound": 1e-5}, "cases": {}}
+    worst = 0.0
+    for name, case in control_cases.make_cases().items():
+        if (case["payload"].get("denoise_mask") is not None or case["payload"].get("audio_denoise_mask") is not None) \
+                and not masks_ok:
+            out["cases"][name] = {"skipped": "this checkout's model.py has no denoise masks"}
+            continue
+        cfg = base_config(case)
+        sd = tiny_state_dict(cfg, seed=1)
+        csd = tiny_control_state_dict(cfg, len(case["places"]), seed=11)
+        cv, ca, active = run_core(case, sd, csd, patch_mod)
+        ov, oa = core_control.core_forward_control(sd, csd, case["places"], case["video"], case["audio"],
+                                                   case["text_states"], case["sigma"], case["control"],
+                                                   token_tags=case["token_tags"], payload=case["payload"])
+        rv, ra = run_runtime(case, sd, csd)
+        bv, _ = core_control.o.core_forward(sd, case["video"], case["audio"], case["text_states"], case["sigma"],
+                                           token_tags=case["token_tags"], payload=case["payload"])
+        rec = {"core_active": bool(active),
+               "core_vs_oracle_video": rel(cv, ov), "core_vs_oracle_audio": rel(ca, oa),
+               "runtime_vs_core_video": rel(rv, cv), "runtime_vs_core_audio": rel(ra, ca),
+               "control_effect_video": rel(bv, ov)}
+        worst = max(worst, *(v for k, v in rec.items() if k.startswith(("core_vs", "runtime_vs"))))
+        out["cases"][name] = rec
+        print(name, json.dumps(rec))
+    out["worst"] = worst
+    out["passed"] = worst <= 1e-5
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=2) + "\n")
+    print("worst rel-L2", worst, "PASS" if out["passed"] else "FAIL")
+    return 0 if out["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
