@@ -29,6 +29,18 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "precision": ("fast", "exact"),
 }
 
+# ComfyUI core's sparse attention defaults (its H3 node's widgets): the RuntimeOptions defaults, the CLI's and
+# the nodes' defaults and the sparse backend's own
+SPARSE_TAU = 1.3               # routing threshold
+SPARSE_START = 0.2             # dense before this fraction of the timestep range
+SPARSE_EXTRA_TOKENS = 256      # exact extra tokens per 64-row query block (comfy-kitchen's token_aug)
+SPARSE_EXTRA_TOKENS_CHOICES = (0, 64, 128, 192, 256)
+SPARSE_MIN_TOKENS = 12288      # shorter sequences stay dense
+
+# the user-facing FC2 switch (CLI --fc2, the loader's fc2_lt widget) -> (fc2_lt, fc2_lt_strict); the first is the
+# default
+FC2_MODES: dict[str, tuple[bool, bool]] = {"on": (True, False), "off": (False, False), "strict": (True, True)}
+
 # field -> (environment variable, kind)
 _ENV = {
     "attention": ("H3_ATTENTION", str),
@@ -99,12 +111,12 @@ class RuntimeOptions:
                 sparse = LOSSY training-free sparse attention (comfy-kitchen's sol_attn on CUDA, its fp32
                 reference on the CPU; refused with the reason where it cannot run), dense before
                 ``sparse_start`` of the schedule and on the dense backend auto picks
-    sparse_tau: sparse routing threshold (higher = sparser, faster, less accurate); ComfyUI core's default 1.3
+    sparse_tau: sparse routing threshold (higher = sparser, faster, less accurate); ComfyUI core's default
     sparse_start: fraction of the schedule's timestep range that stays dense (core: 0.2 -> sparse from model
                 sigma <= 0.9796 at video shift 12)
     sparse_extra_tokens: exact extra tokens per 64-row query block (comfy-kitchen token_aug: 0, 64, ..., 256;
                 core's default 256)
-    sparse_min_tokens: sequences shorter than this stay dense (core's min_tokens, 12288)
+    sparse_min_tokens: sequences shorter than this stay dense (core's min_tokens)
     first_block_cache: LOSSY step reuse (First-Block Cache) threshold on the first block's relative L1 change;
                 None = off; 0 = on but never reuses (exactly the uncached latents); peers use ~0.05-0.1
     gemm:       auto | native (Blackwell FP4) | fp8 (NVFP4 weights expanded to e4m3) | bf16 | emulated
@@ -138,10 +150,10 @@ class RuntimeOptions:
     adaln_cache: bool = True
     producer_tiles: str = ""
     cache_dir: str = field(default_factory=lambda: os.path.join(os.path.expanduser("~"), ".cache", "h3_blackwell"))
-    sparse_tau: float = 1.3
-    sparse_start: float = 0.2
-    sparse_extra_tokens: int = 256
-    sparse_min_tokens: int = 12288
+    sparse_tau: float = SPARSE_TAU
+    sparse_start: float = SPARSE_START
+    sparse_extra_tokens: int = SPARSE_EXTRA_TOKENS
+    sparse_min_tokens: int = SPARSE_MIN_TOKENS
     first_block_cache: float | None = None
     ignored: dict = field(default_factory=dict)
 
@@ -157,22 +169,31 @@ class RuntimeOptions:
     def _check_lossy(self):
         """The sparse attention and step-reuse numbers: finite and in range."""
         if not (0.0 <= self.sparse_tau < float("inf")):
-            raise ValueError(f"option sparse_tau={self.sparse_tau!r}: expected a finite number >= 0 (core: 1.3)")
+            raise ValueError(f"option sparse_tau={self.sparse_tau!r}: expected a finite number >= 0 "
+                             f"(core: {SPARSE_TAU})")
         if not 0.0 <= self.sparse_start <= 1.0:
-            raise ValueError(f"option sparse_start={self.sparse_start!r}: expected a fraction in [0, 1] (core: 0.2)")
-        if self.sparse_extra_tokens not in (0, 64, 128, 192, 256):
-            raise ValueError(f"option sparse_extra_tokens={self.sparse_extra_tokens!r}: expected 0, 64, 128, 192 "
-                             f"or 256 (core: 256)")
+            raise ValueError(f"option sparse_start={self.sparse_start!r}: expected a fraction in [0, 1] "
+                             f"(core: {SPARSE_START})")
+        if self.sparse_extra_tokens not in SPARSE_EXTRA_TOKENS_CHOICES:
+            raise ValueError(f"option sparse_extra_tokens={self.sparse_extra_tokens!r}: expected one of "
+                             f"{', '.join(map(str, SPARSE_EXTRA_TOKENS_CHOICES))} (core: {SPARSE_EXTRA_TOKENS})")
         if self.sparse_min_tokens < 0:
-            raise ValueError(f"option sparse_min_tokens={self.sparse_min_tokens!r}: expected >= 0 (core: 12288)")
+            raise ValueError(f"option sparse_min_tokens={self.sparse_min_tokens!r}: expected >= 0 "
+                             f"(core: {SPARSE_MIN_TOKENS})")
         fbc = self.first_block_cache
         if fbc is not None and not (0.0 <= fbc < float("inf")):
             raise ValueError(f"option first_block_cache={fbc!r}: expected None (off) or a finite number >= 0")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "RuntimeOptions":
-        """Defaults <- ``H3_*`` environment variables <- explicit ``overrides`` (None values ignored)."""
+        """Defaults <- ``H3_*`` environment variables <- explicit ``overrides`` (None values ignored). The override
+        ``fc2`` (a key of FC2_MODES: on | off | strict) sets ``fc2_lt`` and ``fc2_lt_strict`` together."""
         env = os.environ if env is None else env
+        fc2 = overrides.pop("fc2", None)
+        if fc2 is not None:
+            if fc2 not in FC2_MODES:
+                raise ValueError(f"option fc2={fc2!r}: expected one of {', '.join(FC2_MODES)}")
+            overrides = {"fc2_lt": FC2_MODES[fc2][0], "fc2_lt_strict": FC2_MODES[fc2][1], **overrides}
         kw: dict[str, Any] = {}
         alias = _precision_from_aliases(env)
         if alias is not None:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from ..options import RuntimeOptions
+from ..ops.nvfp4_producers import SWIGLU_PRODUCER
 
 
 log = logging.getLogger("h3_blackwell.fc2_lt")
@@ -35,9 +36,9 @@ log = logging.getLogger("h3_blackwell.fc2_lt")
 ENTRY_SCHEMA = "h3-blackwell/fc2-lt-entry/1"
 COMPAT_SCHEMA = "h3-blackwell/fc2-lt-compat/1"
 ROLE_FC2 = "fc2"
-# The producer that writes FC2's input in one pass: silu(gate) * up -> NVFP4 bytes + swizzled scales
-# (the seed's `vortex_native_quantize_swiglu_nvfp4`). Callers pass it as ``producer=``.
-PRODUCER_SWIGLU_NVFP4 = "swiglu_nvfp4"
+# The producer that writes FC2's input in one pass (ops.nvfp4_producers.swiglu_quantize, named there); entries
+# require it and callers pass it as ``producer=``.
+PRODUCER_SWIGLU_NVFP4 = SWIGLU_PRODUCER
 KINDS = ("nvfp4", "fp8_e4m3", "bf16")
 # The extension's plan stages: a refusal at one of them is a property of (device, versions, algo, shape),
 # so it is remembered on disk. "descriptors" (handle or scratch allocation failed) is not.

@@ -44,7 +44,7 @@ from .attention import bind_attention
 from .linear import Nvfp4Linear, Scratch
 
 LINEARS = (("attn", "qkv_proj"), ("attn", "out_proj"), ("mlp", "fc1"), ("mlp", "fc2"))
-FC2_PRODUCER = "swiglu_nvfp4"  # fc2.table.PRODUCER_SWIGLU_NVFP4: the producer that wrote FC2's input
+FC2_PRODUCER = nvfp4_producers.SWIGLU_PRODUCER  # the producer that wrote FC2's input (FC2 table entries name it)
 
 
 def _on_cuda(t: torch.Tensor) -> bool:

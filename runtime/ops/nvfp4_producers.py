@@ -48,6 +48,9 @@ __all__ = [
 ]
 
 
+# swiglu_quantize's name where other code must know which producer wrote FC2's input: silu(gate) * up -> NVFP4
+# bytes + swizzled scales in one pass (the seed's `vortex_native_quantize_swiglu_nvfp4`); FC2 table entries name it
+SWIGLU_PRODUCER = "swiglu_nvfp4"
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 assert tuple(DTYPE_CODE) == FLOAT_DTYPES
 

@@ -37,6 +37,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..errors import H3Error
+from ..options import SPARSE_EXTRA_TOKENS, SPARSE_MIN_TOKENS, SPARSE_START, SPARSE_TAU
 
 __all__ = [
     "BLOCK",
@@ -62,10 +63,9 @@ __all__ = [
 
 BLOCK = 64                    # Sol-Attn's block length (rows)
 HEAD_DIM = 128                # the only head_dim the fused kernel takes
-DEFAULT_TAU = 1.3             # core's node default
-DEFAULT_START_PERCENT = 0.2   # core: dense before 20 % of the timestep range
-DEFAULT_MIN_TOKENS = 12288    # core: shorter sequences stay dense
-DEFAULT_EXTRA_TOKENS = 256    # core's extra_tokens widget default (comfy-kitchen's token_aug)
+# core's defaults, written once in runtime.options
+DEFAULT_TAU, DEFAULT_START_PERCENT = SPARSE_TAU, SPARSE_START
+DEFAULT_MIN_TOKENS, DEFAULT_EXTRA_TOKENS = SPARSE_MIN_TOKENS, SPARSE_EXTRA_TOKENS
 _LOG2E = 1.4426950408889634
 # the fused kernel's dense query rows vs sol_attention_reference on random N(0,1) bf16 q/k/v
 PROBE_TOLERANCE = (0.1, "int8 q and k inside the kernel (comfy-kitchen: 'expect cos ~0.999', i.e. rel-L2 up to "
