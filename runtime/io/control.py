@@ -257,11 +257,13 @@ def _set(module, name: str, value) -> None:
         mod._buffers[leaf] = value
 
 
-def load_control(path: str | Path | ControlFile, plan, base_config=None) -> FunControl:
+def load_control(path, plan, base_config=None) -> FunControl:
     """The tower of ``path`` on ``plan``'s device and dtype (a LoadPlan: ``rt.plan``), its block linears NVFP4
-    when the plan quantizes (module docstring). ``base_config``: refuse early a tower that does not fit it.
-    Raises ControlError / CheckpointError naming the problem."""
-    cf = path if isinstance(path, ControlFile) else open_control(path)
+    when the plan quantizes (module docstring). ``path``: a file, an opened ``ControlFile``, or any source with
+    its reading interface (``spec``, ``name``, ``keys``, ``tensor``, ``quant_layers``, ``quant_format``; the
+    benches' random towers). ``base_config``: refuse early a tower that does not fit it. Raises ControlError /
+    CheckpointError naming the problem."""
+    cf = path if hasattr(path, "spec") else open_control(path)
     spec = cf.spec
     tower_cfg = spec.block_config
     if base_config is not None:
@@ -296,7 +298,7 @@ def load_control(path: str | Path | ControlFile, plan, base_config=None) -> FunC
     return tower.eval().requires_grad_(False)
 
 
-def _linear(cf: ControlFile, layer: str, stored_quant: bool, shape: tuple, plan, scratch) -> Nvfp4Linear:
+def _linear(cf, layer: str, stored_quant: bool, shape: tuple, plan, scratch) -> Nvfp4Linear:
     """One control block linear as an Nvfp4Linear: its stored NVFP4 tensors adopted, or its dense weight
     (dequantized when stored as fp8 / int8) quantized on the device."""
     kw = dict(backend=plan.gemm, act_scale=plan.options.act_scale, out_dtype=plan.dtype, scratch=scratch)
