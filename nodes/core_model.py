@@ -64,10 +64,11 @@ def resident_bytes(rt) -> int:
 # core's conditioning kwargs -> the runtime's conditioning
 # ---------------------------------------------------------------------------------------------
 
-def conditioning_from_core(payload: dict | None, denoise_mask=None, audio_denoise_mask=None
+def conditioning_from_core(payload: dict | None, denoise_mask=None, audio_denoise_mask=None, target=None
                            ) -> tuple[torch.Tensor | None, H3Conditioning]:
     """core's ``minimax_payload`` (+ the pooled masks of the newest core) -> (token tags [L] or None,
-    H3Conditioning). Unknown payload entries and fields the runtime cannot honour raise H3NodeError naming them."""
+    H3Conditioning). target: (video shape, audio shape, video channels, audio channels) to check the fit with.
+    Unknown payload entries and fields the runtime cannot honour raise H3NodeError naming them and their node."""
     payload = dict(payload or {})
     tags = payload.pop("text_token_tags", None)
     for k in _DERIVED:
@@ -80,6 +81,8 @@ def conditioning_from_core(payload: dict | None, denoise_mask=None, audio_denois
     payload["denoise_mask"], payload["audio_denoise_mask"] = denoise_mask, audio_denoise_mask
     try:
         cond = H3Conditioning.from_payload(payload)
+        if target is not None:
+            cond.check_target(*target)
     except H3Error as e:
         msg = str(e)
         field = msg.split(":", 1)[0].split("[", 1)[0].split(".", 1)[0]
@@ -163,12 +166,15 @@ class RuntimeHandle:
         if self._rt is not None:
             self.call.end_run()
 
-    def conditioning(self, payload, denoise_mask, audio_denoise_mask):
-        for p, dm, adm, out in self.conds:
-            if p is payload and _same(dm, denoise_mask) and _same(adm, audio_denoise_mask):
+    def conditioning(self, payload, denoise_mask, audio_denoise_mask, video_shape, audio_shape):
+        for p, dm, adm, shapes, out in self.conds:
+            if p is payload and _same(dm, denoise_mask) and _same(adm, audio_denoise_mask) \
+                    and shapes == (video_shape, audio_shape):
                 return out
-        out = conditioning_from_core(payload, denoise_mask, audio_denoise_mask)
-        self.conds.append((payload, denoise_mask, audio_denoise_mask, out))
+        cfg = self.config
+        out = conditioning_from_core(payload, denoise_mask, audio_denoise_mask,
+                                     (video_shape, audio_shape, cfg.video_channels, cfg.audio_channels))
+        self.conds.append((payload, denoise_mask, audio_denoise_mask, (video_shape, audio_shape), out))
         return out
 
 
@@ -220,7 +226,7 @@ class H3DiffusionModel(torch.nn.Module):
         for b in range(video.shape[0]):  # core's model takes one clip; a batch (cfg > 1) runs clip by clip
             dm = None if denoise_mask is None else denoise_mask[b:b + 1]
             adm = None if audio_denoise_mask is None else audio_denoise_mask[b:b + 1]
-            tags, cond = h.conditioning(payload, dm, adm)
+            tags, cond = h.conditioning(payload, dm, adm, tuple(video[b:b + 1].shape), tuple(audio[b:b + 1].shape))
             sigma = (steps[min(b, steps.numel() - 1)] / 1000.0).float()
             try:
                 outs.append(h.call(video[b:b + 1], audio[b:b + 1], sigma, context[b:b + 1], tags, cond, shifts, scale))

@@ -158,17 +158,18 @@ def lora_specs(patches: dict, mode: str = LORA_MODE) -> list[tuple[str, float, s
 
     lora_cls = _lora_adapter_class()
     groups: dict[tuple[int, float], dict] = {}
-    ident: dict[tuple[int, float], list] = {}
+    ident: dict[tuple[int, float], list] = {}  # (weight key, the record's adapter object) per LoRA
+    keep: dict[tuple[int, float], list] = {}
     for key in sorted(patches):
         for j, entry in enumerate(patches[key]):
             strength = float(entry[0])
             tensors = _entry_tensors(key, entry, lora_cls)
             groups.setdefault((j, strength), {}).update(tensors)
             ident.setdefault((j, strength), []).append((key, id(entry[1])))
+            keep.setdefault((j, strength), []).append(entry[1])
     specs = []
     for g in sorted(groups):
-        sig = (g, tuple(ident[g]), tuple((k, tuple(t.shape), t.dtype, t.data_ptr()) for k, t in
-                                         sorted(groups[g].items())))
+        sig = (g, tuple(ident[g]))  # core's records are immutable: the same objects hold the same LoRA
         hit = _files.get(sig)
         if hit is None:
             if len(_files) >= _MAX_FILES:
@@ -177,6 +178,6 @@ def lora_specs(patches: dict, mode: str = LORA_MODE) -> list[tuple[str, float, s
             _tmp["count"] = _tmp.get("count", 0) + 1
             path = os.path.join(_tmp_dir(), f"core-lora-{_tmp['count']}-x{g[1]:g}.safetensors")
             save_file({k: t.detach().to("cpu").contiguous() for k, t in groups[g].items()}, path)
-            hit = _files[sig] = (path, groups[g])
+            hit = _files[sig] = (path, keep[g])  # held, so their ids stay theirs while cached
         specs.append((hit[0], g[1], mode))
     return specs

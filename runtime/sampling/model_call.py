@@ -21,6 +21,7 @@ latent hashes are those of the final latents the host hands in).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -186,9 +187,7 @@ class ModelCall:
         sigmas = [float(model_sigma(torch.tensor(s))) for s in sched[:-1]] if sched else []
         c = cond if cond is not None else H3Conditioning()
         if sched:
-            c = H3Conditioning(c.keyframes, c.refs, c.denoise_mask, c.audio_denoise_mask,
-                               torch.tensor(sched, dtype=torch.float32), c.visual_cond_noise_aug,
-                               c.audio_cond_noise_aug, c.seed)
+            c = dataclasses.replace(c, sample_sigmas=torch.tensor(sched, dtype=torch.float32))
         plan = None
         if sigmas:
             plan = self.rt.model.plan(text.float(), shapes[0], shapes[1], sigmas, token_tags=tags, shifts=shifts,

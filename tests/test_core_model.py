@@ -1,0 +1,566 @@
+"""The H3 MODEL's adapter contract (nodes/core_model.py, nodes/core_patches.py), without ComfyUI.
+
+The diffusion model gets exactly what core hands ``MiniMaxH3Model.forward`` (newest core: ``comfy/model_base.py``
+``MiniMaxH3.extra_conds`` builds ``minimax_payload`` and the pooled ``denoise_mask`` / ``audio_denoise_mask``;
+``_apply_model`` passes ``timestep = sigma * 1000`` and ``transformer_options`` with ``sample_sigmas`` and the shifts
+``MiniMaxH3SigmaShift`` sets), and must give core's output: the same evaluation as ``forward --payload`` (itself
+checked against the float64 oracle of core's semantics, tests/oracles/core_h3.py, which two cases here use too),
+the audio carried as core's model carries it. The ModelPatcher side runs against small stand-ins of core's classes
+with core's logic for what the adapter relies on (``add_patches`` keeps only keys of ``model.state_dict()``,
+``clone`` copies the patch lists, ``pre_run`` / ``cleanup`` bracket a run, ``patch_model`` applies object patches).
+The real thing runs in tests/oracles/check_core_model.py (a ComfyUI with core H3; not CI).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "oracles"))
+
+import cases as case_mod  # noqa: E402
+import core_h3  # noqa: E402
+from fixtures.tiny_lora import save_tiny_lora, tiny_lora_truth  # noqa: E402
+
+from h3_blackwell.nodes import core_model as cm  # noqa: E402
+from h3_blackwell.nodes import core_patches as cp  # noqa: E402
+from h3_blackwell.nodes._common import H3NodeError  # noqa: E402
+from h3_blackwell.runtime import H3Conditioning, RuntimeOptions, load_model  # noqa: E402
+from h3_blackwell.runtime.lora.apply import apply_loras  # noqa: E402
+from h3_blackwell.runtime.model.config import TINY  # noqa: E402
+from h3_blackwell.runtime.model.layout import time_shift_sigma  # noqa: E402
+from h3_blackwell.runtime.model.tiny import save_tiny  # noqa: E402
+
+CASES = case_mod.make_cases()
+DENSE = dict(quantize=False, attention="reference", dtype="float32", device="cpu")
+
+
+def _rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def _cfg(case):
+    return TINY.replace(text_dim=case_mod.TEXT_DIM, head_bank=case.get("head_bank", 1),
+                        adaln_curve_grid=33 if case.get("curve") else 0)
+
+
+@pytest.fixture(scope="module")
+def runtimes(tmp_path_factory):
+    """Dense fp32 runtimes of the case configurations, loaded once: {config: (file, runtime)}."""
+    d = tmp_path_factory.mktemp("core_model")
+    out = {}
+
+    def get(cfg):
+        if cfg not in out:
+            path = save_tiny(d / f"m{len(out)}.safetensors", cfg, seed=1, dtype=torch.float32)
+            out[cfg] = (path, load_model(str(path), RuntimeOptions.from_env(**DENSE)))
+        return out[cfg]
+    return get
+
+
+def core_kwargs(case, schedule=None, shifts=None, audio_scale=1.0):
+    """(payload, masks, transformer_options) as core's MiniMaxH3.extra_conds / _apply_model build them."""
+    p = case["payload"]
+    payload = {"text_token_tags": case["token_tags"], "seed": p.get("seed", 0), "audio_scale": audio_scale,
+               "layout": object()}  # core's PackedLayout: the adapter builds its own
+    if "keyframes" in p:
+        payload["keyframes"] = p["keyframes"]
+        payload["cond_video_latents"] = [k["latent"] for k in p["keyframes"] if k.get("latent") is not None]
+        payload["cond_audio_latents"] = [k["audio_latent"] for k in p["keyframes"] if k.get("audio_latent") is not None]
+    if "refs" in p:
+        payload["refs"] = p["refs"]
+        payload["cond_video_latents"] = payload.get("cond_video_latents", []) + [r["latent"] for r in p["refs"]
+                                                                              if "latent" in r]
+    for k in ("visual_cond_noise_aug", "audio_cond_noise_aug"):
+        if k in p:
+            payload[k] = p[k]
+    masks = {}
+    for name, pool in (("denoise_mask", core_h3.pooled_video_mask), ("audio_denoise_mask", core_h3.pooled_audio_mask)):
+        m = pool(p.get(name))
+        if m is not None:
+            masks[name] = m.float()
+    to = {"sample_sigmas": schedule if schedule is not None else p.get("sample_sigmas")}
+    if shifts is not None:
+        to["minimax_h3_sigma_shift_video"], to["minimax_h3_sigma_shift_audio"] = shifts
+    return payload, masks, to
+
+
+def call(dm, case, sigma=None, schedule=None, shifts=None, audio_scale=1.0, audio=None):
+    payload, masks, to = core_kwargs(case, schedule, shifts, audio_scale)
+    sigma = case["sigma"] if sigma is None else sigma
+    timestep = torch.tensor([sigma], dtype=torch.float32) * 1000  # model_sampling.timestep(sigma), .float()
+    x = [case["video"], case["audio"] if audio is None else audio]
+    return dm(x, timestep, case["text_states"], transformer_options=to, minimax_payload=payload, control=None, **masks)
+
+
+def reference(rt, case, sigma=None, shifts=None, video=None, audio=None):
+    """``forward --payload``'s evaluation (the runtime's plan, the canonical payload)."""
+    cond = H3Conditioning.from_payload(case["payload"])
+    return rt.model.forward(case["video"] if video is None else video, case["audio"] if audio is None else audio,
+                            case["text_states"], core_h3.core_sigma(case["sigma"] if sigma is None else sigma),
+                            token_tags=case["token_tags"], cond=cond, shifts=shifts, ops=rt.ops)
+
+
+def diffusion_model(rt):
+    return cm.H3DiffusionModel(cm.RuntimeHandle(rt))
+
+
+# ---------------------------------------------------------------------------------------------
+# the conditioning kwargs core passes
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_conditioning_kwargs_give_forward_payloads_result(name, runtimes):
+    """Keyframes, clip guides, audio guides, references of every kind, condition noise and seed, token tags, pooled
+    masks, PDD heads (schedule from transformer_options), curve form: core's kwargs give the payload's evaluation."""
+    case = CASES[name]
+    _, rt = runtimes(_cfg(case))
+    v, a = call(diffusion_model(rt), case)
+    rv, ra = reference(rt, case)
+    assert v.shape == case["video"].shape and a.shape == case["audio"].shape
+    assert _rel(v, rv) < 1e-6 and _rel(a, ra) < 1e-6
+
+
+@pytest.mark.parametrize("name", ["fl2va_first_last", "ref2va", "video_mask_partial"])
+def test_conditioning_kwargs_match_core_oracle(name, runtimes):
+    """Independent of the runtime's own payload reading: the float64 oracle of core's semantics."""
+    case = CASES[name]
+    path, rt = runtimes(_cfg(case))
+    from safetensors.torch import load_file
+
+    v, a = call(diffusion_model(rt), case)
+    ov, oa = core_h3.core_forward(load_file(str(path)), case["video"], case["audio"], case["text_states"],
+                                  case["sigma"], token_tags=case["token_tags"], payload=case["payload"])
+    assert _rel(v, ov) < 1e-5 and _rel(a, oa) < 1e-5
+
+
+def test_unknown_payload_entry_and_bad_fields_are_named(runtimes):
+    case = CASES["fl2va_first_last"]
+    _, rt = runtimes(_cfg(case))
+    dm = diffusion_model(rt)
+    payload, _, to = core_kwargs(case)
+    with pytest.raises(H3NodeError, match="minimax_fancy"):
+        dm([case["video"], case["audio"]], torch.tensor([800.0]), case["text_states"], transformer_options=to,
+           minimax_payload={**payload, "minimax_fancy": 1})
+    bad = {**payload, "keyframes": [{"resolved_frame_index": 99, "latent": payload["keyframes"][0]["latent"]}]}
+    with pytest.raises(H3NodeError, match=r"minimax_keyframes .*keyframes\[0\]\.resolved_frame_index"):
+        dm([case["video"], case["audio"]], torch.tensor([800.0]), case["text_states"], transformer_options=to,
+           minimax_payload=bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# sigma and timestep conventions
+# ---------------------------------------------------------------------------------------------
+
+def test_sigma_timestep_and_shift_conventions(runtimes):
+    """timestep = sigma * 1000 (the network sees timestep / 1000); a sigma of the run's schedule (planned once per
+    run) and one outside it (planned alone) give the same evaluation; the shifts come from transformer_options."""
+    case = CASES["image_and_audio_guide"]
+    _, rt = runtimes(_cfg(case))
+    sched = torch.tensor([1.0, 0.93, 0.7, 0.4, 0.0])
+    on = call(diffusion_model(rt), case, sigma=0.93, schedule=sched)
+    off = call(diffusion_model(rt), case, sigma=0.93, schedule=torch.tensor([1.0, 0.9, 0.5, 0.0]))
+    ref = reference(rt, case, sigma=0.93)
+    for got in (on, off):
+        assert _rel(got[0], ref[0]) < 1e-6 and _rel(got[1], ref[1]) < 1e-6
+    shifted = call(diffusion_model(rt), case, sigma=0.7, schedule=sched, shifts=(8.0, 4.0))
+    ref8 = reference(rt, case, sigma=0.7, shifts=(8.0, 4.0))  # sigma_a depends on the ratio only
+    ref12 = reference(rt, case, sigma=0.7)
+    assert _rel(shifted[0], ref8[0]) < 1e-6 and _rel(shifted[1], ref8[1]) < 1e-6
+    assert _rel(ref8[1], ref12[1]) > 1e-3  # the audio timestep follows the shifts: the test can fail
+
+
+def test_one_plan_per_run_and_every_call_counted(runtimes):
+    case = CASES["fl2va_first_last"]
+    _, rt = runtimes(_cfg(case))
+    handle = cm.RuntimeHandle(rt)
+    dm = cm.H3DiffusionModel(handle)
+    sched = torch.tensor([1.0, 0.8, 0.5, 0.0])
+
+    class Patcher:  # what begin_sampling reads from core's ModelPatcher
+        patches, object_patches, hook_patches, weight_wrapper_patches = {}, {}, {}, {}
+        model_options = {"transformer_options": {}}
+
+    handle.begin_sampling(Patcher())
+    payload, _, to = core_kwargs(case, sched)  # one payload object per run, as core's CONDConstant hands it
+    for s in (1.0, 0.8, 0.65, 0.5):  # 0.65: a sampler's intermediate point
+        dm([case["video"], case["audio"]], torch.tensor([s]) * 1000, case["text_states"], transformer_options=to,
+           minimax_payload=payload)
+    handle.end_sampling()
+    run = handle.call.last_run
+    assert run.calls == 4 and len(run.plans) == 1 and list(run.plans[0].extra) == [pytest.approx(0.65)]
+    rep = handle.call.report(case["video"], case["audio"])
+    assert rep["workload"]["model_calls"] == 4 and rep["latents_finite"] is True
+    assert len(rep["per_step_seconds"][0]) == 4 and rep["workload"]["steps"] == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# the audio carry
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shifts", [(12.0, 3.0), (8.0, 4.0)])
+def test_audio_carry(runtimes, shifts):
+    """With core's packed latent (audio_scale = shift_video / shift_audio) the model gets the carried audio
+    y = x_a * sigma_v / sigma_a and returns d/dsigma_v of y: (1 - s) * x_a + (1 + (s - 1) * sigma_a) * v_a(x_a)."""
+    case = CASES["audio_guide"]
+    _, rt = runtimes(_cfg(case))
+    s = shifts[0] / shifts[1]
+    sigma = 0.55
+    sv = torch.tensor(core_h3.core_sigma(sigma), dtype=torch.float32)
+    sa = time_shift_sigma(sv, *shifts)
+    xa = case["audio"]
+    y = xa * (sv / sa)
+    v, vy = call(diffusion_model(rt), case, sigma=sigma, shifts=shifts, audio_scale=s, audio=y)
+    rv, ra = reference(rt, case, sigma=sigma, shifts=shifts, audio=y * (sa / sv))
+    expect = (1.0 - s) * (y * (sa / sv)) + (1.0 + (s - 1.0) * sa) * ra
+    assert _rel(v, rv) < 1e-6 and _rel(vy, expect) < 1e-6
+    assert _rel(vy, ra) > 1e-2  # the carry changes the result: the test can fail
+
+
+def test_batch_runs_clip_by_clip(runtimes):
+    case = CASES["ref2va"]
+    _, rt = runtimes(_cfg(case))
+    dm = diffusion_model(rt)
+    payload, _, to = core_kwargs(case)
+    x2 = [torch.cat([case["video"], -case["video"]]), torch.cat([case["audio"], case["audio"]])]
+    v, a = dm(x2, torch.tensor([300.0, 300.0]), torch.cat([case["text_states"]] * 2), transformer_options=to,
+              minimax_payload=payload)
+    r0 = reference(rt, case)
+    r1 = reference(rt, case, video=-case["video"])
+    assert _rel(v[:1], r0[0]) < 1e-6 and _rel(v[1:], r1[0]) < 1e-6 and _rel(a[:1], r0[1]) < 1e-6
+
+
+# ---------------------------------------------------------------------------------------------
+# core's classes, in miniature
+# ---------------------------------------------------------------------------------------------
+
+class LoRAAdapter:  # comfy.weight_adapter.LoRAAdapter: weights = (up, down, alpha, mid, dora_scale, reshape)
+    name = "lora"
+
+    def __init__(self, loaded_keys, weights):
+        self.loaded_keys, self.weights = loaded_keys, weights
+
+
+class LoHaAdapter:
+    name = "loha"
+
+    def __init__(self, weights):
+        self.weights = weights
+
+
+def _fake_core(monkeypatch):
+    comfy = types.ModuleType("comfy")
+    mb = types.ModuleType("comfy.model_base")
+    mp = types.ModuleType("comfy.model_patcher")
+    sm = types.ModuleType("comfy.supported_models")
+    mm = types.ModuleType("comfy.model_management")
+    utils = types.ModuleType("comfy.utils")
+    wa = types.ModuleType("comfy.weight_adapter")
+    ext = types.ModuleType("comfy.patcher_extension")
+
+    class MiniMaxH3(torch.nn.Module):
+        def __init__(self, model_config, model_type=None, device=None):
+            super().__init__()
+            self.model_config, self.device = model_config, device
+            self.model_sampling = torch.nn.Module()
+            self.model_sampling.register_buffer("sigmas", torch.linspace(0.001, 1, 10))
+            self.current_patcher = None
+
+        def get_dtype(self):  # core's BaseModel
+            return self.diffusion_model.dtype
+
+    class Config:
+        sampling_settings = {"shift": 12.0, "audio_shift": 3.0}
+
+        def __init__(self, unet_config):
+            self.unet_config = dict(unet_config)
+            self.sampling_settings = dict(self.sampling_settings)
+
+        def set_inference_dtype(self, dtype, manual_cast_dtype):
+            self.unet_config["dtype"], self.manual_cast_dtype = dtype, manual_cast_dtype
+
+    class ModelPatcher:
+        def __init__(self, model, load_device, offload_device, size=0, weight_inplace_update=False):
+            self.model, self.load_device, self.offload_device = model, load_device, offload_device
+            self.patches, self.object_patches, self.object_patches_backup = {}, {}, {}
+            self.weight_wrapper_patches, self.hook_patches, self.callbacks = {}, {}, {}
+            self.model_options = {"transformer_options": {}}
+            self.patches_uuid = uuid.uuid4()
+            for k in ("model_loaded_weight_memory", "lowvram_patch_counter", "model_offload_buffer_memory"):
+                setattr(model, k, 0)
+            model.model_lowvram, model.current_weight_patches_uuid = False, None
+
+        def add_patches(self, patches, strength_patch=1.0, strength_model=1.0):  # core's logic
+            sd = self.model.state_dict()
+            taken = []
+            for k in patches:
+                if k in sd:
+                    taken.append(k)
+                    self.patches.setdefault(k, []).append((strength_patch, patches[k], strength_model, None, None))
+            self.patches_uuid = uuid.uuid4()
+            return taken
+
+        def clone(self):
+            n = self.__class__(self.model, self.load_device, self.offload_device, self.model_size())
+            n.patches = {k: v[:] for k, v in self.patches.items()}
+            n.object_patches = dict(self.object_patches)
+            n.model_options = {"transformer_options": dict(self.model_options["transformer_options"])}
+            n.patches_uuid = self.patches_uuid
+            return n
+
+        def model_size(self):
+            return 0
+
+        def use_ejected(self, skip_and_inject_on_exit_only=False):
+            return contextlib.nullcontext()
+
+        def eject_model(self):
+            pass
+
+        def get_all_callbacks(self, kind):
+            return []
+
+        def patch_model(self, device_to=None, lowvram_model_memory=0, load_weights=True, force_patch_weights=False):
+            for k, v in self.object_patches.items():
+                self.object_patches_backup.setdefault(k, getattr(self.model, k))
+                setattr(self.model, k, v)
+            if load_weights:
+                self.load(device_to)
+            return self.model
+
+        def pre_run(self):
+            self.model.current_patcher = self
+
+        def cleanup(self):
+            self.model.current_patcher = None
+
+    class CallbacksMP:
+        ON_LOAD = "on_load_after"
+
+    mb.MiniMaxH3, sm.MiniMaxH3, mp.ModelPatcher, ext.CallbacksMP = MiniMaxH3, Config, ModelPatcher, CallbacksMP
+    mm.unet_offload_device = lambda: torch.device("cpu")
+    utils.set_attr = lambda obj, k, v: setattr(obj, k, v)
+    wa.LoRAAdapter = LoRAAdapter
+    mods = {"comfy": comfy, "comfy.model_base": mb, "comfy.model_patcher": mp, "comfy.supported_models": sm,
+            "comfy.model_management": mm, "comfy.utils": utils, "comfy.weight_adapter": wa,
+            "comfy.patcher_extension": ext}
+    for k, v in mods.items():
+        monkeypatch.setitem(sys.modules, k, v)
+        if "." in k:
+            setattr(comfy, k.split(".", 1)[1], v)
+    monkeypatch.setattr(cm, "_CLASSES", {})
+
+
+def core_lora_patches(path) -> dict:
+    """What core's load_lora makes of a file in the diffusion_model form: {weight key: LoRAAdapter | ("diff",)}."""
+    from safetensors.torch import load_file
+
+    sd = load_file(str(path))
+    out = {}
+    for k in sd:
+        if k.endswith(".lora_up.weight"):
+            m = k[: -len(".lora_up.weight")]
+            alpha = sd.get(m + ".alpha")
+            out[m + ".weight"] = LoRAAdapter({k}, (sd[k], sd[m + ".lora_down.weight"],
+                                                   None if alpha is None else float(alpha), None, None, None))
+        elif k.endswith(".diff"):
+            out[k[: -len(".diff")] + ".weight"] = ("diff", (sd[k],))
+        elif k.endswith(".diff_b"):
+            out[k[: -len(".diff_b")] + ".bias"] = ("diff", (sd[k],))
+    return out
+
+
+@pytest.fixture()
+def core(monkeypatch, tmp_path):
+    _fake_core(monkeypatch)
+    path = save_tiny(tmp_path / "tiny.safetensors", TINY, seed=2, dtype=torch.float32)
+    rt = load_model(str(path), RuntimeOptions.from_env(**DENSE))
+    return path, rt
+
+
+def _t2va(rt):
+    g = torch.Generator().manual_seed(4)
+    return dict(video=torch.randn(1, 24, 7, 4, 6, generator=g), audio=torch.randn(1, 32, 2, 37, generator=g),
+                text_states=torch.randn(1, 8, rt.config.text_dim, generator=g), token_tags=None, sigma=0.8,
+                payload={"seed": 1})
+
+
+def _run(patcher, case):
+    """One sampling run as core brackets it: load, pre_run, the model calls, cleanup."""
+    patcher.patch_model(patcher.load_device)
+    patcher.pre_run()
+    try:
+        return call(patcher.model.diffusion_model, case, schedule=torch.tensor([1.0, 0.8, 0.0]))
+    finally:
+        patcher.cleanup()
+
+
+def test_core_model_names_weights_as_core_and_sizes_the_resident_model(core):
+    _, rt = core
+    patcher = cm.make_core_model(rt)
+    sd = patcher.model.state_dict()
+    inner = rt.config.num_heads * rt.config.head_dim
+    assert sd["diffusion_model.blocks.0.attn.qkv_proj.weight"].shape == (3 * inner, rt.config.hidden_size)
+    assert sd["diffusion_model.blocks.0.attn.qkv_proj.weight"].is_meta
+    assert {"diffusion_model.final_layer.video_out.weight", "diffusion_model.token_refiner.blocks.0.mlp.fc2.weight",
+            "diffusion_model.rope.inv_freq"} <= set(sd)
+    assert patcher.model_size() == cm.resident_bytes(rt) > 0 and patcher.model.get_dtype() == torch.float32
+    assert patcher.model.diffusion_model.preprocess_text_embeds(torch.ones(1, 3, 5)).shape == (1, 3, 5)
+
+
+def test_lora_patches_read_from_the_model(core, tmp_path):
+    """LoraLoaderModelOnly at 0.8 records LoRAAdapter / diff patches; the run applies them through the runtime's
+    LoRA machinery: the result equals the runtime with the same file at 0.8, and the next run without them is the
+    base model again, bit for bit."""
+    path, rt = core
+    base = cm.make_core_model(rt)
+    case = _t2va(rt)
+    v0, a0 = _run(base, case)
+    lora = save_tiny_lora(tmp_path / "l.safetensors", tiny_lora_truth(TINY, seed=3), "diffusion_model")
+    patches = core_lora_patches(lora)
+    patched = base.clone()
+    assert sorted(patched.add_patches(patches, 0.8)) == sorted(patches)  # every key is a weight of the MODEL
+    v1, a1 = _run(patched, case)
+    rt2 = load_model(str(path), RuntimeOptions.from_env(**DENSE))
+    apply_loras(rt2, [(str(lora), 0.8, "merge")])
+    r1 = call(diffusion_model(rt2), case, schedule=torch.tensor([1.0, 0.8, 0.0]))
+    assert _rel(v1, r1[0]) < 1e-6 and _rel(a1, r1[1]) < 1e-6
+    assert _rel(v1, v0) > 1e-3
+    assert "x0.8 merge" in rt.backends["lora"]["reason"]
+    v2, a2 = _run(base, case)
+    assert torch.equal(v2, v0) and torch.equal(a2, a0)
+    # the same records again: the same file, nothing re-applied
+    assert cp.lora_specs(patched.patches) == cp.lora_specs(patched.patches)
+
+
+def test_stacked_loras_and_strengths(core, tmp_path):
+    path, rt = core
+    base = cm.make_core_model(rt)
+    l1 = save_tiny_lora(tmp_path / "a.safetensors", tiny_lora_truth(TINY, seed=3), "diffusion_model")
+    l2 = save_tiny_lora(tmp_path / "b.safetensors", tiny_lora_truth(TINY, seed=5), "diffusion_model")
+    m = base.clone()
+    m.add_patches(core_lora_patches(l1), 0.8)
+    m = m.clone()
+    m.add_patches(core_lora_patches(l2), -0.5)
+    specs = cp.lora_specs(m.patches)
+    assert [(s, mode) for _, s, mode in specs] == [(0.8, "merge"), (-0.5, "merge")]
+    case = _t2va(rt)
+    v, _ = _run(m, case)
+    rt2 = load_model(str(path), RuntimeOptions.from_env(**DENSE))
+    apply_loras(rt2, [(str(l1), 0.8, "merge"), (str(l2), -0.5, "merge")])
+    assert _rel(v, call(diffusion_model(rt2), case, schedule=torch.tensor([1.0, 0.8, 0.0]))[0]) < 1e-6
+
+
+# ---------------------------------------------------------------------------------------------
+# refusals
+# ---------------------------------------------------------------------------------------------
+
+def _patches_with(key, entry):
+    return {key: [entry]}
+
+
+@pytest.mark.parametrize("entry, match", [
+    ((1.0, LoHaAdapter((1, 2)), 1.0, None, None), "'loha'"),
+    ((1.0, LoRAAdapter(set(), (torch.ones(96, 2), torch.ones(2, 96), None, None, None, None)), 1.0, (0, 0, 96), None),
+     "slice"),
+    ((1.0, LoRAAdapter(set(), (torch.ones(96, 2), torch.ones(2, 96), None, None, torch.ones(96), None)), 1.0, None,
+      None), "DoRA"),
+    ((0.5, ("diff", (torch.ones(96, 96),)), 0.5, None, None), "strength_model=0.5"),
+    ((1.0, ("set", (torch.ones(96, 96),)), 1.0, None, None), "'set'"),
+    ((1.0, ("diff", (torch.ones(96, 96),)), 1.0, None, lambda w: w), "weight function"),
+])
+def test_unknown_lora_records_are_refused_by_name(monkeypatch, entry, match):
+    _fake_core(monkeypatch)
+    with pytest.raises(H3NodeError, match=match) as e:
+        cp.lora_specs(_patches_with("diffusion_model.blocks.0.attn.out_proj.weight", entry))
+    assert "blocks.0.attn.out_proj" in str(e.value) and "H3 MODEL" in str(e.value)
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"patches_replace": {"dit": {("double_block", 3): lambda a, b: a}}}, r"patches_replace\['dit'\]\[\('double_block', 3\)\]"),
+    ({"patches": {"attn1_patch": [lambda *a: a]}}, r"patches\['attn1_patch'\]"),
+    ({"optimized_attention_override": lambda *a: a}, "attention override"),
+    ({"wrappers": {"diffusion_model": {"easycache": [lambda *a: a]}}}, "diffusion-model wrapper"),
+])
+def test_unknown_model_patches_are_refused(runtimes, options, match):
+    case = CASES["fl2va_first_last"]
+    _, rt = runtimes(_cfg(case))
+    payload, _, to = core_kwargs(case)
+    with pytest.raises(H3NodeError, match=match) as e:
+        diffusion_model(rt)([case["video"], case["audio"]], torch.tensor([800.0]), case["text_states"],
+                            transformer_options={**to, **options}, minimax_payload=payload)
+    assert "never dropped silently" in str(e.value)
+
+
+def test_core_keys_that_are_no_patches_pass(runtimes):
+    """What core itself puts in transformer_options on every call, and empty patch tables, are not refusals."""
+    case = CASES["fl2va_first_last"]
+    _, rt = runtimes(_cfg(case))
+    payload, _, to = core_kwargs(case)
+    to.update(patches={}, patches_replace={"dit": {}}, wrappers={"outer_sample": {"x": [print]}}, callbacks={},
+              cond_or_uncond=[0], uuids=[uuid.uuid4()], sigmas=torch.tensor([0.8]), prefetch_dynamic_vbars=False)
+    v, _ = diffusion_model(rt)([case["video"], case["audio"]], torch.tensor([800.0]), case["text_states"],
+                               transformer_options=to, minimax_payload=payload, c_concat=None)
+    assert _rel(v, reference(rt, case)[0]) < 1e-6
+
+
+def test_controlnet_unknown_kwargs_object_patches_and_hooks_are_refused(core):
+    _, rt = core
+    patcher = cm.make_core_model(rt)
+    case = _t2va(rt)
+    payload, _, to = core_kwargs(case)
+    dm = patcher.model.diffusion_model
+    x, ts, ctx = [case["video"], case["audio"]], torch.tensor([800.0]), case["text_states"]
+    with pytest.raises(H3NodeError, match="ControlNet"):
+        dm(x, ts, ctx, transformer_options=to, minimax_payload=payload, control={"output": []})
+    with pytest.raises(H3NodeError, match="'guidance'"):
+        dm(x, ts, ctx, transformer_options=to, minimax_payload=payload, guidance=torch.ones(1))
+    shifted = patcher.clone()
+    shifted.object_patches["model_sampling"] = torch.nn.Module()  # MiniMaxH3SigmaShift's patch: allowed
+    _run(shifted, case)
+    odd = patcher.clone()
+    odd.object_patches["diffusion_model.forward_orig"] = print
+    with pytest.raises(H3NodeError, match="object patch of 'diffusion_model.forward_orig'"):
+        odd.pre_run()
+    hooked = patcher.clone()
+    hooked.hook_patches = {"hook": {}}
+    with pytest.raises(H3NodeError, match="weight hooks"):
+        hooked.pre_run()
+
+
+def test_weight_paths_of_core_are_refused_and_unload_keeps_a_cpu_model(core):
+    _, rt = core
+    patcher = cm.make_core_model(rt)
+    with pytest.raises(H3NodeError, match="patch the weight"):
+        patcher.patch_weight_to_device("diffusion_model.blocks.0.attn.qkv_proj.weight")
+    with pytest.raises(H3NodeError, match="saving the H3 MODEL"):
+        patcher.state_dict_for_saving()
+    assert patcher.partially_load(torch.device("cpu")) == cm.resident_bytes(rt)
+    assert patcher.partially_unload(torch.device("cpu"), 1) == 0  # on the CPU nothing is freed: kept resident
+    assert patcher.model.h3_handle.resident
+
+
+def test_release_and_reload(core):
+    """An unload releases the runtime (where it frees device memory); the next load reads it again."""
+    _, rt = core
+    loads = []
+    handle = cm.RuntimeHandle(rt, reload=lambda: loads.append(1) or rt, on_release=lambda: loads.append(0))
+    assert handle.release() == cm.resident_bytes(rt) and not handle.resident and loads == [0]
+    assert handle.runtime() is rt and loads == [0, 1]
+
+
+def test_loader_model_output_without_core_h3():
+    """Outside a ComfyUI with core H3 the MODEL output says what it needs when used."""
+    from h3_blackwell.nodes.loader import TINY_CHOICE, H3ModelLoader, release_resident
+
+    release_resident()
+    rt, model = H3ModelLoader().load(TINY_CHOICE, "auto", "auto", "on", True)
+    with pytest.raises(H3NodeError, match="core's MiniMax H3 support"):
+        model.clone()
+    release_resident()
