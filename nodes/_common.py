@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import os
 
-from ..runtime.errors import H3Error
+from ..runtime import H3Error
 
 CATEGORY = "H3 Blackwell"
 

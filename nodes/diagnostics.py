@@ -18,7 +18,7 @@ _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 def report_text(report: dict) -> str:
     """A short human summary, the backends, then the full JSON."""
-    from ..runtime.sampling.report import summary
+    from ..runtime import summary
 
     lines = []
     try:

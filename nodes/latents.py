@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime.errors import H3Error
-from ..runtime.model.layout import audio_frames, latent_frames, snap_frames
-from ..runtime.sampling.noise_mask import audio_denoise_mask, video_denoise_mask
+from ..runtime import H3Error, audio_denoise_mask, audio_frames, latent_frames, snap_frames, video_denoise_mask
 from ._common import CATEGORY, intermediate_device, node_error, optional_comfy_module
 
 VIDEO_CHANNELS = 24

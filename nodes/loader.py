@@ -14,9 +14,7 @@ import logging
 import os
 import weakref
 
-from ..runtime.errors import H3Error
-from ..runtime.io.checkpoint import open_checkpoint
-from ..runtime.io.verify import check_checkpoint
+from ..runtime import H3Error, RuntimeOptions, open_model
 from ._common import CATEGORY, comfy_module, node_error, optional_comfy_module
 
 TINY_CHOICE = "embedded tiny (seed 0)"
@@ -106,8 +104,6 @@ class H3ModelLoader:
         }}
 
     def load(self, model: str, gemm: str, attention: str, fc2_lt: str, adaln_cache: bool):
-        from ..runtime import RuntimeOptions, load_model
-
         if fc2_lt not in FC2_CHOICES:
             raise node_error(self.TITLE, f"fc2_lt={fc2_lt!r}: expected one of {', '.join(FC2_CHOICES)}")
         if model == TINY_CHOICE:
@@ -132,9 +128,8 @@ class H3ModelLoader:
             return (_RESIDENT["model"], _RESIDENT["core"])
         release_resident()
         try:
-            if path is not None:  # every tensor and shape from the headers (NVFP4 layers too) before any is read
-                check_checkpoint(open_checkpoint(path))
-            rt = load_model(path, options, tiny_seed=0, progress=_load_progress())
+            # the header read once, every tensor and shape checked (NVFP4 layers too) before any is read
+            rt = open_model(path, options, tiny_seed=0).load(progress=_load_progress())
         except H3Error as e:
             raise node_error(self.TITLE, str(e)) from e
         log.info("[h3-blackwell] %s", rt.describe())

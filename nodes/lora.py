@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from ..runtime.errors import H3Error
+from ..runtime import H3Error
 from ._common import CATEGORY, comfy_module, node_error, optional_comfy_module
 
 MODES = ["merge", "side"]
@@ -48,7 +48,7 @@ class H3LoRA:
         }}
 
     def apply(self, model, lora_name: str, strength: float, mode: str):
-        from ..runtime.lora.apply import LoraSpec, LoraView
+        from ..runtime import LoraSpec, LoraView
 
         if not hasattr(model, "config") or not hasattr(model, "model"):
             raise node_error(self.TITLE, f"model must come from H3 NVFP4 Model Loader; got {type(model).__name__}")

@@ -1,20 +1,16 @@
 """H3 Sampler: core's H3 CONDITIONING + H3 LATENT -> sampled LATENT (core's format) + H3_DIAGNOSTICS.
 
-A thin adapter over ``runtime.sample``: it converts the ComfyUI types (the conditioning entries of core's
-MiniMaxH3ImageToVideo / MiniMaxH3AddGuide / MiniMaxH3ReferenceToVideo and the latent's noise mask become the
-runtime's ``H3Conditioning``), forwards ComfyUI's progress bar (with live latent previews), the interruption
-flag, and turns runtime input errors into one message on this node.
+A thin adapter over the runtime's job (``runtime.tensor_job`` validates once, ``runtime.run`` samples): it
+converts the ComfyUI types (the conditioning entries of core's MiniMaxH3ImageToVideo / MiniMaxH3AddGuide /
+MiniMaxH3ReferenceToVideo and the latent's noise mask become the runtime's ``H3Conditioning``), forwards
+ComfyUI's progress bar (with live latent previews), the interruption flag, and turns runtime input errors into
+one message on this node.
 """
 
 from __future__ import annotations
 
-from ..runtime.errors import H3Error, Interrupted
-from ..runtime.model.conditioning import H3Conditioning
-from ..runtime.sampling.preview import latent_to_rgb
-from ..runtime.sampling.report import nonfinite_message
-from ..runtime.sampling.request import (check_int, check_latents, check_memory_rows, check_seed, check_text_states,
-                                        latent_rows)
-from ..runtime.sampling.sampler import sample as run_sample
+from ..runtime import ConditioningError, H3Error, Interrupted, latent_to_rgb, nonfinite_message, tensor_job
+from ..runtime import run as run_job
 from ._common import CATEGORY, intermediate_device, node_error, optional_comfy_module
 from .conditioning import read_conditioning
 from .latents import make_latent, pixel_frames, read_latent, read_noise_mask
@@ -70,21 +66,10 @@ def _callbacks(steps: int):
     return progress, preview, interrupt
 
 
-def _conditioning(payload: dict, latent: dict, video, audio, seed: int, cfg, title: str):
-    """Core's H3 payload + the latent's noise mask -> the runtime's validated H3Conditioning (errors name the
-    field, worded for this node)."""
+def _noise_masked(payload: dict, latent: dict, video, audio, seed: int, title: str) -> dict:
+    """Core's H3 payload with the latent's noise mask (video and audio streams) and the sampler's seed."""
     video_mask, audio_mask = read_noise_mask(latent, video.shape, audio.shape, title)
-    full = {**payload, "denoise_mask": video_mask, "audio_denoise_mask": audio_mask, "seed": int(seed)}
-    try:
-        return H3Conditioning.from_payload(full).check_target(video.shape, audio.shape, cfg.video_channels,
-                                                               cfg.audio_channels)
-    except H3Error as e:
-        msg = str(e)
-        for field, where in _FIELD_SOURCES:
-            if msg.startswith(field):
-                msg = f"{where}: {msg}"
-                break
-        raise node_error(title, msg) from e
+    return {**payload, "denoise_mask": video_mask, "audio_denoise_mask": audio_mask, "seed": int(seed)}
 
 
 # where the runtime's conditioning fields come from in a ComfyUI graph, for error messages
@@ -96,17 +81,20 @@ _FIELD_SOURCES = (("keyframes", "minimax_keyframes (MiniMaxH3ImageToVideo / Mini
                   ("audio_cond_noise_aug", "minimax_audio_cond_noise_aug"), ("seed", "the seed"))
 
 
-def _check_request(rt, text, tags, video, audio, seed, steps, title: str) -> None:
-    """The CLI's request checks, before any work: finite text states of the right shape, finite latents, the
-    seed and step count, and the memory estimate against what the model's device has free."""
+def _job(model, text, tags, video, audio, payload: dict, seed, steps, title: str, **settings):
+    """The runtime's job, validated once before any work: the CLI's request checks (finite text states of the
+    right shape, finite latents, the seed and step count, the memory estimate against what the model's device
+    has free), then core's payload as the runtime's H3Conditioning (its errors name the graph input)."""
     try:
-        check_text_states(text, tags, rt.config, "positive")
-        check_latents(video, audio, rt.config, "latent")
-        check_seed(int(seed))
-        check_int("steps", int(steps))
-        rows = latent_rows(video.shape, audio.shape, text.shape[-2])
-        check_memory_rows(rt.config, rows, text.shape[-2], rt.device, rt.dtype.itemsize, 0,
-                          f"a {video.shape[4] * 16}x{video.shape[3] * 16} latent of {video.shape[2]} latent frames")
+        return tensor_job(model, text, tags, video, audio, seed=int(seed), steps=int(steps), conditioning=payload,
+                          sources=("positive", "latent"), **settings)
+    except ConditioningError as e:
+        msg = str(e)
+        for field, where in _FIELD_SOURCES:
+            if msg.startswith(field):
+                msg = f"{where}: {msg}"
+                break
+        raise node_error(title, msg) from e
     except H3Error as e:
         raise node_error(title, str(e)) from e
 
@@ -166,8 +154,6 @@ class H3Sampler:
     def sample(self, model, positive, latent, seed: int, steps: int, sampler: str, scheduler: str,
                shift_video: float, shift_audio: float, denoise: float, sparse_tau: float = 1.3,
                first_block_cache: float = 0.0):
-        from ..runtime.lora.apply import sync_loras
-
         if not hasattr(model, "config") or not hasattr(model, "model"):
             raise node_error(self.TITLE, f"model must come from H3 NVFP4 Model Loader; got {type(model).__name__}")
         cfg = model.config
@@ -176,19 +162,19 @@ class H3Sampler:
         if sampler not in SAMPLERS or scheduler not in SCHEDULERS:
             raise node_error(self.TITLE, f"sampler={sampler!r}, scheduler={scheduler!r}: expected a sampler in "
                                          f"{SAMPLERS} and a scheduler in {SCHEDULERS}")
-        _check_request(model, text, tags, video, audio, seed, steps, self.TITLE)
-        cond = _conditioning(payload, latent, video, audio, seed, cfg, self.TITLE)
+        payload = _noise_masked(payload, latent, video, audio, seed, self.TITLE)
         progress, preview, interrupt = _callbacks(int(steps))
-        # the loader's model is shared and resident: make it carry exactly this graph's LoRAs (none if the
-        # graph has no LoRA node), so a LoRA from an earlier prompt never leaks into this one
-        sync_loras(model)
+        # the loader's model is shared and resident: the run makes it carry exactly this graph's LoRAs (none if
+        # the graph has no LoRA node), so a LoRA from an earlier prompt never leaks into this one
+        job = _job(model, text, tags, video, audio, payload, seed, steps, self.TITLE, sampler=sampler,
+                   scheduler=scheduler, shift_video=float(shift_video), shift_audio=float(shift_audio),
+                   denoise=float(denoise), progress=None if progress is None else (lambda: progress),
+                   preview=preview, interrupt=interrupt,
+                   workload_extra={"frames": pixel_frames(video.shape[2]), "host": "comfyui"},
+                   sparse_tau=float(sparse_tau) if getattr(model, "sparse", None) is not None else None,
+                   first_block_cache=float(first_block_cache) if first_block_cache > 0 else None)
         try:
-            res = run_sample(model, text, tags, video, audio, seed=int(seed), steps=int(steps), sampler=sampler,
-                             scheduler=scheduler, shift_video=float(shift_video), shift_audio=float(shift_audio),
-                             denoise=float(denoise), progress=progress, preview=preview, interrupt=interrupt,
-                             workload_extra={"frames": pixel_frames(video.shape[2]), "host": "comfyui"}, conditioning=cond,
-                             sparse_tau=float(sparse_tau) if getattr(model, "sparse", None) is not None else None,
-                             first_block_cache=float(first_block_cache) if first_block_cache > 0 else None)
+            res = run_job(job)
         except Interrupted as e:
             _raise_interrupted(e)
         except H3Error as e:

@@ -1,25 +1,58 @@
 """h3-blackwell runtime: pure PyTorch (+ Triton, + an optional cuBLASLt extension). Never imports ComfyUI.
 
-Public surface::
+This package's names are its public API: ``cli/`` and ``nodes/`` import nothing else from the runtime (a test
+enforces it; README "Public API")::
 
-    from h3_blackwell.runtime import load_model, sample, RuntimeOptions
+    from h3_blackwell.runtime import make_job, run
+    job = make_job("h3.safetensors", seed=1, steps=20)   # validated once: header, names and shapes, sizes
+    res = run(job)                                       # plan -> load -> LoRAs -> sample -> report
+    res.video, res.audio, res.report
+
+    from h3_blackwell.runtime import load_model, sample  # a resident model, sampled many times
     rt = load_model("h3.safetensors")            # or load_model(None): the embedded tiny model
     res = sample(rt, text_states, token_tags, video, audio, seed=1, steps=20)
-    res.video, res.audio, res.report
 """
 
+# the job: one request validated once, one run (runtime/job.py, runtime/forward.py)
+from .job import Job, ModelSpec, make_job, open_model, run, runtime_options, tensor_job
+from .forward import ForwardJob, forward_job, run_forward
+# a resident model and sampling
 from .model.config import H3Config
-from .load import H3Runtime, load_model
-from .errors import H3Error, Interrupted
 from .options import RuntimeOptions
+from .plan import resolve_device
+from .load import H3Runtime, load_model
 from .sampling.sampler import SampleResult, sample
+from .sampling.model_call import ModelCall, weight_shapes
+from .model.conditioning import ConditioningError, H3Conditioning
+from .lora.spec import LoraSpec
+from .lora.apply import LoraView, sync_loras
 from .io.control import ControlFile, load_control, open_control
 from .model.control import ControlError, FunControl, bind_control
-from .model.conditioning import H3Conditioning
-from .lora.apply import sync_loras
-from .sampling.model_call import ModelCall, weight_shapes
-from .fc2 import tune as fc2_tune  # the FC2 cuBLASLt sweep behind `h3-blackwell tune-fc2`
+# errors
+from .errors import CheckpointError, H3Error, Interrupted, is_out_of_memory
+from .sampling.request import RequestError
+# request checks, outputs, reports
+from .sampling.request import SEED_RANGE, check_int, check_output_file
+from .io.atomic import save_tensors, write_dir, write_file
+from .sampling.report import nonfinite_message, summary
+from .sampling.preview import latent_to_rgb, write_preview_webp
+# latent geometry and masks (the nodes' empty latent and noise masks)
+from .model.layout import audio_frames, latent_frames, snap_frames
+from .sampling.noise_mask import audio_denoise_mask, video_denoise_mask
+# files: make-tiny, quantize, the FC2 sweep behind `h3-blackwell tune-fc2`
+from .model.tiny import save_tiny
+from .io.convert import quantize_checkpoint
+from .fc2 import tune as fc2_tune
 
-__all__ = ["H3Config", "H3Runtime", "load_model", "H3Error", "Interrupted", "RuntimeOptions", "SampleResult",
-           "sample", "fc2_tune", "H3Conditioning", "sync_loras", "ModelCall", "weight_shapes",
-           "ControlFile", "load_control", "open_control", "ControlError", "FunControl", "bind_control"]
+__all__ = [
+    "Job", "ModelSpec", "make_job", "open_model", "run", "runtime_options", "tensor_job",
+    "ForwardJob", "forward_job", "run_forward",
+    "H3Config", "RuntimeOptions", "resolve_device", "H3Runtime", "load_model", "SampleResult", "sample",
+    "ModelCall", "weight_shapes", "ConditioningError", "H3Conditioning", "LoraSpec", "LoraView", "sync_loras",
+    "ControlFile", "load_control", "open_control", "ControlError", "FunControl", "bind_control",
+    "CheckpointError", "H3Error", "Interrupted", "is_out_of_memory", "RequestError",
+    "SEED_RANGE", "check_int", "check_output_file", "save_tensors", "write_dir", "write_file",
+    "nonfinite_message", "summary", "latent_to_rgb", "write_preview_webp",
+    "audio_frames", "latent_frames", "snap_frames", "audio_denoise_mask", "video_denoise_mask",
+    "save_tiny", "quantize_checkpoint", "fc2_tune",
+]

@@ -236,3 +236,80 @@ def test_report_carries_the_registry_capability_table():
         assert set(rows) == {b.name for b in backends}, op
         assert all(r["reason"] for r in rows.values()), op
     assert rows["reference"]["available"] is True
+
+
+# ---------------------------------------------------------------------------------------------
+# layers: cli/ and nodes/ see the runtime only through its public names; no folder imports one that imports it
+# ---------------------------------------------------------------------------------------------
+
+def _runtime_reaches(path: Path, source: str | None = None) -> tuple[list[str], list[str]]:
+    """(imports of a ``runtime`` submodule, names imported from ``h3_blackwell.runtime`` itself) in ``path``'s
+    source, relative imports (``..runtime.x``) and function-local ones included. A name that is a submodule
+    (``from ..runtime import sampling``) counts as a submodule import."""
+    me = _module_name(path)
+    pkg = me.split(".") if path.name == "__init__.py" else me.split(".")[:-1]
+    subs, names = [], []
+    for n in ast.walk(ast.parse(source if source is not None else path.read_text())):
+        if isinstance(n, ast.ImportFrom):
+            mod = ".".join(pkg[:len(pkg) - (n.level - 1)] + (n.module.split(".") if n.module else [])) if n.level \
+                else (n.module or "").removeprefix("h3_blackwell.") if (n.module or "").startswith("h3_blackwell") \
+                else None
+            targets = [mod] if mod != "" else []
+            if mod == "":  # `from .. import runtime` / `from h3_blackwell import runtime.x`
+                targets = [a.name for a in n.names]
+            for t in targets:
+                if t is None or not (t == "runtime" or t.startswith("runtime.")):
+                    continue
+                if t != "runtime":
+                    subs.append(t)
+                    continue
+                for a in n.names:
+                    sub = ROOT / "runtime" / a.name
+                    (subs if sub.is_dir() or sub.with_suffix(".py").exists() else names).append(
+                        f"runtime.{a.name}" if sub.is_dir() or sub.with_suffix(".py").exists() else a.name)
+        elif isinstance(n, ast.Import):
+            subs += [a.name.removeprefix("h3_blackwell.") for a in n.names
+                     if a.name.startswith("h3_blackwell.runtime.")]
+    return subs, names
+
+
+def test_layer_checker_sees_every_form_of_submodule_import():
+    """The checker itself: relative and absolute, module-level and function-local, a submodule imported as a
+    name; the package's public names pass."""
+    p = ROOT / "cli" / "commands.py"
+    src = ("from ..runtime.io.header import read_header\n"
+           "from ..runtime import sampling, run\n"
+           "import h3_blackwell.runtime.plan\n"
+           "from h3_blackwell.runtime.model import layout\n"
+           "from h3_blackwell.runtime import make_job\n"
+           "def f():\n    from ..runtime.errors import H3Error\n")
+    subs, names = _runtime_reaches(p, src)
+    assert subs == ["runtime.io.header", "runtime.sampling", "runtime.plan", "runtime.model", "runtime.errors"], subs
+    assert names == ["run", "make_job"], names
+
+
+def test_cli_and_nodes_import_only_the_runtime_package():
+    """``cli/`` and ``nodes/`` reach the runtime through ``h3_blackwell.runtime`` itself, and only through names
+    it lists in ``__all__`` (its public API, documented in the README)."""
+    import h3_blackwell.runtime as rt
+
+    bad, private = [], []
+    for d in ("cli", "nodes"):
+        for p in sorted((ROOT / d).rglob("*.py")):
+            subs, names = _runtime_reaches(p)
+            bad += [f"{p.relative_to(ROOT)}: {s}" for s in subs]
+            private += [f"{p.relative_to(ROOT)}: {n}" for n in names if n not in rt.__all__]
+    assert not bad, f"cli/ and nodes/ import runtime submodules (use h3_blackwell.runtime's public names): {bad}"
+    assert not private, f"names imported from h3_blackwell.runtime that are not in its __all__: {private}"
+
+
+def test_no_two_folders_import_each_other():
+    """The import graph folded to folders two levels down (runtime/model/*.py -> runtime.model; cli/x.py stays
+    cli.x), as ``import_cycles.py --depth 2`` folds it: no cycle, so every folder is one layer."""
+    folded: dict[str, set[str]] = {}
+    for m, imps in _graph().items():
+        top = ".".join(m.split(".")[:2])
+        folded.setdefault(top, set()).update(".".join(t.split(".")[:2]) for t, _ in imps)
+    folded = {m: deps - {m} for m, deps in folded.items()}
+    assert len(folded) > 20, "the fold found too few folders"
+    assert _cycles(folded) == [], f"folders that import each other: {_cycles(folded)}"

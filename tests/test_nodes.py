@@ -641,16 +641,18 @@ def core_reference_to_video(images=(), videos=(), audios=(), seed=0):
 
 
 class RecordingRuntime:
-    """Stands in for runtime.sample with the contract argument (``conditioning=``) and records the call."""
+    """Stands in for runtime.run: records the validated job the node hands over (its conditioning is the
+    contract argument) and returns latents + 1."""
 
     def __init__(self):
         self.calls = []
 
-    def __call__(self, rt, text, tags, video, audio, *, conditioning=None, **kw):
-        from h3_blackwell.runtime.sampling.sampler import SampleResult
+    def __call__(self, job):
+        from h3_blackwell.runtime import SampleResult
 
-        self.calls.append({"text": text, "video": video, "audio": audio, "conditioning": conditioning, **kw})
-        return SampleResult(video + 1.0, audio + 1.0, {"recorded": True})
+        self.calls.append({"text": job.text, "video": job.video, "audio": job.audio,
+                           "conditioning": job.conditioning, "steps": job.steps, "sampler": job.sampler})
+        return SampleResult(job.video + 1.0, job.audio + 1.0, {"recorded": True})
 
 
 def _cases():
@@ -670,7 +672,7 @@ def test_sampler_hands_core_node_payloads_to_the_runtime(comfy, tiny, monkeypatc
     from h3_blackwell.nodes import sampler as sampler_mod
 
     rec = RecordingRuntime()
-    monkeypatch.setattr(sampler_mod, "run_sample", rec)
+    monkeypatch.setattr(sampler_mod, "run_job", rec)
     lat, cases = _cases()
     positive = cases[case]
     out, report = H3Sampler().sample(tiny, positive, lat, **SAMPLE_ARGS)
@@ -708,7 +710,7 @@ def test_sampler_noise_masks_as_core_resizes_them(comfy, tiny, monkeypatch):
     from h3_blackwell.nodes import sampler as sampler_mod
 
     rec = RecordingRuntime()
-    monkeypatch.setattr(sampler_mod, "run_sample", rec)
+    monkeypatch.setattr(sampler_mod, "run_job", rec)
     lat = core_empty_latent(96, 64, 22)  # T 7, 4x6, Ta 37
     pix = torch.zeros(1, 1, 64, 96)
     pix[..., 48:] = 1.0  # generate the right half (latent columns 3..5), keep the left

@@ -55,9 +55,11 @@ class Checkpoint:
     Quantized layers (``comfy_quant`` markers, fp8, int8) are passed through as stored; see ``quant_format``.
     """
 
-    def __init__(self, headers: list[Header], scheme: str):
+    def __init__(self, headers: list[Header], scheme: str, name: str | None = None):
         self.headers = headers
         self.scheme = scheme
+        self.name = str(headers[0].path) if name is None else name  # the path it was opened with (reports, LoRA)
+        self.verified = False  # io.verify.check_checkpoint passed: every name and shape fits self.config
         self.metadata: dict[str, str] = {}
         for h in headers:
             self.metadata.update(h.metadata)
@@ -154,7 +156,7 @@ def open_checkpoint(path: str | Path, scheme: str | None = None) -> Checkpoint:
 
     scheme: None (detect), "comfy", "diffusers" or "raw" (see module docstring).
     """
-    path = Path(path)
+    name, path = str(path), Path(path)
     sharded = path.name.endswith(".json")
     if sharded:
         if not path.exists():
@@ -191,7 +193,7 @@ def open_checkpoint(path: str | Path, scheme: str | None = None) -> Checkpoint:
         raise CheckpointError(f"scheme={scheme!r}: expected comfy, diffusers or raw")
     elif (scheme == "diffusers") != (detected == "diffusers"):
         raise CheckpointError(f"scheme={scheme!r} was requested but the names are {detected}-style")
-    return Checkpoint(headers, scheme)
+    return Checkpoint(headers, scheme, name)
 
 
 # ---------------------------------------------------------------------------------------------

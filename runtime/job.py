@@ -1,0 +1,440 @@
+"""The generate job: one request validated once, and the one :func:`run` that every caller uses.
+
+A :class:`Job` is made by :func:`make_job` (files and sizes: the CLI's ``generate``, scripts) or by
+:func:`tensor_job` (tensors in hand, with a resident model or a :class:`ModelSpec`: the nodes, the benches).
+Validation happens there, before any weight is read: the checkpoint header is read once and every tensor
+name and shape checked once (``io.verify``), then the numbers, the device, the memory estimate, the output
+location and the request's own tensors. The job carries what the load needs (the opened, checked
+checkpoint, its config, the options, the LoRAs), so the plan and the streaming load reuse it and nothing
+is opened or checked again.
+
+``run(job)``: plan -> load -> LoRAs -> sample -> report, in this process, over N local workers
+(``sequence_parallel``: each worker unpickles the job and runs :func:`run_rank`), or as this process's rank
+of a torchrun launch. Refusals are H3Errors saying what was expected, what was found and what to do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+
+from .errors import H3Error
+from .io.checkpoint import Checkpoint, open_checkpoint
+from .io.control import ControlFile, load_control, open_control
+from .io.header import read_header, read_tensors
+from .io.payload import check_control_args, load_payload, read_inputs
+from .io.verify import check_checkpoint
+from .load import H3Runtime, load_model
+from .lora.apply import apply_loras, sync_loras
+from .lora.spec import as_spec, parse_lora_arg
+from .model.conditioning import H3Conditioning
+from .model.config import TINY, H3Config
+from .model.layout import FRAME_PER_TOKEN, latent_shapes
+from .options import RuntimeOptions
+from .parallel import ParallelEnv, check_degree, init_group, launch
+from .plan import resolve_device, resolve_dtype
+from .sampling import sampler as sampling
+from .sampling.preview import check_preview_available
+from .sampling.request import (SEED_RANGE, Request, RequestError, approx_param_bytes, check_denoise, check_int,
+                               check_latents, check_memory, check_memory_rows, check_output_dir, check_seed,
+                               check_text_states, defaults_for, latent_rows, resolve_request)
+
+RANDOM_TEXT_SEED = 1234  # the random text states of a request without any (make_job)
+StepCallback = Callable[[int, int], None]
+
+
+# ---------------------------------------------------------------------------------------------
+# what to load
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class ModelSpec:
+    """What to load, checked. source: the opened checkpoint (headers read once, every name and shape checked),
+    an in-memory tensor source (``plan.make_plan``: the benches' random weights), or None for the embedded tiny
+    model; device / dtype: what the options resolve to here; weight_bytes: the weights' size for the memory
+    estimate (the file's bytes, or an estimate from the config); loras: LoraSpecs applied after the load."""
+
+    source: object | None
+    config: H3Config
+    options: RuntimeOptions
+    device: torch.device
+    dtype: torch.dtype
+    tiny_seed: int = 0
+    loras: tuple = ()
+    weight_bytes: int = 0
+
+    def load(self, progress: Callable[[int, int, str], None] | None = None, device: str | None = None) -> H3Runtime:
+        """plan -> streaming load -> LoRAs (``device``: another device of the same kind, a rank's). The plan and
+        the load reuse the opened checkpoint; nothing is read or checked twice. progress(done, total, name) per
+        tensor."""
+        opts = self.options if device is None else dataclasses.replace(self.options, device=device)
+        rt = load_model(self.source, opts, tiny_seed=self.tiny_seed, progress=progress)
+        if self.loras:
+            apply_loras(rt, self.loras)
+        return rt
+
+
+def runtime_options(options: RuntimeOptions | Mapping[str, Any] | None = None) -> RuntimeOptions:
+    """``options`` as RuntimeOptions: as given, or the keyword overrides (flags, widgets; None values ignored)
+    over the ``H3_*`` environment. A bad value is a RequestError naming it."""
+    if isinstance(options, RuntimeOptions):
+        return options
+    try:
+        return RuntimeOptions.from_env(**dict(options or {}))
+    except ValueError as e:
+        raise RequestError(f"{e}; fix the flag or the H3_* environment variable") from None
+
+
+def open_source(model) -> tuple[object | None, H3Config, int]:
+    """(source, config, weight bytes) of a checkpoint path (headers only), an in-memory source, or None."""
+    if model is None:
+        return None, TINY, approx_param_bytes(TINY)
+    if hasattr(model, "tensor"):  # an opened Checkpoint or an in-memory source
+        heads = getattr(model, "headers", ())
+        size = sum(Path(h.path).stat().st_size for h in heads) if heads else approx_param_bytes(model.config, 2)
+        return model, model.config, size
+    if not Path(model).exists():
+        raise RequestError(f"model file not found: {model}")
+    ck = open_checkpoint(model)
+    return ck, ck.config, sum(Path(h.path).stat().st_size for h in ck.headers)
+
+
+def verify_source(source) -> None:
+    """Every tensor name and shape of a checkpoint from its headers, once (an in-memory source is the caller's)."""
+    if isinstance(source, Checkpoint) and not source.verified:
+        check_checkpoint(source)
+
+
+def open_model(model=None, options: RuntimeOptions | Mapping[str, Any] | None = None, tiny_seed: int = 0,
+               loras=()) -> ModelSpec:
+    """What to load, checked before any weight is read: ``model`` a checkpoint path (its headers read once,
+    every name and shape checked), an opened Checkpoint, an in-memory tensor source, or None (the embedded tiny
+    model); the options resolved for this machine; ``loras`` as LoraSpecs or ``FILE:STRENGTH[:MODE]``."""
+    source, cfg, weight_bytes = open_source(model)
+    check_int("tiny_seed", tiny_seed, *SEED_RANGE)
+    opts = runtime_options(options)
+    device = resolve_device(opts)
+    verify_source(source)
+    loras = tuple(parse_lora_arg(s) if isinstance(s, str) else as_spec(s) for s in loras)
+    return ModelSpec(source, cfg, opts, device, resolve_dtype(opts, device), tiny_seed, loras, weight_bytes)
+
+
+# ---------------------------------------------------------------------------------------------
+# the job
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Job:
+    """One validated generate request (make it with :func:`make_job` or :func:`tensor_job`).
+
+    model: a ModelSpec (loaded by ``run``) or a resident runtime (an H3Runtime or a LoRA view of one; made to
+    carry exactly its LoRA stack before sampling). text [1, L, text_dim] fp32, tags [L] or None; video
+    [1, C, T, H, W] / audio [1, Ca, 2, Ta] the latent to sample from, or None: zeros of ``canvas`` (width,
+    height, pixel frames). The sampling settings are ``runtime.sample``'s. sequence_parallel: N local workers
+    (None or 1: this process); torchrun: this process's place in a torchrun launch, or None.
+    progress: makes the step callback ``(done, total)``, called on the main rank once the model is loaded (so
+    a bar's clock starts with the sampling; picklable for a sequence-parallel run); preview / interrupt:
+    ``runtime.sample``'s, in-process runs only. print_plan: write the loaded model's plan to stderr.
+    control: a Fun ControlNet applied with ``conditioning.control``: its opened, checked file (loaded onto the
+    model's plan by ``run``) or a loaded tower (``runtime.sample``'s ``control``). output: the checked output
+    folder (symbolic links resolved) where the caller writes, or None.
+    """
+
+    model: ModelSpec | Any
+    text: torch.Tensor
+    tags: torch.Tensor | None
+    video: torch.Tensor | None
+    audio: torch.Tensor | None
+    canvas: tuple[int, int, int]
+    seed: int
+    steps: int
+    sampler: str = "res_multistep"
+    scheduler: str = "simple"
+    denoise: float = 1.0
+    shift_video: float | None = None
+    shift_audio: float | None = None
+    conditioning: H3Conditioning | None = None
+    runs: int = 1
+    warmup: int = 0
+    sparse_tau: float | None = None
+    first_block_cache: float | None = None
+    workload_extra: dict = field(default_factory=dict)
+    sequence_parallel: int | None = None
+    torchrun: ParallelEnv | None = None
+    progress: Callable[[], StepCallback] | None = None
+    preview: Callable[[int, int, torch.Tensor], None] | None = None
+    interrupt: Callable[[], bool] | None = None
+    print_plan: bool = False
+    control: Any = None
+    output: Path | None = None
+
+    @property
+    def config(self) -> H3Config:
+        return self.model.config
+
+    @property
+    def device_type(self) -> str:
+        return self.model.device.type
+
+    def latents(self, cfg: H3Config) -> tuple[torch.Tensor, torch.Tensor]:
+        """(video, audio) to sample from: the job's, or zeros of its canvas."""
+        if self.video is not None:
+            return self.video, self.audio
+        vshape, ashape = latent_shapes(*self.canvas, cfg.video_channels, cfg.audio_channels)
+        return torch.zeros(vshape), torch.zeros(ashape)
+
+
+def _text_states_tokens(path: str, cfg: H3Config) -> int:
+    """The token count of a text-states file, from its header only (so the memory check runs before reading)."""
+    if not Path(path).exists():
+        raise RequestError(f"text states file not found: {path}")
+    hdr = read_header(path)
+    info = hdr.tensors.get("text_states")
+    if info is None:
+        raise RequestError(f"{path}: expected a tensor 'text_states' [1, L, {cfg.text_dim}]; found "
+                           f"{sorted(hdr.tensors)[:5]}")
+    shape = list(info.shape)
+    if len(shape) not in (2, 3) or shape[-1] != cfg.text_dim or (len(shape) == 3 and shape[0] != 1):
+        raise RequestError(f"{path}: text_states has shape {shape}; expected [1, L, {cfg.text_dim}] "
+                           "(Qwen3-VL states for H3 are [1, L, 5120])")
+    if shape[-2] == 0:
+        raise RequestError(f"{path}: text_states is empty ({shape}); expected at least one token")
+    return shape[-2]
+
+
+def _load_text_states(path: str, cfg: H3Config) -> tuple[torch.Tensor, torch.Tensor | None]:
+    t = read_tensors(path, "text states file", ("text_states", "token_tags"))[1]  # the checked header reader
+    ts, tags = t["text_states"], t.get("token_tags")
+    check_text_states(ts, tags, cfg, path)
+    tags = None if tags is None else tags.long()
+    ts = ts.float()
+    return (ts[None] if ts.dim() == 2 else ts), tags
+
+
+def _inputs_file(path: str, payload: str | None, seed: int, cfg: H3Config, clash: dict) -> dict:
+    """``inputs`` (+ ``payload``): text, tags, video, audio, conditioning and canvas. The latents give the canvas;
+    a payload without ``seed`` takes ``seed`` (core's payload seed is the sampler's)."""
+    given = [f for f, v in clash.items() if v is not None]
+    if given:
+        raise RequestError(f"{given[0]} with --inputs: the inputs file gives the text states and the latents (their "
+                           f"shape is the canvas); drop {given[0]}")
+    t = read_inputs(path, ["video", "audio", "text_states"],
+                    "video [1,C,T,H,W], audio [1,Ca,2,Ta] (the LATENT to sample from), text_states [1,L,text_dim] "
+                    "(optional token_tags [L]; with --payload also every tensor the payload names)")
+    check_text_states(t["text_states"], t.get("token_tags"), cfg, path)
+    check_latents(t["video"], t["audio"], cfg, path)
+    video, audio, text = t["video"].float(), t["audio"].float(), t["text_states"].float()
+    cond = load_payload(payload, t, default_seed=seed)
+    cond.check_target(video.shape, audio.shape, cfg.video_channels, cfg.audio_channels)
+    frames = sum(FRAME_PER_TOKEN[k % 5] for k in range(video.shape[2]))
+    return {"text": text[None] if text.dim() == 2 else text, "tags": t.get("token_tags"), "video": video,
+            "audio": audio, "conditioning": cond, "canvas": (video.shape[4] * 16, video.shape[3] * 16, frames)}
+
+
+def _check_numbers(seed, tiny_seed, runs, warmup, denoise) -> None:
+    check_seed(seed)
+    check_int("tiny_seed", tiny_seed, *SEED_RANGE)
+    check_int("runs", runs, 1)
+    check_int("warmup", warmup, 0)
+    check_denoise(denoise)
+
+
+def _spec_type(options) -> str:
+    """The device type the options ask for (auto: cuda when there is one), before the device is checked."""
+    spec = options.device if isinstance(options, RuntimeOptions) else dict(options or {}).get("device")
+    if spec in (None, "", "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if str(spec).startswith("cuda") else "cpu"
+
+
+def _parallel(n: int | None, env: Mapping[str, str] | None, spec: ModelSpec) -> tuple[int, ParallelEnv | None]:
+    """(ranks, torchrun's environment or None): the degree agrees with torchrun's world size, divides the heads,
+    has its devices; rank r of a local multi-GPU run uses cuda:r."""
+    penv = ParallelEnv.from_env(os.environ if env is None else env)
+    world = penv.world_size if penv is not None else (1 if n is None else n)
+    if penv is not None and n not in (None, world):
+        raise RequestError(f"--sequence-parallel {n} but torchrun started WORLD_SIZE={world} ranks; "
+                           "drop the flag under torchrun or make them match")
+    check_degree(world, spec.config.num_heads, spec.device.type)
+    if world > 1 and spec.options.device not in ("auto", "cpu", "cuda"):
+        raise RequestError(f"--device {spec.options.device} with --sequence-parallel {world}: rank r uses cuda:r; "
+                           "pass --device cuda and pick the GPUs with CUDA_VISIBLE_DEVICES")
+    return world, penv
+
+
+def _sized_request(model: ModelSpec, text_states, text_tokens, size: tuple, steps, snap) -> Request:
+    """The request's sizes from the flags (the model's defaults where not given), checked against the memory."""
+    tokens = text_tokens if text_states is None else _text_states_tokens(text_states, model.config)
+    req = resolve_request(model.config, *size, steps, tokens, snap)
+    check_memory(model.config, req, model.device, model.dtype.itemsize, model.weight_bytes)
+    return req
+
+
+def _latents_request(model: ModelSpec, given: dict, steps, path: str) -> Request:
+    """The request of an inputs file: its latents are the canvas; checked against the memory."""
+    cfg = model.config
+    req = Request(*given["canvas"], defaults_for(cfg)["steps"] if steps is None else check_int("steps", steps),
+                  given["text"].shape[1])
+    rows = latent_rows(given["video"].shape, given["audio"].shape, req.text_tokens, given["conditioning"])
+    check_memory_rows(cfg, rows, req.text_tokens, model.device, model.dtype.itemsize, model.weight_bytes,
+                      f"the latents of {path}")
+    return req
+
+
+def make_job(model=None, *, seed: int, tiny_seed: int = 0, options: RuntimeOptions | Mapping[str, Any] | None = None,
+             text_states: str | None = None, text_tokens: int = 32, inputs: str | None = None,
+             payload: str | None = None, width: int | None = None, height: int | None = None,
+             frames: int | None = None, snap: bool = False, steps: int | None = None, sampler: str = "res_multistep",
+             scheduler: str = "simple", denoise: float = 1.0, runs: int = 1, warmup: int = 0, loras=(),
+             sequence_parallel: int | None = None, output: str | None = None, write_preview: bool = False,
+             progress: Callable[[], StepCallback] | None = None, print_plan: bool = False,
+             control: str | None = None, env: Mapping[str, str] | None = None) -> Job:
+    """Validate a generate request given as files and sizes (the CLI's flags) -> the Job; no weight is read.
+
+    model: a checkpoint path (or an opened Checkpoint / in-memory source), None for the embedded tiny model.
+    Sizes not given take the model's defaults. ``inputs``: a safetensors with video / audio (the latent to
+    sample from: its shape is the canvas), text_states [, token_tags] and the tensors ``payload`` (core's
+    conditioning JSON) names. Without it: ``text_states`` (a file) or random states of ``text_tokens``.
+    control: a Fun ControlNet file (core's model patch) applied with the payload's ``control`` field.
+    output: a directory that must be writable (``job.output``: where to write); write_preview: Pillow must be
+    there. env: the process environment for torchrun's variables (default ``os.environ``). Checks run cheap
+    first, each refusal an H3Error (RequestError, CheckpointError, ParallelError, ...)."""
+    source, cfg, weight_bytes = open_source(model)
+    _check_numbers(seed, tiny_seed, runs, warmup, denoise)
+    if sequence_parallel is not None:  # the degree first: its message names the devices it needs
+        check_degree(sequence_parallel, cfg.num_heads, _spec_type(options))
+    opts = runtime_options(options)
+    device = resolve_device(opts)
+    spec = ModelSpec(source, cfg, opts, device, resolve_dtype(opts, device), tiny_seed, (), weight_bytes)
+    if inputs is None and payload is not None:
+        raise RequestError("--payload needs --inputs: the safetensors with video, audio, text_states and the "
+                           "tensors the payload names")
+    if inputs is None:
+        req, given = _sized_request(spec, text_states, text_tokens, (width, height, frames), steps, snap), None
+    else:
+        given = _inputs_file(inputs, payload, seed, cfg, {"--text-states": text_states, "--width": width,
+                                                          "--height": height, "--frames": frames})
+        req = _latents_request(spec, given, steps, inputs)
+    if control is not None and inputs is None:
+        raise RequestError(f"--control {control} needs --inputs and --payload: the payload's control field holds the "
+                           "hint, strength, sigma window and fades")
+    if given is not None:
+        check_control_args(control, given["conditioning"])
+    out = None if output is None else check_output_dir(output)
+    verify_source(source)  # every tensor and shape (builds the model's key table: after the cheap checks)
+    tower = None if control is None else open_control(control).check_base(cfg)  # its fit, from headers
+    if write_preview:
+        check_preview_available()
+    spec.loras = tuple(parse_lora_arg(s) if isinstance(s, str) else as_spec(s) for s in loras)
+    if given is None:
+        given = {"video": None, "audio": None, "conditioning": None, "canvas": (req.width, req.height, req.frames)}
+        given["text"], given["tags"] = (_load_text_states(text_states, cfg) if text_states else
+                                        (torch.randn(1, req.text_tokens, cfg.text_dim,
+                                                     generator=torch.Generator().manual_seed(RANDOM_TEXT_SEED)), None))
+    n, penv = _parallel(sequence_parallel, env, spec)
+    extra = {"frames": req.frames, "text_source": inputs or text_states or f"random (seed {RANDOM_TEXT_SEED})"}
+    return Job(spec, seed=seed, steps=req.steps, sampler=sampler, scheduler=scheduler, denoise=denoise, runs=runs,
+               warmup=warmup, workload_extra=extra, sequence_parallel=n, torchrun=penv, progress=progress,
+               print_plan=print_plan, control=tower, output=out, **given)
+
+
+def _resident_place(model) -> tuple[torch.device, int, int]:
+    """(device, compute bytes, weight bytes not yet resident) of a ModelSpec or a resident runtime."""
+    if isinstance(model, ModelSpec):
+        return model.device, model.dtype.itemsize, model.weight_bytes
+    if not hasattr(model, "config") or not hasattr(model, "model"):
+        raise RequestError(f"model: expected a ModelSpec (runtime.open_model) or a loaded H3 runtime; got "
+                           f"{type(model).__name__}")
+    return model.device, model.dtype.itemsize, 0
+
+
+def tensor_job(model, text: torch.Tensor, tags: torch.Tensor | None, video: torch.Tensor, audio: torch.Tensor, *,
+               seed: int, steps: int, conditioning: H3Conditioning | Mapping | None = None,
+               sources: tuple[str, str] = ("text states", "latents"), **settings) -> Job:
+    """Validate a request given as tensors -> the Job: text [1, L, text_dim] (or [L, text_dim]) finite, tags
+    None or [L] of 0/1, video [1, C, T, H, W] / audio [1, Ca, 2, Ta] finite with the model's channels, the seed
+    and steps, the memory estimate on the model's device, then the conditioning (an H3Conditioning or core's
+    payload dict with tensors as values) against the latents. ``model``: a ModelSpec or a resident runtime.
+    ``sources`` name the text and the latents in messages; ``settings``: the other Job fields (sampler,
+    scheduler, denoise, shift_video, shift_audio, runs, warmup, sparse_tau, first_block_cache, workload_extra,
+    sequence_parallel, progress, preview, interrupt, print_plan)."""
+    cfg = model.config
+    device, compute, weight_bytes = _resident_place(model)
+    check_text_states(text, tags, cfg, sources[0])
+    check_latents(video, audio, cfg, sources[1])
+    check_seed(int(seed))
+    check_int("steps", int(steps))
+    rows = latent_rows(video.shape, audio.shape, text.shape[-2])
+    check_memory_rows(cfg, rows, text.shape[-2], device, compute, weight_bytes,
+                      f"a {video.shape[4] * 16}x{video.shape[3] * 16} latent of {video.shape[2]} latent frames")
+    if isinstance(conditioning, Mapping):
+        conditioning = H3Conditioning.from_payload(conditioning)
+    if conditioning is not None:
+        conditioning.check_target(video.shape, audio.shape, cfg.video_channels, cfg.audio_channels)
+    n = settings.pop("sequence_parallel", None)
+    if n not in (None, 1):
+        if not isinstance(model, ModelSpec):
+            raise RequestError(f"sequence_parallel={n} with a resident model: each rank loads its own copy; pass a "
+                               "ModelSpec (runtime.open_model)")
+        n = _parallel(n, {}, model)[0]
+    frames = sum(FRAME_PER_TOKEN[k % 5] for k in range(video.shape[2]))
+    text = text.float()
+    return Job(model, text[None] if text.dim() == 2 else text, tags, video, audio,
+               (video.shape[4] * 16, video.shape[3] * 16, frames), seed=int(seed), steps=int(steps),
+               conditioning=conditioning, sequence_parallel=n, **settings)
+
+
+# ---------------------------------------------------------------------------------------------
+# run
+# ---------------------------------------------------------------------------------------------
+
+def run_rank(ctx, job: Job):
+    """Load (or take the resident model) and sample: the whole run (``ctx`` None) or one rank of a
+    sequence-parallel run (``ctx``: its ParallelContext; the rank loads onto ctx.device). -> SampleResult;
+    every rank returns the same latents."""
+    main = ctx is None or ctx.is_main
+    if isinstance(job.model, ModelSpec):
+        rt = job.model.load(device=None if ctx is None else str(ctx.device))
+    else:
+        rt = job.model
+        sync_loras(rt)  # a shared resident model carries exactly this job's LoRA stack (none for a plain runtime)
+    if main and job.print_plan:
+        print(rt.describe(), file=sys.stderr)
+    video, audio = job.latents(rt.config)
+    tower = load_control(job.control, rt.plan, rt.config) if isinstance(job.control, ControlFile) else job.control
+    return sampling.sample(
+        rt, job.text, job.tags, video, audio, seed=job.seed, steps=job.steps, sampler=job.sampler,
+        scheduler=job.scheduler, shift_video=job.shift_video, shift_audio=job.shift_audio, denoise=job.denoise,
+        conditioning=job.conditioning, runs=job.runs, warmup=job.warmup, workload_extra=job.workload_extra or None,
+        progress=job.progress() if main and job.progress is not None else None, preview=job.preview,
+        interrupt=job.interrupt, parallel=ctx, sparse_tau=job.sparse_tau, first_block_cache=job.first_block_cache,
+        control=tower)
+
+
+def run(job: Job):
+    """Run a validated job: plan -> load -> LoRAs -> sample -> report. -> SampleResult (video, audio, report),
+    or None on a torchrun rank other than 0 (rank 0 has the result). ``job.sequence_parallel`` > 1 starts that
+    many local workers (one per GPU, or CPU processes); under torchrun this process is one rank."""
+    if job.torchrun is not None:
+        ctx = init_group(job.torchrun, job.device_type)
+        try:
+            res = run_rank(ctx, job)
+            ctx.barrier()
+        finally:
+            ctx.destroy()
+        if not ctx.is_main:
+            return None
+        res.report["sequence_parallel"]["launch"] = "torchrun"
+        return res
+    n = job.sequence_parallel or 1
+    if n == 1:
+        return run_rank(None, job)
+    res = launch(run_rank, (job,), world_size=n, device_type=job.device_type)
+    res.report["sequence_parallel"]["launch"] = f"{n} local workers (h3-blackwell --sequence-parallel)"
+    return res
