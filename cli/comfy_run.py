@@ -1,30 +1,57 @@
 """``h3-blackwell comfy-run WORKFLOW.json --server http://127.0.0.1:8188``: run a workflow on a ComfyUI server.
 
 Steps: read the workflow (API format as is; a UI graph is converted to API format with the server's
-``/object_info`` for widget order, or refused with the reason), ``POST /prompt``, follow the run (the
-``/ws`` websocket when the ``websocket-client`` package is importable, else ``/history`` polling), print
-node errors, then download every output file (``/view``) into ``--output`` beside ``history.json``.
+``/object_info`` for widget order, or refused with the reason), ``POST /prompt``, follow the run (the ``/ws``
+websocket for progress, with ``/history`` polling when it is silent, drops or is refused; only polling under
+``--no-websocket``), print node errors, then download every output file (``/view``) into ``--output`` beside
+``history.json``.
 
 Exit codes: 0 the prompt ran to success and its outputs were fetched; 1 the server rejected the prompt, a
-node failed, the run was interrupted or an output could not be fetched; 2 bad arguments or workflow file
-(including a UI graph that cannot be converted); 3 the server could not be reached, is not ComfyUI (it answered
-something that is not ComfyUI's JSON API) or the run timed out.
+node failed, the run was interrupted or an output could not be fetched (``/view`` answered an HTTP error); 2 bad
+arguments, workflow file (including a UI graph that cannot be converted) or an ``--output`` that cannot be
+written; 3 the server could not be reached, is not ComfyUI (it answered something that is not HTTP or not
+ComfyUI's JSON API: garbage, a JSON field of the wrong type, an unsafe file name or prompt id), stalled, or the
+``--timeout`` ran out. Every failure is one ``error:`` line on stderr.
 
-Standard library only (urllib, json); never imports ComfyUI.
+Time: ``--timeout`` is a deadline for the whole command (connecting, submitting, the run, the downloads);
+``--http-timeout`` bounds each socket operation and, in wall-clock time, each request's connect, headers and
+JSON body, so a server that trickles bytes cannot stretch either. A download's body is bounded by the deadline
+(each read by ``--http-timeout``).
+
+Names the server supplies (the prompt id, output file names, subfolders and types, node ids used in file names)
+are checked before they reach a URL or the filesystem. Outputs are written under unique temporary names beside
+their targets and renamed into place together once all arrived; ``history.json`` comes last. On any failure
+nothing is left but what was there before (a failed run still writes its ``history.json``).
+
+Standard library only (http.client, json); never imports ComfyUI.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import contextlib
+import hashlib
+import http.client
+import io
+import ipaddress
 import json
+import math
+import os
+import re
+import socket
+import ssl
+import struct
 import sys
+import threading
 import time
-import urllib.error
+import unicodedata
 import urllib.parse
-import urllib.request
 import uuid
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any, Callable
+
+from . import progress
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 
@@ -275,49 +302,419 @@ def apply_overrides(prompt: dict, sets: list[str]) -> None:
             value = raw
         prompt[node].setdefault("inputs", {})[name] = value
 
+# ---------------------------------------------------------------------------------------------
+# failures
+# ---------------------------------------------------------------------------------------------
+
+class DeadlinePassed(ServerError):
+    """``--timeout`` ran out during ``what`` (a request, or the wait between polls)."""
+
+    def __init__(self, what: str):
+        super().__init__(what)
+        self.what = what
+
+
+class Malformed(ServerError):
+    """The server answered JSON of the wrong shape, or a name that is not safe to use."""
+
+
+class FetchFailed(RuntimeError):
+    """``/view`` answered an HTTP error for an output the history lists (exit 1)."""
+
+
+class LocalWriteError(RuntimeError):
+    """``--output`` cannot be written (exit 2)."""
+
+
+class _Expired(Exception):
+    """The active limit of a link (the request's or the deadline) passed before an operation could start."""
+
 
 # ---------------------------------------------------------------------------------------------
-# HTTP
+# what the server says: shown escaped, read with its types checked, names checked
 # ---------------------------------------------------------------------------------------------
+
+def _unsafe_char(c: str) -> bool:
+    """Control, format (but the joiners), surrogate and line/paragraph separator characters."""
+    cat = unicodedata.category(c)
+    return cat in ("Cc", "Cs", "Zl", "Zp") or (cat == "Cf" and c not in "\u200c\u200d")
+
+
+def _show(value, limit: int = 200) -> str:
+    """Server text made safe for one terminal line: unsafe characters escaped (``\\x1b``), cut at ``limit``."""
+    s = value if isinstance(value, str) else str(value)
+    cut = len(s) > limit
+    s = "".join(c.encode("unicode_escape").decode("ascii") if _unsafe_char(c) else c for c in s[:limit])
+    return s + ("..." if cut else "")
+
+
+def _kind(v) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true/false"
+    if isinstance(v, (int, float)):
+        return "a number"
+    if isinstance(v, str):
+        return "a string"
+    return "a list" if isinstance(v, list) else "an object"
+
+
+def _field(parent: str, key) -> str:
+    if isinstance(key, int):
+        return f"{parent}[{key}]"
+    return f"{parent}.{_show(key, 60)}" if parent else _show(key, 60)
+
+
+class _Reader:
+    """Reads one decoded answer (``where``: ``GET /history/ID from URL``); a value of the wrong JSON type is a
+    :class:`Malformed` naming its field, what was expected and what was found."""
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def fail(self, field: str, problem: str):
+        raise Malformed(f"{self.where} answered malformed JSON: {field or 'the answer'} {problem}; this is not the "
+                        "ComfyUI API this runner speaks (check --server, or update ComfyUI)")
+
+    def need(self, value, types, field: str, expected: str):
+        types = types if isinstance(types, tuple) else (types,)
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            self.fail(field, f"is {_kind(value)}, expected {expected}")
+        return value
+
+    def obj(self, value, field: str) -> dict:
+        return self.need(value, dict, field, "an object")
+
+    def lst(self, value, field: str) -> list:
+        return self.need(value, list, field, "a list")
+
+    def opt(self, obj: dict, key: str, types, field: str, expected: str):
+        """``obj[key]`` when present and not null, checked; None otherwise."""
+        value = obj.get(key)
+        return None if value is None else self.need(value, types, _field(field, key), expected)
+
+    def text(self, obj: dict, key: str, field: str, default: str = "") -> str:
+        value = self.opt(obj, key, (str, int, float), field, "a string")
+        return default if value is None else _show(value, 500)
+
+
+_WIN_RESERVED = {"CON", "PRN", "AUX", "NUL", *(f"COM{i}" for i in range(1, 10)), *(f"LPT{i}" for i in range(1, 10))}
+
+
+def _name_problem(name: str) -> str | None:
+    """Why ``name`` (a file or folder name from the server) cannot be one path component on this OS and in a
+    URL, or None."""
+    if not name:
+        return "is empty"
+    if name in (".", ".."):
+        return "is a relative path step"
+    bad = next((c for c in name if _unsafe_char(c)), None)
+    if bad is not None:
+        return f"contains the control character {bad.encode('unicode_escape').decode('ascii')}"
+    if "/" in name or "\\" in name:
+        return "contains a path separator"
+    if ":" in name:
+        return "contains ':' (a drive or stream name on Windows)"
+    if len(name.encode("utf-8")) > 255:
+        return "is longer than 255 bytes"
+    if os.name == "nt" and (set(name) & set('<>"|?*') or name.rstrip(" .") != name
+                            or name.split(".")[0].upper() in _WIN_RESERVED):
+        return "is not a valid Windows file name"
+    return None
+
+
+def _subfolder_parts(sub: str) -> tuple[list[str], str | None]:
+    """(the folder names of a server ``subfolder``, or why it is unsafe); ``/`` and ``\\`` both separate."""
+    if sub.startswith(("/", "\\")):
+        return [], "is an absolute path"
+    parts = [p for p in re.split(r"[/\\]", sub) if p]
+    if len(parts) > 32:
+        return [], "is nested deeper than 32 folders"
+    for p in parts:
+        problem = _name_problem(p)
+        if problem:
+            return [], f"has a part {_show(p, 60)!r} that {problem}"
+    return parts, None
+
+
+_PROMPT_ID = re.compile(r"[A-Za-z0-9._~:-]{1,128}")
+
+
+def _prompt_id(value, reader: _Reader, field: str = "prompt_id") -> str:
+    """The prompt id of an answer: a string of 1-128 URL-safe characters (ComfyUI's are UUIDs)."""
+    reader.need(value, str, field, "a string")
+    if not _PROMPT_ID.fullmatch(value) or set(value) == {"."}:
+        raise Malformed(f"{reader.where} answered an unsafe {field} {_show(value, 80)!r}: expected 1-128 letters, "
+                        "digits, '.', '_', '~', ':' or '-' (ComfyUI's are UUIDs); refusing to use it in a URL")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# HTTP under a deadline
+# ---------------------------------------------------------------------------------------------
+
+MAX_JSON_BYTES = 256 << 20  # a ComfyUI answer (/object_info of a large install is tens of MB)
+MAX_WS_MESSAGE = 16 << 20
+CHUNK = 1 << 16
+
+
+class _Link:
+    """A connected socket read and written under a wall-clock ``limit`` (time.monotonic()): each operation waits
+    at most ``op_timeout`` and never past ``limit``, so bytes that trickle in cannot stretch it."""
+
+    def __init__(self, sock: socket.socket, op_timeout: float, limit: float):
+        self.sock, self.op_timeout, self.limit = sock, op_timeout, limit
+        self.readers, self.closing = 0, False
+
+    def arm(self) -> None:
+        left = self.limit - time.monotonic()
+        if left <= 0:
+            raise _Expired()
+        self.sock.settimeout(min(self.op_timeout, left))
+
+    def sendall(self, data) -> None:
+        view = memoryview(data if isinstance(data, (bytes, bytearray)) else bytes(data)).cast("B")
+        for i in range(0, len(view), CHUNK):
+            self.arm()
+            self.sock.sendall(view[i:i + CHUNK])
+
+    def makefile(self, mode: str = "rb", *args, **kwargs):
+        self.readers += 1
+        return io.BufferedReader(_LinkReader(self), CHUNK)
+
+    def close(self) -> None:
+        """Like a socket with a file open on it: the socket closes once that file is closed too (http.client
+        closes the connection of a response whose body is still to be read)."""
+        self.closing = True
+        if not self.readers:
+            self.sock.close()
+
+    def shut(self) -> None:
+        """Close now: the exchange is over."""
+        self.sock.close()
+
+
+class _LinkReader(io.RawIOBase):
+    def __init__(self, link: _Link):
+        self.link = link
+
+    def readable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        if not self.closed:
+            self.link.readers -= 1
+            if self.link.closing and not self.link.readers:
+                self.link.sock.close()
+        super().close()
+
+    def readinto(self, b) -> int:
+        self.link.arm()
+        return self.link.sock.recv_into(b)
+
 
 class Client:
-    """ComfyUI's HTTP API over urllib."""
+    """ComfyUI's HTTP API over http.client, one connection per request.
 
-    def __init__(self, server: str, timeout: float = 30.0):
+    Every request's connect, headers and JSON body end within ``timeout`` (``--http-timeout``) of its start,
+    and everything ends by ``deadline`` (time.monotonic(); ``--timeout`` after the command started); each
+    socket operation waits at most ``timeout``. A download's body is bounded by the deadline only."""
+
+    def __init__(self, server: str, timeout: float = 30.0, deadline: float = math.inf, total: float | None = None):
         if "://" not in server:
             server = "http://" + server
+        if not re.fullmatch(r"[\x21-\x7e]+", server):
+            raise ValueError(f"--server {server!r}: expected a URL like http://127.0.0.1:8188 (no spaces or control "
+                             "characters)")
+        u = urllib.parse.urlsplit(server)
+        try:
+            port = u.port
+        except ValueError:
+            port = -1
+        if u.scheme not in ("http", "https") or not u.hostname or port == -1 or u.username or u.query or u.fragment:
+            raise ValueError(f"--server {server!r}: expected http://HOST:PORT or https://HOST[:PORT][/PATH] "
+                             "(without credentials, query or fragment)")
         self.server = server.rstrip("/")
-        self.timeout = timeout
+        self.https = u.scheme == "https"
+        self.host, self.port = u.hostname, port or (443 if self.https else 80)
+        self.base = u.path.rstrip("/")
+        self.timeout, self.deadline = timeout, deadline
+        self.total = total
 
-    def _open(self, path: str, body: bytes | None = None):
-        req = urllib.request.Request(self.server + path, data=body,
-                                     headers={"Content-Type": "application/json"} if body is not None else {})
-        return urllib.request.urlopen(req, timeout=self.timeout)
+    # -- connections ---------------------------------------------------------------------------
+
+    def _left(self, limit: float) -> float:
+        left = limit - time.monotonic()
+        if left <= 0:
+            raise _Expired()
+        return left
+
+    def _resolve(self, limit: float) -> list:
+        try:
+            ipaddress.ip_address(self.host)
+            return socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+        except ValueError:
+            pass
+        box: dict = {}
+
+        def work():
+            try:
+                box["infos"] = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+            except OSError as e:
+                box["error"] = e
+
+        t = threading.Thread(target=work, daemon=True)  # a name lookup has no timeout of its own
+        t.start()
+        t.join(self._left(limit))
+        if t.is_alive():
+            raise _Expired()
+        if "error" in box:
+            raise box["error"]
+        return box["infos"]
+
+    def _connect(self, limit: float) -> _Link:
+        last: OSError = OSError("no address")
+        for family, kind, proto, _, addr in self._resolve(limit):
+            left = self._left(limit)
+            s = socket.socket(family, kind, proto)
+            try:
+                s.settimeout(min(self.timeout, left))
+                s.connect(addr)
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if self.https:
+                    s = self._tls(s, limit)
+            except OSError as e:
+                s.close()
+                if time.monotonic() >= limit:
+                    raise _Expired() from None
+                last = e
+                continue
+            return _Link(s, self.timeout, limit)
+        raise last
+
+    def _tls(self, s: socket.socket, limit: float) -> socket.socket:
+        """The TLS handshake, cut at ``limit`` (its reads each wait --http-timeout; a trickle would not end)."""
+        def cut():
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+        timer = threading.Timer(self._left(limit), cut)
+        timer.daemon = True
+        timer.start()
+        try:
+            return ssl.create_default_context().wrap_socket(s, server_hostname=self.host)
+        finally:
+            timer.cancel()
+
+    def _open(self, method: str, path: str, body: bytes | None, headers: dict, stage: list):
+        """(connection, link, response with its headers read) for one request; ``stage[0]`` says how far it got."""
+        link = self._connect(min(self.deadline, time.monotonic() + self.timeout))
+        conn = (http.client.HTTPSConnection if self.https else http.client.HTTPConnection)(self.host, self.port)
+        conn.sock = link  # http.client sends with sock.sendall and reads through sock.makefile: both bounded
+        try:
+            stage[0] = "send"
+            conn.request(method, self.base + path, body=body, headers=headers)
+            stage[0] = "headers"
+            resp = conn.getresponse()
+        except BaseException:
+            link.shut()
+            raise
+        stage[0] = "body"
+        return conn, link, resp
+
+    @contextlib.contextmanager
+    def _errors(self, method: str, path: str, stage: list):
+        """Turns what a request can raise into ServerError (or DeadlinePassed) with one line that says what."""
+        what = f"{method} {path.split('?')[0]}"
+        try:
+            yield
+        except (_Expired, TimeoutError):
+            if time.monotonic() >= self.deadline - 1e-3:
+                raise DeadlinePassed(what) from None
+            doing = {"connect": "accept a connection for", "send": "take the request", "headers": "answer",
+                     "body": "finish its answer to"}[stage[0]]
+            raise ServerError(f"{self.server} did not {doing} {what} within --http-timeout ({self.timeout:g} s); "
+                              "it is not a ComfyUI that answers (or it is overloaded)") from None
+        except http.client.IncompleteRead as e:
+            more = f"{e.expected} more announced" if e.expected is not None else "a chunked body cut or malformed"
+            raise ServerError(f"{self.server} closed the connection in the middle of its answer to {what} "
+                              f"({len(e.partial)} bytes read, {more})") from None
+        except http.client.RemoteDisconnected:
+            raise ServerError(f"{self.server} closed the connection without answering {what}; it is not a ComfyUI "
+                              "that answers") from None
+        except http.client.HTTPException as e:  # BadStatusLine, LineTooLong, too many headers, ...
+            seen = _show(e.args[0] if e.args else type(e).__name__, 80)
+            raise ServerError(f"{self.server} answered {what} with something that is not HTTP "
+                              f"({type(e).__name__}: {seen}); check --server (ComfyUI listens on "
+                              "http://127.0.0.1:8188 by default)") from None
+        except ValueError as e:  # a chunk size that is not a number
+            raise ServerError(f"{self.server} answered {what} with a malformed HTTP body ({_show(e, 80)})") from None
+        except OSError as e:
+            reason = _show(getattr(e, "strerror", None) or e, 120)
+            if stage[0] == "connect":
+                raise ServerError(f"cannot reach ComfyUI at {self.server} ({reason}); is it running? "
+                                  "(python main.py --listen 127.0.0.1 --port 8188)") from None
+            raise ServerError(f"{self.server} dropped the connection during {what} ({reason})") from None
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def _read_body(self, resp, what: str) -> bytes:
+        if resp.length is not None and resp.length > MAX_JSON_BYTES:
+            raise ServerError(f"{self.server} announced an answer of {resp.length} bytes to {what}; a ComfyUI answer "
+                              f"is at most {MAX_JSON_BYTES >> 20} MiB")
+        parts, n = [], 0
+        while True:
+            chunk = resp.read(CHUNK)
+            if not chunk:
+                break
+            n += len(chunk)
+            if n > MAX_JSON_BYTES:
+                raise ServerError(f"{self.server} sent more than {MAX_JSON_BYTES >> 20} MiB in answer to {what}; "
+                                  "a ComfyUI answer is smaller")
+            parts.append(chunk)
+        if not resp.chunked and resp.length:  # read() returns b"" at a close short of Content-Length
+            raise http.client.IncompleteRead(b"".join(parts), resp.length)
+        return b"".join(parts)
 
     def request_json(self, path: str, payload=None) -> tuple[int, object]:
-        """(HTTP status, decoded JSON) for GET (payload None) or POST; 4xx/5xx bodies are returned too."""
+        """(HTTP status, decoded JSON) for GET (payload None) or POST; 4xx/5xx bodies are returned too. A body that
+        is not JSON comes back as text."""
+        method = "GET" if payload is None else "POST"
         body = None if payload is None else json.dumps(payload).encode()
+        headers = {"Connection": "close", "Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+        stage = ["connect"]
+        link = None
+        with self._errors(method, path, stage):
+            try:
+                conn, link, resp = self._open(method, path, body, headers, stage)
+                status, raw = resp.status, self._read_body(resp, f"{method} {path}")
+            finally:
+                if link is not None:
+                    link.shut()
+        if not raw.strip():
+            return status, ""
         try:
-            with self._open(path, body) as r:
-                status, raw = r.status, r.read()
-        except urllib.error.HTTPError as e:
-            status, raw = e.code, e.read()
-        except (urllib.error.URLError, OSError) as e:
-            reason = getattr(e, "reason", e)
-            raise ServerError(f"cannot reach ComfyUI at {self.server} ({reason}); is it running? "
-                              "(python main.py --listen 127.0.0.1 --port 8188)") from None
-        try:
-            return status, json.loads(raw.decode() or "null")
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            return status, raw.decode(errors="replace")
+            return status, json.loads(raw.decode("utf-8"))
+        except RecursionError:
+            raise ServerError(f"{self.server} answered {method} {path} with JSON nested too deeply to be ComfyUI's"
+                              ) from None
+        except (UnicodeDecodeError, ValueError):
+            return status, raw.decode("utf-8", errors="replace")
 
     def not_comfy(self, method: str, path: str, status: int, data) -> ServerError:
         """The error for an answer that is not ComfyUI's API (an HTML page, other JSON, a 404)."""
         if isinstance(data, str):
             text = data.lstrip()[:200].lower()
-            what = "an HTML page" if text.startswith(("<!doctype", "<html", "<")) else "text that is not JSON"
+            what = ("an empty body" if not text else "an HTML page" if text.startswith(("<!doctype", "<html", "<"))
+                    else "text that is not JSON")
+        elif isinstance(data, dict):
+            keys = ", ".join(_show(k, 30) for k in sorted(data)[:4])
+            what = f"JSON without ComfyUI's fields ({keys or 'an empty object'})"
         else:
-            what = f"JSON without ComfyUI's fields ({', '.join(sorted(data)[:4]) if isinstance(data, dict) else type(data).__name__})"
+            what = f"JSON without ComfyUI's fields ({_kind(data)})"
         return ServerError(f"{self.server} is not a ComfyUI server (or not its API port): {method} {path} answered "
                            f"HTTP {status} with {what}; check --server (ComfyUI listens on http://127.0.0.1:8188 "
                            "by default)")
@@ -327,21 +724,48 @@ class Client:
         if not isinstance(data, (dict, list)):
             raise self.not_comfy("GET", path, status, data)
         if status != 200:
-            raise ServerError(f"GET {path} answered HTTP {status}: {str(data)[:300]}")
+            raise ServerError(f"{self.server} answered GET {path} with HTTP {status}: {_show(json.dumps(data), 300)}; "
+                              "this is not ComfyUI's API")
         return data
 
-    def download(self, filename: str, subfolder: str, kind: str, dest: Path) -> int:
-        q = urllib.parse.urlencode({"filename": filename, "subfolder": subfolder, "type": kind})
-        try:
-            with self._open(f"/view?{q}") as r:
-                data = r.read()
-        except urllib.error.HTTPError as e:
-            raise ServerError(f"GET /view for {subfolder}/{filename} ({kind}) answered HTTP {e.code}") from None
-        except (urllib.error.URLError, OSError) as e:
-            raise ServerError(f"downloading {filename}: {getattr(e, 'reason', e)}") from None
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        dest.write_bytes(data)
-        return len(data)
+    def where(self, method: str, path: str) -> str:
+        return f"{method} {path} on {self.server}"
+
+    def download(self, filename: str, subfolder: str, kind: str, sink) -> int:
+        """Stream ``GET /view`` into ``sink`` (a binary file; its write errors are the caller's); the byte count.
+        FetchFailed when the server answers an HTTP error."""
+        path = "/view?" + urllib.parse.urlencode({"filename": filename, "subfolder": subfolder, "type": kind})
+        stage = ["connect"]
+        link = None
+        with self._errors("GET", path, stage):
+            try:
+                conn, link, resp = self._open("GET", path, None, {"Connection": "close"}, stage)
+                if resp.status != 200:
+                    raise FetchFailed(f"GET /view for {_show(subfolder)}/{_show(filename)} ({kind}) answered HTTP "
+                                      f"{resp.status}")
+                link.limit = self.deadline  # a large file takes what it takes, each read at most --http-timeout
+                n = 0
+                while True:
+                    chunk = resp.read(CHUNK)
+                    if not chunk:
+                        break
+                    sink(chunk)
+                    n += len(chunk)
+                if not resp.chunked and resp.length:
+                    raise ServerError(f"{self.server} closed the connection in the middle of its answer to GET "
+                                      f"/view ({n} bytes read, {resp.length} more announced)")
+                return n
+            finally:
+                if link is not None:
+                    link.shut()
+
+    def sleep(self, seconds: float) -> None:
+        """Sleep, or raise DeadlinePassed when the deadline comes first."""
+        left = self.deadline - time.monotonic()
+        if left <= seconds:
+            time.sleep(max(left, 0.0))
+            raise DeadlinePassed("the wait between /history polls")
+        time.sleep(seconds)
 
     def ws_url(self, client_id: str) -> str:
         u = urllib.parse.urlsplit(self.server)
@@ -349,9 +773,159 @@ class Client:
         return urllib.parse.urlunsplit((scheme, u.netloc, u.path.rstrip("/") + "/ws",
                                         urllib.parse.urlencode({"clientId": client_id}), ""))
 
+    def websocket(self, client_id: str) -> "WebSocket":
+        return WebSocket(self, client_id)
+
 
 # ---------------------------------------------------------------------------------------------
-# running
+# the /ws progress feed (RFC 6455 client: text and binary messages, fragments, ping/pong, close)
+# ---------------------------------------------------------------------------------------------
+
+WS_GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+
+
+class WsClosed(Exception):
+    """The feed ended (a close frame, the connection closed, a protocol error, a stalled frame)."""
+
+
+class WebSocket:
+    """The progress feed of one client id. Best effort: a ServerError while connecting, or WsClosed later, means
+    follow the run through /history instead; only the deadline (DeadlinePassed) ends the command."""
+
+    def __init__(self, client: Client, client_id: str):
+        self.client = client
+        path = "/ws?" + urllib.parse.urlencode({"clientId": client_id})
+        key = base64.b64encode(os.urandom(16)).decode()
+        headers = {"Upgrade": "websocket", "Connection": "Upgrade", "Sec-WebSocket-Key": key,
+                   "Sec-WebSocket-Version": "13"}
+        stage = ["connect"]
+        with client._errors("GET", path, stage):
+            self.conn, self.link, self.resp = client._open("GET", path, None, headers, stage)
+        want = base64.b64encode(hashlib.sha1((key + WS_GUID).encode()).digest()).decode()
+        if self.resp.status != 101 or self.resp.getheader("Sec-WebSocket-Accept", "").strip() != want:
+            self.link.shut()
+            raise ServerError(f"GET /ws answered HTTP {self.resp.status}, not a websocket upgrade")
+        self.fp = self.resp.fp
+        self._parts: list[bytes] = []
+        self._size = 0
+        self._op: int | None = None
+
+    def _read(self, n: int) -> bytes:
+        data = self.fp.read(n)
+        if len(data) < n:
+            raise WsClosed("the server closed the websocket")
+        return data
+
+    def _payload(self, n: int, mask: bytes | None, keep: bool) -> bytes:
+        out = []
+        while n:
+            chunk = self._read(min(n, CHUNK))
+            n -= len(chunk)
+            if keep:
+                out.append(chunk)
+        data = b"".join(out)
+        if mask and data:
+            m = (mask * (len(data) // 4 + 1))[:len(data)]
+            data = (int.from_bytes(data, "big") ^ int.from_bytes(m, "big")).to_bytes(len(data), "big")
+        return data
+
+    def _send(self, opcode: int, payload: bytes = b"") -> None:
+        mask = os.urandom(4)
+        m = (mask * (len(payload) // 4 + 1))[:len(payload)]
+        body = bytes(a ^ b for a, b in zip(payload, m))
+        self.link.sendall(bytes([0x80 | opcode, 0x80 | len(payload)]) + mask + body)
+
+    def _frame(self) -> tuple[int, bool, bytes] | None:
+        """(opcode, fin, payload) of the next frame (the payload of an unwanted binary message is skipped)."""
+        head = self._read(2)
+        fin, rsv, op = head[0] & 0x80, head[0] & 0x70, head[0] & 0x0F
+        masked, n = head[1] & 0x80, head[1] & 0x7F
+        if rsv:
+            raise WsClosed("a frame with reserved bits set")
+        if n == 126:
+            n = struct.unpack(">H", self._read(2))[0]
+        elif n == 127:
+            n = struct.unpack(">Q", self._read(8))[0]
+            if n >> 63:
+                raise WsClosed("a frame length with the top bit set")
+        mask = self._read(4) if masked else None
+        if op >= 0x8 and (n > 125 or not fin):
+            raise WsClosed("a control frame that is long or fragmented")
+        if op not in (0x0, 0x1, 0x2, 0x8, 0x9, 0xA):
+            raise WsClosed(f"a frame of unknown opcode {op}")
+        binary = op == 0x2 or (op == 0x0 and self._op == 0x2)
+        if not binary and (op in (0x0, 0x1)) and self._size + n > MAX_WS_MESSAGE:
+            raise WsClosed(f"a message of more than {MAX_WS_MESSAGE >> 20} MiB")
+        return op, bool(fin), self._payload(n, mask, keep=not binary)
+
+    def _message(self) -> bytes | None:
+        """Reads frames until a message completes or a control frame was handled: the message's bytes when it
+        is text, else None. WsClosed at the end of the feed."""
+        while True:
+            op, fin, data = self._frame()
+            if op == 0x8:
+                raise WsClosed("the server closed the websocket")
+            if op == 0x9:
+                self._send(0xA, data)
+                return None
+            if op == 0xA:
+                return None
+            if (op == 0x0) != (self._op is not None):
+                raise WsClosed("a continuation frame out of place")
+            if op != 0x0:
+                self._op, self._parts, self._size = op, [], 0
+            self._parts.append(data)
+            self._size += len(data)
+            if fin:
+                kind, parts = self._op, self._parts
+                self._op, self._parts, self._size = None, [], 0
+                return b"".join(parts) if kind == 0x1 else None
+
+    def recv(self, idle: float) -> dict | None:
+        """The next message as a JSON object; None after ``idle`` seconds of silence; {} for anything else that
+        arrived (a binary preview, a ping, text that is not a JSON object: custom nodes send their own). Once a
+        frame begins, the message must complete within --http-timeout. WsClosed when the feed ends, breaks the
+        protocol or trickles; DeadlinePassed at the deadline."""
+        client = self.client
+        self.link.op_timeout = max(idle, 1e-3)
+        self.link.limit = min(client.deadline, time.monotonic() + idle)
+        started = False
+        try:
+            first = self.fp.peek(1)[:1]  # wait for a frame to begin
+            if first:
+                started = True
+                self.link.op_timeout = client.timeout
+                self.link.limit = min(client.deadline, time.monotonic() + client.timeout)
+                raw = self._message()
+        except (_Expired, TimeoutError):
+            if time.monotonic() >= client.deadline - 1e-3:
+                raise DeadlinePassed("following the run on /ws") from None
+            if not started:
+                return None  # silence
+            raise WsClosed(f"a message took longer than --http-timeout ({client.timeout:g} s)") from None
+        except (OSError, ValueError, struct.error) as e:
+            raise WsClosed(f"the connection failed ({_show(e, 80)})") from None
+        if not first:
+            raise WsClosed("the server closed the websocket")
+        if raw is None:
+            return {}
+        try:
+            msg = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            return {}
+        return msg if isinstance(msg, dict) else {}
+
+    def close(self) -> None:
+        try:
+            self.link.op_timeout, self.link.limit = 1.0, min(self.client.deadline, time.monotonic() + 1.0)
+            self._send(0x8, struct.pack(">H", 1000))
+        except Exception:  # noqa: BLE001 - best effort: the socket is closed next anyway
+            pass
+        self.link.shut()
+
+
+# ---------------------------------------------------------------------------------------------
+# reading ComfyUI's answers
 # ---------------------------------------------------------------------------------------------
 
 def _say(msg: str, quiet: bool = False) -> None:
@@ -359,225 +933,510 @@ def _say(msg: str, quiet: bool = False) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
-def format_node_errors(data) -> str:
-    """The 400 body of /prompt -> readable lines."""
+def _error(msg: str) -> None:
+    progress.end_line()
+    print(f"error: {msg}", file=sys.stderr, flush=True)
+
+
+def _node_error_lines(node_errors: dict, reader: _Reader, field: str) -> list[str]:
+    """``node_errors`` of a /prompt answer -> one indented line per error (types checked)."""
     lines = []
-    err = data.get("error") if isinstance(data, dict) else None
-    if isinstance(err, dict):
-        msg = err.get("message") or err.get("type") or "rejected"
-        details = err.get("details")
-        lines.append(f"ComfyUI rejected the prompt: {msg}" + (f" ({details})" if details else ""))
-    elif err:
-        lines.append(f"ComfyUI rejected the prompt: {err}")
-    else:
-        lines.append(f"ComfyUI rejected the prompt: {str(data)[:500]}")
-    node_errors = data.get("node_errors") if isinstance(data, dict) else None
-    for node_id, ne in sorted((node_errors or {}).items(), key=lambda kv: str(kv[0])):
-        cls = ne.get("class_type", "?")
-        for e in ne.get("errors") or []:
-            detail = e.get("details") or ""
-            name = (e.get("extra_info") or {}).get("input_name")
+    for node_id in sorted(node_errors, key=str):
+        fld = _field(field, node_id)
+        ne = reader.obj(node_errors[node_id], fld)
+        cls = reader.text(ne, "class_type", fld, "?")
+        errors = reader.opt(ne, "errors", list, fld, "a list") or []
+        for i, e in enumerate(errors):
+            efld = f"{_field(fld, 'errors')}[{i}]"
+            reader.obj(e, efld)
+            message, detail = reader.text(e, "message", efld), reader.text(e, "details", efld)
+            extra = reader.opt(e, "extra_info", dict, efld, "an object") or {}
+            name = reader.text(extra, "input_name", _field(efld, "extra_info"))
             where = f" [input {name}]" if name else ""
-            lines.append(f"  node {node_id} ({cls}){where}: {e.get('message', '')}" + (f": {detail}" if detail else ""))
-    return "\n".join(lines)
+            lines.append(f"  node {_show(node_id, 40)} ({cls}){where}: {message}" + (f": {detail}" if detail else ""))
+    return lines
 
 
-def _execution_failure(history_entry: dict, verbose: bool) -> str | None:
-    """None when the run succeeded, else a readable reason from the history's status messages."""
-    status = history_entry.get("status") or {}
-    messages = status.get("messages") or []
-    for event, data in messages:
-        if event == "execution_error":
-            etype = str(data.get("exception_type") or "error").rsplit(".", 1)[-1]
-            text = (f"node {data.get('node_id')} ({data.get('node_type')}) failed: "
-                    f"{etype}: {str(data.get('exception_message', '')).strip()}")
-            if verbose and data.get("traceback"):
-                text += "\n" + "".join(data["traceback"])
-            return text
-        if event == "execution_interrupted":
-            return f"the run was interrupted at node {data.get('node_id')} ({data.get('node_type')})"
-    if status.get("status_str") == "success" or (status.get("completed") and not status.get("status_str")):
-        return None
+def format_node_errors(data: dict, reader: _Reader) -> str:
+    """The 400 body of /prompt -> readable lines (Malformed when a field has the wrong type)."""
+    err = data.get("error")
+    if isinstance(err, dict):
+        msg = reader.text(err, "message", "error") or reader.text(err, "type", "error") or "rejected"
+        details = reader.text(err, "details", "error")
+        head = f"ComfyUI rejected the prompt: {msg}" + (f" ({details})" if details else "")
+    elif isinstance(err, str) or err is None:
+        head = f"ComfyUI rejected the prompt: {_show(err or 'rejected', 500)}"
+    else:
+        reader.fail("error", f"is {_kind(err)}, expected an object or a string")
+    node_errors = reader.opt(data, "node_errors", dict, "", "an object") or {}
+    return "\n".join([head, *_node_error_lines(node_errors, reader, "node_errors")])
+
+
+def _execution_failure(entry: dict, reader: _Reader, verbose: bool) -> str | None:
+    """None when the run succeeded, else a readable reason from the history's status messages (every message
+    is type-checked, not only up to the first failure)."""
+    status = reader.opt(entry, "status", dict, "", "an object")
     if not status:
         return None  # very old servers write no status
-    return f"the run ended with status {status.get('status_str')!r}"
+    failure = None
+    for i, m in enumerate(reader.opt(status, "messages", list, "status", "a list") or []):
+        fld = f"status.messages[{i}]"
+        reader.need(m, list, fld, "an [event, data] pair")
+        if len(m) != 2:
+            reader.fail(fld, f"has {len(m)} items, expected [event, data]")
+        event = reader.need(m[0], str, fld + "[0]", "an event name")
+        data = reader.need(m[1], dict, fld + "[1]", "an object")
+        fld += "[1]"
+        node = f"node {reader.text(data, 'node_id', fld, '?')} ({reader.text(data, 'node_type', fld, '?')})"
+        if event == "execution_error":
+            etype = reader.text(data, "exception_type", fld, "error").rsplit(".", 1)[-1]
+            raw = reader.opt(data, "exception_message", (str, int, float), fld, "a string")
+            text = f"{node} failed: {etype}: {_show(str(raw if raw is not None else '').strip(), 500)}"
+            tb = reader.opt(data, "traceback", list, fld, "a list of lines") or []
+            for j, line in enumerate(tb):
+                reader.need(line, str, f"{_field(fld, 'traceback')}[{j}]", "a string")
+            if verbose and tb:
+                text += "".join(f"\n    {_show(ln, 500)}" for chunk in tb for ln in chunk.splitlines())
+            failure = failure or text
+        elif event == "execution_interrupted":
+            failure = failure or f"the run was interrupted at {node}"
+    status_str = reader.opt(status, "status_str", str, "status", "a string")
+    completed = reader.opt(status, "completed", bool, "status", "true/false")
+    if failure:
+        return failure
+    if status_str == "success" or (completed and status_str is None):
+        return None
+    return f"the run ended with status {_show(status_str)!r}"
 
 
-def wait_history(client: Client, prompt_id: str, deadline: float, interval: float) -> dict:
-    """Poll /history/<id> until the prompt is recorded; ServerError at the deadline."""
+class Output:
+    """One output to write under --output: a file from /view (``filename``, ``subfolder``, ``kind``) or the text
+    outputs of a node (``text``)."""
+
+    def __init__(self, rel: Path, node: str, key: str, filename: str = "", subfolder: str = "", kind: str = "",
+                 text: str | None = None):
+        self.rel, self.node, self.key = rel, node, key
+        self.filename, self.subfolder, self.kind, self.text = filename, subfolder, kind, text
+
+    def ident(self) -> tuple:
+        return ("text", self.node) if self.text is not None else (self.subfolder, self.filename, self.kind)
+
+
+VIEW_TYPES = ("output", "temp", "input")  # the folders ComfyUI's /view serves
+
+
+def plan_outputs(entry: dict, reader: _Reader) -> list[Output]:
+    """Every output file and text the history entry reports, each name checked, each target path distinct."""
+    outputs = reader.opt(entry, "outputs", dict, "", "an object") or {}
+    plan = []
+    for node_id in sorted(outputs, key=str):
+        nfld = _field("outputs", node_id)
+        ui = reader.obj(outputs[node_id], nfld)
+        for key, items in ui.items():
+            fld = _field(nfld, key)
+            texts = []
+            for i, item in enumerate(reader.lst(items, fld)):
+                if isinstance(item, str):
+                    texts.append(item)
+                if not isinstance(item, dict) or "filename" not in item:
+                    continue  # other values (animated: [false], ...) are not files
+                ifld = f"{fld}[{i}]"
+                name = reader.need(item["filename"], str, _field(ifld, "filename"), "a string")
+                sub = reader.opt(item, "subfolder", str, ifld, "a string") or ""
+                kind = reader.opt(item, "type", str, ifld, "a string")
+                kind = "output" if kind is None else kind
+                problem = _name_problem(name)
+                if problem:
+                    raise Malformed(f"{reader.where}: {_field(ifld, 'filename')} {_show(name, 80)!r} {problem}; "
+                                    "refusing to write it under --output")
+                parts, problem = _subfolder_parts(sub)
+                if problem:
+                    raise Malformed(f"{reader.where}: {_field(ifld, 'subfolder')} {_show(sub, 80)!r} {problem}; "
+                                    "refusing to write outside --output")
+                if kind not in VIEW_TYPES:
+                    raise Malformed(f"{reader.where}: {_field(ifld, 'type')} {_show(kind, 40)!r} is not one of "
+                                    f"{', '.join(VIEW_TYPES)} (the folders ComfyUI's /view serves)")
+                plan.append(Output(Path(*parts, name), str(node_id), str(key), name, sub, kind))
+            if texts and key == "text":
+                fname = f"node_{str(node_id).replace(':', '-')}_text.txt"
+                problem = _name_problem(fname)
+                if problem:
+                    raise Malformed(f"{reader.where}: the node id {_show(node_id, 80)!r} of {nfld} makes the file "
+                                    f"name {_show(fname, 80)!r}, which {problem}; refusing to write it")
+                plan.append(Output(Path(fname), str(node_id), str(key), text="\n".join(texts) + "\n"))
+    return _distinct(plan, reader)
+
+
+def _distinct(plan: list[Output], reader: _Reader) -> list[Output]:
+    """The plan without exact repeats; Malformed when two different outputs (or history.json) would share a
+    path, or one output's path is another's folder."""
+    files: dict[str, Output] = {}
+    out = []
+    for o in plan:
+        key = o.rel.as_posix()
+        if key == "history.json":
+            raise Malformed(f"{reader.where}: an output of node {_show(o.node, 40)} is named history.json, which "
+                            "this runner writes itself; refusing to overwrite it")
+        if key in files:
+            if files[key].ident() != o.ident():
+                raise Malformed(f"{reader.where}: two different outputs (nodes {_show(files[key].node, 40)} and "
+                                f"{_show(o.node, 40)}) would both be written to {_show(key, 120)}")
+            continue
+        files[key] = o
+        out.append(o)
+    folders = {p.as_posix() for o in out for p in o.rel.parents if p != Path(".")}
+    clash = sorted(folders & set(files))
+    if clash:
+        raise Malformed(f"{reader.where}: {_show(clash[0], 120)} is both an output file and the folder of another "
+                        "output")
+    return out
+
+
+def _history_entry(client: Client, prompt_id: str) -> dict | None:
+    """The prompt's history entry, or None while it is not recorded yet."""
+    path = f"/history/{urllib.parse.quote(prompt_id, safe='')}"
+    data = client.get_json(path)
+    reader = _Reader(client.where("GET", path))
+    reader.obj(data, "")
+    if not data:
+        return None
+    if prompt_id not in data:
+        keys = ", ".join(_show(k, 40) for k in sorted(data)[:3])
+        raise Malformed(f"{reader.where} answered the history of other prompts ({keys}) instead of {prompt_id}'s; "
+                        "this is not ComfyUI's /history")
+    return reader.obj(data[prompt_id], f"the entry of {prompt_id}")
+
+
+def wait_history(client: Client, prompt_id: str, interval: float) -> dict:
+    """Poll /history/<id> until the prompt is recorded; DeadlinePassed at the deadline."""
     while True:
-        data = client.get_json(f"/history/{prompt_id}")
-        if isinstance(data, dict) and prompt_id in data:
-            return data[prompt_id]
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"prompt {prompt_id} did not finish in time; it may still be running on the server "
-                               "(POST /interrupt stops it)")
-        time.sleep(interval)
+        entry = _history_entry(client, prompt_id)
+        if entry is not None:
+            return entry
+        client.sleep(interval)
 
 
-def _ws_connect(client: Client, client_id: str, quiet: bool):
-    """An open websocket to /ws, or None (no websocket-client, or the connection failed)."""
-    try:
-        import websocket  # the websocket-client package
-    except ImportError:
-        return None
-    try:
-        ws = websocket.WebSocket()
-        ws.connect(client.ws_url(client_id), timeout=client.timeout)
-        return ws
-    except Exception as e:  # noqa: BLE001 - any failure here just means: poll instead
-        _say(f"websocket unavailable ({e}); following the run through /history", quiet)
-        return None
-
-
-def follow_ws(ws, prompt_id: str, deadline: float, titles: dict, quiet: bool) -> bool:
-    """Print progress from the websocket until the prompt ends. False if the socket dropped first."""
-    import websocket
-
+def follow_ws(ws: WebSocket, client: Client, prompt_id: str, titles: dict, quiet: bool, idle: float) -> bool:
+    """Print progress from the websocket until the prompt ends (True); every ``idle`` seconds, whatever the feed
+    says, ask /history whether it ended (a feed can miss the end). False when the feed closed or broke first."""
     last_progress = ""
+    next_poll = time.monotonic() + idle
     while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"prompt {prompt_id} did not finish in time; it may still be running on the server "
-                               "(POST /interrupt stops it)")
-        ws.settimeout(min(left, 5.0))
-        try:
-            raw = ws.recv()
-        except websocket.WebSocketTimeoutException:
+        wait = next_poll - time.monotonic()
+        if wait <= 0:
+            if _history_entry(client, prompt_id) is not None:
+                return True
+            next_poll = time.monotonic() + idle
             continue
-        except Exception:  # noqa: BLE001 - a dropped socket: the caller polls /history instead
+        try:
+            msg = ws.recv(wait)
+        except WsClosed:
             return False
-        if not isinstance(raw, str):
-            continue  # binary frames: previews
-        try:
-            msg = json.loads(raw)
-        except json.JSONDecodeError:
+        if not msg:
             continue
-        kind, data = msg.get("type"), msg.get("data") or {}
-        if data.get("prompt_id") not in (None, prompt_id):
+        kind, data = msg.get("type"), msg.get("data")
+        if not isinstance(data, dict):
+            continue
+        pid = data.get("prompt_id")
+        if pid is not None and pid != prompt_id:
             continue
         if kind == "executing":
-            if data.get("node") is None:
-                if data.get("prompt_id") == prompt_id:
+            node = data.get("node")
+            if node is None:
+                if pid == prompt_id:
                     return True
                 continue
-            node = str(data["node"])
-            _say(f"  running node {node} ({titles.get(node, '?')})", quiet)
+            title = titles.get(node, "?") if isinstance(node, str) else "?"
+            _say(f"  running node {_show(node, 40)} ({_show(title, 60)})", quiet)
         elif kind == "progress":
-            text = f"  node {data.get('node')}: {data.get('value')}/{data.get('max')}"
+            text = f"  node {_show(data.get('node'), 40)}: {_show(data.get('value'), 20)}/{_show(data.get('max'), 20)}"
             if text != last_progress:
                 _say(text, quiet)
                 last_progress = text
-        elif kind == "execution_cached" and data.get("nodes"):
-            _say(f"  cached: nodes {', '.join(str(n) for n in data['nodes'])}", quiet)
+        elif kind == "execution_cached" and isinstance(data.get("nodes"), list) and data["nodes"]:
+            _say(f"  cached: nodes {', '.join(_show(n, 40) for n in data['nodes'][:64])}", quiet)
         elif kind in ("execution_success", "execution_error", "execution_interrupted"):
             return True
 
 
-def _safe_relpath(subfolder: str, filename: str) -> Path:
-    parts = [p for p in PurePosixPath((subfolder or "").replace("\\", "/")).parts if p not in ("", ".", "/")]
-    name = PurePosixPath(filename.replace("\\", "/")).name
-    if ".." in parts or not name or name in (".", ".."):
-        raise ServerError(f"refusing to write an output outside --output: {subfolder!r}/{filename!r}")
-    return Path(*parts, name)
+def _check_object_info(graph: dict, object_info, reader: _Reader) -> None:
+    """The parts of /object_info the converter reads, for the node types the graph uses, type-checked."""
+    reader.obj(object_info, "")
+    used = {n.get("type") for n in graph.get("nodes") or [] if isinstance(n, dict) and isinstance(n.get("type"), str)}
+    for kind in sorted(used & set(object_info)):
+        info = reader.obj(object_info[kind], _field("", kind))
+        inputs = reader.opt(info, "input", dict, kind, "an object") or {}
+        for sec in ("required", "optional"):
+            sfld = _field(_field(kind, "input"), sec)
+            for name, spec in (reader.opt(inputs, sec, dict, _field(kind, "input"), "an object") or {}).items():
+                fld = _field(sfld, name)
+                if isinstance(spec, list):
+                    if not spec:
+                        reader.fail(fld, "is an empty list, expected [type, options]")
+                    reader.need(spec[0], (str, list), fld + "[0]", "a type name or a list of choices")
+                else:
+                    reader.need(spec, str, fld, "[type, options] or a type name")
+        for sec, names in (reader.opt(info, "input_order", dict, kind, "an object") or {}).items():
+            ofld = _field(_field(kind, "input_order"), sec)
+            for i, n in enumerate(reader.lst(names, ofld)):
+                reader.need(n, str, f"{ofld}[{i}]", "an input name")
+        reader.opt(info, "display_name", str, kind, "a string")
 
 
-def fetch_outputs(client: Client, entry: dict, out_dir: Path, quiet: bool) -> list[Path]:
-    """Download every file the prompt's output nodes report; write their text outputs beside them."""
-    written = []
-    for node_id, ui in sorted((entry.get("outputs") or {}).items(), key=lambda kv: str(kv[0])):
-        for key, items in (ui or {}).items():
-            if not isinstance(items, list):
-                continue
-            texts = [x for x in items if isinstance(x, str)]
-            if texts and key == "text":
-                p = out_dir / f"node_{node_id}_text.txt"
-                p.parent.mkdir(parents=True, exist_ok=True)
-                p.write_text("\n".join(texts) + "\n", encoding="utf-8")
-                written.append(p)
-            for item in items:
-                if isinstance(item, dict) and item.get("filename"):
-                    rel = _safe_relpath(item.get("subfolder", ""), item["filename"])
-                    n = client.download(item["filename"], item.get("subfolder", ""), item.get("type", "output"),
-                                        out_dir / rel)
-                    _say(f"  fetched {rel} ({n} bytes) from node {node_id} [{key}]", quiet)
-                    written.append(out_dir / rel)
-    return written
+# ---------------------------------------------------------------------------------------------
+# writing: nothing partial
+# ---------------------------------------------------------------------------------------------
+
+class _Staging:
+    """Files written under unique temporary names beside their targets. commit() renames them all into place;
+    discard() removes the temporaries and the folders this run created, so a failure leaves nothing partial."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.made: list[Path] = []
+        self.temps: list[tuple[Path, Path]] = []
+
+    @contextlib.contextmanager
+    def _local(self, path: Path):
+        try:
+            yield
+        except OSError as e:
+            raise LocalWriteError(f"cannot write {path}: {e.strerror or e}; check --output") from None
+
+    def _folder(self, rel_dir: Path) -> Path:
+        target = self.root / rel_dir
+        missing, p = [], target
+        while not p.is_dir() and p != p.parent:
+            missing.append(p)
+            p = p.parent
+        with self._local(target):
+            for d in reversed(missing):
+                d.mkdir()
+                self.made.append(d)
+        return target
+
+    def write(self, rel: Path, fill: Callable[[Callable[[bytes], Any]], Any]):
+        """Create a temporary beside ``root/rel`` and call ``fill(write)``; returns what fill returns."""
+        dst = self.root / rel
+        folder = self._folder(rel.parent)
+        with self._local(dst):
+            while True:
+                tmp = folder / f".comfy-run-{uuid.uuid4().hex[:16]}.part"
+                try:
+                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+                    break
+                except FileExistsError:
+                    continue
+            self.temps.append((tmp, dst))
+            f = os.fdopen(fd, "wb")
+        with f:
+            def write(data: bytes):
+                with self._local(dst):
+                    f.write(data)
+
+            result = fill(write)
+            with self._local(dst):
+                f.flush()
+                os.fsync(f.fileno())
+        return result
+
+    def commit(self) -> None:
+        for _, dst in self.temps:
+            if dst.is_dir() and not dst.is_symlink():
+                raise LocalWriteError(f"cannot write {dst}: a folder of that name is in the way; check --output")
+        for tmp, dst in self.temps:
+            with self._local(dst):
+                os.replace(tmp, dst)
+        self.temps, self.made = [], []
+
+    def discard(self) -> None:
+        for tmp, _ in self.temps:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        for d in reversed(self.made):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        self.temps, self.made = [], []
+
+
+def _output_problem(out: Path) -> str | None:
+    """Why --output cannot be written (checked before anything is sent), or None."""
+    if out.is_symlink() and not out.exists():
+        return f"--output {out} is a symlink to nothing (or a symlink loop)"
+    if out.exists():
+        if not out.is_dir():
+            return f"--output {out} exists and is not a folder"
+        return None if os.access(out, os.W_OK | os.X_OK) else f"--output {out} is not writable"
+    for p in out.absolute().parents:
+        if os.path.lexists(p):
+            if not p.is_dir():
+                return f"--output {out}: {p} is not a folder"
+            return None if os.access(p, os.W_OK | os.X_OK) else f"--output {out}: {p} is not writable"
+    return None
+
+
+def fetch_outputs(client: Client, plan: list[Output], staging: _Staging, quiet: bool) -> None:
+    """Download every planned file and write every text into ``staging`` (not yet committed)."""
+    for o in plan:
+        if o.text is not None:
+            staging.write(o.rel, lambda write, o=o: write(o.text.encode("utf-8", errors="backslashreplace")))
+            continue
+        n = staging.write(o.rel, lambda write, o=o: client.download(o.filename, o.subfolder, o.kind, write))
+        _say(f"  fetched {o.rel.as_posix()} ({n} bytes) from node {_show(o.node, 40)} [{_show(o.key, 40)}]", quiet)
+
+
+# ---------------------------------------------------------------------------------------------
+# running
+# ---------------------------------------------------------------------------------------------
+
+def _time_problem(args) -> str | None:
+    for flag, value, low in (("--timeout", args.timeout, 0.0), ("--http-timeout", args.http_timeout, 0.0),
+                             ("--poll-interval", args.poll_interval, None)):
+        if not math.isfinite(value) or (value <= low if low is not None else value < 0):
+            return f"{flag} {value:g}: expected a finite number of seconds" + (" above 0" if low is not None else "")
+    return None
+
+
+def _deadline_message(e: DeadlinePassed, client: Client, state: dict) -> str:
+    t = f"--timeout ({client.total:g} s)"
+    pid = state.get("prompt_id")
+    if state["phase"] == "submit":
+        return f"{t} ran out during {e.what} on {client.server}, before the prompt was queued"
+    if state["phase"] == "wait":
+        return (f"prompt {pid} did not finish in time: {t} ran out during {e.what}; it may still be running on the "
+                "server (POST /interrupt stops it)")
+    return f"prompt {pid} succeeded but {t} ran out while fetching its outputs ({e.what}); nothing was written"
+
+
+def _submit(client: Client, prompt: dict, extra: dict, state: dict) -> int | None:
+    """POST /prompt; None when queued (state['prompt_id'] set), else the exit status of a rejection."""
+    client_id = state["client_id"]
+    body = {"prompt": prompt, "client_id": client_id}
+    if extra:
+        body["extra_data"] = extra
+    status, answer = client.request_json("/prompt", body)
+    reader = _Reader(client.where("POST", "/prompt"))
+    if status == 200 and isinstance(answer, dict) and "prompt_id" in answer:
+        state["prompt_id"] = _prompt_id(answer["prompt_id"], reader)
+        node_errors = reader.opt(answer, "node_errors", dict, "", "an object")
+        if node_errors:  # queued, but some output nodes failed validation and will not run
+            lines = _node_error_lines(node_errors, reader, "node_errors")
+            print("\n".join(["warning: some outputs will not run", *lines]), file=sys.stderr)
+        return None
+    if status == 400 and isinstance(answer, dict) and {"error", "node_errors"} & set(answer):
+        _error(format_node_errors(answer, reader))
+        return EXIT_FAILED
+    raise client.not_comfy("POST", "/prompt", status, answer)
+
+
+def _run(args, client: Client, kind: str, data: dict, out_dir: Path, staging: _Staging, state: dict) -> int:
+    extra = {}
+    if kind == "ui":
+        object_info = client.get_json("/object_info")
+        _check_object_info(data, object_info, _Reader(client.where("GET", "/object_info")))
+        try:
+            prompt = ui_to_api(data, object_info)
+        except ConversionError as e:
+            _error(f"cannot convert the UI workflow {args.workflow} to API format: {e}")
+            return EXIT_USAGE
+        except (KeyError, TypeError, AttributeError, IndexError, ValueError, RecursionError) as e:
+            _error(f"cannot convert the UI workflow {args.workflow} to API format: the graph is malformed "
+                   f"({type(e).__name__}: {_show(e, 120)}); re-save it in the editor or export API format")
+            return EXIT_USAGE
+        extra = {"extra_pnginfo": {"workflow": data}}
+        _say(f"converted the UI workflow to an API prompt of {len(prompt)} nodes", args.quiet)
+    else:
+        prompt = data
+    try:
+        apply_overrides(prompt, args.set or [])
+    except ValueError as e:
+        _error(str(e))
+        return EXIT_USAGE
+    titles = {k: v.get("class_type", "?") for k, v in prompt.items()}
+    state["client_id"] = args.client_id or uuid.uuid4().hex
+    ws = None
+    if not args.no_websocket:
+        try:
+            ws = client.websocket(state["client_id"])
+        except DeadlinePassed:
+            raise
+        except ServerError as e:
+            _say(f"websocket unavailable ({e}); following the run through /history", args.quiet)
+    try:
+        rejected = _submit(client, prompt, extra, state)
+        if rejected is not None:
+            return rejected
+        prompt_id = state["prompt_id"]
+        _say(f"queued prompt {prompt_id} on {client.server}", args.quiet)
+        state["phase"] = "wait"
+        if ws is not None and not follow_ws(ws, client, prompt_id, titles, args.quiet,
+                                            idle=max(args.poll_interval, 2.0)):
+            _say("websocket closed; following the run through /history", args.quiet)
+    finally:
+        if ws is not None:
+            ws.close()
+    entry = wait_history(client, prompt_id, args.poll_interval)
+    reader = _Reader(client.where("GET", f"/history/{prompt_id}"))
+    failure = _execution_failure(entry, reader, args.verbose)  # everything is checked before anything is written
+    plan = plan_outputs(entry, reader)
+    try:
+        history = (json.dumps({prompt_id: entry}, indent=2) + "\n").encode("utf-8", errors="backslashreplace")
+    except (RecursionError, ValueError):
+        raise Malformed(f"{reader.where} answered a history entry nested too deeply to be ComfyUI's") from None
+    if failure:
+        staging.write(Path("history.json"), lambda write: write(history))
+        staging.commit()
+        _error(failure)
+        return EXIT_FAILED
+    state["phase"] = "fetch"
+    try:
+        fetch_outputs(client, plan, staging, args.quiet)
+    except FetchFailed as e:
+        _error(f"the prompt succeeded but an output could not be fetched: {e}; nothing was written")
+        return EXIT_FAILED
+    except DeadlinePassed:
+        raise
+    except ServerError as e:
+        raise ServerError(f"the prompt succeeded but an output could not be fetched: {e}; nothing was written"
+                          ) from None
+    staging.write(Path("history.json"), lambda write: write(history))
+    staging.commit()
+    print(f"prompt {prompt_id} succeeded: {len(plan)} output file(s) in {out_dir}")
+    return EXIT_OK
 
 
 def run(args) -> int:
+    start = time.monotonic()
+    problem = _time_problem(args)
+    if problem:
+        _error(problem)
+        return EXIT_USAGE
     try:
         kind, data = load_workflow(args.workflow)
+        client = Client(args.server, timeout=args.http_timeout, deadline=start + args.timeout, total=args.timeout)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        _error(str(e))
         return EXIT_USAGE
-    client = Client(args.server, timeout=args.http_timeout)
-    extra = {}
+    out_dir = Path(args.output)
+    problem = _output_problem(out_dir)
+    if problem:
+        _error(f"{problem}; choose a folder that can be written")
+        return EXIT_USAGE
+    staging = _Staging(out_dir)
+    state = {"phase": "submit", "prompt_id": None}
     try:
-        if kind == "ui":
-            object_info = client.get_json("/object_info")
-            try:
-                prompt = ui_to_api(data, object_info)
-            except ConversionError as e:
-                print(f"error: cannot convert the UI workflow {args.workflow} to API format: {e}", file=sys.stderr)
-                return EXIT_USAGE
-            extra = {"extra_pnginfo": {"workflow": data}}
-            _say(f"converted the UI workflow to an API prompt of {len(prompt)} nodes", args.quiet)
-        else:
-            prompt = data
-        try:
-            apply_overrides(prompt, args.set or [])
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return EXIT_USAGE
-        titles = {k: v.get("class_type", "?") for k, v in prompt.items()}
-        client_id = args.client_id or uuid.uuid4().hex
-        ws = None if args.no_websocket else _ws_connect(client, client_id, args.quiet)
-        body = {"prompt": prompt, "client_id": client_id}
-        if extra:
-            body["extra_data"] = extra
-        status, answer = client.request_json("/prompt", body)
-        if not isinstance(answer, dict) or not ({"prompt_id", "error", "node_errors"} & set(answer)):
-            raise client.not_comfy("POST", "/prompt", status, answer)
-        if status != 200 or not isinstance(answer, dict) or "prompt_id" not in answer:
-            print("error: " + format_node_errors(answer if isinstance(answer, dict) else {"error": answer}),
-                  file=sys.stderr)
-            return EXIT_FAILED
-        prompt_id = answer["prompt_id"]
-        if answer.get("node_errors"):  # queued, but some output nodes failed validation and will not run
-            lines = format_node_errors({"error": "some outputs will not run", "node_errors": answer["node_errors"]})
-            print("warning: " + lines.replace("ComfyUI rejected the prompt: ", "", 1), file=sys.stderr)
-        _say(f"queued prompt {prompt_id} on {client.server}", args.quiet)
-        deadline = time.monotonic() + args.timeout
-        try:
-            if ws is not None:
-                try:
-                    if not follow_ws(ws, prompt_id, deadline, titles, args.quiet):
-                        _say("websocket closed; following the run through /history", args.quiet)
-                finally:
-                    ws.close()
-            entry = wait_history(client, prompt_id, deadline, args.poll_interval)
-        except TimeoutError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return EXIT_UNREACHABLE
-        out_dir = Path(args.output)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "history.json").write_text(json.dumps({prompt_id: entry}, indent=2, default=str) + "\n",
-                                              encoding="utf-8")
-        failure = _execution_failure(entry, args.verbose)
-        if failure:
-            print(f"error: {failure}", file=sys.stderr)
-            return EXIT_FAILED
-        try:
-            files = fetch_outputs(client, entry, out_dir, args.quiet)
-        except ServerError as e:
-            print(f"error: the prompt succeeded but an output could not be fetched: {e}", file=sys.stderr)
-            return EXIT_FAILED
-    except ServerError as e:
-        print(f"error: {e}", file=sys.stderr)
+        return _run(args, client, kind, data, out_dir, staging, state)
+    except DeadlinePassed as e:
+        _error(_deadline_message(e, client, state))
         return EXIT_UNREACHABLE
-    print(f"prompt {prompt_id} succeeded: {len(files)} output file(s) in {out_dir}")
-    return EXIT_OK
+    except ServerError as e:
+        _error(str(e))
+        return EXIT_UNREACHABLE
+    except LocalWriteError as e:
+        _error(str(e))
+        return EXIT_USAGE
+    finally:
+        staging.discard()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -589,10 +1448,14 @@ def build_parser() -> argparse.ArgumentParser:
                                                             "(default %(default)s)")
     p.add_argument("--set", action="append", metavar="NODE.INPUT=VALUE",
                    help="override an input before submitting (VALUE is JSON, else a string); repeatable")
-    p.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the run (default %(default)s)")
-    p.add_argument("--http-timeout", type=float, default=30.0, help="seconds per HTTP request (default %(default)s)")
+    p.add_argument("--timeout", type=float, default=3600.0,
+                   help="seconds for the whole command: connecting, submitting, the run and the downloads "
+                        "(default %(default)s)")
+    p.add_argument("--http-timeout", type=float, default=30.0,
+                   help="seconds for each socket operation, and for each request's connect, headers and JSON body "
+                        "(default %(default)s)")
     p.add_argument("--poll-interval", type=float, default=0.5, help="seconds between /history polls")
-    p.add_argument("--no-websocket", action="store_true", help="poll /history even if websocket-client is installed")
+    p.add_argument("--no-websocket", action="store_true", help="poll /history only (no /ws progress)")
     p.add_argument("--client-id", help="client id for /prompt and /ws (default: a random one)")
     p.add_argument("--verbose", action="store_true", help="print node tracebacks")
     p.add_argument("--quiet", action="store_true", help="print only the result line and errors")
