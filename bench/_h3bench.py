@@ -1,5 +1,5 @@
-"""Shared pieces of the H200 benches: a random full-size H3 built through the runtime's own load path, and
-the map from kernel names to the seed profile's components."""
+"""Shared pieces of the H200 benches: a random full-size H3 built through the runtime's own job (``open_model``
+-> plan -> streaming load), and the map from kernel names to the seed profile's components."""
 
 from __future__ import annotations
 
@@ -20,11 +20,10 @@ except ImportError:  # a plain checkout (the device copy): make the repo root th
     pkg.__path__ = [str(ROOT)]
     sys.modules["h3_blackwell"] = pkg
 
+from h3_blackwell.runtime import ModelSpec, RuntimeOptions, open_model  # noqa: E402
 from h3_blackwell.runtime.model.config import FULL  # noqa: E402
 from h3_blackwell.runtime.errors import describe  # noqa: E402
-from h3_blackwell.runtime.load import load_model  # noqa: E402
 from h3_blackwell.runtime.model.h3 import H3Model  # noqa: E402
-from h3_blackwell.runtime.options import RuntimeOptions  # noqa: E402
 
 COMPONENTS = [
     # Sage2's own helper kernels (int8/fp8 quantization of q, k, v, V's pad and transpose) count as attention,
@@ -92,10 +91,16 @@ class RandomSource:
         return t.normal_(0.0, t.shape[1] ** -0.5 * (0.3 if "adaln" in k else 1.0), generator=g)
 
 
+def model_spec(opts: RuntimeOptions, seed: int, cfg=FULL) -> ModelSpec:
+    """What to load: random weights of ``cfg`` (``RandomSource``) with ``opts``, as the runtime's job takes it
+    (``spec.load()`` here, or each rank's own load in a sequence-parallel ``run``)."""
+    dt = torch.bfloat16 if torch.device(opts.device).type == "cuda" else torch.float32
+    return open_model(RandomSource(cfg, seed, dt), opts)
+
+
 def build(opts: RuntimeOptions, seed: int, cfg=FULL):
     """A resident runtime on random weights of ``cfg``, loaded through the real plan + streaming load."""
-    dt = torch.bfloat16 if torch.device(opts.device).type == "cuda" else torch.float32
-    return load_model(RandomSource(cfg, seed, dt), opts)
+    return model_spec(opts, seed, cfg).load()
 
 
 def time_ms(fn, iters: int, warmup: int) -> dict:

@@ -19,7 +19,7 @@ import torch
 
 from h3_blackwell.runtime.ops import attention as A
 from h3_blackwell.runtime.ops import sparse_attention as SA
-from h3_blackwell.runtime.sampling.sampler import sample
+from h3_blackwell.runtime import run, tensor_job
 from h3_blackwell.runtime.sampling.schedule import get_sigmas, model_sigma
 
 CANONICAL_GRID = (37, 24, 42)      # latent frames x (48/2) x (84/2) patch rows: 37,296 video rows
@@ -184,8 +184,8 @@ def canonical_sparse(rt, sparse_result, text, vshape, ashape, steps: int, sample
     keep = sp.start_percent
     sp.start_percent = 1.0  # every step dense: the dense backend the sparse run uses on its dense steps
     try:
-        dense = sample(rt, text, None, torch.zeros(vshape), torch.zeros(ashape), steps=steps, runs=dense_runs,
-                       warmup=0, **sample_kw)
+        dense = run(tensor_job(rt, text, None, torch.zeros(vshape), torch.zeros(ashape), steps=steps,
+                               runs=dense_runs, warmup=0, **sample_kw))
     finally:
         sp.start_percent = keep
     out["dense_median_step_seconds"] = _median_step(dense.report)
@@ -207,8 +207,8 @@ def canonical_sparse(rt, sparse_result, text, vshape, ashape, steps: int, sample
         for k, i in picks.items()}
     write(out)
     if fbcache is not None:
-        cached = sample(rt, text, None, torch.zeros(vshape), torch.zeros(ashape), steps=steps, runs=1, warmup=0,
-                        first_block_cache=fbcache, **sample_kw)
+        cached = run(tensor_job(rt, text, None, torch.zeros(vshape), torch.zeros(ashape), steps=steps, runs=1,
+                                warmup=0, first_block_cache=fbcache, **sample_kw))
         fb = cached.report["first_block_cache"]
         out["first_block_cache_run"] = {
             "lossy": True, "threshold": fbcache, "on_top_of": "the sparse configuration above",

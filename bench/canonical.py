@@ -51,7 +51,8 @@ from h3_blackwell.runtime.ops import nvfp4 as nv  # noqa: E402
 from h3_blackwell.runtime.ops.attention import bind_attention  # noqa: E402
 from h3_blackwell.runtime.ops.block_ops import LINEARS, Nvfp4Ops  # noqa: E402
 from h3_blackwell.runtime.options import RuntimeOptions  # noqa: E402
-from h3_blackwell.runtime.sampling.sampler import initial_noise, sample  # noqa: E402
+from h3_blackwell.runtime import run, tensor_job  # noqa: E402
+from h3_blackwell.runtime.sampling.sampler import initial_noise  # noqa: E402
 
 SEED_COMPONENTS = {"attention": "sage2"}  # the seed's name for our attention component when it is Sage2
 
@@ -204,7 +205,7 @@ def main(argv=None) -> int:
     video, audio = torch.zeros(vshape), torch.zeros(ashape)
     sample_kw = dict(seed=440420, sampler="res_multistep",
                      workload_extra={"frames": 124, "text_source": "random (seed 440420)"})
-    r = sample(rt, text, None, video, audio, steps=a.steps, runs=a.runs, warmup=a.warmup, **sample_kw)
+    r = run(tensor_job(rt, text, None, video, audio, steps=a.steps, runs=a.runs, warmup=a.warmup, **sample_kw))
     rep = r.report
     steps_flat = [[s["seconds"] for s in run] for run in rep["per_step_seconds"]]
     res.update({

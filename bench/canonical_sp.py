@@ -8,8 +8,8 @@
    bench/canonical.py (`_h3bench.build`, seed 0), the canonical workload (1344x768, 124 frames, 37,810
    packed rows, 12 steps, seed 440420, res_multistep), --warmup + --runs resident runs. Then it is freed.
 2. The same workload through the distributed code path on N local ranks (`runtime.parallel.launch`, NCCL,
-   rank r on cuda:r): every rank builds the same random model (same seed, same device generator) and calls
-   `sample(..., parallel=ctx)`; rank 0's latents and report come back.
+   rank r on cuda:r): every rank builds the same random model (same seed, same device generator) and runs
+   the runtime's job there (`runtime.job.run_rank`); rank 0's latents and report come back.
 3. The JSON (rewritten after each stage): median_step_seconds (all ranks' measured steps),
    single_gpu_median_step_seconds, speedup, peak allocated bytes per rank, all-to-all seconds per step and
    bytes per block, latent hashes exact across the measured runs and across the ranks, rel-L2 of the final
@@ -37,8 +37,9 @@ from _h3bench import ROOT, build, err_text, versions, write_json  # noqa: E402
 
 from h3_blackwell.runtime.model.config import FULL, TINY  # noqa: E402
 from h3_blackwell.runtime.options import RuntimeOptions  # noqa: E402
+from h3_blackwell.runtime import tensor_job  # noqa: E402
+from h3_blackwell.runtime.job import run_rank  # noqa: E402
 from h3_blackwell.runtime.parallel import check_degree, launch  # noqa: E402
-from h3_blackwell.runtime.sampling.sampler import sample  # noqa: E402
 
 SEED = 440420
 # the canonical workload (1344x768, 124 frames, 100 text rows); --smoke: the tiny model's small canvas on the CPU
@@ -60,11 +61,14 @@ def _memory_allocated(device) -> int:
 
 
 def _sample(rt, a, ctx=None):
+    """The canonical job on the resident ``rt``: this process's run (``ctx`` None) or one rank's (the runtime's
+    ``run_rank``, what each worker of a sequence-parallel ``run`` executes)."""
     vshape, ashape, text_rows = SHAPES["smoke" if a.smoke else "canonical"]
     text = torch.randn(1, text_rows, rt.config.text_dim, generator=torch.Generator().manual_seed(SEED))
-    return sample(rt, text, None, torch.zeros(vshape), torch.zeros(ashape), seed=SEED, steps=a.steps,
-                  sampler="res_multistep", runs=a.runs, warmup=a.warmup, parallel=ctx,
-                  workload_extra={"frames": 5 if a.smoke else 124, "text_source": f"random (seed {SEED})"})
+    job = tensor_job(rt, text, None, torch.zeros(vshape), torch.zeros(ashape), seed=SEED, steps=a.steps,
+                     sampler="res_multistep", runs=a.runs, warmup=a.warmup,
+                     workload_extra={"frames": 5 if a.smoke else 124, "text_source": f"random (seed {SEED})"})
+    return run_rank(ctx, job)
 
 
 def sp_rank(ctx, a) -> dict:
