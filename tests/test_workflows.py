@@ -19,6 +19,8 @@ comfy_extras/nodes_video.py, comfy_extras/nodes_minimax_h3.py; the "minimax" CLI
 | MiniMaxH3ImageToVideo   | clip, vae, prompt, width, height, length; opt. first_frame, last_frame IMAGE | CONDITIONING, LATENT |
 | MiniMaxH3AddGuide       | positive, latent, frame_idx INT (0, -9999..9999); opt. vae, audio_vae, image, audio | CONDITIONING |
 | MiniMaxH3ReferenceToVideo | clip, vae, audio_vae, prompt, width, height, length, ref_image_size [match, max]; Autogrow ref_images (9), ref_videos (3), ref_video_audios (3), ref_audios (3) | CONDITIONING, LATENT |
+| MiniMaxH3SigmaShift     | model MODEL, shift_video FLOAT (12.0, 0.01..100), shift_audio FLOAT (3.0, 0.01..100) | MODEL |
+| KSampler                | model, seed INT (control after generate), steps INT (20, 1..10000), cfg FLOAT (8.0, 0..100), sampler_name, scheduler (core's lists), positive, negative, latent_image, denoise FLOAT (1.0, 0..1) | LATENT |
 
 File-list combos (model folders) accept any model file name: the list is the user's folder.
 """
@@ -46,6 +48,12 @@ CLIP_TYPES = ["stable_diffusion", "stable_cascade", "sd3", "stable_audio", "moch
               "lumina2", "wan", "hidream", "chroma", "ace", "omnigen2", "qwen_image", "hunyuan_image", "flux2",
               "ovis", "longcat_image", "cogvideox", "lens", "pixeldit", "ideogram4", "boogu", "krea2", "joyimage",
               "mage", "minimax"]
+
+
+CORE_SAMPLERS = ["euler", "euler_ancestral", "heun", "dpm_2", "lms", "dpmpp_2m", "dpmpp_2m_sde", "dpmpp_3m_sde", "ddpm",
+                 "lcm", "deis", "res_multistep", "gradient_estimation", "er_sde", "sa_solver", "ddim", "uni_pc"]
+CORE_SCHEDULERS = ["simple", "sgm_uniform", "karras", "exponential", "ddim_uniform", "beta", "normal",
+                   "linear_quadratic", "kl_optimal"]
 
 
 def _core(required, outputs, optional=None, output_node=False, names=None):
@@ -100,6 +108,19 @@ CORE_NODES = {
         optional={"ref_images": _autogrow("ref_image", "IMAGE", 9), "ref_videos": _autogrow("ref_video", "IMAGE", 3),
                   "ref_video_audios": _autogrow("ref_video_audio", "AUDIO", 3),
                   "ref_audios": _autogrow("ref_audio", "AUDIO", 3)}),
+    # the KSampler variants (core's sampling on the loader's MODEL output)
+    "MiniMaxH3SigmaShift": _core({"model": ("MODEL", {}),
+                                  "shift_video": ("FLOAT", {"default": 12.0, "min": 0.01, "max": 100.0, "step": 0.01}),
+                                  "shift_audio": ("FLOAT", {"default": 3.0, "min": 0.01, "max": 100.0, "step": 0.01})},
+                                 ["MODEL"]),
+    "KSampler": _core({"model": ("MODEL", {}),
+                       "seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF, "control_after_generate": True}),
+                       "steps": ("INT", {"default": 20, "min": 1, "max": 10000}),
+                       "cfg": ("FLOAT", {"default": 8.0, "min": 0.0, "max": 100.0, "step": 0.1, "round": 0.01}),
+                       "sampler_name": (CORE_SAMPLERS, {}), "scheduler": (CORE_SCHEDULERS, {}),
+                       "positive": ("CONDITIONING", {}), "negative": ("CONDITIONING", {}),
+                       "latent_image": ("LATENT", {}),
+                       "denoise": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 1.0, "step": 0.01})}, ["LATENT"]),
 }
 
 # this pack's inputs whose choices come from a folder
@@ -251,7 +272,8 @@ def _strip(prompt):
     return {k: {"class_type": v["class_type"], "inputs": v["inputs"]} for k, v in prompt.items()}
 
 
-UI_GRAPHS = ["h3_t2va_nvfp4", "h3_fl2va_nvfp4", "h3_ref2va_nvfp4"]
+UI_GRAPHS = ["h3_t2va_nvfp4", "h3_fl2va_nvfp4", "h3_ref2va_nvfp4",
+             "h3_t2va_ksampler", "h3_fl2va_ksampler", "h3_ref2va_ksampler"]
 
 
 def test_every_workflow_is_checked():
@@ -355,6 +377,31 @@ def test_t2va_workflow_shape():
     assert prompt[by_type["H3B_Diagnostics"][0]]["inputs"]["diagnostics"] == [sampler, 1]
     assert prompt[by_type["CreateVideo"][0]]["inputs"]["audio"] == [by_type["VAEDecodeAudio"][0], 0]
     assert {"H3B_ModelLoader", "H3B_Sampler", "H3B_Diagnostics", "SaveVideo"} <= set(by_type)
+
+
+@pytest.mark.parametrize("task", ["t2va", "fl2va", "ref2va"])
+def test_ksampler_variant_is_the_same_graph_on_the_model_output(task):
+    """The KSampler variant of each workflow: the loader's MODEL output (index 1) -> core's MiniMaxH3SigmaShift (the
+    H3 Sampler's shifts) -> core's KSampler (the same seed, steps, sampler, scheduler and denoise; cfg 1, so the
+    negative, wired to the positive, is not evaluated) on the same conditioning and latent; the rest of the graph
+    unchanged; the run's report through H3 Model Run Report into H3 Diagnostics."""
+    ours, theirs = _load(f"h3_{task}_nvfp4.api.json"), _load(f"h3_{task}_ksampler.api.json")
+    by = _by_type(theirs)
+    assert "H3B_Sampler" not in by
+    loader, shift, ks = by["H3B_ModelLoader"][0], by["MiniMaxH3SigmaShift"][0], by["KSampler"][0]
+    old = ours[_by_type(ours)["H3B_Sampler"][0]]["inputs"]
+    k = theirs[ks]["inputs"]
+    assert theirs[shift]["inputs"] == {"model": [loader, 1], "shift_video": old["shift_video"],
+                                       "shift_audio": old["shift_audio"]}
+    assert k == {"model": [shift, 0], "seed": old["seed"], "steps": old["steps"], "cfg": 1.0,
+                 "sampler_name": old["sampler"], "scheduler": old["scheduler"], "positive": old["positive"],
+                 "negative": old["positive"], "latent_image": old["latent"], "denoise": old["denoise"]}
+    same = {n for n in ours if ours[n]["class_type"] not in ("H3B_Sampler", "H3B_Diagnostics", "H3B_ModelLoader")}
+    assert all(_strip(ours)[n] == _strip(theirs)[n] for n in same)
+    assert theirs[loader]["inputs"] == ours[loader]["inputs"]
+    report = by["H3B_ModelReport"][0]
+    assert theirs[report]["inputs"] == {"model": [shift, 0], "latent": [ks, 0]}
+    assert theirs[by["H3B_Diagnostics"][0]]["inputs"]["diagnostics"] == [report, 0]
 
 
 def test_core_latent_node_can_feed_the_sampler():
