@@ -194,12 +194,14 @@ def _dispatch(argv: list[str]) -> int:
 
 
 def _exit_interrupted(signum, frame) -> None:
-    """SIGINT while torch and the runtime are being imported: nothing has been written yet, and import code of
-    other packages may swallow a KeyboardInterrupt (a bare ``except``), so end the process here, at once."""
+    """SIGINT or SIGTERM while torch and the runtime are being imported: nothing has been written yet, and
+    import code of other packages may swallow a KeyboardInterrupt (a bare ``except``), so end the process here,
+    at once."""
+    line, code = _interrupt_line(Terminated() if signum == signal.SIGTERM else KeyboardInterrupt())
     progress.end_line()
-    sys.stderr.write("interrupted; nothing was written\n")
+    sys.stderr.write(line + "\n")
     sys.stderr.flush()
-    os._exit(EXIT_INTERRUPTED)
+    os._exit(code)
 
 
 def _import_commands():
@@ -210,10 +212,12 @@ def _import_commands():
 
         return commands
     prev = signal.signal(signal.SIGINT, _exit_interrupted)
+    prev_term = signal.signal(signal.SIGTERM, _exit_interrupted)
     try:
         from . import commands
     finally:
         signal.signal(signal.SIGINT, prev)
+        signal.signal(signal.SIGTERM, prev_term)
     return commands
 
 
@@ -250,6 +254,9 @@ def _report(e: Exception, debug: bool) -> int:
     oom = _is_out_of_memory(e)  # CUDA's OutOfMemoryError, the CPU allocator's RuntimeError, MemoryError, ...
     if debug:
         traceback.print_exc(file=sys.stderr)
+        details = getattr(e, "details", None)  # a sequence-parallel worker's own traceback (WorkerFailed)
+        if isinstance(details, str) and details.strip():
+            sys.stderr.write(f"the worker's traceback:\n{details.rstrip()}\n")
     if oom:
         print(f"error: out of memory ({_one_line(e)}); lower --width/--height/--frames or use a device with more "
               "memory", file=sys.stderr)
