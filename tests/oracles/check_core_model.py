@@ -12,6 +12,11 @@ per stream. Graphs:
 - ``custom_advanced_refs``: a ``MiniMaxH3ReferenceToVideo``-shaped conditioning (two images, a video with its
   soundtrack, an audio) through ``SamplerCustomAdvanced`` (BasicGuider, res_multistep, simple), the template's
   sampling path.
+- ``partial_denoise_and_steps``: KSampler at denoise 0.6 on a filled latent, then KSamplerAdvanced steps 2..5 of 8
+  with leftover noise on the guided conditioning;
+- ``off_schedule_sigmas``: dpm_2 / karras and heun / normal (model calls between the schedule's sigmas);
+- ``noise_mask``: SetLatentNoiseMask (right half regenerated) + KSampler;
+- ``cfg_two_with_negative``: KSampler at cfg 2.5 with a ConditioningZeroOut negative (two conditionings per step).
 
 The guide images go through a stand-in VAE (a fixed projection of 16x16 pixel blocks to 24 channels): the graphs
 need latents of the real shapes, not real VAE weights. Usage::
@@ -145,8 +150,33 @@ def graphs(nodes):
                   latent_image=latent)
         return out[0]
 
+    g2 = torch.Generator().manual_seed(13)
+    v0, a0 = latent["samples"].unbind()
+    filled = {"samples": type(latent["samples"])((torch.randn(v0.shape, generator=g2), torch.randn(a0.shape, generator=g2)))}
+    mask = torch.zeros(1, 96, 128)
+    mask[:, :, 64:] = 1.0  # regenerate the right half
+    (masked,) = nodes.SetLatentNoiseMask().set_mask(filled, mask)
+    (negative,) = nodes.ConditioningZeroOut().zero_out(pos)
+
+    def partial_denoise_and_steps(model):
+        half = nodes.KSampler().sample(model, 9, 8, 1.0, "euler", "simple", pos, pos, filled, denoise=0.6)[0]
+        return nodes.KSamplerAdvanced().sample(model, "enable", 9, 8, 1.0, "res_multistep", "simple", guided, guided,
+                                               half, 2, 5, "enable")[0]
+
+    def off_schedule_sigmas(model):  # dpm_2 and heun evaluate between the schedule's sigmas
+        a = nodes.KSampler().sample(model, 3, 4, 1.0, "dpm_2", "karras", guided, guided, latent)[0]
+        return nodes.KSampler().sample(model, 3, 3, 1.0, "heun", "normal", pos, pos, a, denoise=0.5)[0]
+
+    def noise_mask(model):
+        return nodes.KSampler().sample(model, 21, 5, 1.0, "euler", "simple", pos, pos, masked)[0]
+
+    def cfg_two_with_negative(model):
+        return nodes.KSampler().sample(model, 4, 4, 2.5, "euler", "simple", guided, negative, latent)[0]
+
     return {"shift_ksampler": shift_ksampler, "guides_ksampler_advanced": guides_ksampler_advanced,
-            "lora_shift_ksampler": lora_shift_ksampler, "custom_advanced_refs": custom_advanced_refs}
+            "lora_shift_ksampler": lora_shift_ksampler, "custom_advanced_refs": custom_advanced_refs,
+            "partial_denoise_and_steps": partial_denoise_and_steps, "off_schedule_sigmas": off_schedule_sigmas,
+            "noise_mask": noise_mask, "cfg_two_with_negative": cfg_two_with_negative}
 
 
 def ref_conditioning(pos):
