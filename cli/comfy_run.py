@@ -302,6 +302,7 @@ def apply_overrides(prompt: dict, sets: list[str]) -> None:
             value = raw
         prompt[node].setdefault("inputs", {})[name] = value
 
+
 # ---------------------------------------------------------------------------------------------
 # failures
 # ---------------------------------------------------------------------------------------------
@@ -342,7 +343,10 @@ def _unsafe_char(c: str) -> bool:
 
 def _show(value, limit: int = 200) -> str:
     """Server text made safe for one terminal line: unsafe characters escaped (``\\x1b``), cut at ``limit``."""
-    s = value if isinstance(value, str) else str(value)
+    try:
+        s = value if isinstance(value, str) else str(value)
+    except RecursionError:
+        s = f"<{_kind(value)} nested too deeply to show>"
     cut = len(s) > limit
     s = "".join(c.encode("unicode_escape").decode("ascii") if _unsafe_char(c) else c for c in s[:limit])
     return s + ("..." if cut else "")
@@ -724,7 +728,7 @@ class Client:
         if not isinstance(data, (dict, list)):
             raise self.not_comfy("GET", path, status, data)
         if status != 200:
-            raise ServerError(f"{self.server} answered GET {path} with HTTP {status}: {_show(json.dumps(data), 300)}; "
+            raise ServerError(f"{self.server} answered GET {path} with HTTP {status}: {_show(data, 300)}; "
                               "this is not ComfyUI's API")
         return data
 
@@ -987,6 +991,8 @@ def _execution_failure(entry: dict, reader: _Reader, verbose: bool) -> str | Non
         event = reader.need(m[0], str, fld + "[0]", "an event name")
         data = reader.need(m[1], dict, fld + "[1]", "an object")
         fld += "[1]"
+        if event not in ("execution_error", "execution_interrupted"):
+            continue
         node = f"node {reader.text(data, 'node_id', fld, '?')} ({reader.text(data, 'node_type', fld, '?')})"
         if event == "execution_error":
             etype = reader.text(data, "exception_type", fld, "error").rsplit(".", 1)[-1]
@@ -1218,15 +1224,16 @@ class _Staging:
     def write(self, rel: Path, fill: Callable[[Callable[[bytes], Any]], Any]):
         """Create a temporary beside ``root/rel`` and call ``fill(write)``; returns what fill returns."""
         dst = self.root / rel
-        folder = self._folder(rel.parent)
         with self._local(dst):
-            while True:
-                tmp = folder / f".comfy-run-{uuid.uuid4().hex[:16]}.part"
+            for attempt in range(3):  # another run may remove a folder it made between our check and our open
+                folder = self._folder(rel.parent)
+                tmp = folder / f".comfy-run-{uuid.uuid4().hex}.part"
                 try:
                     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
                     break
-                except FileExistsError:
-                    continue
+                except FileNotFoundError:
+                    if attempt == 2:
+                        raise
             self.temps.append((tmp, dst))
             f = os.fdopen(fd, "wb")
         with f:

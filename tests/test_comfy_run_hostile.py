@@ -263,13 +263,13 @@ def _inproc(srv: Hostile, tmp: Path, args: list[str]) -> tuple[int, str, str, fl
 
 
 def hostile(tmp: Path, setup, *needles, code: int = 3, args=(), fresh_output: bool = False, ws: bool = False,
-            inproc: bool = False, max_s: float = 8.0) -> str:
+            inproc: bool = False, workflow: dict | None = None, max_s: float = 8.0) -> str:
     """Run comfy-run (a subprocess, or in this process with ``inproc``) against a Hostile server prepared by
     ``setup`` (through /ws too with ``ws``); assert the refusal contract, that the output folder is unchanged
     (a kept file in it, or no folder at all with ``fresh_output``) and the time it took."""
     out = tmp / "out"
     tmp.mkdir(parents=True, exist_ok=True)
-    (tmp / "wf.json").write_text(json.dumps({"1": {"class_type": "H3B_EmptyLatent", "inputs": {}}}))
+    (tmp / "wf.json").write_text(json.dumps(workflow or {"1": {"class_type": "H3B_EmptyLatent", "inputs": {}}}))
     if not fresh_output:
         out.mkdir()
         (out / "keep.txt").write_text("mine")
@@ -551,6 +551,56 @@ def test_wrong_json_types_name_the_field(tmp_path):
                                                          "29-status.messages"]))
 
 
+UI_GRAPH = {"nodes": [{"id": 1, "type": "H3B_EmptyLatent", "mode": 0, "inputs": [], "outputs": [],
+                       "widgets_values": [256, 256, 22]}], "links": [], "version": 0.4}
+UI_INFO = {"H3B_EmptyLatent": {"input": {"required": {"width": ["INT", {}], "height": ["INT", {}],
+                                                      "frames": ["INT", {}]}},
+                               "input_order": {"required": ["width", "height", "frames"]},
+                               "output": ["LATENT"], "display_name": "H3 Empty Latent"}}
+
+
+def _object_info(edit):
+    def setup(srv):
+        info = copy.deepcopy(UI_INFO)
+        info = edit(info) or info
+        srv.routes[("GET", "/object_info")] = answer(info)
+    return setup
+
+
+def _in(info, path, value):
+    for k in path[:-1]:
+        info = info[k]
+    info[path[-1]] = value
+
+
+def test_object_info_of_the_wrong_shape(tmp_path):
+    """A UI graph is converted with the server's /object_info: its parts are type-checked like any answer."""
+    e = "H3B_EmptyLatent"
+    cases = {
+        "list": case(_object_info(lambda i: [i]), "the answer is a list"),
+        "node-list": case(_object_info(lambda i: _in(i, [e], [])), f"{e} is a list"),
+        "input-list": case(_object_info(lambda i: _in(i, [e, "input"], [])), f"{e}.input is a list"),
+        "section-string": case(_object_info(lambda i: _in(i, [e, "input", "required"], "x")), "input.required is"),
+        "spec-number": case(_object_info(lambda i: _in(i, [e, "input", "required", "width"], 5)), "required.width"),
+        "spec-empty": case(_object_info(lambda i: _in(i, [e, "input", "required", "width"], [])), "empty list"),
+        "spec-object": case(_object_info(lambda i: _in(i, [e, "input", "required", "width"], [{"a": 1}])),
+                            "required.width[0]"),
+        "order-string": case(_object_info(lambda i: _in(i, [e, "input_order", "required"], "width")),
+                             "input_order.required"),
+        "order-item": case(_object_info(lambda i: _in(i, [e, "input_order", "required"], [["width"]])),
+                           "input_order.required[0]"),
+        "display-name": case(_object_info(lambda i: _in(i, [e, "display_name"], 5)), "display_name"),
+    }
+    for c in cases.values():
+        c[2]["workflow"] = UI_GRAPH
+    run_cases(tmp_path, cases, inproc=True)
+    # the same server with a good /object_info: the graph converts and runs; a malformed graph is the user's (2)
+    ok = _object_info(lambda i: None)
+    hostile(tmp_path / "bad-graph", ok, "malformed", code=2, inproc=True,
+            workflow={"nodes": [{"id": 1, "mode": 0, "widgets_values": []}], "links": []})
+    hostile(tmp_path / "bad-graph-2", ok, "convert", code=2, inproc=True, workflow={"nodes": [5], "links": []})
+
+
 # ---------------------------------------------------------------------------------------------
 # server-supplied names
 # ---------------------------------------------------------------------------------------------
@@ -626,6 +676,15 @@ def test_output_that_cannot_be_written_is_exit_2_before_any_request(tmp_path):
             rc, _, err, _ = _cli(srv, tmp_path, ["--no-websocket", *FAST, "--output", str(tmp_path / bad)],
                                  limit=20)
             check_refusal(rc, err, 2, ["--output", needle])
+
+
+def test_a_name_that_does_not_resolve(tmp_path):
+    (tmp_path / "wf.json").write_text(json.dumps({"1": {"class_type": "H3B_EmptyLatent", "inputs": {}}}))
+    with Hostile() as srv:
+        srv.url = "http://h3-blackwell-no-such-host.invalid:8188"
+        rc, _, err, secs = _cli(srv, tmp_path, ["--no-websocket", *FAST], limit=20)
+    check_refusal(rc, err, 3, ["h3-blackwell-no-such-host.invalid"])
+    assert secs < 8 and not (tmp_path / "out").exists()
 
 
 def test_bad_time_and_server_arguments_are_exit_2(tmp_path):
