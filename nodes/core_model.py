@@ -48,7 +48,8 @@ _DERIVED = ("cond_video_latents", "cond_audio_latents", "layout", "audio_scale",
 _SOURCES = {"keyframes": "minimax_keyframes (MiniMaxH3ImageToVideo / MiniMaxH3AddGuide)",
             "refs": "minimax_refs (MiniMaxH3ReferenceToVideo)",
             "denoise_mask": "the latent's noise mask (video)", "audio_denoise_mask": "the latent's noise mask (audio)",
-            "visual_cond_noise_aug": "minimax_visual_cond_noise_aug", "audio_cond_noise_aug": "minimax_audio_cond_noise_aug",
+            "visual_cond_noise_aug": "minimax_visual_cond_noise_aug",
+            "audio_cond_noise_aug": "minimax_audio_cond_noise_aug",
             "seed": "the sampler's seed"}
 # per-graph LOSSY settings a node may put in transformer_options (default: the loader's)
 SPARSE_TAU_KEY, FIRST_BLOCK_CACHE_KEY = "h3b_sparse_tau", "h3b_first_block_cache"

@@ -483,7 +483,8 @@ def test_unknown_lora_records_are_refused_by_name(monkeypatch, entry, match):
 
 
 @pytest.mark.parametrize("options, match", [
-    ({"patches_replace": {"dit": {("double_block", 3): lambda a, b: a}}}, r"patches_replace\['dit'\]\[\('double_block', 3\)\]"),
+    ({"patches_replace": {"dit": {("double_block", 3): lambda a, b: a}}},
+     r"patches_replace\['dit'\]\[\('double_block', 3\)\]"),
     ({"patches": {"attn1_patch": [lambda *a: a]}}, r"patches\['attn1_patch'\]"),
     ({"optimized_attention_override": lambda *a: a}, "attention override"),
     ({"wrappers": {"diffusion_model": {"easycache": [lambda *a: a]}}}, "diffusion-model wrapper"),

@@ -258,7 +258,8 @@ class ModelCall:
         bad = None
         for k, (fv, fa) in enumerate(run.finite):
             if not bool(fv) or not bool(fa):
-                bad = {"run": 1, "step": k + 1, "steps": len(run.finite), "stream": "video" if not bool(fv) else "audio"}
+                bad = {"run": 1, "step": k + 1, "steps": len(run.finite),
+                       "stream": "video" if not bool(fv) else "audio"}
                 break
         rec = RunRecord(run.seconds, [{"step": k + 1, "seconds": v} for k, v in enumerate(per_call)], None, None,
                         latent_sha256(video.float()), latent_sha256(audio.float()), dict(run.fc2), nonfinite=bad)

@@ -152,7 +152,8 @@ def graphs(nodes):
 
     g2 = torch.Generator().manual_seed(13)
     v0, a0 = latent["samples"].unbind()
-    filled = {"samples": type(latent["samples"])((torch.randn(v0.shape, generator=g2), torch.randn(a0.shape, generator=g2)))}
+    filled = {"samples": type(latent["samples"])((torch.randn(v0.shape, generator=g2),
+                                                   torch.randn(a0.shape, generator=g2)))}
     mask = torch.zeros(1, 96, 128)
     mask[:, :, 64:] = 1.0  # regenerate the right half
     (masked,) = nodes.SetLatentNoiseMask().set_mask(filled, mask)
@@ -183,10 +184,13 @@ def ref_conditioning(pos):
     """Two reference images, a 22-frame video with its soundtrack and an audio, as MiniMaxH3ReferenceToVideo
     writes them (images, then videos, then audio)."""
     g = torch.Generator().manual_seed(21)
-    refs = [{"kind": "image", "picture_index": 1, "latent_h": 6, "latent_w": 8, "latent": torch.randn(1, 24, 1, 6, 8, generator=g)},
-            {"kind": "image", "picture_index": 2, "latent_h": 4, "latent_w": 6, "latent": torch.randn(1, 24, 1, 4, 6, generator=g)},
+    refs = [{"kind": "image", "picture_index": 1, "latent_h": 6, "latent_w": 8,
+             "latent": torch.randn(1, 24, 1, 6, 8, generator=g)},
+            {"kind": "image", "picture_index": 2, "latent_h": 4, "latent_w": 6,
+             "latent": torch.randn(1, 24, 1, 4, 6, generator=g)},
             {"kind": "video_audio", "latent_t": 7, "latent_h": 6, "latent_w": 8, "ref_audio_t": 37,
-             "latent": torch.randn(1, 24, 7, 6, 8, generator=g), "audio_latent": torch.randn(1, 32, 2, 37, generator=g)},
+             "latent": torch.randn(1, 24, 7, 6, 8, generator=g),
+             "audio_latent": torch.randn(1, 32, 2, 37, generator=g)},
             {"kind": "audio", "ref_audio_t": 20, "audio_latent": torch.randn(1, 32, 2, 20, generator=g)}]
     return [[pos[0][0], {**pos[0][1], "minimax_refs": refs}]]
 
