@@ -13,12 +13,13 @@ enforces it; README "Public API")::
     res = sample(rt, text_states, token_tags, video, audio, seed=1, steps=20)
 """
 
-# the job: one request validated once, one run (runtime/job.py, runtime/forward.py)
-from .job import Job, ModelSpec, make_job, open_model, run, runtime_options, tensor_job
+# the job: one request validated once, one run (runtime/job.py, model_spec.py, forward.py)
+from .job import Job, make_job, run, tensor_job
+from .model_spec import ModelSpec, open_model, runtime_options
 from .forward import ForwardJob, forward_job, run_forward
 # a resident model and sampling
 from .model.config import H3Config
-from .options import RuntimeOptions
+from .options import CHOICES, FC2_MODES, SPARSE_EXTRA_TOKENS_CHOICES, RuntimeOptions
 from .plan import resolve_device
 from .load import H3Runtime, load_model
 from .sampling.sampler import SampleResult, sample
@@ -47,7 +48,8 @@ from .fc2 import tune as fc2_tune
 __all__ = [
     "Job", "ModelSpec", "make_job", "open_model", "run", "runtime_options", "tensor_job",
     "ForwardJob", "forward_job", "run_forward",
-    "H3Config", "RuntimeOptions", "resolve_device", "H3Runtime", "load_model", "SampleResult", "sample",
+    "H3Config", "RuntimeOptions", "CHOICES", "FC2_MODES", "SPARSE_EXTRA_TOKENS_CHOICES", "resolve_device",
+    "H3Runtime", "load_model", "SampleResult", "sample",
     "ModelCall", "weight_shapes", "ConditioningError", "H3Conditioning", "LoraSpec", "LoraView", "sync_loras",
     "ControlFile", "load_control", "open_control", "ControlError", "FunControl", "bind_control",
     "CheckpointError", "H3Error", "Interrupted", "is_out_of_memory", "RequestError",

@@ -17,7 +17,7 @@ from .errors import H3Error
 from .io.finite import is_finite
 from .io.control import load_control, open_control
 from .io.payload import PayloadError, check_control_args, load_payload, read_inputs
-from .job import ModelSpec, open_source, runtime_options, verify_source
+from .model_spec import ModelSpec, open_source, runtime_options, verify_source
 from .model.conditioning import H3Conditioning
 from .model.control import bind_control
 from .plan import resolve_device, resolve_dtype

@@ -1,12 +1,12 @@
 """The generate job: one request validated once, and the one :func:`run` that every caller uses.
 
 A :class:`Job` is made by :func:`make_job` (files and sizes: the CLI's ``generate``, scripts) or by
-:func:`tensor_job` (tensors in hand, with a resident model or a :class:`ModelSpec`: the nodes, the benches).
+:func:`tensor_job` (tensors in hand, with a resident model or a ``ModelSpec``: the nodes, the benches).
 Validation happens there, before any weight is read: the checkpoint header is read once and every tensor
-name and shape checked once (``io.verify``), then the numbers, the device, the memory estimate, the output
-location and the request's own tensors. The job carries what the load needs (the opened, checked
-checkpoint, its config, the options, the LoRAs), so the plan and the streaming load reuse it and nothing
-is opened or checked again.
+name and shape checked once (``model_spec``), then the numbers, the device, the memory estimate, the output
+location and the request's own tensors. The job carries what the load needs (a ``ModelSpec``: the opened,
+checked checkpoint, its config, the options, the LoRAs), so the plan and the streaming load reuse it and
+nothing is opened or checked again.
 
 ``run(job)``: plan -> load -> LoRAs -> sample -> report, in this process, over N local workers
 (``sequence_parallel``: each worker unpickles the job and runs :func:`run_rank`), or as this process's rank
@@ -15,7 +15,6 @@ of a torchrun launch. Refusals are H3Errors saying what was expected, what was f
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 from dataclasses import dataclass, field
@@ -24,110 +23,26 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .errors import H3Error
-from .io.checkpoint import Checkpoint, open_checkpoint
 from .io.control import ControlFile, load_control, open_control
 from .io.header import read_header, read_tensors
 from .io.payload import check_control_args, load_payload, read_inputs
-from .io.verify import check_checkpoint
-from .load import H3Runtime, load_model
-from .lora.apply import apply_loras, sync_loras
-from .lora.spec import as_spec, parse_lora_arg
+from .lora.apply import sync_loras
 from .model.conditioning import H3Conditioning
-from .model.config import TINY, H3Config
+from .model.config import H3Config
 from .model.layout import FRAME_PER_TOKEN, latent_shapes
+from .model_spec import ModelSpec, lora_specs, open_source, runtime_options, verify_source
 from .options import RuntimeOptions
 from .parallel import ParallelEnv, check_degree, init_group, launch
 from .plan import resolve_device, resolve_dtype
 from .sampling import sampler as sampling
 from .sampling.preview import check_preview_available
-from .sampling.request import (SEED_RANGE, Request, RequestError, approx_param_bytes, check_denoise, check_int,
-                               check_latents, check_memory, check_memory_rows, check_output_dir, check_seed,
-                               check_text_states, defaults_for, latent_rows, resolve_request)
+from .sampling.request import (SEED_RANGE, Request, RequestError, check_denoise, check_int, check_latents,
+                               check_memory, check_memory_rows, check_output_dir, check_seed, check_text_states,
+                               defaults_for, latent_rows, resolve_request)
 
 RANDOM_TEXT_SEED = 1234  # the random text states of a request without any (make_job)
 StepCallback = Callable[[int, int], None]
 
-
-# ---------------------------------------------------------------------------------------------
-# what to load
-# ---------------------------------------------------------------------------------------------
-
-@dataclass
-class ModelSpec:
-    """What to load, checked. source: the opened checkpoint (headers read once, every name and shape checked),
-    an in-memory tensor source (``plan.make_plan``: the benches' random weights), or None for the embedded tiny
-    model; device / dtype: what the options resolve to here; weight_bytes: the weights' size for the memory
-    estimate (the file's bytes, or an estimate from the config); loras: LoraSpecs applied after the load."""
-
-    source: object | None
-    config: H3Config
-    options: RuntimeOptions
-    device: torch.device
-    dtype: torch.dtype
-    tiny_seed: int = 0
-    loras: tuple = ()
-    weight_bytes: int = 0
-
-    def load(self, progress: Callable[[int, int, str], None] | None = None, device: str | None = None) -> H3Runtime:
-        """plan -> streaming load -> LoRAs (``device``: another device of the same kind, a rank's). The plan and
-        the load reuse the opened checkpoint; nothing is read or checked twice. progress(done, total, name) per
-        tensor."""
-        opts = self.options if device is None else dataclasses.replace(self.options, device=device)
-        rt = load_model(self.source, opts, tiny_seed=self.tiny_seed, progress=progress)
-        if self.loras:
-            apply_loras(rt, self.loras)
-        return rt
-
-
-def runtime_options(options: RuntimeOptions | Mapping[str, Any] | None = None) -> RuntimeOptions:
-    """``options`` as RuntimeOptions: as given, or the keyword overrides (flags, widgets; None values ignored)
-    over the ``H3_*`` environment. A bad value is a RequestError naming it."""
-    if isinstance(options, RuntimeOptions):
-        return options
-    try:
-        return RuntimeOptions.from_env(**dict(options or {}))
-    except ValueError as e:
-        raise RequestError(f"{e}; fix the flag or the H3_* environment variable") from None
-
-
-def open_source(model) -> tuple[object | None, H3Config, int]:
-    """(source, config, weight bytes) of a checkpoint path (headers only), an in-memory source, or None."""
-    if model is None:
-        return None, TINY, approx_param_bytes(TINY)
-    if hasattr(model, "tensor"):  # an opened Checkpoint or an in-memory source
-        heads = getattr(model, "headers", ())
-        size = sum(Path(h.path).stat().st_size for h in heads) if heads else approx_param_bytes(model.config, 2)
-        return model, model.config, size
-    if not Path(model).exists():
-        raise RequestError(f"model file not found: {model}")
-    ck = open_checkpoint(model)
-    return ck, ck.config, sum(Path(h.path).stat().st_size for h in ck.headers)
-
-
-def verify_source(source) -> None:
-    """Every tensor name and shape of a checkpoint from its headers, once (an in-memory source is the caller's)."""
-    if isinstance(source, Checkpoint) and not source.verified:
-        check_checkpoint(source)
-
-
-def open_model(model=None, options: RuntimeOptions | Mapping[str, Any] | None = None, tiny_seed: int = 0,
-               loras=()) -> ModelSpec:
-    """What to load, checked before any weight is read: ``model`` a checkpoint path (its headers read once,
-    every name and shape checked), an opened Checkpoint, an in-memory tensor source, or None (the embedded tiny
-    model); the options resolved for this machine; ``loras`` as LoraSpecs or ``FILE:STRENGTH[:MODE]``."""
-    source, cfg, weight_bytes = open_source(model)
-    check_int("tiny_seed", tiny_seed, *SEED_RANGE)
-    opts = runtime_options(options)
-    device = resolve_device(opts)
-    verify_source(source)
-    loras = tuple(parse_lora_arg(s) if isinstance(s, str) else as_spec(s) for s in loras)
-    return ModelSpec(source, cfg, opts, device, resolve_dtype(opts, device), tiny_seed, loras, weight_bytes)
-
-
-# ---------------------------------------------------------------------------------------------
-# the job
-# ---------------------------------------------------------------------------------------------
 
 @dataclass
 class Job:
@@ -331,7 +246,7 @@ def make_job(model=None, *, seed: int, tiny_seed: int = 0, options: RuntimeOptio
     tower = None if control is None else open_control(control).check_base(cfg)  # its fit, from headers
     if write_preview:
         check_preview_available()
-    spec.loras = tuple(parse_lora_arg(s) if isinstance(s, str) else as_spec(s) for s in loras)
+    spec.loras = lora_specs(loras)
     if given is None:
         given = {"video": None, "audio": None, "conditioning": None, "canvas": (req.width, req.height, req.frames)}
         given["text"], given["tags"] = (_load_text_states(text_states, cfg) if text_states else
