@@ -24,7 +24,6 @@ from ..runtime import (SEED_RANGE, H3Error, check_int, check_output_file, forwar
 from .progress import Progress
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-FC2 = {"on": (True, False), "off": (False, False), "strict": (True, True)}  # --fc2 -> (fc2_lt, fc2_lt_strict)
 
 
 def segments_line(layout) -> str:
@@ -38,10 +37,9 @@ def segments_line(layout) -> str:
 
 def _generate_options(a) -> dict:
     """generate's option flags as RuntimeOptions overrides (None: the H3_* environment or the default)."""
-    fc2_lt, strict = FC2[a.fc2]
     return dict(device=a.device, dtype=a.dtype, attention=a.attention, gemm=a.gemm, act_format=a.act_format,
-                fc2_lt=fc2_lt, fc2_lt_strict=strict, quantize=False if a.dense else None, sparse_tau=a.sparse_tau,
-                sparse_start=a.sparse_start, sparse_extra_tokens=a.sparse_extra_tokens,
+                act_scale=a.act_scale, precision=a.precision, fc2=a.fc2, quantize=False if a.dense else None,
+                sparse_tau=a.sparse_tau, sparse_start=a.sparse_start, sparse_extra_tokens=a.sparse_extra_tokens,
                 sparse_min_tokens=a.sparse_min_tokens, first_block_cache=a.first_block_cache)
 
 
@@ -106,6 +104,8 @@ def cmd_quantize(a) -> int:
     out = check_output_file(a.output, "quantize output")
     resolve_device(runtime_options({"device": a.device}))
     prog = Progress("quantize", force=a.progress)
-    quantize_checkpoint(a.input, out, device=a.device, progress=lambda i, n, name: prog(i + 1, n))
-    print(f"wrote {out}")
+    done = quantize_checkpoint(a.input, out, device=a.device, progress=lambda i, n, name: prog(i + 1, n))
+    print(f"wrote {out}: {done['quantized_layers']} block linears as NVFP4 (comfy_quant format \"nvfp4\": e2m1 "
+          f"values, e4m3 scales per 16, an fp32 global scale), every other tensor as stored; "
+          f"{out.stat().st_size:,} bytes")
     return 0

@@ -14,13 +14,16 @@ import logging
 import os
 import weakref
 
-from ..runtime import H3Error, RuntimeOptions, open_model
+from ..runtime import CHOICES, FC2_MODES, H3Error, RuntimeOptions, open_model
 from ._common import CATEGORY, comfy_module, node_error, optional_comfy_module
 
 TINY_CHOICE = "embedded tiny (seed 0)"
-GEMM_CHOICES = ["auto", "native", "emulated", "fp8", "bf16", "reference"]
-ATTENTION_CHOICES = ["auto", "sage2", "sage1", "sdpa", "reference", "sparse"]
-FC2_CHOICES = ["on", "off", "strict"]
+# the runtime's choices, written once in runtime/options.py (the first value is the default). Widget values are a
+# public interface: saved workflows hold them, so a value is never removed; a retired one would stay accepted
+# with a deprecation note.
+GEMM_CHOICES = list(CHOICES["gemm"])
+ATTENTION_CHOICES = list(CHOICES["attention"])
+FC2_CHOICES = list(FC2_MODES)
 
 # One resident model, keyed on everything that determines it.
 _RESIDENT: dict = {"key": None, "model": None, "core": None}
@@ -93,11 +96,12 @@ class H3ModelLoader:
             "model": ([TINY_CHOICE] + _diffusion_models(), {
                 "default": TINY_CHOICE,
                 "tooltip": "an H3 DiT file in models/diffusion_models, or the embedded tiny random model (tests)"}),
-            "gemm": (GEMM_CHOICES, {"default": "auto", "tooltip": "NVFP4 linear backend (auto picks per GPU)"}),
-            "attention": (ATTENTION_CHOICES, {"default": "auto", "tooltip": (
+            "gemm": (GEMM_CHOICES, {"default": GEMM_CHOICES[0], "tooltip": "NVFP4 linear backend (auto picks per "
+                                                                           "GPU)"}),
+            "attention": (ATTENTION_CHOICES, {"default": ATTENTION_CHOICES[0], "tooltip": (
                 "attention backend (auto picks per GPU); sparse = LOSSY training-free sparse attention "
                 "(comfy-kitchen sol_attn, ComfyUI core's H3 rules; its tau is on the H3 Sampler)")}),
-            "fc2_lt": (FC2_CHOICES, {"default": "on", "tooltip": "guarded cuBLASLt FC2 path: on (fall back when the "
+            "fc2_lt": (FC2_CHOICES, {"default": FC2_CHOICES[0], "tooltip": "guarded cuBLASLt FC2 path: on (fall back when the "
                                                                  "guard fails), off, strict (fail instead)"}),
             "adaln_cache": ("BOOLEAN", {"default": True, "tooltip": "compute the AdaLN modulation rows of every "
                                                                     "(step, block) once per run"}),
@@ -119,8 +123,7 @@ class H3ModelLoader:
             st = os.stat(path)
             stamp = (st.st_size, st.st_mtime_ns)
         try:
-            options = RuntimeOptions.from_env(gemm=gemm, attention=attention, fc2_lt=fc2_lt != "off",
-                                              fc2_lt_strict=fc2_lt == "strict", adaln_cache=bool(adaln_cache))
+            options = RuntimeOptions.from_env(gemm=gemm, attention=attention, fc2=fc2_lt, adaln_cache=bool(adaln_cache))
         except ValueError as e:
             raise node_error(self.TITLE, str(e)) from e
         key = (model, path, stamp, tuple(sorted(options.to_dict().items())))

@@ -9,13 +9,15 @@ one message on this node.
 
 from __future__ import annotations
 
-from ..runtime import ConditioningError, H3Error, Interrupted, latent_to_rgb, nonfinite_message, tensor_job
+from ..runtime import (ConditioningError, H3Error, Interrupted, RuntimeOptions, latent_to_rgb, nonfinite_message,
+                       tensor_job)
 from ..runtime import run as run_job
 from ._common import CATEGORY, intermediate_device, node_error, optional_comfy_module
 from .conditioning import read_conditioning
 from .latents import make_latent, pixel_frames, read_latent, read_noise_mask
 
 SAMPLERS = ["euler", "res_multistep"]
+SPARSE_TAU = RuntimeOptions.sparse_tau  # core's default, written once in runtime/options.py
 SCHEDULERS = ["simple"]
 
 
@@ -143,16 +145,17 @@ class H3Sampler:
                                       "tooltip": "sigma shift of the audio stream (model default 3)"}),
             "denoise": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 1.0, "step": 0.01}),
         }, "optional": {
-            "sparse_tau": ("FLOAT", {"default": 1.3, "min": 0.0, "max": 4.0, "step": 0.05, "tooltip": (
+            "sparse_tau": ("FLOAT", {"default": SPARSE_TAU, "min": 0.0, "max": 4.0, "step": 0.05, "tooltip": (
                 "LOSSY, only when the loader's attention is sparse: routing threshold (higher = sparser, faster, "
-                "less accurate; core's default 1.3). Dense for the first 20 % of the schedule.")}),
+                f"less accurate; core's default {SPARSE_TAU}). Dense for the first "
+                f"{RuntimeOptions.sparse_start:.0%} of the schedule.")}),
             "first_block_cache": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1.0, "step": 0.01, "tooltip": (
                 "LOSSY step reuse (First-Block Cache): skip blocks 1.. when the first block's change is within this "
                 "relative L1 of the last computed step's; 0 = off (peers use 0.05-0.1)")}),
         }}
 
     def sample(self, model, positive, latent, seed: int, steps: int, sampler: str, scheduler: str,
-               shift_video: float, shift_audio: float, denoise: float, sparse_tau: float = 1.3,
+               shift_video: float, shift_audio: float, denoise: float, sparse_tau: float = SPARSE_TAU,
                first_block_cache: float = 0.0):
         if not hasattr(model, "config") or not hasattr(model, "model"):
             raise node_error(self.TITLE, f"model must come from H3 NVFP4 Model Loader; got {type(model).__name__}")

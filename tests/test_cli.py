@@ -156,3 +156,32 @@ def test_act_format_flag(tmp_path):
     assert cli.main(["generate", "--output", str(tmp_path / "n"), "--steps", "1"]) == 0
     rep = json.loads((tmp_path / "n" / "report.json").read_text())
     assert rep["backends"]["act_format"]["choice"] == "nvfp4"
+
+
+def test_quantize_says_what_it_wrote(tmp_path, capsys):
+    src, out = tmp_path / "tiny.safetensors", tmp_path / "tiny_nvfp4.safetensors"
+    assert cli.main(["make-tiny", str(src)]) == 0
+    assert cli.main(["quantize", str(src), str(out)]) == 0
+    said = capsys.readouterr().out.strip().splitlines()[-1]
+    # the tiny model: 3 blocks x (qkv, out_proj, fc1, fc2)
+    assert said.startswith(f"wrote {out}: 12 block linears as NVFP4 (comfy_quant format \"nvfp4\"") and \
+        said.endswith(f"; {out.stat().st_size:,} bytes"), said
+
+
+def test_generate_flags_take_every_value_the_options_accept(tmp_path, capsys):
+    """The backend flags list runtime.CHOICES (sdpa_cudnn, float16, act_scale, precision ...) and --fc2 the
+    FC2_MODES; a value outside them is a usage error naming the accepted ones."""
+    from h3_blackwell.cli.parser import build_parser
+    from h3_blackwell.runtime import CHOICES, FC2_MODES
+
+    sub = next(a for a in build_parser()._actions if a.dest == "cmd").choices["generate"]
+    flags = {a.dest: a for a in sub._actions}
+    for name in ("dtype", "attention", "gemm", "act_format", "act_scale", "precision"):
+        assert tuple(flags[name].choices) == CHOICES[name] and flags[name].default is None, name
+    assert tuple(flags["fc2"].choices) == tuple(FC2_MODES)
+    a = sub.parse_args(["--output", "o", "--attention", "sdpa_cudnn", "--dtype", "float16", "--precision", "exact",
+                        "--act-scale", "calibrated", "--fc2", "strict"])
+    assert (a.attention, a.dtype, a.precision, a.act_scale, a.fc2) == ("sdpa_cudnn", "float16", "exact",
+                                                                       "calibrated", "strict")
+    assert cli.main(["generate", "--output", str(tmp_path / "o"), "--attention", "flash9"]) == 2
+    assert "invalid choice: 'flash9' (choose from 'auto', 'sage2'" in capsys.readouterr().err

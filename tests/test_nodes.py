@@ -31,6 +31,7 @@ from h3_blackwell.nodes.diagnostics import H3Diagnostics
 from h3_blackwell.nodes.latents import H3EmptyLatent
 from h3_blackwell.nodes.loader import TINY_CHOICE, H3ModelLoader
 from h3_blackwell.nodes.sampler import H3Sampler
+from h3_blackwell.runtime import CHOICES, RuntimeOptions
 from h3_blackwell.runtime import sample as runtime_sample
 
 # ---------------------------------------------------------------------------------------------
@@ -237,12 +238,17 @@ def test_types():
     assert s["shift_video"][1]["default"] == 12.0 and s["shift_audio"][1]["default"] == 3.0
     assert s["seed"][1]["control_after_generate"] is True
     loader = H3ModelLoader.INPUT_TYPES()["required"]
-    assert loader["gemm"][0] == ["auto", "native", "emulated", "fp8", "bf16", "reference"]
-    assert loader["attention"][0] == ["auto", "sage2", "sage1", "sdpa", "reference", "sparse"]
+    # the widgets list the runtime's choices (runtime/options.py), default first; every value a saved workflow may
+    # hold (the lists as first published) stays accepted
+    assert loader["gemm"][0] == list(CHOICES["gemm"]) and loader["gemm"][1]["default"] == "auto"
+    assert loader["attention"][0] == list(CHOICES["attention"]) and loader["attention"][1]["default"] == "auto"
+    assert {"auto", "native", "emulated", "fp8", "bf16", "reference"} <= set(loader["gemm"][0])
+    assert {"auto", "sage2", "sage1", "sdpa", "reference", "sparse", "sdpa_cudnn"} <= set(loader["attention"][0])
     lossy = H3Sampler.INPUT_TYPES()["optional"]
     assert lossy["sparse_tau"][1]["default"] == 1.3 and lossy["first_block_cache"][1]["default"] == 0.0
     assert all("LOSSY" in lossy[k][1]["tooltip"] for k in ("sparse_tau", "first_block_cache"))
     assert loader["fc2_lt"][0] == ["on", "off", "strict"] and loader["adaln_cache"][0] == "BOOLEAN"
+    assert loader["fc2_lt"][1]["default"] == "on" and lossy["sparse_tau"][1]["default"] == RuntimeOptions.sparse_tau
     assert H3Diagnostics.OUTPUT_NODE is True
     assert H3Diagnostics.INPUT_TYPES()["required"]["diagnostics"][0] == "H3_DIAGNOSTICS"
     assert "expected_video_sha256" in H3Diagnostics.INPUT_TYPES()["optional"]
