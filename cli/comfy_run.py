@@ -1165,6 +1165,49 @@ def follow_ws(ws: WebSocket, client: Client, prompt_id: str, titles: dict, quiet
             return True
 
 
+class _WsOpening:
+    """The /ws handshake in a thread, begun before the prompt is submitted (so the feed is open when the run
+    starts) without holding the submit up: the submit waits for it at most ``HEAD_START`` seconds, and a
+    handshake still going when the prompt is queued is given up (the run is then followed through /history).
+    A server that stalls both costs one --http-timeout, not two."""
+
+    HEAD_START = 1.0
+
+    def __init__(self, client: Client, client_id: str):
+        self._lock = threading.Lock()
+        self._ws: WebSocket | None = None
+        self._why = "the handshake did not finish in time"
+        self._given_up = False
+        self._thread = threading.Thread(target=self._open, args=(client, client_id), daemon=True)
+        self._thread.start()
+        self._thread.join(min(self.HEAD_START, client.timeout))
+
+    def _open(self, client: Client, client_id: str) -> None:
+        try:
+            ws = client.websocket(client_id)
+        except Exception as e:  # noqa: BLE001 - any failure means: follow /history (the deadline is the main thread's)
+            self._why = _show(e, 300)
+            return
+        with self._lock:
+            if self._given_up:
+                ws.close()
+            else:
+                self._ws = ws
+
+    def result(self) -> tuple[WebSocket | None, str]:
+        """(the open feed, or None and why); never waits."""
+        with self._lock:
+            self._given_up = self._ws is None
+            return self._ws, self._why
+
+    def abandon(self) -> None:
+        with self._lock:
+            self._given_up = True
+            ws, self._ws = self._ws, None
+        if ws is not None:
+            ws.close()
+
+
 def _check_object_info(graph: dict, object_info, reader: _Reader) -> None:
     """The parts of /object_info the converter reads, for the node types the graph uses, type-checked."""
     reader.obj(object_info, "")
@@ -1361,14 +1404,8 @@ def _run(args, client: Client, kind: str, data: dict, out_dir: Path, staging: _S
         return EXIT_USAGE
     titles = {k: v.get("class_type", "?") for k, v in prompt.items()}
     state["client_id"] = args.client_id or uuid.uuid4().hex
+    opening = None if args.no_websocket else _WsOpening(client, state["client_id"])
     ws = None
-    if not args.no_websocket:
-        try:
-            ws = client.websocket(state["client_id"])
-        except DeadlinePassed:
-            raise
-        except ServerError as e:
-            _say(f"websocket unavailable ({e}); following the run through /history", args.quiet)
     try:
         rejected = _submit(client, prompt, extra, state)
         if rejected is not None:
@@ -1376,12 +1413,16 @@ def _run(args, client: Client, kind: str, data: dict, out_dir: Path, staging: _S
         prompt_id = state["prompt_id"]
         _say(f"queued prompt {prompt_id} on {client.server}", args.quiet)
         state["phase"] = "wait"
+        if opening is not None:
+            ws, why = opening.result()
+            if ws is None:
+                _say(f"websocket unavailable ({why}); following the run through /history", args.quiet)
         if ws is not None and not follow_ws(ws, client, prompt_id, titles, args.quiet,
                                             idle=max(args.poll_interval, 2.0)):
             _say("websocket closed; following the run through /history", args.quiet)
     finally:
-        if ws is not None:
-            ws.close()
+        if opening is not None:
+            opening.abandon()
     entry = wait_history(client, prompt_id, args.poll_interval)
     reader = _Reader(client.where("GET", f"/history/{prompt_id}"))
     failure = _execution_failure(entry, reader, args.verbose)  # everything is checked before anything is written
