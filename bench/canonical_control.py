@@ -106,6 +106,7 @@ def main(argv=None) -> int:
     places = tuple(range(0, 50, 5)) if not a.tiny else (0, 2)
     spec = ControlSpec(blocks, places, cfg.curve_form, cfg.time_embed_dim, cfg.hidden_size, cfg.num_heads,
                        cfg.head_dim, cfg.ffn_hidden_size)
+    resident_before = torch.cuda.memory_allocated() if cuda else None
     t1 = time.perf_counter()
     tower = load_control(RandomControlSource(spec, 7, rt.dtype), rt.plan, rt.config)
     if cuda:
@@ -116,13 +117,11 @@ def main(argv=None) -> int:
                                                   for p, n in (("attn", "qkv_proj"), ("attn", "out_proj"),
                                                                ("mlp", "fc1"), ("mlp", "fc2"))}),
                     "device_bytes": sum(t.numel() * t.element_size() for t in
-                                        list(tower.parameters()) + list(tower.buffers())
-                                        if t.device.type != "cpu") +
-                    sum(sum(x.numel() * x.element_size() for x in (lin.weight.packed, lin.weight.scales))
-                        for b in tower.control_blocks for lin in (b.attn.qkv_proj, b.attn.out_proj, b.mlp.fc1,
-                                                                  b.mlp.fc2) if hasattr(lin.weight, "packed"))}
+                                        {id(t): t for t in list(tower.parameters()) + list(tower.buffers())}.values()
+                                        if t.device.type != "cpu")}
     if cuda:
         res["tower"]["resident_bytes_after_tower"] = torch.cuda.memory_allocated()
+        res["tower"]["resident_bytes_before_tower"] = resident_before
     write_json(res, out)
 
     g = torch.Generator().manual_seed(440420)
