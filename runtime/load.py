@@ -32,6 +32,7 @@ from typing import Callable
 
 import torch
 
+from .budget import DeviceMemory, ModelMemory, Workload, decide, parse_vram_budget, plan_memory
 from .errors import CheckpointError, H3Error
 from .io.checkpoint import dequantize_layer
 from .io.comfy_quant import from_comfy_quant_tensors
@@ -45,6 +46,7 @@ from .ops.attention import bind_attention
 from .ops.block_ops import build_ops
 from .ops.linear import Nvfp4Linear, Scratch
 from .ops.sparse_attention import SparseStepAttention, bind_sparse
+from .ops.streaming import BlockStreamer, StreamOps
 from .options import RuntimeOptions
 from .plan import LoadPlan, make_plan
 
@@ -100,8 +102,9 @@ def _nvfp4_linear(layer: str, weight: torch.Tensor | None, shape: tuple[int, int
 class _Loader:
     """One streaming pass (module docstring)."""
 
-    def __init__(self, model, src, plan, progress: Progress | None):
+    def __init__(self, model, src, plan, progress: Progress | None, adopt=None):
         self.model, self.src, self.plan, self.progress = model, src, plan, progress
+        self.adopt = adopt  # BlockStreamer.adopt: a streamed block's linear moves to host memory once loaded
         self.device, self.dtype = plan.device, plan.dtype
         self.quant = quant_layers(src)
         self.scratch = Scratch()
@@ -170,15 +173,19 @@ class _Loader:
                 self._to_host(k, p)
             else:
                 self._tensor(k, p)
+            if self.adopt is not None and layer is not None and QUANT_LINEARS.match(layer):
+                self.adopt(layer, self.model.get_submodule(layer))
         left = [n for n, t in list(self.model.named_parameters()) + list(self.model.named_buffers()) if t.is_meta]
         if left:
             raise CheckpointError(f"{label}: no tensor for {left[:5]}")
 
 
-def stream_load(model, src, plan, progress: Progress | None = None) -> None:
+def stream_load(model, src, plan, progress: Progress | None = None, adopt=None) -> None:
     """Fill ``model`` (built on the meta device) from ``src`` (a Checkpoint or StateDictSource) as the load
-    plan says (module docstring). Raises CheckpointError naming the tensor for bad input."""
-    _Loader(model, src, plan, progress).run()
+    plan says (module docstring). ``adopt(layer, module)``: called after each block linear (block streaming
+    moves a streamed block's bytes to host memory there, so the device never holds more than the resident
+    blocks plus one layer). Raises CheckpointError naming the tensor for bad input."""
+    _Loader(model, src, plan, progress, adopt).run()
 
 
 @dataclass
@@ -197,6 +204,7 @@ class H3Runtime:
     fc2: object | None = None  # the guarded FC2 dispatcher, where FC2 takes NVFP4 bytes on CUDA
     sparse: SparseStepAttention | None = None  # the sparse attention bound in ops (attention=sparse): the sampler
     #                                            sets its per-run routing and per-step schedule switch
+    streamer: BlockStreamer | None = None  # the streamed blocks of the memory plan (plan.memory); ops binds them
 
     @property
     def config(self) -> H3Config:
@@ -227,6 +235,49 @@ class H3Runtime:
         extra = {k: v for k, v in self.backends.items() if k not in self.plan.report()}
         lines += [f"  {op:<12} {b['choice']:<14} {b['reason']}" for op, b in extra.items()]
         return "\n".join(lines)
+
+    def fit_memory(self, video_shape, audio_shape, text_tokens: int, steps: int, cond=None,
+                   device_memory: DeviceMemory | None = None) -> dict:
+        """Plan the device-memory budget again for a sampling run of these latent shapes (``sample`` calls it when
+        sampling starts, so ``auto`` sees the memory ComfyUI's text encoder and VAE hold then), move blocks
+        between the device and host memory if the decision changed, and return the ``memory`` choice.
+        Raises BudgetError (nothing moved) when the budget cannot run this request."""
+        plan, st = self.plan, self.streamer
+        if plan.memory is None or st is None:
+            return {}
+        wl = Workload.from_shapes(video_shape, audio_shape, text_tokens, steps, cond)
+        dev = device_memory or DeviceMemory.probe(self.device)
+        mm = ModelMemory.from_plan(plan)
+        old = plan.memory
+        held = mm.other_bytes + len(old.resident) * mm.block_bytes + st.device_bytes
+        new = decide(mm, wl, dev, parse_vram_budget(plan.options.vram_budget), held_bytes=held,
+                     host_held_bytes=st.host_bytes)
+        st.restream(new.streamed)
+        self.ops.ffn_chunk_rows = new.ffn_chunk_rows
+        plan.memory = new
+        plan.choices["memory"] = new.choice()
+        self.backends["memory"] = plan.choices["memory"].as_dict()
+        return self.backends["memory"]
+
+    def memory_report(self, peak_allocated_bytes: int | None = None) -> dict | None:
+        """The report's ``memory`` block: the budget, resident and streamed blocks, the estimate and the measured
+        peak, bytes copied and copy time hidden / exposed per step (since the last call), host bytes."""
+        mp = self.plan.memory
+        if mp is None:
+            return None
+        out = mp.report()
+        out["peak_allocated_bytes"] = peak_allocated_bytes
+        if peak_allocated_bytes:
+            out["estimate_over_peak"] = mp.estimate.total / peak_allocated_bytes
+        st = self.streamer
+        if st is not None and st.order:
+            out.update(st.summary())
+            out["pinned_host_bytes"] = st.pinned_bytes
+            out["stream_buffer_bytes"] = st.device_bytes
+        else:
+            out.update({"bytes_copied_per_step": 0, "copy_ms_per_step": 0.0, "copy_exposed_ms_per_step": 0.0,
+                        "copy_hidden_ms_per_step": 0.0})
+        return out
 
 
 def apply_tile_table(path: str | Path) -> dict:
@@ -271,25 +322,32 @@ def _bind_sparse(plan: LoadPlan) -> SparseStepAttention | None:
 
 
 def load_model(path: str | Path | None = None, options: RuntimeOptions | None = None, tiny_seed: int = 0,
-               progress: Callable[[int, int, str], None] | None = None) -> H3Runtime:
+               progress: Callable[[int, int, str], None] | None = None, workload: Workload | None = None,
+               device_memory: DeviceMemory | None = None) -> H3Runtime:
     """Load an H3 DiT (or the embedded tiny model when ``path`` is None, or an in-memory tensor source, see
-    ``plan.make_plan``): plan, stream, bind (module docstring). Raises CheckpointError with the problem named
-    for bad files."""
+    ``plan.make_plan``): plan, stream, bind (module docstring). workload: the run the memory budget is planned
+    for (``runtime.budget.Workload``; default the model's default request); device_memory: a simulated device
+    for the memory plan (tests). Raises CheckpointError with the problem named for bad files, BudgetError
+    (before any tensor is read) when the device-memory budget cannot run the workload."""
     options = options or RuntimeOptions.from_env()
     t0 = time.perf_counter()
     plan = make_plan(path, options, tiny_seed)
+    plan_memory(plan, workload, device_memory)
     backends = plan.report()
     if options.producer_tiles:
         backends["producer_tiles"] = apply_tile_table(options.producer_tiles)
     model = H3Model(plan.config, plan.dtype, device="meta")
     src = plan.checkpoint if path is not None else StateDictSource(
         tiny_state_dict(plan.config, tiny_seed, plan.dtype), plan.source, plan.config)
-    stream_load(model, src, plan, progress)
+    streamer = BlockStreamer(model.blocks, plan.memory.streamed, plan.device, plan.memory.slots)
+    stream_load(model, src, plan, progress, streamer.adopt)
+    streamer.finish()
     model.eval().requires_grad_(False)
     fc2, fc2_report = _prepare_fc2(plan)
     if fc2_report is not None:
         backends["fc2_lt"] = fc2_report
     sparse = _bind_sparse(plan)
-    rt = H3Runtime(model, plan, build_ops(plan, fc2, attention=sparse), backends, fc2=fc2, sparse=sparse)
+    ops = StreamOps(build_ops(plan, fc2, attention=sparse), streamer, plan.memory.ffn_chunk_rows)
+    rt = H3Runtime(model, plan, ops, backends, fc2=fc2, sparse=sparse, streamer=streamer)
     rt.load_seconds = time.perf_counter() - t0
     return rt

@@ -54,6 +54,7 @@ _ENV = {
     "adaln_cache": ("H3_ADALN_CACHE", "bool"),
     "producer_tiles": ("H3_PRODUCER_TILES", str),
     "cache_dir": ("H3_CACHE_DIR", str),
+    "vram_budget": ("H3_VRAM_BUDGET", str),
 }
 
 # seed / earlier names this runtime accepts but does not act on -> why
@@ -134,6 +135,8 @@ class RuntimeOptions:
     adaln_cache: precompute modulation rows per run and keep full-form AdaLN weights in host memory (CUDA)
     producer_tiles: a measured tile table JSON for the producers (speed only; "" = built-in tiles)
     cache_dir:  where the FC2 extension build and its tables live
+    vram_budget: device-memory budget of a run: auto (the free device memory less a margin) or a number of GB
+                (1 GB = 1e9 bytes); blocks beyond it stream from pinned host memory (runtime.budget)
     ignored:    {variable: why} for accepted names that change nothing here (never reported as configuration)
     """
 
@@ -155,6 +158,7 @@ class RuntimeOptions:
     sparse_extra_tokens: int = SPARSE_EXTRA_TOKENS
     sparse_min_tokens: int = SPARSE_MIN_TOKENS
     first_block_cache: float | None = None
+    vram_budget: str = "auto"
     ignored: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -165,6 +169,18 @@ class RuntimeOptions:
             if v not in choices:
                 raise ValueError(f"option {name}={v!r}: expected one of {', '.join(choices)}")
         self._check_lossy()
+        self._check_budget()
+
+    def _check_budget(self):
+        """vram_budget: auto or a positive number of GB (runtime.budget.parse_vram_budget reads it)."""
+        b = str(self.vram_budget).strip().lower().removesuffix("gb").removesuffix("g").strip()
+        try:
+            ok = b == "auto" or 0 < float(b) < float("inf")
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(f"option vram_budget={self.vram_budget!r}: expected auto or a positive number of GB "
+                             "(e.g. 8 or 7.5)")
 
     def _check_lossy(self):
         """The sparse attention and step-reuse numbers: finite and in range."""

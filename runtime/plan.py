@@ -52,6 +52,7 @@ class LoadPlan:
     choices: dict[str, Choice] = field(default_factory=dict)
     stored_nvfp4: tuple[str, ...] = ()  # block linears stored as NVFP4 (adopted as they are)
     capabilities: dict = field(default_factory=dict)  # ops.registry.capability_table on this device
+    memory: object | None = None  # runtime.budget.MemoryPlan: resident vs streamed blocks, chunking (load_model)
 
     @property
     def quantize(self) -> bool:

@@ -164,7 +164,8 @@ def _install_sides(rt, st: LoraState, sides: dict[str, list], mods: dict, nv_cls
     for mname, terms in sides.items():
         module = mods[mname]
         side_dtype = (module.out_dtype or rt.dtype) if isinstance(module, nv_cls) else module.weight.dtype
-        dev = module.packed.device if isinstance(module, nv_cls) else module.weight.device
+        dev = rt.device  # where the layer computes: a streamed block linear (runtime.ops.streaming) and an offloaded
+        #                  AdaLN hold host tensors between uses
         side = LoraSide(mname, module.in_features, module.out_features, side_dtype, dev)
         for s, u, fname in terms:
             side.add_term(u, s, fname)

@@ -77,6 +77,11 @@ class AdalnProj(nn.Module):
         return x.reshape(x.shape[0] * self.modalities, self.expand * self.hidden)
 
 
+def clip_segments(segments, start: int, stop: int) -> list[tuple[int, int, int]]:
+    """The segments [(a, b, row)] that overlap rows [start, stop), re-based to the slice (local rows)."""
+    return [(max(a, start) - start, min(b, stop) - start, r) for a, b, r in segments if a < stop and b > start]
+
+
 class DiTBlock(nn.Module):
     def __init__(self, cfg: H3Config, dtype, adaln_dtype, device=None):
         super().__init__()
@@ -98,7 +103,12 @@ class DiTBlock(nn.Module):
         del qkv
         ops.gate_add_(x, ops.out_proj(index, self, o), gate_msa, segments)
         del o
-        h = ops.fc1(index, self, x, shift_mlp, scale_mlp, segments)
-        m = ops.fc2(index, self, h)
-        del h
-        return ops.gate_add_(x, m, gate_mlp, segments)
+        rows = getattr(ops, "ffn_chunk_rows", None) or max(1, x.shape[0])  # row chunks when the memory budget asks
+        for a in range(0, x.shape[0], rows):  # every FFN op is row-local there, so chunks give the same bytes
+            xs, sg = (x, segments) if rows >= x.shape[0] else (x[a:a + rows], clip_segments(segments, a, a + rows))
+            h = ops.fc1(index, self, xs, shift_mlp, scale_mlp, sg)
+            m = ops.fc2(index, self, h)
+            del h
+            ops.gate_add_(xs, m, gate_mlp, sg)
+            del m
+        return x

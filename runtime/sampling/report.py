@@ -136,6 +136,14 @@ def fc2_consistency(fc2: dict, required: int, runs: list) -> tuple[bool, str]:
     return bool(runs) and ok, want
 
 
+def _memory(rt, measured: list) -> dict:
+    """The ``memory`` block (runtime.budget / runtime.ops.streaming) when the runtime has a memory plan."""
+    fn = getattr(rt, "memory_report", None)
+    peaks = [r.peak_allocated_bytes for r in measured if r.peak_allocated_bytes is not None]
+    block = fn(max(peaks) if peaks else None) if callable(fn) else None
+    return {"memory": block} if block is not None else {}
+
+
 def build_report(rt, workload: dict, measured: list, warmup_runs: int, video: torch.Tensor,
                  audio: torch.Tensor, fc2_required: int, fc2_status: dict | None = None) -> dict:
     """The seed-schema report for ``measured`` runs (RunRecord list, warm-ups excluded)."""
@@ -183,6 +191,7 @@ def build_report(rt, workload: dict, measured: list, warmup_runs: int, video: to
             "exact_across_measured_runs": len(videos) == 1 and len(audios) == 1,
         },
         "fc2_dispatch": fc2,
+        **_memory(rt, measured),
         "measurement_policy": {
             "canonical_warmup_runs": warmup_runs,
             "measured_runs": len(measured),

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from ..errors import H3Error, Interrupted
+from ..io.payload import conditioning_from_payload
 from ..model.conditioning import H3Conditioning
 from ..model.control import bind_control
 from ..parallel.evaluate import ShardedEvaluator, numerics
@@ -175,6 +176,14 @@ def _with_run_schedule(cond: H3Conditioning, sigmas: torch.Tensor) -> H3Conditio
     return dataclasses.replace(cond, sample_sigmas=sigmas.float().cpu())
 
 
+def _plan_conditioning(cond: H3Conditioning | None, keyframes: list | None, seed: int) -> H3Conditioning:
+    """What the model plans the run with: the conditioning, or core's ``minimax_keyframes`` dicts and the seed
+    parsed as a payload (a plain t2va conditioning without either)."""
+    if cond is not None:
+        return cond
+    return conditioning_from_payload({"keyframes": list(keyframes or ()), "seed": int(seed)})
+
+
 def _workload(rt, plan, video, audio, steps, seed, sampler, scheduler, denoise, shifts, workload_extra,
               cond: H3Conditioning | None) -> dict:
     """The report's workload block: shapes, packed layout (its segment table), run settings, conditioning."""
@@ -260,9 +269,13 @@ def sample(rt, text_states: torch.Tensor, token_tags: torch.Tensor | None, video
                       f"control hint (payload field control); found {'the tower' if hint is None else 'the hint'} only")
     if control is not None and parallel is not None:
         raise H3Error("the Fun ControlNet tower does not run under sequence parallelism yet; run it on one GPU")
+    fit = getattr(rt, "fit_memory", None)  # the device-memory budget for this run's size (runtime.budget)
+    if callable(fit):
+        fit(tuple(video.shape), tuple(audio.shape), text_states.shape[1], len(model_sigmas), conditioning)
     with torch.no_grad():
         plan = rt.model.plan(text_states.float(), tuple(video.shape), tuple(audio.shape), model_sigmas,
-                             token_tags=token_tags, keyframes=keyframes, shifts=shifts, seed=seed, cond=conditioning)
+                             token_tags=token_tags, shifts=shifts, seed=seed,
+                             cond=_plan_conditioning(conditioning, keyframes, seed))
         if control is not None:  # core's window reads the sampler's sigma; the tower runs dense attention
             bind_control(rt.model, control, hint, plan, [float(s) for s in sigmas[:-1]],
                          ops=None if rt.sparse is None else rt.ops.with_attention(rt.sparse.dense))

@@ -1,0 +1,529 @@
+"""The device-memory budget: which DiT blocks stay resident, which stream from pinned host memory, and which
+activation chunking a run needs, decided from the checkpoint header and the request's size before any tensor
+is read.
+
+The budget (``RuntimeOptions.vram_budget``: ``--vram-budget GB``, the loader node's widget, ``H3_VRAM_BUDGET``)
+bounds the run's peak device bytes as torch's allocator counts them (``torch.cuda.max_memory_allocated``):
+weights, streaming buffers, activations and the run's own tensors. ``auto`` is the device's free memory less
+a margin (``AUTO_MARGIN_BYTES`` + ``AUTO_MARGIN_FRACTION`` of the total) for the allocator's fragmentation and
+whatever else the process (ComfyUI's text encoder and VAE) allocates later.
+
+The decision, in order (each step only when the one before does not fit):
+
+1. everything resident, activations unchunked;
+2. stream blocks: the largest number of resident blocks that fits beside ``SLOTS`` device buffers of one
+   block each (a copy stream fills them from pinned host memory, ``runtime.ops.streaming``); resident blocks
+   are spread evenly over the stack so each streamed block's copy hides behind the compute before it;
+3. chunk the FFN over rows (fc1 -> SwiGLU -> fc2 -> gate/add per row chunk; halving down to
+   ``MIN_CHUNK_ROWS``), only where every op of the FFN is row-local so the bytes cannot change;
+4. otherwise refuse, naming the smallest budget that works (every block streamed, the smallest chunking).
+
+CPU: with ``auto`` nothing streams (device memory is host memory); an explicit budget runs the same decision
+and the streaming loop with host-to-host copies (an emulation, for tests). An integrated GPU (GB10,
+``is_integrated``) shares memory with the host: nothing streams, everything stays resident.
+
+The estimate (``estimate``) is the sum of the resident weights (from the header's shapes), the streaming
+buffers, the scratch of the GEMM backend, the run's tensors (modulation rows of every step and block, RoPE
+tables, latents and sampler state) and the largest activation phase of one block (the QKV buffer with
+attention's operands and output, or the FFN's fc1 output with the SwiGLU bytes and fc2's output), plus a
+fixed allowance for library workspaces.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import H3Error
+from .model.config import QUANT_LINEARS, H3Config
+from .model.h3 import H3Model
+from .ops import nvfp4
+from .plan import Choice
+from .sampling.request import host_available_bytes, latent_rows, resolve_request
+
+GB = 1e9
+SLOTS = 2  # device buffers of one streamed block each: block i+1 is copied while block i computes
+AUTO_MARGIN_BYTES = int(0.5e9)
+AUTO_MARGIN_FRACTION = 0.05
+MIN_CHUNK_ROWS = 2048  # row chunks below this make the GEMMs inefficient (and were not measured byte-exact)
+MIN_CHUNK_ROWS_CPU = 128  # the CPU emulation chunks the tiny model's few hundred rows too (tests)
+CHUNK_MULTIPLE = 128  # chunk boundaries on the producers' and GEMMs' 128-row tiles
+WORKSPACE_BYTES = 64 << 20  # cuBLAS / cuBLASLt workspaces and small per-run tensors (CUDA)
+ALIGN = 256  # byte alignment of each tensor inside a streamed block's buffer
+
+_BUDGET = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(?:gb?)?\s*$", re.IGNORECASE)
+
+
+class BudgetError(H3Error):
+    """A device-memory budget that cannot run the job (too small, not enough host memory, a bad value)."""
+
+
+def parse_vram_budget(value) -> int | None:
+    """``auto`` -> None; a number of GB (``8``, ``7.5``, ``12GB``; 1 GB = 1e9 bytes) -> bytes. BudgetError
+    for anything else (zero, negative, not finite, not a number)."""
+    if value is None:
+        return None
+    text = str(value).strip()
+    if text.lower() == "auto":
+        return None
+    m = _BUDGET.match(text)
+    v = float(m.group(1)) if m else float("nan")
+    if not math.isfinite(v) or v <= 0:
+        raise BudgetError(f"vram_budget={value!r}: expected auto or a positive number of GB (e.g. 8 or 7.5; "
+                          "1 GB = 1e9 bytes)")
+    return int(v * GB)
+
+
+def gb(n: int | float) -> str:
+    """Bytes as GB (1e9), or MB below 0.1 GB (the tiny model's numbers)."""
+    return f"{n / GB:.2f} GB" if abs(n) >= 0.1 * GB else f"{n / 1e6:.2f} MB"
+
+
+# ---------------------------------------------------------------------------------------------
+# what the plan knows: device, workload, model
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """The device the budget is planned for. ``probe`` reads a real one; tests pass a simulated one."""
+
+    kind: str  # "cuda" | "cpu"
+    name: str
+    total_bytes: int
+    free_bytes: int
+    integrated: bool = False
+
+    @classmethod
+    def probe(cls, device: torch.device) -> "DeviceMemory":
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            props = torch.cuda.get_device_properties(device)
+            return cls("cuda", props.name, int(total), int(free), bool(getattr(props, "is_integrated", False)))
+        free = host_available_bytes()
+        return cls("cpu", "cpu", free, free)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The run the activations are sized for. rows: packed rows (text + audio + video + conditions);
+    video_rows: the video segment's rows; steps: evaluations of one run; t_values: distinct timesteps per step
+    (2 for t2va: video/text and audio; keyframes and references add theirs); latent_bytes: fp32 video + audio."""
+
+    rows: int
+    video_rows: int
+    steps: int
+    latent_bytes: int
+    t_values: int = 2
+
+    @classmethod
+    def from_shapes(cls, video_shape, audio_shape, text_tokens: int, steps: int, cond=None) -> "Workload":
+        """Latent shapes video [1, C, T, H, W] / audio [1, Ca, 2, Ta]; cond: the run's H3Conditioning (its
+        keyframe and reference rows, and their timesteps: two more per kind present)."""
+        t, h, w = video_shape[2], -(-video_shape[3] // 2), -(-video_shape[4] // 2)
+        numel = math.prod(video_shape) + math.prod(audio_shape)
+        extra = 0 if cond is None else 2 * (bool(getattr(cond, "keyframes", None)) + bool(getattr(cond, "refs", None)))
+        return cls(latent_rows(video_shape, audio_shape, text_tokens, cond), t * h * w, steps, 4 * numel, 2 + extra)
+
+    @classmethod
+    def for_request(cls, cfg: H3Config, width=None, height=None, frames=None, steps=None,
+                    text_tokens: int = 100) -> "Workload":
+        """A pixel request (the model's defaults where None: 1344x768, 124 frames, 20 steps for the full model)."""
+        from .model.layout import latent_shapes
+
+        req = resolve_request(cfg, width, height, frames, steps, text_tokens)
+        vs, as_ = latent_shapes(req.width, req.height, req.frames, cfg.video_channels, cfg.audio_channels)
+        return cls.from_shapes(vs, as_, text_tokens, req.steps)
+
+    def describe(self) -> str:
+        return f"{self.rows:,} rows, {self.steps} steps"
+
+
+def linear_dims(cfg: H3Config) -> dict[str, tuple[int, int]]:
+    """Block linear -> (N, K)."""
+    h, inner, ffn = cfg.hidden_size, cfg.inner_dim, cfg.ffn_hidden_size
+    return {"attn.qkv_proj": (3 * inner, h), "attn.out_proj": (h, inner), "mlp.fc1": (2 * ffn, h),
+            "mlp.fc2": (h, ffn)}
+
+
+def streamed_tensor_bytes(n: int, k: int, quantized: bool, dtype_bytes: int) -> list[int]:
+    """Bytes of the tensors of one block linear that stream: NVFP4 packed [roundup(N,16), K/2] and swizzled
+    scales (one byte each), or the dense weight."""
+    if not quantized:
+        return [n * k * dtype_bytes]
+    return [math.prod(nvfp4.packed_shape(n, k, 16)), math.prod(nvfp4.scale_shape(n, k))]
+
+
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class ModelMemory:
+    """The model's side of the estimate, from its config and the load plan's choices (no tensor read).
+
+    block_bytes: the streamable bytes of one block (the four linears' large tensors, each aligned);
+    other_bytes: every other tensor that lives on the device (token refiner, projections, norms, final layer,
+    small per-linear scalars); adaln_host_bytes: full-form AdaLN weights the plan keeps in host memory."""
+
+    cfg: H3Config
+    dtype_bytes: int
+    act_format: str  # "fp8" | "nvfp4" | "dense"
+    gemm: str
+    attention: str
+    v_handling: str
+    block_bytes: int
+    other_bytes: int
+    adaln_host_bytes: int
+    ffn_row_local: bool
+    ffn_row_local_why: str
+
+    @classmethod
+    def build(cls, cfg: H3Config, dtype: torch.dtype, act_format: str, gemm: str = "fp8", attention: str = "sage2",
+              v_handling: str = "fused", adaln_on_host: bool = True, act_scale: str = "dynamic",
+              calibrated_layers: bool = False) -> "ModelMemory":
+        quantized = act_format != "dense"
+        e = torch.empty((), dtype=dtype).element_size()
+        block = sum(aligned(b) for n, k in linear_dims(cfg).values()
+                    for b in streamed_tensor_bytes(n, k, quantized, e))
+        with torch.device("meta"):
+            meta = H3Model(cfg, dtype)
+        other = adaln = 0
+        for name, t in list(meta.named_parameters()) + list(meta.named_buffers()):
+            nbytes = t.numel() * t.element_size()
+            layer = name.rsplit(".", 1)[0]
+            if QUANT_LINEARS.match(layer) and name.endswith(".weight"):
+                continue  # the streamable part of a block linear: counted in block_bytes
+            if adaln_on_host and name.startswith("blocks.") and ".adaln_proj." in name:
+                adaln += nbytes
+                continue
+            other += nbytes
+        if quantized:
+            other += cfg.num_layers * 4 * 64  # per linear: global scale (and the odd small buffer)
+        if act_format == "nvfp4" and not (act_scale == "calibrated" and calibrated_layers):
+            row_local, why = False, ("W4A4 with a dynamic activation scale: the SwiGLU bytes take one amax over all "
+                                     "rows, so a row chunk would quantize differently")
+        else:
+            row_local, why = True, "row-local (per-row activation scales; GEMM rows independent)"
+        return cls(cfg, e, act_format, gemm, attention, v_handling, block, other, adaln, row_local, why)
+
+    @classmethod
+    def from_plan(cls, plan) -> "ModelMemory":
+        """From a ``runtime.plan.LoadPlan`` (its config, dtype and choices)."""
+        ck = plan.checkpoint
+        calibrated = False
+        if ck is not None and hasattr(ck, "keys"):
+            keys = set(ck.keys())
+            calibrated = all(f"blocks.{j}.{n}.input_scale" in keys for j in range(plan.config.num_layers)
+                             for n in ("mlp.fc1", "mlp.fc2"))
+        return cls.build(plan.config, plan.dtype, plan.act_format, plan.gemm, plan.dense_attention,
+                         plan.v_handling, plan.adaln_on_host, plan.options.act_scale, calibrated)
+
+
+# ---------------------------------------------------------------------------------------------
+# the estimate
+# ---------------------------------------------------------------------------------------------
+
+def _act_in(mm: ModelMemory, rows: int, k: int) -> int:
+    """The producer's output that feeds a GEMM of K inputs over ``rows`` rows."""
+    if mm.act_format == "fp8":
+        return rows * k + 4 * rows
+    if mm.act_format == "nvfp4":
+        return rows * k // 2 + math.prod(nvfp4.scale_shape(rows, k)) + 16
+    return rows * k * (mm.dtype_bytes + 4)  # dense: the modulated rows and RMSNorm's fp32 temporary
+
+
+def _swiglu_out(mm: ModelMemory, rows: int) -> int:
+    f = mm.cfg.ffn_hidden_size
+    rows16 = -(-rows // 16) * 16
+    if mm.act_format == "fp8":
+        return rows * f + 4 * rows
+    if mm.act_format == "nvfp4":
+        return rows16 * f // 2 + math.prod(nvfp4.scale_shape(rows16, f))
+    return 2 * rows * f * mm.dtype_bytes
+
+
+def _attention_operands(mm: ModelMemory, rows: int) -> int:
+    """What the attention backend allocates beside the qkv buffer and its output."""
+    c = mm.cfg
+    s_i = rows * c.inner_dim
+    a = mm.attention
+    if a in ("sage2", "sage1", "sparse"):
+        # int8 q and k, fp8 v (fused operands) or the library wrapper's own copies at the compute dtype
+        return 3 * s_i * (1 if mm.v_handling == "fused" else 1 + mm.dtype_bytes) + 8 * rows * c.num_heads
+    if a.startswith("sdpa"):
+        return s_i * mm.dtype_bytes + 4 * rows * c.num_heads  # the [H, S, D] -> [S, H*D] copy, logsumexp
+    # exact attention: fp32 q, k, v and a score chunk of at most 1 GiB
+    return 3 * s_i * 4 + min(4 * c.num_heads * rows * rows, 1 << 30)
+
+
+def activation_phases(mm: ModelMemory, wl: Workload, chunk_rows: int | None = None) -> dict[str, int]:
+    """Bytes live at the peak of each phase of one evaluation, weights excluded. chunk_rows: the FFN's rows
+    per chunk (None: all rows at once)."""
+    c, e, s = mm.cfg, mm.dtype_bytes, wl.rows
+    h, inner, ffn = c.hidden_size, c.inner_dim, c.ffn_hidden_size
+    rc = s if chunk_rows is None else min(chunk_rows, s)
+    x = s * h * e
+    qkv = s * 3 * inner * e
+    o = s * inner * e
+    sv = wl.video_rows
+    return {
+        "pack": x + sv * h * 4 + sv * c.video_patch_dim * 4,
+        "qkv": x + _act_in(mm, s, h) + qkv,
+        "attention": x + qkv + _attention_operands(mm, s) + o,
+        "out_proj": x + o + _act_in(mm, s, inner) + s * h * e,
+        "fc1": x + _act_in(mm, rc, h) + rc * 2 * ffn * e,
+        "fc2": x + rc * 2 * ffn * e + _swiglu_out(mm, rc) + rc * h * e,
+        "head": x + sv * h * (2 * e + 4),
+    }
+
+
+def run_bytes(mm: ModelMemory, wl: Workload) -> int:
+    """A run's tensors that live through every step: the modulation rows of every (step, block) (the model
+    precomputes them up to ``MOD_CACHE_BYTES``), RoPE tables, latents and the sampler's state."""
+    c = mm.cfg
+    mods = wl.steps * c.num_layers * 3 * wl.t_values * 6 * c.hidden_size * mm.dtype_bytes
+    rope = 2 * wl.rows * c.rope_dim * 4
+    return mods + rope + 10 * wl.latent_bytes
+
+
+def scratch_bytes(mm: ModelMemory, wl: Workload) -> int:
+    """The GEMM backend's reusable scratch: fp8 expands each NVFP4 weight to rowwise e4m3, bf16 to bf16 (and
+    the activation too)."""
+    dims = linear_dims(mm.cfg).values()
+    nk = max(n * k for n, k in dims)
+    n_max = max(n for n, _ in dims)
+    if mm.act_format == "fp8" or mm.gemm == "fp8":
+        return nk + 4 * n_max + (0 if mm.act_format == "fp8" else wl.rows * max(k for _, k in dims))
+    if mm.gemm == "bf16":
+        return 2 * nk + 2 * wl.rows * max(k for _, k in dims)
+    return 0
+
+
+@dataclass(frozen=True)
+class Estimate:
+    weights_resident: int
+    stream_buffers: int
+    scratch: int
+    run: int
+    activations: int
+    peak_phase: str
+    workspace: int
+
+    @property
+    def total(self) -> int:
+        return (self.weights_resident + self.stream_buffers + self.scratch + self.run + self.activations
+                + self.workspace)
+
+    def as_dict(self) -> dict:
+        return {"total_bytes": self.total, "weights_resident_bytes": self.weights_resident,
+                "stream_buffer_bytes": self.stream_buffers, "gemm_scratch_bytes": self.scratch,
+                "run_bytes": self.run, "activation_bytes": self.activations, "peak_phase": self.peak_phase,
+                "workspace_bytes": self.workspace}
+
+    def describe(self) -> str:
+        return (f"estimate {gb(self.total)} = {gb(self.weights_resident)} resident weights + "
+                f"{gb(self.stream_buffers)} stream buffers + {gb(self.activations)} activations ({self.peak_phase}) "
+                f"+ {gb(self.run)} run tensors + {gb(self.scratch + self.workspace)} scratch")
+
+
+def estimate(mm: ModelMemory, wl: Workload, resident: int, slots: int, chunk_rows: int | None,
+             device_kind: str = "cuda") -> Estimate:
+    """Peak device bytes of a run with ``resident`` blocks resident (the others streamed through ``slots``
+    buffers) and the FFN chunked to ``chunk_rows`` rows (None: unchunked)."""
+    phases = activation_phases(mm, wl, chunk_rows)
+    phase = max(phases, key=phases.get)
+    streamed = mm.cfg.num_layers - resident
+    return Estimate(mm.other_bytes + resident * mm.block_bytes, (slots if streamed else 0) * mm.block_bytes,
+                    scratch_bytes(mm, wl), run_bytes(mm, wl), phases[phase], phase,
+                    WORKSPACE_BYTES if device_kind == "cuda" else 0)
+
+
+def chunk_options(rows: int, device_kind: str = "cuda") -> list[int]:
+    """FFN row chunks to try, largest first: rows/2, rows/4, ... on 128-row boundaries, >= MIN_CHUNK_ROWS."""
+    least = MIN_CHUNK_ROWS if device_kind == "cuda" else MIN_CHUNK_ROWS_CPU
+    out, parts = [], 2
+    while parts <= rows:
+        c = -(-rows // parts)
+        c = -(-c // CHUNK_MULTIPLE) * CHUNK_MULTIPLE
+        if c < least:
+            break
+        if c < rows and (not out or c < out[-1]):
+            out.append(c)
+        parts *= 2
+    return out
+
+
+def spread(n: int, count: int) -> tuple[int, ...]:
+    """``count`` of the indices 0..n-1, evenly spaced (resident blocks between the streamed ones)."""
+    if count <= 0:
+        return ()
+    if count >= n:
+        return tuple(range(n))
+    return tuple(sorted({min(n - 1, int((k + 0.5) * n / count)) for k in range(count)}))
+
+
+# ---------------------------------------------------------------------------------------------
+# the decision
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class MemoryPlan:
+    """The budget decision of one load (or one sampling run, ``fit_memory``)."""
+
+    budget_bytes: int | None
+    budget_text: str
+    resident: tuple[int, ...]
+    streamed: tuple[int, ...]
+    slots: int
+    ffn_chunk_rows: int | None
+    estimate: Estimate
+    workload: Workload
+    block_bytes: int
+    host_bytes: int  # host memory the streamed blocks take (pinned on CUDA)
+    adaln_host_bytes: int
+    smallest_budget_bytes: int | None
+    device_kind: str
+    emulated: bool = False  # CPU: streaming runs with host-to-host copies (tests)
+    note: str = ""
+    row_local: str = ""
+    steps_copied: dict = field(default_factory=dict)
+
+    @property
+    def streams(self) -> bool:
+        return bool(self.streamed)
+
+    @property
+    def copy_bytes_per_step(self) -> int:
+        return len(self.streamed) * self.block_bytes
+
+    def choice(self) -> Choice:
+        n = len(self.resident) + len(self.streamed)
+        if self.note and not self.streamed and self.ffn_chunk_rows is None:
+            return Choice("all resident", f"{self.note}; {self.estimate.describe()} for {self.workload.describe()}")
+        what = "all resident" if not self.streamed else f"{len(self.resident)} resident, {len(self.streamed)} streamed"
+        parts = [self.budget_text]
+        if self.streamed:
+            parts.append(f"{len(self.streamed)} of {n} blocks stream from {'host' if self.emulated else 'pinned host'} "
+                         f"memory through {self.slots} device buffers of {gb(self.block_bytes)} "
+                         f"({gb(self.copy_bytes_per_step)} copied per step"
+                         + (", emulated with host copies on the CPU" if self.emulated else "") + ")")
+        parts.append("FFN unchunked" if self.ffn_chunk_rows is None
+                     else f"FFN in row chunks of {self.ffn_chunk_rows:,} ({self.row_local})")
+        parts.append(f"{self.estimate.describe()} for {self.workload.describe()}")
+        if self.smallest_budget_bytes is not None:
+            parts.append(f"smallest budget that runs: {gb(self.smallest_budget_bytes)}")
+        return Choice(what, "; ".join(parts))
+
+    def report(self) -> dict:
+        return {"vram_budget_bytes": self.budget_bytes, "budget": self.budget_text,
+                "resident_blocks": list(self.resident), "streamed_blocks": list(self.streamed),
+                "stream_buffers": self.slots if self.streamed else 0, "block_bytes": self.block_bytes,
+                "ffn_chunk_rows": self.ffn_chunk_rows, "estimate": self.estimate.as_dict(),
+                "workload": {"rows": self.workload.rows, "steps": self.workload.steps},
+                "pinned_host_bytes": 0 if self.emulated else self.host_bytes,
+                "host_bytes_streamed_weights": self.host_bytes, "adaln_host_bytes": self.adaln_host_bytes,
+                "smallest_budget_bytes": self.smallest_budget_bytes,
+                "copy_bytes_per_step_planned": self.copy_bytes_per_step,
+                **({"note": self.note} if self.note else {}), **({"emulated": True} if self.emulated else {})}
+
+
+def _resolve_budget(requested: int | None, dev: DeviceMemory, held_bytes: int) -> tuple[int, str]:
+    if requested is not None:
+        return requested, f"budget {gb(requested)} (vram_budget)"
+    avail = dev.free_bytes + held_bytes
+    margin = AUTO_MARGIN_BYTES + int(AUTO_MARGIN_FRACTION * dev.total_bytes)
+    held = f" + {gb(held_bytes)} this model holds" if held_bytes else ""
+    return max(0, avail - margin), (f"auto: {gb(dev.free_bytes)} free of {gb(dev.total_bytes)} on {dev.name}{held} "
+                                    f"less a {gb(margin)} margin = {gb(max(0, avail - margin))}")
+
+
+def _plan(mm: ModelMemory, wl: Workload, dev: DeviceMemory, budget: int, text: str, resident: int,
+          chunk: int | None, smallest: int | None, emulated: bool) -> MemoryPlan:
+    n = mm.cfg.num_layers
+    res = spread(n, resident)
+    streamed = tuple(j for j in range(n) if j not in set(res))
+    est = estimate(mm, wl, resident, SLOTS, chunk, dev.kind)
+    return MemoryPlan(budget, text, res, streamed, SLOTS, chunk, est, wl, mm.block_bytes, len(streamed) * mm.block_bytes,
+                      mm.adaln_host_bytes, smallest, dev.kind, emulated, row_local=mm.ffn_row_local_why)
+
+
+def smallest_budget(mm: ModelMemory, wl: Workload, device_kind: str = "cuda") -> int:
+    """Every block streamed and the smallest chunking this model's FFN allows."""
+    chunks = chunk_options(wl.rows, device_kind) if mm.ffn_row_local else []
+    return estimate(mm, wl, 0, SLOTS, chunks[-1] if chunks else None, device_kind).total
+
+
+def decide(mm: ModelMemory, wl: Workload, dev: DeviceMemory, requested: int | None,
+           host_free: int | None = None, held_bytes: int = 0, host_held_bytes: int = 0) -> MemoryPlan:
+    """The memory plan (module docstring). requested: the budget in bytes (None = auto); host_free: available
+    host memory (default: measured); held_bytes: device bytes this model already holds (re-planning a loaded
+    model: auto counts them as available); host_held_bytes: host bytes its streamed blocks already hold.
+    Raises BudgetError when the budget cannot run the job or the host cannot hold the streamed weights."""
+    n = mm.cfg.num_layers
+    emulated = dev.kind == "cpu"
+    if dev.integrated:
+        p = _plan(mm, wl, dev, requested or dev.total_bytes, "", n, None, None, False)
+        p.budget_text = f"{dev.name} is integrated (memory shared with the host)"
+        p.note = (f"{dev.name} shares its memory with the host (is_integrated): streaming does not apply, every "
+                  "block stays resident")
+        return p
+    if emulated and requested is None:
+        p = _plan(mm, wl, dev, None, "auto on the CPU", n, None, None, False)
+        p.note = "cpu: device memory is host memory, nothing streams (an explicit budget emulates streaming)"
+        return p
+    budget, text = _resolve_budget(requested, dev, held_bytes)
+    full = estimate(mm, wl, n, SLOTS, None, dev.kind)
+    if full.total <= budget:
+        return _plan(mm, wl, dev, budget, text, n, None, None, False)
+    smallest = smallest_budget(mm, wl, dev.kind)
+    chunks = [None] + (chunk_options(wl.rows, dev.kind) if mm.ffn_row_local else [])
+    for chunk in chunks:
+        if chunk is not None and estimate(mm, wl, n, SLOTS, chunk, dev.kind).total <= budget:
+            return _plan(mm, wl, dev, budget, text, n, chunk, smallest, emulated)
+        base = estimate(mm, wl, 0, SLOTS, chunk, dev.kind).total
+        if base > budget:
+            continue
+        resident = min(n - 1, (budget - base) // mm.block_bytes) if mm.block_bytes else n
+        p = _plan(mm, wl, dev, budget, text, int(resident), chunk, smallest, emulated)
+        _check_host(p, host_free, host_held_bytes)
+        return p
+    what = "auto (the free device memory less the margin)" if requested is None else "the budget"
+    raise BudgetError(
+        f"{text}: too small for {wl.describe()}: even with every block streamed and the smallest activation "
+        f"chunking the run needs {gb(smallest)} ({estimate(mm, wl, 0, SLOTS, chunks[-1], dev.kind).describe()}); "
+        f"{what} must be at least {gb(smallest)}: raise --vram-budget / H3_VRAM_BUDGET to {math.ceil(smallest / 1e8) / 10:.1f} "
+        "or lower the width, height or frames")
+
+
+def _check_host(p: MemoryPlan, host_free: int | None, host_held_bytes: int) -> None:
+    need = p.host_bytes - host_held_bytes
+    if need <= 0:
+        return
+    free = host_available_bytes() if host_free is None else host_free
+    adaln = p.adaln_host_bytes if host_held_bytes == 0 else 0  # loaded alongside, before the blocks
+    avail = free - adaln
+    if need > avail:
+        extra = f" after the {gb(adaln)} of AdaLN weights kept there" if adaln else ""
+        raise BudgetError(f"{p.budget_text}: {len(p.streamed)} streamed blocks need {need / GB:.1f} GB of host memory "
+                          f"for the streamed weights, {max(0, avail) / GB:.1f} GB free{extra}; raise the budget so fewer "
+                          "blocks stream, or free host memory (nothing was loaded)")
+
+
+def plan_memory(plan, workload: Workload | None = None, dev: DeviceMemory | None = None,
+                host_free: int | None = None) -> MemoryPlan:
+    """The memory plan of a load (``runtime.plan.LoadPlan``), for ``workload`` (default: the model's default
+    request, as ``defaults_for``); sets ``plan.memory`` and the ``memory`` choice. Reads no tensor."""
+    wl = workload or Workload.for_request(plan.config)
+    dev = dev or DeviceMemory.probe(plan.device)
+    mm = ModelMemory.from_plan(plan)
+    mp = decide(mm, wl, dev, parse_vram_budget(plan.options.vram_budget), host_free)
+    plan.memory = mp
+    plan.choices["memory"] = mp.choice()
+    return mp
+
+
+__all__ = ["BudgetError", "DeviceMemory", "Estimate", "MemoryPlan", "ModelMemory", "Workload", "decide", "estimate",
+           "parse_vram_budget", "plan_memory", "smallest_budget"]

@@ -1,0 +1,471 @@
+"""Block streaming: DiT blocks whose weights live in pinned host memory and are copied to the device just
+before they compute (the memory plan of ``runtime.budget`` says which).
+
+- ``BlockStreamer`` holds every streamed block's bytes as stored (the NVFP4 ``packed`` bytes and ``scales`` of
+  each ``Nvfp4Linear``; the dense ``weight`` of the reference stack) in one host buffer per linear, pinned on
+  CUDA. ``SLOTS`` device buffers (slots) of one block each take turns: a dedicated copy stream fills the slot
+  of the next streamed block while the current one computes. Order is kept with CUDA events only: the copy
+  into a slot waits for the event recorded after the last block that used it (``free``), the compute stream
+  waits for the event recorded after the copy (``ready``). Nothing synchronizes the host per block.
+- ``StreamOps`` is a BlockOps wrapper (like ``runtime.lora.ops.LoraOps``): the first op of block i that reads a
+  weight (qkv, out_proj, fc1 or fc2) binds block i's linears to its slot (``enter``), FC2's return unbinds
+  them (``leave``) and records the slot free. Between blocks a streamed linear holds its host tensors, so a
+  LoRA merge (which writes the layer's tensors in place) writes the host bytes that stream next; each slot
+  remembers the version counters of the host bytes it holds and copies again when they changed. The
+  wrapper also carries the plan's FFN row chunking (``ffn_chunk_rows``, read by ``DiTBlock.forward``).
+- CPU: the same loop with host-to-host copies into separate slot tensors (an emulation for tests: the copies
+  are synchronous, so all of their time counts as exposed).
+
+Prefetch is cyclic: entering streamed block j issues the copies of the next ``SLOTS - 1`` streamed blocks in
+stack order, wrapping to the first streamed blocks of the next evaluation, so a skipped tail (First-Block Cache)
+or the end of a step costs nothing. Copy time and exposed (stalled) time are measured per evaluation with CUDA
+events and read once, after the run's final synchronization (``summary``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from .linear import Nvfp4Linear
+
+SLOTS = 2
+ALIGN = 256
+LINEAR_NAMES = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
+_OWN = ("inner", "streamer", "ffn_chunk_rows")
+
+
+def _streamed_names(lin: nn.Module) -> list[tuple[str, str]]:
+    """(table, name) of the tensors of a block linear that stream: NVFP4 bytes and scales, or the dense weight."""
+    if isinstance(lin, Nvfp4Linear):
+        return [("_buffers", "packed"), ("_buffers", "scales")]
+    return [("_parameters", "weight")]
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _host_empty(nbytes: int, pin: bool) -> tuple[torch.Tensor, str]:
+    """An exact-size host byte buffer, page-locked on CUDA (cudaHostRegister: torch's pinned allocator would
+    round each buffer up to a power of two) -> (buffer, how it is pinned)."""
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    if not pin or nbytes == 0:
+        return buf, "none"
+    try:
+        rc = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)
+        if int(rc) == 0 and buf.is_pinned():
+            return buf, "registered"
+        if int(rc) == 0:
+            torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+    except (AttributeError, RuntimeError, TypeError):
+        pass
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), "pinned"
+
+
+def _host_free(buf: torch.Tensor, how: str) -> None:
+    if how == "registered":
+        torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+
+
+@dataclass
+class _Entry:
+    table: str
+    name: str
+    offset: int
+    shape: tuple
+    dtype: torch.dtype
+    nbytes: int
+    param: bool  # bound as an nn.Parameter (dense weights)
+
+
+class HostLinear:
+    """One streamed block linear's tensors in one host buffer: ``views`` are what the module holds between
+    its blocks' computations; ``version`` changes whenever any of them is written in place."""
+
+    def __init__(self, module: nn.Module, pin: bool):
+        self.entries: list[_Entry] = []
+        off = 0
+        srcs = []
+        for table, name in _streamed_names(module):
+            t = getattr(module, table)[name]
+            n = t.numel() * t.element_size()
+            self.entries.append(_Entry(table, name, off, tuple(t.shape), t.dtype, n, table == "_parameters"))
+            srcs.append(t)
+            off += _aligned(n)
+        self.nbytes = off
+        self.buffer, self.pinned = _host_empty(off, pin)
+        self.views = {}
+        for e, t in zip(self.entries, srcs):
+            v = self.view(self.buffer, e)
+            v.copy_(t.detach())
+            self.views[e.name] = nn.Parameter(v, requires_grad=False) if e.param else v
+
+    @staticmethod
+    def view(buf: torch.Tensor, e: _Entry) -> torch.Tensor:
+        return buf[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
+
+    @property
+    def version(self) -> int:
+        return self.buffer._version
+
+    def bind_host(self, module: nn.Module) -> None:
+        for e in self.entries:
+            getattr(module, e.table)[e.name] = self.views[e.name]
+
+    def holds(self, module: nn.Module) -> bool:
+        """True while ``module`` still holds this buffer's views (not replaced by another tensor)."""
+        return all(getattr(module, e.table).get(e.name) is self.views[e.name] for e in self.entries)
+
+    def release(self) -> None:
+        _host_free(self.buffer, self.pinned)
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+        self.views = {}
+
+
+@dataclass
+class _StepStats:
+    copies: list = field(default_factory=list)  # (start event, end event, bytes) on CUDA; (seconds, bytes) on CPU
+    stalls: list = field(default_factory=list)  # (start event, end event) on the compute stream
+
+
+class BlockStreamer:
+    """The streamed blocks of one model on one device (module docstring). ``streamed``: block indices."""
+
+    def __init__(self, blocks: nn.ModuleList, streamed, device: torch.device, slots: int = SLOTS):
+        self.blocks = blocks
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.nslots = max(2, int(slots))
+        self.host: dict[int, dict[str, HostLinear]] = {}
+        self._set_streamed(streamed)
+        self.slots: list[dict[str, torch.Tensor]] = []
+        self.slot_bytes = 0
+        self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.bound: int | None = None
+        self.bound_slot: int | None = None
+        self.last: int | None = None
+        self.steps: list[_StepStats] = []
+        self.bytes_total = 0
+        self.versioned = True
+        self._reset_slots()
+
+    def _set_streamed(self, streamed) -> None:
+        self.streamed = frozenset(int(j) for j in streamed)
+        self.order = sorted(self.streamed)
+
+    def _reset_slots(self) -> None:
+        self.slot_block: list[int | None] = [None] * self.nslots
+        self.slot_version: list[tuple | None] = [None] * self.nslots
+        self.ready: list[object | None] = [None] * self.nslots
+        self.free: list[object | None] = [None] * self.nslots
+        self.slot_used = [0] * self.nslots
+
+    # -- load ---------------------------------------------------------------------------------------
+    def adopt(self, layer: str, module: nn.Module) -> bool:
+        """The loader's hook after each block linear: a streamed block's linear moves its streamed tensors to
+        host memory (the device copies are then freed). Returns True when it did."""
+        parts = layer.split(".", 2)
+        if len(parts) < 3 or parts[0] != "blocks" or parts[2] not in LINEAR_NAMES:
+            return False
+        j = int(parts[1])
+        if j not in self.streamed:
+            return False
+        hl = HostLinear(module, pin=self.cuda)
+        hl.bind_host(module)
+        self.host.setdefault(j, {})[parts[2]] = hl
+        return True
+
+    def finish(self) -> None:
+        """After the load: every streamed block is in host memory; allocate the slots, copy the first blocks."""
+        missing = [j for j in self.order if set(self.host.get(j, {})) != set(LINEAR_NAMES)]
+        if missing:
+            raise RuntimeError(f"block streaming: blocks {missing[:5]} were planned to stream but their linears were "
+                               "not adopted (the loader's hook did not run for them)")
+        self._alloc_slots()
+        # dense weights are nn.Parameters, written through ``.data`` by LoRA merges (not counted in the version
+        # counter): their slots are copied again in every evaluation
+        self.versioned = all(not e.param for parts in self.host.values() for hl in parts.values() for e in hl.entries)
+        if self.order:
+            self._prefetch_after(self.order[-1])
+        self.steps = []  # the copies issued at load belong to no evaluation
+
+    def _alloc_slots(self) -> None:
+        self.slots = []
+        if not self.order:
+            self.slot_bytes = 0
+            return
+        sizes = {name: max(self.host[j][name].nbytes for j in self.order) for name in LINEAR_NAMES}
+        self.slot_bytes = sum(sizes.values())
+        for _ in range(self.nslots):
+            buf = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
+            regions, off = {}, 0
+            for name in LINEAR_NAMES:
+                regions[name] = buf[off:off + sizes[name]]
+                off += sizes[name]
+            self.slots.append(regions)
+        self._reset_slots()
+
+    # -- bookkeeping ---------------------------------------------------------------------------------
+    @property
+    def host_bytes(self) -> int:
+        return sum(hl.nbytes for parts in self.host.values() for hl in parts.values())
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(hl.nbytes for parts in self.host.values() for hl in parts.values() if hl.pinned != "none")
+
+    @property
+    def device_bytes(self) -> int:
+        return self.slot_bytes * len(self.slots)
+
+    def block_bytes(self, j: int) -> int:
+        return sum(hl.nbytes for hl in self.host[j].values())
+
+    def _versions(self, j: int) -> tuple:
+        return tuple(hl.version for hl in self.host[j].values())
+
+    # -- the loop ------------------------------------------------------------------------------------
+    def _sync_host(self, j: int) -> None:
+        """A streamed linear whose module was given other tensors (not our host views) is adopted again."""
+        blk = self.blocks[j]
+        for name, hl in self.host[j].items():
+            mod = blk.get_submodule(name)
+            if hl.holds(mod):
+                continue
+            new = HostLinear(mod, pin=self.cuda)
+            if new.nbytes > self.slot_bytes and len(self.slots):
+                new.release()
+                raise RuntimeError(f"block streaming: blocks.{j}.{name} was replaced by a larger tensor set than its "
+                                   "device buffer holds")
+            hl.release()
+            new.bind_host(mod)
+            self.host[j][name] = new
+            self._invalidate(j)
+
+    def _invalidate(self, j: int) -> None:
+        for s, b in enumerate(self.slot_block):
+            if b == j:
+                self.slot_block[s] = None
+
+    def _upcoming(self, j: int) -> list[int]:
+        """The next SLOTS - 1 streamed blocks after j in stack order, wrapping around."""
+        if not self.order:
+            return []
+        k = next((n for n, b in enumerate(self.order) if b > j), 0)
+        out = []
+        for n in range(len(self.order)):
+            b = self.order[(k + n) % len(self.order)]
+            if b == j or b in out:
+                continue
+            out.append(b)
+            if len(out) == self.nslots - 1:
+                break
+        return out
+
+    def _slot_of(self, j: int) -> int | None:
+        for s, b in enumerate(self.slot_block):
+            if b == j and self.slot_version[s] == self._versions(j):
+                return s
+        return None
+
+    def _victim(self, keep: set) -> int:
+        cands = [s for s in range(self.nslots) if s != self.bound_slot and self.slot_block[s] not in keep]
+        return min(cands, key=lambda s: self.slot_used[s])
+
+    def _stats(self) -> _StepStats:
+        if not self.steps:
+            self.steps.append(_StepStats())
+        return self.steps[-1]
+
+    def _copy(self, j: int, s: int) -> None:
+        """Block j's host bytes -> slot s (on the copy stream after the slot's last user finished)."""
+        nbytes = self.block_bytes(j)
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(self.copy_stream):
+                if self.free[s] is not None:
+                    self.copy_stream.wait_event(self.free[s])
+                start.record(self.copy_stream)
+                for name, hl in self.host[j].items():
+                    self.slots[s][name][:hl.nbytes].copy_(hl.buffer, non_blocking=True)
+                end.record(self.copy_stream)
+            self.ready[s] = end
+            self._stats().copies.append((start, end, nbytes))
+        else:
+            t0 = time.perf_counter()
+            for name, hl in self.host[j].items():
+                self.slots[s][name][:hl.nbytes].copy_(hl.buffer)
+            self._stats().copies.append((time.perf_counter() - t0, nbytes))
+        self.slot_block[s], self.slot_version[s] = j, self._versions(j)
+        self.bytes_total += nbytes
+
+    def _prefetch_after(self, j: int) -> None:
+        ahead = self._upcoming(j)
+        for u in ahead:
+            if self._slot_of(u) is None:
+                self._copy(u, self._victim(set(ahead) | ({self.bound} if self.bound is not None else set())))
+
+    def enter(self, j: int) -> None:
+        """Bind block j's streamed linears to the slot holding its bytes (copying them first if they are not
+        there), then prefetch the next streamed blocks. Idempotent while j is bound."""
+        if j not in self.streamed or self.bound == j:
+            return
+        if self.bound is not None:
+            self.leave(self.bound)
+        if self.last is None or j <= self.last:
+            self.steps.append(_StepStats())  # a new evaluation: block indices started over
+            if not self.versioned:
+                self.slot_block = [None] * self.nslots
+        self.last = j
+        self._sync_host(j)
+        s = self._slot_of(j)
+        if s is None:
+            s = self._victim(set(self._upcoming(j)))
+            self._copy(j, s)
+        if self.cuda:
+            stream = torch.cuda.current_stream(self.device)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record(stream)
+            stream.wait_event(self.ready[s])
+            b.record(stream)
+            self._stats().stalls.append((a, b))
+        blk = self.blocks[j]
+        for name, hl in self.host[j].items():
+            mod = blk.get_submodule(name)
+            region = self.slots[s][name]
+            for e in hl.entries:
+                getattr(mod, e.table)[e.name] = HostLinear.view(region, e)
+        self.bound, self.bound_slot = j, s
+        self.slot_used[s] = max(self.slot_used) + 1
+        self._prefetch_after(j)
+
+    def leave(self, j: int) -> None:
+        """Block j computed: its slot may be refilled once the compute stream passes this point."""
+        if self.bound != j:
+            return
+        s = self.bound_slot
+        if self.cuda:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+            self.free[s] = ev
+        blk = self.blocks[j]
+        for name, hl in self.host[j].items():
+            hl.bind_host(blk.get_submodule(name))
+        self.bound, self.bound_slot = None, None
+
+    def release(self) -> None:
+        """Unbind whatever block is bound (after an error inside a block)."""
+        if self.bound is not None:
+            self.leave(self.bound)
+
+    # -- re-planning -------------------------------------------------------------------------------
+    def restream(self, streamed) -> None:
+        """Change which blocks stream (``runtime.budget`` re-planned for a sampling run): blocks that now stream
+        move to host memory first (freeing device memory), then blocks that become resident move to the device.
+        Synchronizes the device once."""
+        new = frozenset(int(j) for j in streamed)
+        if new == self.streamed:
+            return
+        self.release()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        self.slots = []
+        self._reset_slots()
+        gone = self.streamed - new
+        self._set_streamed(new)
+        for j in sorted(new - set(self.host)):
+            for name in LINEAR_NAMES:
+                self.adopt(f"blocks.{j}.{name}", self.blocks[j].get_submodule(name))
+        for j in sorted(gone):
+            for name, hl in self.host.pop(j).items():
+                mod = self.blocks[j].get_submodule(name)
+                for e in hl.entries:
+                    t = torch.empty(e.shape, dtype=e.dtype, device=self.device)
+                    t.copy_(HostLinear.view(hl.buffer, e))
+                    getattr(mod, e.table)[e.name] = nn.Parameter(t, requires_grad=False) if e.param else t
+                hl.release()
+        self.last = None
+        self.finish()
+
+    # -- measurement -------------------------------------------------------------------------------
+    def summary(self) -> dict:
+        """Copies and stalls of the evaluations since the last summary (read after the run's final
+        synchronization: CUDA events only), then cleared."""
+        self.release()
+        per_step = []
+        for st in self.steps:
+            if self.cuda:
+                copy_ms = sum(a.elapsed_time(b) for a, b, _ in st.copies)
+                exposed = sum(a.elapsed_time(b) for a, b in st.stalls)
+                nbytes = sum(n for *_, n in st.copies)
+            else:
+                copy_ms = 1e3 * sum(t for t, _ in st.copies)
+                exposed = copy_ms
+                nbytes = sum(n for _, n in st.copies)
+            per_step.append({"bytes_copied": nbytes, "copy_ms": copy_ms, "exposed_ms": exposed,
+                             "hidden_ms": max(0.0, copy_ms - exposed)})
+        self.steps = []
+
+        def median(key):
+            v = sorted(p[key] for p in per_step)
+            return None if not v else (v[len(v) // 2] if len(v) % 2 else 0.5 * (v[len(v) // 2 - 1] + v[len(v) // 2]))
+
+        return {"evaluations": len(per_step), "bytes_copied_per_step": median("bytes_copied"),
+                "copy_ms_per_step": median("copy_ms"), "copy_exposed_ms_per_step": median("exposed_ms"),
+                "copy_hidden_ms_per_step": median("hidden_ms"), "per_step": per_step,
+                "timing": ("CUDA events: copies on the copy stream, stalls where the compute stream waited for a "
+                           "copy (medians over the evaluations)") if self.cuda else
+                          "cpu emulation: synchronous host copies, all exposed (perf_counter)"}
+
+
+class StreamOps:
+    """BlockOps = ``inner`` (any BlockOps) whose blocks' streamed linears are bound to their device slot while
+    the block computes (``BlockStreamer.enter`` / ``leave``); ``ffn_chunk_rows``: the FFN row chunk of the
+    memory plan (None: unchunked). Other attributes read and write the inner ops'."""
+
+    def __init__(self, inner, streamer: BlockStreamer | None, ffn_chunk_rows: int | None = None):
+        object.__setattr__(self, "inner", inner)
+        object.__setattr__(self, "streamer", streamer)
+        object.__setattr__(self, "ffn_chunk_rows", ffn_chunk_rows)
+
+    def __getattr__(self, name):
+        if name.startswith("__") or name in _OWN:
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def __setattr__(self, name, value):
+        if name in _OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.inner, name, value)
+
+    def _enter(self, i, blk) -> None:
+        st = self.streamer
+        if st is not None and isinstance(i, int) and 0 <= i < len(st.blocks) and st.blocks[i] is blk:
+            st.enter(i)
+
+    def with_attention(self, fn) -> "StreamOps":
+        return StreamOps(self.inner.with_attention(fn), self.streamer, self.ffn_chunk_rows)
+
+    def qkv(self, i, blk, x, shift, scale, segs):
+        self._enter(i, blk)
+        return self.inner.qkv(i, blk, x, shift, scale, segs)
+
+    def out_proj(self, i, blk, o):
+        self._enter(i, blk)
+        return self.inner.out_proj(i, blk, o)
+
+    def fc1(self, i, blk, x, shift, scale, segs):
+        self._enter(i, blk)
+        return self.inner.fc1(i, blk, x, shift, scale, segs)
+
+    def fc2(self, i, blk, h, lora_active: bool = False):
+        self._enter(i, blk)
+        y = self.inner.fc2(i, blk, h, lora_active=lora_active)
+        if self.streamer is not None and isinstance(i, int):
+            self.streamer.leave(i)
+        return y
