@@ -425,6 +425,11 @@ def test_trickles_end_in_time(tmp_path):
     cases["view-headers"] = case(route("GET", "/view", trickle(b"HTTP/1.1 200 OK\r\n", b"X: 1\r\n")),
                                  "ran out while fetching", args=["--timeout", "1.5", "--http-timeout", "60"],
                                  fresh_output=True, max_s=7)
+    # every request trickles, /ws included: the feed's handshake runs beside the submit, so one --http-timeout
+    everything = both(*(route(m, "/", trickle(b"HTTP/1.1 200 OK\r\n", b"X-Pad: 1\r\n", every=0.05))
+                        for m in ("GET", "POST")))
+    cases["everything-with-ws"] = case(everything, "--http-timeout (2 s)", ws=True,
+                                       args=["--http-timeout", "2", "--timeout", "60"], max_s=6.5)
     run_cases(tmp_path, cases)
 
 
