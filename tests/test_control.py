@@ -23,7 +23,8 @@ from fixtures.tiny_control import (control_metadata, diffusers_control_state_dic
 from h3_blackwell.cli import main as cli  # noqa: E402
 from h3_blackwell.runtime import (ControlError, H3Error, RuntimeOptions, bind_control, load_control,  # noqa: E402
                                   load_model, open_control)
-from h3_blackwell.runtime.model.conditioning import ControlHint, H3Conditioning  # noqa: E402
+from h3_blackwell.runtime.model.conditioning import ControlHint  # noqa: E402
+from h3_blackwell.runtime.io.payload import conditioning_from_payload, conditioning_to_payload  # noqa: E402
 from h3_blackwell.runtime.model.config import TINY  # noqa: E402
 from h3_blackwell.runtime.model.control import fade_row_scale  # noqa: E402
 from h3_blackwell.runtime.model.tiny import save_tiny, tiny_state_dict  # noqa: E402
@@ -54,7 +55,7 @@ def _write_inputs(tmp_path, case, with_control=True):
     payload = dict(case["payload"])
     if with_control:
         payload["control"] = case["control"]
-    payload, tensors = H3Conditioning.from_payload(payload).to_payload()
+    payload, tensors = conditioning_to_payload(conditioning_from_payload(payload))
     tensors.update(video=case["video"], audio=case["audio"], text_states=case["text_states"],
                    token_tags=case["token_tags"], sigma=torch.tensor([case["sigma"]]))
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "in.safetensors"))
@@ -108,7 +109,7 @@ def test_strength_zero_is_exactly_uncontrolled(files, tmp_path):
     rt = load_model(str(files["full"]), RuntimeOptions(device="cpu", dtype="float32", quantize=False,
                                                        attention="reference"))
     tower = load_control(files["hint24_keyframes"], rt.plan, rt.config)
-    cond = H3Conditioning.from_payload(case["payload"])
+    cond = conditioning_from_payload(case["payload"])
     with torch.no_grad():
         plan = rt.model.plan(case["text_states"], case["video"].shape, case["audio"].shape, [0.8], cond=cond)
         v0, a0 = rt.model.evaluate(plan, 0, case["video"], case["audio"], rt.ops)
@@ -176,10 +177,10 @@ def test_bad_control_payloads(files, tmp_path, capsys):
     for control, field in bad:
         if field == "control.strength":  # NaN cannot go through JSON: parse it directly
             with pytest.raises(H3Error, match=field):
-                H3Conditioning.from_payload({"control": control})
+                conditioning_from_payload({"control": control})
             continue
         try:
-            payload, tensors = H3Conditioning.from_payload({"control": control}).to_payload()
+            payload, tensors = conditioning_to_payload(conditioning_from_payload({"control": control}))
         except H3Error as e:
             assert field in str(e)
             continue
@@ -299,3 +300,38 @@ def test_generate_with_control(files, tmp_path):
     with safe_open(str(tmp_path / "p" / "latents.safetensors"), "pt") as f:
         pv = f.get_tensor("video")
     assert _rel(cv, pv) > 1e-3
+
+
+def test_quantize_control_files(files, tmp_path):
+    """``quantize`` on a tower: native names whatever the source naming (a VideoX-Fun file converts to the same
+    tensors as its native twin), the block linears NVFP4, core's metadata; the result applies with --control."""
+    from h3_blackwell.runtime.io.header import read_header, read_tensor
+
+    case = CASES["hint24_keyframes"]
+    sd = tiny_control_state_dict(FULL, 2, seed=11)
+    native = _save(tmp_path / "native.safetensors", sd, control_metadata((0, 2), False))
+    videox = _save(tmp_path / "videox.safetensors", diffusers_control_state_dict(sd),
+                   {"control_blocks_places": "[0, 2]"})
+    outs = []
+    for src in (native, videox):
+        out = tmp_path / (src.stem + "_nvfp4.safetensors")
+        assert cli.main(["quantize", str(src), str(out)]) == 0
+        outs.append(read_header(out))
+    a, b = outs
+    assert sorted(a.tensors) == sorted(b.tensors) and json.loads(a.metadata["control_blocks_places"]) == [0, 2]
+    assert all(torch.equal(read_tensor(a, k), read_tensor(b, k)) for k in a.tensors)
+    assert a.tensors["control_blocks.1.mlp.fc1.weight"].dtype == "U8"  # NVFP4 bytes
+    assert a.tensors["control_blocks.1.after_proj.weight"].dtype == "F32"  # the rest as stored
+    spec = open_control(tmp_path / "native_nvfp4.safetensors").check_base(FULL).spec
+    assert spec.places == (0, 2) and spec.blocks == 2
+    # applied: the dense forward dequantizes the tower, --fast adopts its NVFP4 bytes; both near the bf16 tower
+    files = dict(files, q=tmp_path / "native_nvfp4.safetensors")
+    CASES["q"] = case
+    try:
+        dv, da = _forward(files, "hint24_keyframes", tmp_path)
+        qv, qa = _forward(files, "q", tmp_path)
+        fv, fa = _forward(files, "q", tmp_path, extra=("--fast",))
+    finally:
+        del CASES["q"]
+    for x, y in ((qv, dv), (qa, da), (fv, dv), (fa, da)):
+        assert 0 < _rel(x, y) < 0.1, _rel(x, y)

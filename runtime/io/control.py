@@ -39,7 +39,7 @@ from ..ops.linear import Nvfp4Linear, Scratch
 from .checkpoint import dequantize_layer
 from .comfy_quant import from_comfy_quant_tensors, parse_comfy_quant_marker, parse_quantization_metadata
 from .finite import check_finite
-from .header import ST_DTYPES, Header, read_header
+from .header import read_header, read_tensor
 from .verify import check_names_and_shapes
 
 BASE_BLOCKS = 50  # core spreads the control blocks over the released model's 50 blocks
@@ -71,21 +71,6 @@ class ControlSpec:
     def block_config(self):
         return block_config(self.hidden_size, self.num_heads, self.head_dim, self.ffn_hidden_size,
                             self.time_embed_dim, self.curve_form)
-
-
-def _read(h: Header, key: str) -> torch.Tensor:
-    """One tensor's bytes with a plain read into a buffer of exactly its size (no mmap, no unpickling)."""
-    info = h.tensors[key]
-    if info.dtype not in ST_DTYPES:
-        raise CheckpointError(f"{h.path}: tensor {key!r} has dtype {info.dtype}, which this loader does not read")
-    n = info.offsets[1] - info.offsets[0]
-    buf = torch.empty(n, dtype=torch.uint8)
-    with open(h.path, "rb") as f:
-        f.seek(h.data_start + info.offsets[0])
-        if f.readinto(memoryview(buf.numpy())) != n:
-            raise CheckpointError(f"{h.path} is truncated while reading {key!r}")
-    dt = ST_DTYPES[info.dtype]
-    return buf.view(dt).reshape(info.shape) if n else torch.empty(info.shape, dtype=dt)
 
 
 def _what_it_is(path: Path, keys: list[str]) -> str:
@@ -142,7 +127,7 @@ class ControlFile:
     def tensor(self, k: str, device="cpu") -> torch.Tensor:
         if k not in self.header.tensors:
             raise CheckpointError(f"tensor {k!r} is not in {self.path}")
-        return _read(self.header, k).to(device)
+        return read_tensor(self.header, k).to(device)
 
     def quant_layers(self) -> set[str]:
         have = self.keys()
@@ -155,7 +140,7 @@ class ControlFile:
         marker = layer + ".comfy_quant"
         try:
             if marker in self.header.tensors:
-                return parse_comfy_quant_marker(_read(self.header, marker))
+                return parse_comfy_quant_marker(read_tensor(self.header, marker))
             layers = parse_quantization_metadata(self.metadata)
         except ValueError as e:
             raise CheckpointError(f"{self.name}: {marker}: {e}; re-export the file") from None
@@ -238,6 +223,112 @@ def open_control(path: str | Path) -> ControlFile:
     if not p.exists():
         raise CheckpointError(f"control file not found: {path}")
     return ControlFile(p).check()
+
+
+# ---------------------------------------------------------------------------------------------
+# other namings, for the converter
+# ---------------------------------------------------------------------------------------------
+
+_D2N = (("attn.to_out.0.", "attn.out_proj."), ("attn.norm_q.", "attn.q_norm."), ("attn.norm_k.", "attn.k_norm."),
+        ("ff.net.2.", "mlp.fc2."))
+CONTROL_METADATA = ("control_blocks_places", "minimax_h3_fun_controlnet", "inpaint_masked_pixel_mode")
+
+
+class ControlView:
+    """A Fun ControlNet file read under core's native names whatever its naming: native, prefixed
+    (``diffusion_model.`` / ``transformer.`` / ...), or diffusers / VideoX-Fun (``attn.to_q/to_k/to_v`` fused into
+    ``qkv_proj`` as [q; k; v], ``ff.net.0.proj`` [up; gate] swapped to ``mlp.fc1`` [gate; up], ``to_out.0``,
+    ``norm_q/norm_k``, ``ff.net.2``). A VideoX-Fun file holding the whole transformer yields its control branch
+    only. keys() / shape() / dtype_name() / tensor(): the converter's source interface."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.header = read_header(self.path)
+        self.metadata = dict(self.header.metadata)
+        self.scheme = "native"
+        self._parts: dict[str, list[str]] = {}
+        for k in self.header.tensors:
+            name = k
+            for p in _PREFIXES:
+                if name.startswith(p):
+                    name = name[len(p):]
+                    self.scheme = "prefixed" if self.scheme == "native" else self.scheme
+                    break
+            if not (name.startswith("control_blocks.") or name.startswith("control_proj_in.")):
+                continue
+            m = re.match(r"^(control_blocks\.\d+\.)(.*)$", name)
+            if m:
+                head, rest = m.groups()
+                if re.match(r"^attn\.to_[qkv]\.weight$", rest):
+                    self.scheme = "diffusers"
+                    name = head + "attn.qkv_proj.weight"
+                elif rest.startswith("ff.net.0.proj."):
+                    self.scheme = "diffusers"
+                    name = head + "mlp.fc1." + rest[len("ff.net.0.proj."):]
+                else:
+                    for d, n in _D2N:
+                        if rest.startswith(d):
+                            self.scheme, name = "diffusers", head + n + rest[len(d):]
+                            break
+            self._parts.setdefault(name, []).append(k)
+        for name, parts in self._parts.items():
+            if name.endswith("attn.qkv_proj.weight") and len(parts) > 1:
+                if len(parts) != 3:
+                    raise CheckpointError(f"{self.path.name}: {name} needs to_q, to_k and to_v; found {parts}")
+                self._parts[name] = sorted(parts, key=lambda x: "qkv".index(x[-len("q.weight")]))
+        if not all(k in self._parts for k in REQUIRED):
+            raise CheckpointError(_what_it_is(self.path, list(self.header.tensors)))
+        self.spec = _spec(self.path.name, {k: self.shape(k) for k in self._parts}, self.metadata)
+
+    def keys(self) -> list[str]:
+        return list(self._parts)
+
+    def shape(self, k: str) -> tuple:
+        shapes = [tuple(self.header.tensors[p].shape) for p in self._parts[k]]
+        return (sum(s[0] for s in shapes),) + shapes[0][1:] if len(shapes) > 1 else shapes[0]
+
+    def dtype_name(self, k: str) -> str:
+        return self.header.tensors[self._parts[k][0]].dtype
+
+    def tensor(self, k: str, device="cpu") -> torch.Tensor:
+        parts = [read_tensor(self.header, p) for p in self._parts[k]]
+        t = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if k.endswith("mlp.fc1.weight") and ".ff.net.0.proj." in f".{self._parts[k][0]}":
+            up, gate = t.chunk(2, dim=0)
+            t = torch.cat([gate, up])
+        return t.to(device)
+
+    def check(self) -> "ControlView":
+        """Every tensor of the tower with its shape, nothing else (the converter writes only a loadable file)."""
+        with torch.device("meta"):
+            tower = FunControl(self.spec.block_config, self.spec.places)
+        want = {k: tuple(v.shape) for k, v in tower.state_dict().items()}
+        check_names_and_shapes(want, self, set(), str(self.path), self.spec.blocks,
+                               f"a {self.spec.blocks}-block Fun ControlNet (hidden {self.spec.hidden_size})")
+        extra = [k for k in self.keys() if k not in want]
+        if extra:
+            raise CheckpointError(f"{self.path.name}: {len(extra)} tensor(s) that a Fun ControlNet does not have, e.g. "
+                                  f"{extra[:4]}")
+        quant = [k for k in self.keys() if self.dtype_name(k) in _QUANT_DTYPES or k.endswith(_QUANT_SUFFIXES)]
+        if quant:
+            raise CheckpointError(f"{self.path.name}: already quantized tensors ({quant[:3]}); the converter reads "
+                                  "bf16 / fp16 / fp32 towers")
+        return self
+
+    def metadata_out(self) -> dict[str, str]:
+        """Core's control metadata of the source (places, adaLN form, inpaint mode), the places always written."""
+        meta = {k: self.metadata[k] for k in CONTROL_METADATA if k in self.metadata}
+        meta["control_blocks_places"] = json.dumps(list(self.spec.places))
+        return meta
+
+
+def is_control_file(path: str | Path) -> bool:
+    """True when the file's header holds a Fun ControlNet's ``control_proj_in.weight`` (under any prefix)."""
+    try:
+        keys = read_header(path).tensors
+    except CheckpointError:
+        return False
+    return any(k == "control_proj_in.weight" or k.endswith(".control_proj_in.weight") for k in keys)
 
 
 # ---------------------------------------------------------------------------------------------

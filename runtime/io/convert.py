@@ -6,6 +6,8 @@ first, 16-row padded), ``.weight_scale`` (e4m3, swizzled), ``.weight_scale_2`` (
 (``{"format": "nvfp4"}``), also listed in the safetensors metadata ``_quantization_metadata``. Everything
 else (norms, AdaLN, embeddings, heads, biases, layers that are already nvfp4) is written unchanged at its
 source precision. The output is ComfyUI naming with QKV stacked ``[q; k; v]`` and fc1 ``[gate; up]``.
+A Fun ControlNet file (``control_proj_in.weight`` present) converts the same way (``quantize_control``): its
+control blocks' four linears become NVFP4, its names become core's native ones whatever the source naming.
 
 Streaming: with the source shapes known (``shapes=``, which ``quantize_checkpoint`` takes from the
 source header) the output header is computed and written first, then each tensor's bytes as it is
@@ -34,10 +36,12 @@ from ..ops import nvfp4
 from . import comfy_quant as cq
 from .atomic import no_space, temp_path
 from .checkpoint import open_checkpoint
+from .control import CONTROL_LINEARS, ControlView, is_control_file
 from .finite import check_finite
 from .verify import check_checkpoint
 
-__all__ = ["QUANTIZED_LINEAR", "quantize_state_dict_streaming", "quantize_checkpoint", "plan_output"]
+__all__ = ["QUANTIZED_LINEAR", "quantize_state_dict_streaming", "quantize_checkpoint", "quantize_control",
+           "plan_output"]
 
 # QUANTIZED_LINEAR: the block linears that become NVFP4 (ComfyUI names without ".weight"), shared with
 # the loader: blocks.N.attn.qkv_proj, blocks.N.attn.out_proj, blocks.N.mlp.fc1, blocks.N.mlp.fc2.
@@ -54,7 +58,7 @@ def _target_layer(name: str) -> str | None:
     if not name.endswith(".weight"):
         return None
     layer = name[: -len(".weight")]
-    return layer if QUANTIZED_LINEAR.match(layer) else None
+    return layer if QUANTIZED_LINEAR.match(layer) or CONTROL_LINEARS.match(layer) else None
 
 
 def _check_target(name: str, dtype: str, shape: tuple) -> bool:
@@ -234,6 +238,8 @@ def quantize_checkpoint(in_path: str | os.PathLike, out_path: str | os.PathLike,
     if Path(out_path).is_dir():
         raise H3Error(f"output {out_path} is a directory; expected a file path such as "
                       f"{Path(out_path) / 'h3_nvfp4.safetensors'}")
+    if is_control_file(in_path):
+        return quantize_control(in_path, out_path, device, progress)
     ck = open_checkpoint(in_path, scheme=scheme)
     check_checkpoint(ck)  # every tensor present with its shape, before anything is written
     shapes = {k: (tuple(ck.shape(k)), ck.dtype_name(k)) for k in ck.keys()}
@@ -242,6 +248,19 @@ def quantize_checkpoint(in_path: str | os.PathLike, out_path: str | os.PathLike,
     meta = {**ck.metadata, "config": core_safe_config_metadata(ck.metadata.get("config"), ck.config)}
     return quantize_state_dict_streaming(_finite_stream(ck.iter_tensors("cpu"), str(in_path)), out_path, device,
                                          progress, shapes=shapes, metadata=meta)
+
+
+def quantize_control(in_path: str | os.PathLike, out_path: str | os.PathLike, device: str = "cpu",
+                     progress: Progress | None = None) -> dict:
+    """``h3-blackwell quantize CONTROL OUT`` for a Fun ControlNet (``runtime.io.control``): core's native names
+    (from native, prefixed or diffusers / VideoX-Fun naming), the control blocks' four linears NVFP4 like the
+    base's, everything else at its source precision, core's metadata (places always written, the adaLN form and
+    inpaint mode carried), header first. The output loads through core's ModelPatchLoader and ``--control``."""
+    view = ControlView(in_path).check()
+    shapes = {k: (tuple(view.shape(k)), view.dtype_name(k)) for k in view.keys()}
+    stream = ((k, view.tensor(k)) for k in view.keys())
+    return quantize_state_dict_streaming(_finite_stream(stream, str(in_path)), out_path, device, progress,
+                                         shapes=shapes, metadata=view.metadata_out())
 
 
 def _finite_stream(tensors: Iterable[tuple[str, torch.Tensor]], source: str):
