@@ -168,6 +168,11 @@ def _generate_parser(sub) -> None:
     g.add_argument("--runs", type=int, default=1, help="measured resident runs (the report gives their median)")
     g.add_argument("--warmup", type=int, default=0, help="resident runs before the measured ones (not reported)")
     g.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N (default: auto, or H3 options)")
+    g.add_argument("--vram-budget", default=None, metavar="GB|auto",
+                   help="device-memory budget of the run in GB (1 GB = 1e9 bytes), or auto (default, or "
+                        "H3_VRAM_BUDGET): the free device memory less a margin. Blocks that do not fit stream from "
+                        "pinned host memory while the others compute; the plan prints its decision and estimate and "
+                        "refuses a budget too small, naming the smallest that works")
     _backend_args(g)
     _lossy_args(g)
     g.add_argument("--dense", action="store_true", help="keep dense linears (no NVFP4; the reference stack)")

@@ -494,8 +494,14 @@ def decide(mm: ModelMemory, wl: Workload, dev: DeviceMemory, requested: int | No
     raise BudgetError(
         f"{text}: too small for {wl.describe()}: even with every block streamed and the smallest activation "
         f"chunking the run needs {gb(smallest)} ({estimate(mm, wl, 0, SLOTS, chunks[-1], dev.kind).describe()}); "
-        f"{what} must be at least {gb(smallest)}: raise --vram-budget / H3_VRAM_BUDGET to {math.ceil(smallest / 1e8) / 10:.1f} "
-        "or lower the width, height or frames")
+        f"{what} must be at least {gb(smallest)}: set --vram-budget / H3_VRAM_BUDGET to {budget_arg(smallest)} or "
+        "more, or lower the width, height or frames (nothing was loaded)")
+
+
+def budget_arg(nbytes: int) -> str:
+    """The smallest ``--vram-budget`` value (GB, rounded up) that is at least ``nbytes``."""
+    digits = 2 if nbytes >= GB else 4
+    return f"{math.ceil(nbytes / GB * 10 ** digits) / 10 ** digits:.{digits}f}"
 
 
 def _check_host(p: MemoryPlan, host_free: int | None, host_held_bytes: int) -> None:
@@ -512,6 +518,17 @@ def _check_host(p: MemoryPlan, host_free: int | None, host_held_bytes: int) -> N
                           "blocks stream, or free host memory (nothing was loaded)")
 
 
+def least_device_weight_bytes(cfg: H3Config, options, device: torch.device, dtype: torch.dtype, whole: int) -> int:
+    """The weight bytes a run must hold on ``device`` at the least, for the request checks made before the plan
+    (``sampling.request.check_memory``): where blocks can stream (CUDA, not integrated) the non-block weights and
+    ``SLOTS`` block buffers; elsewhere ``whole`` (the checkpoint's bytes)."""
+    if device.type != "cuda" or DeviceMemory.probe(device).integrated:
+        return whole
+    mm = ModelMemory.build(cfg, dtype, "fp8" if options.quantize else "dense",
+                           adaln_on_host=options.adaln_cache and not cfg.curve_form)
+    return min(whole, mm.other_bytes + SLOTS * mm.block_bytes)
+
+
 def plan_memory(plan, workload: Workload | None = None, dev: DeviceMemory | None = None,
                 host_free: int | None = None) -> MemoryPlan:
     """The memory plan of a load (``runtime.plan.LoadPlan``), for ``workload`` (default: the model's default
@@ -526,4 +543,4 @@ def plan_memory(plan, workload: Workload | None = None, dev: DeviceMemory | None
 
 
 __all__ = ["BudgetError", "DeviceMemory", "Estimate", "MemoryPlan", "ModelMemory", "Workload", "decide", "estimate",
-           "parse_vram_budget", "plan_memory", "smallest_budget"]
+           "least_device_weight_bytes", "parse_vram_budget", "plan_memory", "smallest_budget"]

@@ -23,6 +23,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from .budget import Workload
 from .io.control import ControlFile, load_control, open_control
 from .io.header import read_header, read_tensors
 from .io.payload import check_control_args, load_payload, read_inputs
@@ -315,13 +316,15 @@ def run_rank(ctx, job: Job):
     every rank returns the same latents."""
     main = ctx is None or ctx.is_main
     if isinstance(job.model, ModelSpec):
-        rt = job.model.load(device=None if ctx is None else str(ctx.device))
+        video, audio = job.latents(job.model.config)  # the memory budget is planned for this run's size
+        rt = job.model.load(device=None if ctx is None else str(ctx.device), workload=Workload.from_shapes(
+            video.shape, audio.shape, job.text.shape[-2], job.steps, job.conditioning))
     else:
         rt = job.model
         sync_loras(rt)  # a shared resident model carries exactly this job's LoRA stack (none for a plain runtime)
+        video, audio = job.latents(rt.config)
     if main and job.print_plan:
         print(rt.describe(), file=sys.stderr)
-    video, audio = job.latents(rt.config)
     tower = load_control(job.control, rt.plan, rt.config) if isinstance(job.control, ControlFile) else job.control
     return sampling.sample(
         rt, job.text, job.tags, video, audio, seed=job.seed, steps=job.steps, sampler=job.sampler,

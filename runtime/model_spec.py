@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from .budget import Workload, least_device_weight_bytes
 from .io.checkpoint import Checkpoint, open_checkpoint
 from .io.verify import check_checkpoint
 from .load import H3Runtime, load_model
@@ -43,12 +44,13 @@ class ModelSpec:
     loras: tuple = ()
     weight_bytes: int = 0
 
-    def load(self, progress: Callable[[int, int, str], None] | None = None, device: str | None = None) -> H3Runtime:
+    def load(self, progress: Callable[[int, int, str], None] | None = None, device: str | None = None,
+             workload: Workload | None = None) -> H3Runtime:
         """plan -> streaming load -> LoRAs (``device``: another device of the same kind, a rank's). The plan and
         the load reuse the opened checkpoint; nothing is read or checked twice. progress(done, total, name) per
-        tensor."""
+        tensor; workload: the run the device-memory budget is planned for (``runtime.budget``)."""
         opts = self.options if device is None else dataclasses.replace(self.options, device=device)
-        rt = load_model(self.source, opts, tiny_seed=self.tiny_seed, progress=progress)
+        rt = load_model(self.source, opts, tiny_seed=self.tiny_seed, progress=progress, workload=workload)
         if self.loras:
             apply_loras(rt, self.loras)
         return rt
@@ -96,7 +98,9 @@ def open_model(model=None, options: RuntimeOptions | Mapping[str, Any] | None = 
     device = resolve_device(opts)
     verify_source(source)
     loras = lora_specs(loras)
-    return ModelSpec(source, cfg, opts, device, resolve_dtype(opts, device), tiny_seed, loras, weight_bytes)
+    dtype = resolve_dtype(opts, device)
+    weight_bytes = least_device_weight_bytes(cfg, opts, device, dtype, weight_bytes)  # blocks may stream
+    return ModelSpec(source, cfg, opts, device, dtype, tiny_seed, loras, weight_bytes)
 
 
 def lora_specs(loras) -> tuple:

@@ -221,4 +221,11 @@ def summary(report: dict) -> str:
                  f"rank; all-to-all {a2a['bytes_per_block'] / 1e6:.1f} MB per block per rank, "
                  + (f"{med_a2a * 1e3:.1f} ms per step (median over ranks)" if med_a2a is not None else "none")
                  + f"; latents identical across ranks: {sp['latents_identical_across_ranks']}")
+    mem = report.get("memory")
+    if mem and mem.get("streamed_blocks"):
+        text += (f"\nmemory: {len(mem['resident_blocks'])} resident / {len(mem['streamed_blocks'])} streamed blocks "
+                 f"({mem['budget']}); {(mem['bytes_copied_per_step'] or 0) / 1e9:.3f} GB copied per step, copies "
+                 f"{mem['copy_ms_per_step'] or 0:.1f} ms per step ({mem['copy_exposed_ms_per_step'] or 0:.1f} ms "
+                 "exposed)" + (f"; peak {mem['peak_allocated_bytes'] / 1e9:.2f} GB allocated"
+                               if mem.get("peak_allocated_bytes") else ""))
     return text
