@@ -1379,7 +1379,12 @@ def _submit(client: Client, prompt: dict, extra: dict, state: dict) -> int | Non
     raise client.not_comfy("POST", "/prompt", status, answer)
 
 
-def _run(args, client: Client, kind: str, data: dict, out_dir: Path, staging: _Staging, state: dict) -> int:
+class _Usage(Exception):
+    """A refusal of the user's input found while preparing the prompt (exit 2); already worded."""
+
+
+def _prompt_of(args, client: Client, kind: str, data: dict) -> tuple[dict, dict]:
+    """(the API prompt with --set applied, extra_data): a UI graph converted with the server's /object_info."""
     extra = {}
     if kind == "ui":
         object_info = client.get_json("/object_info")
@@ -1387,12 +1392,11 @@ def _run(args, client: Client, kind: str, data: dict, out_dir: Path, staging: _S
         try:
             prompt = ui_to_api(data, object_info)
         except ConversionError as e:
-            _error(f"cannot convert the UI workflow {args.workflow} to API format: {e}")
-            return EXIT_USAGE
+            raise _Usage(f"cannot convert the UI workflow {args.workflow} to API format: {e}") from None
         except (KeyError, TypeError, AttributeError, IndexError, ValueError, RecursionError) as e:
-            _error(f"cannot convert the UI workflow {args.workflow} to API format: the graph is malformed "
-                   f"({type(e).__name__}: {_show(e, 120)}); re-save it in the editor or export API format")
-            return EXIT_USAGE
+            raise _Usage(f"cannot convert the UI workflow {args.workflow} to API format: the graph is malformed "
+                         f"({type(e).__name__}: {_show(e, 120)}); re-save it in the editor or export API format"
+                         ) from None
         extra = {"extra_pnginfo": {"workflow": data}}
         _say(f"converted the UI workflow to an API prompt of {len(prompt)} nodes", args.quiet)
     else:
@@ -1400,30 +1404,37 @@ def _run(args, client: Client, kind: str, data: dict, out_dir: Path, staging: _S
     try:
         apply_overrides(prompt, args.set or [])
     except ValueError as e:
-        _error(str(e))
-        return EXIT_USAGE
+        raise _Usage(str(e)) from None
+    return prompt, extra
+
+
+def _queue_and_follow(args, client: Client, prompt: dict, extra: dict, state: dict) -> int | None:
+    """Submit the prompt and follow it (the /ws feed when it opens, else nothing) until it ends or the feed
+    drops; None when queued (state['prompt_id']), else the exit status of a rejection."""
     titles = {k: v.get("class_type", "?") for k, v in prompt.items()}
     state["client_id"] = args.client_id or uuid.uuid4().hex
     opening = None if args.no_websocket else _WsOpening(client, state["client_id"])
-    ws = None
     try:
         rejected = _submit(client, prompt, extra, state)
         if rejected is not None:
             return rejected
-        prompt_id = state["prompt_id"]
-        _say(f"queued prompt {prompt_id} on {client.server}", args.quiet)
+        _say(f"queued prompt {state['prompt_id']} on {client.server}", args.quiet)
         state["phase"] = "wait"
-        if opening is not None:
-            ws, why = opening.result()
-            if ws is None:
-                _say(f"websocket unavailable ({why}); following the run through /history", args.quiet)
-        if ws is not None and not follow_ws(ws, client, prompt_id, titles, args.quiet,
+        ws, why = opening.result() if opening is not None else (None, "")
+        if opening is not None and ws is None:
+            _say(f"websocket unavailable ({why}); following the run through /history", args.quiet)
+        if ws is not None and not follow_ws(ws, client, state["prompt_id"], titles, args.quiet,
                                             idle=max(args.poll_interval, 2.0)):
             _say("websocket closed; following the run through /history", args.quiet)
+        return None
     finally:
         if opening is not None:
             opening.abandon()
-    entry = wait_history(client, prompt_id, args.poll_interval)
+
+
+def _write_results(args, client: Client, entry: dict, out_dir: Path, staging: _Staging, state: dict) -> int:
+    """Check the whole history entry, then write history.json alone (a failed run) or with every output."""
+    prompt_id = state["prompt_id"]
     reader = _Reader(client.where("GET", f"/history/{prompt_id}"))
     failure = _execution_failure(entry, reader, args.verbose)  # everything is checked before anything is written
     plan = plan_outputs(entry, reader)
@@ -1451,6 +1462,19 @@ def _run(args, client: Client, kind: str, data: dict, out_dir: Path, staging: _S
     staging.commit()
     print(f"prompt {prompt_id} succeeded: {len(plan)} output file(s) in {out_dir}")
     return EXIT_OK
+
+
+def _run(args, client: Client, kind: str, data: dict, out_dir: Path, staging: _Staging, state: dict) -> int:
+    try:
+        prompt, extra = _prompt_of(args, client, kind, data)
+    except _Usage as e:
+        _error(str(e))
+        return EXIT_USAGE
+    rejected = _queue_and_follow(args, client, prompt, extra, state)
+    if rejected is not None:
+        return rejected
+    entry = wait_history(client, state["prompt_id"], args.poll_interval)
+    return _write_results(args, client, entry, out_dir, staging, state)
 
 
 def run(args) -> int:
