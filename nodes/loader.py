@@ -105,9 +105,15 @@ class H3ModelLoader:
                                                                  "guard fails), off, strict (fail instead)"}),
             "adaln_cache": ("BOOLEAN", {"default": True, "tooltip": "compute the AdaLN modulation rows of every "
                                                                     "(step, block) once per run"}),
+        }, "optional": {
+            "vram_budget": ("STRING", {"default": "auto", "tooltip": (
+                "device memory the H3 model may use, in GB (1 GB = 1e9 bytes), or auto: the free memory when "
+                "sampling starts less a margin, so the text encoder and VAE ComfyUI holds keep their room. Blocks "
+                "that do not fit stream from pinned host memory while the others compute (same latents); a budget "
+                "too small is refused naming the smallest that works")}),
         }}
 
-    def load(self, model: str, gemm: str, attention: str, fc2_lt: str, adaln_cache: bool):
+    def load(self, model: str, gemm: str, attention: str, fc2_lt: str, adaln_cache: bool, vram_budget: str = "auto"):
         if fc2_lt not in FC2_CHOICES:
             raise node_error(self.TITLE, f"fc2_lt={fc2_lt!r}: expected one of {', '.join(FC2_CHOICES)}")
         if model == TINY_CHOICE:
@@ -123,7 +129,8 @@ class H3ModelLoader:
             st = os.stat(path)
             stamp = (st.st_size, st.st_mtime_ns)
         try:
-            options = RuntimeOptions.from_env(gemm=gemm, attention=attention, fc2=fc2_lt, adaln_cache=bool(adaln_cache))
+            options = RuntimeOptions.from_env(gemm=gemm, attention=attention, fc2=fc2_lt, adaln_cache=bool(adaln_cache),
+                                              vram_budget=str(vram_budget).strip() or "auto")
         except ValueError as e:
             raise node_error(self.TITLE, str(e)) from e
         key = (model, path, stamp, tuple(sorted(options.to_dict().items())))
@@ -137,5 +144,5 @@ class H3ModelLoader:
             raise node_error(self.TITLE, str(e)) from e
         log.info("[h3-blackwell] %s", rt.describe())
         _RESIDENT["key"], _RESIDENT["model"] = key, rt
-        _RESIDENT["core"] = _core_model(rt, (model, gemm, attention, fc2_lt, adaln_cache))
+        _RESIDENT["core"] = _core_model(rt, (model, gemm, attention, fc2_lt, adaln_cache, vram_budget))
         return (rt, _RESIDENT["core"])
