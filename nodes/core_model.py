@@ -34,7 +34,7 @@ import logging
 
 import torch
 
-from ..runtime import H3Conditioning, H3Error, ModelCall, sync_loras, weight_shapes
+from ..runtime import H3Conditioning, H3Error, ModelCall, conditioning_from_payload, sync_loras, weight_shapes
 from ._common import H3NodeError, node_error, optional_comfy_module
 from .core_patches import TITLE, check_patcher, check_transformer_options, lora_specs
 
@@ -81,7 +81,7 @@ def conditioning_from_core(payload: dict | None, denoise_mask=None, audio_denois
                                 "node that adds it")
     payload["denoise_mask"], payload["audio_denoise_mask"] = denoise_mask, audio_denoise_mask
     try:
-        cond = H3Conditioning.from_payload(payload)
+        cond = conditioning_from_payload(payload)
         if target is not None:
             cond.check_target(*target)
     except H3Error as e:

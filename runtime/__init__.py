@@ -25,9 +25,10 @@ from .load import H3Runtime, load_model
 from .sampling.sampler import SampleResult, sample
 from .sampling.model_call import ModelCall, weight_shapes
 from .model.conditioning import ConditioningError, H3Conditioning
+from .io.payload import conditioning_from_payload, conditioning_to_payload
 from .lora.spec import LoraSpec
 from .lora.apply import LoraView, sync_loras
-from .io.control import ControlFile, load_control, open_control
+from .io.control import ControlFile, ControlSpec, load_control, open_control
 from .model.control import ControlError, FunControl, bind_control
 # errors
 from .errors import CheckpointError, H3Error, Interrupted, is_out_of_memory
@@ -50,8 +51,9 @@ __all__ = [
     "ForwardJob", "forward_job", "run_forward",
     "H3Config", "RuntimeOptions", "CHOICES", "FC2_MODES", "SPARSE_EXTRA_TOKENS_CHOICES", "resolve_device",
     "H3Runtime", "load_model", "SampleResult", "sample",
-    "ModelCall", "weight_shapes", "ConditioningError", "H3Conditioning", "LoraSpec", "LoraView", "sync_loras",
-    "ControlFile", "load_control", "open_control", "ControlError", "FunControl", "bind_control",
+    "ModelCall", "weight_shapes", "ConditioningError", "H3Conditioning", "conditioning_from_payload",
+    "conditioning_to_payload", "LoraSpec", "LoraView", "sync_loras",
+    "ControlFile", "ControlSpec", "load_control", "open_control", "ControlError", "FunControl", "bind_control",
     "CheckpointError", "H3Error", "Interrupted", "is_out_of_memory", "RequestError",
     "SEED_RANGE", "check_int", "check_output_file", "save_tensors", "write_dir", "write_file",
     "nonfinite_message", "summary", "latent_to_rgb", "write_preview_webp",

@@ -26,7 +26,7 @@ import torch
 from .budget import Workload
 from .io.control import ControlFile, load_control, open_control
 from .io.header import read_header, read_tensors
-from .io.payload import check_control_args, load_payload, read_inputs
+from .io.payload import check_control_args, conditioning_from_payload, load_payload, read_inputs
 from .lora.apply import sync_loras
 from .model.conditioning import H3Conditioning
 from .model.config import H3Config
@@ -290,7 +290,7 @@ def tensor_job(model, text: torch.Tensor, tags: torch.Tensor | None, video: torc
     check_memory_rows(cfg, rows, text.shape[-2], device, compute, weight_bytes,
                       f"a {video.shape[4] * 16}x{video.shape[3] * 16} latent of {video.shape[2]} latent frames")
     if isinstance(conditioning, Mapping):
-        conditioning = H3Conditioning.from_payload(conditioning)
+        conditioning = conditioning_from_payload(conditioning)
     if conditioning is not None:
         conditioning.check_target(video.shape, audio.shape, cfg.video_channels, cfg.audio_channels)
     n = settings.pop("sequence_parallel", None)

@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from h3_blackwell.runtime.model.conditioning import (ConditioningError, H3Conditioning, pool_audio_mask,
+from h3_blackwell.runtime.io.payload import conditioning_from_payload, conditioning_to_payload
+from h3_blackwell.runtime.model.conditioning import (ConditioningError, pool_audio_mask,
                                                      pool_video_mask)
 
 VIDEO = (1, 24, 7, 4, 6)   # 22 pixel frames
@@ -52,7 +53,7 @@ def _payload():
 
 def test_full_payload_round_trips():
     t = _tensors()
-    c = H3Conditioning.from_payload(json.loads(json.dumps(_payload())), t).check_target(VIDEO, AUDIO, 24, 32)
+    c = conditioning_from_payload(json.loads(json.dumps(_payload())), t).check_target(VIDEO, AUDIO, 24, 32)
     assert [k.resolved_frame_index for k in c.keyframes] == [0, 21, 6]
     assert [r.kind for r in c.refs] == ["image", "image", "video_audio", "audio"]
     assert c.refs[0].picture_index == 1 and c.refs[2].ref_audio_t == 5
@@ -64,14 +65,14 @@ def test_full_payload_round_trips():
     assert torch.equal(c.cond_audio_latents[0], t["kfa"]) and torch.equal(c.cond_audio_latents[2], t["aud"])
     # spans on the time axis: image 1, audio ref_audio_t, video max(rt, 5/3 * (1 + 4))
     assert [r.time_span for r in c.refs] == pytest.approx([1.0, 1.0, 25.0 / 3.0, 3.0])
-    p, tensors = c.to_payload()
-    c2 = H3Conditioning.from_payload(json.loads(json.dumps(p)), tensors)
-    assert c2.to_payload()[0] == p
-    assert all(torch.equal(tensors[k], c2.to_payload()[1][k]) for k in tensors)
+    p, tensors = conditioning_to_payload(c)
+    c2 = conditioning_from_payload(json.loads(json.dumps(p)), tensors)
+    assert conditioning_to_payload(c2)[0] == p
+    assert all(torch.equal(tensors[k], conditioning_to_payload(c2)[1][k]) for k in tensors)
 
 
 def test_defaults_are_cores():
-    c = H3Conditioning.from_payload({}, {})
+    c = conditioning_from_payload({}, {})
     assert (c.keyframes, c.refs, c.denoise_mask, c.audio_denoise_mask, c.sample_sigmas) == ((), (), None, None, None)
     assert (c.visual_cond_noise_aug, c.audio_cond_noise_aug, c.seed) == (0.999, 1.0, 0)
     assert c.is_empty
@@ -80,7 +81,7 @@ def test_defaults_are_cores():
 def test_tensors_may_be_passed_directly():
     """A node hands core's in-memory dicts (tensors, not keys) to the same constructor."""
     t = _tensors()
-    c = H3Conditioning.from_payload({"keyframes": [{"resolved_frame_index": 0, "latent": t["kf0"].double()}]})
+    c = conditioning_from_payload({"keyframes": [{"resolved_frame_index": 0, "latent": t["kf0"].double()}]})
     assert c.keyframes[0].latent.dtype == torch.float32 and torch.equal(c.keyframes[0].latent, t["kf0"])
 
 
@@ -126,7 +127,7 @@ BAD = [
 def test_bad_field_is_named(path, value, field):
     t = _tensors()
     with pytest.raises(ConditioningError) as e:
-        H3Conditioning.from_payload(_mutate(path, value), t)
+        conditioning_from_payload(_mutate(path, value), t)
     assert str(e.value).startswith(field + ":"), str(e.value)
     assert "expected" in str(e.value) and "found" in str(e.value)
 
@@ -135,16 +136,16 @@ def test_bad_values_in_tensors():
     t = _tensors()
     t["mask"] = t["mask"] * 2.0
     with pytest.raises(ConditioningError, match=r"^denoise_mask: expected values in \[0, 1\]"):
-        H3Conditioning.from_payload(_payload(), t)
+        conditioning_from_payload(_payload(), t)
     t = _tensors()
     t["sigmas"] = torch.tensor([1.0, 0.5])
     with pytest.raises(ConditioningError, match="^sample_sigmas: .*trailing 0"):
-        H3Conditioning.from_payload(_payload(), t)
+        conditioning_from_payload(_payload(), t)
     t = _tensors()
     t["kf0"] = t["kf0"].clone()
     t["kf0"][0, 0, 0, 0, 0] = float("nan")
     with pytest.raises(ConditioningError, match=r"^keyframes\[0\]\.latent: expected finite"):
-        H3Conditioning.from_payload(_payload(), t)
+        conditioning_from_payload(_payload(), t)
 
 
 @pytest.mark.parametrize("video,audio,channels,field", [
@@ -155,17 +156,17 @@ def test_bad_values_in_tensors():
     (VIDEO, AUDIO, (24, 16), "keyframes[2].audio_latent"),
 ])
 def test_target_fit(video, audio, channels, field):
-    c = H3Conditioning.from_payload(_payload(), _tensors())
+    c = conditioning_from_payload(_payload(), _tensors())
     with pytest.raises(ConditioningError) as e:
         c.check_target(video, audio, *channels)
     assert str(e.value).startswith(field + ":"), str(e.value)
 
 
 def test_mask_shapes_checked_against_target():
-    c = H3Conditioning.from_payload({"denoise_mask": "mask"}, _tensors())
+    c = conditioning_from_payload({"denoise_mask": "mask"}, _tensors())
     with pytest.raises(ConditioningError, match=r"^denoise_mask: expected \[1, 1, 7, 4, 8\]"):
         c.check_target((1, 24, 7, 4, 8), AUDIO, 24, 32)
-    c = H3Conditioning.from_payload({"audio_denoise_mask": "amask"}, _tensors())
+    c = conditioning_from_payload({"audio_denoise_mask": "amask"}, _tensors())
     with pytest.raises(ConditioningError, match=r"^audio_denoise_mask: expected \[1, 1, 2, 38\]"):
         c.check_target(VIDEO, (1, 32, 2, 38), 24, 32)
 

@@ -31,7 +31,8 @@ from fixtures.tiny_lora import save_tiny_lora, tiny_lora_truth  # noqa: E402
 from h3_blackwell.nodes import core_model as cm  # noqa: E402
 from h3_blackwell.nodes import core_patches as cp  # noqa: E402
 from h3_blackwell.nodes._common import H3NodeError  # noqa: E402
-from h3_blackwell.runtime import H3Conditioning, RuntimeOptions, load_model  # noqa: E402
+from h3_blackwell.runtime import RuntimeOptions, load_model  # noqa: E402
+from h3_blackwell.runtime.io.payload import conditioning_from_payload  # noqa: E402
 from h3_blackwell.runtime.lora.apply import apply_loras  # noqa: E402
 from h3_blackwell.runtime.model.config import TINY  # noqa: E402
 from h3_blackwell.runtime.model.layout import time_shift_sigma  # noqa: E402
@@ -101,7 +102,7 @@ def call(dm, case, sigma=None, schedule=None, shifts=None, audio_scale=1.0, audi
 
 def reference(rt, case, sigma=None, shifts=None, video=None, audio=None):
     """``forward --payload``'s evaluation (the runtime's plan, the canonical payload)."""
-    cond = H3Conditioning.from_payload(case["payload"])
+    cond = conditioning_from_payload(case["payload"])
     return rt.model.forward(case["video"] if video is None else video, case["audio"] if audio is None else audio,
                             case["text_states"], core_h3.core_sigma(case["sigma"] if sigma is None else sigma),
                             token_tags=case["token_tags"], cond=cond, shifts=shifts, ops=rt.ops)
@@ -565,3 +566,49 @@ def test_loader_model_output_without_core_h3():
     with pytest.raises(H3NodeError, match="core's MiniMax H3 support"):
         model.clone()
     release_resident()
+
+
+# ---------------------------------------------------------------------------------------------
+# the LOSSY options follow the calls
+# ---------------------------------------------------------------------------------------------
+
+def _sample_run(handle, case, sched, to_extra):
+    class Patcher:
+        patches, object_patches, hook_patches, weight_wrapper_patches = {}, {}, {}, {}
+        model_options = {"transformer_options": dict(to_extra)}
+
+    dm = cm.H3DiffusionModel(handle)
+    handle.begin_sampling(Patcher())
+    payload, _, to = core_kwargs(case, sched)
+    outs = [dm([case["video"], case["audio"]], torch.tensor([float(s)]) * 1000, case["text_states"],
+               transformer_options=to, minimax_payload=payload) for s in sched[:-1]]
+    handle.end_sampling()
+    return outs, handle.call.report(case["video"], case["audio"])
+
+
+def test_first_block_cache_per_call(runtimes):
+    """h3b_first_block_cache in the MODEL's transformer_options: 0 reuses nothing (exactly the uncached outputs);
+    a large threshold skips the blocks after the first computed call; the report says which calls."""
+    case = CASES["fl2va_first_last"]
+    _, rt = runtimes(_cfg(case))
+    sched = torch.tensor([1.0, 0.95, 0.9, 0.85, 0.0])
+    plain, _ = _sample_run(cm.RuntimeHandle(rt), case, sched, {})
+    zero, rep0 = _sample_run(cm.RuntimeHandle(rt), case, sched, {cm.FIRST_BLOCK_CACHE_KEY: 0.0})
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(plain, zero))
+    assert rep0["first_block_cache"]["reused_steps"] == []
+    big, rep = _sample_run(cm.RuntimeHandle(rt), case, sched, {cm.FIRST_BLOCK_CACHE_KEY: 1e9})
+    assert rep["first_block_cache"]["reused_steps"] == [1, 2, 3] and rep["first_block_cache"]["lossy"]
+    assert torch.equal(big[0][0], plain[0][0]) and not torch.equal(big[2][0], plain[2][0])
+
+
+def test_sparse_attention_window_per_call(tmp_path):
+    """attention=sparse at load: each call's sigma decides sparse or dense (dense above the window and for short
+    sequences, as core's rule); the run report has the per-call record."""
+    case = CASES["fl2va_first_last"]
+    path = save_tiny(tmp_path / "s.safetensors", _cfg(case), seed=1, dtype=torch.float32)
+    rt = load_model(str(path), RuntimeOptions.from_env(**{**DENSE, "attention": "sparse", "sparse_min_tokens": 0}))
+    sched = torch.tensor([1.0, 0.99, 0.5, 0.0])
+    _, rep = _sample_run(cm.RuntimeHandle(rt), case, sched, {cm.SPARSE_TAU_KEY: 1.5})
+    sa = rep["sparse_attention"]
+    assert sa["tau"] == 1.5 and sa["sparse_steps"] == [2] and sa["dense_steps"] == [0, 1]  # window: sigma <= 0.98
+    assert sa["calls"] == {"dense": 2 * rt.config.num_layers, "sparse": rt.config.num_layers}

@@ -18,7 +18,7 @@ import core_sampling  # noqa: E402
 
 from h3_blackwell.cli import main as cli  # noqa: E402
 from h3_blackwell.runtime import RuntimeOptions, load_model  # noqa: E402
-from h3_blackwell.runtime.model.conditioning import H3Conditioning  # noqa: E402
+from h3_blackwell.runtime.io.payload import conditioning_from_payload, conditioning_to_payload  # noqa: E402
 from h3_blackwell.runtime.model.config import TINY  # noqa: E402
 from h3_blackwell.runtime.model.tiny import save_tiny, tiny_state_dict  # noqa: E402
 from h3_blackwell.runtime.sampling.sampler import sample  # noqa: E402
@@ -44,7 +44,7 @@ def model_file(tmp_path_factory):
 def test_sample_with_conditioning_equals_core_euler(masks, model_file):
     video0, audio0, text, tags, payload = _case(masks)
     rt = load_model(model_file, RuntimeOptions(device="cpu", dtype="float32", quantize=False))
-    cond = H3Conditioning.from_payload(payload)
+    cond = conditioning_from_payload(payload)
     res = sample(rt, text, tags, video0, audio0, seed=5, steps=3, sampler="euler", conditioning=cond)
     sigmas = get_sigmas("simple", 3, CFG.shift_video, 1.0)
     ov, oa = core_sampling.core_sample_euler(tiny_state_dict(CFG, seed=1), video0, audio0, text, tags, payload, 5,
@@ -63,7 +63,7 @@ def test_sample_with_conditioning_equals_core_euler(masks, model_file):
 
 def test_generate_payload_inputs_cli(model_file, tmp_path):
     video0, audio0, text, tags, payload = _case(True)
-    p, tensors = H3Conditioning.from_payload(payload).to_payload()
+    p, tensors = conditioning_to_payload(conditioning_from_payload(payload))
     tensors.update(video=video0, audio=audio0, text_states=text, token_tags=tags)
     save_file(tensors, str(tmp_path / "in.safetensors"))
     (tmp_path / "p.json").write_text(json.dumps(p))
@@ -105,7 +105,7 @@ def test_sample_refuses_a_foreign_schedule(model_file):
 
     video0, audio0, text, tags, payload = _case(False)
     rt = load_model(model_file, RuntimeOptions(device="cpu", dtype="float32", quantize=False))
-    cond = H3Conditioning.from_payload({**payload, "sample_sigmas": torch.tensor([1.0, 0.5, 0.0])})
+    cond = conditioning_from_payload({**payload, "sample_sigmas": torch.tensor([1.0, 0.5, 0.0])})
     with pytest.raises(H3Error, match="^sample_sigmas: expected this run's schedule"):
         sample(rt, text, tags, video0, audio0, seed=5, steps=3, sampler="euler", conditioning=cond)
 
@@ -114,7 +114,7 @@ def test_generate_payload_sequence_parallel_matches_single_process(model_file, t
     """References, guides and masked runs through the sequence-parallel path (2 gloo workers, clipped segment
     tables) give the single-process latents (fp32 both sides; 1e-5 as the sp tests)."""
     video0, audio0, text, tags, payload = _case(True)
-    p, tensors = H3Conditioning.from_payload(payload).to_payload()
+    p, tensors = conditioning_to_payload(conditioning_from_payload(payload))
     tensors.update(video=video0, audio=audio0, text_states=text, token_tags=tags)
     save_file(tensors, str(tmp_path / "in.safetensors"))
     (tmp_path / "p.json").write_text(json.dumps(p))

@@ -19,7 +19,7 @@ from refblock import reference_block  # noqa: E402
 
 from h3_blackwell.cli import main as cli  # noqa: E402
 from h3_blackwell.runtime import RuntimeOptions, load_model  # noqa: E402
-from h3_blackwell.runtime.model.conditioning import H3Conditioning  # noqa: E402
+from h3_blackwell.runtime.io.payload import conditioning_from_payload, conditioning_to_payload  # noqa: E402
 from h3_blackwell.runtime.model.config import TINY  # noqa: E402
 from h3_blackwell.runtime.model.tiny import save_tiny, tiny_state_dict  # noqa: E402
 from h3_blackwell.runtime.ops import nvfp4 as nv  # noqa: E402
@@ -61,7 +61,7 @@ def _model_file(models, case):
 
 
 def _write_inputs(tmp_path, case):
-    payload, tensors = H3Conditioning.from_payload(case["payload"]).to_payload()
+    payload, tensors = conditioning_to_payload(conditioning_from_payload(case["payload"]))
     tensors.update(video=case["video"], audio=case["audio"], text_states=case["text_states"],
                    token_tags=case["token_tags"], sigma=torch.tensor([case["sigma"]]))
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "in.safetensors"))
@@ -103,7 +103,7 @@ def test_random_payloads_equal_core_oracle(seed, tmp_path):
     m = load_model(save_tiny(tmp_path / "m.safetensors", cfg, seed=1, dtype=torch.float32),
                    RuntimeOptions(device="cpu", dtype="float32", quantize=False)).model
     v, a = m(case["video"], case["audio"], case["text_states"], case["sigma"], token_tags=case["token_tags"],
-             cond=H3Conditioning.from_payload(case["payload"]))
+             cond=conditioning_from_payload(case["payload"]))
     ov, oa = core_h3.core_forward(sd, case["video"], case["audio"], case["text_states"], case["sigma"],
                                   token_tags=case["token_tags"], payload=case["payload"])
     assert _rel(v, ov) <= 1e-5 and _rel(a, oa) <= 1e-5, (_rel(v, ov), _rel(a, oa))
@@ -131,7 +131,7 @@ def test_nvfp4_stack_close_to_dense_with_conditioning(name, models):
     dense = load_model(path, RuntimeOptions(device="cpu", dtype="float32", quantize=False))
     fp4 = load_model(path, RuntimeOptions(device="cpu", dtype="float32"))
     assert fp4.ops.name == "nvfp4" and dense.ops.name == "reference"
-    cond = H3Conditioning.from_payload(case["payload"])
+    cond = conditioning_from_payload(case["payload"])
     args = (case["video"], case["audio"], case["text_states"], case["sigma"])
     dv, da = dense.model(*args, token_tags=case["token_tags"], cond=cond, ops=dense.ops)
     qv, qa = fp4.model(*args, token_tags=case["token_tags"], cond=cond, ops=fp4.ops)
@@ -148,7 +148,7 @@ def test_stack_block_with_masked_runs_equals_w4a4_reference(models):
     case = CASES["video_mask_partial"]
     rt = load_model(_model_file(models, case), RuntimeOptions(device="cpu", dtype="float32", gemm="reference"))
     m = rt.model
-    cond = H3Conditioning.from_payload(case["payload"])
+    cond = conditioning_from_payload(case["payload"])
     plan = m.plan(case["text_states"], tuple(case["video"].shape), tuple(case["audio"].shape), [case["sigma"]],
                   token_tags=case["token_tags"], cond=cond)
     segs = plan.times[0].mod_segments
@@ -218,7 +218,7 @@ def test_step_mods_equal_precomputed_rows(models, monkeypatch):
 
     case = CASES["video_mask_partial"]
     rt = load_model(_model_file(models, case), RuntimeOptions(device="cpu", dtype="float32", quantize=False))
-    cond = H3Conditioning.from_payload(case["payload"])
+    cond = conditioning_from_payload(case["payload"])
     args = (case["video"], case["audio"], case["text_states"], case["sigma"])
     v0, a0 = rt.model(*args, token_tags=case["token_tags"], cond=cond, ops=rt.ops)
     monkeypatch.setattr(h3, "MOD_CACHE_BYTES", 0)

@@ -196,7 +196,8 @@ SAMPLE_ARGS = {"seed": 7, "steps": 2, "sampler": "res_multistep", "scheduler": "
 
 def test_registration_table():
     assert set(NODE_CLASS_MAPPINGS) == {"H3B_ModelLoader", "H3B_Sampler", "H3B_Diagnostics", "H3B_EmptyLatent",
-                                        "H3B_TextStatesLoader", "H3B_LoRA", "H3B_ModelReport"}
+                                        "H3B_TextStatesLoader", "H3B_LoRA", "H3B_ModelReport",
+                                        "H3B_FunControlNetApply"}
     assert h3_blackwell.NODE_CLASS_MAPPINGS == NODE_CLASS_MAPPINGS  # V1 outside a running ComfyUI
     assert h3_blackwell.NODE_DISPLAY_NAME_MAPPINGS == NODE_DISPLAY_NAME_MAPPINGS
     assert NODE_DISPLAY_NAME_MAPPINGS["H3B_ModelLoader"] == "H3 NVFP4 Model Loader"
@@ -738,7 +739,7 @@ def test_sampler_noise_masks_as_core_resizes_them(comfy, tiny, monkeypatch):
 @pytest.mark.parametrize("case", ["fl2va", "audio_guide", "image_audio_guide", "ref2va"])
 def test_sampler_output_is_the_runtimes_for_that_conditioning(comfy, tiny, case):
     """Through the real runtime: the node's latent equals runtime.sample given core's payload directly."""
-    from h3_blackwell.runtime.model.conditioning import H3Conditioning
+    from h3_blackwell.runtime.io.payload import conditioning_from_payload
 
     lat, cases = _cases()
     positive = cases[case]
@@ -748,7 +749,7 @@ def test_sampler_output_is_the_runtimes_for_that_conditioning(comfy, tiny, case)
                "seed": SAMPLE_ARGS["seed"]}
     video, audio = lat["samples"].tensors
     want = runtime_sample(tiny, positive[0][0], extra["minimax_token_tags"], video, audio,
-                          conditioning=H3Conditioning.from_payload(payload),
+                          conditioning=conditioning_from_payload(payload),
                           **{k: v for k, v in SAMPLE_ARGS.items()})
     got_v, got_a = out["samples"].tensors
     assert torch.equal(got_v, want.video) and torch.equal(got_a, want.audio)

@@ -13,7 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "oracles"))
 import core_h3 as o  # noqa: E402
 
 from h3_blackwell.runtime.model.cond_rows import condition_rows  # noqa: E402
-from h3_blackwell.runtime.model.conditioning import H3Conditioning, Ref  # noqa: E402
+from h3_blackwell.runtime.model.conditioning import Ref  # noqa: E402
+from h3_blackwell.runtime.io.payload import conditioning_from_payload  # noqa: E402
 from h3_blackwell.runtime.model.h3 import pdd_head_weights, pdd_span  # noqa: E402
 from h3_blackwell.runtime.model.layout import KeyframeSpec, build_layout  # noqa: E402
 
@@ -53,7 +54,7 @@ def test_oracle_positions_by_hand():
 
 
 def test_runtime_layout_matches_hand_positions():
-    c = H3Conditioning.from_payload(_mini_payload())
+    c = conditioning_from_payload(_mini_payload())
     lay = build_layout(2, 2, 2, 4, 2, [KeyframeSpec(3, 1)], c.refs)
     assert [k for _, _, k in lay.segments] == ["text", "cond", "ref_img", "ref_audio", "audio", "video"]
     assert torch.allclose(lay.position_ids, torch.tensor(_mini_ref2va_positions(), dtype=torch.float64),
@@ -122,7 +123,7 @@ def test_condition_noise_is_seeded_per_block_like_core():
                "refs": [{"kind": "image", "latent_h": 2, "latent_w": 4, "latent": r0},
                         {"kind": "audio", "ref_audio_t": 3, "audio_latent": au}],
                "visual_cond_noise_aug": 0.9, "audio_cond_noise_aug": 0.8, "seed": 77}
-    vis, aud = condition_rows(H3Conditioning.from_payload(payload))
+    vis, aud = condition_rows(conditioning_from_payload(payload))
     noise_v = torch.randn(2, 96, generator=torch.Generator().manual_seed(77))
     noise_a = torch.randn(6, 32, generator=torch.Generator().manual_seed(78))
     assert torch.allclose(vis[:2], 0.9 * o.video_rows(k0).float() + 0.1 * noise_v)

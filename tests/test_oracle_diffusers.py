@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from h3_blackwell.runtime.io.keys import comfy_to_diffusers_state_dict
+from h3_blackwell.runtime.io.payload import conditioning_from_payload
 from h3_blackwell.runtime.model.config import H3Config
 from h3_blackwell.runtime.model.layout import pad_video, patchify_video, unpatchify_video
 from h3_blackwell.runtime.model.tiny import tiny_model, tiny_state_dict
@@ -104,7 +105,8 @@ def test_forward_equals_diffusers(name):
                   "latent": torch.randn(1, cfg.video_channels, 1, H, W, generator=g)} for a in anchors]
     sigma = 0.7
     with torch.no_grad():
-        ov, oa = ours(video, audio, text, sigma, token_tags=token_tags, keyframes=keyframes, seed=5)
+        ov, oa = ours(video, audio, text, sigma, token_tags=token_tags,
+                      cond=conditioning_from_payload({"keyframes": keyframes, "seed": 5}))
 
     dvid, daud, values = diffusers_forward(theirs, cfg, video, audio, text, token_tags, sigma, anchors, keyframes)
     assert len(values) == (3 if anchors else 2)

@@ -241,14 +241,14 @@ class H3Model(nn.Module):
         return self.audio_patch_proj(rows.float()).to(self.dtype)
 
     def plan(self, text_states: torch.Tensor, video_shape, audio_shape, sigmas, token_tags=None,
-             keyframes=None, shifts=None, seed: int = 0, visual_cond_noise_aug: float = 0.999,
+             shifts=None, seed: int = 0, visual_cond_noise_aug: float = 0.999,
              steps: list | None = None, cond: H3Conditioning | None = None) -> RunPlan:
         """Precompute a run. ``sigmas`` are the video sigmas the model will be evaluated at (one per step; for
         a PDD bank the schedule's next sigma is taken from this list, or from ``cond.sample_sigmas`` when set).
 
         cond: the run's conditioning (``conditioning.H3Conditioning``: keyframes, references, masks, noise
-        augmentation, seed). Without it, ``keyframes`` (core's ``minimax_keyframes`` dicts), ``seed`` and
-        ``visual_cond_noise_aug`` build one.
+        augmentation, seed; core's payload dicts become one with ``runtime.io.payload.conditioning_from_payload``).
+        Without it: plain t2va with ``seed`` and ``visual_cond_noise_aug``.
         """
         cfg = self.cfg
         shifts = tuple(shifts or (cfg.shift_video, cfg.shift_audio))
@@ -258,8 +258,7 @@ class H3Model(nn.Module):
         if audio_shape[1] != cfg.audio_channels or audio_shape[2] != 2:
             raise ValueError(f"audio latent has shape {list(audio_shape)}; expected [1, {cfg.audio_channels}, 2, Ta]")
         if cond is None:
-            cond = H3Conditioning.from_payload({"keyframes": list(keyframes or ()), "seed": int(seed),
-                                                "visual_cond_noise_aug": visual_cond_noise_aug})
+            cond = H3Conditioning(seed=int(seed), visual_cond_noise_aug=float(visual_cond_noise_aug))
         cond.check_target(video_shape, audio_shape, cfg.video_channels, cfg.audio_channels)
         layout = build_layout(text_states.shape[1], t, h, w, audio_shape[3], keyframe_specs(cond), cond.refs)
         text = self.refine_text(text_states)
@@ -406,13 +405,13 @@ class H3Model(nn.Module):
         return self.head(x, plan, i)
 
     @torch.no_grad()
-    def forward(self, video, audio, text_states, sigma: float, token_tags=None, keyframes=None, shifts=None,
+    def forward(self, video, audio, text_states, sigma: float, token_tags=None, shifts=None,
                 sample_sigmas=None, seed: int = 0, cond: H3Conditioning | None = None, ops=None):
         """One evaluation: exactly ComfyUI core's H3 output for the same conditioning, with no audio carry.
 
         video [1, C, T, H, W], audio [1, Ca, 2, Ta], text_states [1, L, text_dim] (fp32 ok), sigma: video sigma.
         cond: keyframes, references, masks, noise augmentation, seed and sample_sigmas (``H3Conditioning``);
-        without it ``keyframes`` / ``seed`` build one. sample_sigmas (or cond.sample_sigmas): the run's
+        without it plain t2va with ``seed``. sample_sigmas (or cond.sample_sigmas): the run's
         schedule, needed only by PDD head banks. ops: the BlockOps (default: the exact reference, whatever the
         stored weights' format). Returns (video, audio) fp32.
         """
@@ -424,6 +423,6 @@ class H3Model(nn.Module):
             sig = ss[j:j + 2]
             sig[0] = sigma
         plan = self.plan(text_states, tuple(video.shape), tuple(audio.shape), sig, token_tags=token_tags,
-                         keyframes=keyframes, shifts=shifts, seed=seed, cond=cond)
+                         shifts=shifts, seed=seed, cond=cond)
         plan.sigmas = sig
         return self.evaluate(plan, 0, video, audio, ops)

@@ -138,7 +138,7 @@ def run_core(case, sd):
 def run_runtime(case, sd):
     """This repository's runtime (fp32 reference stack) on the same weights and conditioning, as ``forward
     --payload --dense`` runs it."""
-    from h3_blackwell.runtime.model.conditioning import H3Conditioning
+    from h3_blackwell.runtime.io.payload import conditioning_from_payload
     from h3_blackwell.runtime.model.config import H3Config
     from h3_blackwell.runtime.model.h3 import H3Model
     from h3_blackwell.runtime.sampling.schedule import model_sigma
@@ -149,7 +149,7 @@ def run_runtime(case, sd):
                    adaln_curve_grid=CURVE_GRID if case.get("curve") else 0)
     m = H3Model(cfg, torch.float32)
     m.load_state_dict(sd)
-    cond = H3Conditioning.from_payload(case["payload"])
+    cond = conditioning_from_payload(case["payload"])
     sigma = float(model_sigma(torch.tensor(case["sigma"])))
     with torch.no_grad():
         plan = m.plan(case["text_states"], tuple(case["video"].shape), tuple(case["audio"].shape), [sigma],
@@ -246,11 +246,11 @@ def check_sampling(results: dict, runtime: bool) -> None:
             ov, oa = core_sampling.core_sample_euler(sd, video0, audio0, text, tags, payload, payload["seed"], sigmas)
             r = {"core_vs_oracle_video": rel_l2(cv, ov), "core_vs_oracle_audio": rel_l2(ca, oa)}
         if runtime:
-            from h3_blackwell.runtime.model.conditioning import H3Conditioning
+            from h3_blackwell.runtime.io.payload import conditioning_from_payload
             from h3_blackwell.runtime.sampling.sampler import sample
             from h3_blackwell.runtime.sampling.schedule import get_sigmas
 
-            rv, ra = _runtime_sample(sd, video0, audio0, text, tags, H3Conditioning.from_payload(payload), sample,
+            rv, ra = _runtime_sample(sd, video0, audio0, text, tags, conditioning_from_payload(payload), sample,
                                      sampler)
             r["core_vs_runtime_video"], r["core_vs_runtime_audio"] = rel_l2(rv, cv), rel_l2(ra, ca)
             r["core_vs_runtime_sigmas"] = rel_l2(get_sigmas("simple", len(sigmas) - 1, 12.0, 1.0), sigmas)

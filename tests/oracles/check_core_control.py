@@ -88,7 +88,7 @@ def run_core(case, sd, csd, patch_mod):
 
 def run_runtime(case, sd, csd):
     from h3_blackwell.runtime import RuntimeOptions, bind_control
-    from h3_blackwell.runtime.model.conditioning import H3Conditioning
+    from h3_blackwell.runtime.io.payload import conditioning_from_payload
     from h3_blackwell.runtime.io.control import load_control
     from h3_blackwell.runtime.model.h3 import H3Model
     from h3_blackwell.runtime.sampling.schedule import model_sigma
@@ -97,7 +97,7 @@ def run_runtime(case, sd, csd):
     cfg = base_config(case)
     m = H3Model(cfg, torch.float32)
     m.load_state_dict(sd)
-    cond = H3Conditioning.from_payload({**case["payload"], "control": case["control"]})
+    cond = conditioning_from_payload({**case["payload"], "control": case["control"]})
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "tower.safetensors"
         meta = {"control_blocks_places": json.dumps(list(case["places"]))}
