@@ -36,7 +36,7 @@ import torch
 
 from ..runtime import H3Conditioning, H3Error, ModelCall, conditioning_from_payload, sync_loras, weight_shapes
 from ._common import H3NodeError, node_error, optional_comfy_module
-from .core_patches import TITLE, check_patcher, check_transformer_options, lora_specs
+from .core_patches import LORA_MODE, TITLE, check_patcher, check_transformer_options, lora_specs
 
 log = logging.getLogger("h3_blackwell")
 
@@ -53,6 +53,8 @@ _SOURCES = {"keyframes": "minimax_keyframes (MiniMaxH3ImageToVideo / MiniMaxH3Ad
             "seed": "the sampler's seed"}
 # per-graph LOSSY settings a node may put in transformer_options (default: the loader's)
 SPARSE_TAU_KEY, FIRST_BLOCK_CACHE_KEY = "h3b_sparse_tau", "h3b_first_block_cache"
+# how the LoRA records are applied: "merge" (default, as core merges) or "side" (the exact bf16 side path)
+LORA_MODE_KEY = "h3b_lora_mode"
 
 
 def resident_bytes(rt) -> int:
@@ -151,14 +153,17 @@ class RuntimeHandle:
         """Sampling starts with ``patcher``: refuse what it cannot honour, make the resident model carry the
         patcher's LoRAs, reset the run."""
         check_patcher(patcher)
-        specs = lora_specs(getattr(patcher, "patches", {}) or {})
+        to = (getattr(patcher, "model_options", {}) or {}).get("transformer_options", {}) or {}
+        mode = to.get(LORA_MODE_KEY, LORA_MODE)
+        if mode not in ("merge", "side"):
+            raise node_error(TITLE, f"transformer_options[{LORA_MODE_KEY!r}] = {mode!r}: expected 'merge' or 'side'")
+        specs = lora_specs(getattr(patcher, "patches", {}) or {}, mode)
         rt = self.runtime()
         try:
             sync_loras(rt, specs)
         except H3Error as e:
             raise node_error(TITLE, f"LoRA from the MODEL's patches (LoraLoaderModelOnly / LoraLoader): {e}") from e
         self.call.end_run()
-        to = (getattr(patcher, "model_options", {}) or {}).get("transformer_options", {}) or {}
         self.lossy = {"sparse_tau": to.get(SPARSE_TAU_KEY), "first_block_cache": to.get(FIRST_BLOCK_CACHE_KEY)}
         self.pending, self.conds = True, []
 

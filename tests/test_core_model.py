@@ -440,6 +440,24 @@ def test_lora_patches_read_from_the_model(core, tmp_path):
     assert cp.lora_specs(patched.patches) == cp.lora_specs(patched.patches)
 
 
+def test_lora_side_mode_from_transformer_options(core, tmp_path):
+    """h3b_lora_mode = side in the MODEL's transformer_options: the records run as the runtime's side path."""
+    path, rt = core
+    m = cm.make_core_model(rt).clone()
+    lora = save_tiny_lora(tmp_path / "l.safetensors", tiny_lora_truth(TINY, seed=3), "diffusion_model")
+    m.add_patches(core_lora_patches(lora), 0.8)
+    m.model_options["transformer_options"][cm.LORA_MODE_KEY] = "side"
+    case = _t2va(rt)
+    v, _ = _run(m, case)
+    assert "x0.8 side" in rt.backends["lora"]["reason"] and rt.backends["lora"]["report"]["side"]
+    rt2 = load_model(str(path), RuntimeOptions.from_env(**DENSE))
+    apply_loras(rt2, [(str(lora), 0.8, "side")])
+    assert _rel(v, call(diffusion_model(rt2), case, schedule=torch.tensor([1.0, 0.8, 0.0]))[0]) < 1e-6
+    m.model_options["transformer_options"][cm.LORA_MODE_KEY] = "fast"
+    with pytest.raises(H3NodeError, match="'merge' or 'side'"):
+        m.pre_run()
+
+
 def test_stacked_loras_and_strengths(core, tmp_path):
     path, rt = core
     base = cm.make_core_model(rt)
