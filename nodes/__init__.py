@@ -6,6 +6,7 @@ the node functions.
 """
 
 from .conditioning import H3TextStatesLoader
+from .control import H3FunControlNetApply
 from .diagnostics import H3Diagnostics
 from .latents import H3EmptyLatent
 from .loader import H3ModelLoader
@@ -20,6 +21,7 @@ NODES = {
     "H3B_EmptyLatent": H3EmptyLatent,
     "H3B_TextStatesLoader": H3TextStatesLoader,
     "H3B_LoRA": H3LoRA,
+    "H3B_FunControlNetApply": H3FunControlNetApply,
     "H3B_ModelReport": H3ModelReport,
 }
 

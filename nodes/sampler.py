@@ -166,6 +166,14 @@ class H3Sampler:
             raise node_error(self.TITLE, f"sampler={sampler!r}, scheduler={scheduler!r}: expected a sampler in "
                                          f"{SAMPLERS} and a scheduler in {SCHEDULERS}")
         payload = _noise_masked(payload, latent, video, audio, seed, self.TITLE)
+        control = None
+        fc = getattr(model, "fun_control", None)  # H3 Fun ControlNet: its hint for this latent, its tower
+        if fc is not None:
+            try:
+                payload["control"] = fc.hint(video.shape, float(shift_video))
+                control = fc.tower(model)
+            except H3Error as e:
+                raise node_error(self.TITLE, f"Fun ControlNet: {e}") from e
         progress, preview, interrupt = _callbacks(int(steps))
         # the loader's model is shared and resident: the run makes it carry exactly this graph's LoRAs (none if
         # the graph has no LoRA node), so a LoRA from an earlier prompt never leaks into this one
@@ -175,7 +183,8 @@ class H3Sampler:
                    preview=preview, interrupt=interrupt,
                    workload_extra={"frames": pixel_frames(video.shape[2]), "host": "comfyui"},
                    sparse_tau=float(sparse_tau) if getattr(model, "sparse", None) is not None else None,
-                   first_block_cache=float(first_block_cache) if first_block_cache > 0 else None)
+                   first_block_cache=float(first_block_cache) if first_block_cache > 0 else None,
+                   control=control)
         try:
             res = run_job(job)
         except Interrupted as e:

@@ -261,7 +261,7 @@ def test_import_needs_no_comfyui():
             "bad = [m for m in sys.modules if m == 'comfy' or m.startswith(('comfy.', 'comfy_api')) "
             "or m == 'folder_paths']; "
             "assert not bad, bad; "
-            "assert len(h3_blackwell.NODE_CLASS_MAPPINGS) == 7; print('ok')")
+            "assert len(h3_blackwell.NODE_CLASS_MAPPINGS) == 8; print('ok')")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 

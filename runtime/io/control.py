@@ -72,6 +72,11 @@ class ControlSpec:
         return block_config(self.hidden_size, self.num_heads, self.head_dim, self.ffn_hidden_size,
                             self.time_embed_dim, self.curve_form)
 
+    def check_base(self, base) -> "ControlSpec":
+        """Refuse a tower that does not fit the base model's H3Config (``FunControl.check_base``)."""
+        check_fits(self.block_config, self.places, base)
+        return self
+
 
 def _what_it_is(path: Path, keys: list[str]) -> str:
     """The refusal for a file that is not a native Fun ControlNet: what it looks like and what to do."""
