@@ -13,7 +13,8 @@ Core's side: ``MiniMaxH3Model`` and ``MiniMaxH3FunControl`` built with ``comfy.o
 tiny dimensions (the same weights everywhere), the patch's ``diffusion_model_wrapper`` around the model's
 ``_forward`` with one ``MiniMaxH3FunControlBlockPatch`` per place in ``transformer_options["patches_replace"]``
 and the sampler's sigma in ``transformer_options["sigmas"]``, the hint latent handed in as the patch's
-prepared ``control_latent`` (the VAE side is checked by the node tests). Cases: tests/oracles/control_cases.py
+prepared ``control_latent``. The hint preparation itself (``nodes.control.prepare_hint``) is compared with the
+patch's own ``prepare_control_latent`` on a stand-in VAE (``hints`` in the JSON). Cases: tests/oracles/control_cases.py
 (the masked one needs a model.py with denoise masks and is skipped when the checkout's has none).
 """
 
@@ -115,6 +116,52 @@ def run_runtime(case, sd, csd):
         return m.evaluate(plan, 0, case["video"], case["audio"])
 
 
+class TinyVAE:
+    """A stand-in for core's H3 video VAE (16x16 average pooling, core's frame rule 17k+5 -> 5k+2, a fixed 3 -> 24
+    channel map): the hint preparation is compared with one encoder for both sides."""
+
+    def __init__(self):
+        self.proj = torch.randn(24, 3, generator=torch.Generator().manual_seed(0))
+
+    def spacial_compression_encode(self):
+        return 16
+
+    def encode(self, pixels):
+        x = torch.nn.functional.avg_pool2d(pixels.movedim(-1, 1).float(), 16)
+        n = x.shape[0]
+        t = 2 if n <= 5 else (n - 5) // 17 * 5 + 2
+        x = torch.stack([c.mean(0) for c in torch.tensor_split(x, t)])
+        return torch.einsum("oc,tchw->othw", self.proj, x)[None]
+
+
+def hint_cases():
+    """(name, target latent shape, control video [n,3,h,w] or None, mask or None, source video or None)."""
+    g = torch.Generator().manual_seed(9)
+    mask = torch.rand(3, 40, 70, generator=g)
+    return [("control_square_to_3x2", (1, 24, 7, 4, 6), torch.rand(10, 3, 48, 48, generator=g), None, None),
+            ("control_wide_long", (1, 24, 12, 4, 6), torch.rand(50, 3, 33, 70, generator=g), None, None),
+            ("inpaint_with_source", (1, 24, 7, 6, 4), None, mask, torch.rand(4, 3, 50, 30, generator=g)),
+            ("inpaint_black_holes_and_control", (1, 24, 2, 4, 6), torch.rand(2, 3, 64, 96, generator=g),
+             mask[0], None)]
+
+
+def check_hints(patch_mod) -> dict:
+    """nodes.control.prepare_hint vs core's MiniMaxH3FunControlPatch.prepare_control_latent (comfy.utils'
+    common_upscale, core's thresholds and trilinear visibility) on the same stand-in VAE."""
+    from h3_blackwell.nodes.control import prepare_hint
+
+    out = {}
+    for name, target, ctl, mask, src in hint_cases():
+        vae = TinyVAE()
+        core = patch_mod.MiniMaxH3FunControlPatch(None, vae, ctl, mask, src, 1.0, 1.0, 0.0)
+        core.prepare_control_latent(target)
+        ours = prepare_hint(vae, target, ctl, mask, src if mask is not None else None)
+        out[name] = {"shape": list(ours.shape), "max_abs_diff": float((ours - core.control_latent).abs().max()),
+                     "equal": bool(torch.equal(ours, core.control_latent))}
+        print("hint", name, json.dumps(out[name]))
+    return out
+
+
 def base_config(case):
     from h3_blackwell.runtime.model.config import TINY
 
@@ -164,8 +211,9 @@ def main(argv=None) -> int:
         worst = max(worst, *(v for k, v in rec.items() if k.startswith(("core_vs", "runtime_vs"))))
         out["cases"][name] = rec
         print(name, json.dumps(rec))
+    out["hints"] = check_hints(patch_mod)
     out["worst"] = worst
-    out["passed"] = worst <= 1e-5
+    out["passed"] = worst <= 1e-5 and all(h["equal"] for h in out["hints"].values())
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2) + "\n")
     print("worst rel-L2", worst, "PASS" if out["passed"] else "FAIL")
