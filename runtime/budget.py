@@ -513,9 +513,9 @@ def _check_host(p: MemoryPlan, host_free: int | None, host_held_bytes: int) -> N
     avail = free - adaln
     if need > avail:
         extra = f" after the {gb(adaln)} of AdaLN weights kept there" if adaln else ""
-        raise BudgetError(f"{p.budget_text}: {len(p.streamed)} streamed blocks need {need / GB:.1f} GB of host memory "
-                          f"for the streamed weights, {max(0, avail) / GB:.1f} GB free{extra}; raise the budget so fewer "
-                          "blocks stream, or free host memory (nothing was loaded)")
+        raise BudgetError(f"{p.budget_text}: needs {need / GB:.1f} GB of host memory for the streamed weights "
+                          f"({len(p.streamed)} blocks), {max(0, avail) / GB:.1f} GB free{extra}; raise the budget so "
+                          "fewer blocks stream, or free host memory (nothing was loaded)")
 
 
 def least_device_weight_bytes(cfg: H3Config, options, device: torch.device, dtype: torch.dtype, whole: int) -> int:

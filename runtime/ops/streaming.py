@@ -255,9 +255,10 @@ class BlockStreamer:
         """The next SLOTS - 1 streamed blocks after j in stack order, wrapping around."""
         if not self.order:
             return []
-        k = next((n for n, b in enumerate(self.order) if b > j), 0)
+        k = next((n for n, b in enumerate(self.order) if b > j), len(self.order))
         out = []
-        for n in range(len(self.order)):
+        # wrap to the next evaluation's first blocks only where a slot stays valid across evaluations
+        for n in range(len(self.order) if self.versioned else len(self.order) - k):
             b = self.order[(k + n) % len(self.order)]
             if b == j or b in out:
                 continue

@@ -1,0 +1,186 @@
+"""Block streaming on the CPU (runtime.ops.streaming): the streamed blocks' bytes live in host buffers and are
+copied into two slot buffers before each block computes (the CPU emulation of the device copies). Every run
+must give the resident run's latent hashes: the W4A4, W4A8 and dense stacks, LoRA (merged bytes stream, side
+paths), First-Block Cache, sparse attention, sequence parallelism, re-planning at sampling start, and the FFN
+chunked over rows where every op is row-local."""
+
+import json
+
+import pytest
+import torch
+
+from h3_blackwell.cli import main as cli
+from h3_blackwell.runtime import RuntimeOptions, load_model, sample
+from h3_blackwell.runtime.budget import ModelMemory, Workload, estimate, smallest_budget
+from h3_blackwell.runtime.load import StateDictSource
+from h3_blackwell.runtime.lora import apply as L
+from h3_blackwell.runtime.model.config import TINY
+from h3_blackwell.runtime.model.layout import latent_shapes
+from h3_blackwell.runtime.model.tiny import tiny_state_dict
+from h3_blackwell.runtime.ops.streaming import StreamOps
+from h3_blackwell.runtime.parallel.group import ParallelContext
+from tests.fixtures.tiny_lora import save_tiny_lora, tiny_lora_truth
+
+CPU = dict(device="cpu")
+STEPS = 2
+VSHAPE, ASHAPE = latent_shapes(128, 96, 22)  # 32 text + 74 audio + 84 video = 190 rows
+STACKS = {"w4a4": {}, "w4a8": dict(gemm="fp8", act_format="fp8"), "dense": dict(quantize=False)}
+
+
+def _workload(steps=STEPS):
+    return Workload.from_shapes(VSHAPE, ASHAPE, 32, steps)
+
+
+def _inputs(seed=1):
+    text = torch.randn(1, 32, 5120, generator=torch.Generator().manual_seed(seed))
+    return text, None, torch.zeros(VSHAPE), torch.zeros(ASHAPE)
+
+
+def _hashes(res):
+    c = res.report["latent_checksums"]
+    return c["video_sha256"], c["audio_sha256"]
+
+
+def _gb(nbytes):
+    return repr(nbytes / 1e9)
+
+
+def _load(kw, budget_bytes=None, src=None, steps=STEPS):
+    opts = RuntimeOptions(**CPU, **kw, **({} if budget_bytes is None else {"vram_budget": _gb(budget_bytes)}))
+    return load_model(src, opts, workload=_workload(steps))
+
+
+def _all_streamed_budget(kw, src=None, steps=STEPS):
+    rt = _load(kw, src=src, steps=steps)
+    return smallest_budget(ModelMemory.from_plan(rt.plan), _workload(steps), "cpu")
+
+
+@pytest.mark.parametrize("stack", sorted(STACKS))
+def test_streaming_loop_gives_the_resident_hashes(stack):
+    kw = STACKS[stack]
+    resident = _load(kw)
+    assert resident.plan.memory.streamed == () and "nothing streams" in resident.plan.choices["memory"].reason
+    want = _hashes(sample(resident, *_inputs(), seed=7, steps=STEPS))
+    rt = _load(kw, _all_streamed_budget(kw))
+    assert rt.plan.memory.streamed == (0, 1, 2) and rt.plan.memory.emulated
+    res = sample(rt, *_inputs(), seed=7, steps=STEPS)
+    for j in (0, 1, 2):  # between blocks a streamed linear holds its host tensors (what a LoRA merge writes)
+        for name, hl in rt.streamer.host[j].items():
+            assert hl.holds(rt.model.blocks[j].get_submodule(name)), (j, name)
+    assert _hashes(res) == want
+    mem = res.report["memory"]
+    block = rt.plan.memory.block_bytes
+    assert mem["streamed_blocks"] == [0, 1, 2] and mem["resident_blocks"] == []
+    assert mem["evaluations"] == STEPS and mem["bytes_copied_per_step"] == 3 * rt.streamer.block_bytes(0)
+    assert abs(rt.streamer.block_bytes(0) - block) <= 8 * 256  # the plan's block bytes vs the real buffers
+    assert mem["copy_exposed_ms_per_step"] == mem["copy_ms_per_step"] >= 0  # CPU: synchronous copies
+    assert mem["host_bytes_streamed_weights"] == rt.streamer.host_bytes and mem["vram_budget_bytes"] > 0
+    assert mem["estimate"]["total_bytes"] <= mem["vram_budget_bytes"]
+
+
+def _six_blocks():
+    cfg = TINY.replace(num_layers=6)
+    return StateDictSource(tiny_state_dict(cfg, 3, torch.float32), "tiny, 6 blocks", cfg)
+
+
+def test_partial_streaming_spreads_the_resident_blocks_and_keeps_first_block_cache_exact():
+    kw = STACKS["w4a8"]
+    src = _six_blocks()
+    mm = ModelMemory.from_plan(_load(kw, src=src, steps=4).plan)
+    budget = estimate(mm, _workload(4), 2, 2, None, "cpu").total  # two resident blocks beside two slots
+    resident, rt = _load(kw, src=src, steps=4), _load(kw, budget, src=src, steps=4)
+    assert rt.plan.memory.resident == (1, 4) and rt.plan.memory.streamed == (0, 2, 3, 5)
+    for fbc in (None, 0.3):  # First-Block Cache: skipped tails leave prefetched slots that the next step uses
+        want = sample(resident, *_inputs(), seed=5, steps=4, first_block_cache=fbc)
+        got = sample(rt, *_inputs(), seed=5, steps=4, first_block_cache=fbc)
+        assert _hashes(got) == _hashes(want)
+        if fbc is not None:
+            assert got.report["first_block_cache"] == want.report["first_block_cache"]
+
+
+@pytest.fixture(scope="module")
+def lora_file(tmp_path_factory):
+    return save_tiny_lora(tmp_path_factory.mktemp("lora") / "l.safetensors", tiny_lora_truth(TINY, seed=1), "comfy")
+
+
+@pytest.mark.parametrize("mode", ["merge", "side"])
+def test_lora_merged_bytes_stream_and_side_paths_run_beside_them(lora_file, mode):
+    kw = STACKS["w4a8"]
+    resident, rt = _load(kw), _load(kw, _all_streamed_budget(kw))
+    plain = _hashes(sample(rt, *_inputs(), seed=2, steps=STEPS))  # slots now hold the plain bytes
+    for r in (resident, rt):
+        L.apply_loras(r, [(str(lora_file), 0.7, mode)])
+    want = _hashes(sample(resident, *_inputs(), seed=2, steps=STEPS))
+    assert want != plain
+    assert _hashes(sample(rt, *_inputs(), seed=2, steps=STEPS)) == want  # merged host bytes copied again
+    L.remove_loras(rt)
+    assert isinstance(rt.ops, StreamOps) and _hashes(sample(rt, *_inputs(), seed=2, steps=STEPS)) == plain
+
+
+def test_sparse_attention_streams():
+    kw = dict(quantize=False, attention="sparse", sparse_min_tokens=0, sparse_extra_tokens=0, dtype="float32")
+    want = _hashes(sample(_load(kw), *_inputs(), seed=4, steps=STEPS))
+    assert _hashes(sample(_load(kw, _all_streamed_budget(kw)), *_inputs(), seed=4, steps=STEPS)) == want
+
+
+def test_sequence_parallel_world_of_one_streams():
+    kw = STACKS["w4a8"]
+    ctx = ParallelContext(0, 1, torch.device("cpu"), "gloo")
+    want = _hashes(sample(_load(kw), *_inputs(), seed=6, steps=STEPS, parallel=ctx))
+    got = sample(_load(kw, _all_streamed_budget(kw)), *_inputs(), seed=6, steps=STEPS, parallel=ctx)
+    assert _hashes(got) == want and got.report["memory"]["streamed_blocks"] == [0, 1, 2]
+
+
+def test_sequence_parallel_two_ranks_stream(tmp_path, monkeypatch):
+    """generate --sequence-parallel 2 (gloo workers): every rank streams its blocks and the latents are the
+    resident sequence-parallel run's."""
+    base = ["--dense", "--dtype", "float32", "--device", "cpu", "--steps", "2", "--width", "64", "--height", "64",
+            "--frames", "5", "--text-tokens", "9", "--sequence-parallel", "2"]
+    v, a = latent_shapes(64, 64, 5)
+    rt = load_model(None, RuntimeOptions(**CPU, quantize=False, dtype="float32"),
+                    workload=Workload.from_shapes(v, a, 9, 2))
+    budget = smallest_budget(ModelMemory.from_plan(rt.plan), Workload.from_shapes(v, a, 9, 2), "cpu")
+    assert cli.main(["generate", "--output", str(tmp_path / "one"), *base]) == 0
+    assert cli.main(["generate", "--output", str(tmp_path / "st"), *base, "--vram-budget", _gb(budget)]) == 0
+    one, st = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("one", "st"))
+    assert st["latent_checksums"]["video_sha256"] == one["latent_checksums"]["video_sha256"]
+    assert st["latent_checksums"]["audio_sha256"] == one["latent_checksums"]["audio_sha256"]
+    assert st["memory"]["streamed_blocks"] == [0, 1, 2] and one["memory"]["streamed_blocks"] == []
+    assert st["sequence_parallel"]["latents_identical_across_ranks"]
+
+
+def test_replanning_at_sampling_start_moves_blocks_and_keeps_the_hashes():
+    kw = STACKS["w4a4"]
+    rt = _load(kw)
+    want = _hashes(sample(rt, *_inputs(), seed=8, steps=STEPS))
+    rt.plan.options.vram_budget = _gb(_all_streamed_budget(kw))  # as a new budget for the next run
+    res = sample(rt, *_inputs(), seed=8, steps=STEPS)
+    assert rt.plan.memory.streamed == (0, 1, 2) and _hashes(res) == want
+    assert res.report["memory"]["bytes_copied_per_step"] > 0
+    rt.plan.options.vram_budget = "auto"  # CPU auto: back to resident, the blocks' tensors own storage again
+    res = sample(rt, *_inputs(), seed=8, steps=STEPS)
+    assert rt.plan.memory.streamed == () and rt.streamer.host == {} and _hashes(res) == want
+    assert res.report["memory"]["bytes_copied_per_step"] == 0
+
+
+@pytest.mark.parametrize("stack", ["w4a8", "dense"])
+def test_ffn_row_chunks_are_bit_identical_where_row_local(stack):
+    rt = _load(STACKS[stack])
+    assert ModelMemory.from_plan(rt.plan).ffn_row_local
+    text, _, _, _ = _inputs()
+    g = torch.Generator().manual_seed(3)
+    video, audio = torch.randn(VSHAPE, generator=g), torch.randn(ASHAPE, generator=g)
+    with torch.no_grad():
+        plan = rt.model.plan(text, VSHAPE, ASHAPE, [0.7])
+        want = rt.model.evaluate(plan, 0, video, audio, rt.ops)
+        for rows in (128, 64):
+            rt.ops.ffn_chunk_rows = rows
+            got = rt.model.evaluate(plan, 0, video, audio, rt.ops)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), rows
+
+
+def test_w4a4_dynamic_scale_is_not_chunked():
+    """The SwiGLU bytes of W4A4 with a dynamic scale take one amax over all rows: the plan never chunks it."""
+    mm = ModelMemory.from_plan(_load({}).plan)
+    assert not mm.ffn_row_local and "amax over all rows" in mm.ffn_row_local_why
+    assert smallest_budget(mm, _workload(), "cpu") == estimate(mm, _workload(), 0, 2, None, "cpu").total
