@@ -1,0 +1,63 @@
+"""The H3 MODEL's adapter on a real GPU, without ComfyUI (run: python3 -m pytest -m gpu tests/gpu/test_core_model_gpu.py -s).
+
+The runtime on CUDA with the loader's defaults (the fast stack the plan picks: W4A8 on Hopper, NVFP4 elsewhere):
+one sampling run of model calls as core's sampler makes them equals the same fast stack evaluated one forward at a
+time; the run's report times the calls with CUDA events and counts FC2 as configured; releasing the runtime (what
+an unload of the MODEL from the GPU does) frees its device memory, and the next load reads it again.
+"""
+
+import gc
+
+import pytest
+import torch
+
+from h3_blackwell.nodes import core_model as cm
+from h3_blackwell.runtime import RuntimeOptions, load_model
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+class _Patcher:  # what begin_sampling reads from core's ModelPatcher
+    patches, object_patches, hook_patches, weight_wrapper_patches = {}, {}, {}, {}
+    model_options = {"transformer_options": {}}
+
+
+def test_model_calls_on_the_fast_stack_and_release():
+    opts = RuntimeOptions.from_env(device="cuda")
+    rt = load_model(None, opts)
+    g = torch.Generator().manual_seed(0)
+    video = torch.randn(1, 24, 7, 16, 16, generator=g).cuda()
+    audio = torch.randn(1, 32, 2, 37, generator=g).cuda()
+    text = torch.randn(1, 32, rt.config.text_dim, generator=g).cuda()
+    sched = torch.tensor([1.0, 0.9, 0.6, 0.3, 0.0], device="cuda")
+    handle = cm.RuntimeHandle(rt, reload=lambda: load_model(None, opts))
+    dm = cm.H3DiffusionModel(handle)
+    handle.begin_sampling(_Patcher())
+    payload = {"seed": 3, "audio_scale": 1.0}
+    outs = [dm([video, audio], (s * 1000).reshape(1), text, transformer_options={"sample_sigmas": sched},
+               minimax_payload=payload) for s in sched[:-1]]
+    handle.end_sampling()
+    for s, (v, a) in zip(sched[:-1], outs):
+        rv, ra = rt.model.forward(video, audio, text, float((s * 1000) / 1000), ops=rt.ops, seed=3)
+        assert v.device.type == "cuda" and _rel(v, rv) < 1e-3 and _rel(a, ra) < 1e-3  # same stack, same plan math
+    rep = handle.call.report(outs[-1][0], outs[-1][1])
+    print(rep["backends"].get("gemm"), rep["per_step_seconds"][0], rep["fc2_dispatch"]["runs"])
+    assert len(rep["per_step_seconds"][0]) == 4 and all(s["seconds"] > 0 for s in rep["per_step_seconds"][0])
+    assert rep["fc2_dispatch"]["consistent_with_configuration"] and rep["latents_finite"]
+    del outs, rv, ra, v, a
+    gc.collect()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    size = handle.size
+    del rt
+    assert handle.release() == size
+    gc.collect()
+    freed = before - torch.cuda.memory_allocated()
+    print(f"resident {size} bytes, freed {freed} bytes on release")
+    assert freed >= 0.9 * size
+    rt2 = handle.runtime()  # the next load reads it again
+    assert rt2.device.type == "cuda" and handle.resident
