@@ -91,6 +91,10 @@ CORE_NODES = {
     # fl2va / ref2va inputs (core's comfy_extras/nodes_minimax_h3.py, nodes.py LoadImage, nodes_audio.py LoadAudio)
     "LoadImage": _core({"image": ([], {"image_upload": True})}, ["IMAGE", "MASK"]),
     "LoadAudio": _core({"audio": ("COMBO", {"options": [], "audio_upload": True})}, ["AUDIO"]),
+    # the control video of the Fun ControlNet workflow (core's comfy_extras/nodes_video.py)
+    "LoadVideo": _core({"file": ("COMBO", {"options": [], "video_upload": True})}, ["VIDEO"]),
+    "GetVideoComponents": _core({"video": ("VIDEO", {})}, ["IMAGE", "AUDIO", "FLOAT", "INT"],
+                                names=["images", "audio", "fps", "bit_depth"]),
     "MiniMaxH3ImageToVideo": _core(
         {"clip": ("CLIP", {}), "vae": ("VAE", {}), "prompt": ("STRING", {"multiline": True, "dynamicPrompts": True}),
          **H3_CANVAS}, ["CONDITIONING", "LATENT"], optional={"first_frame": ("IMAGE", {}), "last_frame": ("IMAGE", {})},
@@ -124,7 +128,8 @@ CORE_NODES = {
 }
 
 # this pack's inputs whose choices come from a folder
-OWN_FILE_LISTS = {("H3B_ModelLoader", "model"), ("H3B_TextStatesLoader", "text_states")}
+OWN_FILE_LISTS = {("H3B_ModelLoader", "model"), ("H3B_TextStatesLoader", "text_states"),
+                  ("H3B_FunControlNetApply", "control_name")}
 
 
 def object_info() -> dict:
@@ -148,7 +153,7 @@ def _types_match(out_type: str, in_type: str) -> bool:
 def check_widget(class_type: str, name: str, spec, value) -> str | None:
     """None when ``value`` is legal for the widget, else why not."""
     kind, opts = spec[0], (spec[1] if len(spec) > 1 else {})
-    if opts.get("image_upload") or opts.get("audio_upload"):  # a file of ComfyUI's input folder
+    if opts.get("image_upload") or opts.get("audio_upload") or opts.get("video_upload"):  # an input file
         return None if isinstance(value, str) and value else f"{value!r} is not an input file name"
     if isinstance(kind, list):
         if (class_type, name) in OWN_FILE_LISTS and isinstance(value, str) and value.endswith(MODEL_EXTENSIONS):
@@ -272,7 +277,7 @@ def _strip(prompt):
     return {k: {"class_type": v["class_type"], "inputs": v["inputs"]} for k, v in prompt.items()}
 
 
-UI_GRAPHS = ["h3_t2va_nvfp4", "h3_fl2va_nvfp4", "h3_ref2va_nvfp4",
+UI_GRAPHS = ["h3_t2va_nvfp4", "h3_fl2va_nvfp4", "h3_ref2va_nvfp4", "h3_fl2va_control_nvfp4",
              "h3_t2va_ksampler", "h3_fl2va_ksampler", "h3_ref2va_ksampler"]
 
 
@@ -483,3 +488,24 @@ def test_smoke_workflow_runs_in_process(monkeypatch, tmp_path):
                          torch.zeros(1, 24, 7, 16, 16), torch.zeros(1, 32, 2, 37), seed=440420, steps=8)
     assert written["latent_checksums"]["video_sha256"] == ref.report["latent_checksums"]["video_sha256"]
     assert written["latent_checksums"]["audio_sha256"] == ref.report["latent_checksums"]["audio_sha256"]
+
+
+def test_fl2va_control_workflow_shape():
+    """fl2va plus a Fun ControlNet: the control video (Load Video -> Get Video Components' frames) and the video VAE
+    into H3 Fun ControlNet on the loader's model, whose output is the sampler's model; core's defaults (strength 1,
+    window 0-1, no fades); the rest is the fl2va graph."""
+    prompt = _load("h3_fl2va_control_nvfp4.api.json")
+    by_type = _by_type(prompt)
+    ctl, comps, video = by_type["H3B_FunControlNetApply"][0], by_type["GetVideoComponents"][0], by_type["LoadVideo"][0]
+    c = prompt[ctl]["inputs"]
+    assert c["model"] == [by_type["H3B_ModelLoader"][0], 0] and c["vae"] == [by_type["VAELoader"][0], 0]
+    assert c["control_video"] == [comps, 0] and prompt[comps]["inputs"]["video"] == [video, 0]
+    assert (c["strength"], c["start_percent"], c["end_percent"], c["fade_in_frames"], c["fade_out_frames"]) == \
+        (1.0, 0.0, 1.0, 0, 0)
+    assert "mask" not in c and "model_patch" not in c
+    sampler = by_type["H3B_Sampler"][0]
+    assert prompt[sampler]["inputs"]["model"] == [ctl, 0]
+    plain = _load("h3_fl2va_nvfp4.api.json")
+    for nid, node in plain.items():  # everything else is the fl2va workflow
+        if node["class_type"] != "H3B_Sampler" and not node["class_type"].startswith(("H3B_Diag", "SaveVideo")):
+            assert prompt[nid]["inputs"] == node["inputs"], nid
