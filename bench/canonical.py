@@ -169,8 +169,10 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline-step-seconds", type=float, default=3.959,
                     help="the step time to hold (bench/results/canonical-h200.json before the redesign: 3.959)")
     ap.add_argument("--skip", default="", help="comma list of stages to skip: profile,accuracy,peer")
-    ap.add_argument("--sparse-tau", type=float, default=None, help="with --attention sparse (default: core's 1.3)")
-    ap.add_argument("--sparse-extra-tokens", type=int, default=None, help="with --attention sparse (default 256)")
+    ap.add_argument("--sparse-tau", type=float, default=None,
+                    help=f"with --attention sparse (default: core's {RuntimeOptions.sparse_tau})")
+    ap.add_argument("--sparse-extra-tokens", type=int, default=None,
+                    help=f"with --attention sparse (default {RuntimeOptions.sparse_extra_tokens})")
     ap.add_argument("--dense-runs", type=int, default=1, help="with --attention sparse: measured dense runs")
     ap.add_argument("--fbcache", type=float, default=0.08,
                     help="with --attention sparse: First-Block Cache threshold of the extra cached run (<0: none)")
