@@ -87,6 +87,7 @@ class _Run:
     sparse_tau: float | None = None
     first_block_cache: float | None = None
     last: tuple | None = None  # (text shape, video shape, audio shape, shifts) of the last call, for the report
+    summary: list = field(default_factory=list)  # per conditioning, once the run ended: what the report shows
 
 
 class ModelCall:
@@ -129,6 +130,12 @@ class ModelCall:
         run.fc2["direct_calls"] = getattr(rt.ops, "fc2_direct_calls", 0) - run.direct0
         if run.lossy is not None:
             run.lossy.end_run(True)
+        # the plans (modulation rows of every scheduled sigma) are freed as the run ends; the report keeps a summary
+        for p in run.plans:
+            plan = p.plan if p.plan is not None else next(iter(p.extra.values()), None)
+            run.summary.append({"layout": None if plan is None else plan.layout, "text_tokens": p.text.shape[1],
+                                "shifts": p.shifts, "off_schedule_sigmas": list(p.extra)})
+        run.plans, run.lossy_plan = [], None
         self.last_run, self.run = run, None
 
     # -- one evaluation --------------------------------------------------------------------------
@@ -279,15 +286,16 @@ class ModelCall:
 
     @staticmethod
     def _workload(run: _Run, video, audio, extra: dict | None) -> dict:
-        p = run.plans[0] if run.plans else None
-        lay = None if p is None or p.plan is None else p.plan.layout
+        p = run.summary[0] if run.summary else None
+        lay = None if p is None else p["layout"]
         w = {"resolution": [video.shape[-1] * 16, video.shape[-2] * 16], "frames": None,
              "latent_frames": video.shape[2], "audio_frames": audio.shape[-1],
              "packed_tokens": lay.seq_len if lay is not None else None,
-             "text_tokens": p.text.shape[1] if p is not None else None,
+             "text_tokens": p["text_tokens"] if p is not None else None,
              "steps": max(len(run.schedule) - 1, 0) if run.schedule else run.calls,
-             "model_calls": run.calls, "conditionings": len(run.plans),
-             "shifts": list(p.shifts) if p is not None else None, "sampler": "host (ComfyUI core)"}
+             "model_calls": run.calls, "conditionings": len(run.summary),
+             "off_schedule_calls": sum(len(s["off_schedule_sigmas"]) for s in run.summary),
+             "shifts": list(p["shifts"]) if p is not None else None, "sampler": "host (ComfyUI core)"}
         if lay is not None:
             w["segments"] = [[k, a, b] for a, b, k in lay.segments]
         if extra:
