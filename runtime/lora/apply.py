@@ -46,6 +46,10 @@ Where the side path is added:
 - layers outside BlockOps (the token refiner, AdaLN, condition_proj, the final layer): a per-instance
   ``forward`` hook (``runtime.lora.side``); names, types and state-dict keys stay as they are.
 
+PDD head banks (``runtime.lora.pdd``): ``final_layer.{video,audio}_out.set_weight`` / ``set_bias`` in a LoRA file
+replace both output heads with an n-head bank (the model's ``head_bank`` becomes n, the sampler blends the heads
+along its schedule); removal puts the heads and config back. The file's other tensors are an ordinary LoRA.
+
 FC2 guard: ``LoraOps.fc2`` calls the inner fc2 with ``lora_active=True`` on a block whose fc2 has a side path,
 so the guarded dispatcher refuses its pinned cuBLASLt path on every call of that block (reason ``lora: LoRA
 side-path active on fc2; the pinned GEMM has no LoRA term``), falls back on the same activation bytes and
@@ -56,6 +60,7 @@ from __future__ import annotations
 
 import re
 import time
+from pathlib import Path
 from typing import Iterable
 
 import torch
@@ -64,6 +69,7 @@ from ..ops.linear import Nvfp4Linear
 from .key_forms import LOWRANK, LoraError, LoraMatch, match_lora, read_lora_file
 from .merge import STATE_ATTR, LoraState, lora_state, merge_dense, merge_nvfp4, merged_weight, restore_all
 from .ops import BLOCK_LINEAR, LoraOps
+from .pdd import PddBank, install_bank, split_bank
 from .side import LoraSide, install_side, lora_side, module_device, side_active
 from .source import SourceWeights
 from .spec import MODES, LoraSpec, as_spec, parse_lora_arg
@@ -80,16 +86,36 @@ def _base(rt):
     return rt._base if isinstance(rt, LoraView) else rt
 
 
-def _read_all(rt, specs: list[LoraSpec]) -> list[LoraMatch]:
-    errors, matches = [], []
+def _read_all(rt, specs: list[LoraSpec]) -> tuple[list[LoraMatch], list[PddBank | None]]:
+    """Every file read and matched (its PDD head bank, if any, split off first: ``runtime.lora.pdd``)."""
+    errors, matches, banks = [], [], []
     for sp in specs:
         try:
-            matches.append(match_lora(read_lora_file(sp.path), rt.model, rt.config))
+            bank, lf = split_bank(read_lora_file(sp.path), rt.config)
+            if bank is not None and not lf.tensors:  # a bank alone: no trunk LoRA to match
+                matches.append(LoraMatch(lf, [], [], [], "none (a PDD head bank only)"))
+            else:
+                matches.append(match_lora(lf, rt.model, rt.config))
+            banks.append(bank)
         except LoraError as e:
             errors.append(str(e))
     if errors:
         raise LoraError(" | ".join(errors) if len(errors) > 1 else errors[0])
-    return matches
+    return matches, banks
+
+
+def _stack_bank(specs: list[LoraSpec], banks: list, merges: dict, sides: dict) -> PddBank | None:
+    """The stack's PDD bank (strength 0 leaves it out), refused when two files bring one or when the stack also
+    updates the heads it replaces."""
+    active = [b for sp, b in zip(specs, banks) if b is not None and sp.strength != 0.0]
+    if len(active) > 1:
+        raise LoraError(f"one PDD head bank per LoRA stack; {', '.join(Path(b.file).name for b in active)} each "
+                        "bring one. Nothing was changed")
+    heads = ("final_layer.video_out", "final_layer.audio_out")
+    if active and (any(m in heads for m, _ in merges) or any(m in heads for m in sides)):
+        raise LoraError(f"{Path(active[0].file).name} installs a PDD head bank, and the stack also updates the output "
+                        "heads (the bank would overwrite that update). Nothing was changed")
+    return active[0] if active else None
 
 
 def apply_loras(rt, specs: Iterable) -> dict:
@@ -201,7 +227,7 @@ def _apply(rt, specs: list[LoraSpec]) -> dict:
     """Validate every file, then restore the model's originals and apply ``specs`` (merges, then side paths);
     any failure restores the originals before it propagates. Returns the report."""
     t0 = time.perf_counter()
-    matches = _read_all(rt, specs)
+    matches, banks = _read_all(rt, specs)
     model = rt.model
     mods = dict(model.named_modules())
     nv_cls = Nvfp4Linear
@@ -211,6 +237,7 @@ def _apply(rt, specs: list[LoraSpec]) -> dict:
     report = _new_report()
     merges, sides = _group_updates(specs, matches, mods, model_device, report)
     _refuse_awq_merges(merges, mods, nv_cls)
+    bank = _stack_bank(specs, banks, merges, sides)
     try:
         restore_all(rt, st, source)
         for (mname, pname), entries in merges.items():
@@ -220,6 +247,9 @@ def _apply(rt, specs: list[LoraSpec]) -> dict:
             else:
                 merge_dense(st, f"{mname}.{pname}", getattr(module, pname), entries, source, report, model_device)
         _install_sides(rt, st, sides, mods, nv_cls, report)
+        if bank is not None:
+            st.bank = install_bank(rt, bank)
+            report["pdd_bank"] = bank.report()
     except BaseException:
         restore_all(rt, st, source)  # never leave a half-applied stack behind
         st.signature, st.report = (), None
@@ -247,6 +277,8 @@ def _publish(rt, report: dict, specs: list[LoraSpec]) -> None:
         why += f"; {len(report['skipped'])} tensors skipped ({report['skipped'][0]['reason']})"
     if report["fc2_side"]:
         why += "; FC2 cuBLASLt path refused (LoRA side path on fc2)"
+    if report.get("pdd_bank"):
+        why += f"; PDD head bank of {report['pdd_bank']['heads']} heads installed"
     rt.backends["lora"] = {"choice": choice, "reason": why, "report": report}
 
 

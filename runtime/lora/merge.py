@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from ..ops import nvfp4
 from .key_forms import LOWRANK, LoraUpdate
+from .pdd import restore_bank
 from .side import uninstall_side
 from .source import Original, SourceWeights, nvfp4_equal, quantize_like
 
@@ -65,6 +66,7 @@ class LoraState:
     source_cache: dict = field(default_factory=dict)  # the embedded tiny model's source weights
     signature: tuple = ()
     report: dict | None = None
+    bank: object | None = None  # runtime.lora.pdd.BankOriginal while a PDD head bank replaces the heads
 
 
 def lora_state(model: nn.Module) -> LoraState:
@@ -76,6 +78,9 @@ def lora_state(model: nn.Module) -> LoraState:
 
 
 def restore_all(rt, st: LoraState, source: SourceWeights) -> None:
+    if st.bank is not None:  # the heads a PDD bank replaced, and the config's head_bank
+        restore_bank(rt, st.bank)
+        st.bank = None
     model = rt.model
     mods = dict(model.named_modules())
     for name, (module, prev) in list(st.sides.items()):
