@@ -97,9 +97,12 @@ class _QuantizedOps:
 
 class Nvfp4Ops(_QuantizedOps):
     """W4A4: NVFP4 activations from the fused producers; FC2 through the guarded dispatcher (``fc2``, an
-    Fc2Dispatcher, or None for the fallback GEMM) on the SwiGLU producer's bytes."""
+    Fc2Dispatcher, or None for the fallback GEMM) on the SwiGLU producer's bytes. ``amax_reduce``: what every
+    dynamic activation scale of the four linears takes its amax through (``nvfp4_producers.AmaxReduce``; set
+    on a copy by sequence parallelism, runtime.parallel.evaluate); None: the local amax."""
 
     name = "nvfp4"
+    amax_reduce = None
 
     def __init__(self, cfg, attention, fc2=None, act_scale: str = "dynamic"):
         super().__init__(cfg, attention)
@@ -112,18 +115,20 @@ class Nvfp4Ops(_QuantizedOps):
 
     def _norm_linear(self, lin: Nvfp4Linear, x, norm, shift, scale, segs):
         a = nvfp4_producers.rms_modulate_quantize(x, norm.weight, scale, shift, segs, self.cfg.eps,
-                                                self._input_scale(lin))
+                                                self._input_scale(lin), amax_reduce=self.amax_reduce)
         return lin.forward_quantized(a.packed, a.scales, a.global_scale)
 
     def out_proj(self, i, blk, o):
-        return blk.attn.out_proj(o)  # a module call: pre_quant_scale, quantize, GEMM
+        if self.amax_reduce is None:
+            return blk.attn.out_proj(o)  # a module call: pre_quant_scale, quantize, GEMM
+        return blk.attn.out_proj(o, amax_reduce=self.amax_reduce)  # the same, the amax reduced
 
     def fc2(self, i, blk, h, lora_active: bool = False):
         """silu(gate) * up -> NVFP4 bytes padded to 16 rows (the packed M the pinned FC2 configuration needs)
         -> the guarded dispatcher, whose fallback runs the layer's GEMM on the same bytes. lora_active: a LoRA
         side path will be added to this fc2's output (the guard then refuses the pinned path)."""
         fc2: Nvfp4Linear = blk.mlp.fc2
-        s_q = nvfp4_producers.swiglu_quantize(h, self._input_scale(fc2), pad_rows=16)
+        s_q = nvfp4_producers.swiglu_quantize(h, self._input_scale(fc2), pad_rows=16, amax_reduce=self.amax_reduce)
         rows = s_q.shape[0]
 
         def fallback(ops):

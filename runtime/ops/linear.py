@@ -388,14 +388,17 @@ class Nvfp4Linear(nn.Module):
             y = y + self.bias.to(y.dtype)
         return y.reshape(*shape_prefix, self.out_features)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, amax_reduce: nvfp4_producers.AmaxReduce | None = None) -> torch.Tensor:
+        """amax_reduce: with a dynamic activation scale, maps the activation's amax to the one the scale is taken
+        from (sequence parallelism: the all-reduce over the ranks; see ``nvfp4_producers``); None: local."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input has {x.shape[-1]} features; this layer expects {self.in_features}")
         prefix = tuple(x.shape[:-1])
         x2 = x.reshape(-1, self.in_features)
         if self.pre_quant_scale is not None:
             x2 = x2 * self.pre_quant_scale.to(x2.dtype)
-        a = nvfp4_producers.quantize(x2.contiguous() if x2.stride(-1) != 1 else x2, self._act_global())
+        a = nvfp4_producers.quantize(x2.contiguous() if x2.stride(-1) != 1 else x2, self._act_global(),
+                                     amax_reduce=amax_reduce)
         y = nvfp4_matmul(a, self.weight, self.backend, self.out_dtype or x.dtype, self.scratch)
         return self._finish(y, prefix)
 

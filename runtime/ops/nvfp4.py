@@ -35,7 +35,7 @@ __all__ = [
     "NVFP4Tensor",
     "roundup", "packed_shape", "scale_shape", "swap_nibbles", "swizzle_scales", "unswizzle_scales",
     "swizzled_offset", "e2m1_encode", "e2m1_decode", "pack_codes", "unpack_codes",
-    "global_scale_from_amax", "global_scale", "quantize", "quantize_into", "dequantize", "dequantize_blocks",
+    "amax", "global_scale_from_amax", "global_scale", "quantize", "quantize_into", "dequantize", "dequantize_blocks",
 ]
 
 BLOCK = 16
@@ -231,13 +231,19 @@ def global_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(a > 0, a / _const(GLOBAL_SCALE_DIVISOR, a.device), _const(1.0, a.device))
 
 
-def global_scale(x: torch.Tensor) -> torch.Tensor:
-    """The per-tensor NVFP4 global scale of ``x`` (fp32 ``[]``, decode direction, on x's device).
-    amax(|x|) comes from one min/max pass (no |x| temporary the size of x)."""
+def amax(x: torch.Tensor) -> torch.Tensor:
+    """amax(|x|) as a ``[]`` tensor on x's device (x's dtype; fp32 0 for an empty ``x``), from one min/max pass
+    (no |x| temporary the size of x)."""
     if x.numel() == 0:
-        return global_scale_from_amax(torch.zeros((), device=x.device))
+        return torch.zeros((), device=x.device)
     lo, hi = torch.aminmax(x)
-    return global_scale_from_amax(torch.maximum(hi, lo.neg()).abs())
+    return torch.maximum(hi, lo.neg()).abs()
+
+
+def global_scale(x: torch.Tensor) -> torch.Tensor:
+    """The per-tensor NVFP4 global scale of ``x`` (fp32 ``[]``, decode direction, on x's device):
+    ``global_scale_from_amax(amax(x))``."""
+    return global_scale_from_amax(amax(x))
 
 
 def _quantize_rows(x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

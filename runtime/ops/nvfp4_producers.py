@@ -18,7 +18,10 @@ rounded IEEE operation, no FMA contraction, so the kernel and the torch referenc
 Activation global scale (the ``act_scale`` option): ``g=None`` -> dynamic, ``g = amax(|input|) / 2688``
 computed on the device in an extra read pass (no host sync) so nothing saturates; a tensor ``g`` ->
 calibrated (the checkpoint's ``input_scale``, decode direction): one pass less, values above
-``2688 * g`` saturate to +-6 * 448 * g.
+``2688 * g`` saturate to +-6 * 448 * g. With the dynamic scale, ``amax_reduce`` (optional, every producer)
+maps the tensor's amax (fp32 ``[]`` on the device) to the amax the scale is taken from: sequence parallelism
+binds an all-reduce MAX over the ranks (``runtime.parallel.amax``), so a rank's rows are quantized with the
+scale of the whole sequence; None is the local amax (the single-process bytes).
 
 The kernels are in ``ops.triton.nvfp4_kernels``, loaded at import when triton is installed. On CPU they run
 under ``TRITON_INTERPRET=1`` set before import (tests); ``backend="auto"`` picks Triton for CUDA tensors and the
@@ -27,7 +30,7 @@ torch reference otherwise.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -42,7 +45,7 @@ if TRITON_MISSING is None:  # the kernels, loaded once; without triton the refer
     from .triton import nvfp4_kernels
 
 __all__ = [
-    "triton_status", "hw_cvt", "activation_global_scale",
+    "triton_status", "hw_cvt", "activation_global_scale", "AmaxReduce", "dynamic_global_scale",
     "quantize", "rms_modulate_quantize", "swiglu_quantize",
     "dequantize_bf16", "to_fp8_rowwise", "nvfp4_gemm",
 ]
@@ -51,6 +54,8 @@ __all__ = [
 # swiglu_quantize's name where other code must know which producer wrote FC2's input: silu(gate) * up -> NVFP4
 # bytes + swizzled scales in one pass (the seed's `vortex_native_quantize_swiglu_nvfp4`); FC2 table entries name it
 SWIGLU_PRODUCER = "swiglu_nvfp4"
+# amax_reduce(amax fp32 [], this tensor's) -> fp32 [], the amax the dynamic scale is taken from (see the docstring)
+AmaxReduce = Callable[[torch.Tensor], torch.Tensor]
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 assert tuple(DTYPE_CODE) == FLOAT_DTYPES
 
@@ -124,6 +129,19 @@ def activation_global_scale(policy: str, input_scale: torch.Tensor | None) -> tu
     raise ValueError(f"act_scale={policy!r}: expected dynamic or calibrated")
 
 
+def dynamic_global_scale(x: torch.Tensor, amax_reduce: AmaxReduce | None = None) -> torch.Tensor:
+    """The dynamic global scale of ``x`` (fp32 ``[]``): ``nvfp4.global_scale(x)``, its amax first passed
+    through ``amax_reduce`` when given."""
+    if amax_reduce is None:
+        return nvfp4.global_scale(x)
+    return _from_amax(nvfp4.amax(x), amax_reduce)
+
+
+def _from_amax(amax: torch.Tensor, amax_reduce: AmaxReduce | None) -> torch.Tensor:
+    a = amax.reshape(()).float()
+    return nvfp4.global_scale_from_amax(a if amax_reduce is None else amax_reduce(a))
+
+
 def _global(g, x: torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(g, dtype=torch.float32, device=x.device).reshape(())
 
@@ -150,12 +168,13 @@ def _geometry(s: int, k: int) -> tuple[int, int, int, int]:
 # producers
 # ----------------------------------------------------------------------------------------------
 
-def quantize(x: torch.Tensor, global_scale: torch.Tensor | float | None = None, *, backend: str = "auto"
-             ) -> nvfp4.NVFP4Tensor:
+def quantize(x: torch.Tensor, global_scale: torch.Tensor | float | None = None, *, backend: str = "auto",
+             amax_reduce: AmaxReduce | None = None) -> nvfp4.NVFP4Tensor:
     """x [S, K] float -> NVFP4 (packed [S, roundup(K,16)/2], swizzled scales [roundup(S,128), ...]).
-    global_scale None: dynamic amax; else the calibrated decode-direction scale."""
+    global_scale None: dynamic amax (through ``amax_reduce`` when given); else the calibrated decode-direction
+    scale."""
     check_2d(x, "x")
-    g = nvfp4.global_scale(x) if global_scale is None else _global(global_scale, x)
+    g = dynamic_global_scale(x, amax_reduce) if global_scale is None else _global(global_scale, x)
     if pick_backend(backend, x.device) == "reference":
         return nvfp4.quantize(x, g, pad_rows=1)
     s, k = x.shape
@@ -171,7 +190,7 @@ def quantize(x: torch.Tensor, global_scale: torch.Tensor | float | None = None, 
 def rms_modulate_quantize(x: torch.Tensor, weight: torch.Tensor | None, scale_rows: torch.Tensor,
                           shift_rows: torch.Tensor, segments: Sequence[Sequence[int]], eps: float,
                           global_scale: torch.Tensor | float | None = None, *, backend: str = "auto",
-                          pad_rows: int = 1) -> nvfp4.NVFP4Tensor:
+                          pad_rows: int = 1, amax_reduce: AmaxReduce | None = None) -> nvfp4.NVFP4Tensor:
     """RMSNorm(x) * weight -> per-segment modulate -> NVFP4, in one kernel (two with dynamic scale).
 
     x [S, K] float; weight [K] or None; scale_rows / shift_rows [rows, K] (e.g. the block's
@@ -183,7 +202,7 @@ def rms_modulate_quantize(x: torch.Tensor, weight: torch.Tensor | None, scale_ro
     segs = check_norm_inputs(x, weight, scale_rows, shift_rows, segments)
     if pick_backend(backend, x.device) == "reference":
         h = rms_modulate_reference(x, weight, scale_rows, shift_rows, segs, eps)
-        g = nvfp4.global_scale(h) if global_scale is None else _global(global_scale, x)
+        g = dynamic_global_scale(h, amax_reduce) if global_scale is None else _global(global_scale, x)
         return nvfp4.quantize(h, g, pad_rows=pad_rows)
     s, k = x.shape
     rp, rs, kp, cp = _geometry(s, k)
@@ -203,7 +222,7 @@ def rms_modulate_quantize(x: torch.Tensor, weight: torch.Tensor | None, scale_ro
         _launch(nvfp4_kernels.rms_modulate_kernel, (cdiv(s, bm),), x, w, scale_rows, shift_rows, seg, eps_t,
                 eps_t, packed, scales, row_amax, s, k, x.stride(0), scale_rows.stride(0), shift_rows.stride(0),
                 packed.stride(0), rp, rs, kp, cp, MODE=0, NKT_OUT=nkt, **common)
-        g = nvfp4.global_scale_from_amax(row_amax.amax())
+        g = _from_amax(row_amax.amax(), amax_reduce)
     else:
         g = _global(global_scale, x)
     _launch(nvfp4_kernels.rms_modulate_kernel, (cdiv(rs, bm),), x, w, scale_rows, shift_rows, seg, eps_t, g,
@@ -213,7 +232,7 @@ def rms_modulate_quantize(x: torch.Tensor, weight: torch.Tensor | None, scale_ro
 
 
 def swiglu_quantize(h: torch.Tensor, global_scale: torch.Tensor | float | None = None, *, backend: str = "auto",
-                    pad_rows: int = 1) -> nvfp4.NVFP4Tensor:
+                    pad_rows: int = 1, amax_reduce: AmaxReduce | None = None) -> nvfp4.NVFP4Tensor:
     """h [S, 2F] = [gate | up] (fc1's output) -> NVFP4 of silu(gate) * up, [S, F]. Output bytes equal
     ``nvfp4.quantize(swiglu_reference(h), g, pad_rows=pad_rows)``: ``pad_rows=16`` gives the packed
     ``[roundup(S, 16), F/2]`` (zero rows) that the pinned FC2 configurations of the seed require."""
@@ -222,7 +241,7 @@ def swiglu_quantize(h: torch.Tensor, global_scale: torch.Tensor | float | None =
         raise ValueError(f"h must be [S, 2F] = [gate | up]; found an odd width {h.shape[1]}")
     if pick_backend(backend, h.device) == "reference":
         y = swiglu_reference(h)
-        g = nvfp4.global_scale(y) if global_scale is None else _global(global_scale, h)
+        g = dynamic_global_scale(y, amax_reduce) if global_scale is None else _global(global_scale, h)
         return nvfp4.quantize(y, g, pad_rows=pad_rows)
     s, f = h.shape[0], h.shape[1] // 2
     rp, rs, kp, cp = _geometry(s, f)
@@ -233,7 +252,7 @@ def swiglu_quantize(h: torch.Tensor, global_scale: torch.Tensor | float | None =
         part = torch.empty(grid0[0] * grid0[1], dtype=torch.float32, device=h.device)
         _launch(nvfp4_kernels.swiglu_kernel, grid0, h, part, packed, scales, part, s, f, h.stride(0), packed.stride(0), rp, rs,
                 kp, cp, MODE=0, H_KIND=DTYPE_CODE[h.dtype], BM=bm, BK=bk, num_warps=nw)
-        g = nvfp4.global_scale_from_amax(part.amax())
+        g = _from_amax(part.amax(), amax_reduce)
     else:
         g = _global(global_scale, h)
     grid = (cdiv(rs, bm), cdiv(cp * 16, bk))

@@ -5,10 +5,19 @@ Per evaluation (every rank, the same calls in the same order):
 1. pack the whole residual stream ``x [S, hidden]`` (cheap embeddings; identical on every rank) and keep
    this rank's rows ``[c, hidden]`` (:class:`.shard.RowShard`, zero padding at the tail);
 2. run the block stack on those rows with this rank's segment tables and RoPE rows; attention is the
-   Ulysses wrapper around the single-device attention op (:class:`.ulysses.UlyssesAttention`);
+   Ulysses wrapper around the single-device attention op (:class:`.ulysses.UlyssesAttention`), and every
+   dynamic NVFP4 activation scale takes the amax of all ranks (:class:`.amax.AmaxAllReduce`);
 3. all-gather the rows (one collective per step) and run the final layer on the whole sequence, so
    every rank holds the same velocity and the sampler, the noise and the audio carry stay identical on
    every rank without further communication. Rank 0's latents are the result.
+
+What else could depend on the split, and why it does not: modulation rows and RoPE are per row (the segment
+tables are clipped to the rank's rows, a straddling segment keeps its row on both ranks); timesteps, masks,
+the text refiner and the final layer run on the whole sequence on every rank; RMSNorm, the W4A8 producers
+(one e4m3 scale per row) and the NVFP4 block scales (16 values of one row) are row-local; LoRA side paths
+act on each row's unquantized input. What is refused under sequence parallelism instead (before any work):
+sparse attention and the First-Block Cache (runtime.sampling.lossy: the routing and the skip decision would
+need the whole sequence) and the Fun ControlNet tower (runtime.sampling.sampler).
 """
 
 from __future__ import annotations
@@ -20,24 +29,31 @@ import torch
 
 from ..ops.reference import ReferenceOps, exact_attention
 from ..ops.attention import bind_attention
+from .amax import AmaxAllReduce
 from .group import ParallelContext
 from .shard import RowShard
 from .ulysses import CommStats, UlyssesAttention
 
 
-def sharded_ops(ops, attention: Callable[[torch.Tensor], torch.Tensor]):
-    """``ops`` (the BlockOps bound at load, LoRA wrapper included) with its attention replaced by ``attention``
-    (the Ulysses wrapper; ``ops.with_attention``); every other op is row-local and runs unchanged on the rank's
-    rows. The reference ops take the bound-backend form (they then hand the normed qkv buffer to attention)."""
-    return ops.with_attention(attention)
+def sharded_ops(ops, attention: Callable[[torch.Tensor], torch.Tensor], amax_reduce=None):
+    """``ops`` (the BlockOps bound at load, LoRA and streaming wrappers included) with its attention replaced by
+    ``attention`` (the Ulysses wrapper; ``ops.with_attention``, a copy) and, for ops whose producers take a
+    dynamic amax (W4A4: ``Nvfp4Ops.amax_reduce``), ``amax_reduce`` (the all-reduce over the ranks; None keeps
+    the local amax) set on that copy (a wrapper sets it on its inner ops). Every other op is row-local and
+    runs unchanged on the rank's rows. The reference ops take the bound-backend form (they then hand the normed
+    qkv buffer to attention)."""
+    out = ops.with_attention(attention)
+    if amax_reduce is not None and hasattr(out, "amax_reduce"):
+        out.amax_reduce = amax_reduce
+    return out
 
 
 def numerics(ops) -> str:
-    """What splitting the rows does to the numbers, for the report. Every op but one is row-local: the NVFP4
-    activation producers with a dynamic scale (W4A4) take one amax per tensor, here per rank."""
+    """What splitting the rows does to the numbers, for the report. Every op is row-local but the NVFP4
+    producers with a dynamic scale (W4A4), which take one amax per tensor: all-reduced over the ranks."""
     if getattr(ops, "name", None) == "nvfp4" and getattr(ops, "act_scale", None) == "dynamic":
-        return ("W4A4 with a dynamic activation scale: each rank quantizes with the amax of its own rows (a valid "
-                "NVFP4 quantization, not the single-device bytes); everything else row-local")
+        return ("W4A4 with a dynamic activation scale: each per-tensor amax is all-reduced (MAX) over the ranks, "
+                "so every rank quantizes with the single-process scale; everything else row-local")
     return "row-local: each rank runs the single-device per-row and per-head math on its rows and heads"
 
 
@@ -69,18 +85,25 @@ def local_plan(plan, shard: RowShard):
 class ShardedEvaluator:
     """``evaluate(plan, i, video, audio)`` with the same contract as ``H3Model.evaluate`` (negated velocity,
     fp32, whole latents), computed over the ranks of ``ctx``. Bound to one plan; ``stats`` holds the
-    all-to-all time and bytes of the run."""
+    all-to-all time and bytes of the run, ``amax_stats`` the amax all-reduces' (none in a world of one, whose
+    ops stay the plain path's)."""
 
     def __init__(self, ctx: ParallelContext, model, plan, ops=None, inner: Callable[..., torch.Tensor] | None = None,
                  attention_backend: str | None = None, v_handling: str = "none"):
         self.ctx, self.model, self.plan = ctx, model, plan
         self.shard = RowShard(plan.layout.seq_len, ctx.world_size, ctx.rank)
         self.local = local_plan(plan, self.shard)
-        self.stats = CommStats()
+        self.stats, self.amax_stats = CommStats(), CommStats()
         ops = ops if ops is not None else ReferenceOps(model.cfg)
         inner = inner or make_inner(attention_backend, v_handling)
         self.attention = UlyssesAttention(self.shard, inner, ctx.group, self.stats)
-        self.ops = sharded_ops(ops, lambda qkv: self.attention(qkv, model.cfg.num_heads, model.cfg.head_dim))
+        reduce = AmaxAllReduce(ctx.group, self.amax_stats) if ctx.world_size > 1 else None
+        self.ops = sharded_ops(ops, lambda qkv: self.attention(qkv, model.cfg.num_heads, model.cfg.head_dim), reduce)
+
+    def reset_stats(self) -> None:
+        """Start a run's counts and timings afresh (all-to-alls and amax all-reduces)."""
+        self.stats.reset()
+        self.amax_stats.reset()
 
     def run_blocks(self, x: torch.Tensor, i: int) -> torch.Tensor:
         """The block stack over this rank's rows ``x [c, hidden]`` (in place) with Ulysses attention."""
@@ -90,7 +113,7 @@ class ShardedEvaluator:
     def evaluate(self, plan, i: int, video: torch.Tensor, audio: torch.Tensor):
         if plan is not self.plan:
             raise ValueError("this evaluator is bound to another plan; make one per sampling run")
-        self.stats.step = i
+        self.stats.step = self.amax_stats.step = i
         x = self.shard.take(self.model.pack(plan, video, audio))
         x = self.run_blocks(x, i)
         return self.model.head(self.shard.gather(x, self.ctx.group), plan, i)

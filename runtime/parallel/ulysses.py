@@ -62,6 +62,14 @@ class CommStats:
                 out[s] += (b - a) if isinstance(a, float) else a.elapsed_time(b) / 1e3
         return out
 
+    def per_step_calls(self, steps: int) -> list[int]:
+        """Collectives recorded in each step."""
+        out = [0] * steps
+        for s, _, _ in self._records:
+            if 0 <= s < steps:
+                out[s] += 1
+        return out
+
     def reset(self) -> None:
         self.step, self.calls = 0, 0
         self._records.clear()

@@ -148,7 +148,7 @@ def _measure(run_args: tuple, warmup: int, runs: int, parallel, preview=None, in
     out, records, rank_runs = None, [], []
     for r in range(warmup + runs):
         if ev is not None:
-            ev.stats.reset()
+            ev.reset_stats()
         out = _run_once(*run_args, r, warmup + runs, preview, evaluate=None if ev is None else ev.evaluate,
                         inpaint=inpaint, lossy=lossy, measured=r >= warmup)
         if r < warmup:
@@ -158,12 +158,13 @@ def _measure(run_args: tuple, warmup: int, runs: int, parallel, preview=None, in
         if ev is not None:
             rank_runs.append(rank_run([s["seconds"] for s in rec.per_step_seconds], ev.stats.per_step_seconds(steps),
                                       rec.peak_allocated_bytes, rec.peak_reserved_bytes,
-                                      (rec.video_sha256, rec.audio_sha256)))
+                                      (rec.video_sha256, rec.audio_sha256), ev.amax_stats.per_step_seconds(steps),
+                                      ev.amax_stats.per_step_calls(steps)))
     if ev is None:
         return out, records, None
     ranks = gather_ranks(parallel, rank_runs)
     return out, records, parallel_section(parallel, ev.shard, ev.stats, ranks, rt.config.num_layers,
-                                          numerics(rt.ops))
+                                          numerics(rt.ops), ev.amax_stats)
 
 
 def _with_run_schedule(cond: H3Conditioning, sigmas: torch.Tensor) -> H3Conditioning:
