@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from h3_blackwell.runtime.lora.ops import LoraOps
 from h3_blackwell.runtime.model.config import TINY
-from h3_blackwell.runtime.ops import nvfp4, nvfp4_producers
+from h3_blackwell.runtime.ops import nvfp4, nvfp4_producers, reference
 from h3_blackwell.runtime.ops.block_ops import Nvfp4Ops, W4A8Ops
 from h3_blackwell.runtime.ops.linear import Nvfp4Linear
 from h3_blackwell.runtime.ops.reference import ReferenceOps
@@ -86,6 +86,42 @@ def test_producers_with_the_all_reduced_amax_write_the_single_process_bytes():
     assert ranks[0]["quantize"]["local_differs"] and ranks[0]["rms_modulate_quantize"]["local_differs"]
     assert ranks[1]["swiglu_quantize"]["local_differs"]
     assert not ranks[1]["quantize"]["local_differs"]  # the rank that holds the amax needs no reduction
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_amax_reduce_hook_on_both_producer_backends(backend):
+    # no processes: the reduction is a closure that returns the whole tensor's amax (what the all-reduce MAX
+    # over the ranks returns); each producer calls it once with its part's fp32 amax and quantizes with the
+    # result, on the Triton kernels (the interpreter on the CPU) as on the reference, to the whole tensor's rows
+    if backend == "triton":
+        pytest.importorskip("triton")
+    x, h, w, scale, shift = _inputs()
+    lo, hi = slice(0, 19), slice(19, S)  # the two ranks' rows: x's amax (also modulated) in hi, h's in lo
+    segs = RowShard(S, 2, 0).local_segments(SEGS)
+    cases = {
+        "quantize": (nvfp4_producers.quantize(x), nvfp4.amax(x), lo,
+                     lambda r: nvfp4_producers.quantize(x[lo], amax_reduce=r, backend=backend)),
+        "rms_modulate_quantize": (
+            nvfp4_producers.rms_modulate_quantize(x, w, scale, shift, SEGS, TINY.eps),
+            nvfp4.amax(reference.rms_modulate_reference(x, w, scale, shift, SEGS, TINY.eps)), lo,
+            lambda r: nvfp4_producers.rms_modulate_quantize(x[lo], w, scale, shift, segs, TINY.eps, amax_reduce=r,
+                                                            backend=backend)),
+        "swiglu_quantize": (nvfp4_producers.swiglu_quantize(h, pad_rows=16), nvfp4.amax(reference.swiglu_reference(h)),
+                            hi, lambda r: nvfp4_producers.swiglu_quantize(h[hi], pad_rows=16, amax_reduce=r,
+                                                                          backend=backend)),
+    }
+    for name, (single, whole_amax, rows, part) in cases.items():
+        seen = []
+
+        def reduce(amax):
+            seen.append(amax)
+            return torch.maximum(amax, whole_amax.float())
+
+        got = part(reduce)
+        assert len(seen) == 1 and seen[0].dtype == torch.float32 and seen[0].shape == (), (name, seen)
+        assert torch.equal(got.global_scale, single.global_scale), name
+        assert torch.equal(_deq(got), _deq(single)[rows]), name
+        assert not torch.equal(_deq(part(None)), _deq(single)[rows]), name  # the part's own amax: other bytes
 
 
 def _block(seed=7, pre_quant=True):
