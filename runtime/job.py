@@ -286,13 +286,14 @@ def tensor_job(model, text: torch.Tensor, tags: torch.Tensor | None, video: torc
     check_latents(video, audio, cfg, sources[1])
     check_seed(int(seed))
     check_int("steps", int(steps))
-    rows = latent_rows(video.shape, audio.shape, text.shape[-2])
-    check_memory_rows(cfg, rows, text.shape[-2], device, compute, weight_bytes,
-                      f"a {video.shape[4] * 16}x{video.shape[3] * 16} latent of {video.shape[2]} latent frames")
     if isinstance(conditioning, Mapping):
         conditioning = conditioning_from_payload(conditioning)
     if conditioning is not None:
         conditioning.check_target(video.shape, audio.shape, cfg.video_channels, cfg.audio_channels)
+    rows = latent_rows(video.shape, audio.shape, text.shape[-2], conditioning)  # condition rows counted too
+    check_memory_rows(cfg, rows, text.shape[-2], device, compute, weight_bytes,
+                      f"a {video.shape[4] * 16}x{video.shape[3] * 16} latent of {video.shape[2]} latent frames"
+                      + (" and its conditioning" if conditioning is not None and not conditioning.is_empty else ""))
     n = settings.pop("sequence_parallel", None)
     if n not in (None, 1):
         if not isinstance(model, ModelSpec):

@@ -78,8 +78,8 @@ def _entry(path: Path, name: str, info, data_len: int) -> TensorInfo:
         numel *= s
     need = numel * _DTYPE_BITS[dt]
     if need % 8 or need // 8 != offs[1] - offs[0]:
-        raise CheckpointError(f"{path}: tensor {name!r} has {offs[1] - offs[0]} bytes but shape {list(shape)} of {dt} "
-                              f"needs {need / 8:g}; the header lies about the tensor's extent (the file is corrupt)")
+        raise CheckpointError(f"{path}: tensor {name!r} has {offs[1] - offs[0]} bytes but shape {list(shape)} of "
+                              f"{dt} needs {need / 8:g}; the header lies about the tensor's extent (the file is corrupt)")
     return TensorInfo(dt, shape, offs)
 
 

@@ -399,6 +399,10 @@ class _Matcher:
             self.problems["rank"].append(f"{name}: {g.tensors['down'][0]} has rank {down.shape[0]} but "
                                          f"{g.tensors['up'][0]} has rank {up.shape[1]}")
             return False
+        if down.shape[0] == 0:  # alpha / rank would divide by zero; an empty pair changes nothing
+            self.problems["rank"].append(f"{name}: {g.tensors['down'][0]} {list(down.shape)} and {g.tensors['up'][0]} "
+                                         f"{list(up.shape)} have rank 0; expected rank >= 1")
+            return False
         if t.curve_skip and down.shape[1] != dims[1]:
             return self.skip(keys, f"curve-form (pruned) checkpoint: {name} takes the {dims[1]}-wide adaln_t_table "
                                    f"row, this LoRA was made for the {down.shape[1]}-wide full-form time embedding")
@@ -534,7 +538,7 @@ def _raise_if_problems(lf, cfg, problems, shape_examples, unrecognized, lycoris,
                 else "it was made for another model" if whole else "those modules are not in this H3 DiT")
         parts.append(f"{len(nothing)} keys match no module of this H3 DiT, e.g. {_examples(nothing)} ({what})")
     if problems["rank"]:
-        parts.append(f"{len(problems['rank'])} pairs have mismatched ranks: {_examples(problems['rank'], 2)}")
+        parts.append(f"{len(problems['rank'])} pairs have mismatched ranks or rank 0: {_examples(problems['rank'], 2)}")
     if problems["incomplete"]:
         parts.append(f"{len(problems['incomplete'])} incomplete pairs: {_examples(problems['incomplete'], 2)}")
     if problems["dtype"]:

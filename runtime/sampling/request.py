@@ -184,12 +184,14 @@ def estimate_bytes(cfg: H3Config, rows: int, text_tokens: int, compute_bytes: in
     """Rough peak memory of one run over ``rows`` packed rows: the resident weights plus the activations of
     one block (residual and modulation temporaries, qkv, attention output, fc1 and SwiGLU at the compute
     dtype; the fp32 residual stream; RoPE tables; latents, noise and velocities of the target rows), the text
-    states on the host, and the attention score chunk of the reference attention (at most 1 GiB).
+    states on the host, and the attention score chunk of the reference attention with its scaled copy (at most
+    1 GiB each; measured on the CPU, the chunk and its softmax input are alive together). ``rows`` counts every
+    packed row: text, targets, and each keyframe's and reference's condition rows (``latent_rows``).
     Deliberately not above the real peak (no allocator slack): it refuses only what cannot fit."""
     h, inner, ffn = cfg.hidden_size, cfg.inner_dim, cfg.ffn_hidden_size
     per_row = compute_bytes * (4 * h + 4 * inner + 3 * ffn) + 4 * (2 * h + 2 * cfg.head_dim) + 24
     per_row += 4 * 6 * max(cfg.video_patch_dim, cfg.audio_channels)
-    scores = min(4 * cfg.num_heads * rows * rows, 1 << 30)
+    scores = 2 * min(4 * cfg.num_heads * rows * rows, 1 << 30)
     text = 2 * 4 * text_tokens * cfg.text_dim
     return weight_bytes + rows * per_row + scores + text
 
