@@ -58,9 +58,12 @@ LORA_MODE_KEY = "h3b_lora_mode"
 
 
 def resident_bytes(rt) -> int:
-    """Bytes the resident model holds (parameters and buffers: NVFP4 bytes and scales where quantized)."""
+    """Bytes the resident model holds on its device (parameters and buffers there: NVFP4 bytes and scales where
+    quantized; weights kept in host memory, such as offloaded AdaLN, are not device footprint)."""
     m = rt.model
-    return sum(t.nbytes for t in m.parameters()) + sum(t.nbytes for t in m.buffers())
+    dev = torch.device(rt.device)
+    return sum(t.nbytes for t in list(m.parameters()) + list(m.buffers())
+               if t.device.type == dev.type and (dev.index is None or t.device.index in (None, dev.index)))
 
 
 # ---------------------------------------------------------------------------------------------

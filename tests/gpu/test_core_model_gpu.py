@@ -61,6 +61,6 @@ def test_model_calls_on_the_fast_stack_and_release():
     freed = before - torch.cuda.memory_allocated()
     print(f"resident {size} bytes, freed {freed} bytes on release; model collected: {model_ref() is None}")
     assert model_ref() is None  # nothing holds the released model
-    assert freed >= 0.5 * size  # (ops-level workspaces the runtime keeps per device are not the model's)
+    assert freed >= 0.9 * size
     rt2 = handle.runtime()  # the next load reads it again
     assert rt2.device.type == "cuda" and handle.resident
