@@ -10,6 +10,7 @@ Payload (JSON object; every field optional, defaults are core's)::
 
     {"keyframes": [{"resolved_frame_index": int, "latent": key|null, "audio_latent": key|null}],
      "refs": [{"kind": "image", "picture_index": int, "latent_h": int, "latent_w": int, "latent": key},
+              {"kind": "image", "picture_index": int},   # text-encoder-only: Qwen's <Picture i>, not the DiT's
               {"kind": "video"|"video_audio", "latent_t": int, "latent_h": int, "latent_w": int,
                "ref_audio_t": int, "latent": key, "audio_latent": key|null},
               {"kind": "audio", "ref_audio_t": int, "audio_latent": key}],
@@ -111,9 +112,14 @@ def conditioning_from_payload(payload: Mapping[str, Any] | None,
     res = _Resolver(tensors or {})
     keyframes = tuple(_keyframe(f"keyframes[{i}]", kf, res)
                       for i, kf in enumerate(_list("keyframes", payload.get("keyframes"))))
-    refs = tuple(_ref(f"refs[{i}]", r, res) for i, r in enumerate(_list("refs", payload.get("refs"))))
+    refs, text_only = [], []
+    for i, r in enumerate(_list("refs", payload.get("refs"))):
+        if _is_text_only(r):
+            text_only.append(_text_only(f"refs[{i}]", r))
+        else:
+            refs.append(_ref(f"refs[{i}]", r, res))
     return H3Conditioning(
-        keyframes=keyframes, refs=refs,
+        keyframes=keyframes, refs=tuple(refs), text_only_pictures=tuple(text_only),
         denoise_mask=_mask("denoise_mask", res.get("denoise_mask", payload.get("denoise_mask")), 5),
         audio_denoise_mask=_mask("audio_denoise_mask",
                                  res.get("audio_denoise_mask", payload.get("audio_denoise_mask")), 4),
@@ -155,6 +161,7 @@ def conditioning_to_payload(cond: H3Conditioning) -> tuple[dict, dict[str, torch
                      latent=put(f"refs.{i}.latent", r.latent),
                      audio_latent=put(f"refs.{i}.audio_latent", r.audio_latent))
         refs.append(d)
+    refs += [{"kind": "image"} if p is None else {"kind": "image", "picture_index": p} for p in cond.text_only_pictures]
     payload = {"keyframes": kfs, "refs": refs,
                "denoise_mask": put("denoise_mask", cond.denoise_mask),
                "audio_denoise_mask": put("audio_denoise_mask", cond.audio_denoise_mask),
@@ -307,6 +314,18 @@ def _ref(path: str, r: Mapping, res: _Resolver) -> Ref:
         _audio_latent(f"{path}.audio_latent", aud)
         check_field_shape(f"{path}.audio_latent", aud, f"[1, Ca, 2, {rt}] (ref_audio_t = {rt})", aud.shape[3] == rt)
     return Ref(kind, lat, aud, lt, lh, lw, rt)
+
+
+def _is_text_only(r: Mapping) -> bool:
+    """An image reference with no latent and no latent size: a text-encoder-only reference (core's
+    MiniMaxH3TextEncoderOnlyReference; its ReferenceToVideo leaves it out of the DiT's refs)."""
+    return r.get("kind") == "image" and all(r.get(k) is None for k in ("latent", "latent_h", "latent_w"))
+
+
+def _text_only(path: str, r: Mapping) -> int | None:
+    _no_unknown(path, r, ("kind", "picture_index"))
+    pic = r.get("picture_index")
+    return None if pic is None else _int(f"{path}.picture_index", pic, lo=0)
 
 
 def _number(path: str, value: Any, lo: float | None = None) -> float:

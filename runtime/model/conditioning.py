@@ -159,6 +159,9 @@ class H3Conditioning:
     audio_cond_noise_aug: float = AUDIO_COND_NOISE_AUG
     seed: int = 0
     control: ControlHint | None = None
+    # picture_index of each text-encoder-only reference image (core's MiniMaxH3TextEncoderOnlyReference: Qwen sees
+    # it as a <Picture i>, the DiT does not; None where the payload gave no index). Nothing of the DiT reads them.
+    text_only_pictures: tuple = ()
 
     # -- fit with the target ---------------------------------------------------------------------
     def check_target(self, video_shape, audio_shape, video_channels: int, audio_channels: int) -> "H3Conditioning":
