@@ -92,12 +92,14 @@ def test_sequence_parallel_segments_straddle_the_boundaries_with_padding(tmp_pat
     # W4A8 (the Hopper default): per-row e4m3 scales, row-local without any collective
     (["--act-format", "fp8", "--gemm", "fp8"], 2),
 ])
-def test_sequence_parallel_quantized_stacks_equal_one_process(tmp_path, single, stack, n):
+def test_sequence_parallel_quantized_stacks_equal_one_process(tmp_path, capfd, single, stack, n):
     # the bound, as for the dense blocks: the activation bytes of every row are the single process's, so
     # only GEMM blocking over fewer rows and the order inside attention are left (0 and ~1e-7 seen); a last-bit
     # change there could move one code, which stays far below this bound on the tiny model
     one = single([*QUANT, *stack])
+    capfd.readouterr()
     sp, rep = _sp(tmp_path, [*QUANT, *stack], n)
+    printed = capfd.readouterr().out
     w4a4 = not stack
     assert rep["backends"]["act_format"]["choice"] == ("nvfp4" if w4a4 else "fp8")
     for k in ("video", "audio"):
@@ -114,6 +116,7 @@ def test_sequence_parallel_quantized_stacks_equal_one_process(tmp_path, single, 
         run = r["runs"][0]
         assert run["amax_all_reduce_calls_per_step"] == [calls, calls]
         assert all((t > 0) == w4a4 for t in run["amax_all_reduce_seconds_per_step"])
+    assert (f"amax all-reduce {calls} per step" in printed) == w4a4, printed  # the summary line says it too
 
 
 @pytest.mark.parametrize("extra, expect", [

@@ -203,6 +203,15 @@ def build_report(rt, workload: dict, measured: list, warmup_runs: int, video: to
     }
 
 
+def _amax_text(red: dict | None) -> str:
+    """The summary's words for the W4A4 amax all-reduces of a sequence-parallel run ('' when there were none)."""
+    if not red or not red.get("calls_per_step"):
+        return ""
+    med = red.get("median_seconds_per_step_all_ranks")
+    return (f"; amax all-reduce {red['calls_per_step']} per step"
+            + (f", {med * 1e3:.1f} ms per step" if med is not None else ""))
+
+
 def summary(report: dict) -> str:
     w = report["workload"]
     lc = report["latent_checksums"]
@@ -220,6 +229,7 @@ def summary(report: dict) -> str:
         text += (f"\nsequence parallel: {sp['world_size']} ranks ({sp['backend']}), {sp['rows_per_rank']} rows per "
                  f"rank; all-to-all {a2a['bytes_per_block'] / 1e6:.1f} MB per block per rank, "
                  + (f"{med_a2a * 1e3:.1f} ms per step (median over ranks)" if med_a2a is not None else "none")
+                 + _amax_text(sp.get("amax_all_reduce"))
                  + f"; latents identical across ranks: {sp['latents_identical_across_ranks']}")
     mem = report.get("memory")
     if mem and mem.get("streamed_blocks"):
