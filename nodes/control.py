@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..runtime import H3Error
+from ..runtime import ControlSpec, H3Error, load_control, open_control
 from ._common import CATEGORY, comfy_module, node_error, optional_comfy_module
 
 NO_FILE = "(use the model_patch input)"
@@ -117,8 +117,6 @@ class PatchSource:
     core's QuantizedTensor offers), its places, form and width."""
 
     def __init__(self, module):
-        from ..runtime import ControlSpec
-
         sd = module.state_dict()
         self._sd = {}
         for k, v in sd.items():
@@ -179,8 +177,6 @@ class ControlAttachment:
                 "fade_in_frames": self.fade_in_frames, "fade_out_frames": self.fade_out_frames}
 
     def tower(self, rt):
-        from ..runtime import load_control
-
         plan = rt.plan
         if self._tower[0] is not plan:
             self._tower = (plan, load_control(self.source, plan, rt.config))
@@ -257,8 +253,6 @@ class H3FunControlNetApply:
 
     def apply(self, model, vae, strength, start_percent, end_percent, model_patch=None, control_name=NO_FILE,
               control_video=None, mask=None, source_video=None, fade_in_frames=0, fade_out_frames=0):
-        from ..runtime import open_control
-
         if not hasattr(model, "config") or not hasattr(model, "model"):
             raise node_error(self.TITLE, f"model must come from H3 NVFP4 Model Loader; got {type(model).__name__}")
         if getattr(model, "fun_control", None) is not None:
