@@ -310,14 +310,15 @@ class BlockStreamer:
             if self._slot_of(u) is None:
                 self._copy(u, self._victim(set(ahead) | ({self.bound} if self.bound is not None else set())))
 
-    def enter(self, j: int) -> None:
+    def enter(self, j: int, starts_block: bool = True) -> None:
         """Bind block j's streamed linears to the slot holding its bytes (copying them first if they are not
-        there), then prefetch the next streamed blocks. Idempotent while j is bound."""
+        there), then prefetch the next streamed blocks. Idempotent while j is bound. starts_block: the block's
+        first op (qkv); False for a later op that binds it again (the next FFN row chunk after fc2 unbound it)."""
         if j not in self.streamed or self.bound == j:
             return
         if self.bound is not None:
             self.leave(self.bound)
-        if self.last is None or j <= self.last:
+        if self.last is None or (starts_block and j <= self.last):
             self.steps.append(_StepStats())  # a new evaluation: block indices started over
             if not self.versioned:
                 self.slot_block = [None] * self.nslots
@@ -444,16 +445,16 @@ class StreamOps:
         else:
             setattr(self.inner, name, value)
 
-    def _enter(self, i, blk) -> None:
+    def _enter(self, i, blk, starts_block: bool = False) -> None:
         st = self.streamer
         if st is not None and isinstance(i, int) and 0 <= i < len(st.blocks) and st.blocks[i] is blk:
-            st.enter(i)
+            st.enter(i, starts_block)
 
     def with_attention(self, fn) -> "StreamOps":
         return StreamOps(self.inner.with_attention(fn), self.streamer, self.ffn_chunk_rows)
 
     def qkv(self, i, blk, x, shift, scale, segs):
-        self._enter(i, blk)
+        self._enter(i, blk, starts_block=True)
         return self.inner.qkv(i, blk, x, shift, scale, segs)
 
     def out_proj(self, i, blk, o):
