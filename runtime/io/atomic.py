@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -32,12 +33,22 @@ class OutputError(H3Error):
     """An output that could not be written (no space left, a file size limit); nothing was left behind."""
 
 
+def _os_errno(e: BaseException) -> int | None:
+    """The OS error number of ``e``: an OSError's, or the ``(os error N)`` that safetensors' writer (Rust) puts in
+    its message."""
+    if isinstance(e, OSError):
+        return e.errno
+    m = re.search(r"\(os error (\d+)\)", str(e)) if type(e).__name__ == "SafetensorError" else None
+    return int(m.group(1)) if m else None
+
+
 def no_space(e: BaseException, path: str | os.PathLike) -> OutputError | None:
     """The OutputError naming ``path`` when ``e`` is a full disk (or quota / file size limit), else None."""
-    if not isinstance(e, OSError) or e.errno not in _NO_SPACE:
+    if _os_errno(e) not in _NO_SPACE:
         return None
-    return OutputError(f"{path}: the disk is full or a size limit was reached while writing it "
-                       f"({e.strerror or e}); nothing was written; free space or choose another location")
+    why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[0]
+    return OutputError(f"{path}: the disk is full or a size limit was reached while writing it ({why}); nothing "
+                       "was written; free space or choose another location")
 
 
 @contextlib.contextmanager
@@ -45,7 +56,7 @@ def no_space_is_a_refusal(path: str | os.PathLike) -> Iterator[None]:
     """Turn a full disk (or quota / file size limit) while writing ``path`` into an OutputError naming it."""
     try:
         yield
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 - an OSError, or safetensors' own writer error carrying one
         full = no_space(e, path)
         if full is None:
             raise

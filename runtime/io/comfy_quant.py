@@ -41,8 +41,9 @@ def parse_comfy_quant_marker(marker: torch.Tensor) -> dict:
     raw = bytes(marker.cpu().reshape(-1).to(torch.uint8).tolist()).rstrip(b"\x00")
     try:
         d = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"comfy_quant marker is not UTF-8 JSON ({e}); found bytes {raw[:40]!r}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ValueError(f"comfy_quant marker is not UTF-8 JSON ({type(e).__name__}); found bytes {raw[:40]!r}"
+                         ) from None
     if not isinstance(d, dict):
         raise ValueError(f"comfy_quant marker must be a JSON object; found {d!r}")
     params = d.get("params") if isinstance(d.get("params"), dict) else {}
@@ -61,8 +62,11 @@ def parse_quantization_metadata(metadata: Mapping[str, str] | None) -> dict[str,
         return {}
     try:
         layers = json.loads(raw).get("layers", {})
-    except (json.JSONDecodeError, AttributeError) as e:
-        raise ValueError(f"_quantization_metadata is not a JSON object with 'layers' ({e})") from None
+        if not isinstance(layers, dict):
+            raise TypeError(f"'layers' is {type(layers).__name__}, expected an object")
+    except (json.JSONDecodeError, AttributeError, RecursionError, TypeError) as e:
+        raise ValueError(f"_quantization_metadata is not a JSON object with 'layers' ({type(e).__name__}: "
+                         f"{str(e)[:200]})") from None
     return {k: dict(v) for k, v in layers.items() if isinstance(v, dict)}
 
 

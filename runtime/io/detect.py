@@ -7,6 +7,7 @@ no tensor is allocated, so detecting the full 33B model costs a few kilobytes of
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from ..errors import CheckpointError
@@ -111,13 +112,43 @@ def _with_metadata(cfg: H3Config, metadata: dict[str, str] | None) -> H3Config:
         return cfg
     try:
         over = json.loads(metadata["config"])
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"safetensors metadata 'config' is not JSON ({e})") from None
-    if isinstance(over, dict) and isinstance(over.get(OWN_CONFIG_KEY), dict):
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointError(f"safetensors metadata 'config' is not JSON ({type(e).__name__}: {str(e)[:200]})"
+                              ) from None
+    if not isinstance(over, dict):
+        raise CheckpointError(f"safetensors metadata 'config' is a JSON {type(over).__name__}; expected an object of "
+                              "config fields; re-export the file")
+    if isinstance(over.get(OWN_CONFIG_KEY), dict):
         over = over[OWN_CONFIG_KEY]  # ours, in our names (files written since issue 15)
-    elif isinstance(over, dict) and isinstance(over.get("transformer"), dict):
+    elif isinstance(over.get("transformer"), dict):
         over = over["transformer"]  # core's / diffusers' names, or our names in older files
-    return H3Config.from_dict({**cfg.to_dict(), **_normalise_override(over)})
+    return H3Config.from_dict({**cfg.to_dict(), **_checked_override(_normalise_override(over), cfg)})
+
+
+def _checked_override(over: dict, cfg: H3Config) -> dict:
+    """The config fields of ``over`` with the base's JSON type: integers >= 0 for sizes, finite numbers, booleans,
+    lists of integers >= 0; anything else is a CheckpointError naming the field."""
+    base = cfg.to_dict()
+    for k, v in over.items():
+        if k not in base:
+            continue
+        want = base[k]
+        if isinstance(want, bool):
+            ok = isinstance(v, bool)
+        elif isinstance(want, int):
+            ok = isinstance(v, int) and not isinstance(v, bool) and v >= 0
+        elif isinstance(want, float):
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        elif isinstance(want, list):
+            ok = isinstance(v, list) and len(v) == len(want) and all(
+                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
+        else:
+            ok = isinstance(v, type(want))
+        if not ok:
+            raise CheckpointError(f"safetensors metadata 'config': field {k} is {str(v)[:80]!r}; expected "
+                                  f"{'a finite number' if isinstance(want, float) else type(want).__name__} like "
+                                  f"{want!r}; re-export the file")
+    return over
 
 
 def config_from_shapes(shapes: dict[str, tuple[int, ...]], scheme: str | None = None,

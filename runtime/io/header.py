@@ -83,6 +83,20 @@ def _entry(path: Path, name: str, info, data_len: int) -> TensorInfo:
     return TensorInfo(dt, shape, offs)
 
 
+class _DuplicateKey(Exception):
+    def __init__(self, key: str):
+        self.key = key
+
+
+def _unique_keys(pairs: list) -> dict:
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
+
+
 def read_header(path: str | Path, what: str = "checkpoint") -> Header:
     """Parse a safetensors header (JSON only; no tensor bytes are read).
 
@@ -111,7 +125,10 @@ def read_header(path: str | Path, what: str = "checkpoint") -> Header:
                 "(truncated download or not safetensors)")
         raw = f.read(n)
     try:
-        obj = json.loads(raw.decode("utf-8"))
+        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except _DuplicateKey as d:
+        raise CheckpointError(f"{path}: corrupt safetensors header (the name {d.key!r} is given twice; a reader could "
+                              "take either entry); re-export the file") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: corrupt safetensors header ({e}); re-download or re-export the file") from None
     except RecursionError:
@@ -120,9 +137,10 @@ def read_header(path: str | Path, what: str = "checkpoint") -> Header:
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path}: corrupt safetensors header (expected a JSON object)")
     meta = obj.pop("__metadata__", None) or {}
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"{path}: corrupt safetensors header (__metadata__ is {type(meta).__name__}, expected "
-                              "an object of strings)")
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        found = type(meta).__name__ if not isinstance(meta, dict) else "an entry that is not a string"
+        raise CheckpointError(f"{path}: corrupt safetensors header (__metadata__ has {found}; expected an object of "
+                              "strings)")
     data_len = size - 8 - n
     tensors = {name: _entry(path, name, info, data_len) for name, info in obj.items()}
     return Header(path=path, tensors=tensors, metadata=dict(meta), data_start=8 + n)

@@ -44,8 +44,9 @@ import torch
 import torch.nn as nn
 
 from ..io.finite import check_finite
+from ..io.header import read_tensors
 from ..io.keys import diffusers_to_comfy_name
-from ..errors import H3Error
+from ..errors import CheckpointError, H3Error
 
 LOWRANK, DIFF, DIFF_B = "lowrank", "diff", "diff_b"
 _KIND_ORDER = {LOWRANK: 0, DIFF: 1, DIFF_B: 2}
@@ -74,20 +75,17 @@ class LoraFile:
 
 def read_lora_file(path: str | Path) -> LoraFile:
     """Read a ``.safetensors`` LoRA (pickle formats are never loaded: they can run code)."""
-    from safetensors import SafetensorError, safe_open
-
     p = Path(path)
     if not p.is_file():
         raise LoraError(f"LoRA file not found: {p}")
     if p.suffix.lower() in (".ckpt", ".pt", ".pth", ".bin", ".pkl"):
         raise LoraError(f"{p.name}: pickle files are never loaded (they can run code); convert the LoRA to "
                         ".safetensors first")
-    try:
-        with safe_open(str(p), "pt") as f:
-            meta = dict(f.metadata() or {})
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except (SafetensorError, OSError, ValueError) as e:
+    try:  # the checked header reader of every input: extents, dtypes, names and metadata before any byte
+        hdr, tensors = read_tensors(p, "LoRA file")
+    except (CheckpointError, OSError) as e:
         raise LoraError(f"{p.name} is not a readable safetensors file ({e})") from None
+    meta = dict(hdr.metadata)
     for k, t in tensors.items():  # one reduction per tensor: a NaN factor would make every latent NaN
         check_finite(k, t, LoraError, p.name, "the LoRA is damaged or was trained to divergence; re-export it")
     return LoraFile(str(p), tensors, meta)
@@ -160,7 +158,7 @@ def _alpha_from_metadata(meta: dict[str, str]) -> tuple[float | None, str]:
     if raw:
         try:
             d = json.loads(raw)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             d = {}
         for k in ("transformer.lora_alpha", "lora_alpha"):
             if isinstance(d, dict) and isinstance(d.get(k), (int, float)):

@@ -140,7 +140,7 @@ def core_safe_config_metadata(value: str | None, cfg: H3Config) -> str:
     by core."""
     try:
         old = json.loads(value) if value else {}
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         old = {}
     extra = {k: v for k, v in old.items() if k not in ("transformer", OWN_CONFIG_KEY)} if isinstance(old, dict) \
         else {}
