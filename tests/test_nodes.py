@@ -478,7 +478,8 @@ def test_sampler_rejects_other_conditioning_shapes(comfy, tiny):
     bad_tags[0][1]["minimax_token_tags"] = torch.ones(5, dtype=torch.long)
     assert "5 entries for 12 text tokens" in _error(H3Sampler().sample, tiny, bad_tags, lat, **SAMPLE_ARGS)
     refs = core_conditioning()
-    refs[0][1]["minimax_refs"] = [{"kind": "image"}]
+    refs[0][1]["minimax_refs"] = [{"kind": "image", "latent_h": 2, "latent_w": 2}]  # ({"kind": "image"} alone is a
+    #                                                                            text-encoder-only reference)
     msg = _error(H3Sampler().sample, tiny, refs, lat, **SAMPLE_ARGS)
     assert msg.startswith("H3 Sampler: minimax_refs (MiniMaxH3ReferenceToVideo): refs[0].latent: expected"), msg
     for key, what in (("control", "ControlNet"), ("minimax_new_thing", "does not know")):
