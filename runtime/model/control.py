@@ -42,8 +42,6 @@ from .layout import FRAME_PER_TOKEN, PackedLayout, pad_video, patchify_video
 CONTROL_IN_CHANNELS = 49           # core's control_in_dim: 24 control | 1 visibility | 24 masked source
 VISUAL_KINDS = ("cond", "ref_img", "video")   # core's layout.img_pos
 AUDIO_KINDS = ("cond_audio", "ref_audio", "audio")   # core's layout.audio_pos
-CURVE_WIDTH = 8                    # core's curve-form control adaLN width (``adaln_basis``)
-FULL_WIDTH = 2688                  # core's full-form width
 
 
 class ControlError(H3Error):
