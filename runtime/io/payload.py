@@ -181,6 +181,7 @@ class _Resolver:
 
     def __init__(self, tensors: Mapping[str, torch.Tensor]):
         self.tensors = tensors
+        self.done: dict[int, tuple] = {}  # id(source) -> (source, checked float32): a tensor named N times once
 
     def tensor(self, path: str, value: Any, optional: bool) -> torch.Tensor | None:
         if value is None:
@@ -198,12 +199,15 @@ class _Resolver:
             t = self.tensors[value]
         else:
             raise field_error(path, "a tensor key (string) or null", f"{type(value).__name__} {value!r}")
+        if id(t) in self.done:
+            return self.done[id(t)][1]
         if not t.is_floating_point():
             raise field_error(path, "a floating-point tensor", str(t.dtype))
-        t = t.detach().to("cpu", torch.float32)  # any float dtype (fp8, fp16, bf16, fp64) is taken as float32
-        if not bool(torch.isfinite(t).all()):
+        f32 = t.detach().to("cpu", torch.float32)  # any float dtype (fp8, fp16, bf16, fp64) is taken as float32
+        if not bool(torch.isfinite(f32).all()):
             raise field_error(path, "finite values (in float32)", "NaN or inf")
-        return t
+        self.done[id(t)] = (t, f32)
+        return f32
 
     def get(self, path: str, value: Any) -> torch.Tensor | None:
         return self.tensor(path, value, optional=True)
