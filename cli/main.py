@@ -123,7 +123,7 @@ def _report(e: Exception, debug: bool) -> int:
         print(f"error: out of memory ({_one_line(e)}); lower --width/--height/--frames or use a device with more "
               "memory", file=sys.stderr)
         return EXIT_USAGE
-    if isinstance(e, _refusal_types()):
+    if isinstance(e, _refusal_types()) and not getattr(e, "internal", False):  # a worker's bug is internal too
         print(f"error: {_one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
     print(f"error: internal: {type(e).__name__}: {_one_line(e)} (run with --debug or H3_DEBUG=1 for the "

@@ -71,11 +71,13 @@ sys.exit(main(int(sys.argv[1]), int(sys.argv[2])))
 
 
 class WorkerFailed(ParallelError):
-    """A worker of a sequence-parallel run failed; ``rank`` and ``details`` (its traceback or exit) say how."""
+    """A worker of a sequence-parallel run failed; ``rank`` and ``details`` (its traceback or exit) say how;
+    ``internal``: the worker's error was a bug (not an H3Error refusal, not out of memory), which the CLI reports
+    as an internal error."""
 
-    def __init__(self, message: str, rank: int, details: str = ""):
+    def __init__(self, message: str, rank: int, details: str = "", internal: bool = False):
         super().__init__(message)
-        self.rank, self.details = rank, details
+        self.rank, self.details, self.internal = rank, details, internal
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -276,7 +278,7 @@ def _root_cause(inboxes: list[_Inbox], failed: dict[int, int]) -> WorkerFailed:
                             "lower the width, height, frames or text length, or use devices with more memory; the "
                             "run was stopped and nothing was written", r, e.get("traceback", ""))
     return WorkerFailed(f"sequence-parallel worker rank {r} failed: {e['type']}: {e['message']}; the run was "
-                        "stopped and nothing was written", r, e.get("traceback", ""))
+                        "stopped and nothing was written", r, e.get("traceback", ""), internal=not e.get("refusal"))
 
 
 def _wait(procs, inboxes, join_timeout_s: float | None) -> None:

@@ -20,7 +20,7 @@ import traceback
 
 import torch
 
-from ..errors import is_out_of_memory
+from ..errors import H3Error, is_out_of_memory
 from .group import ParallelEnv, init_group
 from .launch import frame
 
@@ -55,7 +55,7 @@ def _send_error(fd: int, rank: int, e: BaseException) -> None:
     tb = traceback.format_exc()
     msg = str(e).strip().splitlines()
     rec = {"rank": rank, "type": type(e).__name__, "message": msg[0] if msg else "", "traceback": tb,
-           "time": time.time(), "oom": is_out_of_memory(e)}
+           "time": time.time(), "oom": is_out_of_memory(e), "refusal": isinstance(e, H3Error)}
     _send(fd, b"E", json.dumps(rec).encode("utf-8"))  # the traceback travels too (WorkerFailed.details)
 
 
