@@ -20,6 +20,7 @@ import torch
 from h3_blackwell.runtime.ops import attention as A
 from h3_blackwell.runtime.ops import sparse_attention as SA
 from h3_blackwell.runtime import run, tensor_job
+from h3_blackwell.runtime.ops import sparse_routing as SR
 from h3_blackwell.runtime.sampling.schedule import get_sigmas, model_sigma
 
 CANONICAL_GRID = (37, 24, 42)      # latent frames x (48/2) x (84/2) patch rows: 37,296 video rows
@@ -87,7 +88,7 @@ def bench_sparse(dev, heads: int, head_dim: int, taus, extra_tokens, iters: int,
             "space_time_local": local_qkv(segs, grid, heads, head_dim, dev, seed=0)}
     rows = torch.linspace(0, s - 1, min(ref_rows, s), device=dev).round().long().unique()
     try:  # recorded, not fatal: the rows below still measure every setting the kernel accepts
-        probe = sol.probe(dev, token_aug=0 if dev.type == "cpu" else SA.DEFAULT_EXTRA_TOKENS)
+        probe = sol.probe(dev, token_aug=0 if dev.type == "cpu" else SR.DEFAULT_EXTRA_TOKENS)
     except SA.SparseUnavailable as e:
         probe = {"error": str(e)[:400]}
     out = {"sparse_setup": {"kitchen": sol.version, "segments": segs, "probe": probe,
@@ -96,12 +97,13 @@ def bench_sparse(dev, heads: int, head_dim: int, taus, extra_tokens, iters: int,
     dense_anchor = {}
     for name, qkv in data.items():
         ref = A.exact_attention_reference(*A.qkv_views(qkv, heads, head_dim), rows=rows)
-        t = time_ms(lambda: A.attention(qkv, heads, head_dim, dense_backend), iters, warmup)  # noqa: B023
+        dense_fn = A.bind_attention(dense_backend, head_dim, device=dev)
+        t = time_ms(lambda: dense_fn(qkv), iters, warmup)  # noqa: B023
         dense_anchor[name] = {f"{dense_backend}_ms": round(t["median"], 3)}
         for tau in taus:
             for n in extra_tokens:
-                key = f"sparse_tau{tau}" + ("" if n == SA.DEFAULT_EXTRA_TOKENS else f"_extra{n}")
-                r = SA.routing_for_segments(segs, tau=tau, token_aug=n)
+                key = f"sparse_tau{tau}" + ("" if n == SR.DEFAULT_EXTRA_TOKENS else f"_extra{n}")
+                r = SR.routing_for_segments(segs, tau=tau, token_aug=n)
                 rec = out.setdefault(key, {"tau": tau, "extra_tokens": n, "sink_blocks": list(r.sink_blocks),
                                            "dense_q_blocks": list(r.dense_q_blocks)})
                 try:
@@ -119,7 +121,7 @@ def bench_sparse(dev, heads: int, head_dim: int, taus, extra_tokens, iters: int,
 
 def _strided_vs_contiguous(sol, qkv, heads, head_dim, segs) -> bool:
     """The kernel's output from the strided q/k/v views equals its output from contiguous copies (bitwise)."""
-    r = SA.routing_for_segments(segs)
+    r = SR.routing_for_segments(segs)
     views = [t.unsqueeze(0) for t in qkv.unflatten(1, (3, heads, head_dim)).unbind(1)]
     kw = dict(tau=r.tau, sink_blocks=list(r.sink_blocks), sink_q=list(r.dense_q_blocks), token_aug=r.token_aug)
     a = sol.ck.sol_attn(*views, **kw)
@@ -197,7 +199,7 @@ def canonical_sparse(rt, sparse_result, text, vshape, ashape, steps: int, sample
     write(out)
     shift = sample_kw.get("shift_video") or rt.config.shift_video
     sig = [float(model_sigma(s)) for s in get_sigmas("simple", steps, shift)[:-1]]
-    schedule = SA.SparseSchedule(shift, keep, 1.0, sp.min_tokens)
+    schedule = SR.SparseSchedule(shift, keep, 1.0, sp.min_tokens)
     seq_len = sparse_result.report["workload"]["packed_tokens"]
     sparse_steps = [i for i, on in enumerate(schedule.sparse_steps(sig, seq_len)) if on]
     picks = {"early": sparse_steps[0], "middle": sparse_steps[len(sparse_steps) // 2], "late": sparse_steps[-1]} \

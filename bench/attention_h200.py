@@ -6,13 +6,14 @@
 Writes ``{"S", "heads", "head_dim", "device", "backends": {"sage2": {"ms", "tflops", "rel_l2", ...},
 "sdpa_cudnn": ..., "sdpa_flash": ..., "sage1": ...}, "norm_rope": ..., "gate_add": ..., "copy_bandwidth":
 ..., "versions": ..., "command": ...}``. Every backend reads q, k, v as strided NHD views of one
-``[S, 3*H*D]`` bf16 buffer. A backend that is missing or fails is recorded with its reason.
+``[S, 3*H*D]`` bf16 buffer, through the function a load binds (``bind_attention``; Sage2 with the V handling
+the plan picks). A backend that is missing or fails is recorded with its reason.
 
 * ms: median of ``--iters`` timed calls (CUDA events) after ``--warmup`` calls; tflops = 4*S^2*D*H / time.
 * rel_l2: against the fp32 reference (IEEE fp32, no TF32) on ``--ref-rows`` evenly spaced query rows
   (all keys); inputs are N(0,1), the worst case for the quantized kernels (see TOLERANCE).
-* copies: CUDA kernels with "copy" in their name during one call (torch profiler), the peak-memory
-  delta of one call, and the same for ``layout="contiguous"`` (which copies q, k, v) as the contrast.
+* copies: CUDA kernels with "copy" in their name during one call (torch profiler) and the peak-memory
+  delta of one call, in q-thirds (a copy of q, k and v would add 3).
 * norm_rope: GB/s = bytes the kernel must move (read + write the q and k thirds, read cos and sin) / time,
   next to the device copy bandwidth measured in the same run on the same number of bytes.
 
@@ -47,6 +48,7 @@ from _h3bench import bench_copy, err_text, time_ms, versions, write_json  # noqa
 
 from _sparse_bench import bench_sparse  # noqa: E402
 from h3_blackwell.runtime.ops import attention as A  # noqa: E402
+from h3_blackwell.runtime.ops import sage as S  # noqa: E402
 from h3_blackwell.runtime.ops import elementwise as E  # noqa: E402
 from h3_blackwell.runtime.ops import reference as R  # noqa: E402
 
@@ -76,8 +78,8 @@ def peak_delta(fn, dev) -> int:
 
 def attention_versions() -> dict:
     """The shared versions, plus cuDNN and the SageAttention builds this bench can load."""
-    mod, ver = A._sage2_module()
-    mod1, src = A._sage1_module()
+    mod, ver = S.sage2_module()
+    mod1, src = S.sage1_module()
     return versions(cudnn=torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
                     sageattention2=ver if mod is not None else f"absent: {ver}",
                     sageattention1=src if mod1 is not None else f"absent: {src}")
@@ -94,9 +96,11 @@ def bench_attention(args, dev, qkv, ref, rows, before) -> dict:
             out[b] = {"available": False, "reason": why}
             print(f"{b:12s} unavailable: {why}", flush=True)
             continue
-        rec = {"available": True, "what": why}
+        v_handling = S.v_handling_status("fused", dev, d)[0] if b == "sage2" else "none"
+        rec = {"available": True, "what": why, "v_handling": v_handling}
         try:
-            call = lambda: A.attention(qkv, h, d, b)  # noqa: E731
+            fn = A.bind_attention(b, d, device=dev, v_handling=v_handling)
+            call = lambda: fn(qkv)  # noqa: E731
             t = time_ms(call, args.iters, args.warmup)
             o = call()
             torch.cuda.synchronize()
@@ -108,13 +112,11 @@ def bench_attention(args, dev, qkv, ref, rows, before) -> dict:
             del o
             ck = copy_kernels(call)
             strided = peak_delta(call, dev)
-            contiguous = peak_delta(lambda: A.attention(qkv, h, d, b, layout="contiguous"), dev)
             rec["copies"] = {
                 "copy_kernels_in_one_call": ck,
                 "peak_delta_mib": round(strided / 2**20, 1),
-                "contiguous_layout_peak_delta_mib": round(contiguous / 2**20, 1),
                 "qkv_third_mib": round(third / 2**20, 1),
-                "strided_saves_thirds": round((contiguous - strided) / third, 2),
+                "peak_delta_thirds": round(strided / third, 2),
             }
             print(f"{b:12s} {rec['ms']:8.2f} ms {rec['tflops']:6.1f} TFLOP/s rel_l2 {rec['rel_l2']:.4f} "
                   f"copy kernels {len(ck)} peak {rec['copies']['peak_delta_mib']} MiB", flush=True)
@@ -236,7 +238,7 @@ def main(argv=None) -> int:
     sage1_note = None
     if sage1_path:
         try:
-            A.use_sage1_from(sage1_path)
+            S.use_sage1_from(sage1_path)
         except Exception as e:
             sage1_note = f"could not load {sage1_path}: {err_text(e)}"
 

@@ -127,18 +127,18 @@ def accuracy(rt, plan, video, audio) -> dict:
     def rel(a, b):
         return float((a.double() - b.double()).norm() / b.double().norm())
 
-    sdpa = bind_attention("sdpa", cfg.num_heads, cfg.head_dim)
+    sdpa = bind_attention("sdpa", cfg.head_dim)
     lins = [getattr(getattr(blk, p), n) for blk in m.blocks for p, n in LINEARS]
-    saved = [(lin, lin.backend) for lin in lins]
+    saved = [(lin, lin.backend, lin.backend_reason) for lin in lins]
     with torch.no_grad():
         cfg_out = m.evaluate(plan, 0, video, audio, rt.ops)
-        for lin in lins:  # the exact NVFP4 products for the emulation, restored below
-            lin.backend = "emulated"
+        for lin in lins:  # the exact NVFP4 products for the emulation, rebound as they were below
+            lin.bind_backend("emulated", "the accuracy stage's W4A4 emulation")
         try:
             emu_out = m.evaluate(plan, 0, video, audio, Nvfp4Ops(cfg, sdpa))
         finally:
-            for lin, b in saved:
-                lin.backend = b
+            for lin, b, why in saved:
+                lin.bind_backend(b, why)
         ref_out = m.evaluate(plan, 0, video, audio, DequantizedReferenceOps(cfg, sdpa, rt.dtype))
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     state: dict = {}
 
     def extension():
-        st = ext.load(options)
+        st = ext.load(options.cache_dir)
         state["ext"] = st
         if not st.ok:
             raise RuntimeError(st.reason)
@@ -116,7 +116,8 @@ def main(argv=None) -> int:
 
     def nvfp4_canonical():
         st = state["ext"]
-        d = Fc2Dispatcher(options, table=Fc2Table([GB10_CANONICAL]), plan_layer=LtPlanLayer(options, st))
+        d = Fc2Dispatcher(options.cache_dir, table=Fc2Table([GB10_CANONICAL]),
+                          plan_layer=LtPlanLayer(options.cache_dir, st))
         prep = d.prepare(dev, self_test=False)
         ops = synthetic_operands("nvfp4", device=dev, seed=1, **CANONICAL)
         seen = []
@@ -129,8 +130,8 @@ def main(argv=None) -> int:
         d(ops.x, ops.w, x_scale=ops.x_scale, w_scale=ops.w_scale, alpha=ops.alpha, m_logical=CANONICAL["m_logical"],
           producer=PRODUCER_SWIGLU_NVFP4, fallback=fallback)
         run = d.end_run()
-        strict = Fc2Dispatcher(RuntimeOptions(cache_dir=a.cache_dir, fc2_lt_strict=True),
-                               table=Fc2Table([GB10_CANONICAL]), plan_layer=LtPlanLayer(options, st))
+        strict = Fc2Dispatcher(options.cache_dir, strict=True, table=Fc2Table([GB10_CANONICAL]),
+                               plan_layer=LtPlanLayer(options.cache_dir, st))
         try:
             strict(ops.x, ops.w, x_scale=ops.x_scale, w_scale=ops.w_scale, alpha=ops.alpha,
                    m_logical=CANONICAL["m_logical"], producer=PRODUCER_SWIGLU_NVFP4, fallback=fallback)
@@ -187,8 +188,8 @@ def main(argv=None) -> int:
         for e in entries:
             (tdir / f"{e.name}.json").write_text(json.dumps(e.to_json(), indent=1, default=str))
         st = state["ext"]
-        table = Fc2Table.default(options)  # builtin GB10 entry + the tuned files, as the runtime loads them
-        d = Fc2Dispatcher(options, table=table, plan_layer=LtPlanLayer(options, st))
+        table = Fc2Table.default(options.cache_dir)  # builtin GB10 entry + the tuned files, as the runtime loads them
+        d = Fc2Dispatcher(options.cache_dir, table=table, plan_layer=LtPlanLayer(options.cache_dir, st))
         prep = d.prepare(dev)
         m = CANONICAL["m_logical"]
         acts = [synthetic_operands("bf16", device=dev, seed=10 + i, **CANONICAL) for i in range(4)]

@@ -10,7 +10,7 @@ Writes ``{"command", "device", "versions", "M", "backend_table", "copy_bandwidth
   ms = median of ``--iters`` calls (CUDA events) after ``--warmup``; TFLOP/s = 2*M*N*K / time.
   - bf16_cublas: ``torch.mm`` of bf16 operands (the ceiling the bf16 path chases).
   - fp8_cublas: ``torch._scaled_mm`` e4m3 x e4m3, rowwise fp32 scales, bf16 out, no fast accumulation.
-  - nvfp4_<backend>: every NVFP4 backend this GPU can run, through ``nvfp4_matmul`` on an already
+  - nvfp4_<backend>: every NVFP4 backend this GPU can run, through its bound product (``bind_gemm``) on an already
     quantized activation and the resident NVFP4 weight, INCLUDING the per-call expansion into the
     reusable scratch (bf16 / fp8 backends); ``expand_ms`` is that expansion alone.
 * Producers on [37810, width] bf16 inputs, dynamic (amax pass + quantize pass) and calibrated (one
@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _h3bench import bench_copy, err_text, time_ms, versions, write_json  # noqa: E402  (also makes the checkout importable as h3_blackwell)
 
-from h3_blackwell.runtime.ops import linear as L  # noqa: E402
+from h3_blackwell.runtime.ops import gemm_backends as G  # noqa: E402
 from h3_blackwell.runtime.ops import nvfp4 as nv  # noqa: E402
 from h3_blackwell.runtime.ops import nvfp4_producers as qk  # noqa: E402
 
@@ -77,11 +77,12 @@ def bench_gemm(dev, layer: str, backends: list[str], iters: int, warmup: int) ->
     a = qk.quantize(x)
     wq = nv.quantize(w)
     del x, w
-    scratch = L.Scratch()
+    scratch = G.Scratch()
     for backend in backends:
         key = f"nvfp4_{backend}"
         try:
-            fn = lambda: L.nvfp4_matmul(a, wq, backend, torch.bfloat16, scratch)  # noqa: E731
+            gemm = G.bind_gemm(backend)
+            fn = lambda: gemm(a, wq, torch.bfloat16, scratch)  # noqa: E731
             entry = _gemm_entry(time_ms(fn, iters, warmup), flops)
             if backend == "bf16":
                 g = a.global_scale * wq.global_scale
@@ -161,7 +162,7 @@ def main(argv=None) -> int:
         return 2
     dev = torch.device("cuda", 0)
     cc = torch.cuda.get_device_capability(dev)
-    table = L.gemm_capability_table(dev)
+    table = G.gemm_capability_table(dev)
     backends = [c.backend for c in table if c.available and c.backend != "reference"]
     result: dict = {
         "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
@@ -170,7 +171,7 @@ def main(argv=None) -> int:
                    "sm_count": torch.cuda.get_device_properties(dev).multi_processor_count},
         "versions": versions(), "M": M,
         "backend_table": [{"backend": c.backend, "available": c.available, "reason": c.reason} for c in table],
-        "auto_backend": list(L.choose_gemm_backend(dev)),
+        "auto_backend": list(G.choose_gemm_backend(dev)),
     }
     print(json.dumps({k: result[k] for k in ("device", "versions", "backend_table")}, indent=1), flush=True)
     result["copy_bandwidth"] = bench_copy(dev, 1 << 31, args.iters, args.warmup)

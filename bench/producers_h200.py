@@ -115,8 +115,8 @@ def same(a, b) -> bool:
 
 
 def tile_table(report: dict) -> dict:
-    """The fastest byte-exact configuration of each op, in the format of fp8_producers.set_tile_table
-    ([scheme, BM, BK, num_warps]) and nvfp4_producers.set_fp8_tiles ([BM, BK, num_warps]: the one with the
+    """The fastest byte-exact configuration of each op, in the format ops.producer_tiles.ProducerTiles reads
+    ([scheme, BM, BK, num_warps] per fp8 producer, [BM, BK, num_warps] for to_fp8_rowwise: the one with the
     least total time over the four weight shapes)."""
     table: dict = {"device": report["device"]}
     for op, key in (("quantize", "quantize_fp8"), ("rms", "rms_modulate_fp8"), ("swiglu", "swiglu_fp8"),

@@ -65,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         res = fc2_tune.tune(dtype=dtype, m_logical=a.m, m_padded=m_padded, n=a.n, k=a.k, role=a.role,
-                            options=options, device=device, workspace_limit=int(a.workspace_mb * (1 << 20)),
+                            cache_dir=options.cache_dir, device=device, workspace_limit=int(a.workspace_mb * (1 << 20)),
                             scale_mode=a.scale_mode, heuristic_workspace=int(a.heuristic_workspace_mb * (1 << 20)),
                             producer=a.producer, max_candidates=a.max_candidates, top=a.top, rounds=a.rounds,
                             seeds=a.seeds, check_seconds=a.check_seconds, run_seconds=a.run_seconds,
@@ -79,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if res["entry"] is None:
         print("no byte-identical configuration found; nothing written", file=sys.stderr)
         return 1
-    print(str(fc2_tune.write_entry(res["entry"], options, a.out)))
+    print(str(fc2_tune.write_entry(res["entry"], options.cache_dir, a.out)))
     return 0
 
 

@@ -219,7 +219,7 @@ class ModelMemory:
             calibrated = all(f"blocks.{j}.{n}.input_scale" in keys for j in range(plan.config.num_layers)
                              for n in ("mlp.fc1", "mlp.fc2"))
         return cls.build(plan.config, plan.dtype, plan.act_format, plan.gemm, plan.dense_attention,
-                         plan.v_handling, plan.adaln_on_host, plan.options.act_scale, calibrated)
+                         plan.v_handling, plan.adaln_on_host, plan.act_scale, calibrated)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -518,14 +518,15 @@ def _check_host(p: MemoryPlan, host_free: int | None, host_held_bytes: int) -> N
                           "fewer blocks stream, or free host memory (nothing was loaded)")
 
 
-def least_device_weight_bytes(cfg: H3Config, options, device: torch.device, dtype: torch.dtype, whole: int) -> int:
+def least_device_weight_bytes(cfg: H3Config, form: tuple[str, bool], device: torch.device, dtype: torch.dtype,
+                              whole: int) -> int:
     """The weight bytes a run must hold on ``device`` at the least, for the request checks made before the plan
     (``sampling.request.check_memory``): where blocks can stream (CUDA, not integrated) the non-block weights and
-    ``SLOTS`` block buffers; elsewhere ``whole`` (the checkpoint's bytes)."""
+    ``SLOTS`` block buffers; elsewhere ``whole`` (the checkpoint's bytes). ``form``: the block linears' form and
+    whether AdaLN stays on the host (``runtime.plan.weight_form`` of the options)."""
     if device.type != "cuda" or DeviceMemory.probe(device).integrated:
         return whole
-    mm = ModelMemory.build(cfg, dtype, "fp8" if options.quantize else "dense",
-                           adaln_on_host=options.adaln_cache and not cfg.curve_form)
+    mm = ModelMemory.build(cfg, dtype, form[0], adaln_on_host=form[1])
     return min(whole, mm.other_bytes + SLOTS * mm.block_bytes)
 
 
@@ -536,7 +537,7 @@ def plan_memory(plan, workload: Workload | None = None, dev: DeviceMemory | None
     wl = workload or Workload.for_request(plan.config)
     dev = dev or DeviceMemory.probe(plan.device)
     mm = ModelMemory.from_plan(plan)
-    mp = decide(mm, wl, dev, parse_vram_budget(plan.options.vram_budget), host_free)
+    mp = decide(mm, wl, dev, parse_vram_budget(plan.vram_budget), host_free)
     plan.memory = mp
     plan.choices["memory"] = mp.choice()
     return mp

@@ -34,7 +34,7 @@ from .model.layout import FRAME_PER_TOKEN, latent_shapes
 from .model_spec import ModelSpec, lora_specs, open_source, runtime_options, verify_source
 from .options import RuntimeOptions
 from .parallel import ParallelEnv, check_degree, init_group, launch
-from .plan import resolve_device, resolve_dtype
+from .plan import requested_device, resolve_device, resolve_dtype
 from .sampling import sampler as sampling
 from .sampling.preview import check_preview_available
 from .sampling.request import (SEED_RANGE, Request, RequestError, check_denoise, check_int, check_latents,
@@ -163,7 +163,7 @@ def _check_numbers(seed, tiny_seed, runs, warmup, denoise) -> None:
 
 def _spec_type(options) -> str:
     """The device type the options ask for (auto: cuda when there is one), before the device is checked."""
-    spec = options.device if isinstance(options, RuntimeOptions) else dict(options or {}).get("device")
+    spec = requested_device(options) if isinstance(options, RuntimeOptions) else dict(options or {}).get("device")
     if spec in (None, "", "auto"):
         return "cuda" if torch.cuda.is_available() else "cpu"
     return "cuda" if str(spec).startswith("cuda") else "cpu"
@@ -178,8 +178,8 @@ def _parallel(n: int | None, env: Mapping[str, str] | None, spec: ModelSpec) -> 
         raise RequestError(f"--sequence-parallel {n} but torchrun started WORLD_SIZE={world} ranks; "
                            "drop the flag under torchrun or make them match")
     check_degree(world, spec.config.num_heads, spec.device.type)
-    if world > 1 and spec.options.device not in ("auto", "cpu", "cuda"):
-        raise RequestError(f"--device {spec.options.device} with --sequence-parallel {world}: rank r uses cuda:r; "
+    if world > 1 and spec.device.index is not None:  # cuda:N named: each rank needs its own device
+        raise RequestError(f"--device {spec.device} with --sequence-parallel {world}: rank r uses cuda:r; "
                            "pass --device cuda and pick the GPUs with CUDA_VISIBLE_DEVICES")
     return world, penv
 

@@ -4,8 +4,12 @@
    tensor read yet); printed by the callers and copied into every report.
 2. ``stream_load``: one pass over a checkpoint (or the embedded tiny state dict) into a model built on the
    meta device, converting or adopting each block linear as it arrives.
-3. FC2's guarded dispatcher is prepared (its extension built) only where the plan says FC2 takes NVFP4 bytes,
-   then ``ops.block_ops.build_ops`` binds the block operations the plan chose.
+3. FC2's guarded dispatcher is prepared (its extension built) only where the plan says FC2 takes NVFP4 bytes;
+   the plan's attention is bound once (``ops.registry.bind``: the dense function, and the sparse backend around
+   it where chosen), then ``ops.block_ops.build_ops`` binds the block operations the plan chose.
+
+Every choice comes from the plan (its choices and settings, never its options): each block linear is built with
+``plan.linear_choices()`` (the GEMM bound in the layer), the producers' tiles are the plan's ``tiles``.
 
 The streaming load, 
 For every tensor, in the model's order: read it (plain reads, never mmap, never unpickle), check it is finite,
@@ -24,7 +28,6 @@ quantizer's temporaries for it). Errors name the tensor: missing keys, wrong sha
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +36,7 @@ from typing import Callable
 import torch
 
 from .budget import DeviceMemory, ModelMemory, Workload, decide, parse_vram_budget, plan_memory
-from .errors import CheckpointError, H3Error
+from .errors import CheckpointError
 from .io.checkpoint import dequantize_layer
 from .io.comfy_quant import from_comfy_quant_tensors
 from .io.finite import check_finite
@@ -41,11 +44,12 @@ from .io.verify import check_names_and_shapes, quant_layers
 from .model.config import QUANT_LINEARS, H3Config
 from .model.h3 import H3Model
 from .model.tiny import tiny_state_dict
-from .ops import fp8_producers, nvfp4_producers
-from .ops.attention import bind_attention
+from .ops import registry
+from .ops.attention import AttentionFn
 from .ops.block_ops import build_ops
-from .ops.linear import Nvfp4Linear, Scratch
-from .ops.sparse_attention import SparseStepAttention, bind_sparse
+from .ops.gemm_backends import Scratch
+from .ops.linear import Nvfp4Linear
+from .ops.sparse_attention import SparseStepAttention
 from .ops.streaming import BlockStreamer, StreamOps
 from .options import RuntimeOptions
 from .plan import LoadPlan, make_plan
@@ -88,10 +92,10 @@ def _set(model, name: str, value, as_parameter: bool = True) -> None:
 
 
 def _nvfp4_linear(layer: str, weight: torch.Tensor | None, shape: tuple[int, int], *, stored: dict | None,
-                  backend: str, act_scale: str, out_dtype: torch.dtype, scratch: Scratch) -> Nvfp4Linear:
-    """One block linear as an Nvfp4Linear: adopted from its stored comfy_quant NVFP4 tensors, or quantized
-    from ``weight`` [N, K] (on its device; the Triton quantizer on CUDA, the reference elsewhere: same bytes)."""
-    kw = dict(backend=backend, act_scale=act_scale, out_dtype=out_dtype, scratch=scratch)
+                  kw: dict) -> Nvfp4Linear:
+    """One block linear as an Nvfp4Linear built with ``kw`` (the plan's linear_choices and the shared scratch):
+    adopted from its stored comfy_quant NVFP4 tensors, or quantized from ``weight`` [N, K] (on its device; the
+    Triton quantizer on CUDA, the reference elsewhere: same bytes)."""
     if stored is not None:
         q = from_comfy_quant_tensors(stored, layer, shape=shape)
         return Nvfp4Linear(q.weight, bias=stored.get(f"{layer}.bias"), input_scale=q.input_scale,
@@ -107,7 +111,7 @@ class _Loader:
         self.adopt = adopt  # BlockStreamer.adopt: a streamed block's linear moves to host memory once loaded
         self.device, self.dtype = plan.device, plan.dtype
         self.quant = quant_layers(src)
-        self.scratch = Scratch()
+        self.linear_kw = dict(plan.linear_choices(), scratch=Scratch())
         self.stored = set(plan.stored_nvfp4)
         self.have = set(src.keys())
 
@@ -127,12 +131,10 @@ class _Loader:
             tensors = {x: self.src.tensor(x, self.device) for x in names}
             for x, t in tensors.items():
                 check_finite(x, t)
-            lin = _nvfp4_linear(layer, None, shape, stored=tensors, backend=self.plan.gemm,
-                                act_scale=self.plan.options.act_scale, out_dtype=self.dtype, scratch=self.scratch)
+            lin = _nvfp4_linear(layer, None, shape, stored=tensors, kw=self.linear_kw)
         else:
             w = self._dense(layer)
-            lin = _nvfp4_linear(layer, w, shape, stored=None, backend=self.plan.gemm,
-                                act_scale=self.plan.options.act_scale, out_dtype=self.dtype, scratch=self.scratch)
+            lin = _nvfp4_linear(layer, w, shape, stored=None, kw=self.linear_kw)
             del w
         _set(self.model, layer, lin)
 
@@ -193,7 +195,9 @@ class H3Runtime:
     """A loaded model that stays resident across runs.
 
     plan: the LoadPlan it was loaded with; ops: the BlockOps every evaluation runs; backends: {op: {"choice",
-    "reason"}} (the plan's choices plus what prepare found), copied into every report.
+    "reason"}} (the plan's choices plus what prepare found), copied into every report; attention: the plan's
+    dense attention bound once (``qkv [S, 3*H*D] -> [S, H*D]`` for any head count: sequence parallelism runs it
+    on a rank's heads), None where the block ops attend exactly (the dense reference).
     """
 
     model: H3Model
@@ -205,6 +209,7 @@ class H3Runtime:
     sparse: SparseStepAttention | None = None  # the sparse attention bound in ops (attention=sparse): the sampler
     #                                            sets its per-run routing and per-step schedule switch
     streamer: BlockStreamer | None = None  # the streamed blocks of the memory plan (plan.memory); ops binds them
+    attention: AttentionFn | None = None
 
     @property
     def config(self) -> H3Config:
@@ -217,10 +222,6 @@ class H3Runtime:
     @property
     def dtype(self) -> torch.dtype:
         return self.plan.dtype
-
-    @property
-    def options(self) -> RuntimeOptions:
-        return self.plan.options
 
     @property
     def source(self) -> str:
@@ -250,7 +251,7 @@ class H3Runtime:
         mm = ModelMemory.from_plan(plan)
         old = plan.memory
         held = mm.other_bytes + len(old.resident) * mm.block_bytes + st.device_bytes
-        new = decide(mm, wl, dev, parse_vram_budget(plan.options.vram_budget), held_bytes=held,
+        new = decide(mm, wl, dev, parse_vram_budget(plan.vram_budget), held_bytes=held,
                      host_held_bytes=st.host_bytes)
         st.restream(new.streamed)
         self.ops.ffn_chunk_rows = new.ffn_chunk_rows
@@ -280,45 +281,31 @@ class H3Runtime:
         return out
 
 
-def apply_tile_table(path: str | Path) -> dict:
-    """Install the producer tile table at ``path`` (written by bench/producers_h200.py --tiles-out) ->
-    {"choice", "reason"}. Tiles change speed only. A missing or malformed file raises H3Error naming it."""
-    try:
-        table = json.loads(Path(path).read_text())
-        if not isinstance(table, dict):
-            raise ValueError(f"expected a JSON object, found {type(table).__name__}")
-        installed = fp8_producers.set_tile_table(table)
-        fp8 = nvfp4_producers.set_fp8_tiles(table.get("to_fp8_rowwise"))
-    except (OSError, ValueError) as e:
-        raise H3Error(f"producer tile table {path}: {e}; write one with bench/producers_h200.py --tiles-out, "
-                      "or unset H3_PRODUCER_TILES for the built-in tiles") from e
-    if fp8:
-        installed["to_fp8_rowwise"] = list(fp8)
-    return {"choice": str(path), "reason": f"measured on {table.get('device', '?')}: {installed}"}
-
-
 def _prepare_fc2(plan: LoadPlan) -> tuple[object | None, dict | None]:
     """The guarded FC2 dispatcher, prepared before any capture, only where the plan applies it."""
     if not plan.fc2_lt:
         return None, None
     from .fc2.dispatcher import Fc2Dispatcher  # builds/loads the C++ extension: only where FC2 applies
 
-    fc2 = Fc2Dispatcher(plan.options)
+    fc2 = Fc2Dispatcher(plan.cache_dir, strict=plan.fc2_strict)
     prep = fc2.prepare(plan.device)
     reason = prep.get("reason") or "prepared: " + ", ".join(
         f"{k}: {v.get('status', v) if isinstance(v, dict) else v}" for k, v in prep.get("entries", {}).items())
     return fc2, {"choice": plan.choices["fc2_lt"].choice, "reason": reason}
 
 
-def _bind_sparse(plan: LoadPlan) -> SparseStepAttention | None:
-    """attention=sparse: the kernel plus the plan's dense backend for the dense steps, bound once."""
+def bind_attention(plan: LoadPlan) -> tuple[AttentionFn, SparseStepAttention | None]:
+    """The plan's attention bound once (``ops.registry.bind``) -> (the dense function, the sparse backend around
+    it or None). attention=sparse: the kernel plus the dense function for its dense steps."""
+    cfg = plan.config
+    dense = registry.bind("attention", plan.dense_attention, head_dim=cfg.head_dim, device=plan.device,
+                          v_handling=plan.v_handling)
     if plan.attention != "sparse":
-        return None
-    cfg, o = plan.config, plan.options
-    dense = bind_attention(plan.dense_attention, cfg.num_heads, cfg.head_dim, v_handling=plan.v_handling)
-    return bind_sparse(plan.device, plan.dtype, cfg.num_heads, cfg.head_dim, dense, plan.dense_attention,
-                       tau=o.sparse_tau, extra_tokens=o.sparse_extra_tokens, start_percent=o.sparse_start,
-                       min_tokens=o.sparse_min_tokens)
+        return dense, None
+    sparse = registry.bind("attention", "sparse", head_dim=cfg.head_dim, device=plan.device, dtype=plan.dtype,
+                           heads=cfg.num_heads, dense=dense, dense_name=plan.dense_attention,
+                           settings=plan.sparse_settings())
+    return dense, sparse
 
 
 def load_model(path: str | Path | None = None, options: RuntimeOptions | None = None, tiny_seed: int = 0,
@@ -334,8 +321,6 @@ def load_model(path: str | Path | None = None, options: RuntimeOptions | None = 
     plan = make_plan(path, options, tiny_seed)
     plan_memory(plan, workload, device_memory)
     backends = plan.report()
-    if options.producer_tiles:
-        backends["producer_tiles"] = apply_tile_table(options.producer_tiles)
     model = H3Model(plan.config, plan.dtype, device="meta")
     src = plan.checkpoint if path is not None else StateDictSource(
         tiny_state_dict(plan.config, tiny_seed, plan.dtype), plan.source, plan.config)
@@ -346,8 +331,10 @@ def load_model(path: str | Path | None = None, options: RuntimeOptions | None = 
     fc2, fc2_report = _prepare_fc2(plan)
     if fc2_report is not None:
         backends["fc2_lt"] = fc2_report
-    sparse = _bind_sparse(plan)
-    ops = StreamOps(build_ops(plan, fc2, attention=sparse), streamer, plan.memory.ffn_chunk_rows)
-    rt = H3Runtime(model, plan, ops, backends, fc2=fc2, sparse=sparse, streamer=streamer)
+    dense, sparse = bind_attention(plan)
+    base = build_ops(plan, sparse or dense, fc2)
+    ops = StreamOps(base, streamer, plan.memory.ffn_chunk_rows)
+    rt = H3Runtime(model, plan, ops, backends, fc2=fc2, sparse=sparse, streamer=streamer,
+                   attention=None if base.attends_exactly else dense)
     rt.load_seconds = time.perf_counter() - t0
     return rt

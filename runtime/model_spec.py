@@ -23,7 +23,7 @@ from .lora.apply import apply_loras
 from .lora.spec import as_spec, parse_lora_arg
 from .model.config import TINY, H3Config
 from .options import RuntimeOptions
-from .plan import resolve_device, resolve_dtype
+from .plan import resolve_device, resolve_dtype, weight_form
 from .sampling.request import SEED_RANGE, RequestError, approx_param_bytes, check_int
 
 
@@ -99,7 +99,7 @@ def open_model(model=None, options: RuntimeOptions | Mapping[str, Any] | None = 
     verify_source(source)
     loras = lora_specs(loras)
     dtype = resolve_dtype(opts, device)
-    weight_bytes = least_device_weight_bytes(cfg, opts, device, dtype, weight_bytes)  # blocks may stream
+    weight_bytes = least_device_weight_bytes(cfg, weight_form(opts, cfg), device, dtype, weight_bytes)  # may stream
     return ModelSpec(source, cfg, opts, device, dtype, tiny_seed, loras, weight_bytes)
 
 

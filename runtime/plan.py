@@ -9,10 +9,15 @@ Order of resolution (each step can depend only on the ones before it):
 4. FC2's guarded cuBLASLt path, only where FC2 takes NVFP4 bytes (NVFP4 activations on CUDA);
 5. the attention backend (``sparse``: also the dense backend of its dense steps), and 6. the V handling of
    Sage2's sm_90 kernel (for the dense backend);
-7. precision and AdaLN placement.
+7. precision and AdaLN placement; 8. the producers' tile table, where one is given.
 
 Every step is a ``Choice`` (what will run, and why a faster one was not taken). ``describe()`` is what the
 CLI and the loader node print; ``report()`` is the report's ``backends`` block.
+
+The plan decides, everything else binds: below ``cli/`` and ``nodes/`` this module and ``options.py`` are the
+only readers of ``RuntimeOptions``. The load (``runtime.load``), the block ops (``ops.block_ops.build_ops``), the
+FC2 dispatcher and the sampler take the plan's choices and settings (the properties below) and bind them into
+callables once (``ops.registry.bind``); nothing re-derives a choice per layer or per call.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch
 from .errors import CheckpointError
 from .io.checkpoint import Checkpoint, open_checkpoint
 from .model.config import QUANT_LINEARS, TINY, H3Config
+from .ops.producer_tiles import BUILTIN as BUILTIN_TILES, ProducerTiles
 from .ops.registry import capability_table, resolve
 from .options import RuntimeOptions
 
@@ -53,6 +59,7 @@ class LoadPlan:
     stored_nvfp4: tuple[str, ...] = ()  # block linears stored as NVFP4 (adopted as they are)
     capabilities: dict = field(default_factory=dict)  # ops.registry.capability_table on this device
     memory: object | None = None  # runtime.budget.MemoryPlan: resident vs streamed blocks, chunking (load_model)
+    tiles: ProducerTiles = BUILTIN_TILES  # the producers' tile table (choice "producer_tiles" when one is given)
 
     @property
     def quantize(self) -> bool:
@@ -84,8 +91,59 @@ class LoadPlan:
         return self.choices["fc2_lt"].choice in ("dispatcher", "strict")
 
     @property
+    def fc2_strict(self) -> bool:
+        """The guarded FC2 path raises instead of falling back (choice "strict")."""
+        return self.choices["fc2_lt"].choice == "strict"
+
+    @property
     def adaln_on_host(self) -> bool:
         return self.choices["adaln"].choice == "rows per run"
+
+    @property
+    def act_scale(self) -> str:
+        """NVFP4 activations' global scale policy: dynamic | calibrated."""
+        return self.choices["act_scale"].choice
+
+    @property
+    def fp8_fast_accum(self) -> bool:
+        """W4A8 GEMMs with Hopper's fast fp8 accumulation (precision fast)."""
+        return self.choices["precision"].choice == "fast"
+
+    @property
+    def silu(self) -> str:
+        """The W4A8 SwiGLU producer's silu: fast (hardware exp2) | exact (precision)."""
+        return "fast" if self.choices["precision"].choice == "fast" else "exact"
+
+    def linear_choices(self) -> dict:
+        """What every NVFP4 block linear is built with (``ops.linear.Nvfp4Linear`` keywords): the GEMM backend
+        and its reason, the act_scale policy, the output dtype and the fp8 expansion's tiles."""
+        return {"backend": self.gemm, "reason": self.choices["gemm"].reason, "act_scale": self.act_scale,
+                "out_dtype": self.dtype, "fp8_tiles": self.tiles.to_fp8_rowwise}
+
+    @property
+    def cache_dir(self) -> str:
+        """Where the FC2 extension build and its tables live."""
+        return self.options.cache_dir
+
+    def sparse_settings(self) -> dict:
+        """attention=sparse: the keyword settings ``ops.sparse_attention.bind_sparse`` takes."""
+        o = self.options
+        return {"tau": o.sparse_tau, "extra_tokens": o.sparse_extra_tokens, "start_percent": o.sparse_start,
+                "min_tokens": o.sparse_min_tokens}
+
+    @property
+    def vram_budget(self) -> str:
+        """The device-memory budget asked for ("" none, "auto" or GB; runtime.budget parses it)."""
+        return self.options.vram_budget
+
+    @property
+    def first_block_cache(self) -> float | None:
+        """The First-Block Cache threshold a run uses when it gives none (None: off)."""
+        return self.options.first_block_cache
+
+    def configuration(self) -> dict[str, str]:
+        """The report's ``configuration`` block: every ``H3_*`` option this runtime acts on, as strings."""
+        return self.options.as_env()
 
     def report(self) -> dict:
         out = {k: c.as_dict() for k, c in self.choices.items()}
@@ -119,6 +177,17 @@ def resolve_device(options: RuntimeOptions) -> torch.device:
     return dev
 
 
+def requested_device(options: RuntimeOptions) -> str:
+    """The device the options name, before it is resolved or checked: auto, cpu, cuda or cuda:N."""
+    return options.device
+
+
+def weight_form(options: RuntimeOptions, cfg: H3Config) -> tuple[str, bool]:
+    """Before a plan (the request's memory check): the block linears' form ("fp8": quantized, 1 byte a weight at
+    most; "dense") and whether full-form AdaLN weights stay in host memory."""
+    return ("fp8" if options.quantize else "dense"), bool(options.adaln_cache and not cfg.curve_form)
+
+
 def resolve_dtype(options: RuntimeOptions, device: torch.device) -> torch.dtype:
     if options.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -137,10 +206,11 @@ def _stored_nvfp4(ck) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _gemm(options: RuntimeOptions, device: torch.device, dtype: torch.dtype, stored: tuple) -> Choice:
+def _gemm(options: RuntimeOptions, device: torch.device, dtype: torch.dtype, stored: tuple, cfg: H3Config) -> Choice:
     if not options.quantize:
         return Choice("dense", f"quantize off: dense linears at {str(dtype).replace('torch.', '')}")
-    name, why = resolve("gemm", device, options.gemm)
+    k_dims = sorted({cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.ffn_hidden_size})  # the block linears' K
+    name, why = resolve("gemm", device, options.gemm, k_dims=k_dims)
     src = "NVFP4 as stored" if stored else "quantized to NVFP4 while streaming in"
     return Choice(name, f"{why}; block linears {src}")
 
@@ -222,7 +292,7 @@ def make_plan(path, options: RuntimeOptions, tiny_seed: int = 0) -> LoadPlan:
         cfg, source = ck.config, str(path)
     plan = LoadPlan(options, device, dtype, cfg, source, ck, stored_nvfp4=_stored_nvfp4(ck))
     ch = plan.choices
-    ch["gemm"] = _gemm(options, device, dtype, plan.stored_nvfp4)
+    ch["gemm"] = _gemm(options, device, dtype, plan.stored_nvfp4, cfg)
     ch["act_format"] = _act_format(options, ch["gemm"].choice)
     ch["fc2_lt"] = _fc2(options, device, ch["act_format"].choice)
     name, why = resolve("attention", device, options.attention, head_dim=cfg.head_dim, dtype=dtype)
@@ -235,5 +305,8 @@ def make_plan(path, options: RuntimeOptions, tiny_seed: int = 0) -> LoadPlan:
         "amax per call" if options.act_scale == "dynamic" else "the checkpoint's input_scale where present")
         if ch["act_format"].choice == "nvfp4" else f"no effect: act_format {ch['act_format'].choice}")
     ch["adaln"] = _adaln(options, device, cfg)
+    if options.producer_tiles:
+        plan.tiles = ProducerTiles.load(options.producer_tiles)
+        ch["producer_tiles"] = Choice(plan.tiles.source, f"measured on {plan.tiles.device}: {plan.tiles.entries()}")
     plan.capabilities = capability_table(device, head_dim=cfg.head_dim)
     return plan

@@ -187,14 +187,15 @@ def test_plan_reads_no_tensor_and_orders_its_choices(tmp_path, monkeypatch):
 
 def test_every_registered_backend_available_here_matches_its_reference():
     """The registry is the one table of backends: every one its capability check accepts on this device runs
-    and matches its reference on random data (never zeros). Attention: fp32, the summation order alone differs
-    (1e-5). GEMMs: NVFP4 operands; tolerances are the load-time probe's (ops.linear.PROBE_TOL: the fp8 path
+    and matches its reference on random data (never zeros), each bound as a load binds it (registry.bind). Attention:
+    fp32, the summation order alone differs (1e-5). GEMMs: NVFP4 operands; tolerances are the load-time probe's
+    (ops.gemm_backends.PROBE_TOL: the fp8 path
     rounds the operands to e4m3 rowwise), 1e-5 for the exact emulation, 1e-2 for bf16 (the dequantized
     operands rounded to bf16, 2^-8 each). Sparse attention is lossy by design
     and has its own tests (tests/test_sparse_attention.py)."""
-    from h3_blackwell.runtime.ops import linear, nvfp4
-    from h3_blackwell.runtime.ops.attention import bind_attention, exact_attention_reference, qkv_views
-    from h3_blackwell.runtime.ops.registry import REGISTRY, capability_table
+    from h3_blackwell.runtime.ops import gemm_backends, nvfp4
+    from h3_blackwell.runtime.ops.attention import exact_attention_reference, qkv_views
+    from h3_blackwell.runtime.ops.registry import REGISTRY, bind, capability_table
 
     dev = torch.device("cpu")
     table = {op: {r["backend"]: r for r in rows} for op, rows in capability_table(dev).items()}
@@ -207,17 +208,18 @@ def test_every_registered_backend_available_here_matches_its_reference():
     for b in REGISTRY["attention"]:
         if not table["attention"][b.name]["available"] or b.name == "sparse":
             continue
-        out = bind_attention(b.name, heads, hd)(qkv)
+        out = bind("attention", b.name, head_dim=hd, device=dev)(qkv)
         assert float((out.double() - ref.double()).norm() / ref.double().norm()) < 1e-5, b.name
         ran.append(b.name)
     a = nvfp4.quantize(torch.randn(48, 64, generator=g))
     w = nvfp4.quantize(torch.randn(40, 64, generator=g))
-    gref = linear.nvfp4_matmul(a, w, "reference", out_dtype=torch.float32).double()
+    scratch = gemm_backends.Scratch()
+    gref = bind("gemm", "reference")(a, w, torch.float32, scratch).double()
     for b in REGISTRY["gemm"]:
         if not table["gemm"][b.name]["available"] or b.name == "reference":
             continue
-        got = linear.nvfp4_matmul(a, w, b.name, out_dtype=torch.float32).double()
-        tol = linear.PROBE_TOL.get(b.name, 1e-5 if b.name == "emulated" else 1e-2)
+        got = bind("gemm", b.name)(a, w, torch.float32, scratch).double()
+        tol = gemm_backends.PROBE_TOL.get(b.name, 1e-5 if b.name == "emulated" else 1e-2)
         assert float((got - gref).norm() / gref.norm()) < tol, b.name
         ran.append(b.name)
     assert {"reference", "sdpa", "emulated", "fp8"} <= set(ran), ran

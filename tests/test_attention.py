@@ -4,10 +4,11 @@ Real kernels (sage1/sage2/cuDNN/flash) need a GPU: tests/gpu/test_attention_gpu.
 * the fp32 reference against an fp64 computation of the same formula (tolerance: TOLERANCE["reference"]);
 * torch SDPA (math kernel on CPU) against the reference (fp32 inputs 1e-5: summation order only;
   bf16 inputs TOLERANCE["sdpa"]: bf16 output rounding);
-* the wrapper's contract with stand-in SageAttention modules that record what they are handed: the
-  per-architecture dispatch, that q/k/v reach the backend as views of qkv (no copies), and that a
-  sage1 that subtracts K's mean IN PLACE (as 1.0.6 does) cannot change the caller's buffer;
-* choose_attention_backend: explicit reasons, never a silent downgrade.
+* the bound functions' contract (``bind_attention``: what a load binds and every caller runs) with stand-in
+  SageAttention modules that record what they are handed: the per-architecture dispatch, that q/k/v reach the
+  backend as views of qkv (no copies), and that a sage1 that subtracts K's mean IN PLACE (as 1.0.6 does)
+  cannot change the caller's buffer; one bound function serves any head count (sequence parallelism);
+* choose_attention_backend: explicit reasons, never a silent downgrade; the probe runs the bound function.
 """
 
 import os
@@ -19,15 +20,26 @@ import pytest
 import torch
 
 import h3_blackwell.runtime.ops.attention as A
+import h3_blackwell.runtime.ops.sage as S
 from h3_blackwell.runtime.ops.attention import (
     TOLERANCE,
-    attention,
+    bind_attention,
     exact_attention_reference,
     choose_attention_backend,
     qkv_views,
     rel_l2,
-    use_sage1_from,
 )
+from h3_blackwell.runtime.ops.sage import use_sage1_from
+
+CUDA0 = torch.device("cuda", 0)  # the stand-in Sage modules never touch it: capability is patched
+
+
+def attend(qkv, h, d, backend, **kw):
+    """One call of the bound function (h: the head count the buffer holds; the function reads it from the width)."""
+    assert qkv.shape[1] == 3 * h * d
+    if backend.startswith("sage"):
+        kw.setdefault("device", CUDA0)
+    return bind_attention(backend, d, **kw)(qkv)
 
 
 def _qkv(s, h, d, dtype=torch.float32, seed=0, row_pad=0):
@@ -63,9 +75,19 @@ def test_qkv_views_are_views_with_the_model_layout():
 
 def test_shape_errors_say_expected_and_found():
     with pytest.raises(ValueError, match="3\\*H\\*D = 48"):
-        attention(torch.randn(4, 40), 2, 8, "reference")
+        qkv_views(torch.randn(4, 40), 2, 8)
     with pytest.raises(ValueError, match="expected one of"):
-        attention(torch.randn(4, 48), 2, 8, "flash3")
+        bind_attention("flash3", 8)
+
+
+def test_one_bound_function_serves_every_head_count():
+    """Sequence parallelism hands the load's bound function a rank's heads: H is read from the buffer's width."""
+    d = 16
+    for backend in ("reference", "sdpa"):
+        fn = bind_attention(backend, d)
+        for h in (1, 2, 4):
+            qkv = _qkv(37, h, d, seed=h)
+            assert rel_l2(fn(qkv), _fp64_attention(qkv, h, d)) <= 1e-5
 
 
 # ---------------------------------------------------------------------------------------------- reference
@@ -93,7 +115,7 @@ def test_reference_row_subset_equals_full_rows():
 
 def test_reference_backend_returns_input_dtype():
     qkv = _qkv(33, 2, 16, dtype=torch.bfloat16)
-    out = attention(qkv, 2, 16, "reference")
+    out = attend(qkv, 2, 16, "reference")
     assert out.dtype == torch.bfloat16 and out.shape == (33, 32)
     assert rel_l2(out.float(), _fp64_attention(qkv, 2, 16)) <= TOLERANCE["sdpa"][0]
 
@@ -108,7 +130,7 @@ def test_sdpa_vs_reference(backend, s, dtype):
     h, d = 4, 32
     qkv = _qkv(s, h, d, dtype=dtype, seed=s + 1)
     before = qkv.clone()
-    out = attention(qkv, h, d, backend)
+    out = attend(qkv, h, d, backend)
     assert out.dtype == dtype and out.shape == (s, h * d)
     ref = exact_attention_reference(*qkv_views(qkv, h, d))
     tol = 1e-5 if dtype == torch.float32 else TOLERANCE[backend][0]
@@ -129,12 +151,12 @@ def test_strided_path_hands_views_to_sdpa(monkeypatch):
         return real(q, k, v, **kw)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
-    attention(qkv, h, d, "sdpa")
+    attend(qkv, h, d, "sdpa")
     es = qkv.element_size()
     base = qkv.data_ptr()
     assert seen[-1] == (base, base + h * d * es, base + 2 * h * d * es, qkv.untyped_storage().data_ptr())
-    # the contiguous layout really copies (so the check above can tell the two apart)
-    attention(qkv, h, d, "sdpa", layout="contiguous")
+    # control: a copied buffer lives elsewhere, so the check above tells views from copies
+    attend(qkv.clone(), h, d, "sdpa")
     assert seen[-1][3] != qkv.untyped_storage().data_ptr()
 
 
@@ -185,13 +207,13 @@ def _sage1_source():
 @pytest.fixture
 def clean_sage(monkeypatch):
     """Isolate the module caches and sys.modules['sageattention'] per test."""
-    A._sage2_module.cache_clear()
-    monkeypatch.setitem(A._SAGE1, "module", None)
-    monkeypatch.setitem(A._SAGE1, "source", None)
+    S.sage2_module.cache_clear()
+    monkeypatch.setitem(S.SAGE1, "module", None)
+    monkeypatch.setitem(S.SAGE1, "source", None)
     monkeypatch.setattr(A, "_PROBES", {})
     monkeypatch.delitem(sys.modules, "sageattention", raising=False)
     yield monkeypatch
-    A._sage2_module.cache_clear()
+    S.sage2_module.cache_clear()
 
 
 @pytest.fixture
@@ -216,11 +238,11 @@ def fake_sage1(tmp_path, clean_sage):
 def test_sage2_dispatch_and_views(clean_sage, cc, fn, gran, accum):
     calls = []
     clean_sage.setitem(sys.modules, "sageattention", _fake_sage2(calls))
-    clean_sage.setattr(A, "_capability", lambda device: cc)
+    clean_sage.setattr(S, "capability", lambda device: cc)
     s, h, d = 50, 2, 16
     qkv = _qkv(s, h, d, dtype=torch.bfloat16, seed=9)
     before = qkv.clone()
-    out = attention(qkv, h, d, "sage2")
+    out = attend(qkv, h, d, "sage2")
     assert len(calls) == 1
     c = calls[0]
     assert (c["fn"], c["qk_quant_gran"], c["pv_accum_dtype"], c["tensor_layout"], c["is_causal"]) == (
@@ -237,12 +259,16 @@ def test_sage2_dispatch_and_views(clean_sage, cc, fn, gran, accum):
 
 
 def test_sage2_unwired_arch_and_fp32_are_refused(clean_sage):
+    """Refused when the plan is made (availability) and when binding: never at the first call."""
     clean_sage.setitem(sys.modules, "sageattention", _fake_sage2([]))
-    clean_sage.setattr(A, "_capability", lambda device: (8, 0))
+    clean_sage.setattr(S, "capability", lambda device: (8, 0))
+    ok, why = A._available("sage2", CUDA0, 16, torch.bfloat16, probe=False)
+    assert not ok and "no kernel path wired for sm_80" in why
     with pytest.raises(RuntimeError, match="no kernel path wired for sm_80"):
-        attention(_qkv(8, 1, 16, dtype=torch.bfloat16), 1, 16, "sage2")
-    with pytest.raises(ValueError, match="fp16 or bf16"):
-        attention(_qkv(8, 1, 16), 1, 16, "sage2")
+        bind_attention("sage2", 16, device=CUDA0)
+    clean_sage.setattr(S, "capability", lambda device: (9, 0))
+    ok, why = A._available("sage2", CUDA0, 16, torch.float32, probe=False)
+    assert not ok and "fp16/bf16" in why
 
 
 def test_sage1_fake_really_mutates_a_view(fake_sage1):
@@ -251,7 +277,7 @@ def test_sage1_fake_really_mutates_a_view(fake_sage1):
     qkv = _qkv(40, 2, 16, dtype=torch.bfloat16, seed=4) + 0.5  # non-zero K mean
     before = qkv.clone()
     q, k, v = qkv_views(qkv, 2, 16)
-    A._SAGE1["module"].sageattn(q, k, v, tensor_layout="NHD", sm_scale=0.25)
+    S.SAGE1["module"].sageattn(q, k, v, tensor_layout="NHD", sm_scale=0.25)
     assert not torch.equal(qkv, before), "stand-in sage1 should have written K through the view"
 
 
@@ -262,9 +288,9 @@ def test_sage1_never_changes_the_callers_buffer(fake_sage1, s):
     h, d = 2, 16
     qkv = _qkv(s, h, d, dtype=torch.bfloat16, seed=s) + 0.5
     before = qkv.clone()
-    out = attention(qkv, h, d, "sage1")
+    out = attend(qkv, h, d, "sage1")
     assert torch.equal(qkv, before), "sage1 changed the caller's qkv buffer"
-    c = A._SAGE1["module"].calls[-1]
+    c = S.SAGE1["module"].calls[-1]
     es = qkv.element_size()
     assert c["q"] == qkv.data_ptr() and c["v"] == qkv.data_ptr() + 2 * h * d * es, "q and v should stay views"
     assert c["k_storage"] != qkv.untyped_storage().data_ptr(), "K must be a private copy"
@@ -280,7 +306,7 @@ def test_use_sage1_from_wheel(tmp_path, clean_sage):
     assert use_sage1_from(str(whl)) == "1.0.6"
     qkv = _qkv(20, 1, 16, dtype=torch.bfloat16) + 0.5
     before = qkv.clone()
-    attention(qkv, 1, 16, "sage1")
+    attend(qkv, 1, 16, "sage1")
     assert torch.equal(qkv, before)
 
 
@@ -300,7 +326,7 @@ def test_real_sage1_wheel_loads_if_present(clean_sage):
         pytest.skip(f"{whl} not present")
     pytest.importorskip("triton")
     assert use_sage1_from(whl) == "1.0.6"
-    assert callable(A._SAGE1["module"].sageattn)
+    assert callable(S.SAGE1["module"].sageattn)
 
 
 # ---------------------------------------------------------------------------------------------- selection
@@ -323,7 +349,7 @@ def test_choose_never_downgrades_silently(clean_sage):
 
 def test_choose_hopper_without_sage2_says_why(clean_sage):
     clean_sage.setitem(sys.modules, "sageattention", None)  # import raises ImportError
-    clean_sage.setattr(A, "_capability", lambda device: (9, 0))
+    clean_sage.setattr(S, "capability", lambda device: (9, 0))
     name, why = choose_attention_backend("cuda:0", probe=False)
     assert name == "sdpa_cudnn"
     assert "sage2 not installed" in why and "cuDNN" in why
@@ -333,14 +359,14 @@ def test_choose_hopper_without_sage2_says_why(clean_sage):
 
 def test_choose_sage2_when_present_and_built(clean_sage):
     clean_sage.setitem(sys.modules, "sageattention", _fake_sage2([]))
-    clean_sage.setattr(A, "_capability", lambda device: (9, 0))
+    clean_sage.setattr(S, "capability", lambda device: (9, 0))
     name, why = choose_attention_backend("cuda:0", probe=False)
     assert name == "sage2" and "sageattn_qk_int8_pv_fp8_cuda_sm90" in why
 
 
 def test_choose_sage2_built_without_this_arch(clean_sage):
     clean_sage.setitem(sys.modules, "sageattention", _fake_sage2([], sm90=False))
-    clean_sage.setattr(A, "_capability", lambda device: (9, 0))
+    clean_sage.setattr(S, "capability", lambda device: (9, 0))
     name, why = choose_attention_backend("cuda:0", probe=False)
     assert name == "sdpa_cudnn" and "SM90_ENABLED is False" in why and "TORCH_CUDA_ARCH_LIST=9.0" in why
 
@@ -349,16 +375,16 @@ def test_choose_sees_sage1_installed_under_the_sage2_name(clean_sage):
     sa1 = types.ModuleType("sageattention")
     sa1.sageattn = lambda *a, **k: None
     clean_sage.setitem(sys.modules, "sageattention", sa1)
-    clean_sage.setattr(A, "_capability", lambda device: (12, 1))
+    clean_sage.setattr(S, "capability", lambda device: (12, 1))
     name, why = choose_attention_backend("cuda:0", probe=False)
     assert name == "sdpa" and "is SageAttention 1" in why
 
 
 def test_choose_blackwell_sage2_and_unwired_arch(clean_sage):
     clean_sage.setitem(sys.modules, "sageattention", _fake_sage2([]))
-    clean_sage.setattr(A, "_capability", lambda device: (12, 1))
+    clean_sage.setattr(S, "capability", lambda device: (12, 1))
     assert choose_attention_backend("cuda:0", probe=False)[0] == "sage2"
-    clean_sage.setattr(A, "_capability", lambda device: (7, 5))
+    clean_sage.setattr(S, "capability", lambda device: (7, 5))
     name, why = choose_attention_backend("cuda:0", probe=False)
     assert name == "sdpa" and "no kernel path wired for sm_75" in why
 
@@ -371,15 +397,15 @@ def test_use_sage1_from_reloads_submodules(tmp_path, clean_sage):
         (pkg / "core.py").write_text(f"TAG = {tag!r}\ndef sageattn(*a, **k): return TAG\n")
         (pkg / "__init__.py").write_text("from .core import sageattn, TAG\n")
         use_sage1_from(str(tmp_path / tag))
-        assert A._SAGE1["module"].TAG == tag
+        assert S.SAGE1["module"].TAG == tag
 
 
-# ---------------------------------------------------------------------------------------------- sage_v_pad="buffer"
+# ---------------------------------------------------------------------------------------------- V handling on sm_90
 
 
 def _fake_sage2_stages(calls):
     """A stand-in SageAttention2 whose ``core`` exposes the sm90 wrapper's stages; each records its call.
-    The 'quantizers' pass values through; the 'kernel' attends over the first kv_len (= K's rows) of V."""
+    The 'quantizer' passes values through; the 'kernel' attends over the first kv_len (= K's rows) of V."""
     mod = _fake_sage2(calls)
 
     def per_warp_int8_cuda(q, k, km, tensor_layout="HND", BLKQ=128, WARPQ=32, BLKK=64):
@@ -404,94 +430,10 @@ def _fake_sage2_stages(calls):
     return mod
 
 
-def _padded_qkv(s, h, d, seed=0, dtype=torch.bfloat16):
-    rows = A.padded_rows(s)
-    buf = torch.zeros(rows, 3 * h * d, dtype=dtype)
-    buf[:s] = _qkv(s, h, d, dtype=dtype, seed=seed)
-    return buf
-
-
-@pytest.mark.parametrize("s", [200, 256, 37])
-def test_sage2_sm90_v_pad_buffer_calls_the_stages_on_views(clean_sage, s):
-    calls = []
-    clean_sage.setitem(sys.modules, "sageattention", _fake_sage2_stages(calls))
-    clean_sage.setattr(A, "_capability", lambda device: (9, 0))
-    h, d = 2, 128
-    buf = _padded_qkv(s, h, d, seed=5)
-    before = buf.clone()
-
-    def no_copy(*a, **k):
-        raise AssertionError("torch.cat / F.pad called: V was copied")
-
-    clean_sage.setattr(torch, "cat", no_copy)
-    clean_sage.setattr(torch.nn.functional, "pad", no_copy)
-    out = attention(buf, h, d, "sage2", seq_len=s, sage_v_pad="buffer")
-    clean_sage.undo()  # restore torch.cat before the checks below (also re-clears the sage cache)
-
-    assert [c["fn"] for c in calls] == ["per_warp_int8", "per_channel_fp8", "sm90_kernel"]
-    qz, vc, kc = calls[0], calls[1], calls[2]
-    es, row = buf.element_size(), 3 * h * d
-    # per-warp int8 of q and k: views of the first S rows, the k mean over the sequence (smooth_k)
-    assert (qz["tensor_layout"], qz["BLKQ"], qz["WARPQ"], qz["BLKK"]) == ("NHD", 64, 16, 128)
-    assert qz["q"].data_ptr() == buf.data_ptr() and qz["k"].data_ptr() == buf.data_ptr() + h * d * es
-    assert qz["q"].shape == qz["k"].shape == (1, s, h, d) and qz["q"].stride() == (s * row, row, d, 1)
-    assert qz["km"].shape == (1, 1, h, d)
-    assert torch.equal(qz["km"], qz["k"].mean(dim=1, keepdim=True))
-    # V: a view of the caller's buffer with roundup(S, 128) rows whose tail is zero; no smoothing
-    v = vc["v"]
-    rows = A.padded_rows(s)
-    assert (vc["tensor_layout"], vc["smooth_v"]) == ("NHD", False)
-    assert v.data_ptr() == buf.data_ptr() + 2 * h * d * es, "V is not a view of the caller's buffer"
-    assert v.shape == (1, rows, h, d) and v.stride()[1:] == (row, d, 1)
-    assert v.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
-    assert not v[:, s:].any()
-    # the sm90 kernel: NHD=0, non-causal=0, per_warp=2, sm_scale 1/sqrt(128), no lse; o is [1, S, H, D]
-    assert kc["args"] == (0, 0, 2, pytest.approx(d**-0.5), 0)
-    assert kc["scales"] == ("q_scale", "k_scale", "v_scale") and kc["kv_len"] == s
-    assert kc["o"].shape == (1, s, h, d) and kc["v8"] is v
-    assert out.shape == (s, h * d) and out.dtype == torch.bfloat16
-    ref = exact_attention_reference(*qkv_views(buf[:s], h, d))
-    assert rel_l2(out.float(), ref) <= TOLERANCE["sdpa"][0]
-    assert torch.equal(buf, before)
-
-
-def test_sage2_v_pad_library_default_unchanged_and_buffer_needs_rows(clean_sage):
-    calls = []
-    clean_sage.setitem(sys.modules, "sageattention", _fake_sage2_stages(calls))
-    clean_sage.setattr(A, "_capability", lambda device: (9, 0))
-    h, d, s = 2, 128, 200
-    buf = _padded_qkv(s, h, d, seed=6)
-    attention(buf[:s], h, d, "sage2")  # default: the library wrapper, one call, V of S rows
-    assert [c["fn"] for c in calls] == ["sm90"] and calls[0]["v"].shape[1] == s
-    calls.clear()
-    attention(buf, h, d, "sage2", seq_len=s)  # library with a padded buffer: still S rows handed over
-    assert [c["fn"] for c in calls] == ["sm90"] and calls[0]["q"].shape[1] == s
-    with pytest.raises(ValueError, match="roundup"):
-        attention(buf[: s + 3], h, d, "sage2", seq_len=s, sage_v_pad="buffer")
-    with pytest.raises(ValueError, match="sage_v_pad"):
-        attention(buf, h, d, "sage2", seq_len=s, sage_v_pad="nope")
-
-
-@pytest.mark.parametrize("cc", [(8, 9), (10, 0), (12, 0)])
-def test_sage2_v_pad_buffer_is_a_no_op_off_sm90(clean_sage, cc):
-    calls = []
-    clean_sage.setitem(sys.modules, "sageattention", _fake_sage2_stages(calls))
-    clean_sage.setattr(A, "_capability", lambda device: cc)
-    h, d, s = 2, 128, 200
-    buf = _padded_qkv(s, h, d, seed=7)
-    out = attention(buf, h, d, "sage2", seq_len=s, sage_v_pad="buffer")
-    assert [c["fn"] for c in calls] == ["fp8"] and calls[0]["v"].shape[1] == s
-    assert out.shape == (s, h * d)
-
-
-@pytest.mark.parametrize("s", [200, 37, 256])
-def test_sage2_sm90_fused_v_builds_v_operands_from_the_view(clean_sage, s):
-    """sage_v_pad="fused": the stages run with V's fp8 operands from fp8_producers.sage_v_fp8 (the kernel's
-    [1, D, H, roundup(S, 128)] layout, 16-token permutation, zero tail) built from the strided V view of an
-    UNPADDED buffer: no per_channel_fp8, no torch.cat / F.pad, the caller's buffer unchanged."""
+def _fake_sage2_fused(calls):
+    """The stand-in stages with a 'kernel' that reads V's fp8 operands as the sm_90 kernel does (fused V)."""
     from h3_blackwell.runtime.ops import fp8_producers as f8
 
-    calls = []
     mod = _fake_sage2_stages(calls)
 
     def kernel(q8, k8, v8, o, qs, ks, vs, layout, causal, gran, sm_scale, lse):
@@ -505,8 +447,40 @@ def test_sage2_sm90_fused_v_builds_v_operands_from_the_view(clean_sage, s):
         o.copy_(_math_nhd(q8, k8, v[: k8.shape[1]].unsqueeze(0).to(q8.dtype), sm_scale))
 
     mod.core.sm90_compile.qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf = kernel
-    clean_sage.setitem(sys.modules, "sageattention", mod)
-    clean_sage.setattr(A, "_capability", lambda device: (9, 0))
+    return mod
+
+
+def test_sage2_sm90_library_v_handling_calls_the_wrapper_once(clean_sage):
+    """The default V handling: SageAttention2's own sm_90 wrapper, one call, V of S rows (no stages run)."""
+    calls = []
+    clean_sage.setitem(sys.modules, "sageattention", _fake_sage2_stages(calls))
+    clean_sage.setattr(S, "capability", lambda device: (9, 0))
+    h, d, s = 2, 128, 200
+    attend(_qkv(s, h, d, dtype=torch.bfloat16, seed=6), h, d, "sage2")
+    assert [c["fn"] for c in calls] == ["sm90"] and calls[0]["v"].shape[1] == s
+
+
+@pytest.mark.parametrize("cc", [(8, 9), (10, 0), (12, 0)])
+def test_sage2_fused_v_handling_is_refused_at_bind_off_sm90(clean_sage, cc):
+    """The plan picks fused only where v_handling_status says it runs; a bind that asks anyway is refused at
+    once (never at the first call, never a silent switch)."""
+    clean_sage.setitem(sys.modules, "sageattention", _fake_sage2_stages([]))
+    clean_sage.setattr(S, "capability", lambda device: cc)
+    assert S.v_handling_status("fused", CUDA0, 128)[0] == "library"
+    with pytest.raises(RuntimeError, match="v_handling fused needs"):
+        bind_attention("sage2", 128, device=CUDA0, v_handling="fused")
+
+
+@pytest.mark.parametrize("s", [200, 37, 256])
+def test_sage2_sm90_fused_v_builds_v_operands_from_the_view(clean_sage, s):
+    """v_handling "fused": the stages run with V's fp8 operands from fp8_producers.sage_v_fp8 (the kernel's
+    [1, D, H, roundup(S, 128)] layout, 16-token permutation, zero tail) built from the strided V view of an
+    UNPADDED buffer: no per_channel_fp8, no torch.cat / F.pad, the caller's buffer unchanged."""
+    from h3_blackwell.runtime.ops import fp8_producers as f8
+
+    calls = []
+    clean_sage.setitem(sys.modules, "sageattention", _fake_sage2_fused(calls))
+    clean_sage.setattr(S, "capability", lambda device: (9, 0))
     h, d = 2, 128
     buf = _qkv(s, h, d, dtype=torch.bfloat16, seed=9)
     before = buf.clone()
@@ -517,11 +491,11 @@ def test_sage2_sm90_fused_v_builds_v_operands_from_the_view(clean_sage, s):
 
     clean_sage.setattr(torch, "cat", no_copy)
     clean_sage.setattr(torch.nn.functional, "pad", no_copy)
-    out = attention(buf, h, d, "sage2", sage_v_pad="fused")
+    out = attend(buf, h, d, "sage2", v_handling="fused")
     clean_sage.undo()
     assert [c["fn"] for c in calls] == ["per_warp_int8", "sm90_kernel"]
     kc = calls[1]
-    assert kc["v8"].shape == (1, d, h, A.padded_rows(s)) and kc["v8"].dtype == torch.float8_e4m3fn
+    assert kc["v8"].shape == (1, d, h, S.padded_rows(s)) and kc["v8"].dtype == torch.float8_e4m3fn
     assert torch.equal(kc["v8"].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(kc["vs"], want[1])
     assert not kc["v"][s:].any()  # zero past S, as the library's padding
     v = qkv_views(buf, h, d)[2][0].float()
@@ -532,13 +506,6 @@ def test_sage2_sm90_fused_v_builds_v_operands_from_the_view(clean_sage, s):
     ref = exact_attention_reference(*qkv_views(buf, h, d))
     assert rel_l2(out.float(), ref) <= TOLERANCE["sage2"][0]
     assert torch.equal(buf, before)
-
-
-def test_reference_with_seq_len_equals_unpadded():
-    h, d, s = 2, 16, 50
-    buf = _padded_qkv(s, h, d, seed=8, dtype=torch.float32)
-    assert torch.equal(attention(buf, h, d, "reference", seq_len=s, sage_v_pad="buffer"),
-                       attention(buf[:s].clone(), h, d, "reference"))
 
 
 def test_v_handling_is_not_an_option_any_more():
@@ -553,26 +520,42 @@ def test_v_handling_is_not_an_option_any_more():
         RuntimeOptions(sage_v_pad="fused")
 
 
-def test_sage_v_pad_status_says_what_runs(clean_sage):
-    """buffer / fused need the sm_90 kernel and its stages in sageattention.core; otherwise the library
-    wrapper runs and the reason says why (the default never becomes an error)."""
+def test_v_handling_status_says_what_runs(clean_sage):
+    """fused needs the sm_90 kernel and its stages in sageattention.core; otherwise the library wrapper runs
+    and the reason says why (the default never becomes an error)."""
     calls = []
     mod = _fake_sage2_stages(calls)
     clean_sage.setitem(sys.modules, "sageattention", mod)
     cuda = torch.device("cuda", 0)
-    clean_sage.setattr(A, "_capability", lambda device: (9, 0))
-    assert A.sage_v_pad_status("fused", cuda, 128)[0] == "fused"
-    assert A.sage_v_pad_status("buffer", cuda, 128)[0] == "buffer"
-    assert A.sage_v_pad_status("library", cuda, 128)[0] == "library"
-    got = A.sage_v_pad_status("fused", cuda, 96)
+    clean_sage.setattr(S, "capability", lambda device: (9, 0))
+    assert S.v_handling_status("fused", cuda, 128)[0] == "fused"
+    assert S.v_handling_status("library", cuda, 128)[0] == "library"
+    got = S.v_handling_status("fused", cuda, 96)
     assert got[0] == "library" and "head_dim 64 or 128" in got[1]
     del mod.core.per_warp_int8_cuda
-    got = A.sage_v_pad_status("fused", cuda, 128)
+    got = S.v_handling_status("fused", cuda, 128)
     assert got[0] == "library" and "lacks per_warp_int8_cuda" in got[1]
-    clean_sage.setattr(A, "_capability", lambda device: (12, 0))
-    got = A.sage_v_pad_status("fused", cuda, 128)
+    clean_sage.setattr(S, "capability", lambda device: (12, 0))
+    got = S.v_handling_status("fused", cuda, 128)
     assert got[0] == "library" and "not applicable" in got[1]
-    assert A.sage_v_pad_status("fused", torch.device("cpu"), 128)[0] == "library"
-    with pytest.raises(ValueError, match="sage_v_pad"):
-        A.sage_v_pad_status("cat", cuda, 128)
+    assert S.v_handling_status("fused", torch.device("cpu"), 128)[0] == "library"
+    with pytest.raises(ValueError, match="v_handling"):
+        S.v_handling_status("buffer", cuda, 128)  # retired with the per-call attention()
     assert calls == []  # only inspected, never run
+
+
+def test_probe_runs_the_bound_function(clean_sage):
+    """The load-time probe runs what a load binds (bind_attention, Sage2 with the V handling the plan picks), not a
+    second dispatch path; its result is cached."""
+    calls = []
+    clean_sage.setitem(sys.modules, "sageattention", _fake_sage2_fused(calls))
+    clean_sage.setattr(S, "capability", lambda device: (9, 0))
+    bound = []
+    real = A.bind_attention
+    clean_sage.setattr(A, "bind_attention", lambda *a, **k: bound.append((a, k)) or real(*a, **k))
+    dev = torch.device("cpu")  # the stand-in kernels run on CPU tensors; capability is patched
+    ok, why = A._probe("sage2", dev, 128, torch.bfloat16)
+    assert ok and why.startswith("probe ok"), why
+    assert bound == [(("sage2", 128), {"device": dev, "v_handling": "fused"})]
+    assert [c["fn"] for c in calls] == ["per_warp_int8", "sm90_kernel"]
+    assert A._probe("sage2", dev, 128, torch.bfloat16) == (ok, why) and len(bound) == 1

@@ -18,7 +18,6 @@ from h3_blackwell.runtime.fc2 import ext
 from h3_blackwell.runtime.fc2.dispatcher import Fc2Dispatcher
 from h3_blackwell.runtime.fc2.lt_plans import LtPlanLayer
 from h3_blackwell.runtime.fc2.table import Fc2Table, GB10_CANONICAL
-from h3_blackwell.runtime.options import RuntimeOptions
 
 
 def _paths_or_skip():
@@ -33,7 +32,7 @@ def test_extension_compiles_links_imports_and_reports_versions(tmp_path):
     paths = _paths_or_skip()
     assert paths.cuda_header // 1000 == 13 and paths.cublas_header // 10000 == 13
     t0 = time.perf_counter()
-    st = ext.load(RuntimeOptions(cache_dir=str(tmp_path)))
+    st = ext.load(str(tmp_path))
     assert st.ok, st.reason
     assert st.built_now and st.build_dir.startswith(str(tmp_path)) and st.tag in st.build_dir
     info = st.build_info
@@ -56,25 +55,25 @@ def test_extension_compiles_links_imports_and_reports_versions(tmp_path):
         with pytest.raises(RuntimeError, match="cudaGetDevice"):
             mod.Problem("bf16", 64, 64, 64)
         # the dispatcher over the real layer falls back for CPU operands, with the reason
-        d = Fc2Dispatcher(RuntimeOptions(cache_dir=str(tmp_path)), table=Fc2Table([GB10_CANONICAL]),
-                          plan_layer=LtPlanLayer(RuntimeOptions(cache_dir=str(tmp_path)), st))
+        d = Fc2Dispatcher(str(tmp_path), table=Fc2Table([GB10_CANONICAL]),
+                          plan_layer=LtPlanLayer(str(tmp_path), st))
         x = torch.empty((37824, 7168), dtype=torch.uint8)
         w = torch.empty((5376, 7168), dtype=torch.uint8)
         d(x, w, m_logical=37810, producer="swiglu_nvfp4",
           fallback=lambda ops: torch.zeros(ops.m_logical, 5376, dtype=torch.bfloat16))
         [reason] = d.total["reasons"]
         assert reason.startswith("no_device:")
-    again = ext.load(RuntimeOptions(cache_dir=str(tmp_path)))
+    again = ext.load(str(tmp_path))
     assert again is st  # one build per process and tag
     print(f"extension build + import: {time.perf_counter() - t0:.1f} s")
 
 
 def test_missing_headers_give_an_actionable_reason(tmp_path, monkeypatch):
     monkeypatch.setattr(ext, "_candidate_include_roots", lambda extra: [tmp_path])
-    st = ext.load(RuntimeOptions(cache_dir=str(tmp_path)))
+    st = ext.load(str(tmp_path))
     assert not st.ok and "cublasLt.h" in st.reason and "pip install -e '.[cuda-headers]'" in st.reason
-    d = Fc2Dispatcher(RuntimeOptions(cache_dir=str(tmp_path)), table=Fc2Table([GB10_CANONICAL]),
-                      plan_layer=LtPlanLayer(RuntimeOptions(cache_dir=str(tmp_path)), st))
+    d = Fc2Dispatcher(str(tmp_path), table=Fc2Table([GB10_CANONICAL]),
+                      plan_layer=LtPlanLayer(str(tmp_path), st))
     assert d.prepare(torch.device("cpu"))["reason"].startswith("extension: CUDA headers missing")
 
 
@@ -83,7 +82,7 @@ def test_failed_build_falls_back_with_a_clear_message_and_is_remembered(tmp_path
     broken = tmp_path / "fc2_nvfp4_lt.cpp"
     broken.write_text('#error "deliberately broken for the test"\n')
     monkeypatch.setattr(ext, "SOURCE", broken)
-    o = RuntimeOptions(cache_dir=str(tmp_path / "cache"))
+    o = str(tmp_path / "cache")
     st = ext.load(o)
     assert not st.ok and st.reason.startswith("extension build failed") and "deliberately broken" in st.reason
     assert (tmp_path / "cache" / "ext" / st.tag / "FAILED.json").is_file()
@@ -110,5 +109,5 @@ def test_no_ninja_is_a_reason_not_a_crash(tmp_path, monkeypatch):
 
     monkeypatch.setattr(cpp_ext, "verify_ninja_availability", no_ninja)
     monkeypatch.setattr(ext, "_LOADED", {})
-    st = ext.load(RuntimeOptions(cache_dir=str(tmp_path)))
+    st = ext.load(str(tmp_path))
     assert not st.ok and "ninja" in st.reason

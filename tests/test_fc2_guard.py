@@ -21,6 +21,7 @@ from h3_blackwell.runtime.fc2.lt_plans import CompatCache, PlanError
 
 from h3_blackwell.runtime.fc2.table import AlgoSpec, Fc2Entry, Fc2LtError, Fc2Table, GB10_CANONICAL, PRODUCER_SWIGLU_NVFP4, Refusal, table_dir
 from h3_blackwell.runtime.options import RuntimeOptions
+from h3_blackwell.runtime.plan import _fc2 as plan_fc2
 
 M, MP, N, K = 37810, 37824, 5376, 14336
 
@@ -74,8 +75,9 @@ class FakeLayer:
         return self.tag
 
 
-def opts(tmp_path, **kw) -> RuntimeOptions:
-    return RuntimeOptions(cache_dir=str(tmp_path / "cache"), **kw)
+def cache(tmp_path) -> str:
+    """The cache directory a dispatcher takes (the plan's cache_dir)."""
+    return str(tmp_path / "cache")
 
 
 def nvfp4_operands(m_padded=MP, n=N, k=K):
@@ -128,7 +130,7 @@ def test_gb10_entry_is_exactly_the_seed():
 
 def test_canonical_call_takes_the_pinned_plan(tmp_path):
     layer = FakeLayer()
-    d = Fc2Dispatcher(opts(tmp_path), table=Fc2Table([GB10_CANONICAL]), plan_layer=layer)
+    d = Fc2Dispatcher(cache(tmp_path), table=Fc2Table([GB10_CANONICAL]), plan_layer=layer)
     d.begin_run()
     y, fb = dispatch(d)
     assert tuple(y.shape) == (M, N) and y.dtype == torch.bfloat16
@@ -159,7 +161,7 @@ CALL_FLIPS = {
 @pytest.mark.parametrize("code", list(CALL_FLIPS))
 def test_each_call_condition_flipped_falls_back_with_its_reason(tmp_path, code):
     layer = FakeLayer()
-    d = Fc2Dispatcher(opts(tmp_path), table=Fc2Table([GB10_CANONICAL]), plan_layer=layer)
+    d = Fc2Dispatcher(cache(tmp_path), table=Fc2Table([GB10_CANONICAL]), plan_layer=layer)
     d.begin_run()
     kw = dict(CALL_FLIPS[code])
     if "operands" in kw:
@@ -174,7 +176,7 @@ def test_each_call_condition_flipped_falls_back_with_its_reason(tmp_path, code):
 
 
 def test_lora_reason_names_the_side_path(tmp_path):
-    d = Fc2Dispatcher(opts(tmp_path), table=Fc2Table([GB10_CANONICAL]), plan_layer=FakeLayer())
+    d = Fc2Dispatcher(cache(tmp_path), table=Fc2Table([GB10_CANONICAL]), plan_layer=FakeLayer())
     dispatch(d, lora_active=True)
     assert "LoRA side-path active on fc2" in reasons(d)[0]
 
@@ -193,7 +195,7 @@ ENV_FLIPS = {
 @pytest.mark.parametrize("code", list(ENV_FLIPS))
 def test_each_device_condition_flipped_falls_back_with_its_reason(tmp_path, code):
     layer = FakeLayer(dataclasses.replace(GB10_ENV, **ENV_FLIPS[code]))
-    d = Fc2Dispatcher(opts(tmp_path), table=Fc2Table([GB10_CANONICAL]), plan_layer=layer)
+    d = Fc2Dispatcher(cache(tmp_path), table=Fc2Table([GB10_CANONICAL]), plan_layer=layer)
     d.begin_run()
     _, fb = dispatch(d)
     run = d.end_run()
@@ -204,27 +206,32 @@ def test_each_device_condition_flipped_falls_back_with_its_reason(tmp_path, code
 
 
 def test_sm90_reason_reads_well(tmp_path):
-    d = Fc2Dispatcher(opts(tmp_path), table=Fc2Table([GB10_CANONICAL]), plan_layer=FakeLayer(H200_ENV))
+    d = Fc2Dispatcher(cache(tmp_path), table=Fc2Table([GB10_CANONICAL]), plan_layer=FakeLayer(H200_ENV))
     dispatch(d)
     assert reasons(d)[0].startswith("cc: device is sm_90, the entry needs sm_121")
 
 
-def test_disabled_falls_back_and_never_raises_even_in_strict(tmp_path):
-    d = Fc2Dispatcher(opts(tmp_path, fc2_lt=False, fc2_lt_strict=True), table=Fc2Table([GB10_CANONICAL]),
-                      plan_layer=FakeLayer())
-    _, fb = dispatch(d)
-    assert len(fb.calls) == 1 and reasons(d)[0].startswith("disabled:")
+def test_the_plan_decides_whether_and_how_the_guarded_path_runs():
+    """fc2_lt off, the CPU or e4m3 activations: the plan applies no dispatcher (the load builds none); strict is
+    the plan's choice, handed to the dispatcher, which never reads the options."""
+    cuda = torch.device("cuda")  # only its type is read
+    assert plan_fc2(RuntimeOptions(fc2_lt=False), cuda, "nvfp4").choice == "off"
+    assert plan_fc2(RuntimeOptions(), torch.device("cpu"), "nvfp4").choice == "off"
+    assert plan_fc2(RuntimeOptions(), cuda, "fp8").choice.startswith("not applicable")
+    assert plan_fc2(RuntimeOptions(), cuda, "nvfp4").choice == "dispatcher"
+    o = RuntimeOptions.from_env({"H3_NVFP4_FC2_LT_STRICT": "1", "H3_NVFP4_FC2_LT_SPLITK1": "1"})
+    assert plan_fc2(o, cuda, "nvfp4").choice == "strict"
 
 
 def test_extension_unavailable_falls_back(tmp_path):
     layer = FakeLayer(unavailable="CUDA headers missing: cublasLt.h (cuBLASLt (pip: nvidia-cublas))")
-    d = Fc2Dispatcher(opts(tmp_path), table=Fc2Table([GB10_CANONICAL]), plan_layer=layer)
+    d = Fc2Dispatcher(cache(tmp_path), table=Fc2Table([GB10_CANONICAL]), plan_layer=layer)
     _, fb = dispatch(d)
     assert len(fb.calls) == 1 and reasons(d)[0].startswith("extension: CUDA headers missing")
 
 
 def test_malformed_operands_are_a_contract_refusal(tmp_path):
-    d = Fc2Dispatcher(opts(tmp_path), table=Fc2Table([GB10_CANONICAL]), plan_layer=FakeLayer())
+    d = Fc2Dispatcher(cache(tmp_path), table=Fc2Table([GB10_CANONICAL]), plan_layer=FakeLayer())
     dispatch(d, m_logical=0)
     ops = nvfp4_operands()
     ops["x"] = ops["x"].view(2, MP // 2, K // 2)
@@ -238,7 +245,7 @@ def test_malformed_operands_are_a_contract_refusal(tmp_path):
 
 def test_check_failure_falls_back_is_counted_and_not_rebuilt(tmp_path):
     layer = FakeLayer(fail_build=("check", "cublasLtMatmulAlgoCheck returned CUBLAS_STATUS_NOT_SUPPORTED (15)"))
-    d = Fc2Dispatcher(opts(tmp_path), table=Fc2Table([GB10_CANONICAL]), plan_layer=layer)
+    d = Fc2Dispatcher(cache(tmp_path), table=Fc2Table([GB10_CANONICAL]), plan_layer=layer)
     d.begin_run()
     for _ in range(3):
         _, fb = dispatch(d)
@@ -252,7 +259,7 @@ def test_check_failure_falls_back_is_counted_and_not_rebuilt(tmp_path):
 
 def test_execution_failure_falls_back_is_counted_and_disables_the_plan(tmp_path):
     layer = FakeLayer(fail_run="cublasLtMatmul returned CUBLAS_STATUS_EXECUTION_FAILED (13)")
-    d = Fc2Dispatcher(opts(tmp_path), table=Fc2Table([GB10_CANONICAL]), plan_layer=layer)
+    d = Fc2Dispatcher(cache(tmp_path), table=Fc2Table([GB10_CANONICAL]), plan_layer=layer)
     d.begin_run()
     _, fb1 = dispatch(d)
     _, fb2 = dispatch(d)
@@ -270,7 +277,7 @@ def test_execution_failure_falls_back_is_counted_and_disables_the_plan(tmp_path)
     (dict(fail_run="launch failed"), "execute"),
 ])
 def test_strict_mode_raises_instead_of_falling_back(tmp_path, layer_kw, code):
-    d = Fc2Dispatcher(opts(tmp_path, fc2_lt_strict=True), table=Fc2Table([GB10_CANONICAL]),
+    d = Fc2Dispatcher(cache(tmp_path), strict=True, table=Fc2Table([GB10_CANONICAL]),
                       plan_layer=FakeLayer(**layer_kw))
     d.begin_run()
     fb = Fallback()
@@ -282,16 +289,15 @@ def test_strict_mode_raises_instead_of_falling_back(tmp_path, layer_kw, code):
     assert (run["attempts"], run["successes"], run["fallbacks"], run["errors"]) == (1, 0, 0, 1)
 
 
-def test_options_from_env_drive_strict_and_enable(tmp_path):
-    o = RuntimeOptions.from_env({"H3_NVFP4_FC2_LT_STRICT": "1", "H3_NVFP4_FC2_LT_SPLITK1": "1"},
-                                cache_dir=str(tmp_path))
-    d = Fc2Dispatcher(o, table=Fc2Table([GB10_CANONICAL]), plan_layer=FakeLayer(H200_ENV))
+def test_strict_raises_on_a_device_refusal(tmp_path):
+    d = Fc2Dispatcher(cache(tmp_path), strict=True, table=Fc2Table([GB10_CANONICAL]), plan_layer=FakeLayer(H200_ENV))
     with pytest.raises(Fc2LtError):
         dispatch(d)
+    assert d.status()["strict"] is True
 
 
 def test_fallback_gets_the_same_bytes_no_second_quantization(tmp_path):
-    d = Fc2Dispatcher(opts(tmp_path), table=Fc2Table([GB10_CANONICAL]), plan_layer=FakeLayer(H200_ENV))
+    d = Fc2Dispatcher(cache(tmp_path), table=Fc2Table([GB10_CANONICAL]), plan_layer=FakeLayer(H200_ENV))
     ops = nvfp4_operands()
     keep = dict(ops)
     _, fb = dispatch(d, operands=ops)
@@ -303,7 +309,7 @@ def test_fallback_gets_the_same_bytes_no_second_quantization(tmp_path):
 
 def test_pinned_path_receives_the_same_bytes_and_result_is_a_view_of_out(tmp_path):
     layer = FakeLayer()
-    d = Fc2Dispatcher(opts(tmp_path), table=Fc2Table([GB10_CANONICAL]), plan_layer=layer)
+    d = Fc2Dispatcher(cache(tmp_path), table=Fc2Table([GB10_CANONICAL]), plan_layer=layer)
     out = torch.empty((MP, N), dtype=torch.bfloat16)
     ops = nvfp4_operands()
     x = ops["x"]
@@ -320,7 +326,7 @@ def test_pinned_path_receives_the_same_bytes_and_result_is_a_view_of_out(tmp_pat
 
 def test_runs_counts_and_report(tmp_path):
     layer = FakeLayer()
-    d = Fc2Dispatcher(opts(tmp_path), table=Fc2Table([GB10_CANONICAL]), plan_layer=layer)
+    d = Fc2Dispatcher(cache(tmp_path), table=Fc2Table([GB10_CANONICAL]), plan_layer=layer)
     assert d.report(3)["all_passed"] is False  # no run yet
     d.begin_run()
     for _ in range(3):
@@ -370,7 +376,7 @@ def test_reason_comes_from_the_entry_that_got_furthest():
 
 
 def test_tuned_json_entry_is_picked_up_from_the_cache_dir(tmp_path):
-    o = opts(tmp_path)
+    o = cache(tmp_path)
     entry = h200_bf16_entry()
     d = table_dir(o)
     d.mkdir(parents=True)
@@ -414,7 +420,7 @@ def test_same_key_later_entry_replaces_earlier():
 
 
 def test_compat_cache_replays_a_refusal_keyed_by_versions(tmp_path):
-    o = opts(tmp_path)
+    o = cache(tmp_path)
     failing = FakeLayer(fail_build=("check", "AlgoCheck returned CUBLAS_STATUS_NOT_SUPPORTED (15)"))
     d1 = Fc2Dispatcher(o, table=Fc2Table([GB10_CANONICAL]), plan_layer=failing)
     dispatch(d1)
@@ -447,7 +453,7 @@ def test_compat_key_covers_device_and_versions(tmp_path):
 
 
 def test_prepare_builds_matching_entries_and_explains_the_others(tmp_path):
-    o = opts(tmp_path)
+    o = cache(tmp_path)
     d = Fc2Dispatcher(o, table=Fc2Table([GB10_CANONICAL, h200_bf16_entry()]), plan_layer=FakeLayer())
     p = d.prepare(torch.device("cpu"), self_test=False)
     assert p["entries"][GB10_CANONICAL.name]["status"] == "ready"
@@ -456,8 +462,6 @@ def test_prepare_builds_matching_entries_and_explains_the_others(tmp_path):
     d2 = Fc2Dispatcher(o, table=Fc2Table([GB10_CANONICAL]),
                        plan_layer=FakeLayer(unavailable="extension build failed: x"))
     assert d2.prepare(torch.device("cpu"))["reason"].startswith("extension:")
-    d3 = Fc2Dispatcher(opts(tmp_path, fc2_lt=False), table=Fc2Table([GB10_CANONICAL]), plan_layer=FakeLayer())
-    assert d3.prepare(torch.device("cpu"))["reason"].startswith("disabled")
     json.dumps(d.status())
 
 
@@ -627,7 +631,7 @@ class _FakeLtModule:
 def test_tuner_keeps_only_byte_identical_configs_and_writes_an_entry(tmp_path):
     from h3_blackwell.runtime.fc2.tune import tune
 
-    res = tune(dtype="bf16", m_logical=30, m_padded=32, n=16, k=64, device="cpu", options=opts(tmp_path),
+    res = tune(dtype="bf16", m_logical=30, m_padded=32, n=16, k=64, device="cpu", cache_dir=cache(tmp_path),
                module=_FakeLtModule(), rounds=4, seeds=2, say=lambda s: None, command="test")
     ev = res["evidence"]
     assert ev["sweep"]["configurations_checked"] == 8  # 1 from the heuristic + 2 ids x 2 tiles x 2 stages, deduped
@@ -647,7 +651,7 @@ def test_tuner_keeps_only_byte_identical_configs_and_writes_an_entry(tmp_path):
 def test_tuner_writes_nothing_when_no_config_is_exact(tmp_path):
     from h3_blackwell.runtime.fc2.tune import tune
 
-    res = tune(dtype="bf16", m_logical=30, m_padded=32, n=16, k=64, device="cpu", options=opts(tmp_path),
+    res = tune(dtype="bf16", m_logical=30, m_padded=32, n=16, k=64, device="cpu", cache_dir=cache(tmp_path),
                module=_FakeLtModule(exact_exists=False), rounds=2, seeds=2, say=lambda s: None)
     assert res["entry"] is None and res["evidence"]["sweep"]["exact_seed0"] == 0
     assert res["evidence"]["inexact_examples"]
@@ -659,7 +663,7 @@ def test_tuner_says_when_only_workspace_stands_in_the_way(tmp_path):
     from h3_blackwell.runtime.fc2.tune import tune
 
     said: list[str] = []
-    kw = dict(dtype="bf16", m_logical=30, m_padded=32, n=16, k=64, device="cpu", options=opts(tmp_path), rounds=2,
+    kw = dict(dtype="bf16", m_logical=30, m_padded=32, n=16, k=64, device="cpu", cache_dir=cache(tmp_path), rounds=2,
               seeds=2)
     res = tune(**kw, module=_FakeLtModule(needs_workspace=4), say=said.append)
     assert res["entry"] is None and res["evidence"]["sweep"]["legal"] == 0
@@ -673,7 +677,7 @@ def test_tuner_says_when_only_workspace_stands_in_the_way(tmp_path):
 
 def test_prepare_self_test_compares_bytes_and_caches_the_result(tmp_path):
     small = h200_bf16_entry(name="small-bf16", m_logical=30, m_padded=32, n=16, k=64)
-    o = opts(tmp_path)
+    o = cache(tmp_path)
     ok_layer = FakeLayer(H200_ENV, compute=True)
     p = Fc2Dispatcher(o, table=Fc2Table([small]), plan_layer=ok_layer).prepare(torch.device("cpu"))
     st = p["entries"]["small-bf16"]["self_test"]
@@ -681,7 +685,7 @@ def test_prepare_self_test_compares_bytes_and_caches_the_result(tmp_path):
     p2 = Fc2Dispatcher(o, table=Fc2Table([small]), plan_layer=ok_layer).prepare(torch.device("cpu"))
     assert p2["entries"]["small-bf16"]["self_test"].get("cached") is True  # measured once per device/versions
 
-    o2 = opts(tmp_path / "other")
+    o2 = cache(tmp_path / "other")
     bad = FakeLayer(H200_ENV, compute=True, perturb=True)
     d = Fc2Dispatcher(o2, table=Fc2Table([small]), plan_layer=bad)
     p3 = d.prepare(torch.device("cpu"))
@@ -703,9 +707,9 @@ def test_unexpected_exceptions_fall_back_as_internal(tmp_path):
         def run(self, plan, ops, out):
             raise TypeError("a bug")
 
-    d = Fc2Dispatcher(opts(tmp_path), table=Fc2Table([GB10_CANONICAL]), plan_layer=Broken())
+    d = Fc2Dispatcher(cache(tmp_path), table=Fc2Table([GB10_CANONICAL]), plan_layer=Broken())
     _, fb = dispatch(d)
     assert len(fb.calls) == 1 and reasons(d)[0] == "internal: TypeError: a bug"
-    strict = Fc2Dispatcher(opts(tmp_path, fc2_lt_strict=True), table=Fc2Table([GB10_CANONICAL]), plan_layer=Broken())
+    strict = Fc2Dispatcher(cache(tmp_path), strict=True, table=Fc2Table([GB10_CANONICAL]), plan_layer=Broken())
     with pytest.raises(Fc2LtError):
         dispatch(strict)

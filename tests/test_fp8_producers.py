@@ -163,7 +163,7 @@ def test_producers_reject_bad_inputs():
 def test_any_tile_configuration_writes_the_same_bytes(monkeypatch, cand):
     """A tile table only changes speed: other row blocks / tile widths (including ones the bench sweeps)
     give the reference's bytes (K=70: not a multiple of any tile)."""
-    monkeypatch.setattr(f8, "_tiles", lambda op, k, device, scheme: cand)
+    monkeypatch.setattr(f8, "_tiles", lambda op, k, device, scheme, tiles: cand)
     x = _magnitudes(_rand((9, 70), torch.bfloat16, 11), 12)
     _same(f8.quantize_fp8(x, backend="triton"), f8.quantize_fp8(x, backend="reference"))
     h = _rand((9, 140), torch.bfloat16, 13, 3.0)
@@ -171,35 +171,34 @@ def test_any_tile_configuration_writes_the_same_bytes(monkeypatch, cand):
 
 
 def test_tile_table_is_used_for_auto_on_cuda_only(tmp_path):
-    from h3_blackwell.runtime.load import apply_tile_table
+    """The load plan reads a table once (ProducerTiles.load); the producers take it as their ``tiles`` argument:
+    nothing global, so a table reaches exactly the ops bound with it."""
     from h3_blackwell.runtime.errors import H3Error
+    from h3_blackwell.runtime.ops.producer_tiles import ProducerTiles
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    builtin = f8._tiles("rms", 5376, cuda, "auto")
+    builtin = f8._tiles("rms", 5376, cuda, "auto", None)
     builtin_fp8 = qk._tiles(cuda)["fp8"]
     assert builtin == ("row", 1, 8192, 1, 4)  # the H200 sweep's choice (bench/results/producers-h200.json)
-    try:
-        p = tmp_path / "tiles.json"
-        p.write_text('{"device": "NVIDIA H200", "rms": ["row", 1, 8192, 16], "swiglu": ["loop", 8, 512, 4], '
-                     '"to_fp8_rowwise": [8, 512, 4]}')
-        got = apply_tile_table(p)
-        assert "NVIDIA H200" in got["reason"] and got["choice"] == str(p)
-        assert f8._tiles("rms", 5376, cuda, "auto") == ("row", 1, 8192, 1, 16)
-        assert f8._tiles("swiglu", 14336, cuda, "auto") == ("loop", 8, 512, 28, 4)
-        assert f8._tiles("rms", 5376, cuda, "loop") != ("row", 1, 8192, 1, 16)  # an explicit scheme wins
-        assert f8._tiles("rms", 5376, cpu, "auto")[0] == "loop"  # CPU keeps its own tiles
-        assert qk._tiles(cuda)["fp8"] == (8, 512, 4)
-        for bad, word in (('{"rms": ["row", 1, 8000, 16]}', "powers of two"), ('[1, 2]', "JSON object"),
-                          ('{"to_fp8_rowwise": [8, 32, 4]}', "BK >= 64"), ("{", "Expecting")):
-            p.write_text(bad)
-            with pytest.raises(H3Error, match=word):
-                apply_tile_table(p)
-        with pytest.raises(H3Error, match="(?i)no such file.*--tiles-out"):
-            apply_tile_table(tmp_path / "missing.json")
-    finally:
-        f8.set_tile_table(None)
-        qk.set_fp8_tiles(None)
-    assert f8._tiles("rms", 5376, cuda, "auto") == builtin and qk._tiles(cuda)["fp8"] == builtin_fp8
+    p = tmp_path / "tiles.json"
+    p.write_text('{"device": "NVIDIA H200", "rms": ["row", 1, 8192, 16], "swiglu": ["loop", 8, 512, 4], '
+                 '"to_fp8_rowwise": [8, 512, 4]}')
+    t = ProducerTiles.load(p)
+    assert t.device == "NVIDIA H200" and t.source == str(p)
+    assert t.entries() == {"rms": ["row", 1, 8192, 16], "swiglu": ["loop", 8, 512, 4], "to_fp8_rowwise": [8, 512, 4]}
+    assert f8._tiles("rms", 5376, cuda, "auto", t) == ("row", 1, 8192, 1, 16)
+    assert f8._tiles("swiglu", 14336, cuda, "auto", t) == ("loop", 8, 512, 28, 4)
+    assert f8._tiles("rms", 5376, cuda, "loop", t) != ("row", 1, 8192, 1, 16)  # an explicit scheme wins
+    assert f8._tiles("rms", 5376, cpu, "auto", t)[0] == "loop"  # CPU keeps its own tiles
+    assert qk._tiles(cuda, t.to_fp8_rowwise)["fp8"] == (8, 512, 4)
+    for bad, word in (('{"rms": ["row", 1, 8000, 16]}', "powers of two"), ('[1, 2]', "JSON object"),
+                      ('{"to_fp8_rowwise": [8, 32, 4]}', "BK >= 64"), ("{", "Expecting")):
+        p.write_text(bad)
+        with pytest.raises(H3Error, match=word):
+            ProducerTiles.load(p)
+    with pytest.raises(H3Error, match="(?i)no such file.*--tiles-out"):
+        ProducerTiles.load(tmp_path / "missing.json")
+    assert f8._tiles("rms", 5376, cuda, "auto", None) == builtin and qk._tiles(cuda)["fp8"] == builtin_fp8
 
 
 # ----------------------------------------------------------------------------------------------
@@ -209,7 +208,7 @@ def test_tile_table_is_used_for_auto_on_cuda_only(tmp_path):
 def test_forward_fp8_is_the_rowwise_product():
     m, n, k = 33, 48, 160
     lin = L.Nvfp4Linear.from_float(_rand((n, k), torch.float32, seed=1), backend="fp8", out_dtype=torch.float32,
-                                   strict=True, bias=_rand((n,), torch.float32, seed=9))
+                                   bias=_rand((n,), torch.float32, seed=9))
     x = _magnitudes(_rand((m, k), torch.float32, seed=2, scale=3.0), seed=5)
     a8, ra = f8.quantize_fp8(x)
     y = lin.forward_fp8(a8, ra)
@@ -421,7 +420,7 @@ def test_canonical_accuracy_stage_and_fc2_counts_for_w4a8():
 
 
 # ----------------------------------------------------------------------------------------------
-# V operands for SageAttention2's sm_90 kernel (sage_v_pad="fused")
+# V operands for SageAttention2's sm_90 kernel (the fused V handling)
 # ----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("s,h,d", [(200, 2, 128), (37, 3, 64), (128, 1, 64), (1, 2, 128)])
@@ -456,7 +455,7 @@ def test_precision_option_reaches_the_w4a8_linears_and_the_silu():
     passes it to cuBLAS on CUDA) and the SwiGLU producer for the fast silu; "exact" for neither; the backends
     say which."""
     from h3_blackwell.runtime.ops import linear as lin_mod
-    from h3_blackwell.runtime.ops.linear import scaled_mm_rowwise
+    from h3_blackwell.runtime.ops.gemm_backends import scaled_mm_rowwise
 
     assert RuntimeOptions().precision == "fast"
     real = lin_mod.scaled_mm_rowwise

@@ -556,9 +556,9 @@ def _dispatcher(tmp_path):
     from h3_blackwell.runtime.fc2.lt_plans import LtPlanLayer
     from h3_blackwell.runtime.fc2.table import Fc2Table, GB10_CANONICAL
 
-    o = RuntimeOptions(**CPU, cache_dir=str(tmp_path / "cache"))
-    layer = LtPlanLayer(o, ExtStatus(ok=False, reason="extension not built in this CPU test"))
-    return Fc2Dispatcher(o, table=Fc2Table([GB10_CANONICAL]), plan_layer=layer, compat=False)
+    cache = str(tmp_path / "cache")
+    layer = LtPlanLayer(cache, ExtStatus(ok=False, reason="extension not built in this CPU test"))
+    return Fc2Dispatcher(cache, table=Fc2Table([GB10_CANONICAL]), plan_layer=layer, compat=False)
 
 
 def test_fc2_guard_refuses_while_a_side_lora_is_on_fc2(files, fp4, tmp_path):

@@ -281,12 +281,13 @@ def test_loader_keeps_model_resident_and_reloads_on_change(comfy):
     a = H3ModelLoader().load(TINY_CHOICE, "auto", "auto", "on", True)[0]
     b = H3ModelLoader().load(TINY_CHOICE, "auto", "auto", "on", True)[0]
     assert a is b and loader_mod.resident_model() is a
-    assert a.options.fc2_lt is True and a.options.fc2_lt_strict is False and a.options.adaln_cache is True
+    o = a.plan.options
+    assert o.fc2_lt is True and o.fc2_lt_strict is False and o.adaln_cache is True
     c = H3ModelLoader().load(TINY_CHOICE, "auto", "auto", "strict", False)[0]
-    assert c is not a and c.options.fc2_lt_strict is True and c.options.adaln_cache is False
+    assert c is not a and c.plan.options.fc2_lt_strict is True and c.plan.options.adaln_cache is False
     assert loader_mod.resident_model() is c
     d = H3ModelLoader().load(TINY_CHOICE, "auto", "auto", "off", False)[0]
-    assert d.options.fc2_lt is False
+    assert d.plan.options.fc2_lt is False
 
 
 def test_loader_file_reloads_when_the_file_changes(comfy):

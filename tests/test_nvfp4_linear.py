@@ -24,6 +24,7 @@ if not torch.cuda.is_available():  # before anything imports triton (comfy_kitch
 
 import pytest  # noqa: E402
 
+from h3_blackwell.runtime.ops import gemm_backends as G  # noqa: E402
 from h3_blackwell.runtime.ops import linear as L  # noqa: E402
 from h3_blackwell.runtime.io import comfy_quant as cq  # noqa: E402
 from h3_blackwell.runtime.ops import nvfp4 as nv  # noqa: E402
@@ -44,16 +45,16 @@ def _exact(a: nv.NVFP4Tensor, w: nv.NVFP4Tensor):
 
 
 def test_capability_table_on_cpu_says_why():
-    table = {c.backend: c for c in L.gemm_capability_table("cpu")}
-    assert set(table) == set(L.BACKENDS)
+    table = {c.backend: c for c in G.gemm_capability_table("cpu")}
+    assert set(table) == set(G.BACKENDS)
     assert not table["native"].available and "refused" in table["native"].reason
-    assert L.choose_gemm_backend("cpu")[0] == "emulated"
-    name, why = L.choose_gemm_backend("cpu", "native")
+    assert G.choose_gemm_backend("cpu")[0] == "emulated"
+    name, why = G.choose_gemm_backend("cpu", "native")
     assert name == "emulated" and why.startswith("requested native unavailable: native: refused")
     with pytest.raises(RuntimeError, match="unavailable: native: refused"):
-        L.choose_gemm_backend("cpu", "native", strict=True)
+        G.choose_gemm_backend("cpu", "native", strict=True)
     with pytest.raises(ValueError, match="expected auto or one of"):
-        L.choose_gemm_backend("cpu", "int4")
+        G.choose_gemm_backend("cpu", "int4")
 
 
 @pytest.mark.parametrize("cc, auto, native_reason", [
@@ -64,13 +65,13 @@ def test_capability_table_on_cpu_says_why():
 def test_capability_table_per_compute_capability(monkeypatch, cc, auto, native_reason):
     """The table's decisions for the GPUs we target, without one: the H200 (9.0) refuses native with the
     reason naming its compute capability; GB10 (12.1) takes it."""
-    monkeypatch.setattr(L, "_cc", lambda device: cc)
-    monkeypatch.setattr(L, "probe_backend", lambda backend, device: (True, "probe ok (stand-in)"))
+    monkeypatch.setattr(G, "_cc", lambda device: cc)
+    monkeypatch.setattr(G, "probe_backend", lambda backend, device: (True, "probe ok (stand-in)"))
     dev = torch.device("cuda", 0)
-    table = {c.backend: c for c in L.gemm_capability_table(dev)}
+    table = {c.backend: c for c in G.gemm_capability_table(dev)}
     assert table["native"].reason.startswith(native_reason)
     assert table["fp8"].available == (cc >= (8, 9))
-    name, why = L.choose_gemm_backend(dev)
+    name, why = G.choose_gemm_backend(dev)
     assert name == auto
     if auto != "native":
         assert native_reason in why  # the choice records why native was not taken
@@ -79,16 +80,16 @@ def test_capability_table_per_compute_capability(monkeypatch, cc, auto, native_r
 def test_a_failing_probe_refuses_the_backend_with_its_error(monkeypatch):
     """A GPU whose torch build has no working rowwise fp8 kernel (or FP4 kernel): the backend is refused at load
     with the probe's error and auto moves on, instead of the first forward failing."""
-    monkeypatch.setattr(L, "_cc", lambda device: (8, 9))
+    monkeypatch.setattr(G, "_cc", lambda device: (8, 9))
     failed = "probe failed: RuntimeError: f8f8bf16_rowwise is sm_90 specific."
-    monkeypatch.setattr(L, "probe_backend", lambda backend, device: (False, failed))
+    monkeypatch.setattr(G, "probe_backend", lambda backend, device: (False, failed))
     dev = torch.device("cuda", 0)
-    table = {c.backend: c for c in L.gemm_capability_table(dev)}
+    table = {c.backend: c for c in G.gemm_capability_table(dev)}
     assert not table["fp8"].available and table["fp8"].reason == "fp8: refused, " + failed
-    name, why = L.choose_gemm_backend(dev)
+    name, why = G.choose_gemm_backend(dev)
     assert name == "bf16" and failed in why
     with pytest.raises(RuntimeError, match="sm_90 specific"):
-        L.choose_gemm_backend(dev, "fp8", strict=True)
+        G.choose_gemm_backend(dev, "fp8", strict=True)
 
 
 def test_probe_measures_the_real_paths(monkeypatch):
@@ -96,24 +97,24 @@ def test_probe_measures_the_real_paths(monkeypatch):
     the native path raises on the CPU and is refused with that error; a wrong product is refused by its rel-L2;
     results are cached per backend and device."""
     cpu = torch.device("cpu")
-    ok, why = L._run_probe("fp8", cpu)
+    ok, why = G._run_probe("fp8", cpu)
     assert ok and why.startswith("probe ok (rel_l2 ") and "(fast accumulation)" in why
     errs = [float(t.split()[0]) for t in why[len("probe ok (rel_l2 "):].split(", ")]
-    assert all(0 < e <= L.PROBE_TOL["fp8"] for e in errs), why  # e4m3 re-expression: ~0.04, never 0
-    ok, why = L._run_probe("native", cpu)
+    assert all(0 < e <= G.PROBE_TOL["fp8"] for e in errs), why  # e4m3 re-expression: ~0.04, never 0
+    ok, why = G._run_probe("native", cpu)
     assert not ok and why.startswith("probe failed: ") and "Error" in why
 
-    real = L.scaled_mm_rowwise
-    monkeypatch.setattr(L, "scaled_mm_rowwise", lambda a8, w8, sa, sb, dt, fast_accum=False:
+    real = G.scaled_mm_rowwise
+    monkeypatch.setattr(G, "scaled_mm_rowwise", lambda a8, w8, sa, sb, dt, fast_accum=False:
                         real(a8, w8, sa, sb.flip(-1), dt, fast_accum))  # column scales in the wrong order
-    ok, why = L._run_probe("fp8", cpu)
+    ok, why = G._run_probe("fp8", cpu)
     assert not ok and "rel_l2" in why and "tolerance 0.1" in why
 
     calls = []
-    monkeypatch.setattr(L, "_run_probe", lambda b, d: calls.append((b, d)) or (True, "probe ok (counted)"))
-    monkeypatch.setattr(L, "_PROBED", {})
+    monkeypatch.setattr(G, "_run_probe", lambda b, d: calls.append((b, d)) or (True, "probe ok (counted)"))
+    monkeypatch.setattr(G, "_PROBED", {})
     for _ in range(3):
-        assert L.probe_backend("fp8", "cpu") == (True, "probe ok (counted)")
+        assert G.probe_backend("fp8", "cpu") == (True, "probe ok (counted)")
     assert calls == [("fp8", cpu)]
 
 
@@ -123,7 +124,7 @@ def test_backend_forward_within_stated_bound(backend, out_dtype):
     m, n, k = 45, 72, 160
     w = _rand((n, k), seed=1)
     x = _rand((m, k), seed=2, scale=3.0)
-    lin = L.Nvfp4Linear.from_float(w, backend=backend, out_dtype=out_dtype, strict=True)
+    lin = L.Nvfp4Linear.from_float(w, backend=backend, out_dtype=out_dtype)
     assert lin.backend == backend
     y = lin(x)
     assert y.shape == (m, n) and y.dtype == out_dtype
@@ -191,14 +192,14 @@ def test_validation_messages():
     with pytest.raises(ValueError, match=r"\[S, 2F\] = \[gate \| up\] with F = 32"):
         lin.forward_swiglu(torch.randn(4, 32))
     with pytest.raises(TypeError, match="needs an NVFP4Tensor"):
-        L.Nvfp4Linear(torch.randn(4, 4))
+        L.Nvfp4Linear(torch.randn(4, 4), backend="reference")
     with pytest.raises(ValueError, match=r"bias must be \[16\]"):
-        L.Nvfp4Linear(lin.weight, bias=torch.zeros(3))
+        L.Nvfp4Linear(lin.weight, bias=torch.zeros(3), backend="reference")
     assert "backend=reference" in repr(lin)
 
 
 def test_scratch_is_reused_across_layers():
-    scratch = L.Scratch()
+    scratch = G.Scratch()
     big = L.Nvfp4Linear.from_float(_rand((64, 96), seed=10), backend="bf16", scratch=scratch)
     small = L.Nvfp4Linear.from_float(_rand((32, 96), seed=11), backend="bf16", scratch=scratch)
     x = _rand((8, 96), seed=12)
@@ -206,3 +207,26 @@ def test_scratch_is_reused_across_layers():
     held = scratch.nbytes()
     small(x)
     assert scratch.nbytes() == held  # the smaller layer expands into the same buffers
+
+
+def test_the_layer_binds_the_plans_backend_once():
+    """A layer runs the concrete backend it was built with (the plan resolved auto) and never re-chooses: not per
+    call, not when moved; a K the backend cannot take refuses at construction (never a silent switch to another
+    backend); the plan's chooser excludes such a backend with the reason."""
+    w = _rand((16, 48), seed=13)  # K = 48: a multiple of 16 (fp8), not of 32 (native)
+    with pytest.raises(ValueError, match="resolve auto"):
+        L.Nvfp4Linear.from_float(w, backend="auto")
+    with pytest.raises(ValueError, match="K=48 is not a multiple of 32"):
+        L.Nvfp4Linear.from_float(w, backend="native")
+    lin = L.Nvfp4Linear.from_float(w, backend="fp8", reason="the plan's reason", out_dtype=torch.float32)
+    assert lin.backend == "fp8" and "the plan's reason" in repr(lin)
+    with pytest.raises(AttributeError):
+        lin.backend = "emulated"  # read-only: bind_backend rebinds the product as well as the name
+    x = _rand((5, 48), seed=14)
+    y = lin(x)
+    lin.to(torch.device("cpu"))
+    assert lin.backend == "fp8" and torch.equal(lin(x), y)
+    lin.bind_backend("reference")
+    assert lin.backend == "reference" and not torch.equal(lin(x), y)  # the product really changed
+    name, why = G.choose_gemm_backend("cpu", "fp8", k_dims=(48, 40))
+    assert name == "emulated" and "K=40 is not a multiple of 16" in why

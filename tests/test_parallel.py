@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from h3_blackwell.runtime.ops.attention import attention, rel_l2
+from h3_blackwell.runtime.ops.attention import bind_attention, rel_l2
 from h3_blackwell.runtime.parallel import (CommStats, ParallelEnv, ParallelError, RowShard, UlyssesAttention,
                                            WorkerFailed, check_degree, launch)
 
@@ -65,7 +65,11 @@ def test_parallel_env_reads_torchrun_variables():
 # ---------------------------------------------------------------------------------------------
 
 def _reference_inner(qkv, heads, head_dim, seq_len):
-    return attention(qkv, heads, head_dim, "reference", seq_len=seq_len)
+    """What sequence parallelism runs around the load's bound attention (evaluate.make_inner), here the
+    reference backend bound for ``head_dim``: the rank's heads over the first ``seq_len`` rows."""
+    from h3_blackwell.runtime.parallel.evaluate import make_inner
+
+    return make_inner(bind_attention("reference", head_dim))(qkv, heads, head_dim, seq_len)
 
 
 def _ulysses_vs_single(ctx, cases):
@@ -76,7 +80,7 @@ def _ulysses_vs_single(ctx, cases):
         stats = CommStats()
         local = UlyssesAttention(shard, _reference_inner, stats=stats)(shard.take(qkv), heads, head_dim)
         full = shard.gather(local)
-        single = attention(qkv, heads, head_dim, "reference")
+        single = bind_attention("reference", head_dim)(qkv)
         out.append((rel_l2(full, single), stats.calls, stats.bytes_per_call, stats.offrank_bytes_per_call,
                     len(stats.per_step_seconds(1))))
     return out
@@ -104,7 +108,7 @@ def test_ulysses_world_of_one_is_the_single_device_op_without_copies_or_collecti
     stats = CommStats()
     out = UlyssesAttention(RowShard(37, 1, 0), inner, stats=stats)(qkv, 4, 8)
     assert seen == [qkv.data_ptr()]  # the op read the caller's buffer itself: no permute copy, no exchange
-    assert torch.equal(out, attention(qkv, 4, 8, "reference"))
+    assert torch.equal(out, bind_attention("reference", 8)(qkv))
     assert (stats.calls, stats.bytes_per_call, stats.per_step_seconds(1)) == (0, 0, [0.0])
 
 

@@ -128,7 +128,7 @@ def _block(seed=7, pre_quant=True):
     """A block with the four NVFP4 linears of Nvfp4Ops (hidden K, ffn F, one head of K); out_proj with an AWQ
     pre_quant_scale, which the sharded out_proj must apply before the quantizer as the module does."""
     def lin(n, k, s, **kw):
-        return Nvfp4Linear.from_float(_randn(s, n, k) * 0.1, out_dtype=torch.float32, **kw)
+        return Nvfp4Linear.from_float(_randn(s, n, k) * 0.1, backend="emulated", out_dtype=torch.float32, **kw)
 
     pqs = (_randn(seed + 9, K).abs() + 0.5) if pre_quant else None
     attn = types.SimpleNamespace(qkv_proj=lin(3 * K, K, seed), out_proj=lin(K, K, seed + 1, pre_quant_scale=pqs))

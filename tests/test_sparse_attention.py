@@ -10,6 +10,7 @@ import torch
 
 from h3_blackwell.runtime.model.layout import KeyframeSpec, build_layout
 from h3_blackwell.runtime.ops import sparse_attention as SA
+from h3_blackwell.runtime.ops import sparse_routing as SR
 
 ck_eager = pytest.importorskip("comfy_kitchen.backends.eager.sol_attn")
 
@@ -43,7 +44,7 @@ LAYOUTS = {"t2va": _t2va, "fl2va": _fl2va, "ref2va": _ref2va}
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_routing_inputs_from_segments(name):
     segs = LAYOUTS[name]()
-    r = SA.routing_for_segments(segs, tau=1.6, token_aug=128)
+    r = SR.routing_for_segments(segs, tau=1.6, token_aug=128)
     video = next((a, b) for a, b, k in segs if k == "video")
     audio = next((a, b) for a, b, k in segs if k == "audio")
     cond = [(a, b) for a, b, k in segs if k not in ("video", "audio")]
@@ -67,20 +68,20 @@ def test_routing_inputs_from_segments(name):
 
 def test_routing_options_and_refusals():
     segs = _t2va()
-    assert SA.routing_for_segments(segs, dense_audio_rows=False).dense_q_blocks == (0, 0)
+    assert SR.routing_for_segments(segs, dense_audio_rows=False).dense_q_blocks == (0, 0)
     with pytest.raises(SA.H3Error, match="video last"):
-        SA.routing_for_segments([(0, 10, "text"), (10, 100, "video"), (100, 120, "audio")])
+        SR.routing_for_segments([(0, 10, "text"), (10, 100, "video"), (100, 120, "audio")])
     with pytest.raises(SA.H3Error, match="contiguous"):
-        SA.routing_for_segments([(0, 10, "text"), (12, 100, "video")])
+        SR.routing_for_segments([(0, 10, "text"), (12, 100, "video")])
     with pytest.raises(SA.H3Error, match="extra tokens"):
-        SA.routing_for_segments(segs, token_aug=100)
+        SR.routing_for_segments(segs, token_aug=100)
     with pytest.raises(SA.H3Error, match="tau"):
-        SA.routing_for_segments(segs, tau=float("nan"))
+        SR.routing_for_segments(segs, tau=float("nan"))
 
 
 def test_schedule_switch_core_rule():
     """Core: dense while sigma > percent_to_sigma(0.2) of the shift-12 flow schedule; below min_tokens always."""
-    sch = SA.SparseSchedule(shift=12.0)
+    sch = SR.SparseSchedule(shift=12.0)
     assert sch.sigma_start == pytest.approx(9.6 / 9.8, abs=1e-15)
     # the canonical 12-step simple schedule at shift 12 (model sigmas: t = 1 - i/12 warped)
     sig = [12 * t / (1 + 11 * t) for t in (1 - i / 12 for i in range(12))]
@@ -88,7 +89,7 @@ def test_schedule_switch_core_rule():
     assert sch.dense_reason(sch.sigma_start, 37810) is None          # the boundary itself is sparse (core: >)
     assert "outside" in sch.dense_reason(math.nextafter(sch.sigma_start, 2.0), 37810)
     assert "min_tokens" in sch.dense_reason(0.5, 12287)
-    assert SA.SparseSchedule(shift=12.0, start_percent=0.0).sparse_steps(sig, 37810) == [True] * 12
+    assert SR.SparseSchedule(shift=12.0, start_percent=0.0).sparse_steps(sig, 37810) == [True] * 12
 
 
 def _qkv(t, h, d, seed, dtype=torch.float32, pad_cols=0):
@@ -103,7 +104,7 @@ def test_reference_matches_kitchen_eager(name):
     Tolerance 1e-5: the same algorithm in fp32 on both sides; only the summation order differs (a routing
     decision flipping on a tie would show as a ~1e-1 error, far above it)."""
     segs = LAYOUTS[name]()
-    r = SA.routing_for_segments(segs, tau=0.7, token_aug=0)
+    r = SR.routing_for_segments(segs, tau=0.7, token_aug=0)
     h, d = 2, 32
     q, k, v = _qkv(r.seq_len, h, d, seed=3).unflatten(1, (3, h, d)).unbind(1)
     ours = SA.sol_attention_reference(q, k, v, r, query_blocks=5)
@@ -116,7 +117,7 @@ def test_reference_matches_kitchen_eager(name):
 def test_reference_dense_rows_are_exact_attention():
     """Dense query rows (target audio) equal full softmax attention; the video rows do not (the routing is sparse).
     Tolerance 1e-5: fp32 with k centred by a constant (softmax-invariant), only rounding differs."""
-    r = SA.routing_for_segments(_t2va(), tau=1.0, token_aug=0)
+    r = SR.routing_for_segments(_t2va(), tau=1.0, token_aug=0)
     h, d = 2, 32
     q, k, v = _qkv(r.seq_len, h, d, seed=5).unflatten(1, (3, h, d)).unbind(1)
     ours = SA.sol_attention_reference(q, k, v, r)
@@ -137,7 +138,7 @@ def test_wrapper_feeds_strided_views_without_copies():
         seen.append((q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(), kw))
         return ck_eager.sol_attn(q, k, v, **kw)
 
-    r = SA.routing_for_segments(_t2va(), tau=1.3, token_aug=0)
+    r = SR.routing_for_segments(_t2va(), tau=1.3, token_aug=0)
     heads, hd = 2, 128
     qkv = _qkv(r.seq_len, heads, hd, seed=7)
     sol = SA.SolAttention(types.SimpleNamespace(sol_attn=fake_sol), "eager")
@@ -152,7 +153,7 @@ def test_wrapper_feeds_strided_views_without_copies():
 
 
 def test_wrapper_counts_copies_when_strides_break_the_rules():
-    r = SA.routing_for_segments(_t2va(), token_aug=0)
+    r = SR.routing_for_segments(_t2va(), token_aug=0)
     heads, hd = 2, 128
     qkv = _qkv(r.seq_len, heads, hd, seed=9, pad_cols=1)      # row stride 769: not a multiple of 8
     assert not SA.stride_rules_hold(qkv[:, : heads * hd].unflatten(1, (heads, hd)).unsqueeze(0))
@@ -210,7 +211,7 @@ def test_step_attention_switches_at_the_schedule_and_reports_it():
         else:
             assert torch.equal(out, SA.reference_kernel(qkv, heads, hd, att.routing))
     assert [k for k, _ in seen] == ["dense", "sparse", "sparse", "sparse"]
-    assert seen[1][1] == SA.routing_for_segments(segs, tau=1.0, token_aug=0)
+    assert seen[1][1] == SR.routing_for_segments(segs, tau=1.0, token_aug=0)
     rep = att.summary()
     assert rep["lossy"] and rep["sparse_steps"] == [1, 2, 3] and rep["dense_steps"] == [0]
     assert rep["calls"] == {"sparse": 3, "dense": 1} and rep["sink_blocks"] == list(att.routing.sink_blocks)
@@ -228,4 +229,4 @@ def test_sparse_backend_check_and_choice():
     assert ok and "LOSSY" in why and "reference" in why
     assert SA.choose_sparse("cpu")[0] == "sparse"
     att = SA.bind_sparse("cpu", torch.float32, 2, 16, dense=lambda qkv: qkv, dense_name="reference")
-    assert att.kernel is SA.reference_kernel and (att.tau, att.token_aug) == (SA.DEFAULT_TAU, SA.DEFAULT_EXTRA_TOKENS)
+    assert att.kernel is SA.reference_kernel and (att.tau, att.token_aug) == (SR.DEFAULT_TAU, SR.DEFAULT_EXTRA_TOKENS)

@@ -8,6 +8,12 @@ call, the device and the plan; otherwise it returns ``fallback(ops)`` called wit
 ``prepare`` (at load, before any CUDA-graph capture) builds the plans and self-tests them against the
 reference GEMM (:mod:`.operands`); its results are cached per device and versions (:mod:`.lt_plans`).
 
+The entry is bound per run: the first call of a kind (its ``Fc2Call``: shape, dtypes, producer, LoRA) in a
+sampling run matches the table and the device once and keeps the entry's plan (or the refusal); the run's
+other calls of that kind check only their operands (``describe_call``) and run it. ``begin_run`` starts the
+next run's binding. A dispatcher exists only where the load plan applies the guarded path (``runtime.load``);
+it takes the plan's settings (cache directory, strict), never the options.
+
 Counters: every call is an attempt; it ends as a success or a fallback (or, in strict mode, an
 error raised as :class:`Fc2LtError`). ``begin_run()``/``end_run()`` bracket one sampling run;
 ``report(required_per_run)`` gives ``{required_per_run, runs, all_passed}`` where required_per_run is
@@ -24,9 +30,9 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from ..options import RuntimeOptions
 from .table import Fc2Entry, Fc2LtError, Fc2Table, PLAN_STAGES, ROLE_FC2, Refusal
-from .guard import Fc2Environment, Fc2Operands, describe_call, env_checks, first_failure, match_call, match_env
+from .guard import (Fc2Call, Fc2Environment, Fc2Operands, describe_call, env_checks, first_failure, match_call,
+                    match_env)
 from .lt_plans import CompatCache, LtPlanLayer, PlanError, PlanLayer
 from .operands import compare_bytes, reference_gemm, synthetic_operands
 
@@ -48,7 +54,7 @@ class Fc2Dispatcher:
 
     Usage (at load, before any CUDA-graph capture)::
 
-        fc2 = Fc2Dispatcher(options)            # table: builtin + cache_dir/fc2_lt/table/*.json
+        fc2 = Fc2Dispatcher(plan.cache_dir, strict=plan.fc2_strict)  # table: builtin + cache_dir/fc2_lt/table/*.json
         fc2.prepare(torch.device("cuda"))       # build plans, cached compatibility, self-test
         fc2.begin_run()
         y = fc2(x_q, w_q, x_scale=xs, w_scale=ws, alpha=gs, m_logical=rows,
@@ -56,15 +62,18 @@ class Fc2Dispatcher:
         counts = fc2.end_run()                  # {"attempts", "successes", "fallbacks", ...}
     """
 
-    def __init__(self, options: RuntimeOptions, *, table: Fc2Table | None = None,
+    def __init__(self, cache_dir: str | Path, *, strict: bool = False, table: Fc2Table | None = None,
                  plan_layer: PlanLayer | None = None, compat: CompatCache | None | bool = True):
-        self.options = options
-        self.table = table if table is not None else Fc2Table.default(options)
-        self.layer: PlanLayer = plan_layer if plan_layer is not None else LtPlanLayer(options)
+        """cache_dir: where the extension builds, tuned entries and compatibility results live (the plan's
+        ``cache_dir``); strict: a refusal raises Fc2LtError instead of falling back (the plan's ``fc2_strict``)."""
+        self.strict = bool(strict)
+        self.table = table if table is not None else Fc2Table.default(cache_dir)
+        self.layer: PlanLayer = plan_layer if plan_layer is not None else LtPlanLayer(cache_dir)
         if compat is True:
-            compat = CompatCache(Path(options.cache_dir).expanduser() / "fc2_lt" / "compat")
+            compat = CompatCache(Path(cache_dir).expanduser() / "fc2_lt" / "compat")
         self.compat: CompatCache | None = compat or None
         self._plans: dict[tuple[str, str], Any] = {}  # (entry fingerprint, device) -> plan | Refusal
+        self._bound: dict[tuple[Fc2Call, str], Any] = {}  # this run: (call, device) -> (entry, plan) | Refusal
         self._current: dict[str, Any] | None = None
         self.total = _new_counts()
         self.runs: list[dict[str, Any]] = []
@@ -75,6 +84,7 @@ class Fc2Dispatcher:
 
     def begin_run(self) -> None:
         self._current = _new_counts()
+        self._bound = {}
 
     def end_run(self) -> dict[str, Any]:
         cur = _freeze_counts(self._current or _new_counts())
@@ -97,12 +107,12 @@ class Fc2Dispatcher:
     def status(self) -> dict[str, Any]:
         """A JSON-safe summary for the run report: switches, entries, prepare results, lifetime counts."""
         return {
-            "enabled": self.options.fc2_lt,
-            "strict": self.options.fc2_lt_strict,
+            "enabled": True,  # a dispatcher exists only where the plan applies the guarded path
+            "strict": self.strict,
             "layer": getattr(self.layer, "name", type(self.layer).__name__),
             # asked only once the layer was needed: for the real layer the first ask may build the extension
             "layer_unavailable": self.layer.unavailable_reason()
-            if self.options.fc2_lt and (self.prepared or self.total["attempts"]) else None,
+            if (self.prepared or self.total["attempts"]) else None,
             "entries": [e.name for e in self.table.entries],
             "table_problems": list(self.table.problems),
             "prepared": self.prepared,
@@ -179,7 +189,7 @@ class Fc2Dispatcher:
         tuner validated against); a mismatch or failure refuses the entry. Results are cached on disk,
         so a passed self-test is not repeated for the same device and versions.
         """
-        out: dict[str, Any] = {"enabled": self.options.fc2_lt, "entries": {}}
+        out: dict[str, Any] = {"enabled": True, "entries": {}}
         self.prepared = out
         try:
             self._prepare(out, device, self_test, reference)
@@ -190,9 +200,6 @@ class Fc2Dispatcher:
 
     def _prepare(self, out: dict[str, Any], device: torch.device | str | None, self_test: bool,
                  reference: Callable[[Fc2Operands, Fc2Entry], torch.Tensor] | None) -> None:
-        if not self.options.fc2_lt:
-            out["reason"] = "disabled (H3_NVFP4_FC2_LT_SPLITK1=0)"
-            return
         why = self.layer.unavailable_reason()
         if why is not None:
             out["reason"] = f"extension: {why}"
@@ -287,7 +294,7 @@ class Fc2Dispatcher:
             self._count("successes")
             return result
         self._note(result)
-        if self.options.fc2_lt_strict and result.code != "disabled":
+        if self.strict:
             self._count("errors", result)
             raise Fc2LtError(result)
         self._count("fallbacks", result)
@@ -295,26 +302,19 @@ class Fc2Dispatcher:
 
     def _try(self, ops: Fc2Operands, *, role: str, out_dtype: torch.dtype, lora_active: bool,
              producer: str | None, out: torch.Tensor | None) -> torch.Tensor | Refusal:
-        if not self.options.fc2_lt:
-            return Refusal("disabled", "the FC2 cuBLASLt path is off (H3_NVFP4_FC2_LT_SPLITK1=0)")
         call = describe_call(ops, role=role, out_dtype=out_dtype, lora_active=lora_active, producer=producer)
         if isinstance(call, Refusal):
             return call
-        hits, refusal = match_call(self.table, call)
-        if refusal is not None:
-            return refusal
-        why = self.layer.unavailable_reason()
-        if why is not None:
-            return Refusal("extension", why)
         device = ops.x.device
-        env = self.layer.environment(device)
-        entry, refusal = match_env(hits, env)
-        if refusal is not None:
-            return refusal
-        assert entry is not None
-        plan = self._plan(entry, env, device)
-        if isinstance(plan, Refusal):
-            return plan
+        key = (call, str(device))
+        bound = self._bound.get(key)
+        if bound is None:
+            bound = self._bind(call, device)
+            if not (isinstance(bound, Refusal) and bound.code == "capture"):  # capture: may be prepared later
+                self._bound[key] = bound
+        if isinstance(bound, Refusal):
+            return bound
+        entry, plan = bound
         if out is None:
             out = torch.empty((call.m_padded, call.n), dtype=torch.bfloat16, device=device)
         elif tuple(out.shape) != (call.m_padded, call.n) or out.dtype != torch.bfloat16:
@@ -326,7 +326,28 @@ class Fc2Dispatcher:
             r = Refusal(e.stage, f"{e.message} [entry {entry.name}]")
             if e.stage == "execute":
                 # a plan that failed to execute once is not retried in this process
-                self._plans[(entry.fingerprint(), str(device))] = Refusal(
-                    "execute", f"{e.message} (failed earlier in this process; plan disabled) [entry {entry.name}]")
+                gone = Refusal("execute", f"{e.message} (failed earlier in this process; plan disabled) "
+                                          f"[entry {entry.name}]")
+                self._plans[(entry.fingerprint(), str(device))] = gone
+                self._bound[key] = gone
             return r
         return out[: call.m_logical]
+
+    def _bind(self, call: Fc2Call, device: torch.device) -> tuple[Fc2Entry, Any] | Refusal:
+        """The entry and plan for ``call`` on ``device`` (the guard against the table, the extension, the device
+        and the plan), or the first refusal: made once per call kind and run (``_try``)."""
+        hits, refusal = match_call(self.table, call)
+        if refusal is not None:
+            return refusal
+        why = self.layer.unavailable_reason()
+        if why is not None:
+            return Refusal("extension", why)
+        env = self.layer.environment(device)
+        entry, refusal = match_env(hits, env)
+        if refusal is not None:
+            return refusal
+        assert entry is not None
+        plan = self._plan(entry, env, device)
+        if isinstance(plan, Refusal):
+            return plan
+        return entry, plan

@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from ..options import RuntimeOptions
 
 EXT_NAME = "h3_fc2_lt"
 SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "fc2_nvfp4_lt.cpp"
@@ -346,7 +345,7 @@ def _locate(include_dirs: Iterable[str] | None, lib_dirs: Iterable[str] | None,
 
 
 def load(
-    options: RuntimeOptions | None = None,
+    cache_dir: str | Path,
     *,
     include_dirs: Iterable[str] | None = None,
     lib_dirs: Iterable[str] | None = None,
@@ -355,10 +354,9 @@ def load(
 ) -> ExtStatus:
     """Build (if needed) and import the extension. Never raises for an environment problem.
 
-    ``options.cache_dir`` holds the builds. Returns the same :class:`ExtStatus` for the same build tag
-    within one process.
+    ``cache_dir`` (the plan's ``cache_dir``) holds the builds under ``ext/<tag>``. Returns the same
+    :class:`ExtStatus` for the same build tag within one process.
     """
-    options = options or RuntimeOptions.from_env()
     t0 = time.perf_counter()
     located = _locate(include_dirs, lib_dirs, t0)
     if isinstance(located, ExtStatus):
@@ -366,7 +364,7 @@ def load(
     paths, tag = located
     if tag in _LOADED and not force:
         return _LOADED[tag]
-    build_dir = Path(options.cache_dir).expanduser() / "ext" / tag
+    build_dir = Path(cache_dir).expanduser() / "ext" / tag
     where = dict(tag=tag, paths=paths)
     earlier = None if force else _earlier_failure(build_dir, t0, **where)
     if earlier is not None:
@@ -400,9 +398,9 @@ def load(
     return status
 
 
-def require(options: RuntimeOptions | None = None, **kw: Any) -> Any:
+def require(cache_dir: str | Path, **kw: Any) -> Any:
     """:func:`load` for callers that cannot continue without the extension (the tuner, benchmarks)."""
-    st = load(options, **kw)
+    st = load(cache_dir, **kw)
     if not st.ok:
         raise ExtensionUnavailable(st.reason or "extension unavailable")
     return st.module

@@ -21,7 +21,6 @@ from typing import Any, Mapping, Protocol
 
 import torch
 
-from ..options import RuntimeOptions
 from . import ext
 from .table import COMPAT_SCHEMA, Fc2Entry
 from .guard import Fc2Environment, Fc2Operands
@@ -79,14 +78,14 @@ class LtPlanLayer:
 
     name = "cublaslt"
 
-    def __init__(self, options: RuntimeOptions, status: Any = None):
-        self.options = options
+    def __init__(self, cache_dir: str | Path, status: Any = None):
+        self.cache_dir = cache_dir
         self._status = status
         self._env: dict[int, Fc2Environment] = {}
 
     def _ext(self):
         if self._status is None:
-            self._status = ext.load(self.options)
+            self._status = ext.load(self.cache_dir)
         return self._status
 
     def unavailable_reason(self) -> str | None:

@@ -10,7 +10,7 @@ SM count, CUDA / cuBLAS header and runtime versions). Entries come from evidence
   cuBLASLt 13.0 runtime; algo 70 / tile 20 / stages 37 / split-K 1 / reduction 0 / swizzle 0 /
   custom 0, zero workspace; for this exact shape only (its evidence: bench/NOTES.md).
 - JSON files written by ``h3-blackwell tune-fc2`` (:mod:`.tune`) under
-  ``RuntimeOptions.cache_dir/fc2_lt/table/`` (``table_dir``) or loaded explicitly.
+  ``cache_dir/fc2_lt/table/`` (``table_dir``; the cache directory of ``RuntimeOptions``) or loaded explicitly.
 
 :class:`Fc2Table` holds them in priority order (``Fc2Table.default``: the built-in entry, then the cache
 directory's files). :class:`Refusal` is the ``code: detail`` reason every refusal in the package carries.
@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from ..options import RuntimeOptions
 from ..ops.nvfp4_producers import SWIGLU_PRODUCER
 
 
@@ -300,15 +299,16 @@ class Fc2Table:
                 log.warning("fc2 table: ignoring %s: %s", p, e)
 
     @classmethod
-    def default(cls, options: RuntimeOptions) -> "Fc2Table":
+    def default(cls, cache_dir: str | Path) -> "Fc2Table":
+        """The built-in entries, then the tuned files under ``table_dir(cache_dir)``."""
         t = cls(BUILTIN_ENTRIES)
-        t.load_dir(table_dir(options))
+        t.load_dir(table_dir(cache_dir))
         return t
 
 
-def table_dir(options: RuntimeOptions) -> Path:
-    """Where tuned entries are picked up automatically."""
-    return Path(options.cache_dir).expanduser() / "fc2_lt" / "table"
+def table_dir(cache_dir: str | Path) -> Path:
+    """Where tuned entries are picked up automatically (``cache_dir``: the plan's ``cache_dir``)."""
+    return Path(cache_dir).expanduser() / "fc2_lt" / "table"
 
 
 # ----------------------------------------------------------------------------------------------

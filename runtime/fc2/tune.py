@@ -37,7 +37,6 @@ import torch
 from . import ext
 from .guard import Fc2Environment
 from .table import AlgoSpec, ENTRY_SCHEMA, Fc2Entry, KINDS, ROLE_FC2, table_dir
-from ..options import RuntimeOptions
 from .operands import DEFAULT_SCALE_MODE, REFERENCE_NAME, compare_bytes, reference_gemm, synthetic_operands
 
 CANONICAL = {"m_logical": 37810, "m_padded": 37824, "n": 5376, "k": 14336}
@@ -421,12 +420,11 @@ def _entry(env: Fc2Environment, bench: _Bench, role: str, winner_info: Mapping[s
     )
 
 
-def _open_bench(*, dtype: str, m_logical: int, m_padded: int, n: int, k: int, options: RuntimeOptions | None,
+def _open_bench(*, dtype: str, m_logical: int, m_padded: int, n: int, k: int, cache_dir: str | Path | None,
                 device: torch.device | str, workspace_limit: int, scale_mode: str | None, module: Any,
                 say: Callable[[str], None]) -> tuple[_Bench, Fc2Environment, dict[str, Any]]:
     """Check the arguments, select the device, load the plan module and build the seed-0 bench.
     Returns (bench, the plans' environment, the module's build info)."""
-    options = options or RuntimeOptions.from_env()
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -434,7 +432,9 @@ def _open_bench(*, dtype: str, m_logical: int, m_padded: int, n: int, k: int, op
         raise TuneError(f"dtype {dtype!r}; expected one of {KINDS}")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    mod = module if module is not None else ext.require(options)
+    if module is None and cache_dir is None:
+        raise TuneError("tune needs cache_dir (where the extension builds) or a plan module")
+    mod = module if module is not None else ext.require(cache_dir)
     info = dict(mod.build_info())
     env = Fc2Environment.from_build_info(info)
     if env.cc is None:
@@ -447,7 +447,7 @@ def _open_bench(*, dtype: str, m_logical: int, m_padded: int, n: int, k: int, op
 
 
 def tune(*, dtype: str, m_logical: int, m_padded: int, n: int, k: int, role: str = ROLE_FC2,
-         options: RuntimeOptions | None = None, device: torch.device | str = "cuda", workspace_limit: int = 0,
+         cache_dir: str | Path | None = None, device: torch.device | str = "cuda", workspace_limit: int = 0,
          scale_mode: str | None = None, producer: str | None = None, max_candidates: int = 300, top: int = 6,
          rounds: int = 20, seeds: int = 3, check_seconds: float = 90.0, run_seconds: float = 120.0,
          heuristic_workspace: int = 32 << 20, command: str | None = None, say: Callable[[str], None] = print,
@@ -461,7 +461,7 @@ def tune(*, dtype: str, m_logical: int, m_padded: int, n: int, k: int, role: str
     with the same Problem/Plan interface.
     """
     t_start = time.perf_counter()
-    bench, env, info = _open_bench(dtype=dtype, m_logical=m_logical, m_padded=m_padded, n=n, k=k, options=options,
+    bench, env, info = _open_bench(dtype=dtype, m_logical=m_logical, m_padded=m_padded, n=n, k=k, cache_dir=cache_dir,
                                    device=device, workspace_limit=workspace_limit, scale_mode=scale_mode,
                                    module=module, say=say)
     heur_plan, heur_ws, heur = _heuristic_baseline(bench, heuristic_workspace)
@@ -546,12 +546,12 @@ def auto_dtype(device: torch.device | str) -> str:
     return "nvfp4" if torch.cuda.get_device_capability(torch.device(device))[0] >= 10 else "bf16"
 
 
-def write_entry(entry: Mapping[str, Any], options: RuntimeOptions, out: str | Path | None = None) -> Path:
+def write_entry(entry: Mapping[str, Any], cache_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write a tuned entry's JSON to ``out`` (default: ``<cache_dir>/fc2_lt/table/<name>.json``, where
     ``Fc2Table.default`` picks it up); returns the path written."""
     if entry.get("schema") != ENTRY_SCHEMA:
         raise TuneError(f"entry schema {entry.get('schema')!r}; expected {ENTRY_SCHEMA!r}")
-    path = Path(out) if out else table_dir(options) / f"{entry['name']}.json"
+    path = Path(out) if out else table_dir(cache_dir) / f"{entry['name']}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(dict(entry), indent=1, default=str))
     return path
@@ -564,7 +564,6 @@ def _child_main(argv: Sequence[str]) -> int:
     if not torch.cuda.is_available():
         print("error: tune-fc2 needs a CUDA device; torch sees none", file=sys.stderr)
         return 2
-    kw["options"] = RuntimeOptions.from_env(cache_dir=kw.pop("cache_dir"))
     res = tune(**kw, say=lambda s: print(s, file=sys.stderr))
     result.write_text(json.dumps(res, indent=1, default=str))
     return 0 if res["entry"] is not None else 1

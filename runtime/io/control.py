@@ -35,7 +35,8 @@ import torch
 
 from ..errors import CheckpointError
 from ..model.control import ControlError, FunControl, block_config, check_fits, check_places
-from ..ops.linear import Nvfp4Linear, Scratch
+from ..ops.gemm_backends import Scratch
+from ..ops.linear import Nvfp4Linear
 from .checkpoint import dequantize_layer
 from .comfy_quant import from_comfy_quant_tensors, parse_comfy_quant_marker, parse_quantization_metadata
 from .finite import check_finite
@@ -397,7 +398,7 @@ def load_control(path, plan, base_config=None) -> FunControl:
 def _linear(cf, layer: str, stored_quant: bool, shape: tuple, plan, scratch) -> Nvfp4Linear:
     """One control block linear as an Nvfp4Linear: its stored NVFP4 tensors adopted, or its dense weight
     (dequantized when stored as fp8 / int8) quantized on the device."""
-    kw = dict(backend=plan.gemm, act_scale=plan.options.act_scale, out_dtype=plan.dtype, scratch=scratch)
+    kw = dict(plan.linear_choices(), scratch=scratch)
     fmt = cf.quant_format(layer) if stored_quant else None
     if fmt is not None and fmt.get("format") == "nvfp4":
         names = [x for x in cf.keys() if x.startswith(layer + ".") and x.count(".") == layer.count(".") + 1]

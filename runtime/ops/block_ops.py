@@ -40,8 +40,8 @@ import torch
 
 from .reference import ReferenceOps
 from . import elementwise, fp8_producers, nvfp4_producers, reference
-from .attention import bind_attention
-from .linear import Nvfp4Linear, Scratch
+from .linear import Nvfp4Linear
+from .producer_tiles import ProducerTiles
 
 LINEARS = (("attn", "qkv_proj"), ("attn", "out_proj"), ("mlp", "fc1"), ("mlp", "fc2"))
 FC2_PRODUCER = nvfp4_producers.SWIGLU_PRODUCER  # the producer that wrote FC2's input (FC2 table entries name it)
@@ -97,9 +97,11 @@ class _QuantizedOps:
 
 class Nvfp4Ops(_QuantizedOps):
     """W4A4: NVFP4 activations from the fused producers; FC2 through the guarded dispatcher (``fc2``, an
-    Fc2Dispatcher, or None for the fallback GEMM) on the SwiGLU producer's bytes. ``amax_reduce``: what every
-    dynamic activation scale of the four linears takes its amax through (``nvfp4_producers.AmaxReduce``; set
-    on a copy by sequence parallelism, runtime.parallel.evaluate); None: the local amax."""
+    Fc2Dispatcher, or None for the fallback GEMM) on the SwiGLU producer's bytes. Each activation's global
+    scale follows its layer's act_scale policy, bound when the layer was built (``Nvfp4Linear.act_global``;
+    ``act_scale`` names that policy for the reports). ``amax_reduce``: what every dynamic activation scale of
+    the four linears takes its amax through (``nvfp4_producers.AmaxReduce``; set on a copy by sequence
+    parallelism, runtime.parallel.evaluate); None: the local amax."""
 
     name = "nvfp4"
     amax_reduce = None
@@ -109,13 +111,9 @@ class Nvfp4Ops(_QuantizedOps):
         self.fc2_dispatcher = fc2
         self.act_scale = act_scale
 
-    def _input_scale(self, lin: Nvfp4Linear):
-        g, _ = nvfp4_producers.activation_global_scale(self.act_scale, lin.input_scale)
-        return g
-
     def _norm_linear(self, lin: Nvfp4Linear, x, norm, shift, scale, segs):
         a = nvfp4_producers.rms_modulate_quantize(x, norm.weight, scale, shift, segs, self.cfg.eps,
-                                                self._input_scale(lin), amax_reduce=self.amax_reduce)
+                                                  lin.act_global(), amax_reduce=self.amax_reduce)
         return lin.forward_quantized(a.packed, a.scales, a.global_scale)
 
     def out_proj(self, i, blk, o):
@@ -128,7 +126,7 @@ class Nvfp4Ops(_QuantizedOps):
         -> the guarded dispatcher, whose fallback runs the layer's GEMM on the same bytes. lora_active: a LoRA
         side path will be added to this fc2's output (the guard then refuses the pinned path)."""
         fc2: Nvfp4Linear = blk.mlp.fc2
-        s_q = nvfp4_producers.swiglu_quantize(h, self._input_scale(fc2), pad_rows=16, amax_reduce=self.amax_reduce)
+        s_q = nvfp4_producers.swiglu_quantize(h, fc2.act_global(), pad_rows=16, amax_reduce=self.amax_reduce)
         rows = s_q.shape[0]
 
         def fallback(ops):
@@ -151,17 +149,20 @@ class Nvfp4Ops(_QuantizedOps):
 class W4A8Ops(_QuantizedOps):
     """W4A8: e4m3 activations, one fp32 scale per row (row amax / 448) from the fused producers; the NVFP4
     weights expanded per layer to rowwise e4m3. silu / fast_accum: the SwiGLU producer's silu ("exact" or
-    "fast") and the GEMMs' fp8 accumulation (RuntimeOptions.precision)."""
+    "fast") and the GEMMs' fp8 accumulation (the plan's precision); tiles: the producers' tile table (the
+    plan's ``tiles``; None: built in)."""
 
     name = "w4a8"
 
-    def __init__(self, cfg, attention, silu: str = "exact", fast_accum: bool = False):
+    def __init__(self, cfg, attention, silu: str = "exact", fast_accum: bool = False,
+                 tiles: ProducerTiles | None = None):
         super().__init__(cfg, attention)
         self.silu = silu
         self.fast_accum = fast_accum
+        self.tiles = tiles
 
     def _norm_linear(self, lin: Nvfp4Linear, x, norm, shift, scale, segs):
-        a8, ra = fp8_producers.rms_modulate_fp8(x, norm.weight, scale, shift, segs, self.cfg.eps)
+        a8, ra = fp8_producers.rms_modulate_fp8(x, norm.weight, scale, shift, segs, self.cfg.eps, tiles=self.tiles)
         return lin.forward_fp8(a8, ra, fast_accum=self.fast_accum)
 
     def out_proj(self, i, blk, o):
@@ -169,12 +170,12 @@ class W4A8Ops(_QuantizedOps):
         lin: Nvfp4Linear = blk.attn.out_proj
         if lin.pre_quant_scale is not None:
             o = o * lin.pre_quant_scale.to(o.dtype)
-        o8, ro = fp8_producers.quantize_fp8(o if o.stride(-1) == 1 else o.contiguous())
+        o8, ro = fp8_producers.quantize_fp8(o if o.stride(-1) == 1 else o.contiguous(), tiles=self.tiles)
         return lin.forward_fp8(o8, ro, fast_accum=self.fast_accum)
 
     def fc2(self, i, blk, h, lora_active: bool = False):
         """silu(gate) * up -> e4m3 rows -> the layer's GEMM (no dispatcher, so lora_active has nothing to refuse)."""
-        s8, rs = fp8_producers.swiglu_fp8(h, silu=self.silu)
+        s8, rs = fp8_producers.swiglu_fp8(h, silu=self.silu, tiles=self.tiles)
         self.fc2_direct_calls += 1
         return blk.mlp.fc2.forward_fp8(s8, rs, fast_accum=self.fast_accum)
 
@@ -184,18 +185,15 @@ class W4A8Ops(_QuantizedOps):
                           "Nvfp4Linear.forward_fp8 directly and the dispatcher is not called (no attempts)"}
 
 
-def build_ops(plan, fc2=None, attention=None):
-    """The BlockOps for a load plan (runtime.plan.LoadPlan): reference for dense linears, else NVFP4 or W4A8
-    by the plan's activation format; attention bound once for the plan's backend and V handling, or the
-    given bound ``attention`` (the sparse backend, runtime.ops.sparse_attention.bind_sparse)."""
+def build_ops(plan, attention, fc2=None):
+    """The BlockOps for a load plan (runtime.plan.LoadPlan): reference for dense linears, else NVFP4 or W4A8 by
+    the plan's activation format, with the plan's settings. ``attention``: the function the load bound for the
+    plan's attention choice (``ops.registry.bind``; the sparse backend's step-aware one included); the dense
+    reference ops keep their exact attention when the plan chose the reference backend. ``fc2``: the prepared
+    FC2 dispatcher, where the plan applies it."""
     cfg = plan.config
-    attn = attention if attention is not None else bind_attention(plan.attention, cfg.num_heads, cfg.head_dim,
-                                                                   v_handling=plan.v_handling)
     if plan.act_format == "dense":
-        return ReferenceOps(cfg, None if plan.attention == "reference" else attn)
+        return ReferenceOps(cfg, None if plan.attention == "reference" else attention)
     if plan.act_format == "fp8":
-        o = plan.options
-        return W4A8Ops(cfg, attn, silu=o.silu, fast_accum=o.fp8_fast_accum)
-    return Nvfp4Ops(cfg, attn, fc2=fc2, act_scale=plan.options.act_scale)
-
-
+        return W4A8Ops(cfg, attention, silu=plan.silu, fast_accum=plan.fp8_fast_accum, tiles=plan.tiles)
+    return Nvfp4Ops(cfg, attention, fc2=fc2, act_scale=plan.act_scale)

@@ -37,7 +37,8 @@ Scheme (one launch, input read once from HBM): a program owns BM whole rows.
 
 ``auto`` picks ``row`` on CUDA for row widths up to 16384 (every canonical width) and ``loop`` elsewhere and
 on the CPU (the choice and its measurements: bench/NOTES.md, ``bench/producers_h200.py``). A tile table
-(``set_tile_table``; RuntimeOptions.producer_tiles) overrides the built-in choice. Every scheme and tiling writes identical bytes (tests check several).
+(``tiles``: a ``ProducerTiles`` the load plan read from ``producer_tiles``) overrides the built-in choice. Every
+scheme and tiling writes identical bytes (tests check several).
 
 Every step is one correctly rounded IEEE operation (``tl.div_rn`` where it divides, no FMA contraction: launches pass
 ``enable_fp_fusion=False``), so kernel, interpreter and torch reference agree bit for bit. The kernels
@@ -57,6 +58,7 @@ from .operand_checks import check_2d, check_norm_inputs
 from .nvfp4 import E4M3_MAX
 from .reference import (FP32_MIN_NORMAL, const_like, quantize_fp8_reference, rms_modulate_fp8_reference,
                         swiglu_fp8_reference)
+from .producer_tiles import ProducerTiles
 from .triton import MISSING as TRITON_MISSING
 
 if TRITON_MISSING is None:  # the kernels, loaded once; without triton the references run
@@ -82,38 +84,18 @@ def _check_scheme(scheme: str) -> None:
         raise ValueError(f"scheme={scheme!r}: expected one of {', '.join(SCHEMES)}")
 
 
-# A tile table (written by bench/producers_h200.py --tiles-out; RuntimeOptions.producer_tiles): consulted for
-# scheme="auto" on CUDA. Tiles change speed only: every configuration writes the same bytes (the tests run
-# both schemes, the bench checks each configuration it times against the reference).
-_TABLE: dict = {}
-TILE_OPS = ("quantize", "rms", "swiglu", "swiglu_fast")
+# A tile table (ops.producer_tiles.ProducerTiles, read by the load plan and passed as ``tiles``): consulted for
+# scheme="auto" on CUDA, for the ops in producer_tiles.FP8_OPS. Tiles change speed only: every configuration writes
+# the same bytes (the tests run both schemes, the bench checks each configuration it times against the reference).
 
 
-def set_tile_table(table) -> dict:
-    """Install a tile table ``{op: [scheme, BM, BK, num_warps]}`` for op in TILE_OPS (other keys, e.g.
-    ``to_fp8_rowwise`` or ``device``, are left to their owners); {} or None restores the built-in tiles.
-    Returns the entries installed. Raises ValueError naming the bad entry."""
-    new = {}
-    for op, v in dict(table or {}).items():
-        if op not in TILE_OPS:
-            continue
-        ok = (isinstance(v, (list, tuple)) and len(v) == 4 and v[0] in ("loop", "row")
-              and all(isinstance(n, int) and n > 0 and n & (n - 1) == 0 for n in v[1:]))
-        if not ok:
-            raise ValueError(f"tile table entry {op}={v!r}: expected [scheme (loop|row), BM, BK, num_warps] "
-                             "with powers of two")
-        new[op] = tuple(v)
-    _TABLE.clear()
-    _TABLE.update(new)
-    return dict(new)
-
-
-def _tiles(op: str, k: int, device: torch.device, scheme: str) -> tuple[str, int, int, int, int]:
-    """-> (scheme, BM, BK, NKT, num_warps) for op in TILE_OPS and row width k."""
+def _tiles(op: str, k: int, device: torch.device, scheme: str, tiles: ProducerTiles | None
+           ) -> tuple[str, int, int, int, int]:
+    """-> (scheme, BM, BK, NKT, num_warps) for op in FP8_OPS and row width k (``tiles``: a measured table)."""
     _check_scheme(scheme)
     cuda = device.type == "cuda"
-    if scheme == "auto" and cuda and op in _TABLE:
-        sch, bm, bk, nw = _TABLE[op]
+    if scheme == "auto" and cuda and tiles is not None and op in tiles.fp8:
+        sch, bm, bk, nw = tiles.fp8[op]
         if sch == "row":
             bk = max(bk, _pow2(k))  # a row tile holds the whole row
         return sch, bm, bk, 1 if sch == "row" else cdiv(k, bk), nw
@@ -142,9 +124,9 @@ def _outputs(s: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
             torch.empty(s, dtype=torch.float32, device=device))
 
 
-def quantize_fp8(x: torch.Tensor, *, backend: str = "auto", scheme: str = "auto"
+def quantize_fp8(x: torch.Tensor, *, backend: str = "auto", scheme: str = "auto", tiles: ProducerTiles | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [S, K] float -> (float8_e4m3fn [S, K], fp32 row_scale [S]), one launch."""
+    """x [S, K] float -> (float8_e4m3fn [S, K], fp32 row_scale [S]), one launch (``tiles``: a measured table)."""
     _check_scheme(scheme)
     check_2d(x, "x")
     s, k = x.shape
@@ -155,7 +137,7 @@ def quantize_fp8(x: torch.Tensor, *, backend: str = "auto", scheme: str = "auto"
     out, rs = _outputs(s, k, x.device)
     if s == 0:
         return out, rs
-    _, bm, bk, nkt, nw = _tiles("quantize", k, x.device, scheme)
+    _, bm, bk, nkt, nw = _tiles("quantize", k, x.device, scheme, tiles)
     _launch(fp8_kernels.quantize_fp8_kernel, (cdiv(s, bm),), x.device, x, out.view(torch.uint8), rs, s, k, x.stride(0),
             out.stride(0), X_KIND=DTYPE_CODE[x.dtype], BM=bm, BK=bk, NKT=nkt, num_warps=nw)
     return out, rs
@@ -185,14 +167,13 @@ def _padded_outputs(s: int, k: int, device, pad_rows: int) -> tuple[torch.Tensor
 
 def rms_modulate_fp8(x: torch.Tensor, weight: torch.Tensor | None, scale_rows: torch.Tensor,
                      shift_rows: torch.Tensor, segments: Sequence[Sequence[int]], eps: float, *,
-                     backend: str = "auto", scheme: str = "auto", pad_rows: int = 1
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     backend: str = "auto", scheme: str = "auto", pad_rows: int = 1,
+                     tiles: ProducerTiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm(x) * weight -> per-segment modulate -> e4m3 rowwise, in one kernel launch.
 
     Arguments as ``nvfp4_producers.rms_modulate_quantize`` (segments: (start, stop, row) triples tiling
     [0, S) in order). Output equals ``fp8_rowwise_reference(rms_modulate_reference(...))`` bit for bit.
-    ``pad_rows`` > 1: outputs of ``roundup(S, pad_rows)`` rows, zero codes and row scale 1.0 past S (the
-    zero-tailed qkv buffer of ``RuntimeOptions.sage_v_pad="buffer"``).
+    ``pad_rows`` > 1: outputs of ``roundup(S, pad_rows)`` rows, zero codes and row scale 1.0 past S.
     """
     _check_scheme(scheme)
     segs = check_norm_inputs(x, weight, scale_rows, shift_rows, segments)
@@ -207,7 +188,7 @@ def rms_modulate_fp8(x: torch.Tensor, weight: torch.Tensor | None, scale_rows: t
     out, rs = _outputs(s, k, x.device) if pad_rows <= 1 else _padded_outputs(s, k, x.device, pad_rows)
     if s == 0:
         return out, rs
-    _, bm, bk, nkt, nw = _tiles("rms", k, x.device, scheme)
+    _, bm, bk, nkt, nw = _tiles("rms", k, x.device, scheme, tiles)
     nseg = 1 << (len(segs) - 1).bit_length()  # a power of two: few recompiles as layouts change
     seg = padded_segment_table(segs, nseg, x.device)
     eps_t = const_like(eps, x, torch.float64)
@@ -222,8 +203,8 @@ def rms_modulate_fp8(x: torch.Tensor, weight: torch.Tensor | None, scale_rows: t
 SILU = ("exact", "fast")
 
 
-def swiglu_fp8(h: torch.Tensor, *, backend: str = "auto", scheme: str = "auto", silu: str = "exact"
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def swiglu_fp8(h: torch.Tensor, *, backend: str = "auto", scheme: str = "auto", silu: str = "exact",
+               tiles: ProducerTiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """h [S, 2F] = [gate | up] (fc1's output) -> e4m3 rowwise of silu(gate) * up, [S, F], one launch.
     Output equals ``fp8_rowwise_reference(swiglu_reference(h))`` bit for bit. ``silu="fast"`` (Triton only;
     RuntimeOptions.silu): silu with the hardware exp2 and an approximate division, a few fp32 ulp from the
@@ -241,15 +222,15 @@ def swiglu_fp8(h: torch.Tensor, *, backend: str = "auto", scheme: str = "auto", 
     out, rs = _outputs(s, f, h.device)
     if s == 0:
         return out, rs
-    _, bm, bk, nkt, nw = _tiles("swiglu_fast" if silu == "fast" and "swiglu_fast" in _TABLE else "swiglu", f,
-                                h.device, scheme)
+    fast_entry = silu == "fast" and tiles is not None and "swiglu_fast" in tiles.fp8
+    _, bm, bk, nkt, nw = _tiles("swiglu_fast" if fast_entry else "swiglu", f, h.device, scheme, tiles)
     _launch(fp8_kernels.swiglu_fp8_kernel, (cdiv(s, bm),), h.device, h, out.view(torch.uint8), rs, s, f, h.stride(0),
             out.stride(0), H_KIND=DTYPE_CODE[h.dtype], BM=bm, BK=bk, NKT=nkt, FAST=silu == "fast", num_warps=nw)
     return out, rs
 
 
 # ----------------------------------------------------------------------------------------------
-# V for SageAttention2's sm_90 kernel (sage_v_pad="fused")
+# V for SageAttention2's sm_90 kernel (the fused V handling, ops.sage)
 # ----------------------------------------------------------------------------------------------
 
 SAGE_V_PERM = (0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15)  # token order within each 16 (fp8 PV MMA)

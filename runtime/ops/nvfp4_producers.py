@@ -76,29 +76,12 @@ def _launch(kernel, grid, *args, **kw):
     kernel[grid](*args, enable_fp_fusion=False, **kw)
 
 
-_FP8_TILES: list = []  # [(BM, BK, num_warps)] from a tile table entry (set_fp8_tiles), else empty
-
-
-def set_fp8_tiles(entry) -> tuple | None:
-    """``to_fp8_rowwise``'s CUDA tiles from a tile table entry [BM, BK, num_warps] (powers of two, BK >= 64);
-    None restores the built-in ones. Tiles change speed only, never the bytes."""
-    _FP8_TILES.clear()
-    if entry is None:
-        return None
-    ok = (isinstance(entry, (list, tuple)) and len(entry) == 3
-          and all(isinstance(n, int) and n > 0 and n & (n - 1) == 0 for n in entry) and entry[1] >= 64)
-    if not ok:
-        raise ValueError(f"tile table entry to_fp8_rowwise={entry!r}: expected [BM, BK, num_warps], powers of "
-                         "two, BK >= 64")
-    _FP8_TILES.append(tuple(entry))
-    return tuple(entry)
-
-
-def _tiles(device: torch.device) -> dict:
-    """Tile sizes (any BM dividing 128 and BK a multiple of 64 give the same bytes)."""
+def _tiles(device: torch.device, fp8: tuple | None = None) -> dict:
+    """Tile sizes (any BM dividing 128 and BK a multiple of 64 give the same bytes); ``fp8``: to_fp8_rowwise's
+    (BM, BK, num_warps) from a measured table (ops.producer_tiles), else the built-in ones."""
     if device.type == "cuda":
         return dict(q=(32, 256, 4), norm=(16, 256, 8), glu=(32, 256, 4), deq=(32, 256, 4),
-                    fp8=_FP8_TILES[0] if _FP8_TILES else (32, 256, 8),  # the four weights: least total time
+                    fp8=fp8 or (32, 256, 8),  # the four weights: least total time
                     gemm=(128, 128, 64, 8, 8, 3))
     return dict(q=(32, 64, 1), norm=(32, 64, 1), glu=(32, 64, 1), deq=(32, 64, 1), fp8=(32, 64, 1),
                 gemm=(16, 16, 32, 4, 1, 1))
@@ -197,7 +180,7 @@ def rms_modulate_quantize(x: torch.Tensor, weight: torch.Tensor | None, scale_ro
     scale_msa / shift_msa rows for every (t, modality) row); segments: (start, stop, row) triples that
     tile [0, S) in order. Output bytes equal ``nvfp4.quantize(rms_modulate_reference(...), g, pad_rows=pad_rows)``:
     ``pad_rows=128`` gives packed ``[roundup(S, 128), K/2]`` with zero rows, so a GEMM on it writes zero rows
-    past S (the zero-tailed qkv buffer of ``RuntimeOptions.sage_v_pad="buffer"``).
+    past S.
     """
     segs = check_norm_inputs(x, weight, scale_rows, shift_rows, segments)
     if pick_backend(backend, x.device) == "reference":
@@ -292,10 +275,11 @@ def dequantize_bf16(t: nvfp4.NVFP4Tensor, multiplier: torch.Tensor | None = None
     return view
 
 
-def to_fp8_rowwise(t: nvfp4.NVFP4Tensor, *, out: torch.Tensor | None = None, backend: str = "auto"
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def to_fp8_rowwise(t: nvfp4.NVFP4Tensor, *, out: torch.Tensor | None = None, backend: str = "auto",
+                   tiles: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """NVFP4 [N, K] -> (float8_e4m3fn [N, K] in ``out`` (reusable scratch), fp32 row scales [N]); see
-    ``to_fp8_rowwise_reference`` for the arithmetic."""
+    ``to_fp8_rowwise_reference`` for the arithmetic. ``tiles``: (BM, BK, num_warps) from a measured table
+    (``ProducerTiles.to_fp8_rowwise``), None for the built-in ones."""
     n, k = t.shape
     view = _scratch_view(out, n, k, torch.float8_e4m3fn, t.device)
     if pick_backend(backend, t.device) == "reference":
@@ -303,7 +287,7 @@ def to_fp8_rowwise(t: nvfp4.NVFP4Tensor, *, out: torch.Tensor | None = None, bac
         view.copy_(q)
         return view, ra
     ra = torch.empty(n, dtype=torch.float32, device=t.device)
-    bm, bk, nw = _tiles(t.device)["fp8"]
+    bm, bk, nw = _tiles(t.device, tiles)["fp8"]
     _launch(nvfp4_kernels.fp8_rowwise_kernel, (cdiv(n, bm),), t.packed, t.scales.view(torch.uint8), view.view(torch.uint8),
             ra, n, k, t.k_padded, t.scales.shape[1], t.packed.stride(0), view.stride(0), BM=bm, BK=bk,
             NKT=cdiv(t.k_padded, bk), HW=hw_cvt(t.device), num_warps=nw)

@@ -1,14 +1,18 @@
-"""The backend registry: for each op, its backends in preference order, each with a capability check and the
-reference it is tested against.
+"""The backend registry: for each op, its backends in preference order, each with a capability check, the
+reference it is tested against and the binder that turns its name into the callable that runs.
 
-Shape (after comfy-kitchen's registry): ``Backend(op, name, check, reference)``. ``check(device, **kw)`` ->
-``(available, reason)`` never raises. ``resolve(op, device, requested)`` picks the backend once, at load:
-``auto`` takes the first available one in preference order; an explicit request that cannot run falls back
-to ``auto`` with ``"requested <name> unavailable: <why>"`` (never a silent swap). ``capability_table``
-is what the load plan records (every report's ``capabilities``) and what the tests loop over.
+Shape (after comfy-kitchen's registry): ``Backend(op, name, check, reference, bind)``. ``check(device, **kw)`` ->
+``(available, reason)`` never raises. ``resolve(op, device, requested)`` picks the backend once, at load (the
+load plan calls it): ``auto`` takes the first available one in preference order; an explicit request that
+cannot run falls back to ``auto`` with ``"requested <name> unavailable: <why>"`` (never a silent swap).
+``bind(op, name, **kw)`` turns the plan's choice into its callable, once: the attention function
+``fn(qkv [S, 3*H*D]) -> [S, H*D]`` the block ops, sequence parallelism, the load-time probe, the tests and the
+benches all call; the GEMM product ``fn(a, w, out_dtype, scratch)`` each NVFP4 layer keeps. Nothing is resolved
+per call. ``capability_table`` is what the load plan records (every report's ``capabilities``) and what the
+tests loop over.
 
-The checks and the choosers themselves live beside their kernels (``ops.attention``, ``ops.linear``); this
-module is the one table that names them.
+The checks, choosers and binders live beside their kernels (``ops.attention``, ``ops.sage``,
+``ops.sparse_attention``, ``ops.gemm_backends``); this module is the one table that names them.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from . import attention, linear, sparse_attention
+from . import attention, gemm_backends, sage, sparse_attention
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,7 @@ class Backend:
     name: str
     check: Callable[..., tuple[bool, str]]
     reference: str  # the backend this one is tested against ("" for the reference itself)
+    bind: Callable[..., Callable]  # keyword arguments of the op (see bind) -> the callable that runs
 
 
 def _attention_check(name: str):
@@ -39,24 +44,45 @@ def _attention_check(name: str):
     return check
 
 
+def _attention_bind(name: str):
+    def bind(*, head_dim: int, device=None, v_handling: str = "none", **_):
+        return attention.bind_attention(name, head_dim, device=device, v_handling=v_handling)
+    return bind
+
+
+def _sparse_bind(*, head_dim: int, device, dtype, heads: int, dense, dense_name: str, settings: dict, **_):
+    """The sparse backend: its kernel plus the bound ``dense`` function for the dense steps; ``settings``:
+    tau, extra_tokens, start_percent, min_tokens (the plan's ``sparse_settings``)."""
+    return sparse_attention.bind_sparse(device, dtype, heads, head_dim, dense, dense_name, **settings)
+
+
 def _gemm_check(name: str):
     def check(device: torch.device, **_):
-        for c in linear.gemm_capability_table(device):
+        for c in gemm_backends.gemm_capability_table(device):
             if c.backend == name:
                 return c.available, c.reason
         return False, f"{name}: unknown"
     return check
 
 
+def _gemm_bind(name: str):
+    def bind(*, fp8_tiles: tuple | None = None, **_):
+        return gemm_backends.bind_gemm(name, fp8_tiles=fp8_tiles)
+    return bind
+
+
 REGISTRY: dict[str, list[Backend]] = {
-    "attention": [Backend("attention", n, _attention_check(n), "" if n == "reference" else "reference")
+    "attention": [Backend("attention", n, _attention_check(n), "" if n == "reference" else "reference",
+                          _attention_bind(n))
                   for n in ("sage2", "sdpa_cudnn", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_math", "sage1",
                             "reference")]
                  # LOSSY, never picked by auto; tested against the fp32 reference of the same sparse algorithm
-                 + [Backend("attention", "sparse", sparse_attention.sparse_check, "sol_attention_reference")],
-    "gemm": [Backend("gemm", n, _gemm_check(n), "" if n == "reference" else "reference")
+                 + [Backend("attention", "sparse", sparse_attention.sparse_check, "sol_attention_reference",
+                            _sparse_bind)],
+    "gemm": [Backend("gemm", n, _gemm_check(n), "" if n == "reference" else "reference", _gemm_bind(n))
              for n in ("native", "fp8", "bf16", "emulated", "reference")],
 }
+_BY_NAME = {(b.op, b.name): b for backends in REGISTRY.values() for b in backends}
 
 
 def _choose_attention(device, requested, head_dim=128, dtype=torch.bfloat16, **_):
@@ -65,8 +91,8 @@ def _choose_attention(device, requested, head_dim=128, dtype=torch.bfloat16, **_
     return attention.choose_attention_backend(device, requested, head_dim=head_dim)
 
 
-def _choose_gemm(device, requested, **_):
-    return linear.choose_gemm_backend(device, requested)
+def _choose_gemm(device, requested, k_dims=(), **_):
+    return gemm_backends.choose_gemm_backend(device, requested, k_dims=k_dims)
 
 
 def _choose_v_handling(device, attention_backend, head_dim=128, **_):
@@ -74,17 +100,28 @@ def _choose_v_handling(device, attention_backend, head_dim=128, **_):
     wrapper; nothing to choose for other attention backends."""
     if attention_backend != "sage2":
         return "none", f"no effect: attention runs {attention_backend} (it acts on Sage2's sm_90 kernel)"
-    return attention.sage_v_pad_status("fused", device, head_dim)
+    return sage.v_handling_status("fused", device, head_dim)
 
 
 _CHOOSERS = {"attention": _choose_attention, "gemm": _choose_gemm, "v_handling": _choose_v_handling}
 
 
 def resolve(op: str, device: torch.device | str, requested: str = "auto", **kw) -> tuple[str, str]:
-    """(backend, reason) for ``op`` on ``device`` (module docstring). Made once per load."""
+    """(backend, reason) for ``op`` on ``device`` (module docstring). Made once per load, by the plan."""
     if op not in _CHOOSERS:
         raise ValueError(f"op {op!r}: expected one of {', '.join(_CHOOSERS)}")
     return _CHOOSERS[op](torch.device(device), requested, **kw)
+
+
+def bind(op: str, name: str, **kw) -> Callable:
+    """The callable of backend ``name`` of ``op`` (a name the plan resolved; module docstring). attention:
+    ``head_dim``, ``device``, ``v_handling`` (sparse: also ``dtype``, ``heads``, ``dense``, ``dense_name``,
+    ``settings``); gemm: ``fp8_tiles``."""
+    b = _BY_NAME.get((op, name))
+    if b is None:
+        names = [x.name for x in REGISTRY.get(op, [])]
+        raise ValueError(f"{op} backend {name!r}: expected one of {', '.join(names) or '(no such op)'}")
+    return b.bind(**kw)
 
 
 def capability_table(device: torch.device | str, *, probe: bool = False, head_dim: int = 128) -> dict:

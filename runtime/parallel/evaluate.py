@@ -28,7 +28,6 @@ from typing import Callable
 import torch
 
 from ..ops.reference import ReferenceOps, exact_attention
-from ..ops.attention import bind_attention
 from .amax import AmaxAllReduce
 from .group import ParallelContext
 from .shard import RowShard
@@ -57,19 +56,17 @@ def numerics(ops) -> str:
     return "row-local: each rank runs the single-device per-row and per-head math on its rows and heads"
 
 
-def make_inner(backend: str | None, v_handling: str = "none") -> Callable[..., torch.Tensor]:
+def make_inner(attention: Callable[[torch.Tensor], torch.Tensor] | None) -> Callable[..., torch.Tensor]:
     """The single-device attention as ``inner(qkv, heads, head_dim, seq_len)`` for the Ulysses wrapper: the
-    load plan's backend bound once per local head count, or exact attention (``backend`` None: the reference
-    block ops), so every head is computed as the single-process run computes it."""
-    bound: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
+    function the load bound for the plan's backend (``H3Runtime.attention``; it takes any head count, so it runs
+    this rank's heads as it runs all of them on one device), or exact attention (``attention`` None: the
+    reference block ops), so every head is computed as the single-process run computes it."""
 
     def inner(qkv: torch.Tensor, heads: int, head_dim: int, seq_len: int) -> torch.Tensor:
         qkv = qkv[:seq_len]
-        if backend is None:
+        if attention is None:
             return exact_attention(*qkv.view(seq_len, 3, heads, head_dim).unbind(1))
-        if heads not in bound:
-            bound[heads] = bind_attention(backend, heads, head_dim, v_handling=v_handling)
-        return bound[heads](qkv)
+        return attention(qkv)
 
     return inner
 
@@ -86,16 +83,17 @@ class ShardedEvaluator:
     """``evaluate(plan, i, video, audio)`` with the same contract as ``H3Model.evaluate`` (negated velocity,
     fp32, whole latents), computed over the ranks of ``ctx``. Bound to one plan; ``stats`` holds the
     all-to-all time and bytes of the run, ``amax_stats`` the amax all-reduces' (none in a world of one, whose
-    ops stay the plain path's)."""
+    ops stay the plain path's). ``attention``: the load's bound attention (``H3Runtime.attention``), None for
+    exact attention; ``inner`` replaces both (tests)."""
 
     def __init__(self, ctx: ParallelContext, model, plan, ops=None, inner: Callable[..., torch.Tensor] | None = None,
-                 attention_backend: str | None = None, v_handling: str = "none"):
+                 attention: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.ctx, self.model, self.plan = ctx, model, plan
         self.shard = RowShard(plan.layout.seq_len, ctx.world_size, ctx.rank)
         self.local = local_plan(plan, self.shard)
         self.stats, self.amax_stats = CommStats(), CommStats()
         ops = ops if ops is not None else ReferenceOps(model.cfg)
-        inner = inner or make_inner(attention_backend, v_handling)
+        inner = inner or make_inner(attention)
         self.attention = UlyssesAttention(self.shard, inner, ctx.group, self.stats)
         reduce = AmaxAllReduce(ctx.group, self.amax_stats) if ctx.world_size > 1 else None
         self.ops = sharded_ops(ops, lambda qkv: self.attention(qkv, model.cfg.num_heads, model.cfg.head_dim), reduce)

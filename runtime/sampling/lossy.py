@@ -32,7 +32,7 @@ class LossyRun:
     def for_call(cls, rt, sparse_tau: Optional[float], first_block_cache: Optional[float],
                  parallel) -> Optional["LossyRun"]:
         """The context of one sample call, or None when no lossy option is on."""
-        threshold = rt.options.first_block_cache if first_block_cache is None else first_block_cache
+        threshold = rt.plan.first_block_cache if first_block_cache is None else first_block_cache
         if sparse_tau is not None and rt.sparse is None:
             raise H3Error(f"sparse_tau={sparse_tau} was given but the model was loaded with attention="
                           f"{rt.plan.attention}; load it with attention=sparse (or drop sparse_tau)")

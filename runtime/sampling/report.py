@@ -161,7 +161,7 @@ def build_report(rt, workload: dict, measured: list, warmup_runs: int, video: to
     if fc2_status:
         fc2.update(fc2_status)
     fc2["consistent_with_configuration"], fc2["expected"] = fc2_consistency(fc2, fc2_required, runs_fc2)
-    config = rt.options.as_env()
+    config = rt.plan.configuration()
     config.update({f"backend_{k}": v["choice"] for k, v in rt.backends.items()})
     config["dtype"] = str(rt.dtype).replace("torch.", "")
     return {

@@ -141,9 +141,8 @@ def _measure(run_args: tuple, warmup: int, runs: int, parallel, preview=None, in
     the ``sequence_parallel`` report block or None). With ``parallel`` every run goes through one
     ShardedEvaluator; each rank's numbers are gathered once, after the last run."""
     rt, plan, sigmas = run_args[:3]
-    exact = rt.ops.attends_exactly and rt.plan.attention == "reference"
-    ev = ShardedEvaluator(parallel, rt.model, plan, rt.ops, attention_backend=None if exact else rt.plan.attention,
-                          v_handling=rt.plan.v_handling) if parallel is not None else None
+    ev = ShardedEvaluator(parallel, rt.model, plan, rt.ops, attention=None if rt.ops.attends_exactly else rt.attention
+                          ) if parallel is not None else None
     steps = len(sigmas) - 1
     out, records, rank_runs = None, [], []
     for r in range(warmup + runs):

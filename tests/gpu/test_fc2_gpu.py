@@ -42,7 +42,7 @@ def options(cache):
 
 @pytest.fixture(scope="module")
 def extst(options):
-    st = ext.load(options)
+    st = ext.load(options.cache_dir)
     assert st.ok, st.reason
     return st
 
@@ -77,7 +77,8 @@ def test_fp4_algo_ids_do_not_filter_by_device(extst):
                     reason="on GB10 the canonical entry may legitimately be accepted")
 def test_canonical_nvfp4_entry_is_refused_with_its_reason(options, extst):
     dev = torch.device("cuda")
-    d = Fc2Dispatcher(options, table=Fc2Table([GB10_CANONICAL]), plan_layer=LtPlanLayer(options, extst))
+    d = Fc2Dispatcher(options.cache_dir, table=Fc2Table([GB10_CANONICAL]),
+                      plan_layer=LtPlanLayer(options.cache_dir, extst))
     prep = d.prepare(dev, self_test=False)
     assert prep["entries"][GB10_CANONICAL.name]["status"] == "not this device"
     x = torch.empty((37824, 7168), dtype=torch.uint8, device=dev)
@@ -92,8 +93,8 @@ def test_canonical_nvfp4_entry_is_refused_with_its_reason(options, extst):
     cc = _cc()
     expected = "cc" if cc != (12, 1) else "sm_count"
     assert reason.startswith(f"{expected}: device is sm_{cc[0]}{cc[1]}"), reason
-    strict = Fc2Dispatcher(RuntimeOptions(cache_dir=options.cache_dir, fc2_lt_strict=True),
-                           table=Fc2Table([GB10_CANONICAL]), plan_layer=LtPlanLayer(options, extst))
+    strict = Fc2Dispatcher(options.cache_dir, strict=True, table=Fc2Table([GB10_CANONICAL]),
+                           plan_layer=LtPlanLayer(options.cache_dir, extst))
     with pytest.raises(Fc2LtError):
         strict(x, w, m_logical=37810, producer=PRODUCER_SWIGLU_NVFP4, fallback=lambda ops: None)
 
@@ -138,7 +139,7 @@ def test_tuned_entry_dispatches_byte_identical_to_the_reference(options, extst, 
     assert entry.algo.splitk == 1 and entry.algo.reduction == 0
     assert ev["sweep"]["legal"] > 0 and ev["timing"]["rounds"] == 3
     dev = torch.device("cuda")
-    d = Fc2Dispatcher(options, table=Fc2Table([GB10_CANONICAL, entry]), plan_layer=LtPlanLayer(options, extst))
+    d = Fc2Dispatcher(options.cache_dir, table=Fc2Table([GB10_CANONICAL, entry]), plan_layer=LtPlanLayer(options.cache_dir, extst))
     prep = d.prepare(dev)  # builds the plan and self-tests it against torch's GEMM
     assert prep["entries"][entry.name]["status"] == "ready", prep["entries"][entry.name]
     assert prep["entries"][entry.name]["self_test"]["passed"]
@@ -163,7 +164,7 @@ def test_check_failure_on_gpu_falls_back_and_is_counted(options, extst):
                    cublas_header=(info["cublas_header"] // 10000, info["cublas_header"] % 10000 // 100),
                    cuda_runtime=info["cuda_runtime"], cublaslt_runtime=info["cublaslt_runtime"], dtype="bf16",
                    out_dtype="bf16", algo=AlgoSpec(id=0, tile=9999, stages=9999), **SMALL)
-    d = Fc2Dispatcher(options, table=Fc2Table([bad]), plan_layer=LtPlanLayer(options, extst), compat=False)
+    d = Fc2Dispatcher(options.cache_dir, table=Fc2Table([bad]), plan_layer=LtPlanLayer(options.cache_dir, extst), compat=False)
     ops = synthetic_operands("bf16", device=dev, seed=5, **SMALL)
     d.begin_run()
     for _ in range(2):
@@ -178,7 +179,7 @@ def test_check_failure_on_gpu_falls_back_and_is_counted(options, extst):
 def test_dispatch_inside_a_cuda_graph_after_prepare(options, extst):
     entry, _ = _tuned(options, "bf16")
     dev = torch.device("cuda")
-    d = Fc2Dispatcher(options, table=Fc2Table([entry]), plan_layer=LtPlanLayer(options, extst))
+    d = Fc2Dispatcher(options.cache_dir, table=Fc2Table([entry]), plan_layer=LtPlanLayer(options.cache_dir, extst))
     d.prepare(dev, self_test=False)
     ops = synthetic_operands("bf16", device=dev, seed=7, **SMALL)
     out = torch.empty((SMALL["m_padded"], SMALL["n"]), dtype=torch.bfloat16, device=dev)
@@ -194,7 +195,7 @@ def test_dispatch_inside_a_cuda_graph_after_prepare(options, extst):
     assert d.total["fallbacks"] == 0 and d.total["successes"] == 2
 
     # without prepare, a plan is never built inside capture: the call falls back with the reason
-    fresh = Fc2Dispatcher(options, table=Fc2Table([entry]), plan_layer=LtPlanLayer(options, extst))
+    fresh = Fc2Dispatcher(options.cache_dir, table=Fc2Table([entry]), plan_layer=LtPlanLayer(options.cache_dir, extst))
     fresh.layer.environment(dev)
     g2 = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g2):

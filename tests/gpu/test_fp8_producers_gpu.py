@@ -104,7 +104,7 @@ def test_cuda_reference_equals_cpu_reference():
 @pytest.mark.parametrize("layer", list(LAYERS))
 def test_forward_fp8_vs_fp64(layer, m):
     k, n = LAYERS[layer]
-    lin = L.Nvfp4Linear.from_float(_rand((n, k), seed=31), backend="fp8", strict=True, out_dtype=torch.float32)
+    lin = L.Nvfp4Linear.from_float(_rand((n, k), seed=31), backend="fp8", out_dtype=torch.float32)
     a8, ra = f8.quantize_fp8(_rand((m, k), seed=32, scale=2.0))
     y = lin.forward_fp8(a8, ra)
     w8, rw = R.to_fp8_rowwise_reference(lin.weight)
@@ -143,7 +143,7 @@ def test_forward_fp8_fast_accum_within_its_bound(layer):
     within 1e-2 rel-L2 of the fp64 product of the same e4m3 operands (the fp32-accumulating default measures
     ~1.7e-3 there, mostly the bf16 output rounding; bench/results/fp8-accum-h200.json: 2.3e-3 .. 3.3e-3 fast)."""
     k, n = LAYERS[layer]
-    lin = L.Nvfp4Linear.from_float(_rand((n, k), seed=5), backend="fp8", strict=True)
+    lin = L.Nvfp4Linear.from_float(_rand((n, k), seed=5), backend="fp8")
     a8, ra = f8.quantize_fp8(_rand((1024, k), seed=6))
     got = lin.forward_fp8(a8, ra, fast_accum=True).double()
     w8, rw = R.to_fp8_rowwise_reference(lin.weight)

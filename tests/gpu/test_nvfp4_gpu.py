@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 
+from h3_blackwell.runtime.ops import gemm_backends as G  # noqa: E402
 from h3_blackwell.runtime.ops import linear as L  # noqa: E402
 from h3_blackwell.runtime.ops import nvfp4 as nv  # noqa: E402
 from h3_blackwell.runtime.ops import nvfp4_producers as qk  # noqa: E402
@@ -110,11 +111,11 @@ def test_consumers_bit_exact(shape):
 
 def test_native_refused_below_cc10_with_reason():
     cc = torch.cuda.get_device_capability(DEV)
-    table = {c.backend: c for c in L.gemm_capability_table(DEV)}
+    table = {c.backend: c for c in G.gemm_capability_table(DEV)}
     if cc < (10, 0):
         assert not table["native"].available
         assert f"compute capability {cc[0]}.{cc[1]} < 10.0" in table["native"].reason
-        name, why = L.choose_gemm_backend(DEV, "native")
+        name, why = G.choose_gemm_backend(DEV, "native")
         assert name != "native" and f"compute capability {cc[0]}.{cc[1]} < 10.0" in why
     else:
         assert table["native"].available, table["native"].reason
@@ -124,9 +125,9 @@ def test_load_time_probes_on_this_gpu():
     """The probes run the real kernels of this GPU: fp8 (cc >= 8.9) passes with its measured error, plain and
     with fast accumulation, and is recorded in the reason; native is probed only where the capability allows."""
     cc = torch.cuda.get_device_capability(DEV)
-    table = {c.backend: c for c in L.gemm_capability_table(DEV)}
+    table = {c.backend: c for c in G.gemm_capability_table(DEV)}
     if cc >= (8, 9):
-        ok, why = L.probe_backend("fp8", DEV)
+        ok, why = G.probe_backend("fp8", DEV)
         print(f"\nfp8 probe: {why}")
         assert ok and "(fast accumulation)" in why and table["fp8"].available and why in table["fp8"].reason
     if cc >= (10, 0):
@@ -138,7 +139,7 @@ def test_load_time_probes_on_this_gpu():
 def _gpu_backends():
     if not torch.cuda.is_available():
         return []
-    return [c.backend for c in L.gemm_capability_table(DEV) if c.available and c.backend != "reference"]
+    return [c.backend for c in G.gemm_capability_table(DEV) if c.available and c.backend != "reference"]
 
 
 @pytest.mark.parametrize("layer", list(LAYERS))
@@ -146,7 +147,7 @@ def _gpu_backends():
 def test_backend_vs_fp64_reference(layer, backend):
     k, n = LAYERS[layer]
     m = 1024
-    lin = L.Nvfp4Linear.from_float(_rand((n, k), seed=31), backend=backend, strict=True, out_dtype=torch.float32)
+    lin = L.Nvfp4Linear.from_float(_rand((n, k), seed=31), backend=backend, out_dtype=torch.float32)
     x = _rand((m, k), seed=32, scale=2.0)
     a = qk.quantize(x)
     y = lin.forward_quantized(a.packed, a.scales, a.global_scale)

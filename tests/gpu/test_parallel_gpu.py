@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from h3_blackwell.cli import main as cli
-from h3_blackwell.runtime.ops.attention import TOLERANCE, attention, rel_l2
+from h3_blackwell.runtime.ops.attention import TOLERANCE, bind_attention, rel_l2
 from h3_blackwell.runtime.parallel import CommStats, RowShard, UlyssesAttention, launch
 
 pytestmark = pytest.mark.gpu
@@ -18,7 +18,10 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 vis
 
 
 def _sdpa_inner(qkv, heads, head_dim, seq_len):
-    return attention(qkv, heads, head_dim, "sdpa", seq_len=seq_len)
+    """Sequence parallelism's inner op (evaluate.make_inner) around the bound sdpa function."""
+    from h3_blackwell.runtime.parallel.evaluate import make_inner
+
+    return make_inner(bind_attention("sdpa", head_dim))(qkv, heads, head_dim, seq_len)
 
 
 def _ulysses_vs_single_cuda(ctx, seq, heads, head_dim):
@@ -28,7 +31,7 @@ def _ulysses_vs_single_cuda(ctx, seq, heads, head_dim):
     stats = CommStats()
     local = UlyssesAttention(shard, _sdpa_inner, stats=stats)(shard.take(qkv), heads, head_dim)
     full = shard.gather(local)
-    single = attention(qkv, heads, head_dim, "sdpa")
+    single = bind_attention("sdpa", head_dim)(qkv)
     return rel_l2(full, single), stats.per_step_seconds(1)[0], str(local.device)
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from h3_blackwell.runtime.ops import sparse_attention as SA
+from h3_blackwell.runtime.ops import sparse_routing as SR
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import _sparse_bench as B  # noqa: E402
@@ -48,7 +49,7 @@ def _case(heads=4, grid=(6, 12, 16)):
 def test_kernel_matches_reference_on_local_data(sol):
     segs, qkv, heads = _case()
     for tau in (1.0, 1.3, 2.0):
-        r = SA.routing_for_segments(segs, tau=tau, token_aug=0)
+        r = SR.routing_for_segments(segs, tau=tau, token_aug=0)
         out = sol(qkv, heads, SA.HEAD_DIM, r)
         ref = SA.sol_attention_reference(*qkv.unflatten(1, (3, heads, SA.HEAD_DIM)).unbind(1), r)
         rel = float((out.double() - ref.double()).norm() / ref.double().norm())
@@ -59,7 +60,7 @@ def test_kernel_matches_reference_on_local_data(sol):
 
 def test_dense_rows_are_exact_and_views_are_not_copied(sol):
     segs, qkv, heads = _case()
-    r = SA.routing_for_segments(segs)                       # core's defaults: tau 1.3, 256 extra tokens
+    r = SR.routing_for_segments(segs)                       # core's defaults: tau 1.3, 256 extra tokens
     out = sol(qkv, heads, SA.HEAD_DIM, r)
     a, b = r.dense_rows()
     q, k, v = (t.float() for t in qkv.unflatten(1, (3, heads, SA.HEAD_DIM)).unbind(1))
