@@ -213,10 +213,12 @@ def test_the_layer_binds_the_plans_backend_once():
     """A layer runs the concrete backend it was built with (the plan resolved auto) and never re-chooses: not per
     call, not when moved; a K the backend cannot take refuses at construction (never a silent switch to another
     backend); the plan's chooser excludes such a backend with the reason."""
+    from h3_blackwell.runtime.errors import H3Error
+
     w = _rand((16, 48), seed=13)  # K = 48: a multiple of 16 (fp8), not of 32 (native)
     with pytest.raises(ValueError, match="resolve auto"):
         L.Nvfp4Linear.from_float(w, backend="auto")
-    with pytest.raises(ValueError, match="K=48 is not a multiple of 32"):
+    with pytest.raises(H3Error, match="needs K a multiple of 32; this layer has K=48"):
         L.Nvfp4Linear.from_float(w, backend="native")
     lin = L.Nvfp4Linear.from_float(w, backend="fp8", reason="the plan's reason", out_dtype=torch.float32)
     assert lin.backend == "fp8" and "the plan's reason" in repr(lin)

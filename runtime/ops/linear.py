@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ..errors import H3Error
 from . import nvfp4, nvfp4_producers, reference
 from .gemm_backends import BACKENDS, DEFAULT_SCRATCH, K_MULTIPLE, Scratch, bind_gemm, scaled_mm_rowwise
 
@@ -75,8 +76,9 @@ class Nvfp4Linear(nn.Module):
                              "the load plan, ops.registry.resolve('gemm', ...))")
         need = K_MULTIPLE.get(backend, 1)
         if self.in_features % need:
-            raise ValueError(f"gemm backend {backend}: K={self.in_features} is not a multiple of {need}; the load "
-                             "plan picks a backend every block linear can run")
+            raise H3Error(f"gemm backend {backend} needs K a multiple of {need}; this layer has K={self.in_features} "
+                          f"([{self.out_features}, {self.in_features}]). Choose --gemm emulated or reference for it "
+                          "(the load plan picks a backend every block linear of the model can run)")
         self._backend, self.backend_reason = backend, reason or backend
         self._gemm = bind_gemm(backend, fp8_tiles=self.fp8_tiles)
 
