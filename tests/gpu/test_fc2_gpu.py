@@ -139,7 +139,8 @@ def test_tuned_entry_dispatches_byte_identical_to_the_reference(options, extst, 
     assert entry.algo.splitk == 1 and entry.algo.reduction == 0
     assert ev["sweep"]["legal"] > 0 and ev["timing"]["rounds"] == 3
     dev = torch.device("cuda")
-    d = Fc2Dispatcher(options.cache_dir, table=Fc2Table([GB10_CANONICAL, entry]), plan_layer=LtPlanLayer(options.cache_dir, extst))
+    d = Fc2Dispatcher(options.cache_dir, table=Fc2Table([GB10_CANONICAL, entry]),
+                      plan_layer=LtPlanLayer(options.cache_dir, extst))
     prep = d.prepare(dev)  # builds the plan and self-tests it against torch's GEMM
     assert prep["entries"][entry.name]["status"] == "ready", prep["entries"][entry.name]
     assert prep["entries"][entry.name]["self_test"]["passed"]
@@ -164,7 +165,8 @@ def test_check_failure_on_gpu_falls_back_and_is_counted(options, extst):
                    cublas_header=(info["cublas_header"] // 10000, info["cublas_header"] % 10000 // 100),
                    cuda_runtime=info["cuda_runtime"], cublaslt_runtime=info["cublaslt_runtime"], dtype="bf16",
                    out_dtype="bf16", algo=AlgoSpec(id=0, tile=9999, stages=9999), **SMALL)
-    d = Fc2Dispatcher(options.cache_dir, table=Fc2Table([bad]), plan_layer=LtPlanLayer(options.cache_dir, extst), compat=False)
+    d = Fc2Dispatcher(options.cache_dir, table=Fc2Table([bad]), plan_layer=LtPlanLayer(options.cache_dir, extst),
+                      compat=False)
     ops = synthetic_operands("bf16", device=dev, seed=5, **SMALL)
     d.begin_run()
     for _ in range(2):
@@ -179,7 +181,8 @@ def test_check_failure_on_gpu_falls_back_and_is_counted(options, extst):
 def test_dispatch_inside_a_cuda_graph_after_prepare(options, extst):
     entry, _ = _tuned(options, "bf16")
     dev = torch.device("cuda")
-    d = Fc2Dispatcher(options.cache_dir, table=Fc2Table([entry]), plan_layer=LtPlanLayer(options.cache_dir, extst))
+    d = Fc2Dispatcher(options.cache_dir, table=Fc2Table([entry]),
+                      plan_layer=LtPlanLayer(options.cache_dir, extst))
     d.prepare(dev, self_test=False)
     ops = synthetic_operands("bf16", device=dev, seed=7, **SMALL)
     out = torch.empty((SMALL["m_padded"], SMALL["n"]), dtype=torch.bfloat16, device=dev)
@@ -195,7 +198,8 @@ def test_dispatch_inside_a_cuda_graph_after_prepare(options, extst):
     assert d.total["fallbacks"] == 0 and d.total["successes"] == 2
 
     # without prepare, a plan is never built inside capture: the call falls back with the reason
-    fresh = Fc2Dispatcher(options.cache_dir, table=Fc2Table([entry]), plan_layer=LtPlanLayer(options.cache_dir, extst))
+    fresh = Fc2Dispatcher(options.cache_dir, table=Fc2Table([entry]),
+                          plan_layer=LtPlanLayer(options.cache_dir, extst))
     fresh.layer.environment(dev)
     g2 = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g2):
