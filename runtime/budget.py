@@ -98,10 +98,14 @@ class DeviceMemory:
 
     @classmethod
     def probe(cls, device: torch.device) -> "DeviceMemory":
+        """free: what new allocations can get: the driver's free memory plus what torch's caching allocator
+        holds unused (a second run must not see the first run's cache as taken)."""
         if device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
+            cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
             props = torch.cuda.get_device_properties(device)
-            return cls("cuda", props.name, int(total), int(free), bool(getattr(props, "is_integrated", False)))
+            return cls("cuda", props.name, int(total), int(free + max(0, cached)),
+                       bool(getattr(props, "is_integrated", False)))
         free = host_available_bytes()
         return cls("cpu", "cpu", free, free)
 
