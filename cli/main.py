@@ -29,9 +29,17 @@ class Terminated(KeyboardInterrupt):
     (temporary files, sequence-parallel workers) runs for it too."""
 
 
-def _raise_terminated(signum, frame) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the cleanup this starts must not be cut short by a second one
-    raise Terminated()
+def _ignore(signum, frame) -> None:
+    """A Python-level no-op (not SIG_IGN: a signal already pending when the handler changes to SIG_IGN makes
+    Python print "Signal N ignored due to race condition" with a traceback)."""
+
+
+def _raise_interrupt(signum, frame) -> None:
+    """SIGINT -> KeyboardInterrupt, SIGTERM -> Terminated, once: the cleanup this starts (temporary files, workers)
+    must not be cut short by a second signal, so both are ignored until the command has returned."""
+    signal.signal(signal.SIGINT, _ignore)
+    signal.signal(signal.SIGTERM, _ignore)
+    raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 
 
 def _interrupt_line(e: BaseException) -> tuple[str, int]:
@@ -131,20 +139,24 @@ def _report(e: Exception, debug: bool) -> int:
     return EXIT_INTERNAL
 
 
-def _handle_sigterm():
-    """SIGTERM raises :class:`Terminated` in the main thread while a command runs; returns what puts the previous
-    handler back (nothing to do off the main thread, where no handler can be set)."""
+def _handle_signals():
+    """SIGINT and SIGTERM raise KeyboardInterrupt / :class:`Terminated` in the main thread while a command runs
+    (:func:`_raise_interrupt`); returns what puts the previous handlers back (nothing to do off the main thread,
+    where no handler can be set)."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
-    prev = signal.signal(signal.SIGTERM, _raise_terminated)
-    return lambda: signal.signal(signal.SIGTERM, prev)
+    prev = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    for s, h in prev.items():
+        if h is not signal.SIG_IGN:  # a signal the caller ignores (nohup, a background job) stays ignored
+            signal.signal(s, _raise_interrupt)
+    return lambda: [signal.signal(s, h) for s, h in prev.items() if h is not None]
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; returns the exit status (0 ok, 1 internal error, 2 refused, 130 interrupted, 143
     terminated)."""
     debug = False
-    restore = _handle_sigterm()
+    restore = _handle_signals()
     try:
         argv = list(sys.argv[1:] if argv is None else argv)
         debug = "--debug" in argv or os.environ.get("H3_DEBUG", "").strip() not in ("", "0")

@@ -383,3 +383,17 @@ def test_a_full_disk_while_writing_latents(tmp_path):
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
 
+
+
+@pytest.mark.parametrize("role", ["inputs", "text_states", "model", "payload", "lora"])
+def test_a_pipe_in_place_of_a_file_is_refused_not_waited_on(role, files, out, tmp_path):
+    fifo = tmp_path / "pipe.safetensors"
+    os.mkfifo(fifo)
+    argv = {"inputs": ["generate", "--output", out / "o", "--inputs", fifo, "--steps", "1"],
+            "text_states": ["generate", "--output", out / "o", "--text-states", fifo, *SMALL],
+            "model": ["generate", "--output", out / "o", "--model", fifo, *SMALL],
+            "payload": ["generate", "--output", out / "o", "--inputs", files["inputs"], "--payload", fifo],
+            "lora": ["generate", "--output", out / "o", "--lora", f"{fifo}:1.0", *SMALL]}[role]
+    rc, _, err = run(argv, timeout=120)
+    check_refusal(rc, err, 2, ["pipe.safetensors"])
+    assert os.listdir(out) == []

@@ -165,3 +165,22 @@ def test_a_worker_killed_mid_run_is_one_error_line_on_its_own_line(rank, work):
     line = check_refusal(p.returncode, err, 2, [f"rank {rank}", "SIGKILL", "nothing was written"])
     assert ("\n" + line) in err  # rank 0's unfinished progress line was ended first
     assert not (work / "o").exists() and not leftovers(work)
+
+
+def test_a_second_signal_does_not_cut_the_cleanup_short(work):
+    """SIGTERM then SIGINT at once: the first ends the run, the second is ignored while the writer cleans up."""
+    from h3_blackwell.runtime.model.tiny import save_tiny
+
+    src = save_tiny(work / "tiny.safetensors", seed=0)
+    (work / "q").mkdir()
+    p = start(["quantize", src, work / "q" / "nv.safetensors"], prelude=_SLOW_QUANTIZE, TMPDIR=work / "tmp")
+    head = read_until(p.stderr, b"converting blocks.1.", 120)
+    assert b"converting blocks.1." in head, head.decode()[-2000:]
+    p.send_signal(signal.SIGTERM)
+    p.send_signal(signal.SIGINT)
+    p.send_signal(signal.SIGTERM)
+    err = finish(p, head)
+    assert p.returncode in (130, 143), err[-2000:]
+    lines = [ln for ln in err.splitlines() if "nothing was written" in ln]
+    assert len(lines) == 1 and "Traceback" not in err and "error:" not in err, err[-2000:]
+    assert list((work / "q").iterdir()) == [] and not leftovers(work)

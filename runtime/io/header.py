@@ -109,6 +109,8 @@ def read_header(path: str | Path, what: str = "checkpoint") -> Header:
         raise CheckpointError(f"{what} not found: {path}")
     if path.is_dir():
         raise CheckpointError(f"{path} is a directory; pass a .safetensors file or a *.safetensors.index.json")
+    if not path.is_file():  # a FIFO would block the read forever, a device has no safetensors layout
+        raise CheckpointError(f"{path} is not a regular file (a pipe, socket or device); pass a .safetensors file")
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)

@@ -85,8 +85,11 @@ def _kind(v: Any) -> str:
 def load_object(path: str | os.PathLike, what: str, expected: str = "a JSON object") -> dict:
     """The JSON object in the file ``path`` (``what`` names the file's role in the errors: ``payload file``)."""
     p = Path(path)
-    if not p.is_file():
-        raise JsonInputError(f"{what} not found: {path}" + (" (a directory)" if p.is_dir() else ""))
+    if not p.exists():
+        raise JsonInputError(f"{what} not found: {path}")
+    if not p.is_file():  # a FIFO would block the read forever
+        raise JsonInputError(f"{what} {path}: expected a regular file; found a "
+                             f"{'directory' if p.is_dir() else 'pipe, socket or device'}")
     size = p.stat().st_size
     if size > MAX_BYTES:
         raise JsonInputError(f"{what} {path}: expected {expected} of at most {MAX_BYTES >> 20} MiB; found "

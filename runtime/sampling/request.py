@@ -227,8 +227,10 @@ def _probe_writable(directory: Path, what: str) -> None:
     except OSError as e:
         raise RequestError(f"{what}: cannot write into {directory} ({e.strerror or e}); choose a writable "
                            "location") from None
-    os.close(fd)
-    os.unlink(probe)
+    try:
+        os.close(fd)
+    finally:  # an interruption here must not leave the probe behind
+        os.unlink(probe)
 
 
 def _resolved(p: Path, path: Path, what: str) -> Path:
