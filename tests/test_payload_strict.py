@@ -171,3 +171,27 @@ def test_an_fp8_keyframe_latent_runs_as_its_float32_values(inputs, out, capsys):
         lat[key] = load_file(str(out / key / "latents.safetensors"))
     for k in ("video", "audio"):
         assert torch.equal(lat["kf_fp8"][k], lat["kf_vals"][k]), k
+
+
+@pytest.mark.parametrize("name,value,ok", [
+    ("video", lambda t: t.to(torch.float8_e4m3fn), True), ("audio", lambda t: t.bfloat16(), True),
+    ("text_states", lambda t: t.to(torch.float8_e5m2), True), ("video", lambda t: t.round().to(torch.int16), False),
+    ("audio", lambda t: t > 0, False), ("text_states", lambda t: t.round().to(torch.int32), False),
+])
+def test_the_inputs_own_tensors_any_float_dtype(name, value, ok, inputs, out, capsys):
+    """The latents and text states of --inputs: any float dtype is converted, anything else refused naming it."""
+    from safetensors.torch import load_file
+
+    from h3_blackwell.runtime import make_job
+
+    t = load_file(str(inputs))
+    t[name] = value(t[name])
+    p = out / "in.safetensors"
+    save_file(t, str(p))
+    if ok:
+        job = make_job(None, seed=0, inputs=str(p), steps=1)
+        assert job.text.dtype == torch.float32
+        return
+    refused_inproc(capsys, ["generate", "--output", out / "o", "--inputs", p, "--steps", "1"], name, "dtype",
+                   "float")
+    assert not (out / "o").exists()

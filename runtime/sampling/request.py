@@ -332,4 +332,7 @@ def check_latents(video: torch.Tensor, audio: torch.Tensor, cfg: H3Config, sourc
     if audio.dim() != 4 or audio.shape[0] != 1 or audio.shape[1] != ca or audio.shape[2] != 2 or 0 in audio.shape:
         raise RequestError(f"{source}: audio has shape {list(audio.shape)}; this model expects [1, {ca}, 2, Ta]")
     for name, t in (("video", video), ("audio", audio)):
+        if not t.is_floating_point():  # any float dtype is converted to float32; integers are not latents
+            raise RequestError(f"{source}: {name} has dtype {str(t.dtype).replace('torch.', '')}; expected a float "
+                               "tensor (any float dtype, fp8 included, is converted)")
         check_finite(name, t, RequestError, source, "pass finite latents")
