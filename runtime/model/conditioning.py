@@ -73,6 +73,8 @@ def field_error(path: str, expected: str, found: Any, todo: str = "") -> Conditi
     found = str(found)
     if len(found) > 200:  # a hostile value (a list of a million numbers) must not become a megabyte error line
         found = found[:200] + f"... ({len(found):,} characters)"
+    if len(path) > 200:  # nor a hostile key (an unknown field's name is part of the path)
+        path = path[:200] + f"... ({len(path):,} characters)"
     msg = f"{path}: expected {expected}; found {found}"
     return ConditioningError(msg + (f"; {todo}" if todo else ""))
 
