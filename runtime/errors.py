@@ -22,7 +22,8 @@ def describe(e: BaseException, limit: int = 300) -> str:
     return f"{type(e).__name__}: {lines[0][:limit] if lines else ''}"
 
 
-_OOM_TEXT = ("out of memory", "can't allocate memory", "cannot allocate memory", "defaultcpuallocator")
+_OOM_TEXT = ("out of memory", "can't allocate memory", "cannot allocate memory", "defaultcpuallocator",
+             "can't start new thread")
 
 
 def is_out_of_memory(e: BaseException) -> bool:

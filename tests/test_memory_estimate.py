@@ -7,6 +7,8 @@ is reported as out of memory, in one process and in a sequence-parallel worker.
 from __future__ import annotations
 
 import json
+import os
+import sys
 
 import pytest
 import torch
@@ -164,12 +166,16 @@ def test_refused_on_any_machine_without_patches(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 # 300 MB of address space beyond what the imports took: the estimate (host memory) admits the run, the reference
-# attention's 846 MB score chunk (1024x1024, 22 frames: 7,274 rows) then fails in the allocator
+# attention's 846 MB score chunk (1024x1024, 22 frames: 7,274 rows) then fails in the allocator. One process: the
+# limit is set before the CLI runs; sequence-parallel: only in the workers (a sitecustomize on their path), so the
+# launcher itself has the memory to report it
 _AS_LIMIT = """
-import resource, torch
-import h3_blackwell.runtime
-vm = [int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmSize')][0]
-resource.setrlimit(resource.RLIMIT_AS, (vm + (300 << 20), resource.RLIM_INFINITY))
+import os, resource
+if {only_workers} is False or os.environ.get("RANK") is not None:
+    import torch
+    import h3_blackwell.runtime
+    vm = [int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmSize')][0]
+    resource.setrlimit(resource.RLIMIT_AS, (vm + (300 << 20), resource.RLIM_INFINITY))
 """
 
 
@@ -178,8 +184,17 @@ def test_the_cpu_allocator_running_out_is_out_of_memory(sp, tmp_path):
     argv = ["generate", "--output", tmp_path / "o", "--width", "1024", "--height", "1024", "--frames", "22", "--steps",
             "1", *(["--sequence-parallel", str(sp)] if sp else [])]
     mark = f"oom-{tmp_path.name}"
-    rc, _, err = run(argv, prelude=_AS_LIMIT, timeout=300, HARDEN_TEST_MARK=mark)
+    if sp:
+        site = tmp_path / "site"
+        site.mkdir()
+        (site / "sitecustomize.py").write_text(_AS_LIMIT.format(only_workers=True))
+        path = os.pathsep.join([str(site), *(p for p in sys.path if p)])
+        rc, _, err = run(argv, timeout=300, HARDEN_TEST_MARK=mark, PYTHONPATH=path)
+    else:
+        rc, _, err = run(argv, prelude=_AS_LIMIT.format(only_workers=False), timeout=300, HARDEN_TEST_MARK=mark)
     line = check_refusal(rc, err, 2)
     assert "out of memory" in line, line
+    if sp:
+        assert "rank" in line, line
     assert not (tmp_path / "o").exists() and not leftovers(tmp_path)
     assert wait_gone(marked(mark), 10) == []  # no worker outlives the run

@@ -144,7 +144,7 @@ class _Inbox(threading.Thread):
             while chunk := os.read(self.fd, 1 << 20):
                 buf += chunk
                 self._parse(buf)
-        except OSError:
+        except Exception:  # noqa: BLE001 - a broken pipe or no memory: the worker's exit status tells what happened
             pass
         finally:
             os.close(self.fd)
@@ -199,7 +199,7 @@ class _Relay(threading.Thread):
         try:
             while chunk := os.read(self.fd, 65536):
                 self.console.write(self.rank, dec.decode(chunk))
-        except OSError:  # EIO: the pseudo-terminal's last writer is gone
+        except Exception:  # noqa: BLE001 - EIO: the pseudo-terminal's last writer is gone (or no memory left)
             pass
         finally:
             os.close(self.fd)
@@ -218,9 +218,10 @@ def _stderr_pair() -> tuple[int, int]:
 def _send(stdin, blob: bytes) -> None:
     """Write the job to a worker's stdin and keep it open (the worker's watchdog waits on it)."""
     try:
-        stdin.write(struct.pack("<Q", len(blob)) + blob)
+        stdin.write(struct.pack("<Q", len(blob)))
+        stdin.write(blob)
         stdin.flush()
-    except (BrokenPipeError, OSError, ValueError):  # the worker is already gone: its exit status tells why
+    except Exception:  # noqa: BLE001 - the worker is already gone (or no memory left): its exit status tells why
         pass
 
 
