@@ -10,12 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Sequence
 
 import torch
 
-from ..runtime import RuntimeOptions, fc2_tune
+from ..runtime import RuntimeOptions, fc2_tune, write_file
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,8 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: tune-fc2: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     if a.evidence:
-        Path(a.evidence).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.evidence).write_text(json.dumps(res, indent=1, default=str))
+        text = json.dumps(res, indent=1, default=str)
+        write_file(a.evidence, lambda tmp: tmp.write_text(text))  # a unique temporary name, then one rename
     if res["entry"] is None:
         print("no byte-identical configuration found; nothing written", file=sys.stderr)
         return 1

@@ -21,6 +21,7 @@ from typing import Any, Mapping, Protocol
 
 import torch
 
+from ..io.atomic import write_file
 from . import ext
 from .table import COMPAT_SCHEMA, Fc2Entry
 from .guard import Fc2Environment, Fc2Operands
@@ -214,9 +215,7 @@ class CompatCache:
         rec["entries"][fingerprint] = cur
         p = self.path(env, layer_tag)
         try:
-            p.parent.mkdir(parents=True, exist_ok=True)
-            tmp = p.with_suffix(".tmp")
-            tmp.write_text(json.dumps(rec, indent=1, sort_keys=True, default=str))
-            tmp.replace(p)
+            text = json.dumps(rec, indent=1, sort_keys=True, default=str)
+            write_file(p, lambda tmp: tmp.write_text(text))  # a unique temporary name: processes may race here
         except OSError as e:  # a read-only cache must not break inference
             log.warning("fc2 compat cache not written (%s): %s", p, e)

@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
+from ..io.atomic import write_file
 from . import ext
 from .guard import Fc2Environment
 from .table import AlgoSpec, ENTRY_SCHEMA, Fc2Entry, KINDS, ROLE_FC2, table_dir
@@ -552,8 +553,8 @@ def write_entry(entry: Mapping[str, Any], cache_dir: str | Path, out: str | Path
     if entry.get("schema") != ENTRY_SCHEMA:
         raise TuneError(f"entry schema {entry.get('schema')!r}; expected {ENTRY_SCHEMA!r}")
     path = Path(out) if out else table_dir(cache_dir) / f"{entry['name']}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(dict(entry), indent=1, default=str))
+    text = json.dumps(dict(entry), indent=1, default=str)
+    write_file(path, lambda tmp: tmp.write_text(text))  # a unique temporary name, then one rename
     return path
 
 
