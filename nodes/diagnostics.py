@@ -11,6 +11,7 @@ import json
 import os
 import re
 
+from ..runtime import write_file
 from ._common import CATEGORY, comfy_module, node_error
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -68,8 +69,8 @@ class H3Diagnostics:
                                                                      fp.get_output_directory())
         filename = f"{name}_{counter:05}_.json"
         body = json.dumps(diagnostics, indent=2, default=str)
-        with open(os.path.join(folder, filename), "w", encoding="utf-8") as f:
-            f.write(body + "\n")
+        write_file(os.path.join(folder, filename),  # a unique temporary name, then one rename
+                   lambda tmp: tmp.write_text(body + "\n", encoding="utf-8"))
         actual = diagnostics["latent_checksums"].get("video_sha256")
         if expected and actual != expected:
             raise node_error(self.TITLE, f"video latent sha256 mismatch: expected {expected}, got {actual} "
