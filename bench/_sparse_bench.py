@@ -12,8 +12,9 @@ the target-audio rows, which the routing keeps dense (only the kernel's int8 q/k
 
 from __future__ import annotations
 
-import math
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 
@@ -23,34 +24,8 @@ from h3_blackwell.runtime import run, tensor_job
 from h3_blackwell.runtime.ops import sparse_routing as SR
 from h3_blackwell.runtime.sampling.schedule import get_sigmas, model_sigma
 
-CANONICAL_GRID = (37, 24, 42)      # latent frames x (48/2) x (84/2) patch rows: 37,296 video rows
-CANONICAL_LEAD = (100, 414)        # text rows, target-audio rows before the video
-
-
-def canonical_segments(text: int = CANONICAL_LEAD[0], audio: int = CANONICAL_LEAD[1],
-                       grid: tuple = CANONICAL_GRID) -> list:
-    n_video = grid[0] * grid[1] * grid[2]
-    return [(0, text, "text"), (text, text + audio, "audio"), (text + audio, text + audio + n_video, "video")]
-
-
-def local_qkv(segments: list, grid: tuple, heads: int, head_dim: int, dev, seed: int) -> torch.Tensor:
-    """[S, 3*H*D] bf16 packed buffer whose video q/k rows carry space-time locality (module docstring)."""
-    g = torch.Generator(device=dev).manual_seed(seed)
-    s = segments[-1][1]
-    v0 = segments[-1][0]
-    t, h, w = (torch.arange(n, device=dev, dtype=torch.float32) for n in grid)
-    pos = torch.stack(torch.meshgrid(t / 4.0, h / 3.0, w / 3.0, indexing="ij"), -1).reshape(-1, 3)
-    freqs = torch.randn(3, head_dim // 2, generator=g, device=dev)
-    feats = torch.cat([torch.sin(pos @ freqs), torch.cos(pos @ freqs)], -1)               # [Nv, D]
-    proj = torch.randn(heads, head_dim, head_dim, generator=g, device=dev) / math.sqrt(head_dim)
-    jitter = torch.randn(heads, head_dim, head_dim, generator=g, device=dev) / math.sqrt(head_dim)
-    qkv = torch.randn(s, 3, heads, head_dim, generator=g, device=dev)
-    qkv[:, :2] *= 0.5                                                                      # noise on q, k
-    for hd in range(heads):                                                                # per head: [Nv, D]
-        qkv[v0:, 0, hd] += 3.0 * feats @ proj[hd]
-        qkv[v0:, 1, hd] += 3.0 * feats @ (proj[hd] + 0.3 * jitter[hd])
-    return qkv.reshape(s, -1).to(torch.bfloat16)
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from fixtures.structured_qkv import CANONICAL_GRID, CANONICAL_LEAD, canonical_segments, local_qkv  # noqa: E402,F401
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref.double()).norm() / ref.double().norm())
@@ -141,10 +116,6 @@ RANDOM_WEIGHTS_NOTE = (
     "attention errors (see attention-h200.json space_time_local rows) but a prompt-level visual check is still "
     "needed. First-Block Cache's reuse decisions depend on how the trained residual stream evolves between steps; "
     "random weights say nothing about how many steps a real run would reuse.")
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def _median_step(rep: dict) -> float:

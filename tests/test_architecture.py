@@ -315,3 +315,26 @@ def test_no_two_folders_import_each_other():
     folded = {m: deps - {m} for m, deps in folded.items()}
     assert len(folded) > 20, "the fold found too few folders"
     assert _cycles(folded) == [], f"folders that import each other: {_cycles(folded)}"
+
+
+def test_ops_files_are_at_most_400_lines():
+    """runtime/ops/ holds one concern per file (issue 22): no file over 400 lines."""
+    long = {str(p.relative_to(ROOT)): n for p in (ROOT / "runtime" / "ops").rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, f"files in runtime/ops over 400 lines: {long}"
+
+
+def test_tests_never_import_bench():
+    """Benches are scripts; tests do not depend on them (no bench/ on sys.path, no import of a bench module)."""
+    bench_modules = {p.stem for p in (ROOT / "bench").glob("*.py")}
+    bad = []
+    for p in (ROOT / "tests").rglob("*.py"):
+        for n in ast.walk(ast.parse(p.read_text())):
+            names = [a.name for a in n.names] if isinstance(n, ast.Import) else \
+                [n.module or ""] if isinstance(n, ast.ImportFrom) and not n.level else []
+            bad += [f"{p.relative_to(ROOT)}: import {x}" for x in names
+                    if x.split(".")[0] in bench_modules | {"bench"} or x.startswith("h3_blackwell.bench")]
+            if isinstance(n, ast.Call) and ast.unparse(n.func) in ("sys.path.insert", "sys.path.append") \
+                    and "bench" in ast.unparse(n):
+                bad.append(f"{p.relative_to(ROOT)}: puts bench/ on sys.path")
+    assert not bad, bad

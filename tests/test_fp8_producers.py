@@ -393,26 +393,14 @@ def test_w4a8_out_proj_side_path_is_added():
     assert not torch.equal(got, base)
 
 
-def test_canonical_accuracy_stage_and_fc2_counts_for_w4a8():
-    """bench/canonical.py's accuracy stage on the tiny W4A8 model (its first H200 run failed there: the W4A4
-    emulation must switch the activation format too) and the run report's FC2 consistency for W4A8."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    import canonical
-
+def test_fc2_counts_for_w4a8():
+    """The run report's FC2 consistency for W4A8: FC2 runs its layer directly (n blocks x 2 evaluations per run),
+    the dispatcher is never attempted. (bench/canonical.py's accuracy stage: bench/cpu_selfcheck.py.)"""
     from h3_blackwell.runtime.sampling.sampler import sample
 
     rt = _w4a8(6)
     m = rt.model
     video, audio, text = _inputs(m, 0)
-    plan = m.plan(text, tuple(video.shape), tuple(audio.shape), [0.95])
-    r = canonical.accuracy(rt, plan, torch.randn(video.shape), torch.randn(audio.shape))
-    assert rt.ops.name == "w4a8" and r["benchmarked"]["act_format"] == "fp8"
-    assert {lin.backend for blk in m.blocks for lin in (blk.attn.qkv_proj, blk.mlp.fc2)} == {"fp8"}  # restored
-    assert 0 < r["benchmarked"]["video_rel_l2"] < r["nvfp4_w4a4_emulation"]["video_rel_l2"], r
-    assert r["benchmarked_no_less_accurate"] is True
     f = sample(rt, text, None, video, audio, seed=1, steps=2, runs=2).report["fc2_dispatch"]
     n = len(m.blocks) * 2
     assert [x["direct_calls"] for x in f["runs"]] == [n, n] and {x["attempts"] for x in f["runs"]} == {0}

@@ -16,8 +16,8 @@ import torch
 from h3_blackwell.runtime.ops import sparse_attention as SA
 from h3_blackwell.runtime.ops import sparse_routing as SR
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import _sparse_bench as B  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from fixtures.structured_qkv import canonical_segments, local_qkv  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -41,8 +41,8 @@ def sol():
 
 
 def _case(heads=4, grid=(6, 12, 16)):
-    segs = B.canonical_segments(100, 414, grid)
-    qkv = B.local_qkv(segs, grid, heads, SA.HEAD_DIM, torch.device("cuda"), seed=1)
+    segs = canonical_segments(100, 414, grid)
+    qkv = local_qkv(segs, grid, heads, SA.HEAD_DIM, torch.device("cuda"), seed=1)
     return segs, qkv, heads
 
 
