@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..runtime import ControlSpec, H3Error, load_control, open_control
+from ..runtime import ControlSpec, H3Error, load_control, open_control, percent_to_sigma
 from ._common import CATEGORY, comfy_module, node_error, optional_comfy_module
 
 NO_FILE = "(use the model_patch input)"
@@ -35,17 +35,6 @@ FRAME_PER_TOKEN = (1, 4, 4, 4, 4)
 # ---------------------------------------------------------------------------------------------
 # core's hint preparation
 # ---------------------------------------------------------------------------------------------
-
-def percent_to_sigma(percent: float, shift: float) -> float:
-    """The flow schedule's sigma at ``percent`` of the timestep range (ComfyUI's ModelSamplingDiscreteFlow):
-    1 at 0 %, 0 at 100 %, else s (1 - p) / (1 + (s - 1)(1 - p))."""
-    if percent <= 0.0:
-        return 1.0
-    if percent >= 1.0:
-        return 0.0
-    t = 1.0 - percent
-    return shift * t / (1.0 + (shift - 1.0) * t)
-
 
 def resize_center(x: torch.Tensor, width: int, height: int) -> torch.Tensor:
     """[N, C, h, w] -> [N, C, height, width]: centre crop to the target aspect, then bilinear (no corner

@@ -41,6 +41,7 @@ from .sampling.preview import latent_to_rgb, write_preview_webp
 # latent geometry and masks (the nodes' empty latent and noise masks)
 from .model.layout import audio_frames, latent_frames, snap_frames
 from .sampling.noise_mask import audio_denoise_mask, video_denoise_mask
+from .ops.sparse_routing import percent_to_sigma
 # files: make-tiny, quantize, the FC2 sweep behind `h3-blackwell tune-fc2`
 from .model.tiny import save_tiny
 from .io.convert import quantize_checkpoint
@@ -57,6 +58,6 @@ __all__ = [
     "CheckpointError", "H3Error", "Interrupted", "is_out_of_memory", "RequestError",
     "SEED_RANGE", "check_int", "check_output_file", "save_tensors", "write_dir", "write_file",
     "nonfinite_message", "summary", "latent_to_rgb", "write_preview_webp",
-    "audio_frames", "latent_frames", "snap_frames", "audio_denoise_mask", "video_denoise_mask",
+    "audio_frames", "latent_frames", "snap_frames", "percent_to_sigma", "audio_denoise_mask", "video_denoise_mask",
     "save_tiny", "quantize_checkpoint", "fc2_tune",
 ]

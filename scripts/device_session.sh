@@ -107,7 +107,7 @@ H)
   cp /tmp/tiles.json "$OUT/producer-tiles-h200.json" 2>>"$LOG"
   phase fp8-producer-gpu-tests
   timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_fp8_producers_gpu.py 2>&1 | tail -4 >> "$LOG"
-  timeout 90 python3 -m pytest -q tests/test_fp8_producers.py 2>&1 | tail -3 >> "$LOG"
+  timeout 90 python3 -m pytest -q tests/runtime/ops/test_fp8_producers.py 2>&1 | tail -3 >> "$LOG"
   phase elementwise-sweep
   timeout 120 python3 bench/attention_h200.py --backends --out "$OUT/elementwise-h200.json" 2>&1 | grep -E "norm_rope|gate_add" >> "$LOG"
   # the NVFP4 RMSNorm producer now calls the shared _modulate helper: its bytes again, at full width

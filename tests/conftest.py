@@ -14,6 +14,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Tests live in folders mirroring the packages (tests/runtime/ops/, tests/cli/, ...); the shared helpers sit at the top:
+# tests/fixtures (small models and contracts), tests/refblock.py and tests/oracles (the float64 oracles).
+TESTS = Path(__file__).resolve().parent
+for _p in (TESTS / "oracles", TESTS):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
 try:  # a plain checkout (e.g. the device copy) that is not pip-installed: the repo root is the package
     import h3_blackwell  # noqa: F401
 except ImportError:

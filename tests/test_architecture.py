@@ -1,5 +1,5 @@
 """The package's structure: no import cycles, no hidden ones, runtime/ never imports ComfyUI, short functions.
-(The default tiny run's determinism and accuracy: tests/test_determinism.py.)"""
+(The default tiny run's determinism and accuracy: tests/runtime/sampling/test_determinism.py.)"""
 
 import ast
 import sys
@@ -192,7 +192,7 @@ def test_every_registered_backend_available_here_matches_its_reference():
     (ops.gemm_backends.PROBE_TOL: the fp8 path
     rounds the operands to e4m3 rowwise), 1e-5 for the exact emulation, 1e-2 for bf16 (the dequantized
     operands rounded to bf16, 2^-8 each). Sparse attention is lossy by design
-    and has its own tests (tests/test_sparse_attention.py)."""
+    and has its own tests (tests/runtime/ops/test_sparse_attention.py)."""
     from h3_blackwell.runtime.ops import gemm_backends, nvfp4
     from h3_blackwell.runtime.ops.attention import exact_attention_reference, qkv_views
     from h3_blackwell.runtime.ops.registry import REGISTRY, bind, capability_table

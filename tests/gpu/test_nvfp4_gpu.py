@@ -5,7 +5,7 @@
   (packed, scales, global scale), dynamic and calibrated global scale. The torch reference runs on the
   same GPU; one test checks it equals the CPU reference byte for byte (no CUDA-specific rounding).
 * Every GEMM backend this GPU can run, at the four canonical layer shapes (M = 1024 rows), vs the fp64
-  dequant reference within the bounds stated in tests/test_nvfp4_linear.py.
+  dequant reference within the bounds stated in tests/runtime/ops/test_nvfp4_linear.py.
 * On compute capability < 10 (the H200), native is refused with a reason naming the capability.
 """
 
@@ -159,7 +159,7 @@ def test_backend_vs_fp64_reference(layer, backend):
     else:
         a64, w64 = nv.dequantize(a, torch.float64), nv.dequantize(lin.weight, torch.float64)
     ref, absprod = a64 @ w64.T, a64.abs() @ w64.abs().T
-    bound = (k + 2) * U * absprod  # exact products, fp32 accumulation (tests/test_nvfp4_linear.py)
+    bound = (k + 2) * U * absprod  # exact products, fp32 accumulation (tests/runtime/ops/test_nvfp4_linear.py)
     if backend == "bf16":  # weight rounded once to bf16; bf16 result
         bound = bound + 2 ** -9 * absprod + 2 ** -8 * ref.abs()
     elif backend == "fp8":  # given its e4m3 operands; bf16 result

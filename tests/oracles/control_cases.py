@@ -1,4 +1,4 @@
-"""Tiny Fun ControlNet cases (issue 25's acceptance cases plus masked rows), shared by tests/test_control.py and
+"""Tiny Fun ControlNet cases (issue 25's acceptance cases plus masked rows), shared by tests/runtime/model/test_control.py and
 check_core_control.py. Torch only. A case: video, audio, text_states, token_tags, sigma, base ("full" / "curve"),
 places (the tower's control_blocks_places), payload (core's fields, tensors in place), control (the payload's
 control field: hint, strength, sigma_start, sigma_end, fades)."""

@@ -63,7 +63,7 @@ def test_sigterm_during_the_imports_is_one_line_and_143(work):
 
 
 def test_sigterm_while_sampling(work):
-    """(SIGINT while sampling: tests/test_bad_inputs.py.)"""
+    """(SIGINT while sampling: tests/cli/test_bad_inputs.py.)"""
     p = _gen(work)
     head = read_until(p.stderr, b"sampling [", 120)
     assert b"sampling [" in head, head.decode()[-2000:]

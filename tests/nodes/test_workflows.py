@@ -2,32 +2,11 @@
 the UI graph converts (with comfy-run's converter) to exactly its API twin, and the smoke workflow runs
 in-process through this pack's nodes.
 
-Core nodes used by the workflows, as defined by ComfyUI core (nodes.py, comfy_extras/nodes_audio.py,
-comfy_extras/nodes_video.py, comfy_extras/nodes_minimax_h3.py; the "minimax" CLIP type from the newest core):
-
-| node                    | inputs (widgets in order)                                               | outputs  |
-|-------------------------|-------------------------------------------------------------------------|----------|
-| CLIPLoader              | clip_name (text_encoders file), type (... "minimax"), opt. device        | CLIP     |
-| CLIPTextEncode          | text STRING multiline, clip CLIP                                        | CONDITIONING |
-| VAELoader               | vae_name (vae file)                                                     | VAE      |
-| VAEDecode               | samples LATENT, vae VAE                                                 | IMAGE    |
-| VAEDecodeAudio          | samples LATENT, vae VAE                                                 | AUDIO    |
-| CreateVideo             | images IMAGE, fps FLOAT (30, 1..120), opt. audio AUDIO                  | VIDEO    |
-| SaveVideo (output node) | video VIDEO, filename_prefix STRING, format [auto, mp4], codec [auto, h264] | -    |
-| EmptyMiniMaxH3LatentAV  | width INT (1344, 32.., step 32), height INT (768), length INT (124, 5..3600, step 17) | LATENT |
-| LoadImage / LoadAudio   | image (input file, upload) / audio (input file, upload)                 | IMAGE, MASK / AUDIO |
-| MiniMaxH3ImageToVideo   | clip, vae, prompt, width, height, length; opt. first_frame, last_frame IMAGE | CONDITIONING, LATENT |
-| MiniMaxH3AddGuide       | positive, latent, frame_idx INT (0, -9999..9999); opt. vae, audio_vae, image, audio | CONDITIONING |
-| MiniMaxH3ReferenceToVideo | clip, vae, audio_vae, prompt, width, height, length, ref_image_size [match, max]; Autogrow ref_images (9), ref_videos (3), ref_video_audios (3), ref_audios (3) | CONDITIONING, LATENT |
-| MiniMaxH3SigmaShift     | model MODEL, shift_video FLOAT (12.0, 0.01..100), shift_audio FLOAT (3.0, 0.01..100) | MODEL |
-| KSampler                | model, seed INT (control after generate), steps INT (20, 1..10000), cfg FLOAT (8.0, 0..100), sampler_name, scheduler (core's lists), positive, negative, latent_image, denoise FLOAT (1.0, 0..1) | LATENT |
-
-File-list combos (model folders) accept any model file name: the list is the user's folder.
+Core nodes used by the workflows: tests/fixtures/core_nodes.py.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
@@ -38,112 +17,10 @@ from h3_blackwell.nodes import NODES
 from h3_blackwell.runtime import sample as runtime_sample
 from h3_blackwell.cli.comfy_run import is_api_prompt, is_ui_graph, ui_to_api
 
-from test_nodes import _install  # the ComfyUI stand-ins
+from fixtures.comfy_standins import _install  # the ComfyUI stand-ins
+from fixtures.core_nodes import MODEL_EXTENSIONS, OWN_FILE_LISTS, object_info
 
-WORKFLOWS = Path(__file__).resolve().parents[1] / "workflows"
-MODEL_EXTENSIONS = (".safetensors", ".sft", ".ckpt", ".pt", ".pth", ".bin", ".gguf")
-FILES = ("COMBO", {"file_list": True})
-
-CLIP_TYPES = ["stable_diffusion", "stable_cascade", "sd3", "stable_audio", "mochi", "ltxv", "pixart", "cosmos",
-              "lumina2", "wan", "hidream", "chroma", "ace", "omnigen2", "qwen_image", "hunyuan_image", "flux2",
-              "ovis", "longcat_image", "cogvideox", "lens", "pixeldit", "ideogram4", "boogu", "krea2", "joyimage",
-              "mage", "minimax"]
-
-
-CORE_SAMPLERS = ["euler", "euler_ancestral", "heun", "dpm_2", "lms", "dpmpp_2m", "dpmpp_2m_sde", "dpmpp_3m_sde", "ddpm",
-                 "lcm", "deis", "res_multistep", "gradient_estimation", "er_sde", "sa_solver", "ddim", "uni_pc"]
-CORE_SCHEDULERS = ["simple", "sgm_uniform", "karras", "exponential", "ddim_uniform", "beta", "normal",
-                   "linear_quadratic", "kl_optimal"]
-
-
-def _core(required, outputs, optional=None, output_node=False, names=None):
-    return {"input": {"required": required, "optional": optional or {}},
-            "input_order": {"required": list(required), "optional": list(optional or {})},
-            "output": list(outputs), "output_name": list(names or outputs), "output_node": output_node}
-
-
-def _autogrow(name, kind, most):
-    """A V3 Autogrow input as /object_info serves it: sockets "<input>.<name>_<i>", i < most."""
-    return ("COMFY_AUTOGROW_V3", {"template": {"input": {"required": {name: (kind, {})}}, "prefix": name + "_",
-                                               "min": 0, "max": most}})
-
-
-H3_CANVAS = {"width": ("INT", {"default": 1344, "min": 32, "max": 16384, "step": 32}),
-             "height": ("INT", {"default": 768, "min": 32, "max": 16384, "step": 32}),
-             "length": ("INT", {"default": 124, "min": 5, "max": 3600, "step": 17})}
-
-CORE_NODES = {
-    "CLIPLoader": _core({"clip_name": FILES, "type": (CLIP_TYPES, {})}, ["CLIP"],
-                        optional={"device": (["default", "cpu"], {})}),
-    "CLIPTextEncode": _core({"text": ("STRING", {"multiline": True}), "clip": ("CLIP", {})}, ["CONDITIONING"]),
-    "VAELoader": _core({"vae_name": FILES}, ["VAE"]),
-    "VAEDecode": _core({"samples": ("LATENT", {}), "vae": ("VAE", {})}, ["IMAGE"]),
-    "VAEDecodeAudio": _core({"samples": ("LATENT", {}), "vae": ("VAE", {})}, ["AUDIO"]),
-    "CreateVideo": _core({"images": ("IMAGE", {}), "fps": ("FLOAT", {"default": 30.0, "min": 1.0, "max": 120.0,
-                                                                      "step": 1.0})},
-                         ["VIDEO"], optional={"audio": ("AUDIO", {})}),
-    "SaveVideo": _core({"video": ("VIDEO", {}), "filename_prefix": ("STRING", {"default": "video/ComfyUI"}),
-                        "format": (["auto", "mp4"], {}), "codec": (["auto", "h264"], {})}, [], output_node=True),
-    "EmptyMiniMaxH3LatentAV": _core({"width": ("INT", {"default": 1344, "min": 32, "max": 16384, "step": 32}),
-                                     "height": ("INT", {"default": 768, "min": 32, "max": 16384, "step": 32}),
-                                     "length": ("INT", {"default": 124, "min": 5, "max": 3600, "step": 17})},
-                                    ["LATENT"]),
-    # fl2va / ref2va inputs (core's comfy_extras/nodes_minimax_h3.py, nodes.py LoadImage, nodes_audio.py LoadAudio)
-    "LoadImage": _core({"image": ([], {"image_upload": True})}, ["IMAGE", "MASK"]),
-    "LoadAudio": _core({"audio": ("COMBO", {"options": [], "audio_upload": True})}, ["AUDIO"]),
-    # the control video of the Fun ControlNet workflow (core's comfy_extras/nodes_video.py)
-    "LoadVideo": _core({"file": ("COMBO", {"options": [], "video_upload": True})}, ["VIDEO"]),
-    "GetVideoComponents": _core({"video": ("VIDEO", {})}, ["IMAGE", "AUDIO", "FLOAT", "INT"],
-                                names=["images", "audio", "fps", "bit_depth"]),
-    "MiniMaxH3ImageToVideo": _core(
-        {"clip": ("CLIP", {}), "vae": ("VAE", {}), "prompt": ("STRING", {"multiline": True, "dynamicPrompts": True}),
-         **H3_CANVAS}, ["CONDITIONING", "LATENT"], optional={"first_frame": ("IMAGE", {}), "last_frame": ("IMAGE", {})},
-        names=["positive", "LATENT"]),
-    "MiniMaxH3AddGuide": _core(
-        {"positive": ("CONDITIONING", {}), "latent": ("LATENT", {}),
-         "frame_idx": ("INT", {"default": 0, "min": -9999, "max": 9999})}, ["CONDITIONING"],
-        optional={"vae": ("VAE", {}), "audio_vae": ("VAE", {}), "image": ("IMAGE", {}), "audio": ("AUDIO", {})},
-        names=["positive"]),
-    "MiniMaxH3ReferenceToVideo": _core(
-        {"clip": ("CLIP", {}), "vae": ("VAE", {}), "audio_vae": ("VAE", {}),  # optional in the newest core
-         "prompt": ("STRING", {"multiline": True, "dynamicPrompts": True}), **H3_CANVAS,
-         "ref_image_size": ("COMBO", {"default": "match", "options": ["match", "max"]})},
-        ["CONDITIONING", "LATENT"], names=["positive", "LATENT"],
-        optional={"ref_images": _autogrow("ref_image", "IMAGE", 9), "ref_videos": _autogrow("ref_video", "IMAGE", 3),
-                  "ref_video_audios": _autogrow("ref_video_audio", "AUDIO", 3),
-                  "ref_audios": _autogrow("ref_audio", "AUDIO", 3)}),
-    # the KSampler variants (core's sampling on the loader's MODEL output)
-    "MiniMaxH3SigmaShift": _core({"model": ("MODEL", {}),
-                                  "shift_video": ("FLOAT", {"default": 12.0, "min": 0.01, "max": 100.0, "step": 0.01}),
-                                  "shift_audio": ("FLOAT", {"default": 3.0, "min": 0.01, "max": 100.0, "step": 0.01})},
-                                 ["MODEL"]),
-    "KSampler": _core({"model": ("MODEL", {}),
-                       "seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF, "control_after_generate": True}),
-                       "steps": ("INT", {"default": 20, "min": 1, "max": 10000}),
-                       "cfg": ("FLOAT", {"default": 8.0, "min": 0.0, "max": 100.0, "step": 0.1, "round": 0.01}),
-                       "sampler_name": (CORE_SAMPLERS, {}), "scheduler": (CORE_SCHEDULERS, {}),
-                       "positive": ("CONDITIONING", {}), "negative": ("CONDITIONING", {}),
-                       "latent_image": ("LATENT", {}),
-                       "denoise": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 1.0, "step": 0.01})}, ["LATENT"]),
-}
-
-# this pack's inputs whose choices come from a folder
-OWN_FILE_LISTS = {("H3B_ModelLoader", "model"), ("H3B_TextStatesLoader", "text_states"),
-                  ("H3B_FunControlNetApply", "control_name")}
-
-
-def object_info() -> dict:
-    """/object_info as a ComfyUI with this pack (V1 classes) and the core nodes above would serve it."""
-    info = copy.deepcopy(CORE_NODES)
-    for node_id, cls in NODES.items():
-        spec = cls.INPUT_TYPES()
-        info[node_id] = {"input": spec,
-                         "input_order": {s: list(spec.get(s, {})) for s in ("required", "optional")},
-                         "output": list(cls.RETURN_TYPES), "output_name": list(cls.RETURN_NAMES),
-                         "output_node": bool(getattr(cls, "OUTPUT_NODE", False)), "display_name": cls.TITLE}
-    return info
-
-
+WORKFLOWS = Path(__file__).resolve().parents[2] / "workflows"
 def _types_match(out_type: str, in_type: str) -> bool:
     if "*" in (out_type, in_type):
         return True

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "oracles"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "oracles"))
 
 import cases as case_mod  # noqa: E402
 import core_h3  # noqa: E402
@@ -125,7 +125,7 @@ def test_forward_segments_of_ref2va(models, tmp_path, capsys):
 @pytest.mark.parametrize("name", ["fl2va_first_last", "image_and_audio_guide", "ref2va", "video_mask_partial",
                                   "audio_mask", "pdd_mid_schedule"])
 def test_nvfp4_stack_close_to_dense_with_conditioning(name, models):
-    """The NVFP4 stack on the same conditioning: the usual W4A4 bound of the dense path (tests/test_stack.py)."""
+    """The NVFP4 stack on the same conditioning: the usual W4A4 bound of the dense path (tests/runtime/ops/test_block_ops.py)."""
     case = CASES[name]
     path = _model_file(models, case)
     dense = load_model(path, RuntimeOptions(device="cpu", dtype="float32", quantize=False))
@@ -144,7 +144,7 @@ def _q(x):
 
 def test_stack_block_with_masked_runs_equals_w4a4_reference(models):
     """A masked stream's many (start, stop, row) runs go through the NVFP4 producers exactly like plain
-    segments: the stack block equals the explicit W4A4 reference block (same bound as test_stack.py)."""
+    segments: the stack block equals the explicit W4A4 reference block (same bound as tests/runtime/ops/test_block_ops.py)."""
     case = CASES["video_mask_partial"]
     rt = load_model(_model_file(models, case), RuntimeOptions(device="cpu", dtype="float32", gemm="reference"))
     m = rt.model

@@ -11,8 +11,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "oracles"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "oracles"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import control_cases  # noqa: E402
 import core_control  # noqa: E402

@@ -12,6 +12,7 @@ Real kernels (sage1/sage2/cuDNN/flash) need a GPU: tests/gpu/test_attention_gpu.
 """
 
 import os
+from pathlib import Path
 import sys
 import types
 import zipfile
@@ -320,7 +321,7 @@ def test_use_sage1_from_refuses_sage2(tmp_path, clean_sage):
 
 def test_real_sage1_wheel_loads_if_present(clean_sage):
     """The PyPI 1.0.6 wheel (not committed; scripts/test.sh downloads it into .whl/ as a file, never installed)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(Path(__file__).resolve().parents[3])
     whl = os.path.join(root, ".whl", "sageattention-1.0.6-py3-none-any.whl")
     if not os.path.isfile(whl):
         pytest.skip(f"{whl} not present")

@@ -35,7 +35,7 @@ import pytest
 from h3_blackwell.cli import comfy_run
 from h3_blackwell.cli import main as cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WS_GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 PID = "0b6f3c1e-4d2a-4f7e-9a51-3c2d1e0f9a8b"
 PNG = b"\x89PNG\r\n\x1a\n fake frame"

@@ -1,7 +1,7 @@
 """W4A4's dynamic activation scales under sequence parallelism: the NVFP4 producers take the amax through an
 optional reduction, the ranks all-reduce it (MAX, runtime.parallel.amax), and a rank's rows then quantize to the
 single-process bytes. Producers and Nvfp4Ops on 2 gloo ranks against one process; the binding in sharded_ops
-(no processes). The whole runs are in tests/test_parallel_generate.py."""
+(no processes). The whole runs are in tests/runtime/parallel/test_parallel_generate.py."""
 
 import types
 

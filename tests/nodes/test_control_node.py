@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fixtures.tiny_control import save_tiny_control  # noqa: E402
-from test_nodes import SAMPLE_ARGS, comfy, core_conditioning, core_empty_latent, tiny  # noqa: E402,F401
+from fixtures.comfy_standins import SAMPLE_ARGS, core_conditioning, core_empty_latent  # noqa: E402
 
 from h3_blackwell.nodes import NODES  # noqa: E402
 from h3_blackwell.nodes._common import H3NodeError  # noqa: E402

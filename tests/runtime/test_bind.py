@@ -20,7 +20,7 @@ import torch
 from h3_blackwell.runtime import RuntimeOptions, load_model, sample
 from h3_blackwell.runtime.model.config import TINY
 
-RUNTIME = Path(__file__).resolve().parents[1] / "runtime"
+RUNTIME = Path(__file__).resolve().parents[2] / "runtime"
 READERS = {"options.py", "plan.py"}  # the only modules that read RuntimeOptions
 OPTION_NAMES = {f.name for f in dataclasses.fields(RuntimeOptions)} | {
     n for n, v in vars(RuntimeOptions).items() if isinstance(v, property) or (callable(v) and not n.startswith("_"))}

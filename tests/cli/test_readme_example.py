@@ -11,7 +11,7 @@ import pytest
 
 from h3_blackwell.cli.main import main
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def _blocks(lang: str) -> list[str]:

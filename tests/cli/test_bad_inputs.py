@@ -24,6 +24,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from fixtures.cli_contract import read_until
 from h3_blackwell.cli import main as cli
 from h3_blackwell.runtime.io.convert import quantize_checkpoint
 from h3_blackwell.runtime.model.tiny import save_tiny
@@ -503,19 +504,6 @@ def test_interrupt_during_imports_deterministic(out):
     assert err.strip().splitlines() == ["interrupted; nothing was written"], err
 
 
-def _read_until(stream, needle: bytes, timeout: float) -> bytes:
-    buf, t_end = b"", time.monotonic() + timeout
-    os.set_blocking(stream.fileno(), False)
-    while needle not in buf and time.monotonic() < t_end:
-        chunk = stream.read(65536)
-        if chunk:
-            buf += chunk
-        else:
-            time.sleep(0.02)
-    os.set_blocking(stream.fileno(), True)
-    return buf
-
-
 def _interrupt(p, head: bytes, out) -> str:
     """SIGINT to ``p`` -> its whole stderr; it must end with status 130, no traceback and nothing written."""
     p.send_signal(signal.SIGINT)
@@ -532,7 +520,7 @@ def test_sigint_during_imports(out):
     """A real SIGINT while torch is being imported: the import log shows torch's extension module loaded, and
     torch's package (imported only inside ``main``, with the rest of the runtime) not yet complete."""
     p = _py(["-X", "importtime", "-m", "h3_blackwell.cli.main", "generate", "--output", str(out / "o")])
-    head = _read_until(p.stderr, b" torch._C\n", 60)
+    head = read_until(p.stderr, b" torch._C\n", 60)
     assert b" torch._C\n" in head and not any(ln.endswith(b"| torch") for ln in head.splitlines())
     err = _interrupt(p, head, out)
     assert err.strip().splitlines()[-1] == "interrupted; nothing was written"
@@ -541,7 +529,7 @@ def test_sigint_during_imports(out):
 def test_sigint_while_sampling(out):
     p = _py(["-m", "h3_blackwell.cli.main", "generate", "--output", str(out / "o"), "--width", "64", "--height", "64",
              "--frames", "5", "--steps", "200", "--progress"])
-    head = _read_until(p.stderr, b"sampling [", 120)
+    head = read_until(p.stderr, b"sampling [", 120)
     assert b"sampling [" in head, head.decode()[-2000:]
     err = _interrupt(p, head, out)
     last = err.replace("\r", "\n").strip().splitlines()[-1]

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "oracles"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "oracles"))
 
 import core_sampling  # noqa: E402
 

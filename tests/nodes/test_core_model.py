@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "oracles"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "oracles"))
 
 import cases as case_mod  # noqa: E402
 import core_h3  # noqa: E402

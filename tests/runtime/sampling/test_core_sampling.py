@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "oracles"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "oracles"))
 
 import cases as case_mod  # noqa: E402
 import core_sampling  # noqa: E402

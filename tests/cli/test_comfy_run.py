@@ -20,9 +20,9 @@ import pytest
 from h3_blackwell.cli import comfy_run
 from h3_blackwell.cli.comfy_run import ConversionError, main, ui_to_api
 
-from test_workflows import object_info
+from fixtures.core_nodes import object_info
 
-WORKFLOWS = Path(__file__).resolve().parents[1] / "workflows"
+WORKFLOWS = Path(__file__).resolve().parents[2] / "workflows"
 WS_GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 REPORT = {"latent_checksums": {"video_sha256": "ab" * 32}}
 
