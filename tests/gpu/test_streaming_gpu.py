@@ -18,6 +18,7 @@ from h3_blackwell.runtime.load import StateDictSource
 from h3_blackwell.runtime.model.config import H3Config
 from h3_blackwell.runtime.model.layout import latent_shapes
 from h3_blackwell.runtime.model.tiny import tiny_state_dict
+from fixtures.reports import report_hashes
 
 pytestmark = [
     pytest.mark.gpu,
@@ -55,16 +56,11 @@ def _inputs():
     return torch.randn(1, TOKENS, CFG.text_dim, generator=g), None, torch.zeros(VSHAPE), torch.zeros(ASHAPE)
 
 
-def _hashes(res):
-    c = res.report["latent_checksums"]
-    return c["video_sha256"], c["audio_sha256"]
-
-
-def test_streamed_run_gives_the_resident_hashes(runtimes):
+def test_streamed_run_gives_the_residentreport_hashes(runtimes):
     resident, streamed = runtimes
     want = sample(resident, *_inputs(), seed=3, steps=STEPS)
     got = sample(streamed, *_inputs(), seed=3, steps=STEPS)
-    assert _hashes(got) == _hashes(want)
+    assert report_hashes(got) == report_hashes(want)
     mem = got.report["memory"]
     print(json.dumps({k: mem[k] for k in ("budget", "bytes_copied_per_step", "copy_ms_per_step",
                                           "copy_exposed_ms_per_step", "copy_hidden_ms_per_step",

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from fixtures.cli_contract import (check_refusal, edit_header, leftovers, refused_inproc, run, split_safetensors,
+from fixtures.cli_contract import (check_refusal, listing, edit_header, leftovers, refused_inproc, run, split_safetensors,
                                    write_safetensors)
 from h3_blackwell.runtime.io.convert import quantize_checkpoint
 from h3_blackwell.runtime.model.tiny import save_tiny
@@ -46,23 +46,14 @@ def files(tmp_path_factory):
     return {"dir": d, "tiny": tiny, "nvfp4": nv, "inputs": inputs, "text": text, "lora": lora}
 
 
-@pytest.fixture
-def out(tmp_path):
-    w = tmp_path / "work"
-    w.mkdir()
-    return w
-
-
-def _listing(d: Path) -> set:
-    return {str(p.relative_to(d)) for p in d.rglob("*")}
 
 
 def refused(capsys, argv, *needles, watch: Path | None = None) -> str:
     """The refusal contract in process; ``watch``: a folder that must not change; the model must not load."""
-    before = _listing(watch) if watch is not None else None
+    before = listing(watch) if watch is not None else None
     line = refused_inproc(capsys, argv, *needles)
     if watch is not None:
-        assert _listing(watch) == before, "something was written"
+        assert listing(watch) == before, "something was written"
     return line
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from fixtures.cli_contract import leftovers, refused_inproc
+from fixtures.cli_contract import listing, leftovers, refused_inproc
 from h3_blackwell.runtime import ConditioningError, conditioning_from_payload
 
 
@@ -34,21 +34,12 @@ def inputs(tmp_path_factory):
     return p
 
 
-@pytest.fixture
-def out(tmp_path):
-    w = tmp_path / "work"
-    w.mkdir()
-    return w
-
-
-def _listing(d: Path) -> set:
-    return {str(p.relative_to(d)) for p in d.rglob("*")}
 
 
 def _refused(capsys, inputs, out, payload_bytes: bytes, *needles, command: str = "generate") -> str:
     p = out / "payload.json"
     p.write_bytes(payload_bytes)
-    before = _listing(out)
+    before = listing(out)
     argv = (["generate", "--output", out / "o", "--inputs", inputs, "--payload", p, "--steps", "1"]
             if command == "generate" else
             ["forward", "--model", "-", "--inputs", inputs, "--payload", p, "--out", out / "v.safetensors"])
@@ -56,9 +47,9 @@ def _refused(capsys, inputs, out, payload_bytes: bytes, *needles, command: str =
         from h3_blackwell.runtime.model.tiny import save_tiny
 
         argv[2] = save_tiny(out.parent / "tiny.safetensors", seed=0)
-        before = _listing(out)
+        before = listing(out)
     line = refused_inproc(capsys, argv, *needles)
-    assert _listing(out) == before and not leftovers(out)
+    assert listing(out) == before and not leftovers(out)
     assert len(line) < 1000, len(line)  # a hostile value is never echoed whole
     return line
 

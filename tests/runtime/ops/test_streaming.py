@@ -19,6 +19,7 @@ from h3_blackwell.runtime.model.layout import latent_shapes
 from h3_blackwell.runtime.model.tiny import tiny_state_dict
 from h3_blackwell.runtime.ops.streaming import StreamOps
 from h3_blackwell.runtime.parallel.group import ParallelContext
+from fixtures.reports import report_hashes
 from tests.fixtures.tiny_lora import save_tiny_lora, tiny_lora_truth
 
 CPU = dict(device="cpu")
@@ -36,11 +37,6 @@ def _inputs(seed=1):
     return text, None, torch.zeros(VSHAPE), torch.zeros(ASHAPE)
 
 
-def _hashes(res):
-    c = res.report["latent_checksums"]
-    return c["video_sha256"], c["audio_sha256"]
-
-
 def _gb(nbytes):
     return repr(nbytes / 1e9)
 
@@ -56,18 +52,18 @@ def _all_streamed_budget(kw, src=None, steps=STEPS):
 
 
 @pytest.mark.parametrize("stack", sorted(STACKS))
-def test_streaming_loop_gives_the_resident_hashes(stack):
+def test_streaming_loop_gives_the_residentreport_hashes(stack):
     kw = STACKS[stack]
     resident = _load(kw)
     assert resident.plan.memory.streamed == () and "nothing streams" in resident.plan.choices["memory"].reason
-    want = _hashes(sample(resident, *_inputs(), seed=7, steps=STEPS))
+    want = report_hashes(sample(resident, *_inputs(), seed=7, steps=STEPS))
     rt = _load(kw, _all_streamed_budget(kw))
     assert rt.plan.memory.streamed == (0, 1, 2) and rt.plan.memory.emulated
     res = sample(rt, *_inputs(), seed=7, steps=STEPS)
     for j in (0, 1, 2):  # between blocks a streamed linear holds its host tensors (what a LoRA merge writes)
         for name, hl in rt.streamer.host[j].items():
             assert hl.holds(rt.model.blocks[j].get_submodule(name)), (j, name)
-    assert _hashes(res) == want
+    assert report_hashes(res) == want
     mem = res.report["memory"]
     block = rt.plan.memory.block_bytes
     assert mem["streamed_blocks"] == [0, 1, 2] and mem["resident_blocks"] == []
@@ -93,7 +89,7 @@ def test_partial_streaming_spreads_the_resident_blocks_and_keeps_first_block_cac
     for fbc in (None, 0.3):  # First-Block Cache: skipped tails leave prefetched slots that the next step uses
         want = sample(resident, *_inputs(), seed=5, steps=4, first_block_cache=fbc)
         got = sample(rt, *_inputs(), seed=5, steps=4, first_block_cache=fbc)
-        assert _hashes(got) == _hashes(want)
+        assert report_hashes(got) == report_hashes(want)
         if fbc is not None:
             assert got.report["first_block_cache"] == want.report["first_block_cache"]
 
@@ -107,28 +103,28 @@ def lora_file(tmp_path_factory):
 def test_lora_merged_bytes_stream_and_side_paths_run_beside_them(lora_file, mode):
     kw = STACKS["w4a8"]
     resident, rt = _load(kw), _load(kw, _all_streamed_budget(kw))
-    plain = _hashes(sample(rt, *_inputs(), seed=2, steps=STEPS))  # slots now hold the plain bytes
+    plain = report_hashes(sample(rt, *_inputs(), seed=2, steps=STEPS))  # slots now hold the plain bytes
     for r in (resident, rt):
         L.apply_loras(r, [(str(lora_file), 0.7, mode)])
-    want = _hashes(sample(resident, *_inputs(), seed=2, steps=STEPS))
+    want = report_hashes(sample(resident, *_inputs(), seed=2, steps=STEPS))
     assert want != plain
-    assert _hashes(sample(rt, *_inputs(), seed=2, steps=STEPS)) == want  # merged host bytes copied again
+    assert report_hashes(sample(rt, *_inputs(), seed=2, steps=STEPS)) == want  # merged host bytes copied again
     L.remove_loras(rt)
-    assert isinstance(rt.ops, StreamOps) and _hashes(sample(rt, *_inputs(), seed=2, steps=STEPS)) == plain
+    assert isinstance(rt.ops, StreamOps) and report_hashes(sample(rt, *_inputs(), seed=2, steps=STEPS)) == plain
 
 
 def test_sparse_attention_streams():
     kw = dict(quantize=False, attention="sparse", sparse_min_tokens=0, sparse_extra_tokens=0, dtype="float32")
-    want = _hashes(sample(_load(kw), *_inputs(), seed=4, steps=STEPS))
-    assert _hashes(sample(_load(kw, _all_streamed_budget(kw)), *_inputs(), seed=4, steps=STEPS)) == want
+    want = report_hashes(sample(_load(kw), *_inputs(), seed=4, steps=STEPS))
+    assert report_hashes(sample(_load(kw, _all_streamed_budget(kw)), *_inputs(), seed=4, steps=STEPS)) == want
 
 
 def test_sequence_parallel_world_of_one_streams():
     kw = STACKS["w4a8"]
     ctx = ParallelContext(0, 1, torch.device("cpu"), "gloo")
-    want = _hashes(sample(_load(kw), *_inputs(), seed=6, steps=STEPS, parallel=ctx))
+    want = report_hashes(sample(_load(kw), *_inputs(), seed=6, steps=STEPS, parallel=ctx))
     got = sample(_load(kw, _all_streamed_budget(kw)), *_inputs(), seed=6, steps=STEPS, parallel=ctx)
-    assert _hashes(got) == want and got.report["memory"]["streamed_blocks"] == [0, 1, 2]
+    assert report_hashes(got) == want and got.report["memory"]["streamed_blocks"] == [0, 1, 2]
 
 
 def test_sequence_parallel_two_ranks_stream(tmp_path, monkeypatch):
@@ -149,17 +145,17 @@ def test_sequence_parallel_two_ranks_stream(tmp_path, monkeypatch):
     assert st["sequence_parallel"]["latents_identical_across_ranks"]
 
 
-def test_replanning_at_sampling_start_moves_blocks_and_keeps_the_hashes():
+def test_replanning_at_sampling_start_moves_blocks_and_keeps_thereport_hashes():
     kw = STACKS["w4a4"]
     rt = _load(kw)
-    want = _hashes(sample(rt, *_inputs(), seed=8, steps=STEPS))
+    want = report_hashes(sample(rt, *_inputs(), seed=8, steps=STEPS))
     rt.plan.options.vram_budget = _gb(_all_streamed_budget(kw))  # as a new budget for the next run
     res = sample(rt, *_inputs(), seed=8, steps=STEPS)
-    assert rt.plan.memory.streamed == (0, 1, 2) and _hashes(res) == want
+    assert rt.plan.memory.streamed == (0, 1, 2) and report_hashes(res) == want
     assert res.report["memory"]["bytes_copied_per_step"] > 0
     rt.plan.options.vram_budget = "auto"  # CPU auto: back to resident, the blocks' tensors own storage again
     res = sample(rt, *_inputs(), seed=8, steps=STEPS)
-    assert rt.plan.memory.streamed == () and rt.streamer.host == {} and _hashes(res) == want
+    assert rt.plan.memory.streamed == () and rt.streamer.host == {} and report_hashes(res) == want
     assert res.report["memory"]["bytes_copied_per_step"] == 0
 
 

@@ -14,6 +14,7 @@ from h3_blackwell.runtime.errors import H3Error
 from h3_blackwell.runtime.model.layout import latent_shapes
 from h3_blackwell.runtime.ops import sparse_attention as SA
 from h3_blackwell.runtime.sampling.step_cache import FirstBlockCache
+from fixtures.reports import report_hashes
 
 CPU = dict(device="cpu", dtype="float32")
 
@@ -29,15 +30,10 @@ def _inputs(width=128, height=96, frames=22, seed=0):
     return text, None, torch.zeros(v), torch.zeros(a)
 
 
-def _hashes(res):
-    c = res.report["latent_checksums"]
-    return c["video_sha256"], c["audio_sha256"]
-
-
 def test_first_block_cache_threshold_zero_is_exactly_uncached(rt):
     plain = sample(rt, *_inputs(), seed=3, steps=4)
     cached = sample(rt, *_inputs(), seed=3, steps=4, first_block_cache=0.0)
-    assert _hashes(cached) == _hashes(plain)
+    assert report_hashes(cached) == report_hashes(plain)
     fbc = cached.report["first_block_cache"]
     assert fbc["lossy"] and fbc["threshold"] == 0.0 and fbc["reused_steps"] == []
     assert sorted(fbc["rel_l1"]) == ["1", "2", "3"]          # compared every step after the first
@@ -49,7 +45,7 @@ def test_first_block_cache_reuses_and_reports_the_steps(rt):
     cached = sample(rt, *_inputs(), seed=3, steps=4, first_block_cache=10.0, runs=2)
     fbc = cached.report["first_block_cache"]
     assert fbc["reused_steps"] == [1, 2, 3] and fbc["reused_steps_per_measured_run"] == [[1, 2, 3]] * 2
-    assert _hashes(cached) != _hashes(plain)
+    assert report_hashes(cached) != report_hashes(plain)
     assert cached.report["latent_checksums"]["exact_across_measured_runs"]
 
 
@@ -124,7 +120,7 @@ def test_sparse_tau_per_call_and_refusals(rt, rt_sparse):
     a = sample(rt_sparse, *_inputs(**BIG), seed=1, steps=2, sparse_tau=0.5)
     b = sample(rt_sparse, *_inputs(**BIG), seed=1, steps=2, sparse_tau=3.0)
     assert a.report["sparse_attention"]["tau"] == 0.5 and b.report["sparse_attention"]["tau"] == 3.0
-    assert _hashes(a) != _hashes(b)
+    assert report_hashes(a) != report_hashes(b)
     with pytest.raises(H3Error, match="attention=sparse"):
         sample(rt, *_inputs(), seed=1, steps=2, sparse_tau=1.3)
     if not torch.cuda.is_available():
