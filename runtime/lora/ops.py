@@ -25,37 +25,26 @@ import torch
 import torch.nn.functional as F
 
 from ..ops.reference import modulated
+from ..ops.wrapper import OpsWrapper
 from .side import LoraSide
 
 BLOCK_LINEAR = re.compile(r"^blocks\.(\d+)\.(attn\.qkv_proj|attn\.out_proj|mlp\.fc1|mlp\.fc2)$")
-_OWN = ("inner", "sides")
 
 
-class LoraOps:
+class LoraOps(OpsWrapper):
     """BlockOps = ``inner`` (any BlockOps) + the LoRA side paths ``sides`` {block linear name: LoraSide}.
 
-    Reading an attribute it does not define reads the inner ops' (``fc2_direct_calls``, ``act_scale``, ...);
-    setting one sets the inner ops' (``fc2_dispatcher``), so the wrapper never shadows the state it wraps.
+    Other attributes read and write the inner ops' (``runtime.ops.wrapper.OpsWrapper``).
     """
+
+    OWN = ("inner", "sides")
 
     def __init__(self, inner, sides: dict[str, LoraSide]):
         bad = sorted(n for n in sides if not BLOCK_LINEAR.match(n))
         if bad:
             raise ValueError(f"LoraOps: side paths are for the block linears blocks.N.(attn.qkv_proj|attn.out_proj|"
                              f"mlp.fc1|mlp.fc2); found {bad[:3]}; hook other layers with runtime.lora.side")
-        object.__setattr__(self, "inner", inner)
-        object.__setattr__(self, "sides", {n: s for n, s in sides.items() if s.active})
-
-    def __getattr__(self, name):
-        if name.startswith("__") or name in _OWN:
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    def __setattr__(self, name, value):
-        if name in _OWN:
-            object.__setattr__(self, name, value)
-        else:
-            setattr(self.inner, name, value)
+        super().__init__(inner, sides={n: s for n, s in sides.items() if s.active})
 
     def side(self, i: int, layer: str) -> LoraSide | None:
         """The side path of ``blocks.{i}.{layer}`` (layer e.g. "mlp.fc2"), None when it has none."""

@@ -31,10 +31,10 @@ import torch
 import torch.nn as nn
 
 from .host_buffers import HostLinear
+from .wrapper import OpsWrapper
 
 SLOTS = 2
 LINEAR_NAMES = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
-_OWN = ("inner", "streamer", "ffn_chunk_rows")
 
 
 @dataclass
@@ -335,26 +335,15 @@ class BlockStreamer:
                           "cpu emulation: synchronous host copies, all exposed (perf_counter)"}
 
 
-class StreamOps:
+class StreamOps(OpsWrapper):
     """BlockOps = ``inner`` (any BlockOps) whose blocks' streamed linears are bound to their device slot while
     the block computes (``BlockStreamer.enter`` / ``leave``); ``ffn_chunk_rows``: the FFN row chunk of the
-    memory plan (None: unchunked). Other attributes read and write the inner ops'."""
+    memory plan (None: unchunked). Other attributes read and write the inner ops' (``ops.wrapper.OpsWrapper``)."""
+
+    OWN = ("inner", "streamer", "ffn_chunk_rows")
 
     def __init__(self, inner, streamer: BlockStreamer | None, ffn_chunk_rows: int | None = None):
-        object.__setattr__(self, "inner", inner)
-        object.__setattr__(self, "streamer", streamer)
-        object.__setattr__(self, "ffn_chunk_rows", ffn_chunk_rows)
-
-    def __getattr__(self, name):
-        if name.startswith("__") or name in _OWN:
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    def __setattr__(self, name, value):
-        if name in _OWN:
-            object.__setattr__(self, name, value)
-        else:
-            setattr(self.inner, name, value)
+        super().__init__(inner, streamer=streamer, ffn_chunk_rows=ffn_chunk_rows)
 
     def _enter(self, i, blk, starts_block: bool = False) -> None:
         st = self.streamer

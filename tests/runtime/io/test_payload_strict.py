@@ -7,7 +7,6 @@ exit 2, one ``error:`` line naming the field or file, no traceback, nothing writ
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
