@@ -88,9 +88,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _package_root() -> str:
-    import h3_blackwell  # the package this module was imported from (installed or a plain checkout)
-
-    return str(Path(list(h3_blackwell.__path__)[0]).resolve())
+    """The folder of the package this module belongs to (installed or a plain checkout): runtime/parallel/ is two
+    levels below it. (Importing the bare package here would close an import cycle through the ComfyUI entry.)"""
+    return str(Path(__file__).resolve().parents[2])
 
 
 def _worker_env(rank: int, world_size: int, port: int, extra: dict | None) -> dict:
