@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from h3_blackwell.cli import comfy_run
-from h3_blackwell.cli.comfy_run import ConversionError, main, ui_to_api
+from h3_blackwell.cli.comfy_run import main
+from h3_blackwell.cli.comfy_workflow import ConversionError, ui_to_api
 
 from fixtures.core_nodes import object_info
 
