@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError
+from .strict_json import DuplicateKey, unique_keys
 
 ST_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -83,20 +84,6 @@ def _entry(path: Path, name: str, info, data_len: int) -> TensorInfo:
     return TensorInfo(dt, shape, offs)
 
 
-class _DuplicateKey(Exception):
-    def __init__(self, key: str):
-        self.key = key
-
-
-def _unique_keys(pairs: list) -> dict:
-    out: dict = {}
-    for k, v in pairs:
-        if k in out:
-            raise _DuplicateKey(k)
-        out[k] = v
-    return out
-
-
 def read_header(path: str | Path, what: str = "checkpoint") -> Header:
     """Parse a safetensors header (JSON only; no tensor bytes are read).
 
@@ -127,8 +114,8 @@ def read_header(path: str | Path, what: str = "checkpoint") -> Header:
                 "(truncated download or not safetensors)")
         raw = f.read(n)
     try:
-        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
-    except _DuplicateKey as d:
+        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_keys)
+    except DuplicateKey as d:
         raise CheckpointError(f"{path}: corrupt safetensors header (the name {d.key!r} is given twice; a reader could "
                               "take either entry); re-export the file") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:

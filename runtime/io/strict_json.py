@@ -24,16 +24,17 @@ class JsonInputError(H3Error):
     """A JSON input that is not one well-formed object (the message names the file and the problem)."""
 
 
-class _Duplicate(Exception):
+class DuplicateKey(Exception):
     def __init__(self, key: str):
         self.key = key
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    """``json.loads``' object_pairs_hook that refuses a key given twice in one object (raises DuplicateKey)."""
     seen: dict = {}
     for k, v in pairs:
         if k in seen:
-            raise _Duplicate(k)
+            raise DuplicateKey(k)
         seen[k] = v
     return seen
 
@@ -58,8 +59,8 @@ def loads_object(text: str, source: str, expected: str = "a JSON object") -> dic
     """Parse ``text`` (from ``source``, named in the errors) as one JSON object; see the module docstring.
     ``expected`` describes the object for the messages."""
     try:
-        data = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_constant)
-    except _Duplicate as d:
+        data = json.loads(text, object_pairs_hook=unique_keys, parse_constant=_constant)
+    except DuplicateKey as d:
         raise JsonInputError(f"{source}: expected {expected} with each key once; found the key {d.key!r} twice in "
                              "one object (JSON readers disagree on which one wins); remove one") from None
     except json.JSONDecodeError as e:

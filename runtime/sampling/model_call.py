@@ -271,15 +271,8 @@ class ModelCall:
         rec = RunRecord(run.seconds, [{"step": k + 1, "seconds": v} for k, v in enumerate(per_call)], None, None,
                         latent_sha256(video.float()), latent_sha256(audio.float()), dict(run.fc2), nonfinite=bad)
         workload = self._workload(run, video, audio, workload_extra)
-        fc2_status = rt.fc2.status() if rt.fc2 is not None and hasattr(rt.fc2, "status") else None
-        fc2_status = {**(fc2_status or {}), **rt.ops.status()}
         report = build_report(rt, workload, [rec], 0, video.float(), audio.float(),
-                              fc2_required=rt.config.num_layers * run.calls, fc2_status=fc2_status)
-        if rt.fc2 is None:
-            report["fc2_dispatch"]["status"] = (
-                f"not active: {rt.plan.choices['fc2_lt'].reason}" if rt.ops.name != "reference" else
-                "not active: the block stack runs dense linears (no NVFP4 FC2 path)")
-        report["load_seconds"] = rt.load_seconds
+                              fc2_required=rt.config.num_layers * run.calls)
         if run.lossy is not None:
             report.update(run.lossy.report())
         return report

@@ -144,8 +144,19 @@ def _memory(rt, measured: list) -> dict:
     return {"memory": block} if block is not None else {}
 
 
+def _fc2_status(rt) -> dict:
+    """The FC2 block's state fields: the guarded dispatcher's (where one is bound) and the block ops'; without a
+    dispatcher, why none runs."""
+    out = rt.fc2.status() if rt.fc2 is not None and hasattr(rt.fc2, "status") else {}
+    out = {**(out or {}), **rt.ops.status()}
+    if rt.fc2 is None:
+        out["status"] = (f"not active: {rt.plan.choices['fc2_lt'].reason}" if rt.ops.name != "reference" else
+                         "not active: the block stack runs dense linears (no NVFP4 FC2 path)")
+    return out
+
+
 def build_report(rt, workload: dict, measured: list, warmup_runs: int, video: torch.Tensor,
-                 audio: torch.Tensor, fc2_required: int, fc2_status: dict | None = None) -> dict:
+                 audio: torch.Tensor, fc2_required: int) -> dict:
     """The seed-schema report for ``measured`` runs (RunRecord list, warm-ups excluded)."""
     dev_name, cc = device_info(rt.device)
     secs = [r.sampling_seconds for r in measured]
@@ -158,8 +169,7 @@ def build_report(rt, workload: dict, measured: list, warmup_runs: int, video: to
            "all_passed": bool(fc2_required) and all(
                r["attempts"] == fc2_required and r["successes"] == fc2_required and r["fallbacks"] == 0
                for r in runs_fc2)}
-    if fc2_status:
-        fc2.update(fc2_status)
+    fc2.update(_fc2_status(rt))
     fc2["consistent_with_configuration"], fc2["expected"] = fc2_consistency(fc2, fc2_required, runs_fc2)
     config = rt.plan.configuration()
     config.update({f"backend_{k}": v["choice"] for k, v in rt.backends.items()})
@@ -200,6 +210,7 @@ def build_report(rt, workload: dict, measured: list, warmup_runs: int, video: to
                             if rt.device.type == "cuda" else "perf_counter per step (CPU)"),
             "profiling": False,
         },
+        "load_seconds": rt.load_seconds,
     }
 
 

@@ -287,18 +287,8 @@ def sample(rt, text_states: torch.Tensor, token_tags: torch.Tensor | None, video
     out, records, sp_section = _measure(run_args, warmup, runs, parallel, preview, inpaint, lossy)
     workload = _workload(rt, plan, video, audio, steps, seed, sampler, scheduler, denoise, shifts, workload_extra,
                          conditioning)
-    fc2_status = None
-    if rt.fc2 is not None and hasattr(rt.fc2, "status"):
-        fc2_status = rt.fc2.status()
-    fc2_status = {**(fc2_status or {}), **rt.ops.status()}
     report = build_report(rt, workload, records, warmup, out[0], out[1],
-                          fc2_required=cfg.num_layers * steps + (0 if plan.control is None else plan.control.fc2_calls),
-                          fc2_status=fc2_status)
-    if rt.fc2 is None:
-        report["fc2_dispatch"]["status"] = (
-            f"not active: {rt.plan.choices['fc2_lt'].reason}" if rt.ops.name != "reference" else
-            "not active: the block stack runs dense linears (no NVFP4 FC2 path)")
-    report["load_seconds"] = rt.load_seconds
+                          fc2_required=cfg.num_layers * steps + (0 if plan.control is None else plan.control.fc2_calls))
     if plan.control is not None:
         report["control"] = plan.control.summary()
     if sp_section is not None:
