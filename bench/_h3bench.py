@@ -28,8 +28,9 @@ from h3_blackwell.runtime.model.h3 import H3Model  # noqa: E402
 COMPONENTS = [
     # Sage2's own helper kernels (int8/fp8 quantization of q, k, v, V's pad and transpose) count as attention,
     # as the seed's "sage2" component did (5 launches per block)
+    # FA3 fp8's operand producers (qkv_stats_kernel, qkv_fp8_kernel) likewise
     ("attention", ("attn", "sage", "fmha", "flash", "cudnn", "softmax", "quantint8", "meanscale",
-                   "transposepad", "catarray")),
+                   "transposepad", "catarray", "qkv_stats", "qkv_fp8")),
     ("norm_and_rope", ("norm_rope",)),
     ("remaining_gate_add", ("gate_add",)),
     ("nvfp4_packing", ("_rms_modulate", "_rms_fp8", "_swiglu", "_quantize_kernel", "_quantize_fp8", "_fp8_rowwise",

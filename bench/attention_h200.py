@@ -12,6 +12,11 @@ the plan picks). A backend that is missing or fails is recorded with its reason.
 * ms: median of ``--iters`` timed calls (CUDA events) after ``--warmup`` calls; tflops = 4*S^2*D*H / time.
 * rel_l2: against the fp32 reference (IEEE fp32, no TF32) on ``--ref-rows`` evenly spaced query rows
   (all keys); inputs are N(0,1), the worst case for the quantized kernels (see TOLERANCE).
+  rel_l2_space_time: the same on q/k whose video rows carry space-time locality (tests/fixtures/structured_qkv:
+  H3's canonical segments, as a trained video DiT's attention looks), at the canonical S only.
+* candidates that are not registered backends (rows ``variant_*``): FA3 fp8 with ONE per-tensor scale for each
+  of q, k, v and no smoothing (the interface's plain use), and SageAttention2's library wrapper with per-thread
+  q/k quantization. They show what the registered choices gain.
 * copies: CUDA kernels with "copy" in their name during one call (torch profiler) and the peak-memory
   delta of one call, in q-thirds (a copy of q, k and v would add 3).
 * norm_rope: GB/s = bytes the kernel must move (read + write the q and k thirds, read cos and sin) / time,
@@ -46,9 +51,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _h3bench import bench_copy, err_text, time_ms, versions, write_json  # noqa: E402  (also makes the checkout importable as h3_blackwell)
 
-from _sparse_bench import bench_sparse  # noqa: E402
+from _sparse_bench import CANONICAL_GRID, bench_sparse, canonical_segments, local_qkv  # noqa: E402
 from h3_blackwell.runtime.ops import attention as A  # noqa: E402
 from h3_blackwell.runtime.ops import sage as S  # noqa: E402
+from h3_blackwell.runtime.ops import flash_attention as FA  # noqa: E402
 from h3_blackwell.runtime.ops import elementwise as E  # noqa: E402
 from h3_blackwell.runtime.ops import reference as R  # noqa: E402
 
@@ -85,21 +91,53 @@ def attention_versions() -> dict:
                     sageattention1=src if mod1 is not None else f"absent: {src}")
 
 
-def bench_attention(args, dev, qkv, ref, rows, before) -> dict:
+def _variants(dev, h, d) -> dict:
+    """Candidate kernels that are not registered backends: name -> fn(qkv) -> [S, H*D] (module docstring)."""
+    out = {}
+    mod, why = FA.fa3_module()
+    if mod is not None and FA.fa3_check("fa3_fp8", dev, d, torch.bfloat16)[0]:
+        def fa3_per_tensor(qkv):
+            q, k, v = A.qkv_views(qkv, h, d)
+            ops, ds = [], []
+            for t in (q, k, v):
+                sc = (t.abs().amax().float() / 448).clamp_min(1e-30)
+                ops.append((t.float() / sc).clamp(-448, 448).to(torch.float8_e4m3fn))
+                ds.append(sc.reshape(1, 1).expand(1, h).contiguous())
+            o = mod.flash_attn_func(*ops, causal=False, q_descale=ds[0], k_descale=ds[1], v_descale=ds[2])
+            return (o[0] if isinstance(o, tuple) else o).reshape(qkv.shape[0], -1)
+        out["variant_fa3_fp8_per_tensor_unsmoothed"] = fa3_per_tensor
+    smod, _ = S.sage2_module()
+    if smod is not None and hasattr(smod, S.SAGE2_SM90_FN) and torch.cuda.get_device_capability(dev) == (9, 0):
+        fn = getattr(smod, S.SAGE2_SM90_FN)
+
+        def sage2_per_thread(qkv):
+            q, k, v = A.qkv_views(qkv, h, d)
+            return fn(q, k, v, tensor_layout="NHD", is_causal=False, qk_quant_gran="per_thread",
+                      pv_accum_dtype="fp32+fp32", smooth_k=True).reshape(qkv.shape[0], -1)
+        out["variant_sage2_library_per_thread"] = sage2_per_thread
+    return out
+
+
+def bench_attention(args, dev, qkv, ref, rows, before, structured=None) -> dict:
     s, h, d = args.seq, args.heads, args.head_dim
     flops = A.attention_flops(s, h, d)
     third = s * h * d * qkv.element_size()
     out = {}
-    for b in args.backends:
-        ok, why = A._available(b, dev, d, qkv.dtype, probe=False)
-        if not ok:
-            out[b] = {"available": False, "reason": why}
-            print(f"{b:12s} unavailable: {why}", flush=True)
-            continue
-        v_handling = S.v_handling_status("fused", dev, d)[0] if b == "sage2" else "none"
-        rec = {"available": True, "what": why, "v_handling": v_handling}
+    variants = _variants(dev, h, d)
+    for b in list(args.backends) + list(variants):
+        if b in variants:
+            fn, rec = variants[b], {"available": True, "what": "bench-only candidate (module docstring)"}
+        else:
+            ok, why = A._available(b, dev, d, qkv.dtype, probe=False)
+            if not ok:
+                out[b] = {"available": False, "reason": why}
+                print(f"{b:12s} unavailable: {why}", flush=True)
+                continue
+            v_handling = S.v_handling_status("fused", dev, d)[0] if b == "sage2" else "none"
+            rec = {"available": True, "what": why, "v_handling": v_handling}
         try:
-            fn = A.bind_attention(b, d, device=dev, v_handling=v_handling)
+            if b not in variants:
+                fn = A.bind_attention(b, d, device=dev, v_handling=v_handling)
             call = lambda: fn(qkv)  # noqa: E731
             t = time_ms(call, args.iters, args.warmup)
             o = call()
@@ -107,9 +145,12 @@ def bench_attention(args, dev, qkv, ref, rows, before) -> dict:
             rec.update(ms=round(t["median"], 3), ms_min=round(t["min"], 3), ms_all=t["all"],
                        tflops=round(flops / (t["median"] * 1e-3) / 1e12, 1),
                        rel_l2=round(A.rel_l2(o[rows].float(), ref), 5),
-                       tolerance=A.TOLERANCE[b][0],
+                       tolerance=A.TOLERANCE[b][0] if b in A.TOLERANCE else None,
                        qkv_buffer_untouched=bool(torch.equal(qkv, before)))
             del o
+            if structured is not None:
+                sqkv, sref = structured
+                rec["rel_l2_space_time"] = round(A.rel_l2(fn(sqkv)[rows].float(), sref), 5)
             ck = copy_kernels(call)
             strided = peak_delta(call, dev)
             rec["copies"] = {
@@ -118,7 +159,7 @@ def bench_attention(args, dev, qkv, ref, rows, before) -> dict:
                 "qkv_third_mib": round(third / 2**20, 1),
                 "peak_delta_thirds": round(strided / third, 2),
             }
-            print(f"{b:12s} {rec['ms']:8.2f} ms {rec['tflops']:6.1f} TFLOP/s rel_l2 {rec['rel_l2']:.4f} "
+            print(f"{b:12s} {rec['ms']:8.2f} ms {rec['tflops']:6.1f} TFLOP/s rel_l2 {rec['rel_l2']:.4f} st {rec.get('rel_l2_space_time', -1):.4f} "
                   f"copy kernels {len(ck)} peak {rec['copies']['peak_delta_mib']} MiB", flush=True)
         except Exception as e:
             rec["error"] = err_text(e)
@@ -216,7 +257,7 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--ref-rows", type=int, default=512)
-    p.add_argument("--backends", nargs="*", default=["sage2", "sdpa_cudnn", "sdpa_flash", "sage1"],
+    p.add_argument("--backends", nargs="*", default=["sage2", "fa3_fp8", "fa3", "sdpa_cudnn", "sdpa_flash", "sage1"],
                    help="attention backends to time; none (a bare --backends) times only norm+RoPE and gate+add")
     p.add_argument("--sage1", default=None, help="sageattention 1.x wheel or folder (default: .whl/sageattention-1.*.whl)")
     p.add_argument("--sparse-taus", nargs="*", type=float, default=[1.0, 1.3, 1.6, 2.0],
@@ -275,7 +316,13 @@ def main(argv=None) -> int:
         rows = torch.linspace(0, s - 1, min(args.ref_rows, s), device=dev).round().long().unique()
         ref = A.exact_attention_reference(*A.qkv_views(qkv, h, d), rows=rows)
         result["reference"] = {"rows": int(rows.numel()), "math": "fp32 IEEE (no TF32), all keys"}
-        result["backends"] = bench_attention(args, dev, qkv, ref, rows, before)
+        structured = None
+        if s == canonical_segments()[-1][1]:
+            sqkv = local_qkv(canonical_segments(), CANONICAL_GRID, h, d, dev, seed=0)
+            structured = (sqkv, A.exact_attention_reference(*A.qkv_views(sqkv, h, d), rows=rows))
+            result["reference"]["space_time"] = "tests/fixtures/structured_qkv.local_qkv(seed=0), same rows"
+        result["backends"] = bench_attention(args, dev, qkv, ref, rows, before, structured)
+        structured = None
         del qkv, before, ref
         torch.cuda.empty_cache()
     if sparse:

@@ -21,7 +21,7 @@ from typing import Any, Mapping
 CHOICES: dict[str, tuple[str, ...]] = {
     "device": ("auto",),  # or cpu / cuda / cuda:N (checked by the plan)
     "dtype": ("auto", "float32", "bfloat16", "float16"),
-    "attention": ("auto", "sage2", "sage1", "sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math",
+    "attention": ("auto", "sage2", "fa3_fp8", "fa3", "sage1", "sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math",
                   "reference", "sparse"),
     "gemm": ("auto", "native", "emulated", "fp8", "bf16", "reference"),
     "act_format": ("auto", "nvfp4", "fp8"),

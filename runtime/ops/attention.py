@@ -16,6 +16,8 @@ sdpa_cudnn     ... restricted to cuDNN (fastest bf16 SDPA on sm_90); also sdpa_f
                sdpa_math. A restricted kernel that cannot run raises; it never falls back inside torch.
 sage2, sage1   SageAttention 2 (per-architecture kernels, V handling on sm_90) and 1 (a private copy of K):
                ``ops.sage``
+fa3, fa3_fp8   FlashAttention-3 on sm_90: bf16 views as they are, or e4m3 operands with per-head descales and
+               K/V smoothing built by our producers: ``ops.flash_attention``
 ============== ===========================================================================================
 """
 
@@ -29,7 +31,7 @@ import torch
 import torch.nn.attention
 
 from ..errors import describe
-from . import sage
+from . import flash_attention, sage
 
 __all__ = [
     "BACKENDS",
@@ -44,7 +46,7 @@ __all__ = [
     "rel_l2",
 ]
 
-BACKENDS = ("sage2", "sage1", "sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math", "reference")
+BACKENDS = ("sage2", "fa3_fp8", "fa3", "sage1", "sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math", "reference")
 
 # rel-L2 of each backend's output against the fp32 reference on random N(0,1) q, k, v (bf16), with the
 # reason. Random Gaussian inputs are the worst case for the quantized kernels: the softmax is nearly flat,
@@ -60,6 +62,9 @@ TOLERANCE: dict[str, tuple[float, str]] = {
     "sdpa_math": (1e-2, "as sdpa: bf16 inputs/outputs, fp32 inside"),
     "sage1": (3e-2, "INT8 per-block q and k (step ~max/127) with K smoothing, fp16 P and V: ~1.4e-2 expected"),
     "sage2": (6e-2, "INT8 q,k plus FP8 e4m3 V (3 mantissa bits, per-channel scale): ~2^-4 per V element"),
+    "fa3": (1e-2, "as sdpa: fp32 softmax, P rounded to bf16 before PV, bf16 output"),
+    "fa3_fp8": (8e-2, "e4m3 q, k', v' (2^-4 relative per element, per-head scales) and P rounded to e4m3 inside "
+                      "the kernel: on random data every q.k term and every P.v term carries ~2^-4 noise"),
 }
 
 _SDPA_KERNELS = {
@@ -210,6 +215,12 @@ def _available(backend: str, device: torch.device, head_dim: int, dtype: torch.d
     cc = sage.capability(device)
     if cc is None:
         return False, f"{backend} needs a CUDA device (found {device})"
+    if backend in ("fa3", "fa3_fp8"):
+        ok, why = flash_attention.fa3_check(backend, device, head_dim, dtype)
+        if not ok or not probe:
+            return ok, why
+        ok, pwhy = _probe(backend, device, head_dim, dtype)
+        return ok, f"{why}; {pwhy}" if ok else pwhy
     if backend in ("sage1", "sage2") and dtype not in (torch.float16, torch.bfloat16):
         return False, f"{backend} needs fp16/bf16 activations (compute dtype is {dtype})"
     detail = f"sm_{cc[0]}{cc[1]}"
@@ -338,6 +349,8 @@ def bind_attention(backend: str, head_dim: int, *, device: "torch.device | str |
         return sdpa
     if backend == "sage1":
         fn = sage.bind_sage1(sm_scale)
+    elif backend in ("fa3", "fa3_fp8"):
+        fn = flash_attention.bind_fa3(backend, sm_scale)
     else:
         dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
         fn = sage.bind_sage2(dev, sm_scale, "fused" if v_handling == "fused" else "library")

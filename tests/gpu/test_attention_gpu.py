@@ -39,7 +39,7 @@ pytestmark = [
 ]
 
 DEV = torch.device("cuda", 0) if torch.cuda.is_available() else None
-GPU_BACKENDS = ["sage2", "sage1", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa"]
+GPU_BACKENDS = ["sage2", "fa3_fp8", "fa3", "sage1", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa"]
 CANONICAL = (37810, 56, 128)  # S, H, D at 1344x768, 124 frames
 
 
@@ -265,3 +265,33 @@ def test_sage2_sm90_fused_v_matches_library_operands_and_output(s):
     assert torch.equal(qkv, before)
     kernels = _copy_kernels(lambda: _bound("sage2", d, "fused")(qkv))
     assert kernels == [], kernels
+
+
+@pytest.mark.parametrize("s,h", [(200, 2), (4146, 8), (CANONICAL[0], CANONICAL[1])])
+def test_fa3_fp8_operands_triton_equal_reference_on_gpu(s, h):
+    """fa3_fp8's operands: the Triton launches (hardware e4m3 conversion) write the torch definition's bytes."""
+    from h3_blackwell.runtime.ops import flash_attention as F
+    buf = _qkv(s, h, 128, seed=3)
+    buf[:, h * 128:] += 2.0  # k and v with a common offset: the smoothing is exercised
+    q, k, v = qkv_views(buf, h, 128)
+    got = F.fa3_fp8_operands(q, k, v, backend="triton")
+    want = F.fa3_fp8_operands_reference(q, k, v)
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[2], want[2], rtol=0, atol=0)
+
+
+def test_fa3_fp8_close_to_its_emulation():
+    """The real kernel against exact attention on our own operands (fa3_fp8_dequantized): what is left is FA3's
+    own rounding (P in e4m3, bf16 output), so it must be closer to the emulation than the tolerance."""
+    _need("fa3_fp8")
+    from h3_blackwell.runtime.ops import flash_attention as F
+    s, h, d = 4146, 8, 128
+    buf = _qkv(s, h, d, seed=4)
+    got = _bound("fa3_fp8")(buf).float()
+    *deq, vm = F.fa3_fp8_dequantized(*qkv_views(buf, h, d))
+    emu = exact_attention_reference(*deq) + vm
+    ref = exact_attention_reference(*qkv_views(buf, h, d))
+    e_emu, e_ref = rel_l2(got, emu), rel_l2(got, ref)
+    print(f"\nfa3_fp8 S={s}: rel_l2 vs emulation {e_emu:.4f}, vs fp32 reference {e_ref:.4f}")
+    assert e_emu < TOLERANCE["fa3_fp8"][0]
