@@ -21,7 +21,7 @@ from typing import Any, Mapping
 CHOICES: dict[str, tuple[str, ...]] = {
     "device": ("auto",),  # or cpu / cuda / cuda:N (checked by the plan)
     "dtype": ("auto", "float32", "bfloat16", "float16"),
-    "attention": ("auto", "sage2", "fa3_fp8", "fa3", "sage1", "sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math",
+    "attention": ("auto", "sage2", "fa3_fp8", "fa3", "sage3", "fa4", "sage1", "sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math",
                   "reference", "sparse"),
     "gemm": ("auto", "native", "emulated", "fp8", "bf16", "reference"),
     "act_format": ("auto", "nvfp4", "fp8"),
@@ -109,6 +109,8 @@ class RuntimeOptions:
     dtype:      compute dtype of the block stack: auto (bfloat16 on CUDA, float32 on the CPU) | float32 |
                 bfloat16 | float16
     attention:  auto (the fastest backend that passes its capability check and probe) or a backend name;
+                fa3_fp8 = LOSSIER than sage2 on peaked (space-time) attention, opt-in (bench/NOTES.md);
+                sage3 / fa4 = Blackwell entries, explicit only;
                 sparse = LOSSY training-free sparse attention (comfy-kitchen's sol_attn on CUDA, its fp32
                 reference on the CPU; refused with the reason where it cannot run), dense before
                 ``sparse_start`` of the schedule and on the dense backend auto picks

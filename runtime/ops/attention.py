@@ -18,6 +18,10 @@ sage2, sage1   SageAttention 2 (per-architecture kernels, V handling on sm_90) a
                ``ops.sage``
 fa3, fa3_fp8   FlashAttention-3 on sm_90: bf16 views as they are, or e4m3 operands with per-head descales and
                K/V smoothing built by our producers: ``ops.flash_attention``
+sage3, fa4     Blackwell: SageAttention3 (FP4, sm_120/121) and FlashAttention-4 (sm_100/103), guarded by
+               capability before any import, each with a CPU emulation of its numerics:
+               ``ops.blackwell_attention``. Explicit requests only: ``auto`` never picks them (no Blackwell
+               measurement was made; sage3 is lossy by design)
 ============== ===========================================================================================
 """
 
@@ -31,7 +35,7 @@ import torch
 import torch.nn.attention
 
 from ..errors import describe
-from . import flash_attention, sage
+from . import blackwell_attention, flash_attention, sage
 
 __all__ = [
     "BACKENDS",
@@ -46,7 +50,7 @@ __all__ = [
     "rel_l2",
 ]
 
-BACKENDS = ("sage2", "fa3_fp8", "fa3", "sage1", "sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math", "reference")
+BACKENDS = ("sage2", "fa3_fp8", "fa3", "sage3", "fa4", "sage1", "sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math", "reference")
 
 # rel-L2 of each backend's output against the fp32 reference on random N(0,1) q, k, v (bf16), with the
 # reason. Random Gaussian inputs are the worst case for the quantized kernels: the softmax is nearly flat,
@@ -65,6 +69,7 @@ TOLERANCE: dict[str, tuple[float, str]] = {
     "fa3": (1e-2, "as sdpa: fp32 softmax, P rounded to bf16 before PV, bf16 output"),
     "fa3_fp8": (8e-2, "e4m3 q, k', v' (2^-4 relative per element, per-head scales) and P rounded to e4m3 inside "
                       "the kernel: on random data every q.k term and every P.v term carries ~2^-4 noise"),
+    **blackwell_attention.TOLERANCE,
 }
 
 _SDPA_KERNELS = {
@@ -215,8 +220,9 @@ def _available(backend: str, device: torch.device, head_dim: int, dtype: torch.d
     cc = sage.capability(device)
     if cc is None:
         return False, f"{backend} needs a CUDA device (found {device})"
-    if backend in ("fa3", "fa3_fp8"):
-        ok, why = flash_attention.fa3_check(backend, device, head_dim, dtype)
+    if backend in ("fa3", "fa3_fp8", "sage3", "fa4"):
+        ok, why = (flash_attention.fa3_check(backend, device, head_dim, dtype) if backend.startswith("fa3")
+                   else blackwell_attention.BLACKWELL_BACKENDS[backend][0](device, head_dim, dtype))
         if not ok or not probe:
             return ok, why
         ok, pwhy = _probe(backend, device, head_dim, dtype)
@@ -351,6 +357,9 @@ def bind_attention(backend: str, head_dim: int, *, device: "torch.device | str |
         fn = sage.bind_sage1(sm_scale)
     elif backend in ("fa3", "fa3_fp8"):
         fn = flash_attention.bind_fa3(backend, sm_scale)
+    elif backend in blackwell_attention.BLACKWELL_BACKENDS:
+        dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        fn = blackwell_attention.BLACKWELL_BACKENDS[backend][1](dev, head_dim, sm_scale)
     else:
         dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
         fn = sage.bind_sage2(dev, sm_scale, "fused" if v_handling == "fused" else "library")

@@ -74,7 +74,7 @@ def _gemm_bind(name: str):
 REGISTRY: dict[str, list[Backend]] = {
     "attention": [Backend("attention", n, _attention_check(n), "" if n == "reference" else "reference",
                           _attention_bind(n))
-                  for n in ("sage2", "fa3_fp8", "fa3", "sdpa_cudnn", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_math", "sage1",
+                  for n in ("sage2", "fa3_fp8", "fa3", "sage3", "fa4", "sdpa_cudnn", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_math", "sage1",
                             "reference")]
                  # LOSSY, never picked by auto; tested against the fp32 reference of the same sparse algorithm
                  + [Backend("attention", "sparse", sparse_attention.sparse_check, "sol_attention_reference",

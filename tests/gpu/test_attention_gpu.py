@@ -181,7 +181,8 @@ def _ulp(t, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_norm_rope_kernel_canonical(dtype):
-    from h3_blackwell.runtime.ops.elementwise import norm_rope_, norm_rope_qkv_reference
+    from h3_blackwell.runtime.ops.elementwise import norm_rope_
+    from h3_blackwell.runtime.ops.reference import norm_rope_qkv_reference
 
     s, h, d = CANONICAL
     r = 96
@@ -205,7 +206,8 @@ def test_norm_rope_kernel_canonical(dtype):
 
 @pytest.mark.parametrize("g_dtype", [torch.float32, torch.bfloat16])
 def test_gate_add_kernel_canonical_exact(g_dtype):
-    from h3_blackwell.runtime.ops.elementwise import gate_add_, gate_add_reference
+    from h3_blackwell.runtime.ops.elementwise import gate_add_
+    from h3_blackwell.runtime.ops.reference import gate_add_reference
 
     s, hidden = CANONICAL[0], 5376
     segs = [(0, 37296, 0), (37296, 37710, 1), (37710, 37810, 2)]  # video, audio, text rows
