@@ -208,8 +208,10 @@ def bind_fa3(backend: str, scale: float) -> NhdAttention:
     if backend == "fa3":
         return lambda q, k, v: first(fn(q, k, v, softmax_scale=scale, causal=False))
 
+    producer = "triton" if TRITON_MISSING is None else "reference"  # FA3 runs on CUDA: chosen once, here
+
     def fa3_fp8(q, k, v):
-        codes, sc, means = fa3_fp8_operands(q, k, v)
+        codes, sc, means = fa3_fp8_operands(q, k, v, backend=producer)
         o = first(fn(codes[0], codes[1], codes[2], softmax_scale=scale, causal=False,
                      q_descale=sc[0], k_descale=sc[1], v_descale=sc[2]))
         o = o.to(q.dtype) if o.dtype != q.dtype else o
