@@ -174,24 +174,17 @@ def test_checks_never_raise_when_the_capability_cannot_be_read(monkeypatch):
     assert not ok and why.startswith("fa4: needs sm_100/sm_103") and "RuntimeError: no CUDA driver" in why
 
 
-@pytest.mark.parametrize("cc", [(9, 0), (8, 9), (10, 0), (10, 3), (11, 0)])
-def test_sage3_refuses_other_architectures_without_importing(monkeypatch, cc):
+@pytest.mark.parametrize("backend,cc", [("sage3", cc) for cc in [(9, 0), (8, 9), (10, 0), (10, 3), (11, 0)]]
+                         + [("fa4", cc) for cc in [(9, 0), (8, 9), (12, 0), (12, 1), (11, 0)]])
+def test_refuses_other_architectures_without_importing(monkeypatch, backend, cc):
+    check, bind, _ = B.BLACKWELL_BACKENDS[backend]
+    want = (SAGE3_ARCH if backend == "sage3" else FA4_ARCH).format(f"{cc[0]}{cc[1]}")
     _fake_cc(monkeypatch, cc)
     _no_import(monkeypatch)
-    assert B.sage3_check(CUDA0, 128, torch.bfloat16) == (False, SAGE3_ARCH.format(f"{cc[0]}{cc[1]}"))
+    assert check(CUDA0, 128, torch.bfloat16) == (False, want)
     with pytest.raises(RuntimeError) as e:
-        B.bind_sage3(CUDA0, 128)
-    assert str(e.value) == SAGE3_ARCH.format(f"{cc[0]}{cc[1]}")
-
-
-@pytest.mark.parametrize("cc", [(9, 0), (8, 9), (12, 0), (12, 1), (11, 0)])
-def test_fa4_refuses_other_architectures_without_importing(monkeypatch, cc):
-    _fake_cc(monkeypatch, cc)
-    _no_import(monkeypatch)
-    assert B.fa4_check(CUDA0, 128, torch.bfloat16) == (False, FA4_ARCH.format(f"{cc[0]}{cc[1]}"))
-    with pytest.raises(RuntimeError) as e:
-        B.bind_fa4(CUDA0, 128)
-    assert str(e.value) == FA4_ARCH.format(f"{cc[0]}{cc[1]}")
+        bind(CUDA0, 128)
+    assert str(e.value) == want
 
 
 @pytest.mark.parametrize("cc", [(12, 0), (12, 1)])
