@@ -9,6 +9,11 @@
 - :func:`save_tensors`: safetensors bytes written with Python's file I/O, so a full disk is an ``OSError``.
 
 A write that fails for lack of space (ENOSPC, EDQUOT, EFBIG) raises :class:`OutputError` naming the file.
+
+Temporary names carry the writer's process id (``.NAME.PID.XXXXXXXX.partial``, ``.h3-tmp-PID-XXXXXXXX``). A
+writer killed outright (SIGKILL, a power cut) cannot remove its temporary file, which for a quantized
+checkpoint is gigabytes; the next write to the same target removes the temporaries of writers that no longer
+run on this host (a process id that is alive, or that cannot be checked, is left alone).
 """
 
 from __future__ import annotations
@@ -63,10 +68,48 @@ def no_space_is_a_refusal(path: str | os.PathLike) -> Iterator[None]:
         raise full from None
 
 
+def _dead(pid_text: str) -> bool:
+    """True when ``pid_text`` is the id of a process that no longer runs here (never our own)."""
+    if not pid_text.isdigit() or os.name != "posix":
+        return False
+    pid = int(pid_text)
+    if pid == os.getpid() or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive under another user, or not checkable: leave it
+        return False
+    return False
+
+
+def sweep_stale(folder: Path, prefix: str, rest: str) -> list[Path]:
+    """Remove the entries of ``folder`` named ``prefix`` + a match of the regex ``rest`` whose first group (a
+    process id) is dead (module docstring); returns what was removed. Never raises."""
+    removed = []
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return removed
+    for e in entries:
+        m = re.fullmatch(rest, e.name[len(prefix):]) if e.name.startswith(prefix) else None
+        if m is None or not _dead(m.group(1)):
+            continue
+        with contextlib.suppress(OSError):
+            if e.is_dir() and not e.is_symlink():
+                shutil.rmtree(e)
+            else:
+                e.unlink()
+            removed.append(e)
+    return removed
+
+
 def temp_path(path: Path, suffix: str = ".partial") -> Path:
-    """A new empty file with a unique hidden name beside ``path`` (``.NAME.XXXXXXXX.partial``); the caller
-    renames it onto ``path`` or removes it."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
+    """A new empty file with a unique hidden name beside ``path`` (``.NAME.PID.XXXXXXXX.partial``), after
+    removing the temporaries dead writers left for ``path``; the caller renames it onto ``path`` or removes it."""
+    sweep_stale(path.parent, f".{path.name}.", r"(\d+)\.[A-Za-z0-9_]+\.(?:partial|spool)")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=suffix, dir=path.parent)
     os.close(fd)
     return Path(tmp)
 
@@ -109,7 +152,8 @@ def write_dir(out_dir: str | os.PathLike, files: Mapping[str, Callable[[Path], N
     out_dir = Path(out_dir)
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".h3-tmp-", dir=out_dir))
+    sweep_stale(out_dir, ".h3-tmp-", r"(\d+)-[A-Za-z0-9_]+")
+    tmp = Path(tempfile.mkdtemp(prefix=f".h3-tmp-{os.getpid()}-", dir=out_dir))
     moved = False
     try:
         for name, writer in files.items():

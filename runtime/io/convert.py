@@ -14,7 +14,7 @@ source header) the output header is computed and written first, then each tensor
 converted; host memory stays near one source tensor plus its NVFP4 form (quantization works 256 rows at a
 time). Without shapes the bytes go to a spool file beside the output and the header is prepended at the
 end (one extra sequential copy on disk, still one tensor in memory). The file is written under a unique
-hidden name beside the output (``.OUT.XXXXXXXX.partial``, ``atomic.temp_path``) and renamed when complete, so
+hidden name beside the output (``.OUT.PID.XXXXXXXX.partial``, ``atomic.temp_path``) and renamed when complete, so
 two conversions to one output each install their own complete file (the last rename wins), and an error or an
 interruption leaves nothing behind.
 """

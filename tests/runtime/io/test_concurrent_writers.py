@@ -188,3 +188,38 @@ def test_concurrent_writers_in_threads_each_install_a_complete_file(tmp_path):
     for t in threads:
         t.join(60)
     assert target.read_bytes() in payloads and os.listdir(tmp_path) == ["f.bin"]
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_temporaries_of_killed_writers_are_removed_by_the_next_write(tmp_path):
+    """A writer killed outright (SIGKILL) leaves its hidden temporary; the next write to the same target removes
+    it, and leaves alone the temporaries of live writers, other targets, and names it did not make."""
+    target = tmp_path / "out.safetensors"
+    dead, live = _dead_pid(), os.getppid()
+    stale = [tmp_path / f".out.safetensors.{dead}.ab12cd_3.partial", tmp_path / f".out.safetensors.{dead}.x9.spool"]
+    kept = [tmp_path / f".out.safetensors.{live}.ab12cd_3.partial",     # a writer that still runs
+            tmp_path / f".out.safetensors.7.{dead}.zz.partial",          # target "out.safetensors.7"'s own
+            tmp_path / ".out.safetensors.ab12cd_3.partial",              # an old name without a pid
+            tmp_path / f".other.bin.{dead}.ab12cd_3.partial"]            # another target's
+    for p in stale + kept:
+        p.write_bytes(b"x" * 10)
+    atomic.write_file(target, lambda t: t.write_bytes(b"new"))
+    assert target.read_bytes() == b"new"
+    assert not any(p.exists() for p in stale)
+    assert all(p.exists() for p in kept)
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / f".h3-tmp-{dead}-q1w2e3").mkdir()
+    (out / f".h3-tmp-{dead}-q1w2e3" / "report.json").write_text("{}")
+    (out / f".h3-tmp-{live}-r4t5").mkdir()
+    atomic.write_dir(out, {"a.txt": lambda p: p.write_text("a")})
+    assert not (out / f".h3-tmp-{dead}-q1w2e3").exists() and (out / f".h3-tmp-{live}-r4t5").exists()
+    assert (out / "a.txt").read_text() == "a"
