@@ -88,7 +88,10 @@ def fa3_check(backend: str, device: torch.device, head_dim: int, dtype: torch.dt
     device = torch.device(device)
     if device.type != "cuda":
         return False, f"{backend} needs a CUDA device (found {device})"
-    cc = tuple(torch.cuda.get_device_capability(device))
+    try:
+        cc = tuple(torch.cuda.get_device_capability(device))
+    except Exception as e:  # no driver, a bad index: refused, never raised
+        return False, f"{backend}: the capability of {device} is unknown ({type(e).__name__}: {e})"
     if cc != FA3_ARCH:
         return False, (f"{backend}: FlashAttention-3's kernels are Hopper's (sm_90); this device is "
                        f"sm_{cc[0]}{cc[1]}")

@@ -84,6 +84,11 @@ def test_smoothing_is_exact_in_exact_arithmetic():
 def test_guards_refuse_with_reasons(monkeypatch):
     ok, why = F.fa3_check("fa3_fp8", torch.device("cpu"), 128, torch.bfloat16)
     assert not ok and "needs a CUDA device" in why
+    def no_driver(*a):
+        raise RuntimeError("no CUDA driver")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", no_driver)
+    ok, why = F.fa3_check("fa3", torch.device("cuda", 0), 128, torch.bfloat16)
+    assert not ok and "capability of cuda:0 is unknown" in why and "no CUDA driver" in why
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (12, 1))
     ok, why = F.fa3_check("fa3", torch.device("cuda", 0), 128, torch.bfloat16)
     assert not ok and "sm_90" in why and "sm_121" in why
