@@ -14,6 +14,7 @@ import os
 import pickle
 import signal
 import struct
+import sys
 import threading
 import time
 import traceback
@@ -83,4 +84,9 @@ def main(rank: int, result_fd: int) -> int:
             _send_error(result_fd, rank, e)
         finally:
             os._exit(1)  # skip interpreter teardown: a peer may be gone and a collective would block
-    return 0
+    # Done: the result is sent and the group destroyed. Skip interpreter teardown here too: a native thread of the
+    # collective library still being torn down at exit can abort the process ("terminate called without an active
+    # exception", SIGABRT), which the launcher must treat as a failed rank.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
