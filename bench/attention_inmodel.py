@@ -45,7 +45,7 @@ def main(argv=None) -> int:
            "versions": versions()}
     rt = build(RuntimeOptions.from_env(device="cuda", attention=a.attention), 0)
     res["attention"] = rt.backends["attention"]
-    fn = rt.ops._attention
+    fn = rt.ops.attention  # the run's bound attention function, through its ops
     captured, events, calls = {}, [], [0]
 
     def wrapped(qkv):

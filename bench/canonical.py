@@ -140,10 +140,8 @@ def accuracy(rt, plan, video, audio) -> dict:
             for lin, b, why in saved:
                 lin.bind_backend(b, why)
         ref_out = m.evaluate(plan, 0, video, audio, DequantizedReferenceOps(cfg, sdpa, rt.dtype))
-        # the benchmarked attention alone: reference GEMMs, the run's bound attention function
-        bound = getattr(rt.ops, "_attention", None)
-        att_out = (m.evaluate(plan, 0, video, audio, DequantizedReferenceOps(cfg, bound, rt.dtype))
-                   if bound is not None else None)
+        # the benchmarked attention alone: reference GEMMs, the run's attention (its ops' bound function)
+        att_out = m.evaluate(plan, 0, video, audio, DequantizedReferenceOps(cfg, rt.ops.attention, rt.dtype))
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     benchmarked_format = rt.plan.act_format
@@ -151,10 +149,9 @@ def accuracy(rt, plan, video, audio) -> dict:
                          "act_format": benchmarked_format, "gemm": saved[0][1] if saved else None},
          "nvfp4_w4a4_emulation": {"video_rel_l2": rel(emu_out[0], ref_out[0]),
                                   "audio_rel_l2": rel(emu_out[1], ref_out[1])},
-         "attention_alone": ({"video_rel_l2": rel(att_out[0], ref_out[0]), "audio_rel_l2": rel(att_out[1], ref_out[1]),
-                              "attention": rt.plan.attention,
-                              "what": "dense reference GEMMs with the benchmarked (bound) attention"}
-                             if att_out is not None else None),
+         "attention_alone": {"video_rel_l2": rel(att_out[0], ref_out[0]), "audio_rel_l2": rel(att_out[1], ref_out[1]),
+                             "attention": rt.plan.attention,
+                             "what": "dense reference GEMMs with the benchmarked (bound) attention"},
          "reference": f"{str(rt.dtype).replace('torch.', '')} dense blocks on the dequantized NVFP4 weights, SDPA "
                       "attention; same plan and inputs",
          "emulation": "NVFP4 activations (W4A4) and emulated NVFP4 GEMMs (exact products, fp32 accumulation), "

@@ -28,6 +28,7 @@ sage3, fa4     Blackwell: SageAttention3 (FP4, sm_120/121) and FlashAttention-4 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from typing import Callable, Optional
 
@@ -212,6 +213,12 @@ def _probe(backend: str, device: torch.device, head_dim: int, dtype: torch.dtype
     return res
 
 
+# (device, head_dim, dtype) -> (available, reason) of the backends whose own module holds the whole check
+_OWN_CHECKS = {"fa3": functools.partial(flash_attention.fa3_check, "fa3"),
+               "fa3_fp8": functools.partial(flash_attention.fa3_check, "fa3_fp8"),
+               **{name: fns[0] for name, fns in blackwell_attention.BLACKWELL_BACKENDS.items()}}
+
+
 def _available(backend: str, device: torch.device, head_dim: int, dtype: torch.dtype, probe: bool) -> tuple[bool, str]:
     if backend == "reference":
         return True, "fp32 reference (chunked)"
@@ -220,17 +227,14 @@ def _available(backend: str, device: torch.device, head_dim: int, dtype: torch.d
     cc = sage.capability(device)
     if cc is None:
         return False, f"{backend} needs a CUDA device (found {device})"
-    if backend in ("fa3", "fa3_fp8", "sage3", "fa4"):
-        ok, why = (flash_attention.fa3_check(backend, device, head_dim, dtype) if backend.startswith("fa3")
-                   else blackwell_attention.BLACKWELL_BACKENDS[backend][0](device, head_dim, dtype))
-        if not ok or not probe:
-            return ok, why
-        ok, pwhy = _probe(backend, device, head_dim, dtype)
-        return ok, f"{why}; {pwhy}" if ok else pwhy
-    if backend in ("sage1", "sage2") and dtype not in (torch.float16, torch.bfloat16):
-        return False, f"{backend} needs fp16/bf16 activations (compute dtype is {dtype})"
     detail = f"sm_{cc[0]}{cc[1]}"
-    if backend == "sage2":
+    if backend in _OWN_CHECKS:  # their modules judge architecture, package, head size and dtype
+        ok, detail = _OWN_CHECKS[backend](device, head_dim, dtype)
+        if not ok:
+            return False, detail
+    elif backend in ("sage1", "sage2") and dtype not in (torch.float16, torch.bfloat16):
+        return False, f"{backend} needs fp16/bf16 activations (compute dtype is {dtype})"
+    elif backend == "sage2":
         mod, ver = sage.sage2_module()
         if mod is None:
             return False, ver

@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import functools
 import importlib
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 
-from .fp8_producers import _v_scales as v_scales
+from .fp8_producers import e4m3_scales
 from .nvfp4_producers import DTYPE_CODE, cdiv, hw_cvt, pick_backend
 from .triton import MISSING as TRITON_MISSING
 
@@ -52,7 +52,7 @@ NhdAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
 
 @functools.lru_cache(maxsize=None)
 def fa3_module() -> tuple[Any, str]:
-    """(flash_attn_interface module, description) or (None, the reason it cannot be used)."""
+    """(flash_attn_interface module, its distribution and version) or (None, the reason it cannot be used)."""
     try:
         mod = importlib.import_module("flash_attn_interface")
     except Exception as e:  # ImportError, or its compiled extension failing to load against this torch
@@ -60,7 +60,7 @@ def fa3_module() -> tuple[Any, str]:
                       "Dao-AILab/flash-attention's hopper/ package (module flash_attn_interface) for this torch")
     if not hasattr(mod, "flash_attn_func"):
         return None, f"flash_attn_interface at {getattr(mod, '__file__', '?')} has no flash_attn_func"
-    return mod, f"flash_attn_interface ({_dist_version()})"
+    return mod, _dist_version()
 
 
 def _dist_version() -> str:
@@ -97,14 +97,14 @@ def fa3_check(backend: str, device: torch.device, head_dim: int, dtype: torch.dt
                        f"sm_{cc[0]}{cc[1]}")
     if dtype not in (torch.float16, torch.bfloat16):
         return False, f"{backend} needs fp16/bf16 activations (compute dtype is {dtype})"
-    mod, why = fa3_module()
+    mod, version = fa3_module()
     if mod is None:
-        return False, why
-    if head_dim not in _HEAD_DIMS or head_dim in _disabled_head_dims():
-        ok = [d for d in _HEAD_DIMS if d not in _disabled_head_dims()]
+        return False, version
+    ok = [d for d in _HEAD_DIMS if d not in _disabled_head_dims()]
+    if head_dim not in ok:
         return False, f"{backend}: this FlashAttention-3 build runs head_dim {ok} (found {head_dim})"
     what = "e4m3 q/k/v, per-head descales, K and V smoothed" if backend == "fa3_fp8" else "bf16/fp16 q/k/v"
-    return True, f"sm_90: FlashAttention-3 {why.split('(', 1)[-1].rstrip(')')}, {what}"
+    return True, f"sm_90: FlashAttention-3 {version}, {what}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -128,7 +128,7 @@ def _scales_from(q_amax, k_max, k_min, k_mean, v_max, v_min, v_mean):
     amax = torch.stack([q_amax,
                         torch.maximum(k_max - k_mean, k_mean - k_min).amax(-1),
                         torch.maximum(v_max - v_mean, v_mean - v_min).amax(-1)])
-    sc, inv = v_scales(amax)
+    sc, inv = e4m3_scales(amax)
     return sc.unsqueeze(1).contiguous(), inv.contiguous()
 
 
@@ -142,7 +142,7 @@ def fa3_fp8_operands_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     xs = [t[0].float() for t in (q, k, v)]  # [S, H, D]
     means = torch.stack([(t[0].double().sum(0) / s).float() for t in (k, v)])
     sm = [xs[0], xs[1] - means[0], xs[2] - means[1]]
-    sc, inv = v_scales(torch.stack([x.abs().amax(dim=(0, 2)) for x in sm]))
+    sc, inv = e4m3_scales(torch.stack([x.abs().amax(dim=(0, 2)) for x in sm]))
     codes = torch.stack([torch.mul(x, inv[j].view(1, h, 1)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
                          for j, x in enumerate(sm)]).unsqueeze(1)
     return codes, sc.unsqueeze(1).contiguous(), means
@@ -170,9 +170,8 @@ def fa3_fp8_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backe
     fa3_kernels.qkv_stats_kernel[(nb, h)](q, p32, p64, s, row, h, KIND=kind, D=d, BT=bt, NT=nt, num_warps=4,
                                           enable_fp_fusion=False)
     means = (p64.sum(0) / s).float()  # [2, H, D]
-    st = p32
-    sc, inv = _scales_from(st[:, 0].amax(dim=(0, 2)), st[:, 1].amax(0), st[:, 2].amin(0), means[0],
-                           st[:, 3].amax(0), st[:, 4].amin(0), means[1])
+    sc, inv = _scales_from(p32[:, 0].amax(dim=(0, 2)), p32[:, 1].amax(0), p32[:, 2].amin(0), means[0],
+                           p32[:, 3].amax(0), p32[:, 4].amin(0), means[1])
     codes = torch.empty(3, 1, s, h, d, dtype=torch.float8_e4m3fn, device=dev)
     fa3_kernels.qkv_fp8_kernel[(cdiv(s, bt), h)](q, means, inv, codes.view(torch.uint8), s, row, h, s * h * d,
                                                  KIND=kind, D=d, BT=bt, HW=hw_cvt(dev), num_warps=4,
@@ -217,6 +216,6 @@ def bind_fa3(backend: str, scale: float) -> NhdAttention:
         codes, sc, means = fa3_fp8_operands(q, k, v, backend=producer)
         o = first(fn(codes[0], codes[1], codes[2], softmax_scale=scale, causal=False,
                      q_descale=sc[0], k_descale=sc[1], v_descale=sc[2]))
-        o = o.to(q.dtype) if o.dtype != q.dtype else o
+        o = o.to(q.dtype)  # FA3 writes bf16 for e4m3 inputs; q may be fp16
         return o.add_(means[1].to(o.dtype))  # V's mean back: [1, S, H, D] + [H, D]
     return fa3_fp8

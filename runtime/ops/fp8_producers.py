@@ -65,7 +65,7 @@ if TRITON_MISSING is None:  # the kernels, loaded once; without triton the refer
     from .triton import fp8_kernels
 
 __all__ = ["E4M3_MAX", "SCHEMES", "quantize_fp8", "rms_modulate_fp8", "swiglu_fp8", "sage_v_fp8", "sage_v_fp8_reference",
-           "SAGE_V_PERM"]
+           "SAGE_V_PERM", "e4m3_scales"]
 
 SCHEMES = ("auto", "loop", "row")
 
@@ -249,8 +249,9 @@ def _sage_v_check(v: torch.Tensor) -> tuple[int, int, int]:
     return s, h, d
 
 
-def _v_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-channel amax [H, D] -> (scale = amax / 448, 1 where that is 0 or subnormal; inv = 1 / scale)."""
+def e4m3_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """amax (any shape: per channel, per head) -> (scale = amax / 448, 1 where that is 0 or subnormal;
+    inv = 1 / scale)."""
     sc = torch.div(amax, const_like(E4M3_MAX, amax))
     sc = torch.where(sc < FP32_MIN_NORMAL, const_like(1.0, amax), sc)
     return sc, torch.div(const_like(1.0, amax), sc)
@@ -266,7 +267,7 @@ def sage_v_fp8_reference(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows = -(-s // SAGE_V_ROWS) * SAGE_V_ROWS
     x = torch.zeros(rows, h, d, dtype=torch.float32, device=v.device)
     x[:s] = v[0].float()
-    sc, inv = _v_scales(x.abs().amax(0))
+    sc, inv = e4m3_scales(x.abs().amax(0))
     q = torch.mul(x, inv).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     perm = (torch.arange(rows, device=v.device) // 16) * 16 + torch.tensor(SAGE_V_PERM, device=v.device).repeat(rows // 16)
     return q[perm].permute(2, 1, 0).unsqueeze(0).contiguous(), sc.unsqueeze(0)
@@ -285,7 +286,7 @@ def sage_v_fp8(v: torch.Tensor, *, backend: str = "auto") -> tuple[torch.Tensor,
     kind = DTYPE_CODE[v.dtype]
     _launch(fp8_kernels.v_amax_kernel, (nb, h), v.device, v, part, s, v.stride(1), v.stride(2), h, V_KIND=kind, D=d,
             BT=bt, num_warps=4)
-    sc, inv = _v_scales(part.amax(0))
+    sc, inv = e4m3_scales(part.amax(0))
     out = torch.empty(1, d, h, rows, dtype=torch.float8_e4m3fn, device=v.device)
     _launch(fp8_kernels.v_quant_kernel, (nb, h), v.device, v, inv, out.view(torch.uint8), s, v.stride(1), v.stride(2), h,
             rows, V_KIND=kind, D=d, BT=bt, num_warps=4)
