@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _h3bench import ROOT, build, component, is_annotation, versions, write_json  # noqa: E402
+from _h3bench import ROOT, build, component, is_annotation, time_ms, versions, write_json  # noqa: E402
 
 from h3_blackwell.runtime.options import RuntimeOptions  # noqa: E402
 from h3_blackwell.runtime.sampling.sampler import initial_noise  # noqa: E402
@@ -85,13 +85,8 @@ class Sampler:
 
 
 def events_loop(fn, iters: int) -> list[float]:
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for a, b in ev:
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    return [a.elapsed_time(b) for a, b in ev]
+    """CUDA-event times of ``iters`` back-to-back calls, in call order (no warmup)."""
+    return time_ms(fn, iters, 0)["all"]
 
 
 def summary(ts: list[float]) -> dict:

@@ -26,7 +26,11 @@ The estimate (``estimate``) is the sum of the resident weights (from the header'
 buffers, the scratch of the GEMM backend, the run's tensors (modulation rows of every step and block, RoPE
 tables, latents and sampler state) and the largest activation phase of one block (the QKV buffer with
 attention's operands and output, or the FFN's fc1 output with the SwiGLU bytes and fc2's output), plus a
-fixed allowance for library workspaces.
+fixed allowance for library workspaces. A run with a Fun ControlNet (``Workload.tower``, from the control
+file's header) adds the tower: its weights, all on the device (its block linears in the base's form; full-form
+AdaLN in host memory like the base's), and what it holds through an evaluation (its stream ``c``, the skip
+residual, the control rows' embedding and its modulation rows of every step), so the blocks that stream make
+room for it.
 """
 
 from __future__ import annotations
@@ -111,6 +115,26 @@ class DeviceMemory:
 
 
 @dataclass(frozen=True)
+class TowerSize:
+    """A Fun ControlNet tower as the memory plan sees it, from its file's header: ``cfg`` its block config
+    (``runtime.model.control.block_config``), ``blocks`` its control blocks."""
+
+    cfg: H3Config
+    blocks: int
+
+    @classmethod
+    def of(cls, control) -> "TowerSize | None":
+        """The size of an opened control file (``runtime.io.control.ControlFile``: its ``spec``), of a loaded
+        tower (``runtime.model.control.FunControl``), or None for None."""
+        if control is None:
+            return None
+        spec = getattr(control, "spec", None)
+        if spec is not None:
+            return cls(spec.block_config, len(spec.places))
+        return cls(control.cfg, len(control.places))
+
+
+@dataclass(frozen=True)
 class Workload:
     """The run the activations are sized for. rows: packed rows (text + audio + video + conditions);
     video_rows: the video segment's rows; steps: evaluations of one run; t_values: distinct timesteps per step
@@ -121,15 +145,19 @@ class Workload:
     steps: int
     latent_bytes: int
     t_values: int = 2
+    tower: TowerSize | None = None
 
     @classmethod
-    def from_shapes(cls, video_shape, audio_shape, text_tokens: int, steps: int, cond=None) -> "Workload":
+    def from_shapes(cls, video_shape, audio_shape, text_tokens: int, steps: int, cond=None,
+                    tower: TowerSize | None = None) -> "Workload":
         """Latent shapes video [1, C, T, H, W] / audio [1, Ca, 2, Ta]; cond: the run's H3Conditioning (its
-        keyframe and reference rows, and their timesteps: two more per kind present)."""
+        keyframe and reference rows, and their timesteps: two more per kind present); tower: the run's Fun
+        ControlNet (``TowerSize.of``), None without one."""
         t, h, w = video_shape[2], -(-video_shape[3] // 2), -(-video_shape[4] // 2)
         numel = math.prod(video_shape) + math.prod(audio_shape)
         extra = 0 if cond is None else 2 * (bool(getattr(cond, "keyframes", None)) + bool(getattr(cond, "refs", None)))
-        return cls(latent_rows(video_shape, audio_shape, text_tokens, cond), t * h * w, steps, 4 * numel, 2 + extra)
+        return cls(latent_rows(video_shape, audio_shape, text_tokens, cond), t * h * w, steps, 4 * numel, 2 + extra,
+                   tower)
 
     @classmethod
     def for_request(cls, cfg: H3Config, width=None, height=None, frames=None, steps=None,
@@ -142,7 +170,8 @@ class Workload:
         return cls.from_shapes(vs, as_, text_tokens, req.steps)
 
     def describe(self) -> str:
-        return f"{self.rows:,} rows, {self.steps} steps"
+        tower = "" if self.tower is None else f", a control tower of {self.tower.blocks} blocks"
+        return f"{self.rows:,} rows, {self.steps} steps{tower}"
 
 
 def linear_dims(cfg: H3Config) -> dict[str, tuple[int, int]]:
@@ -183,6 +212,7 @@ class ModelMemory:
     adaln_host_bytes: int
     ffn_row_local: bool
     ffn_row_local_why: str
+    adaln_on_host: bool = True
 
     @classmethod
     def build(cls, cfg: H3Config, dtype: torch.dtype, act_format: str, gemm: str = "fp8", attention: str = "sage2",
@@ -211,7 +241,7 @@ class ModelMemory:
                                      "rows, so a row chunk would quantize differently")
         else:
             row_local, why = True, "row-local (per-row activation scales; GEMM rows independent)"
-        return cls(cfg, e, act_format, gemm, attention, v_handling, block, other, adaln, row_local, why)
+        return cls(cfg, e, act_format, gemm, attention, v_handling, block, other, adaln, row_local, why, adaln_on_host)
 
     @classmethod
     def from_plan(cls, plan) -> "ModelMemory":
@@ -306,6 +336,52 @@ def scratch_bytes(mm: ModelMemory, wl: Workload) -> int:
     return 0
 
 
+def tower_block_bytes(mm: ModelMemory, tower: TowerSize) -> int:
+    """The streamable bytes of one control block: its four linears in the base's form (what one of the tower's
+    device buffers holds, and what each streamed control block keeps in pinned host memory)."""
+    return sum(sum(aligned(b) for b in streamed_tensor_bytes(n, k, True, mm.dtype_bytes))
+               if mm.act_format != "dense" else n * k * mm.dtype_bytes for n, k in linear_dims(tower.cfg).values())
+
+
+def tower_bytes(mm: ModelMemory, wl: Workload, streams: bool = False) -> tuple[int, int]:
+    """The control tower's device bytes for ``wl`` (0, 0 without one) -> (weights, held through an evaluation).
+
+    Weights, as ``runtime.io.control.load_control`` places them: the four block linears of each control block in
+    the base's form (NVFP4 bytes and scales when the load quantizes, else the compute dtype), every other tensor
+    at its own dtype, full-form AdaLN in host memory when the base keeps its own there. ``streams``: the control
+    blocks' linears stream from pinned host memory through ``SLOTS`` device buffers (``runtime.ops.streaming``)
+    instead of staying on the device. Held: the stream ``c`` and the skip residual (``S x hidden`` each), the
+    control rows' embedding (video rows x hidden) and the modulation rows of every step and control block
+    (``bind_control``)."""
+    tw = wl.tower
+    if tw is None:
+        return 0, 0
+    from .model.control import FunControl  # the tower's modules (meta: shapes and dtypes only)
+
+    cfg = tw.cfg
+    with torch.device("meta"):
+        meta = FunControl(cfg, tuple(range(tw.blocks)), torch.bfloat16 if mm.dtype_bytes == 2 else torch.float32)
+    quantized = mm.act_format != "dense"
+    dims = linear_dims(cfg)
+    rest = adaln_width = 0
+    for name, t in list(meta.named_parameters()) + list(meta.named_buffers()):
+        layer, _, leaf = name.rpartition(".")
+        sub = layer.split(".", 2)[-1] if layer.startswith("control_blocks.") else ""
+        if sub in dims and leaf == "weight":
+            rest += 64 if quantized else 0  # an NVFP4 layer's global scale (and the odd small buffer)
+            continue
+        if ".adaln_proj." in name:
+            adaln_width = t.element_size()
+            if mm.adaln_on_host and not cfg.curve_form:
+                continue
+        rest += t.numel() * t.element_size()
+    lin_block = tower_block_bytes(mm, tw)
+    h, e = cfg.hidden_size, mm.dtype_bytes
+    mods = wl.steps * tw.blocks * 3 * wl.t_values * 6 * h * max(adaln_width, e)
+    return rest + (min(SLOTS, tw.blocks) if streams else tw.blocks) * lin_block, \
+        2 * wl.rows * h * e + wl.video_rows * h * e + mods
+
+
 @dataclass(frozen=True)
 class Estimate:
     weights_resident: int
@@ -315,34 +391,40 @@ class Estimate:
     activations: int
     peak_phase: str
     workspace: int
+    control_weights: int = 0
+    control_held: int = 0
 
     @property
     def total(self) -> int:
         return (self.weights_resident + self.stream_buffers + self.scratch + self.run + self.activations
-                + self.workspace)
+                + self.workspace + self.control_weights + self.control_held)
 
     def as_dict(self) -> dict:
         return {"total_bytes": self.total, "weights_resident_bytes": self.weights_resident,
                 "stream_buffer_bytes": self.stream_buffers, "gemm_scratch_bytes": self.scratch,
                 "run_bytes": self.run, "activation_bytes": self.activations, "peak_phase": self.peak_phase,
-                "workspace_bytes": self.workspace}
+                "workspace_bytes": self.workspace, "control_tower_weight_bytes": self.control_weights,
+                "control_tower_held_bytes": self.control_held}
 
     def describe(self) -> str:
+        tower = "" if not (self.control_weights or self.control_held) else (
+            f" + {gb(self.control_weights)} control tower weights + {gb(self.control_held)} its run tensors")
         return (f"estimate {gb(self.total)} = {gb(self.weights_resident)} resident weights + "
                 f"{gb(self.stream_buffers)} stream buffers + {gb(self.activations)} activations ({self.peak_phase}) "
-                f"+ {gb(self.run)} run tensors + {gb(self.scratch + self.workspace)} scratch")
+                f"+ {gb(self.run)} run tensors + {gb(self.scratch + self.workspace)} scratch{tower}")
 
 
 def estimate(mm: ModelMemory, wl: Workload, resident: int, slots: int, chunk_rows: int | None,
-             device_kind: str = "cuda") -> Estimate:
+             device_kind: str = "cuda", tower_streams: bool = False) -> Estimate:
     """Peak device bytes of a run with ``resident`` blocks resident (the others streamed through ``slots``
-    buffers) and the FFN chunked to ``chunk_rows`` rows (None: unchunked)."""
+    buffers) and the FFN chunked to ``chunk_rows`` rows (None: unchunked); ``tower_streams``: the control tower's
+    blocks stream too (``tower_bytes``)."""
     phases = activation_phases(mm, wl, chunk_rows)
     phase = max(phases, key=phases.get)
     streamed = mm.cfg.num_layers - resident
     return Estimate(mm.other_bytes + resident * mm.block_bytes, (slots if streamed else 0) * mm.block_bytes,
                     scratch_bytes(mm, wl), run_bytes(mm, wl), phases[phase], phase,
-                    WORKSPACE_BYTES if device_kind == "cuda" else 0)
+                    WORKSPACE_BYTES if device_kind == "cuda" else 0, *tower_bytes(mm, wl, tower_streams))
 
 
 def chunk_options(rows: int, device_kind: str = "cuda") -> list[int]:
@@ -394,6 +476,8 @@ class MemoryPlan:
     note: str = ""
     row_local: str = ""
     steps_copied: dict = field(default_factory=dict)
+    tower_streams: bool = False  # the control tower's blocks stream from pinned host memory (Workload.tower)
+    tower_host_bytes: int = 0  # host memory the streamed control blocks take (pinned on CUDA)
 
     @property
     def streams(self) -> bool:
@@ -408,12 +492,17 @@ class MemoryPlan:
         if self.note and not self.streamed and self.ffn_chunk_rows is None:
             return Choice("all resident", f"{self.note}; {self.estimate.describe()} for {self.workload.describe()}")
         what = "all resident" if not self.streamed else f"{len(self.resident)} resident, {len(self.streamed)} streamed"
+        if self.tower_streams:
+            what += ", control tower streamed"
         parts = [self.budget_text]
         if self.streamed:
             parts.append(f"{len(self.streamed)} of {n} blocks stream from {'host' if self.emulated else 'pinned host'} "
                          f"memory through {self.slots} device buffers of {gb(self.block_bytes)} "
                          f"({gb(self.copy_bytes_per_step)} copied per step"
                          + (", emulated with host copies on the CPU" if self.emulated else "") + ")")
+        if self.tower_streams:
+            parts.append(f"the control tower's {self.workload.tower.blocks} blocks stream through "
+                         f"{min(self.slots, self.workload.tower.blocks)} device buffers of their own")
         parts.append("FFN unchunked" if self.ffn_chunk_rows is None
                      else f"FFN in row chunks of {self.ffn_chunk_rows:,} ({self.row_local})")
         parts.append(f"{self.estimate.describe()} for {self.workload.describe()}")
@@ -431,6 +520,7 @@ class MemoryPlan:
                 "host_bytes_streamed_weights": self.host_bytes, "adaln_host_bytes": self.adaln_host_bytes,
                 "smallest_budget_bytes": self.smallest_budget_bytes,
                 "copy_bytes_per_step_planned": self.copy_bytes_per_step,
+                "control_tower_streams": self.tower_streams, "control_tower_host_bytes": self.tower_host_bytes,
                 **({"note": self.note} if self.note else {}), **({"emulated": True} if self.emulated else {})}
 
 
@@ -445,19 +535,21 @@ def _resolve_budget(requested: int | None, dev: DeviceMemory, held_bytes: int) -
 
 
 def _plan(mm: ModelMemory, wl: Workload, dev: DeviceMemory, budget: int, text: str, resident: int,
-          chunk: int | None, smallest: int | None, emulated: bool) -> MemoryPlan:
+          chunk: int | None, smallest: int | None, emulated: bool, tower_streams: bool = False) -> MemoryPlan:
     n = mm.cfg.num_layers
     res = spread(n, resident)
     streamed = tuple(j for j in range(n) if j not in set(res))
-    est = estimate(mm, wl, resident, SLOTS, chunk, dev.kind)
+    est = estimate(mm, wl, resident, SLOTS, chunk, dev.kind, tower_streams)
+    tower_host = wl.tower.blocks * tower_block_bytes(mm, wl.tower) if tower_streams else 0
     return MemoryPlan(budget, text, res, streamed, SLOTS, chunk, est, wl, mm.block_bytes, len(streamed) * mm.block_bytes,
-                      mm.adaln_host_bytes, smallest, dev.kind, emulated, row_local=mm.ffn_row_local_why)
+                      mm.adaln_host_bytes, smallest, dev.kind, emulated, row_local=mm.ffn_row_local_why,
+                      tower_streams=tower_streams, tower_host_bytes=tower_host)
 
 
 def smallest_budget(mm: ModelMemory, wl: Workload, device_kind: str = "cuda") -> int:
-    """Every block streamed and the smallest chunking this model's FFN allows."""
+    """Every block streamed (the control tower's too) and the smallest chunking this model's FFN allows."""
     chunks = chunk_options(wl.rows, device_kind) if mm.ffn_row_local else []
-    return estimate(mm, wl, 0, SLOTS, chunks[-1] if chunks else None, device_kind).total
+    return estimate(mm, wl, 0, SLOTS, chunks[-1] if chunks else None, device_kind, wl.tower is not None).total
 
 
 def decide(mm: ModelMemory, wl: Workload, dev: DeviceMemory, requested: int | None,
@@ -483,21 +575,24 @@ def decide(mm: ModelMemory, wl: Workload, dev: DeviceMemory, requested: int | No
     if full.total <= budget:
         return _plan(mm, wl, dev, budget, text, n, None, None, False)
     smallest = smallest_budget(mm, wl, dev.kind)
+    ts = wl.tower is not None  # past "everything resident", the control tower streams first (it runs 5 or 10 blocks)
     chunks = [None] + (chunk_options(wl.rows, dev.kind) if mm.ffn_row_local else [])
     for chunk in chunks:
-        if chunk is not None and estimate(mm, wl, n, SLOTS, chunk, dev.kind).total <= budget:
-            return _plan(mm, wl, dev, budget, text, n, chunk, smallest, emulated)
-        base = estimate(mm, wl, 0, SLOTS, chunk, dev.kind).total
+        if (chunk is not None or ts) and estimate(mm, wl, n, SLOTS, chunk, dev.kind, ts).total <= budget:
+            p = _plan(mm, wl, dev, budget, text, n, chunk, smallest, emulated, ts)
+            _check_host(p, host_free, host_held_bytes)
+            return p
+        base = estimate(mm, wl, 0, SLOTS, chunk, dev.kind, ts).total
         if base > budget:
             continue
         resident = min(n - 1, (budget - base) // mm.block_bytes) if mm.block_bytes else n
-        p = _plan(mm, wl, dev, budget, text, int(resident), chunk, smallest, emulated)
+        p = _plan(mm, wl, dev, budget, text, int(resident), chunk, smallest, emulated, ts)
         _check_host(p, host_free, host_held_bytes)
         return p
     what = "auto (the free device memory less the margin)" if requested is None else "the budget"
     raise BudgetError(
         f"{text}: too small for {wl.describe()}: even with every block streamed and the smallest activation "
-        f"chunking the run needs {gb(smallest)} ({estimate(mm, wl, 0, SLOTS, chunks[-1], dev.kind).describe()}); "
+        f"chunking the run needs {gb(smallest)} ({estimate(mm, wl, 0, SLOTS, chunks[-1], dev.kind, ts).describe()}); "
         f"{what} must be at least {gb(smallest)}: set --vram-budget / H3_VRAM_BUDGET to {budget_arg(smallest)} or "
         "more, or lower the width, height or frames (nothing was loaded)")
 
@@ -509,7 +604,7 @@ def budget_arg(nbytes: int) -> str:
 
 
 def _check_host(p: MemoryPlan, host_free: int | None, host_held_bytes: int) -> None:
-    need = p.host_bytes - host_held_bytes
+    need = p.host_bytes + p.tower_host_bytes - host_held_bytes
     if need <= 0:
         return
     free = host_available_bytes() if host_free is None else host_free
@@ -517,9 +612,10 @@ def _check_host(p: MemoryPlan, host_free: int | None, host_held_bytes: int) -> N
     avail = free - adaln
     if need > avail:
         extra = f" after the {gb(adaln)} of AdaLN weights kept there" if adaln else ""
+        tower = f" and the control tower's {p.workload.tower.blocks} blocks" if p.tower_host_bytes else ""
         raise BudgetError(f"{p.budget_text}: needs {need / GB:.1f} GB of host memory for the streamed weights "
-                          f"({len(p.streamed)} blocks), {max(0, avail) / GB:.1f} GB free{extra}; raise the budget so "
-                          "fewer blocks stream, or free host memory (nothing was loaded)")
+                          f"({len(p.streamed)} blocks{tower}), {max(0, avail) / GB:.1f} GB free{extra}; raise the "
+                          "budget so fewer blocks stream, or free host memory (nothing was loaded)")
 
 
 def least_device_weight_bytes(cfg: H3Config, form: tuple[str, bool], device: torch.device, dtype: torch.dtype,
@@ -547,5 +643,6 @@ def plan_memory(plan, workload: Workload | None = None, dev: DeviceMemory | None
     return mp
 
 
-__all__ = ["BudgetError", "DeviceMemory", "Estimate", "MemoryPlan", "ModelMemory", "Workload", "decide", "estimate",
-           "least_device_weight_bytes", "parse_vram_budget", "plan_memory", "smallest_budget"]
+__all__ = ["BudgetError", "DeviceMemory", "Estimate", "MemoryPlan", "ModelMemory", "TowerSize", "Workload", "decide",
+           "estimate", "least_device_weight_bytes", "parse_vram_budget", "plan_memory", "smallest_budget",
+           "tower_block_bytes", "tower_bytes"]

@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .budget import Workload
+from .budget import TowerSize, Workload
 from .io.control import ControlFile, load_control, open_control
 from .io.header import read_header, read_tensors
 from .io.payload import check_control_args, conditioning_from_payload, load_payload, read_inputs
@@ -321,7 +321,7 @@ def run_rank(ctx, job: Job):
     if isinstance(job.model, ModelSpec):
         video, audio = job.latents(job.model.config)  # the memory budget is planned for this run's size
         rt = job.model.load(device=None if ctx is None else str(ctx.device), workload=Workload.from_shapes(
-            video.shape, audio.shape, job.text.shape[-2], job.steps, job.conditioning))
+            video.shape, audio.shape, job.text.shape[-2], job.steps, job.conditioning, TowerSize.of(job.control)))
     else:
         rt = job.model
         sync_loras(rt)  # a shared resident model carries exactly this job's LoRA stack (none for a plain runtime)

@@ -35,7 +35,7 @@ from typing import Callable
 
 import torch
 
-from .budget import DeviceMemory, ModelMemory, Workload, decide, parse_vram_budget, plan_memory
+from .budget import DeviceMemory, ModelMemory, TowerSize, Workload, decide, parse_vram_budget, plan_memory
 from .errors import CheckpointError
 from .io.checkpoint import dequantize_layer
 from .io.comfy_quant import from_comfy_quant_tensors
@@ -111,7 +111,9 @@ class _Loader:
         self.adopt = adopt  # BlockStreamer.adopt: a streamed block's linear moves to host memory once loaded
         self.device, self.dtype = plan.device, plan.dtype
         self.quant = quant_layers(src)
-        self.linear_kw = dict(plan.linear_choices(), scratch=Scratch())
+        if plan.scratch is None:
+            plan.scratch = Scratch()
+        self.linear_kw = dict(plan.linear_choices(), scratch=plan.scratch)
         self.stored = set(plan.stored_nvfp4)
         self.have = set(src.keys())
 
@@ -238,22 +240,31 @@ class H3Runtime:
         return "\n".join(lines)
 
     def fit_memory(self, video_shape, audio_shape, text_tokens: int, steps: int, cond=None,
-                   device_memory: DeviceMemory | None = None) -> dict:
+                   device_memory: DeviceMemory | None = None, control=None) -> dict:
         """Plan the device-memory budget again for a sampling run of these latent shapes (``sample`` calls it when
         sampling starts, so ``auto`` sees the memory ComfyUI's text encoder and VAE hold then), move blocks
         between the device and host memory if the decision changed, and return the ``memory`` choice.
-        Raises BudgetError (nothing moved) when the budget cannot run this request."""
+        control: the run's loaded Fun ControlNet tower (``FunControl``) or None: its device bytes are already
+        held (``auto`` counts them as available again) and are planned like the load's. Raises BudgetError
+        (nothing moved) when the budget cannot run this request."""
         plan, st = self.plan, self.streamer
         if plan.memory is None or st is None:
             return {}
-        wl = Workload.from_shapes(video_shape, audio_shape, text_tokens, steps, cond)
+        wl = Workload.from_shapes(video_shape, audio_shape, text_tokens, steps, cond, TowerSize.of(control))
         dev = device_memory or DeviceMemory.probe(self.device)
         mm = ModelMemory.from_plan(plan)
         old = plan.memory
-        held = mm.other_bytes + len(old.resident) * mm.block_bytes + st.device_bytes
+        held = mm.other_bytes + len(old.resident) * mm.block_bytes + st.device_bytes + _device_bytes(control, self.device)
+        tower_held = getattr(getattr(control, "streamer", None), "host_bytes", 0)
         new = decide(mm, wl, dev, parse_vram_budget(plan.vram_budget), held_bytes=held,
-                     host_held_bytes=st.host_bytes)
+                     host_held_bytes=st.host_bytes + tower_held)
+        tower_st = getattr(control, "streamer", None)  # the tower's blocks move too when their decision changed
+        tower_to = range(len(control.places)) if tower_st is not None and new.tower_streams else ()
+        if tower_st is not None and new.tower_streams:
+            tower_st.restream(tower_to)  # device -> host first, so the base's moves find the room
         st.restream(new.streamed)
+        if tower_st is not None and not new.tower_streams:
+            tower_st.restream(tower_to)
         self.ops.ffn_chunk_rows = new.ffn_chunk_rows
         plan.memory = new
         plan.choices["memory"] = new.choice()
@@ -281,6 +292,16 @@ class H3Runtime:
         return out
 
 
+def _device_bytes(module, device: torch.device) -> int:
+    """Bytes of ``module``'s tensors (None: 0) that sit on ``device``'s type."""
+    if module is None:
+        return 0
+    st = getattr(module, "streamer", None)  # a streamed tower's device buffers are its streamer's
+    return (0 if st is None else st.device_bytes) + sum(
+        t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers())
+        if t.device.type == device.type)
+
+
 def _prepare_fc2(plan: LoadPlan) -> tuple[object | None, dict | None]:
     """The guarded FC2 dispatcher, prepared before any capture, only where the plan applies it."""
     if not plan.fc2_lt:
@@ -299,7 +320,7 @@ def bind_attention(plan: LoadPlan) -> tuple[AttentionFn, SparseStepAttention | N
     it or None). attention=sparse: the kernel plus the dense function for its dense steps."""
     cfg = plan.config
     dense = registry.bind("attention", plan.dense_attention, head_dim=cfg.head_dim, device=plan.device,
-                          v_handling=plan.v_handling)
+                          v_handling=plan.v_handling, qk_operands=plan.qk_operands)
     if plan.attention != "sparse":
         return dense, None
     sparse = registry.bind("attention", "sparse", head_dim=cfg.head_dim, device=plan.device, dtype=plan.dtype,

@@ -60,6 +60,8 @@ class LoadPlan:
     capabilities: dict = field(default_factory=dict)  # ops.registry.capability_table on this device
     memory: object | None = None  # runtime.budget.MemoryPlan: resident vs streamed blocks, chunking (load_model)
     tiles: ProducerTiles = BUILTIN_TILES  # the producers' tile table (choice "producer_tiles" when one is given)
+    scratch: object | None = None  # the GEMM scratch every block linear of this load shares (gemm_backends.Scratch;
+    #                                set by the load, reused by a control tower loaded onto this plan)
 
     @property
     def quantize(self) -> bool:
@@ -85,6 +87,11 @@ class LoadPlan:
     @property
     def v_handling(self) -> str:
         return self.choices["v_handling"].choice
+
+    @property
+    def qk_operands(self) -> str:
+        """Who writes Sage2's int8 q: "producer" (the norm+RoPE kernel), "library", or "none" (not Sage2)."""
+        return self.choices["qk_operands"].choice
 
     @property
     def fc2_lt(self) -> bool:
@@ -254,6 +261,18 @@ def _precision(options: RuntimeOptions, device: torch.device, act_format: str) -
     return Choice(options.precision, what + ("; CPU: the exact references either way" if device.type != "cuda" else ""))
 
 
+def _qk_operands(options: RuntimeOptions, device: torch.device, attention: str, cfg: H3Config,
+                 v_handling: str) -> Choice:
+    """Who writes Sage2's int8 q: the option where it applies (producer needs fused V and the kernels on CUDA:
+    ``sage.qk_operands_status`` says why not), "none" for other attention backends."""
+    if attention != "sage2":
+        return Choice(*resolve("qk_operands", device, attention, head_dim=cfg.head_dim, v_handling=v_handling))
+    if options.qk_operands == "library":
+        return Choice("library", "library (the default): SageAttention2's own stage quantizes q and k; "
+                                 "qk_operands=producer (H3_QK_OPERANDS) moves q's into the norm+RoPE kernel")
+    return Choice(*resolve("qk_operands", device, attention, head_dim=cfg.head_dim, v_handling=v_handling))
+
+
 def _adaln(options: RuntimeOptions, device: torch.device, cfg: H3Config) -> Choice:
     if cfg.curve_form:
         return Choice("resident", "curve form: the AdaLN tables are small")
@@ -300,6 +319,7 @@ def make_plan(path, options: RuntimeOptions, tiny_seed: int = 0) -> LoadPlan:
     if name == "sparse":
         name = _sparse(options, device, cfg, ch)
     ch["v_handling"] = Choice(*resolve("v_handling", device, name, head_dim=cfg.head_dim))
+    ch["qk_operands"] = _qk_operands(options, device, name, cfg, ch["v_handling"].choice)
     ch["precision"] = _precision(options, device, ch["act_format"].choice)
     ch["act_scale"] = Choice(options.act_scale, "NVFP4 activations' global scale: " + (
         "amax per call" if options.act_scale == "dynamic" else "the checkpoint's input_scale where present")

@@ -37,6 +37,7 @@ from ..errors import CheckpointError
 from ..model.control import ControlError, FunControl, block_config, check_fits, check_places
 from ..ops.gemm_backends import Scratch
 from ..ops.linear import Nvfp4Linear
+from ..ops.streaming import SLOTS, BlockStreamer
 from .checkpoint import dequantize_layer
 from .comfy_quant import from_comfy_quant_tensors, parse_comfy_quant_marker, parse_quantization_metadata
 from .finite import check_finite
@@ -358,8 +359,11 @@ def load_control(path, plan, base_config=None) -> FunControl:
     """The tower of ``path`` on ``plan``'s device and dtype (a LoadPlan: ``rt.plan``), its block linears NVFP4
     when the plan quantizes (module docstring). ``path``: a file, an opened ``ControlFile``, or any source with
     its reading interface (``spec``, ``name``, ``keys``, ``tensor``, ``quant_layers``, ``quant_format``; the
-    benches' random towers). ``base_config``: refuse early a tower that does not fit it. Raises ControlError /
-    CheckpointError naming the problem."""
+    benches' random towers). ``base_config``: refuse early a tower that does not fit it. Where the plan's memory
+    budget streams the tower (``plan.memory.tower_streams``: it was planned with this tower), each control
+    block's four linears move to pinned host memory as they load and stream through the tower's own device
+    buffers (``tower.streamer``, a ``BlockStreamer``; ``H3Runtime.fit_memory`` moves them when a later plan
+    decides otherwise). Raises ControlError / CheckpointError naming the problem."""
     cf = path if hasattr(path, "spec") else open_control(path)
     spec = cf.spec
     tower_cfg = spec.block_config
@@ -369,12 +373,21 @@ def load_control(path, plan, base_config=None) -> FunControl:
     with torch.device("meta"):
         tower = FunControl(tower_cfg, spec.places, dtype, inpaint_post_norm=spec.inpaint_post_norm)
     quant = cf.quant_layers()
-    scratch = Scratch()
+    scratch = getattr(plan, "scratch", None) or Scratch()  # the base's GEMM scratch (one of them runs at a time)
     host_adaln = plan.adaln_on_host and not spec.curve_form
+    memory = getattr(plan, "memory", None)
+    streams = bool(memory is not None and memory.tower_streams)
+    streamer = BlockStreamer(tower.control_blocks, range(len(spec.places)) if streams else (), dev,
+                             memory.slots if memory is not None else SLOTS)
+
+    def adopt(layer: str) -> None:  # a streamed control block's linear: its tensors to host memory at once
+        streamer.adopt("blocks." + layer.split(".", 1)[1], tower.get_submodule(layer))
+
     for k, p in tower.state_dict(keep_vars=True).items():
         layer = k[: -len(".weight")] if k.endswith(".weight") else None
         if layer is not None and plan.quantize and CONTROL_LINEARS.match(layer):
             _set(tower, layer, _linear(cf, layer, layer in quant, tuple(p.shape), plan, scratch))
+            adopt(layer)
             continue
         if k.endswith(".bias") and CONTROL_LINEARS.match(k[:-5]):
             continue  # (block linears have no bias)
@@ -389,9 +402,13 @@ def load_control(path, plan, base_config=None) -> FunControl:
             _set(tower, k, host)
         else:
             _set(tower, k, t.to(device=dev, dtype=p.dtype))
+            if layer is not None and CONTROL_LINEARS.match(layer):
+                adopt(layer)  # a dense block linear (the plan does not quantize)
     left = [n for n, t in list(tower.named_parameters()) + list(tower.named_buffers()) if t.is_meta]
     if left:
         raise CheckpointError(f"{cf.name}: no tensor for {left[:5]}")
+    streamer.finish()
+    tower.streamer = streamer
     return tower.eval().requires_grad_(False)
 
 

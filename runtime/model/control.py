@@ -83,6 +83,7 @@ class FunControl(nn.Module):
         self.places = check_places(places, len(places))
         self.dtype = dtype
         self.inpaint_post_norm = bool(inpaint_post_norm)
+        self.streamer = None  # load_control's BlockStreamer over control_blocks (streamed blocks, or none)
         adaln_dtype = torch.float32 if cfg.curve_form else dtype
         self.control_proj_in = nn.Linear(CONTROL_IN_CHANNELS * 4, cfg.hidden_size, bias=True, dtype=torch.float32,
                                          device=device)
@@ -231,12 +232,19 @@ class ControlRun:
         return ControlStep(self, plan, i) if self.active[i] else None
 
     def summary(self) -> dict:
-        """The report's ``control`` block."""
-        return {"tower": self.tower.describe(), "strength": self.hint.strength,
-                "sigma_window": [self.hint.sigma_end, self.hint.sigma_start],
-                "active_steps": [i for i, a in enumerate(self.active) if a],
-                "hint_channels": int(self.hint.hint.shape[1]),
-                "fades": [self.hint.fade_in_frames, self.hint.fade_out_frames]}
+        """The report's ``control`` block (with the tower's streaming counters where its blocks stream)."""
+        out = {"tower": self.tower.describe(), "strength": self.hint.strength,
+               "sigma_window": [self.hint.sigma_end, self.hint.sigma_start],
+               "active_steps": [i for i, a in enumerate(self.active) if a],
+               "hint_channels": int(self.hint.hint.shape[1]),
+               "fades": [self.hint.fade_in_frames, self.hint.fade_out_frames]}
+        st = self.tower.streamer
+        out["streamed_blocks"] = [] if st is None else list(st.order)
+        if st is not None and st.order:
+            stats = st.summary()
+            out["streaming"] = {k: stats[k] for k in ("evaluations", "bytes_copied_per_step", "copy_ms_per_step",
+                                                      "copy_exposed_ms_per_step", "timing")}
+        return out
 
 
 class ControlStep:
@@ -272,7 +280,15 @@ class ControlStep:
         run = self.run
         ops = run.ops if run.ops is not None else ops
         blk = run.tower.control_blocks[k]
-        self.c = blk(self.c, run.mods[self.i][k], self.segs, self.cos, self.sin, ops, f"control.{k}")
+        st = run.tower.streamer
+        streamed = st is not None and k in st.streamed
+        if streamed:
+            st.enter(k)  # its linears bound to the tower's device buffer (prefetching the next control block)
+        try:
+            self.c = blk(self.c, run.mods[self.i][k], self.segs, self.cos, self.sin, ops, f"control.{k}")
+        finally:
+            if streamed:
+                st.leave(k)
         skip = blk.after_proj(self.c)
         for a, b in _slices(run.layout, AUDIO_KINDS):
             skip[a:b] = 0

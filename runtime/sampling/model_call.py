@@ -8,7 +8,8 @@ conditioning. It gets back the negated network output (CONST velocity ``eps - x0
 the audio, the velocity of the carried variable ``(1 - s) * x_a + (1 + (s - 1) * sigma_a) * v_a``
 (``runtime.sampling.schedule.carry_in`` / ``carry_out``): exactly what ``sample`` computes inside its loop.
 
-A sampling run (``begin_run`` .. ``end_run``) builds the run plan once, from the first call's text states,
+A sampling run (``begin_run`` .. ``end_run``) plans the device-memory budget for the largest size it sees (as
+``sample`` does at its start) and builds the run plan once, from the first call's text states,
 shapes, conditioning and the host's whole schedule (``schedule``: core's ``sample_sigmas``, trailing 0
 included): the refined text, layout, RoPE tables and the modulation rows of every scheduled sigma. A call at a
 scheduled sigma then costs only the block stack; a call at another sigma (a sampler's intermediate point)
@@ -31,6 +32,7 @@ from ..errors import H3Error
 from ..model.conditioning import H3Conditioning
 from .lossy import LossyRun
 from .report import RunRecord, build_report, latent_sha256
+from .request import latent_rows
 from .schedule import carry_in, carry_out, model_sigma
 
 __all__ = ["ModelCall", "weight_shapes"]
@@ -88,6 +90,7 @@ class _Run:
     first_block_cache: float | None = None
     last: tuple | None = None  # (text shape, video shape, audio shape, shifts) of the last call, for the report
     summary: list = field(default_factory=list)  # per conditioning, once the run ended: what the report shows
+    fitted_rows: int = 0  # the packed rows the memory budget was last planned for in this run
 
 
 class ModelCall:
@@ -195,6 +198,7 @@ class ModelCall:
         c = cond if cond is not None else H3Conditioning()
         if sched:
             c = dataclasses.replace(c, sample_sigmas=torch.tensor(sched, dtype=torch.float32))
+        self._fit(text, shapes, c, max(1, len(sigmas)))
         plan = None
         if sigmas:
             plan = self.rt.model.plan(text.float(), shapes[0], shapes[1], sigmas, token_tags=tags, shifts=shifts,
@@ -203,6 +207,19 @@ class ModelCall:
                   plan, sigmas, c)
         run.plans.append(p)
         return p
+
+    def _fit(self, text, shapes, cond, steps: int) -> None:
+        """The device-memory budget planned again for this conditioning's size, as ``sample`` does when it starts
+        (``H3Runtime.fit_memory``: blocks move between the device and host memory if the decision changes; the
+        host's latents may be larger than the size the load planned for). Within a run only a conditioning with
+        more packed rows than any before plans again (CFG's second conditioning, or a shorter prompt, keeps the
+        decision made for the larger). Raises BudgetError (nothing moved) when the budget cannot run it."""
+        fit = getattr(self.rt, "fit_memory", None)
+        rows = latent_rows(shapes[0], shapes[1], text.shape[1], cond)
+        if not callable(fit) or rows <= self.run.fitted_rows:
+            return
+        fit(shapes[0], shapes[1], text.shape[1], steps, cond)
+        self.run.fitted_rows = rows
 
     def _step(self, p: _Plan, sigma: float):
         """(plan, step index) for a model sigma: the run plan's step when the schedule has it, else a one-sigma

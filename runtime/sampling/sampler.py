@@ -271,7 +271,8 @@ def sample(rt, text_states: torch.Tensor, token_tags: torch.Tensor | None, video
         raise H3Error("the Fun ControlNet tower does not run under sequence parallelism yet; run it on one GPU")
     fit = getattr(rt, "fit_memory", None)  # the device-memory budget for this run's size (runtime.budget)
     if callable(fit):
-        fit(tuple(video.shape), tuple(audio.shape), text_states.shape[1], len(model_sigmas), conditioning)
+        fit(tuple(video.shape), tuple(audio.shape), text_states.shape[1], len(model_sigmas), conditioning,
+            control=control)
     with torch.no_grad():
         plan = rt.model.plan(text_states.float(), tuple(video.shape), tuple(audio.shape), model_sigmas,
                              token_tags=token_tags, shifts=shifts, seed=seed,

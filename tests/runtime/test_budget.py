@@ -198,3 +198,100 @@ def test_cli_refusals_are_one_error_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "too small" in err[0] and "set --vram-budget" in err[0]
     assert not (tmp_path / "b").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# a Fun ControlNet tower in the estimate
+# ---------------------------------------------------------------------------------------------
+
+def _v2_tower():
+    from h3_blackwell.runtime.budget import TowerSize
+    from h3_blackwell.runtime.model.control import block_config
+
+    c = FULL
+    return TowerSize(block_config(c.hidden_size, c.num_heads, c.head_dim, c.ffn_hidden_size, c.time_embed_dim,
+                                  c.curve_form), 10)
+
+
+def test_control_tower_is_in_the_estimate(w4a8):
+    """A v2 tower (10 full-size control blocks, W4A8 like the base, full-form AdaLN on the host) adds its weights
+    (four NVFP4 linears a block, the dense projections and norms at their dtypes) and what it holds through an
+    evaluation (c, the skip, the control rows' embedding, its modulation rows) to every estimate."""
+    from dataclasses import replace
+
+    from h3_blackwell.runtime.budget import tower_bytes
+    from h3_blackwell.runtime.model.control import FunControl
+
+    wl = replace(CANONICAL, tower=_v2_tower())
+    weights, held = tower_bytes(w4a8, wl)
+    with torch.device("meta"):
+        t = FunControl(wl.tower.cfg, tuple(range(10)), torch.bfloat16)
+    linear_params = sum(b.get_submodule(n).weight.numel() for b in t.control_blocks
+                        for n in ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2"))
+    dense = sum(p.numel() * p.element_size() for n, p in t.named_parameters()
+                if ".adaln_proj." not in n and not any(x in n for x in ("qkv_proj.w", "out_proj.w", "fc1.w", "fc2.w")))
+    assert linear_params // 2 + dense < weights < linear_params // 2 * 1.13 + dense
+    h = FULL.hidden_size
+    assert held >= 2 * CANONICAL.rows * h * 2 + CANONICAL.video_rows * h * 2
+    for resident, chunk in ((50, None), (20, None), (0, 4096)):
+        plain, with_tower = (estimate(w4a8, w, resident, SLOTS, chunk) for w in (CANONICAL, wl))
+        assert with_tower.total == plain.total + weights + held
+        assert "control tower" in with_tower.describe() and "control tower" not in plain.describe()
+    assert tower_bytes(w4a8, CANONICAL) == (0, 0)
+
+
+def test_blocks_stream_to_make_room_for_the_tower(w4a8):
+    """Past "everything resident", the tower's blocks stream first (two device buffers of their own), then the
+    base's as without a tower; the smallest budget streams both and names the tower."""
+    from dataclasses import replace
+
+    from h3_blackwell.runtime.budget import tower_bytes
+
+    wl = replace(CANONICAL, tower=_v2_tower())
+    resident = estimate(w4a8, wl, FULL.num_layers, SLOTS, None)
+    assert decide(w4a8, wl, H200, resident.total, host_free=HOST).tower_streams is False
+    fits = decide(w4a8, wl, H200, resident.total - 1, host_free=HOST)
+    assert fits.tower_streams and fits.streamed == () and "control tower streamed" in fits.choice().choice
+    saved = tower_bytes(w4a8, wl)[0] - tower_bytes(w4a8, wl, True)[0]
+    assert saved == 8 * w4a8.block_bytes  # 10 blocks' linears (the base's block dims) -> 2 buffers of one each
+    plain, with_tower = (decide(w4a8, w, H200, 14 * 10 ** 9, host_free=HOST) for w in (CANONICAL, wl))
+    assert with_tower.estimate.total <= 14 * 10 ** 9 and len(with_tower.streamed) > len(plain.streamed)
+    assert with_tower.tower_streams and "control tower of 10 blocks" in with_tower.choice().reason
+    assert "the control tower's 10 blocks stream" in with_tower.choice().reason
+    assert with_tower.report()["control_tower_streams"] is True
+    with pytest.raises(BudgetError, match=r"control tower of 10 blocks.*control tower weights") as e:
+        decide(w4a8, wl, H200, 8 * 10 ** 9, host_free=HOST)
+    least = smallest_budget(w4a8, wl)
+    assert budget_arg(least) in str(e.value) and least > smallest_budget(w4a8, CANONICAL)
+    assert least == estimate(w4a8, wl, 0, SLOTS, chunk_options(wl.rows)[-1], "cuda", True).total
+    # the streamed tower's pinned host bytes are checked with the blocks' before anything loads
+    assert fits.tower_host_bytes == 10 * w4a8.block_bytes and fits.report()["control_tower_host_bytes"] > 0
+    with pytest.raises(BudgetError, match="the control tower's 10 blocks"):
+        decide(w4a8, wl, H200, resident.total - 1, host_free=fits.tower_host_bytes - 1)
+
+
+def test_tower_estimate_matches_a_loaded_tower(tmp_path):
+    """The weight bytes the estimate gives a tower equal those of the tower ``load_control`` builds on the tiny
+    model, dense and quantized (up to each NVFP4 tensor's alignment in the estimate)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from fixtures.tiny_control import save_tiny_control
+
+    from h3_blackwell.runtime import load_control
+    from h3_blackwell.runtime.budget import ALIGN, TowerSize, tower_bytes
+    from h3_blackwell.runtime.model.config import TINY
+
+    f = save_tiny_control(tmp_path / "tower.safetensors", TINY, (0, 1, 2), seed=3)
+    for quantize in (False, True):
+        rt = load_model(None, RuntimeOptions(device="cpu", dtype="float32", quantize=quantize))
+        tower = load_control(f, rt.plan, rt.config)
+        mm = ModelMemory.from_plan(rt.plan)
+        wl = Workload.from_shapes((1, 24, 7, 16, 16), (1, 32, 2, 37), 32, 2, tower=TowerSize.of(tower))
+        est = tower_bytes(mm, wl)[0]
+        host = rt.plan.adaln_on_host and not tower.curve_form
+        real = sum(t.numel() * t.element_size() for n, t in list(tower.named_parameters()) +
+                   list(tower.named_buffers()) if not (host and ".adaln_proj." in n))
+        slack = 3 * 4 * (2 * ALIGN + 64) if quantize else 0
+        assert real <= est <= real + slack, (quantize, real, est)

@@ -292,6 +292,8 @@ def test_generate_with_control(files, tmp_path):
     rep = json.loads((tmp_path / "c" / "report.json").read_text())
     # res_multistep 3 steps at shift 12: sigmas 1, 0.97.., 0.92..: the first is above sigma_start 0.9956
     assert rep["control"]["active_steps"] == [1, 2] and rep["control"]["strength"] == 0.7
+    est = rep["memory"]["estimate"]  # the memory plan counted the tower (its weights and run tensors)
+    assert est["control_tower_weight_bytes"] > 0 and est["control_tower_held_bytes"] > 0
     plain = _write_inputs(tmp_path, case, with_control=False)
     assert cli.main(["generate", "--model", str(files["full"]), *plain, "--steps", "3", "--device", "cpu",
                      "--dense", "--output", str(tmp_path / "p")]) == 0
@@ -335,3 +337,60 @@ def test_quantize_control_files(files, tmp_path):
         del CASES["q"]
     for x, y in ((qv, dv), (qa, da), (fv, dv), (fa, da)):
         assert 0 < _rel(x, y) < 0.1, _rel(x, y)
+
+
+def test_tower_streams_under_a_tight_budget(files, tmp_path):
+    """A budget below the estimate with the tower resident streams the tower's blocks first (their four linears
+    from host memory through two device buffers of their own): the report says so, the tower's copies are
+    counted, and the latents are the resident run's bytes."""
+    name = "inpaint49_refs_odd"  # three control blocks: streaming saves one block's linears
+    case = CASES[name]
+    args = _write_inputs(tmp_path, case)
+    base = ["generate", "--model", str(files[case["base"]]), *args, "--steps", "3", "--device", "cpu",
+            "--control", str(files[name])]
+    assert cli.main([*base, "--output", str(tmp_path / "r")]) == 0
+    rep = json.loads((tmp_path / "r" / "report.json").read_text())
+    total = rep["memory"]["estimate"]["total_bytes"]
+    assert not rep["memory"]["control_tower_streams"] and rep["control"]["streamed_blocks"] == []
+    assert rep["control"]["active_steps"], "the tower must run for this test to mean anything"
+    assert cli.main([*base, "--vram-budget", repr((total - 1) / 1e9), "--output", str(tmp_path / "s")]) == 0
+    rep2 = json.loads((tmp_path / "s" / "report.json").read_text())
+    assert rep2["memory"]["control_tower_streams"] and rep2["memory"]["streamed_blocks"] == []
+    assert rep2["control"]["streamed_blocks"] == [0, 1, 2]
+    assert rep2["control"]["streaming"]["bytes_copied_per_step"] > 0
+    assert rep2["memory"]["estimate"]["total_bytes"] < total
+    for key in ("video", "audio"):
+        with safe_open(str(tmp_path / "r" / "latents.safetensors"), "pt") as f, \
+                safe_open(str(tmp_path / "s" / "latents.safetensors"), "pt") as g:
+            assert torch.equal(f.get_tensor(key), g.get_tensor(key)), key
+
+
+def test_sampling_start_moves_a_tower_loaded_resident(files):
+    """A tower loaded while the budget kept it resident (the node path loads it at apply time) streams once the
+    plan at sampling start says so, and goes back to the device when a later plan has room; the latents never
+    change."""
+    from h3_blackwell.runtime import sample
+    from fixtures.reports import report_hashes
+
+    name = "inpaint49_refs_odd"
+    case = CASES[name]
+    rt = load_model(str(files["full"]), RuntimeOptions(device="cpu", dtype="float32"))
+    tower = load_control(files[name], rt.plan, rt.config)
+    assert tower.streamer.order == []
+
+    def run():
+        cond = conditioning_from_payload(dict(case["payload"], control=case["control"]))
+        return sample(rt, case["text_states"], case["token_tags"], case["video"], case["audio"], seed=3, steps=3,
+                      conditioning=cond, control=tower)
+
+    want = run()
+    total = want.report["memory"]["estimate"]["total_bytes"]
+    rt.plan.options.vram_budget = repr((total - 1) / 1e9)
+    got = run()
+    assert tower.streamer.order == [0, 1, 2] and got.report["memory"]["control_tower_streams"]
+    assert got.report["control"]["streaming"]["bytes_copied_per_step"] > 0
+    assert report_hashes(got) == report_hashes(want)
+    rt.plan.options.vram_budget = "auto"  # CPU auto: everything resident again
+    back = run()
+    assert tower.streamer.order == [] and not back.report["memory"]["control_tower_streams"]
+    assert report_hashes(back) == report_hashes(want)

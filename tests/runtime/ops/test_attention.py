@@ -560,3 +560,158 @@ def test_probe_runs_the_bound_function(clean_sage):
     assert bound == [(("sage2", 128), {"device": dev, "v_handling": "fused"})]
     assert [c["fn"] for c in calls] == ["per_warp_int8", "sm90_kernel"]
     assert A._probe("sage2", dev, 128, torch.bfloat16) == (ok, why) and len(bound) == 1
+
+
+# ---------------------------------------------------------------------------------------------- q from norm+RoPE
+
+
+def _k_quant_reference(k, km, blk=128):
+    """SageAttention2's per-block k stage (k minus its mean, amax per ``blk`` rows and head, scale amax/127,
+    round half even), correctly rounded: what the stand-in library's k quantization writes."""
+    x = k[0].float() - km.reshape(1, *k.shape[2:]).float()
+    s, h, d = x.shape
+    nb = -(-s // blk)
+    pad = torch.zeros(nb * blk, h, d)
+    pad[:s] = x
+    blocks = pad.view(nb, blk, h, d)
+    amax = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-7)
+    codes = torch.round(blocks * ((1.0 / amax) * 127.0)[:, None, :, None]).clamp(-128, 127).to(torch.int8)
+    return codes.view(-1, h, d)[:s].unsqueeze(0), (amax * torch.tensor(1.0 / 127.0)).t().unsqueeze(0).contiguous()
+
+
+def _fake_sage2_int8(calls):
+    """Stand-in stages that quantize like the library (q per 16 rows, k minus its mean per 128 rows, correctly
+    rounded) and a kernel that attends over the dequantized operands, plus the library's separate k stage
+    (``quant._fused``) that the producer path calls."""
+    from h3_blackwell.runtime.ops import fp8_producers as f8
+    from h3_blackwell.runtime.ops.reference import sage_q_int8_reference
+
+    mod = _fake_sage2_fused(calls)
+
+    def per_warp_int8_cuda(q, k, km, tensor_layout="HND", BLKQ=128, WARPQ=32, BLKK=64):
+        calls.append(dict(fn="per_warp_int8", q=q.clone(), k=k.clone()))
+        q8, qs = sage_q_int8_reference(q)
+        k8, ks = _k_quant_reference(k, km, BLKK)
+        return q8, qs, k8, ks
+
+    def k_stage(k, km, k8, ks, blk, layout):
+        calls.append(dict(fn="k_quant", k=k.clone(), km=km.clone(), blk=blk, layout=layout))
+        want8, want_s = _k_quant_reference(k, km, blk)
+        k8.copy_(want8)
+        ks.copy_(want_s)
+
+    def kernel(q8, k8, v8, o, qs, ks, vs, layout, causal, gran, sm_scale, lse):
+        s = k8.shape[1]
+        rows = v8.shape[-1]
+        perm = (torch.arange(rows) // 16) * 16 + torch.tensor(f8.SAGE_V_PERM).repeat(rows // 16)
+        deq = v8[0].float().permute(2, 1, 0) * vs[0]
+        v = torch.empty_like(deq)
+        v[perm] = deq
+        q = q8[0].float() * qs[0].t().repeat_interleave(16, 0)[:s, :, None]
+        k = k8[0].float() * ks[0].t().repeat_interleave(128, 0)[:s, :, None]
+        calls.append(dict(fn="sm90_kernel", q8=q8.clone(), qs=qs.clone(), k8=k8.clone(), ks=ks.clone()))
+        o.copy_(_math_nhd(q.unsqueeze(0), k.unsqueeze(0), v[:s].unsqueeze(0), sm_scale).to(o.dtype))
+
+    mod.core.per_warp_int8_cuda = per_warp_int8_cuda
+    mod.core.sm90_compile.qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf = kernel
+    mod.quant = types.SimpleNamespace(_fused=types.SimpleNamespace(quant_per_block_int8_fuse_sub_mean_cuda=k_stage))
+    return mod
+
+
+@pytest.mark.parametrize("s", [200, 37])
+def test_sage2_q_from_norm_rope_equals_the_library_stages(clean_sage, s):
+    """qk_operands producer: norm+RoPE writes q as the int8 operand (elementwise.norm_rope_q8_), the library's k
+    stage quantizes k; the kernel then gets the very operands the library path gives it (norm_rope_ then
+    the wrapper's stages), so the two outputs are the same bytes. The q third of the caller's buffer keeps the
+    projection's values, its k third is normed in place, and v is untouched."""
+    from h3_blackwell.runtime.ops.elementwise import norm_rope_
+
+    calls = []
+    mod = _fake_sage2_int8(calls)
+    clean_sage.setitem(sys.modules, "sageattention", mod)
+    clean_sage.setattr(S, "capability", lambda device: (9, 0))
+    h, d, r = 2, 128, 96
+    g = torch.Generator().manual_seed(s)
+    qkv = (torch.randn(s, 3 * h * d, generator=g) * 2 + 0.3).to(torch.bfloat16)
+    qw, kw = torch.rand(d, generator=g) + 0.5, torch.rand(d, generator=g) + 0.5
+    ang = torch.rand(s, r // 2, generator=g) * 40
+    cos, sin = torch.cat([ang, ang], 1).cos(), torch.cat([ang, ang], 1).sin()
+    normed = qkv.clone()
+    norm_rope_(normed, qw, kw, cos, sin, 1e-5, r)
+    library = bind_attention("sage2", d, device=CUDA0, v_handling="fused")(normed.clone())
+    lib_kernel = calls[-1]
+    calls.clear()
+    fused = S._sm90_stages_normed(mod.core, mod.quant._fused, qkv, qw, kw, cos, sin, 1e-5, r, d, d ** -0.5)
+    assert [c["fn"] for c in calls] == ["k_quant", "sm90_kernel"]  # no per_warp_int8: q came from norm+RoPE
+    kc = calls[1]
+    for key in ("q8", "qs", "k8", "ks"):
+        assert torch.equal(kc[key], lib_kernel[key]), key
+    assert torch.equal(fused, library)
+    hd = h * d
+    assert torch.equal(qkv[:, hd:], normed[:, hd:])  # k normed in place as norm_rope_ does, v untouched
+    assert not torch.equal(qkv[:, :hd], normed[:, :hd])  # q: the projection's values, not written
+    assert calls[0]["layout"] == 0 and calls[0]["blk"] == 128
+    ref = exact_attention_reference(*qkv_views(normed.float(), h, d))
+    assert rel_l2(fused.float(), ref) <= TOLERANCE["sage2"][0]
+
+
+def test_qk_operands_status_says_what_runs(clean_sage):
+    """producer needs fused V (the sm_90 stages), the Triton kernels on CUDA and the library's separate k stage;
+    each missing piece gives library with the reason, never an error."""
+    calls = []
+    mod = _fake_sage2_int8(calls)
+    clean_sage.setitem(sys.modules, "sageattention", mod)
+    clean_sage.setattr(S, "capability", lambda device: (9, 0))
+    assert S.qk_operands_status(CUDA0, 128, "fused")[0] == "producer"
+    got = S.qk_operands_status(CUDA0, 128, "library")
+    assert got[0] == "library" and "v_handling library" in got[1]
+    got = S.qk_operands_status(torch.device("cpu"), 128, "fused")
+    assert got[0] == "library" and "Triton on CUDA" in got[1]
+    del mod.quant._fused.quant_per_block_int8_fuse_sub_mean_cuda
+    got = S.qk_operands_status(CUDA0, 128, "fused")
+    assert got[0] == "library" and "lacks quant_per_block_int8_fuse_sub_mean_cuda" in got[1]
+    with pytest.raises(RuntimeError, match="qk_operands producer is not available"):
+        S.bind_sage2_normed(CUDA0, 128 ** -0.5, 128)
+    assert calls == []
+
+
+def test_bound_sage2_carries_the_normed_entry_only_with_the_producer(clean_sage):
+    """bind_attention gives Sage2's function a ``norm_rope_attention`` entry for qk_operands producer only; the
+    block ops use it in ``attend`` and drop it when another attention is put in (``with_attention``: sequence
+    parallelism's wrapper, a sparse or benchmarking one)."""
+    from h3_blackwell.runtime.model.config import TINY
+    from h3_blackwell.runtime.ops.block_ops import W4A8Ops
+
+    clean_sage.setitem(sys.modules, "sageattention", _fake_sage2_int8([]))
+    clean_sage.setattr(S, "capability", lambda device: (9, 0))
+    plain = bind_attention("sage2", 128, device=CUDA0, v_handling="fused")
+    prod = bind_attention("sage2", 128, device=CUDA0, v_handling="fused", qk_operands="producer")
+    assert not hasattr(plain, "norm_rope_attention") and callable(prod.norm_rope_attention)
+    ops = W4A8Ops(TINY, prod)
+    assert ops._normed is prod.norm_rope_attention
+    assert ops.with_attention(lambda qkv: qkv)._normed is None and ops._normed is not None
+
+
+def test_qk_operands_is_an_opt_in_option_resolved_by_the_plan(clean_sage):
+    """qk_operands: library by default (the plan says how to ask for the producer); producer where asked and it
+    runs (else library with the reason); none for another attention backend. Read from H3_QK_OPERANDS and the
+    --qk-operands flag like every option."""
+    from h3_blackwell.runtime import plan as P
+    from h3_blackwell.runtime.model.config import TINY
+    from h3_blackwell.runtime.options import RuntimeOptions
+
+    clean_sage.setitem(sys.modules, "sageattention", _fake_sage2_int8([]))
+    clean_sage.setattr(S, "capability", lambda device: (9, 0))
+    default = P._qk_operands(RuntimeOptions(), CUDA0, "sage2", TINY, "fused")
+    assert default.choice == "library" and "H3_QK_OPERANDS" in default.reason
+    asked = P._qk_operands(RuntimeOptions(qk_operands="producer"), CUDA0, "sage2", TINY, "fused")
+    assert asked.choice == "producer"
+    assert P._qk_operands(RuntimeOptions(qk_operands="producer"), CUDA0, "sage2", TINY, "library").choice == "library"
+    assert P._qk_operands(RuntimeOptions(qk_operands="producer"), CUDA0, "sdpa", TINY, "none").choice == "none"
+    assert RuntimeOptions.from_env({"H3_QK_OPERANDS": "producer"}).qk_operands == "producer"
+    with pytest.raises(ValueError, match="qk_operands"):
+        RuntimeOptions(qk_operands="fused")
+    from h3_blackwell.cli.parser import build_parser
+
+    a = build_parser().parse_args(["generate", "--output", "o", "--qk-operands", "producer"])
+    assert a.qk_operands == "producer"

@@ -122,6 +122,71 @@ def test_norm_rope_qkv_reference_conventions():
     torch.testing.assert_close(n[:, :h], x / x.square().mean(-1, keepdim=True).sqrt(), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("s,h,d,r", [(37, 3, 128, 96), (70, 2, 64, 48), (16, 1, 32, 32)])
+def test_norm_rope_q8_is_norm_rope_then_sage_q_quantization(dtype, s, h, d, r):
+    """norm_rope_q8_: k as norm_rope_ writes it (bit for bit), the q third untouched, and q8 / q_scale exactly
+    the per-warp int8 quantization (sage_q_int8_reference) of the q that norm_rope_ writes. S = 37 and 70 end
+    inside a 16-row block and a 64-row tile (the scale table's padding entries stay 0). On CUDA the reciprocal
+    is the hardware's approximate one, so there the reference may differ by one code in rare elements:
+    tests/gpu compares those bytes with SageAttention2's own."""
+    from h3_blackwell.runtime.ops.elementwise import norm_rope_q8_, sage_q_scale_shape
+    from h3_blackwell.runtime.ops.reference import norm_rope_q8_reference, sage_q_int8_reference
+
+    qkv, qw, kw, cos, sin = _inputs(s, h, d, r, dtype, seed=s + d)
+    plain = qkv.clone()
+    norm_rope_(plain, qw, kw, cos, sin, 1e-5, r)
+    before = qkv.clone()
+    q8, qs = norm_rope_q8_(qkv, qw, kw, cos, sin, 1e-5, r)
+    hd = h * d
+    assert torch.equal(qkv[:, :hd], before[:, :hd]), "the q third must be left as it was"
+    assert torch.equal(qkv[:, hd:], plain[:, hd:]), "k must be norm_rope_'s bytes, v untouched"
+    want8, want_s = sage_q_int8_reference(plain[:, :hd].reshape(1, s, h, d))
+    assert q8.shape == (1, s, h, d) and q8.dtype == torch.int8 and tuple(qs.shape) == sage_q_scale_shape(s, h)
+    if DEV == "cpu":
+        assert torch.equal(q8, want8) and torch.equal(qs, want_s)
+    else:
+        assert (q8.int() - want8.int()).abs().max() <= 1 and (q8 != want8).float().mean() < 1e-3
+        torch.testing.assert_close(qs, want_s, rtol=0, atol=0)
+    assert q8.abs().max() == 127 and (q8 != 0).float().mean() > 0.9  # each block's amax maps to 127
+    nb = -(-s // 16)
+    assert (qs[0, :, :nb] > 0).all() and (qs[0, :, nb:] == 0).all()
+    # the reference of the whole op, within norm_rope_'s own tolerance for k (rsqrt order), codes within one
+    ref_qkv, ref8, _ = norm_rope_q8_reference(before, qw, kw, cos, sin, 1e-5, r)
+    _assert_within_one_rounding(qkv, ref_qkv, dtype)
+    assert (q8.int() - ref8.int()).abs().max() <= 1
+
+
+def test_sage_q_int8_reference_conventions():
+    """The reference itself: a block's largest |q| maps to +-127, scale * code reconstructs q to half a step,
+    ties round to even, an all-zero block gets amax 1e-7 (scale 1e-7 / 127, codes 0)."""
+    from h3_blackwell.runtime.ops.reference import sage_q_int8_reference
+
+    gen = torch.Generator().manual_seed(5)
+    q = (torch.randn(1, 40, 2, 32, generator=gen) * 3).to(torch.bfloat16)
+    q[0, 32:, 1] = 0  # the third 16-row block of head 1 (rows 32..39) is all zero
+    codes, scales = sage_q_int8_reference(q)
+    assert scales.shape == (1, 2, 4)  # roundup(40, 64) / 16
+    x = q[0].float().view(-1, 2, 32)
+    for b in range(3):
+        blk = x[16 * b:16 * b + 16]
+        for hh in range(2):
+            deq = codes[0, 16 * b:16 * b + 16, hh].float() * scales[0, hh, b]
+            if b == 2 and hh == 1:
+                assert scales[0, hh, b] == torch.tensor(1e-7, dtype=torch.float32) * torch.tensor(1 / 127, dtype=torch.float32)
+                assert (codes[0, 32:, 1] == 0).all()
+                continue
+            assert codes[0, 16 * b:16 * b + 16, hh].abs().max() == 127
+            assert ((deq - blk[:, hh]).abs() <= 0.5 * scales[0, hh, b] * 1.0001).all()
+    assert scales[0, :, 3].eq(0).all()  # the 64-row tile's fourth warp block has no rows
+    tie = torch.full((1, 16, 1, 4), 0.5, dtype=torch.bfloat16)
+    tie[0, 0, 0, 0] = 127.0  # amax 127: inv = 1, so 0.5 -> 0 (even), and 2.5 -> 2
+    assert (1.0 / torch.tensor(127.0)) * 127.0 == 1.0  # (so these are true ties)
+    tie[0, 1, 0, 0] = 2.5
+    c, _ = sage_q_int8_reference(tie)
+    assert c[0, 2, 0, 1] == 0 and c[0, 1, 0, 0] == 2
+
+
 def test_norm_rope_validation_messages():
     qkv, qw, kw, cos, sin = _inputs(4, 1, 32, 16, torch.bfloat16)
     with pytest.raises(ValueError, match="cos must be \\[S, rope_dim\\]"):

@@ -180,3 +180,31 @@ def test_w4a4_dynamic_scale_is_not_chunked():
     mm = ModelMemory.from_plan(_load({}).plan)
     assert not mm.ffn_row_local and "amax over all rows" in mm.ffn_row_local_why
     assert smallest_budget(mm, _workload(), "cpu") == estimate(mm, _workload(), 0, 2, None, "cpu").total
+
+
+def test_model_call_plans_the_budget_for_the_size_it_sees():
+    """A host-driven run (ModelCall: core's KSampler on the MODEL output) plans the budget again at its first call,
+    for the latents it is handed, as ``sample`` does at its start; the outputs stay the resident ones, and a
+    second conditioning of the same size (CFG) keeps the decision."""
+    from h3_blackwell.runtime.sampling.model_call import ModelCall
+
+    kw = STACKS["w4a8"]
+    rt = _load(kw)
+    text = _inputs()[0]
+    g = torch.Generator().manual_seed(3)
+    v, a = torch.randn(VSHAPE, generator=g), torch.randn(ASHAPE, generator=g)
+    call = ModelCall(rt)
+    call.begin_run([1.0, 0.5, 0.0])
+    want = call(v, a, 1.0, text)
+    call.end_run()
+    assert rt.plan.memory.streamed == ()
+    rt.plan.options.vram_budget = _gb(_all_streamed_budget(kw))  # a smaller budget for the next run
+    call.begin_run([1.0, 0.5, 0.0])
+    got = call(v, a, 1.0, text)
+    assert rt.plan.memory.streamed == (0, 1, 2) and rt.plan.memory.workload.steps == 2
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    decided = rt.plan.memory
+    call(v, a, 1.0, -text)  # CFG's second conditioning, same size: no re-plan
+    call(v, a, 1.0, text[:, :20])  # a shorter one keeps the decision made for the larger
+    assert rt.plan.memory is decided
+    call.end_run()
