@@ -16,7 +16,10 @@ this module needs no ComfyUI):
   condition-noise values, ``seed``, ``audio_scale``, ``layout``); it becomes the runtime's ``H3Conditioning``
   (built once per payload and run). ``transformer_options`` gives the run's schedule (``sample_sigmas``) and the
   shifts ``MiniMaxH3SigmaShift`` sets (``minimax_h3_sigma_shift_video`` / ``_audio``). The evaluation is the
-  runtime's ``ModelCall`` (audio carry as core's model; the network sees ``timestep / 1000``).
+  runtime's ``ModelCall`` (audio carry as core's model; the network sees ``timestep / 1000``). Core's Fun
+  ControlNet (``MiniMaxH3FunControlNetApply``'s wrapper and block patches in ``transformer_options``,
+  ``core_patches.fun_control_patch``) runs as the runtime's tower loaded from core's control module, with core's
+  hint latent, strength, window and fades (``RuntimeHandle.fun_control``).
 - ``H3CoreModel`` is core's ``model_base.MiniMaxH3`` (its ``extra_conds``, audio carry in ``process_latent_in`` /
   ``_out``, inpainting, ``ModelSamplingAV``) with that slot filled and no weights of its own. Its ``state_dict``
   names every weight as core would (meta tensors), so core's LoRA loaders find their keys.
@@ -29,14 +32,17 @@ this module needs no ComfyUI):
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 
 import torch
 
-from ..runtime import H3Conditioning, H3Error, ModelCall, conditioning_from_payload, sync_loras, weight_shapes
+from ..runtime import (ControlHint, H3Conditioning, H3Error, ModelCall, conditioning_from_payload, load_control,
+                       sync_loras, weight_shapes)
 from ._common import H3NodeError, node_error, optional_comfy_module
-from .core_patches import LORA_MODE, TITLE, check_patcher, check_transformer_options, lora_specs
+from .control import PatchSource, prepare_hint
+from .core_patches import LORA_MODE, TITLE, check_patcher, check_transformer_options, fun_control_patch, lora_specs
 
 log = logging.getLogger("h3_blackwell")
 
@@ -122,6 +128,8 @@ class RuntimeHandle:
         self.pending = False  # a run started (pre_run): the first call begins it with the schedule it sees
         self.conds: list = []  # (payload, masks, batch index) -> (tags, H3Conditioning), per run
         self.lossy: dict = {}
+        self.towers: dict = {}  # id(core's control module) -> (module, load plan, the runtime's tower)
+        self.controlled: dict = {}  # (patch, cond, target) ids -> (patch, cond, cond with the control hint), per run
 
     @property
     def resident(self) -> bool:
@@ -168,7 +176,7 @@ class RuntimeHandle:
             raise node_error(TITLE, f"LoRA from the MODEL's patches (LoraLoaderModelOnly / LoraLoader): {e}") from e
         self.call.end_run()
         self.lossy = {"sparse_tau": to.get(SPARSE_TAU_KEY), "first_block_cache": to.get(FIRST_BLOCK_CACHE_KEY)}
-        self.pending, self.conds = True, []
+        self.pending, self.conds, self.controlled = True, [], {}
 
     def end_sampling(self) -> None:
         self.pending = False
@@ -185,6 +193,34 @@ class RuntimeHandle:
                                      (video_shape, audio_shape, cfg.video_channels, cfg.audio_channels))
         self.conds.append((payload, denoise_mask, audio_denoise_mask, (video_shape, audio_shape), out))
         return out
+
+
+    def fun_control(self, patch, cond, target: tuple):
+        """Core's Fun ControlNet patch (``core_patches.fun_control_patch``) for one clip -> (the runtime's tower
+        loaded from core's control module, ``cond`` with the control hint). The tower loads once per module and
+        load plan; the hint is core's own latent where its wrapper prepared it for this target shape, else the
+        same preparation here (``control.prepare_hint``); one conditioning object per run and shape, so the
+        run's plan is reused."""
+        module = patch.model_patch.model
+        rt = self.runtime()
+        entry = self.towers.get(id(module))
+        if entry is None or entry[0] is not module or entry[1] is not rt.plan:
+            try:
+                entry = (module, rt.plan, load_control(PatchSource(module), rt.plan, rt.config))
+            except H3Error as e:
+                raise node_error(TITLE, f"the Fun ControlNet of MiniMaxH3FunControlNetApply: {e}") from e
+            self.towers = {id(module): entry}
+        key = (id(patch), id(cond), target)
+        if key not in self.controlled:
+            latent = getattr(patch, "control_latent", None)
+            if latent is None or tuple(getattr(patch, "control_latent_shape", None) or ()) != target:
+                with torch.no_grad():
+                    latent = prepare_hint(patch.vae, target, patch.control_video, patch.mask, patch.source_video)
+            hint = ControlHint(latent.detach().float().cpu(), float(patch.strength), float(patch.sigma_start),
+                               float(patch.sigma_end), int(getattr(patch, "fade_in_frames", 0)),
+                               int(getattr(patch, "fade_out_frames", 0)))
+            self.controlled[key] = (patch, cond, dataclasses.replace(cond or H3Conditioning(), control=hint))
+        return entry[2], self.controlled[key][2]
 
 
 class H3DiffusionModel(torch.nn.Module):
@@ -220,6 +256,7 @@ class H3DiffusionModel(torch.nn.Module):
             raise node_error(TITLE, f"the model call carries {extra[0]!r} (from a conditioning or model node), which "
                                     "the H3 MODEL does not take; remove that node")
         check_transformer_options(options)
+        fun = fun_control_patch(options)  # core's Fun ControlNet: run as this pack's tower
         h = self.handle
         h.runtime()
         if h.pending or h.call.run is None:
@@ -237,8 +274,15 @@ class H3DiffusionModel(torch.nn.Module):
             adm = None if audio_denoise_mask is None else audio_denoise_mask[b:b + 1]
             tags, cond = h.conditioning(payload, dm, adm, tuple(video[b:b + 1].shape), tuple(audio[b:b + 1].shape))
             sigma = (steps[min(b, steps.numel() - 1)] / 1000.0).float()
+            tower = None
+            if fun is not None:
+                tower, cond = h.fun_control(fun, cond, tuple(video[b:b + 1].shape))
+            # core's Fun wrapper tests its window on transformer_options["sigmas"][0] (else timestep / 1000)
+            window = options.get("sigmas")
+            window = float(torch.as_tensor(window).flatten()[0]) if window is not None else float(sigma)
             try:
-                outs.append(h.call(video[b:b + 1], audio[b:b + 1], sigma, context[b:b + 1], tags, cond, shifts, scale))
+                outs.append(h.call(video[b:b + 1], audio[b:b + 1], sigma, context[b:b + 1], tags, cond, shifts, scale,
+                                   control=tower, window_sigma=window))
             except H3NodeError:
                 raise
             except H3Error as e:

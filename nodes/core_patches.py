@@ -9,6 +9,13 @@
   weight with the same strength forms one LoRA (chained loader nodes stack in order). Low-rank (``LoRAAdapter``)
   and full ``diff`` records are taken; anything else (LoHa, LoKr, OFT, DoRA, offsets, weight functions, model
   merges, ``strength_model != 1``) is refused by name.
+- **Core's Fun ControlNet** (``MiniMaxH3FunControlNetApply``): it records a diffusion-model wrapper of a
+  ``MiniMaxH3FunControlPatch`` and one ``MiniMaxH3FunControlBlockPatch`` per injection layer in
+  ``patches_replace["dit"][("double_block", L)]``. ``fun_control_patch`` recognises exactly that and hands the
+  patch to the H3 MODEL, which runs core's tower weights as this pack's tower (``core_model``); core's wrapper
+  still runs around the call (it prepares core's own hint latent), and the block patches, which only core's
+  model code calls, are not called. Two Fun ControlNets on one MODEL, or a Fun block patch chained onto
+  another pack's, are refused.
 - **Refusals**: a patch that would change what the network computes and that the runtime cannot honour
   (``patches_replace`` entries, ``patches``, an attention override, a diffusion-model wrapper, object patches
   other than ``model_sampling``, weight hooks, a ControlNet) raises ONE H3NodeError naming the entry, where it
@@ -47,16 +54,61 @@ _CORE_ROUTE = ("Load the same checkpoint with core's UNETLoader for that graph, 
                "before the sampler")
 
 
+FUN_PATCH, FUN_BLOCK = "MiniMaxH3FunControlPatch", "MiniMaxH3FunControlBlockPatch"  # core's class names
+
+
+def _fun_owner(fn):
+    """The MiniMaxH3FunControlPatch a wrapper function is a bound method of, or None."""
+    owner = getattr(fn, "__self__", None)
+    return owner if type(owner).__name__ == FUN_PATCH else None
+
+
+def fun_control_patch(options: dict):
+    """Core's Fun ControlNet recorded in ``transformer_options`` (module docstring) -> its
+    ``MiniMaxH3FunControlPatch`` (the tower ``model_patch.model``, the VAE, control video, mask, source video,
+    strength, sigma window and fades), or None. Refuses two of them, and block patches that do not match the
+    tower's injection layers or chain onto another patch."""
+    options = options or {}
+    wrappers = (options.get("wrappers") or {}).get("diffusion_model") or {}
+    owners = {id(o): o for fns in wrappers.values() for o in map(_fun_owner, fns or ()) if o is not None}
+    if not owners:
+        return None
+    if len(owners) > 1:
+        _refuse(f"{len(owners)} Fun ControlNets (MiniMaxH3FunControlNetApply applied more than once)",
+                "Apply one Fun ControlNet to the H3 MODEL (the pack runs one tower per sampling run), or use core's "
+                "UNETLoader model for stacked controls.")
+    patch = next(iter(owners.values()))
+    layers = tuple(int(x) for x in patch.model_patch.model.injection_layers)
+    dit = (options.get("patches_replace") or {}).get("dit") or {}
+    for layer in layers:
+        entry = dit.get(("double_block", layer))
+        if type(entry).__name__ != FUN_BLOCK or entry.control_patch is not patch:
+            _refuse(f"the Fun ControlNet's block {layer} has no matching patches_replace['dit'][('double_block', "
+                    f"{layer})] entry (found {type(entry).__name__})", _CORE_ROUTE + ".")
+        if entry.previous is not None:
+            _refuse(f"the Fun ControlNet's block {layer} patch chains onto another block patch "
+                    f"({type(entry.previous).__name__})", _CORE_ROUTE + ".")
+    return patch
+
+
+def _is_fun_entry(group, key, entry, patch) -> bool:
+    return (patch is not None and group == "dit" and type(entry).__name__ == FUN_BLOCK
+            and getattr(entry, "control_patch", None) is patch)
+
+
 def check_transformer_options(options: dict) -> None:
     """Refuse what in ``transformer_options`` (as core hands it to the diffusion model) would change the
     network and cannot be honoured. Keys core itself sets per call (sigmas, sample_sigmas, shifts, uuids, ...)
-    and callbacks pass."""
+    and callbacks pass, and so does core's Fun ControlNet (``fun_control_patch``: the H3 MODEL runs it)."""
     options = options or {}
+    fun = fun_control_patch(options)
     replace = options.get("patches_replace") or {}
     for group, entries in replace.items():
-        for key in (entries or {}):
+        for key, entry in (entries or {}).items():
+            if _is_fun_entry(group, key, entry, fun):
+                continue
             _refuse(f"a block replacement patches_replace[{group!r}][{key!r}] (added by a MODEL patch node such as "
-                    "MiniMaxH3FunControlNetApply or another pack's block patch)", _CORE_ROUTE + ".")
+                    "another pack's block patch)", _CORE_ROUTE + ".")
     for name, fns in (options.get("patches") or {}).items():
         if fns:
             _refuse(f"a model patch patches[{name!r}] (added by a MODEL patch node, e.g. an attention or block "
@@ -67,9 +119,10 @@ def check_transformer_options(options: dict) -> None:
                 "remove the override node, or use core's UNETLoader for it.")
     wrappers = (options.get("wrappers") or {}).get("diffusion_model") or {}
     for key, fns in wrappers.items():
+        fns = [f for f in (fns or ()) if _fun_owner(f) is None]
         if fns:
-            _refuse(f"a diffusion-model wrapper ({key or 'unnamed'}: {_names(fns)}; e.g. EasyCache, a Fun "
-                    "ControlNet or another pack's cache)",
+            _refuse(f"a diffusion-model wrapper ({key or 'unnamed'}: {_names(fns)}; e.g. EasyCache or another "
+                    "pack's cache)",
                     "Use the loader's first_block_cache / attention=sparse for speed, or core's UNETLoader for that "
                     "node.")
 
@@ -91,7 +144,16 @@ def check_patcher(patcher) -> None:
     for k, fn in (getattr(patcher, "weight_wrapper_patches", {}) or {}).items():
         if fn:
             _refuse(f"a weight wrapper on {k!r} (ModelPatcher.add_weight_wrapper)", _CORE_ROUTE + ".")
-    check_transformer_options((getattr(patcher, "model_options", {}) or {}).get("transformer_options", {}))
+    to = dict((getattr(patcher, "model_options", {}) or {}).get("transformer_options", {}) or {})
+    extra = getattr(patcher, "wrappers", None) or {}  # ModelPatcher.add_wrapper_with_key keeps them here
+    if extra:
+        merged = {k: dict(v or {}) for k, v in (to.get("wrappers") or {}).items()}
+        for kind, keyed in extra.items():
+            for key, fns in (keyed or {}).items():
+                merged.setdefault(kind, {}).setdefault(key, [])
+                merged[kind][key] = list(merged[kind][key]) + list(fns or ())
+        to["wrappers"] = merged
+    check_transformer_options(to)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from .plan import resolve_device
 from .load import H3Runtime, load_model
 from .sampling.sampler import SampleResult, sample
 from .sampling.model_call import ModelCall, weight_shapes
-from .model.conditioning import ConditioningError, H3Conditioning
+from .model.conditioning import ConditioningError, ControlHint, H3Conditioning
 from .io.payload import conditioning_from_payload, conditioning_to_payload
 from .lora.spec import LoraSpec
 from .lora.apply import LoraView, sync_loras
@@ -52,7 +52,7 @@ __all__ = [
     "ForwardJob", "forward_job", "run_forward",
     "H3Config", "RuntimeOptions", "CHOICES", "FC2_MODES", "SPARSE_EXTRA_TOKENS_CHOICES", "resolve_device",
     "H3Runtime", "load_model", "SampleResult", "sample",
-    "ModelCall", "weight_shapes", "ConditioningError", "H3Conditioning", "conditioning_from_payload",
+    "ModelCall", "weight_shapes", "ConditioningError", "ControlHint", "H3Conditioning", "conditioning_from_payload",
     "conditioning_to_payload", "LoraSpec", "LoraView", "sync_loras",
     "ControlFile", "ControlSpec", "load_control", "open_control", "ControlError", "FunControl", "bind_control",
     "CheckpointError", "H3Error", "Interrupted", "is_out_of_memory", "RequestError",

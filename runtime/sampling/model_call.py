@@ -64,9 +64,10 @@ class _Plan:
     sigmas: list
     cond_full: H3Conditioning | None = None  # cond with the run's schedule as sample_sigmas
     extra: dict = field(default_factory=dict)  # off-schedule sigma -> one-sigma plan
+    control: object | None = None  # the Fun ControlNet tower bound to its plans (cond.control holds the hint)
 
-    def matches(self, text, tags, shapes, cond, shifts) -> bool:
-        if self.shapes != shapes or self.shifts != shifts or self.cond is not cond:
+    def matches(self, text, tags, shapes, cond, shifts, control=None) -> bool:
+        if self.shapes != shapes or self.shifts != shifts or self.cond is not cond or self.control is not control:
             return False
         if (self.tags is None) != (tags is None) or (tags is not None and not torch.equal(self.tags, tags)):
             return False
@@ -91,6 +92,8 @@ class _Run:
     last: tuple | None = None  # (text shape, video shape, audio shape, shifts) of the last call, for the report
     summary: list = field(default_factory=list)  # per conditioning, once the run ended: what the report shows
     fitted_rows: int = 0  # the packed rows the memory budget was last planned for in this run
+    control: object | None = None  # the last ControlRun that ran (a Fun ControlNet): its summary goes in the report
+    control_fc2: int = 0  # FC2 calls of the tower's blocks (one per control block per call it ran in)
 
 
 class ModelCall:
@@ -137,7 +140,7 @@ class ModelCall:
         for p in run.plans:
             plan = p.plan if p.plan is not None else next(iter(p.extra.values()), None)
             run.summary.append({"layout": None if plan is None else plan.layout, "text_tokens": p.text.shape[1],
-                                "shifts": p.shifts, "off_schedule_sigmas": list(p.extra)})
+                                "shifts": p.shifts, "off_schedule_sigmas": list(dict.fromkeys(k[0] for k in p.extra))})
         run.plans, run.lossy_plan = [], None
         self.last_run, self.run = run, None
 
@@ -145,13 +148,18 @@ class ModelCall:
     @torch.no_grad()
     def __call__(self, video: torch.Tensor, audio: torch.Tensor, sigma, text_states: torch.Tensor,
                  token_tags: torch.Tensor | None = None, cond: H3Conditioning | None = None,
-                 shifts: tuple | None = None, audio_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                 shifts: tuple | None = None, audio_scale: float = 1.0, control=None,
+                 window_sigma: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(video [1, C, T, H, W], audio [1, Ca, 2, Ta] carried when audio_scale != 1) at video sigma ``sigma``
         (the value the network sees: core's ``timestep / 1000`` in fp32, clamped at 1e-6; a scheduled sigma s
         arrives as ``(s * 1000) / 1000``, ``schedule.model_sigma``) -> (video velocity, carried audio velocity), fp32,
         on the inputs' device. text_states [1, L, text_dim] (or already refined [1, L, hidden]); cond: the
         conditioning (its ``sample_sigmas`` is replaced by the run's schedule); shifts: (video, audio) flow
-        shifts, default the model's. Batch 1 (core's model refuses more; the host loops)."""
+        shifts, default the model's. Batch 1 (core's model refuses more; the host loops). control: a Fun
+        ControlNet tower (``runtime.model.control.FunControl``, loaded onto this model's plan) run with the hint
+        ``cond.control`` (both or neither); its window is tested, as core's wrapper does, on the sampler's sigma
+        of each scheduled step (the schedule's values), and on ``window_sigma`` (core's
+        ``transformer_options["sigmas"][0]``; default ``sigma``) for a call between them."""
         rt = self.rt
         if self.run is None:
             self.begin_run()
@@ -161,9 +169,13 @@ class ModelCall:
             raise H3Error(f"one clip per call (batch 1); got video {list(video.shape)}, audio {list(audio.shape)}, "
                           f"text {list(text_states.shape)}")
         shifts = (float(shifts[0]), float(shifts[1])) if shifts is not None else (cfg.shift_video, cfg.shift_audio)
+        hint = None if cond is None else cond.control
+        if (control is None) != (hint is None):
+            raise H3Error("a Fun ControlNet needs both the tower (control=) and the conditioning's hint "
+                          f"(cond.control); got {'the hint' if control is None else 'the tower'} only")
         sm = torch.as_tensor(sigma, dtype=torch.float32).reshape(()).cpu().clamp(min=1e-6)
-        p = self._plan_for(text_states, token_tags, (tuple(video.shape), tuple(audio.shape)), cond, shifts)
-        plan, i = self._step(p, float(sm))
+        p = self._plan_for(text_states, token_tags, (tuple(video.shape), tuple(audio.shape)), cond, shifts, control)
+        plan, i = self._step(p, float(sm), float(sm) if window_sigma is None else float(window_sigma))
         lossy = self._lossy(p, plan)
         if lossy is not None:
             lossy.begin_step(run.calls, float(sm))
@@ -181,6 +193,9 @@ class ModelCall:
         else:
             vv, va = model.evaluate(plan, i, xv, xa, ops)
         vy = carry_out(va, xa, s_dev, shifts[0], shifts[1], audio_scale) if audio_scale != 1.0 else va
+        if plan.control is not None and plan.control.active[i]:
+            run.control = plan.control
+            run.control_fc2 += len(plan.control.tower.places)
         run.finite.append((torch.isfinite(vv).all(), torch.isfinite(vy).all()))
         self._mark_stop()
         run.calls += 1
@@ -188,27 +203,39 @@ class ModelCall:
         return vv.float().to(out_dev), vy.float().to(out_dev)
 
     # -- plans -----------------------------------------------------------------------------------
-    def _plan_for(self, text, tags, shapes, cond, shifts) -> _Plan:
+    def _plan_for(self, text, tags, shapes, cond, shifts, control=None) -> _Plan:
         run = self.run
         for p in run.plans:
-            if p.matches(text, tags, shapes, cond, shifts):
+            if p.matches(text, tags, shapes, cond, shifts, control):
                 return p
         sched = run.schedule
         sigmas = [float(model_sigma(torch.tensor(s))) for s in sched[:-1]] if sched else []
         c = cond if cond is not None else H3Conditioning()
         if sched:
             c = dataclasses.replace(c, sample_sigmas=torch.tensor(sched, dtype=torch.float32))
-        self._fit(text, shapes, c, max(1, len(sigmas)))
+        self._fit(text, shapes, c, max(1, len(sigmas)), control)
         plan = None
         if sigmas:
             plan = self.rt.model.plan(text.float(), shapes[0], shapes[1], sigmas, token_tags=tags, shifts=shifts,
                                       cond=c)
+            self._bind(plan, control, c, [float(s) for s in torch.tensor(sched[:-1], dtype=torch.float32)])
         p = _Plan(text.detach().clone(), None if tags is None else tags.detach().clone(), shapes, cond, shifts,
-                  plan, sigmas, c)
+                  plan, sigmas, c, control=control)
         run.plans.append(p)
         return p
 
-    def _fit(self, text, shapes, cond, steps: int) -> None:
+    def _bind(self, plan, control, cond, window_sigmas) -> None:
+        """Bind the tower (if any) to ``plan`` with the hint ``cond.control`` (``bind_control``; dense attention for
+        the tower where the base's is sparse, as ``sample`` does)."""
+        if control is None:
+            return
+        from ..model.control import bind_control
+
+        rt = self.rt
+        bind_control(rt.model, control, cond.control, plan, window_sigmas,
+                     ops=None if rt.sparse is None else rt.ops.with_attention(rt.sparse.dense))
+
+    def _fit(self, text, shapes, cond, steps: int, control=None) -> None:
         """The device-memory budget planned again for this conditioning's size, as ``sample`` does when it starts
         (``H3Runtime.fit_memory``: blocks move between the device and host memory if the decision changes; the
         host's latents may be larger than the size the load planned for). Within a run only a conditioning with
@@ -218,21 +245,24 @@ class ModelCall:
         rows = latent_rows(shapes[0], shapes[1], text.shape[1], cond)
         if not callable(fit) or rows <= self.run.fitted_rows:
             return
-        fit(shapes[0], shapes[1], text.shape[1], steps, cond)
+        fit(shapes[0], shapes[1], text.shape[1], steps, cond, control=control)
         self.run.fitted_rows = rows
 
-    def _step(self, p: _Plan, sigma: float):
+    def _step(self, p: _Plan, sigma: float, window_sigma: float):
         """(plan, step index) for a model sigma: the run plan's step when the schedule has it, else a one-sigma
-        plan (kept for a few sigmas)."""
+        plan (kept for a few sigmas; a tower bound to it with ``window_sigma``)."""
         for i, s in enumerate(p.sigmas):
             if s == sigma:
                 return p.plan, i
-        if sigma not in p.extra:
+        key = (sigma, window_sigma)
+        if key not in p.extra:
             if len(p.extra) >= _OFF_SCHEDULE_PLANS:
                 p.extra.pop(next(iter(p.extra)))
-            p.extra[sigma] = self.rt.model.plan(p.text.float(), p.shapes[0], p.shapes[1], [sigma], token_tags=p.tags,
-                                                shifts=p.shifts, cond=p.cond_full)
-        return p.extra[sigma], 0
+            plan = self.rt.model.plan(p.text.float(), p.shapes[0], p.shapes[1], [sigma], token_tags=p.tags,
+                                      shifts=p.shifts, cond=p.cond_full)
+            self._bind(plan, p.control, p.cond_full, [window_sigma])
+            p.extra[key] = plan
+        return p.extra[key], 0
 
     def _lossy(self, p: _Plan, plan) -> LossyRun | None:
         """The run's sparse attention / First-Block Cache context, bound to the run's one conditioning."""
@@ -289,9 +319,12 @@ class ModelCall:
                         latent_sha256(video.float()), latent_sha256(audio.float()), dict(run.fc2), nonfinite=bad)
         workload = self._workload(run, video, audio, workload_extra)
         report = build_report(rt, workload, [rec], 0, video.float(), audio.float(),
-                              fc2_required=rt.config.num_layers * run.calls)
+                              fc2_required=rt.config.num_layers * run.calls + run.control_fc2)
         if run.lossy is not None:
             report.update(run.lossy.report())
+        if run.control is not None:
+            report["control"] = dict(run.control.summary(), model_calls_with_control=run.control_fc2 // max(
+                1, len(run.control.tower.places)))
         return report
 
     @staticmethod

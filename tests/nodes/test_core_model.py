@@ -631,3 +631,175 @@ def test_sparse_attention_window_per_call(tmp_path):
     sa = rep["sparse_attention"]
     assert sa["tau"] == 1.5 and sa["sparse_steps"] == [2] and sa["dense_steps"] == [0, 1]  # window: sigma <= 0.98
     assert sa["calls"] == {"dense": 2 * rt.config.num_layers, "sparse": rt.config.num_layers}
+
+
+# ---------------------------------------------------------------------------------------------
+# core's Fun ControlNet on the H3 MODEL
+# ---------------------------------------------------------------------------------------------
+
+class MiniMaxH3FunControlPatch:
+    """Stand-in with core's class name and fields (comfy_extras/nodes_minimax_h3.py): what
+    MiniMaxH3FunControlNetApply records; its wrapper only calls through, as core's does after preparing its
+    hint latent (``control_latent`` for ``control_latent_shape``), which is given here."""
+
+    def __init__(self, module, ctl, target_shape, latent=True):
+        self.model_patch = types.SimpleNamespace(model=module)
+        self.vae, self.control_video, self.mask, self.source_video = None, None, None, None
+        self.strength, self.sigma_start, self.sigma_end = ctl["strength"], ctl["sigma_start"], ctl["sigma_end"]
+        self.fade_in_frames, self.fade_out_frames = ctl.get("fade_in_frames", 0), ctl.get("fade_out_frames", 0)
+        self.control_latent = ctl["hint"] if latent else None
+        self.control_latent_shape = tuple(target_shape) if latent else None
+
+    def diffusion_model_wrapper(self, executor, *args, **kwargs):
+        return executor(*args, **kwargs)
+
+
+class MiniMaxH3FunControlBlockPatch:
+    def __init__(self, control_patch, block_index, previous=None):
+        self.control_patch, self.block_index, self.previous = control_patch, block_index, previous
+
+
+def _fun_options(patch, places, sigma):
+    return {"wrappers": {"diffusion_model": {"minimax_h3_fun": [patch.diffusion_model_wrapper]}},
+            "patches_replace": {"dit": {("double_block", p): MiniMaxH3FunControlBlockPatch(patch, p) for p in places}},
+            "sigmas": torch.tensor([sigma])}
+
+
+def _core_tower(cfg, places, csd):
+    """Core's loaded MiniMaxH3FunControl as the adapter reads it: native state dict, injection_layers, blocks."""
+    from h3_blackwell.runtime import FunControl
+    from h3_blackwell.runtime.model.control import block_config
+
+    m = FunControl(block_config(cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.ffn_hidden_size,
+                                cfg.time_embed_dim, cfg.curve_form), tuple(places), torch.float32)
+    m.load_state_dict(csd)
+    m.injection_layers = tuple(places)
+    return m
+
+
+@pytest.mark.parametrize("name", ["hint24_keyframes", "narrow_window_fades", "outside_window"])
+def test_core_fun_controlnet_runs_as_the_pack_tower(name, runtimes):
+    """MiniMaxH3FunControlNetApply's records on the H3 MODEL: the pack runs core's tower weights with core's hint,
+    window, strength and fades; the result is core's (the float64 oracle of core's control semantics,
+    tests/oracles/core_control.py), outside the window exactly the uncontrolled evaluation."""
+    import control_cases
+    import core_control
+    from fixtures.tiny_control import tiny_control_state_dict
+    from safetensors.torch import load_file
+
+    case = control_cases.make_cases()[name]
+    cfg = TINY.replace(text_dim=control_cases.TEXT_DIM)
+    path, rt = runtimes(cfg)
+    csd = tiny_control_state_dict(cfg, len(case["places"]), seed=11)
+    patch = MiniMaxH3FunControlPatch(_core_tower(cfg, case["places"], csd), case["control"], case["video"].shape)
+    payload, masks, to = core_kwargs(case)
+    to.update(_fun_options(patch, case["places"], case["sigma"]))
+    dm = diffusion_model(rt)
+    x = [case["video"], case["audio"]]
+    t = torch.tensor([case["sigma"]], dtype=torch.float32) * 1000
+    v, a = dm(x, t, case["text_states"], transformer_options=to, minimax_payload=payload, **masks)
+    ov, oa = core_control.core_forward_control(load_file(str(path)), csd, case["places"], case["video"],
+                                               case["audio"], case["text_states"], case["sigma"], case["control"],
+                                               token_tags=case["token_tags"], payload=case["payload"])
+    assert _rel(v, ov) < 1e-5 and _rel(a, oa) < 1e-5, (_rel(v, ov), _rel(a, oa))
+    plain_payload, plain_masks, plain_to = core_kwargs(case)
+    pv, pa = diffusion_model(rt)(x, t, case["text_states"], transformer_options=plain_to,
+                                 minimax_payload=plain_payload, **plain_masks)
+    if name == "outside_window":
+        assert torch.equal(v, pv) and torch.equal(a, pa)
+    else:
+        assert _rel(pv, ov) > 1e-3  # the tower moved the output
+
+
+def test_core_fun_controlnet_refusals(runtimes):
+    """Two Fun ControlNets, a missing or chained block patch: one clear refusal each (never a silent drop)."""
+    import control_cases
+    from fixtures.tiny_control import tiny_control_state_dict
+
+    case = control_cases.make_cases()["hint24_keyframes"]
+    cfg = TINY.replace(text_dim=control_cases.TEXT_DIM)
+    _, rt = runtimes(cfg)
+    tower = _core_tower(cfg, case["places"], tiny_control_state_dict(cfg, len(case["places"]), seed=11))
+    payload, _, base = core_kwargs(case)
+
+    def run(options):
+        with pytest.raises(H3NodeError) as e:
+            diffusion_model(rt)([case["video"], case["audio"]], torch.tensor([800.0]), case["text_states"],
+                                transformer_options={**base, **options}, minimax_payload=payload)
+        return str(e.value)
+
+    p1 = MiniMaxH3FunControlPatch(tower, case["control"], case["video"].shape)
+    p2 = MiniMaxH3FunControlPatch(tower, case["control"], case["video"].shape)
+    two = _fun_options(p1, case["places"], 0.8)
+    two["wrappers"]["diffusion_model"]["second"] = [p2.diffusion_model_wrapper]
+    assert "2 Fun ControlNets" in run(two)
+    missing = _fun_options(p1, case["places"], 0.8)
+    del missing["patches_replace"]["dit"][("double_block", case["places"][-1])]
+    assert "no matching patches_replace" in run(missing)
+    chained = _fun_options(p1, case["places"], 0.8)
+    chained["patches_replace"]["dit"][("double_block", 0)].previous = lambda a, b: a
+    assert "chains onto another block patch" in run(chained)
+
+
+def test_fun_controlnet_on_the_patcher_passes_the_sampling_start_check():
+    """At sampling start the patcher's own wrapper table (ModelPatcher.add_wrapper_with_key keeps wrappers there,
+    not in model_options) is read with its transformer_options: core's Fun ControlNet passes, any other
+    diffusion-model wrapper is still refused."""
+    import control_cases
+    from fixtures.tiny_control import tiny_control_state_dict
+
+    case = control_cases.make_cases()["hint24_keyframes"]
+    cfg = TINY.replace(text_dim=control_cases.TEXT_DIM)
+    tower = _core_tower(cfg, case["places"], tiny_control_state_dict(cfg, len(case["places"]), seed=11))
+    patch = MiniMaxH3FunControlPatch(tower, case["control"], case["video"].shape)
+    opts = _fun_options(patch, case["places"], 0.8)
+    wrappers = opts.pop("wrappers")
+    patcher = types.SimpleNamespace(object_patches={}, hook_patches=None, weight_wrapper_patches={},
+                                    model_options={"transformer_options": opts}, wrappers=wrappers)
+    cp.check_patcher(patcher)
+    assert cp.fun_control_patch({**opts, "wrappers": wrappers}) is patch
+    patcher.wrappers = {"diffusion_model": {**wrappers["diffusion_model"], "easycache": [lambda *a: a]}}
+    with pytest.raises(H3NodeError, match="diffusion-model wrapper"):
+        cp.check_patcher(patcher)
+    patcher.wrappers = {}  # the block patches without core's wrapper: not a Fun ControlNet the MODEL can run
+    with pytest.raises(H3NodeError, match="block replacement"):
+        cp.check_patcher(patcher)
+
+
+def test_fun_controlnet_prepares_the_hint_when_core_has_not(runtimes):
+    """Where core's wrapper has not prepared its latent yet (the first call outside the window), the MODEL prepares
+    the hint from the patch's VAE and control video as core would (``nodes.control.prepare_hint``): the same
+    evaluation as with that latent given."""
+    import control_cases
+    from fixtures.tiny_control import tiny_control_state_dict
+    from h3_blackwell.nodes.control import prepare_hint
+
+    class VAE:  # 16x16 mean pooling, core's 17k+5 -> 5k+2 frames, a fixed 3 -> 24 map
+        proj = torch.randn(24, 3, generator=torch.Generator().manual_seed(2))
+
+        def spacial_compression_encode(self):
+            return 16
+
+        def encode(self, pixels):
+            x = torch.nn.functional.avg_pool2d(pixels.movedim(-1, 1).float(), 16)
+            t = 2 if x.shape[0] <= 5 else (x.shape[0] - 5) // 17 * 5 + 2
+            x = torch.stack([c.mean(0) for c in torch.tensor_split(x, t)])
+            return torch.einsum("oc,tchw->othw", self.proj, x)[None]
+
+    case = control_cases.make_cases()["hint24_keyframes"]
+    cfg = TINY.replace(text_dim=control_cases.TEXT_DIM)
+    _, rt = runtimes(cfg)
+    tower = _core_tower(cfg, case["places"], tiny_control_state_dict(cfg, len(case["places"]), seed=11))
+    video = torch.rand(6, 3, 70, 90, generator=torch.Generator().manual_seed(4))
+    target = tuple(case["video"].shape)
+    outs = []
+    for given in (False, True):
+        ctl = dict(case["control"], hint=prepare_hint(VAE(), target, video))
+        patch = MiniMaxH3FunControlPatch(tower, ctl, target, latent=given)
+        patch.vae, patch.control_video = VAE(), video
+        payload, masks, to = core_kwargs(case)
+        to.update(_fun_options(patch, case["places"], case["sigma"]))
+        t = torch.tensor([case["sigma"]], dtype=torch.float32) * 1000
+        outs.append(diffusion_model(rt)([case["video"], case["audio"]], t, case["text_states"], transformer_options=to,
+                                        minimax_payload=payload, **masks))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])

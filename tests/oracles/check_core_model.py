@@ -16,7 +16,12 @@ per stream. Graphs:
   with leftover noise on the guided conditioning;
 - ``off_schedule_sigmas``: dpm_2 / karras and heun / normal (model calls between the schedule's sigmas);
 - ``noise_mask``: SetLatentNoiseMask (right half regenerated) + KSampler;
-- ``cfg_two_with_negative``: KSampler at cfg 2.5 with a ConditioningZeroOut negative (two conditionings per step).
+- ``cfg_two_with_negative``: KSampler at cfg 2.5 with a ConditioningZeroOut negative (two conditionings per step);
+- ``fun_controlnet_ksampler`` (only with ``--fun-patch-module``, from a checkout that has core's
+  ``comfy/ldm/minimax/controlnet.py``): core's Fun ControlNet (a v1-shaped tiny tower, a control video through a
+  stand-in VAE, strength 0.8, a sigma window inside the schedule) recorded on each MODEL as
+  ``MiniMaxH3FunControlNetApply`` records it (its diffusion-model wrapper and one block patch per injection layer,
+  the patch classes loaded from that file, as tests/oracles/check_core_control.py loads them), then KSampler.
 
 The guide images go through a stand-in VAE (a fixed projection of 16x16 pixel blocks to 24 channels): the graphs
 need latents of the real shapes, not real VAE weights. Usage::
@@ -180,6 +185,41 @@ def graphs(nodes):
             "noise_mask": noise_mask, "cfg_two_with_negative": cfg_two_with_negative}
 
 
+def fun_graph(nodes, patch_mod):
+    """``fun_controlnet_ksampler`` (module docstring): fn(model) -> LATENT."""
+    import types
+
+    import comfy.patcher_extension
+    from check_core_control import TinyVAE, core_tower
+    from fixtures.tiny_control import tiny_control_state_dict
+    from h3_blackwell.runtime.model.config import TINY
+
+    h3 = nodes.NODE_CLASS_MAPPINGS
+    (latent,) = _v3(h3["EmptyMiniMaxH3LatentAV"], width=128, height=96, length=22)
+    pos = text_conditioning()
+    places = (0, 2)
+    csd = tiny_control_state_dict(TINY, len(places), seed=11, dtype=torch.bfloat16)
+    frames = torch.rand(9, 3, 80, 112, generator=torch.Generator().manual_seed(17))  # [n, 3, h, w] as core's node
+
+    def fun_controlnet_ksampler(model):
+        patch = patch_mod.MiniMaxH3FunControlPatch(types.SimpleNamespace(model=core_tower(csd, places, False)),
+                                                   TinyVAE(), frames, None, None, 0.8, 0.95, 0.3)
+        m = model.clone()
+        m.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, "minimax_h3_fun_control",
+                               patch.diffusion_model_wrapper)
+        for layer in places:
+            prev = m.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {}).get(
+                ("double_block", layer))
+            m.set_model_patch_replace(patch_mod.MiniMaxH3FunControlBlockPatch(patch, layer, prev), "dit",
+                                      "double_block", layer)
+        return plain(m)
+
+    def plain(model):
+        return nodes.KSampler().sample(model, 31, 6, 1.0, "euler", "simple", pos, pos, latent)[0]
+
+    return fun_controlnet_ksampler, plain
+
+
 def ref_conditioning(pos):
     """Two reference images, a 22-frame video with its soundtrack and an audio, as MiniMaxH3ReferenceToVideo
     writes them (images, then videos, then audio)."""
@@ -199,6 +239,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--only", nargs="*", help="graph names to run (default: all)")
+    ap.add_argument("--fun-patch-module", help="a file defining core's MiniMaxH3FunControlPatch and "
+                    "MiniMaxH3FunControlBlockPatch (see check_core_control.py): adds fun_controlnet_ksampler")
+    ap.add_argument("--note", default="", help="what checkout this ran in (recorded)")
     ap.add_argument("--fast", action="store_true", help="our MODEL on the loader's default stack (NVFP4 blocks; on the "
                     "CPU their exact emulation) instead of dense fp32: a run of the fast path, compared with the "
                     "NVFP4 bound (3e-2) instead of 1e-3")
@@ -220,9 +263,19 @@ def main() -> int:
                "tolerance_rel_l2": tol, "our_model": {"dtype": str(rt.dtype), "stack": rt.ops.name,
                                                       "attention": rt.plan.attention},
                "core_model_dtype": str(core_model.model_dtype()), "graphs": {}}
+    if a.note:
+        results["note"] = a.note
+    if a.fun_patch_module:
+        results["fun_patch_module"] = a.fun_patch_module
     ok = True
     refs = {}
-    for name, fn in graphs(nodes).items():
+    todo = graphs(nodes)
+    fun_plain = None
+    if a.fun_patch_module:
+        from check_core_control import _load_patch_module
+
+        todo["fun_controlnet_ksampler"], fun_plain = fun_graph(nodes, _load_patch_module(a.fun_patch_module))
+    for name, fn in todo.items():
         if a.only and name not in a.only:
             continue
         t0 = time.perf_counter()
@@ -245,7 +298,9 @@ def main() -> int:
                                               "lora": (report["backends"].get("lora") or {}).get("reason"),
                                               "fc2_dispatch": {k: report["fc2_dispatch"].get(k) for k in
                                                                ("runs", "consistent_with_configuration")},
-                                              "latents_finite": report["latents_finite"]}}
+                                              "latents_finite": report["latents_finite"],
+                                              "control_calls": (report.get("control") or {}).get(
+                                                  "model_calls_with_control", 0)}}
         print(f"{name}: video {errs['video']:.3g}, audio {errs['audio']:.3g} rel-L2 -> "
               f"{'ok' if passed else 'FAIL'} ({report['workload']['model_calls']} calls)")
     if "lora_shift_ksampler" in refs and "shift_ksampler" in refs:
@@ -254,6 +309,13 @@ def main() -> int:
         results["lora_effect_on_core_video_rel_l2"] = effect
         ok &= effect > 10 * TOL
         print(f"LoRA x0.8 changes core's video by rel-L2 {effect:.3g}")
+    fun = results["graphs"].get("fun_controlnet_ksampler")
+    if fun is not None:  # our run carried the tower (its report's control block), and the tower changes core's result
+        effect = rel_l2(refs["fun_controlnet_ksampler"][0], _streams(fun_plain(core_model))[0])
+        results["fun_effect_on_core_video_rel_l2"] = effect
+        ok &= fun["report"]["control_calls"] > 0 and effect > 10 * TOL
+        print(f"the Fun ControlNet changes core's video by rel-L2 {effect:.3g}; our MODEL ran the tower in "
+              f"{fun['report']['control_calls']} of {fun['report']['model_calls']} calls")
     rep = results["graphs"].get("lora_shift_ksampler", {}).get("report", {})
     ok &= not rep or "merged" in (rep.get("lora") or "")  # the run carried the LoRA
     mm.unload_all_models()
