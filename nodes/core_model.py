@@ -42,7 +42,8 @@ from ..runtime import (ControlHint, H3Conditioning, H3Error, ModelCall, conditio
                        sync_loras, weight_shapes)
 from ._common import H3NodeError, node_error, optional_comfy_module
 from .control import PatchSource, prepare_hint
-from .core_patches import LORA_MODE, TITLE, check_patcher, check_transformer_options, fun_control_patch, lora_specs
+from .core_patches import (LORA_MODE, TITLE, check_patcher, check_transformer_options, fun_control_patch,
+                           fun_patch_models, lora_specs, patcher_transformer_options)
 
 log = logging.getLogger("h3_blackwell")
 
@@ -151,6 +152,7 @@ class RuntimeHandle:
             return 0
         self.call.end_run()
         self._rt, self.call = None, ModelCall(None)
+        self._drop_towers()
         if self._on_release is not None:
             self._on_release()
         gc.collect()
@@ -177,6 +179,8 @@ class RuntimeHandle:
         self.call.end_run()
         self.lossy = {"sparse_tau": to.get(SPARSE_TAU_KEY), "first_block_cache": to.get(FIRST_BLOCK_CACHE_KEY)}
         self.pending, self.conds, self.controlled = True, [], {}
+        if fun_control_patch(patcher_transformer_options(patcher)) is None:
+            self._drop_towers()  # a run without core's Fun ControlNet: its tower's memory goes back
 
     def end_sampling(self) -> None:
         self.pending = False
@@ -195,32 +199,68 @@ class RuntimeHandle:
         return out
 
 
-    def fun_control(self, patch, cond, target: tuple):
-        """Core's Fun ControlNet patch (``core_patches.fun_control_patch``) for one clip -> (the runtime's tower
-        loaded from core's control module, ``cond`` with the control hint). The tower loads once per module and
-        load plan; the hint is core's own latent where its wrapper prepared it for this target shape, else the
-        same preparation here (``control.prepare_hint``); one conditioning object per run and shape, so the
-        run's plan is reused."""
+    def _drop_towers(self) -> None:
+        self.towers, self.controlled = {}, {}
+        if self._rt is not None:
+            self.size = resident_bytes(self._rt)
+
+    def fun_control(self, patch, cond, shapes: tuple, text_tokens: int, schedule, window: float):
+        """Core's Fun ControlNet patch (``core_patches.fun_control_patch``) for one clip of ``shapes`` (video,
+        audio) -> (the runtime's tower loaded from core's control module, ``cond`` with the control hint), or
+        (None, ``cond``) when neither the run's schedule nor this call's sigma is inside the patch's window (core
+        then neither encodes nor runs the tower). The memory budget is planned with the tower before it loads
+        (so it streams where it must), once per module and load plan; the hint is core's own latent where its
+        wrapper prepared it for this clip's shape, else the same preparation here (``control.prepare_hint``,
+        with core's guard: the models loaded before the VAE encode are loaded again after it); one
+        conditioning object per run and shape, so the run's plan is reused."""
+        lo, hi = float(patch.sigma_end), float(patch.sigma_start)
+        sigmas = [] if schedule is None else [float(v) for v in torch.as_tensor(schedule).flatten()[:-1]]
+        if not (lo <= window <= hi or any(lo <= v <= hi for v in sigmas)):
+            return None, cond
         module = patch.model_patch.model
         rt = self.runtime()
         entry = self.towers.get(id(module))
         if entry is None or entry[0] is not module or entry[1] is not rt.plan:
             try:
-                entry = (module, rt.plan, load_control(PatchSource(module), rt.plan, rt.config))
+                source = PatchSource(module)
+                rt.fit_memory(shapes[0], shapes[1], text_tokens, max(1, len(sigmas)), cond, control=source)
+                entry = (module, rt.plan, load_control(source, rt.plan, rt.config))
             except H3Error as e:
                 raise node_error(TITLE, f"the Fun ControlNet of MiniMaxH3FunControlNetApply: {e}") from e
             self.towers = {id(module): entry}
-        key = (id(patch), id(cond), target)
+            self.size = resident_bytes(rt) + _tower_bytes(entry[2])
+        key = (id(patch), id(cond), shapes[0])
         if key not in self.controlled:
             latent = getattr(patch, "control_latent", None)
-            if latent is None or tuple(getattr(patch, "control_latent_shape", None) or ()) != target:
-                with torch.no_grad():
-                    latent = prepare_hint(patch.vae, target, patch.control_video, patch.mask, patch.source_video)
-            hint = ControlHint(latent.detach().float().cpu(), float(patch.strength), float(patch.sigma_start),
-                               float(patch.sigma_end), int(getattr(patch, "fade_in_frames", 0)),
-                               int(getattr(patch, "fade_out_frames", 0)))
+            if latent is None or tuple(getattr(patch, "control_latent_shape", None) or ()) != shapes[0]:
+                latent = _guarded(lambda: prepare_hint(patch.vae, shapes[0], patch.control_video, patch.mask,
+                                                       patch.source_video))
+            hint = ControlHint(latent.detach().float().cpu(), float(patch.strength), hi, lo,
+                               int(getattr(patch, "fade_in_frames", 0)), int(getattr(patch, "fade_out_frames", 0)))
             self.controlled[key] = (patch, cond, dataclasses.replace(cond or H3Conditioning(), control=hint))
         return entry[2], self.controlled[key][2]
+
+
+def _tower_bytes(tower) -> int:
+    """Bytes a loaded tower holds (its tensors, and a streamed tower's device buffers)."""
+    st = getattr(tower, "streamer", None)
+    return sum(t.numel() * t.element_size() for t in list(tower.parameters()) + list(tower.buffers())) + (
+        0 if st is None else st.device_bytes)
+
+
+def _guarded(fn):
+    """``fn()`` (a VAE encode) the way core's Fun patch runs its own: the models ComfyUI has loaded and in use are
+    loaded again afterwards (the encode may have pushed them out)."""
+    mm = optional_comfy_module("comfy.model_management")
+    loaded = mm.loaded_models(only_currently_used=True) if mm is not None and hasattr(mm, "loaded_models") else None
+    try:
+        with torch.no_grad():
+            return fn()
+    finally:
+        if loaded is not None:
+            mm.load_models_gpu(loaded)
+
+
 
 
 class H3DiffusionModel(torch.nn.Module):
@@ -257,6 +297,23 @@ class H3DiffusionModel(torch.nn.Module):
                                     "the H3 MODEL does not take; remove that node")
         check_transformer_options(options)
         fun = fun_control_patch(options)  # core's Fun ControlNet: run as this pack's tower
+        pe = optional_comfy_module("comfy.patcher_extension") if fun is not None else None
+        if pe is None:
+            return self._forward(x, timestep, context, options, minimax_payload, denoise_mask, audio_denoise_mask,
+                                 fun=fun)
+
+        def inner(x, timestep, context, transformer_options, **kw):
+            return self._forward(x, timestep, context, transformer_options, fun=fun, **kw)
+
+        # core's model runs its diffusion-model wrappers around the network (its Fun patch prepares its hint
+        # latent there, under its memory guard); the only ones that pass the checks above are the Fun patch's
+        wrappers = pe.get_all_wrappers(pe.WrappersMP.DIFFUSION_MODEL, options)
+        return pe.WrapperExecutor.new_class_executor(inner, self, wrappers).execute(
+            x, timestep, context, options, minimax_payload=minimax_payload, denoise_mask=denoise_mask,
+            audio_denoise_mask=audio_denoise_mask)
+
+    def _forward(self, x, timestep, context, options, minimax_payload=None, denoise_mask=None,
+                 audio_denoise_mask=None, fun=None):
         h = self.handle
         h.runtime()
         if h.pending or h.call.run is None:
@@ -274,12 +331,16 @@ class H3DiffusionModel(torch.nn.Module):
             adm = None if audio_denoise_mask is None else audio_denoise_mask[b:b + 1]
             tags, cond = h.conditioning(payload, dm, adm, tuple(video[b:b + 1].shape), tuple(audio[b:b + 1].shape))
             sigma = (steps[min(b, steps.numel() - 1)] / 1000.0).float()
-            tower = None
-            if fun is not None:
-                tower, cond = h.fun_control(fun, cond, tuple(video[b:b + 1].shape))
             # core's Fun wrapper tests its window on transformer_options["sigmas"][0] (else timestep / 1000)
             window = options.get("sigmas")
             window = float(torch.as_tensor(window).flatten()[0]) if window is not None else float(sigma)
+            tower = None
+            if fun is not None:
+                tower, cond = h.fun_control(fun, cond, (tuple(video[b:b + 1].shape), tuple(audio[b:b + 1].shape)),
+                                            context.shape[1], options.get("sample_sigmas"), window)
+                h.runtime()  # a VAE encode for the hint may have had ComfyUI unload and reload the model
+                if h.call.run is None:
+                    h.call.begin_run(options.get("sample_sigmas"), **h.lossy)
             try:
                 outs.append(h.call(video[b:b + 1], audio[b:b + 1], sigma, context[b:b + 1], tags, cond, shifts, scale,
                                    control=tower, window_sigma=window))
@@ -337,6 +398,12 @@ def _core_classes():
 
         def model_size(self):
             return self._handle().size
+
+        def model_patches_models(self):
+            """core's patch models to load beside this one, less core's Fun ControlNet tower: the H3 MODEL runs
+            its own copy of it (loaded from that module, in the pack's form and memory budget)."""
+            skip = fun_patch_models(self.model_options.get("transformer_options", {}) or {})
+            return [m for m in super().model_patches_models() if all(m is not f for f in skip)]
 
         def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False):
             with self.use_ejected():

@@ -144,16 +144,33 @@ def check_patcher(patcher) -> None:
     for k, fn in (getattr(patcher, "weight_wrapper_patches", {}) or {}).items():
         if fn:
             _refuse(f"a weight wrapper on {k!r} (ModelPatcher.add_weight_wrapper)", _CORE_ROUTE + ".")
+    check_transformer_options(patcher_transformer_options(patcher))
+
+
+def patcher_transformer_options(patcher) -> dict:
+    """The transformer options a sampling run with ``patcher`` hands the model: its ``model_options``' with the
+    patcher's own wrapper table merged in (``ModelPatcher.add_wrapper_with_key`` keeps wrappers there)."""
     to = dict((getattr(patcher, "model_options", {}) or {}).get("transformer_options", {}) or {})
-    extra = getattr(patcher, "wrappers", None) or {}  # ModelPatcher.add_wrapper_with_key keeps them here
-    if extra:
-        merged = {k: dict(v or {}) for k, v in (to.get("wrappers") or {}).items()}
-        for kind, keyed in extra.items():
-            for key, fns in (keyed or {}).items():
-                merged.setdefault(kind, {}).setdefault(key, [])
-                merged[kind][key] = list(merged[kind][key]) + list(fns or ())
+    merged = {k: {kk: list(vv or ()) for kk, vv in (v or {}).items()} for k, v in (to.get("wrappers") or {}).items()}
+    for kind, keyed in (getattr(patcher, "wrappers", None) or {}).items():
+        for key, fns in (keyed or {}).items():
+            merged.setdefault(kind, {}).setdefault(key, []).extend(fns or ())
+    if merged:
         to["wrappers"] = merged
-    check_transformer_options(to)
+    return to
+
+
+def fun_patch_models(options: dict) -> list:
+    """The ``model_patch`` objects of core's Fun ControlNet block patches in ``options`` (what core would load onto
+    the device beside the model; the H3 MODEL runs its own copy of the tower instead)."""
+    out = []
+    for entries in (options.get("patches_replace") or {}).values():
+        for entry in (entries or {}).values():
+            if type(entry).__name__ == FUN_BLOCK:
+                mp = getattr(getattr(entry, "control_patch", None), "model_patch", None)
+                if mp is not None and all(mp is not m for m in out):
+                    out.append(mp)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -294,7 +294,7 @@ class H3Runtime:
 
 def _device_bytes(module, device: torch.device) -> int:
     """Bytes of ``module``'s tensors (None: 0) that sit on ``device``'s type."""
-    if module is None:
+    if module is None or not hasattr(module, "parameters"):  # no tower, or one not loaded yet (its source)
         return 0
     st = getattr(module, "streamer", None)  # a streamed tower's device buffers are its streamer's
     return (0 if st is None else st.device_bytes) + sum(

@@ -319,6 +319,13 @@ def _fake_core(monkeypatch):
         def model_size(self):
             return 0
 
+        def model_patches_models(self):  # core's logic: every patch entry's models(), to load beside the model
+            to = self.model_options["transformer_options"]
+            out = [m for name in to.get("patches", {}) for p in to["patches"][name] if hasattr(p, "models")
+                   for m in p.models()]
+            return out + [m for name in to.get("patches_replace", {}) for p in to["patches_replace"][name].values()
+                          if hasattr(p, "models") for m in p.models()]
+
         def use_ejected(self, skip_and_inject_on_exit_only=False):
             return contextlib.nullcontext()
 
@@ -658,6 +665,9 @@ class MiniMaxH3FunControlBlockPatch:
     def __init__(self, control_patch, block_index, previous=None):
         self.control_patch, self.block_index, self.previous = control_patch, block_index, previous
 
+    def models(self):  # core's: the tower's ModelPatcher, for load_models_gpu to load beside the model
+        return [self.control_patch.model_patch]
+
 
 def _fun_options(patch, places, sigma):
     return {"wrappers": {"diffusion_model": {"minimax_h3_fun": [patch.diffusion_model_wrapper]}},
@@ -707,8 +717,10 @@ def test_core_fun_controlnet_runs_as_the_pack_tower(name, runtimes):
                                  minimax_payload=plain_payload, **plain_masks)
     if name == "outside_window":
         assert torch.equal(v, pv) and torch.equal(a, pa)
+        assert dm.handle.towers == {}  # never in the window: the tower is not even loaded (core: not encoded)
     else:
         assert _rel(pv, ov) > 1e-3  # the tower moved the output
+        assert len(dm.handle.towers) == 1 and dm.handle.size > cm.resident_bytes(rt)  # counted in the MODEL's size
 
 
 def test_core_fun_controlnet_refusals(runtimes):
@@ -803,3 +815,22 @@ def test_fun_controlnet_prepares_the_hint_when_core_has_not(runtimes):
         outs.append(diffusion_model(rt)([case["video"], case["audio"]], t, case["text_states"], transformer_options=to,
                                         minimax_payload=payload, **masks))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+def test_core_does_not_load_the_fun_tower_beside_the_h3_model(core):
+    """core loads every patch entry's models() beside the model (load_models_gpu); for core's Fun ControlNet the
+    H3 MODEL runs its own copy of the tower, so its patcher leaves that one out (another patch's models stay)."""
+    import control_cases
+    from fixtures.tiny_control import tiny_control_state_dict
+
+    _, rt = core
+    patcher = cm.make_core_model(rt)
+    case = control_cases.make_cases()["hint24_keyframes"]
+    cfg = TINY.replace(text_dim=control_cases.TEXT_DIM)
+    tower = _core_tower(cfg, case["places"], tiny_control_state_dict(cfg, len(case["places"]), seed=11))
+    patch = MiniMaxH3FunControlPatch(tower, case["control"], case["video"].shape)
+    other = types.SimpleNamespace(models=lambda: ["another patch's model"])
+    opts = _fun_options(patch, case["places"], 0.8)
+    patcher.model_options["transformer_options"] = {"patches_replace": opts["patches_replace"],
+                                                    "patches": {"x": [other]}}
+    assert patcher.model_patches_models() == ["another patch's model"]
