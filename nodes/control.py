@@ -165,10 +165,17 @@ class ControlAttachment:
                 "sigma_end": percent_to_sigma(self.end_percent, shift_video),
                 "fade_in_frames": self.fade_in_frames, "fade_out_frames": self.fade_out_frames}
 
-    def tower(self, rt):
+    def tower(self, rt, shapes: tuple | None = None, text_tokens: int = 0, steps: int = 1):
+        """The tower loaded onto ``rt``'s plan (cached per plan). With the run's latent ``shapes`` (video, audio)
+        the memory budget is planned with the tower first (``H3Runtime.fit_memory``), so that it loads streamed
+        where the budget needs it (the sampling run plans again with its conditioning)."""
         plan = rt.plan
         if self._tower[0] is not plan:
-            self._tower = (plan, load_control(self.source, plan, rt.config))
+            src = self.source if hasattr(self.source, "spec") else open_control(self.source)
+            fit = getattr(rt, "fit_memory", None)
+            if shapes is not None and callable(fit):
+                fit(tuple(shapes[0]), tuple(shapes[1]), int(text_tokens), max(1, int(steps)), None, control=src)
+            self._tower = (plan, load_control(src, plan, rt.config))
         return self._tower[1]
 
 

@@ -171,7 +171,7 @@ class H3Sampler:
         if fc is not None:
             try:
                 payload["control"] = fc.hint(video.shape, float(shift_video))
-                control = fc.tower(model)
+                control = fc.tower(model, (video.shape, audio.shape), text.shape[1], int(steps))
             except H3Error as e:
                 raise node_error(self.TITLE, f"Fun ControlNet: {e}") from e
         progress, preview, interrupt = _callbacks(int(steps))

@@ -194,3 +194,22 @@ def test_mismatched_tower_refused_at_apply(comfy, tiny, tmp_path):
     with pytest.raises(H3NodeError, match="curve-form"):
         _apply(tiny, None, control_video=torch.rand(5, 64, 64, 3),
                model_patch=FakePatch(load_control(curve, fake)))
+
+
+def test_the_node_path_plans_the_budget_with_the_tower_before_loading_it(tower_file):
+    """The H3 Sampler asks for the tower with the run's latent shapes: the budget is planned with the tower first,
+    so a budget that cannot hold it resident loads it streamed (its linears straight to host memory)."""
+    from h3_blackwell.nodes.control import ControlAttachment
+    from h3_blackwell.runtime import RuntimeOptions, load_model, open_control
+    from h3_blackwell.runtime.budget import SLOTS, ModelMemory, TowerSize, Workload, estimate
+
+    rt = load_model(None, RuntimeOptions(device="cpu", dtype="float32"))
+    vs, as_ = (1, 24, 2, 4, 6), (1, 32, 2, 8)
+    wl = Workload.from_shapes(vs, as_, 6, 3, None, TowerSize.of(open_control(tower_file)))
+    full = estimate(ModelMemory.from_plan(rt.plan), wl, rt.config.num_layers, SLOTS, None, "cpu").total
+    rt.plan.options.vram_budget = repr((full - 1) / 1e9)
+    att = ControlAttachment(str(tower_file), None, 1.0, 0.0, 1.0, None, None, None)
+    tower = att.tower(rt, (vs, as_), 6, 3)
+    assert rt.plan.memory.tower_streams and tower.streamer.order == [0, 1]
+    assert tower.streamer.host_bytes > 0 and set(tower.streamer.host) == {0, 1}  # the linears live in host buffers
+    assert att.tower(rt) is tower  # cached for the plan
