@@ -282,9 +282,50 @@ def _root_cause(inboxes: list[_Inbox], failed: dict[int, int]) -> WorkerFailed:
                         "stopped and nothing was written", r, e.get("traceback", ""), internal=not e.get("refusal"))
 
 
-def _wait(procs, inboxes, join_timeout_s: float | None) -> None:
+_STOPPED_NOTE_S = 5.0  # a worker stopped this long (SIGSTOP, Ctrl-Z in its own terminal, a debugger) gets a note
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (state T or t in /proc; False where /proc cannot tell)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+        i = data.rindex(b")")  # the state follows the command name, which may itself hold ") "
+        return data[i + 2:i + 3] in (b"T", b"t")
+    except (OSError, ValueError):
+        return False
+
+
+class _StopWatch:
+    """Notes on the console a worker that stays stopped: the others wait for it in a collective, which ends the
+    run only after the collective timeout. It names the rank, the pid and what to do (SIGCONT, or end the run)."""
+
+    def __init__(self, console, timeout_s: float):
+        self.console, self.timeout_s = console, timeout_s
+        self.since: dict[int, float] = {}
+        self.noted: set[int] = set()
+
+    def check(self, procs) -> None:
+        now = time.monotonic()
+        for r, p in enumerate(procs):
+            if p.poll() is not None or not _stopped(p.pid):
+                self.since.pop(r, None)
+                self.noted.discard(r)
+                continue
+            t0 = self.since.setdefault(r, now)
+            if now - t0 >= _STOPPED_NOTE_S and r not in self.noted and self.console is not None:
+                self.noted.add(r)
+                self.console.write(-1, f"note: sequence-parallel worker rank {r} (pid {p.pid}) is stopped (SIGSTOP, "
+                                       f"or a debugger); the other ranks wait for it. Send SIGCONT to pid {p.pid} to "
+                                       f"resume, or interrupt the run (Ctrl-C) to end it; a collective waits at most "
+                                       f"{self.timeout_s:.0f} s\n")
+
+
+def _wait(procs, inboxes, join_timeout_s: float | None, watch: _StopWatch | None = None) -> None:
     deadline = None if join_timeout_s is None else time.monotonic() + join_timeout_s
     while True:
+        if watch is not None:
+            watch.check(procs)
         codes = [p.poll() for p in procs]
         failed = {r: c for r, c in enumerate(codes) if c not in (None, 0)}
         if failed:
@@ -340,7 +381,7 @@ def launch(fn: Callable[..., Any], args: tuple = (), world_size: int = 2, device
         for p in procs:
             threading.Thread(target=_send, args=(p.stdin, blob), daemon=True).start()
         try:
-            _wait(procs, inboxes, join_timeout_s)
+            _wait(procs, inboxes, join_timeout_s, _StopWatch(console, timeout_s))
         except BaseException:  # a failure, a timeout, Ctrl-C or SIGTERM: the rest of the workers' output is noise
             console.mute()
             raise

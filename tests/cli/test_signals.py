@@ -183,3 +183,28 @@ def test_a_second_signal_does_not_cut_the_cleanup_short(work):
     lines = [ln for ln in err.splitlines() if "nothing was written" in ln]
     assert len(lines) == 1 and "Traceback" not in err and "error:" not in err, err[-2000:]
     assert list((work / "q").iterdir()) == [] and not leftovers(work)
+
+
+def test_a_stopped_worker_is_named_and_the_run_goes_on_after_sigcont(work):
+    """SIGSTOP to one worker: the launcher says on its own line which rank and pid is stopped and what to do
+    (instead of a silent wait for the collective timeout); after SIGCONT the run goes on."""
+    p, head, ranks = _sp_started(work)
+    try:
+        os.kill(ranks[1], signal.SIGSTOP)
+        more = read_until(p.stderr, b"to resume", 60)
+        text = more.decode(errors="replace")
+        assert f"rank 1 (pid {ranks[1]}) is stopped" in text and "SIGCONT" in text, text[-2000:]
+        assert "\nnote: sequence-parallel worker rank 1" in (head + more).decode(errors="replace")  # its own line
+        os.kill(ranks[1], signal.SIGCONT)
+        after = read_until(p.stderr, b"sampling [", 60)  # rank 0's progress goes on
+        assert b"sampling [" in after and p.poll() is None
+        p.send_signal(signal.SIGTERM)
+        finish(p, head + more + after)
+        assert wait_gone(ranks.values(), 20) == []
+    finally:
+        kill_tree(p.pid)
+        for pid in ranks.values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
