@@ -113,6 +113,16 @@ def _sp_started(work, **kw):
     return p, head, workers(p.pid, 2)
 
 
+def _kill_all(p, ranks) -> None:
+    """The run's parent tree and its workers, whatever state they are in (a test's cleanup)."""
+    kill_tree(p.pid)
+    for pid in ranks.values():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
 @pytest.mark.parametrize("sig,code,line", [(signal.SIGTERM, 143, "terminated; nothing was written"),
                                            (signal.SIGKILL, -9, None)])  # (SIGINT takes SIGTERM's path)
 def test_sequence_parallel_workers_die_with_their_parent(sig, code, line, work):
@@ -122,12 +132,7 @@ def test_sequence_parallel_workers_die_with_their_parent(sig, code, line, work):
         err = finish(p, head)
         assert wait_gone(ranks.values(), 20) == [], f"workers {ranks} outlived their parent"
     finally:
-        kill_tree(p.pid)
-        for pid in ranks.values():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+        _kill_all(p, ranks)
     if line is not None:
         _interrupted(err, p.returncode, code, line)
     else:
@@ -202,9 +207,4 @@ def test_a_stopped_worker_is_named_and_the_run_goes_on_after_sigcont(work):
         finish(p, head + more + after)
         assert wait_gone(ranks.values(), 20) == []
     finally:
-        kill_tree(p.pid)
-        for pid in ranks.values():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+        _kill_all(p, ranks)
