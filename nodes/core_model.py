@@ -42,8 +42,7 @@ from ..runtime import (ControlHint, H3Conditioning, H3Error, ModelCall, conditio
                        sync_loras, weight_shapes)
 from ._common import H3NodeError, node_error, optional_comfy_module
 from .control import PatchSource, prepare_hint
-from .core_patches import (LORA_MODE, TITLE, check_patcher, check_transformer_options, fun_control_patch,
-                           fun_patch_models, lora_specs, patcher_transformer_options)
+from .core_patches import LORA_MODE, TITLE, check_patcher, check_transformer_options, fun_patch_models, lora_specs
 
 log = logging.getLogger("h3_blackwell")
 
@@ -165,7 +164,7 @@ class RuntimeHandle:
     def begin_sampling(self, patcher) -> None:
         """Sampling starts with ``patcher``: refuse what it cannot honour, make the resident model carry the
         patcher's LoRAs, reset the run."""
-        check_patcher(patcher)
+        fun = check_patcher(patcher)
         to = (getattr(patcher, "model_options", {}) or {}).get("transformer_options", {}) or {}
         mode = to.get(LORA_MODE_KEY, LORA_MODE)
         if mode not in ("merge", "side"):
@@ -179,7 +178,7 @@ class RuntimeHandle:
         self.call.end_run()
         self.lossy = {"sparse_tau": to.get(SPARSE_TAU_KEY), "first_block_cache": to.get(FIRST_BLOCK_CACHE_KEY)}
         self.pending, self.conds, self.controlled = True, [], {}
-        if fun_control_patch(patcher_transformer_options(patcher)) is None:
+        if fun is None:
             self._drop_towers()  # a run without core's Fun ControlNet: its tower's memory goes back
 
     def end_sampling(self) -> None:
@@ -197,7 +196,6 @@ class RuntimeHandle:
                                      (video_shape, audio_shape, cfg.video_channels, cfg.audio_channels))
         self.conds.append((payload, denoise_mask, audio_denoise_mask, (video_shape, audio_shape), out))
         return out
-
 
     def _drop_towers(self) -> None:
         self.towers, self.controlled = {}, {}
@@ -228,7 +226,7 @@ class RuntimeHandle:
             except H3Error as e:
                 raise node_error(TITLE, f"the Fun ControlNet of MiniMaxH3FunControlNetApply: {e}") from e
             self.towers = {id(module): entry}
-            self.size = resident_bytes(rt) + _tower_bytes(entry[2])
+            self.size = resident_bytes(rt) + entry[2].device_bytes(rt.device)
         key = (id(patch), id(cond), shapes[0])
         if key not in self.controlled:
             latent = getattr(patch, "control_latent", None)
@@ -239,13 +237,6 @@ class RuntimeHandle:
                                int(getattr(patch, "fade_in_frames", 0)), int(getattr(patch, "fade_out_frames", 0)))
             self.controlled[key] = (patch, cond, dataclasses.replace(cond or H3Conditioning(), control=hint))
         return entry[2], self.controlled[key][2]
-
-
-def _tower_bytes(tower) -> int:
-    """Bytes a loaded tower holds (its tensors, and a streamed tower's device buffers)."""
-    st = getattr(tower, "streamer", None)
-    return sum(t.numel() * t.element_size() for t in list(tower.parameters()) + list(tower.buffers())) + (
-        0 if st is None else st.device_bytes)
 
 
 def _guarded(fn):
@@ -259,8 +250,6 @@ def _guarded(fn):
     finally:
         if loaded is not None:
             mm.load_models_gpu(loaded)
-
-
 
 
 class H3DiffusionModel(torch.nn.Module):
@@ -295,8 +284,7 @@ class H3DiffusionModel(torch.nn.Module):
         if extra:
             raise node_error(TITLE, f"the model call carries {extra[0]!r} (from a conditioning or model node), which "
                                     "the H3 MODEL does not take; remove that node")
-        check_transformer_options(options)
-        fun = fun_control_patch(options)  # core's Fun ControlNet: run as this pack's tower
+        fun = check_transformer_options(options)  # core's Fun ControlNet (or None): run as this pack's tower
         pe = optional_comfy_module("comfy.patcher_extension") if fun is not None else None
         if pe is None:
             return self._forward(x, timestep, context, options, minimax_payload, denoise_mask, audio_denoise_mask,

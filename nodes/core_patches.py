@@ -91,21 +91,22 @@ def fun_control_patch(options: dict):
     return patch
 
 
-def _is_fun_entry(group, key, entry, patch) -> bool:
+def _is_fun_entry(group, entry, patch) -> bool:
     return (patch is not None and group == "dit" and type(entry).__name__ == FUN_BLOCK
             and getattr(entry, "control_patch", None) is patch)
 
 
-def check_transformer_options(options: dict) -> None:
+def check_transformer_options(options: dict):
     """Refuse what in ``transformer_options`` (as core hands it to the diffusion model) would change the
     network and cannot be honoured. Keys core itself sets per call (sigmas, sample_sigmas, shifts, uuids, ...)
-    and callbacks pass, and so does core's Fun ControlNet (``fun_control_patch``: the H3 MODEL runs it)."""
+    and callbacks pass, and so does core's Fun ControlNet, which the H3 MODEL runs: returns its patch
+    (``fun_control_patch``), or None."""
     options = options or {}
     fun = fun_control_patch(options)
     replace = options.get("patches_replace") or {}
     for group, entries in replace.items():
         for key, entry in (entries or {}).items():
-            if _is_fun_entry(group, key, entry, fun):
+            if _is_fun_entry(group, entry, fun):
                 continue
             _refuse(f"a block replacement patches_replace[{group!r}][{key!r}] (added by a MODEL patch node such as "
                     "another pack's block patch)", _CORE_ROUTE + ".")
@@ -125,15 +126,17 @@ def check_transformer_options(options: dict) -> None:
                     "pack's cache)",
                     "Use the loader's first_block_cache / attention=sparse for speed, or core's UNETLoader for that "
                     "node.")
+    return fun
 
 
 def _names(fns) -> str:
     return ", ".join(getattr(f, "__qualname__", type(f).__name__) for f in fns)
 
 
-def check_patcher(patcher) -> None:
+def check_patcher(patcher):
     """Refuse object patches and weight hooks recorded on the ModelPatcher (LoRA patches are read by
-    ``lora_specs``, transformer options by ``check_transformer_options``)."""
+    ``lora_specs``, transformer options by ``check_transformer_options``) -> core's Fun ControlNet patch of the
+    run, or None."""
     for name in getattr(patcher, "object_patches", {}) or {}:
         if name not in ALLOWED_OBJECT_PATCHES:
             _refuse(f"an object patch of {name!r} (ModelPatcher.add_object_patch, from a MODEL patch node)",
@@ -144,7 +147,7 @@ def check_patcher(patcher) -> None:
     for k, fn in (getattr(patcher, "weight_wrapper_patches", {}) or {}).items():
         if fn:
             _refuse(f"a weight wrapper on {k!r} (ModelPatcher.add_weight_wrapper)", _CORE_ROUTE + ".")
-    check_transformer_options(patcher_transformer_options(patcher))
+    return check_transformer_options(patcher_transformer_options(patcher))
 
 
 def patcher_transformer_options(patcher) -> dict:

@@ -27,10 +27,10 @@ buffers, the scratch of the GEMM backend, the run's tensors (modulation rows of 
 tables, latents and sampler state) and the largest activation phase of one block (the QKV buffer with
 attention's operands and output, or the FFN's fc1 output with the SwiGLU bytes and fc2's output), plus a
 fixed allowance for library workspaces. A run with a Fun ControlNet (``Workload.tower``, from the control
-file's header) adds the tower: its weights, all on the device (its block linears in the base's form; full-form
-AdaLN in host memory like the base's), and what it holds through an evaluation (its stream ``c``, the skip
-residual, the control rows' embedding and its modulation rows of every step), so the blocks that stream make
-room for it.
+file's header) adds the tower: its weights (its block linears in the base's form, on the device or, past
+"everything resident", streamed through two buffers of its own; full-form AdaLN in host memory like the
+base's), and what it holds through an evaluation (its stream ``c``, the skip residual, the control rows'
+embedding and its modulation rows of every step), so the blocks that stream make room for it.
 """
 
 from __future__ import annotations
@@ -193,6 +193,13 @@ def aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
+def block_linear_bytes(cfg: H3Config, quantized: bool, dtype_bytes: int) -> int:
+    """The streamable bytes of one block of ``cfg`` (a DiT block or a control block): its four linears' large
+    tensors, each aligned as in a streaming buffer."""
+    return sum(aligned(b) for n, k in linear_dims(cfg).values() for b in streamed_tensor_bytes(n, k, quantized,
+                                                                                             dtype_bytes))
+
+
 @dataclass(frozen=True)
 class ModelMemory:
     """The model's side of the estimate, from its config and the load plan's choices (no tensor read).
@@ -220,8 +227,7 @@ class ModelMemory:
               calibrated_layers: bool = False) -> "ModelMemory":
         quantized = act_format != "dense"
         e = torch.empty((), dtype=dtype).element_size()
-        block = sum(aligned(b) for n, k in linear_dims(cfg).values()
-                    for b in streamed_tensor_bytes(n, k, quantized, e))
+        block = block_linear_bytes(cfg, quantized, e)
         with torch.device("meta"):
             meta = H3Model(cfg, dtype)
         other = adaln = 0
@@ -339,8 +345,7 @@ def scratch_bytes(mm: ModelMemory, wl: Workload) -> int:
 def tower_block_bytes(mm: ModelMemory, tower: TowerSize) -> int:
     """The streamable bytes of one control block: its four linears in the base's form (what one of the tower's
     device buffers holds, and what each streamed control block keeps in pinned host memory)."""
-    return sum(sum(aligned(b) for b in streamed_tensor_bytes(n, k, True, mm.dtype_bytes))
-               if mm.act_format != "dense" else n * k * mm.dtype_bytes for n, k in linear_dims(tower.cfg).values())
+    return block_linear_bytes(tower.cfg, mm.act_format != "dense", mm.dtype_bytes)
 
 
 def tower_bytes(mm: ModelMemory, wl: Workload, streams: bool = False) -> tuple[int, int]:

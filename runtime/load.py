@@ -254,17 +254,17 @@ class H3Runtime:
         dev = device_memory or DeviceMemory.probe(self.device)
         mm = ModelMemory.from_plan(plan)
         old = plan.memory
-        held = mm.other_bytes + len(old.resident) * mm.block_bytes + st.device_bytes + _device_bytes(control, self.device)
-        tower_held = getattr(getattr(control, "streamer", None), "host_bytes", 0)
+        # a loaded tower (FunControl) holds device bytes and, streamed, host bytes; a tower's source none yet
+        tower_st = getattr(control, "streamer", None)
+        held = mm.other_bytes + len(old.resident) * mm.block_bytes + st.device_bytes + (
+            control.device_bytes(self.device) if hasattr(control, "device_bytes") else 0)
         new = decide(mm, wl, dev, parse_vram_budget(plan.vram_budget), held_bytes=held,
-                     host_held_bytes=st.host_bytes + tower_held)
-        tower_st = getattr(control, "streamer", None)  # the tower's blocks move too when their decision changed
-        tower_to = range(len(control.places)) if tower_st is not None and new.tower_streams else ()
-        if tower_st is not None and new.tower_streams:
-            tower_st.restream(tower_to)  # device -> host first, so the base's moves find the room
+                     host_held_bytes=st.host_bytes + (0 if tower_st is None else tower_st.host_bytes))
+        if tower_st is not None and new.tower_streams:  # the tower's blocks move too: device -> host first,
+            tower_st.restream(range(len(control.places)))  # so that the base's moves find the room
         st.restream(new.streamed)
         if tower_st is not None and not new.tower_streams:
-            tower_st.restream(tower_to)
+            tower_st.restream(())
         self.ops.ffn_chunk_rows = new.ffn_chunk_rows
         plan.memory = new
         plan.choices["memory"] = new.choice()
@@ -290,16 +290,6 @@ class H3Runtime:
             out.update({"bytes_copied_per_step": 0, "copy_ms_per_step": 0.0, "copy_exposed_ms_per_step": 0.0,
                         "copy_hidden_ms_per_step": 0.0})
         return out
-
-
-def _device_bytes(module, device: torch.device) -> int:
-    """Bytes of ``module``'s tensors (None: 0) that sit on ``device``'s type."""
-    if module is None or not hasattr(module, "parameters"):  # no tower, or one not loaded yet (its source)
-        return 0
-    st = getattr(module, "streamer", None)  # a streamed tower's device buffers are its streamer's
-    return (0 if st is None else st.device_bytes) + sum(
-        t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers())
-        if t.device.type == device.type)
 
 
 def _prepare_fc2(plan: LoadPlan) -> tuple[object | None, dict | None]:

@@ -265,9 +265,7 @@ def _qk_operands(options: RuntimeOptions, device: torch.device, attention: str, 
                  v_handling: str) -> Choice:
     """Who writes Sage2's int8 q: the option where it applies (producer needs fused V and the kernels on CUDA:
     ``sage.qk_operands_status`` says why not), "none" for other attention backends."""
-    if attention != "sage2":
-        return Choice(*resolve("qk_operands", device, attention, head_dim=cfg.head_dim, v_handling=v_handling))
-    if options.qk_operands == "library":
+    if attention == "sage2" and options.qk_operands == "library":
         return Choice("library", "library (the default): SageAttention2's own stage quantizes q and k; "
                                  "qk_operands=producer (H3_QK_OPERANDS) moves q's into the norm+RoPE kernel")
     return Choice(*resolve("qk_operands", device, attention, head_dim=cfg.head_dim, v_handling=v_handling))

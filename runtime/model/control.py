@@ -94,6 +94,13 @@ class FunControl(nn.Module):
     def curve_form(self) -> bool:
         return self.cfg.curve_form
 
+    def device_bytes(self, device: torch.device) -> int:
+        """Bytes the tower holds on ``device``'s type: its tensors there and, where its blocks stream, its
+        streamer's device buffers (the streamed linears themselves sit in host memory between blocks)."""
+        held = sum(t.numel() * t.element_size() for t in list(self.parameters()) + list(self.buffers())
+                   if t.device.type == torch.device(device).type)
+        return held + (0 if self.streamer is None else self.streamer.device_bytes)
+
     @property
     def version(self) -> str:
         return {5: "v1", 10: "v2"}.get(len(self.places), f"{len(self.places)} blocks")

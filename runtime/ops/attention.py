@@ -341,6 +341,7 @@ def bind_attention(backend: str, head_dim: int, *, device: "torch.device | str |
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r}: expected one of {', '.join(BACKENDS)}")
     sm_scale = head_dim ** -0.5 if scale is None else float(scale)
+    normed = None  # Sage2's entry on the projection's output (qk_operands producer)
 
     def views(qkv):
         t = qkv.unflatten(1, (3, -1, head_dim))  # [S, 3, H, D] view
@@ -371,8 +372,11 @@ def bind_attention(backend: str, head_dim: int, *, device: "torch.device | str |
         dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
         fn = sage.bind_sage2(dev, sm_scale, "fused" if v_handling == "fused" else "library")
         if v_handling == "fused" and qk_operands == "producer":
-            def sage2(qkv):
-                return fn(*views(qkv)).reshape(qkv.shape[0], -1)
-            sage2.norm_rope_attention = sage.bind_sage2_normed(dev, sm_scale, head_dim)
-            return sage2
-    return lambda qkv: fn(*views(qkv)).reshape(qkv.shape[0], -1)
+            normed = sage.bind_sage2_normed(dev, sm_scale, head_dim)
+
+    def bound(qkv):
+        return fn(*views(qkv)).reshape(qkv.shape[0], -1)
+
+    if normed is not None:
+        bound.norm_rope_attention = normed
+    return bound

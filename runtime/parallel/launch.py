@@ -313,7 +313,7 @@ class _StopWatch:
                 self.noted.discard(r)
                 continue
             t0 = self.since.setdefault(r, now)
-            if now - t0 >= _STOPPED_NOTE_S and r not in self.noted and self.console is not None:
+            if now - t0 >= _STOPPED_NOTE_S and r not in self.noted:
                 self.noted.add(r)
                 self.console.write(-1, f"note: sequence-parallel worker rank {r} (pid {p.pid}) is stopped (SIGSTOP, "
                                        f"or a debugger); the other ranks wait for it. Send SIGCONT to pid {p.pid} to "

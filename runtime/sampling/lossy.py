@@ -19,6 +19,12 @@ from ..errors import H3Error
 from .step_cache import FirstBlockCache
 
 
+def tower_ops(rt):
+    """The BlockOps a Fun ControlNet tower runs with on ``rt``: None (the base's own) unless the base attends
+    sparse, then the base's ops with its dense attention (core runs the tower dense)."""
+    return None if rt.sparse is None else rt.ops.with_attention(rt.sparse.dense)
+
+
 @dataclass
 class LossyRun:
     """sparse: the runtime's SparseStepAttention or None; cache: a FirstBlockCache or None; tau: this call's."""

@@ -30,7 +30,8 @@ import torch
 
 from ..errors import H3Error
 from ..model.conditioning import H3Conditioning
-from .lossy import LossyRun
+from ..model.control import bind_control
+from .lossy import LossyRun, tower_ops
 from .report import RunRecord, build_report, latent_sha256
 from .request import latent_rows
 from .schedule import carry_in, carry_out, model_sigma
@@ -93,7 +94,7 @@ class _Run:
     summary: list = field(default_factory=list)  # per conditioning, once the run ended: what the report shows
     fitted_rows: int = 0  # the packed rows the memory budget was last planned for in this run
     control: object | None = None  # the last ControlRun that ran (a Fun ControlNet): its summary goes in the report
-    control_fc2: int = 0  # FC2 calls of the tower's blocks (one per control block per call it ran in)
+    control_calls: int = 0  # calls the tower ran in (its FC2 calls: one per control block in each)
 
 
 class ModelCall:
@@ -195,7 +196,7 @@ class ModelCall:
         vy = carry_out(va, xa, s_dev, shifts[0], shifts[1], audio_scale) if audio_scale != 1.0 else va
         if plan.control is not None and plan.control.active[i]:
             run.control = plan.control
-            run.control_fc2 += len(plan.control.tower.places)
+            run.control_calls += 1
         run.finite.append((torch.isfinite(vv).all(), torch.isfinite(vy).all()))
         self._mark_stop()
         run.calls += 1
@@ -225,15 +226,10 @@ class ModelCall:
         return p
 
     def _bind(self, plan, control, cond, window_sigmas) -> None:
-        """Bind the tower (if any) to ``plan`` with the hint ``cond.control`` (``bind_control``; dense attention for
-        the tower where the base's is sparse, as ``sample`` does)."""
-        if control is None:
-            return
-        from ..model.control import bind_control
-
-        rt = self.rt
-        bind_control(rt.model, control, cond.control, plan, window_sigmas,
-                     ops=None if rt.sparse is None else rt.ops.with_attention(rt.sparse.dense))
+        """Bind the tower (if any) to ``plan`` with the hint ``cond.control`` (``bind_control`` with ``tower_ops``,
+        as ``sample`` does)."""
+        if control is not None:
+            bind_control(self.rt.model, control, cond.control, plan, window_sigmas, ops=tower_ops(self.rt))
 
     def _fit(self, text, shapes, cond, steps: int, control=None) -> None:
         """The device-memory budget planned again for this conditioning's size, as ``sample`` does when it starts
@@ -318,13 +314,13 @@ class ModelCall:
         rec = RunRecord(run.seconds, [{"step": k + 1, "seconds": v} for k, v in enumerate(per_call)], None, None,
                         latent_sha256(video.float()), latent_sha256(audio.float()), dict(run.fc2), nonfinite=bad)
         workload = self._workload(run, video, audio, workload_extra)
+        tower_fc2 = 0 if run.control is None else run.control_calls * len(run.control.tower.places)
         report = build_report(rt, workload, [rec], 0, video.float(), audio.float(),
-                              fc2_required=rt.config.num_layers * run.calls + run.control_fc2)
+                              fc2_required=rt.config.num_layers * run.calls + tower_fc2)
         if run.lossy is not None:
             report.update(run.lossy.report())
         if run.control is not None:
-            report["control"] = dict(run.control.summary(), model_calls_with_control=run.control_fc2 // max(
-                1, len(run.control.tower.places)))
+            report["control"] = dict(run.control.summary(), model_calls_with_control=run.control_calls)
         return report
 
     @staticmethod

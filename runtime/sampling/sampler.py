@@ -22,7 +22,7 @@ from ..model.control import bind_control
 from ..parallel.evaluate import ShardedEvaluator, numerics
 from ..parallel.rank_stats import gather_ranks, parallel_section, rank_run
 from .inpaint import Inpaint
-from .lossy import LossyRun
+from .lossy import LossyRun, tower_ops
 from .report import RunRecord, StepTimer, build_report, first_nonfinite, latent_sha256
 from .schedule import Stepper, audio_scale, carry_in, carry_out, get_sigmas, model_sigma
 
@@ -278,8 +278,7 @@ def sample(rt, text_states: torch.Tensor, token_tags: torch.Tensor | None, video
                              token_tags=token_tags, shifts=shifts, seed=seed,
                              cond=_plan_conditioning(conditioning, keyframes, seed))
         if control is not None:  # core's window reads the sampler's sigma; the tower runs dense attention
-            bind_control(rt.model, control, hint, plan, [float(s) for s in sigmas[:-1]],
-                         ops=None if rt.sparse is None else rt.ops.with_attention(rt.sparse.dense))
+            bind_control(rt.model, control, hint, plan, [float(s) for s in sigmas[:-1]], ops=tower_ops(rt))
     noise_v, noise_a = initial_noise(seed, video.shape, audio.shape)
     video0, audio0 = video.float().cpu(), audio.float().cpu()
     inpaint = None if conditioning is None else Inpaint.build(conditioning, video0, audio0, noise_v, scale, rt.device)

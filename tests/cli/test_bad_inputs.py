@@ -24,10 +24,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from fixtures.cli_contract import read_until
+from fixtures.cli_contract import read_until, tiny_model_files
 from h3_blackwell.cli import main as cli
-from h3_blackwell.runtime.io.convert import quantize_checkpoint
-from h3_blackwell.runtime.model.tiny import save_tiny
 
 SMALL = ["--width", "64", "--height", "64", "--frames", "5", "--steps", "1"]
 NO_CUDA = not torch.cuda.is_available()
@@ -81,11 +79,7 @@ def _py(code_or_args, **kw):
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("bad")
-    tiny = save_tiny(d / "tiny.safetensors", seed=0)
-    nv = d / "nv.safetensors"
-    quantize_checkpoint(tiny, nv)
-    return {"dir": d, "tiny": tiny, "nvfp4": nv}
+    return tiny_model_files(tmp_path_factory.mktemp("bad"))
 
 
 @pytest.fixture

@@ -37,6 +37,14 @@ def _store_rtne(ptr, v, mask, OUT_KIND: tl.constexpr):
 
 
 @triton.jit
+def _store_head(base, o1, o2, npass, c_h, c_p, mh, mp, HALF: tl.constexpr, OUT_KIND: tl.constexpr):
+    """One head's rotated halves and pass-through channels back into the buffer (``_store_rtne``)."""
+    _store_rtne(base + c_h[None, :], o1, mh, OUT_KIND)
+    _store_rtne(base + HALF + c_h[None, :], o2, mh, OUT_KIND)
+    _store_rtne(base + 2 * HALF + c_p[None, :], npass, mp, OUT_KIND)
+
+
+@triton.jit
 def _rounded(v, OUT_KIND: tl.constexpr):
     """fp32 ``v`` rounded to the buffer dtype as ``_store_rtne`` stores it, back in fp32 (exact)."""
     if OUT_KIND == 1:
@@ -140,13 +148,9 @@ def norm_rope_kernel(
                     _q8_store(q8_ptr, qs_ptr, o1, o2, npass, rows64[:, None] * (H * D) + j * D, c_h, c_p, mh, mp,
                               j * n_qs + pid_s, HALF, OUT_KIND, HW)
                 else:
-                    _store_rtne(base + c_h[None, :], o1, mh, OUT_KIND)
-                    _store_rtne(base + HALF + c_h[None, :], o2, mh, OUT_KIND)
-                    _store_rtne(base + 2 * HALF + c_p[None, :], npass, mp, OUT_KIND)
+                    _store_head(base, o1, o2, npass, c_h, c_p, mh, mp, HALF, OUT_KIND)
             else:
-                _store_rtne(base + c_h[None, :], o1, mh, OUT_KIND)
-                _store_rtne(base + HALF + c_h[None, :], o2, mh, OUT_KIND)
-                _store_rtne(base + 2 * HALF + c_p[None, :], npass, mp, OUT_KIND)
+                _store_head(base, o1, o2, npass, c_h, c_p, mh, mp, HALF, OUT_KIND)
 
 
 @triton.jit

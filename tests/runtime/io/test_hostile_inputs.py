@@ -19,20 +19,16 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from fixtures.cli_contract import (check_refusal, listing, edit_header, leftovers, refused_inproc, run, split_safetensors,
-                                   write_safetensors)
-from h3_blackwell.runtime.io.convert import quantize_checkpoint
-from h3_blackwell.runtime.model.tiny import save_tiny
+from fixtures.cli_contract import (check_refusal, edit_header, leftovers, listing, refused_inproc, run,
+                                   split_safetensors, tiny_model_files, write_safetensors)
 
 SMALL = ["--width", "64", "--height", "64", "--frames", "5", "--steps", "1"]
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("hostile")
-    tiny = save_tiny(d / "tiny.safetensors", seed=0)
-    nv = d / "nv.safetensors"
-    quantize_checkpoint(tiny, nv)
+    files = tiny_model_files(tmp_path_factory.mktemp("hostile"))
+    d = files["dir"]
     g = torch.Generator().manual_seed(0)
     inputs = d / "in.safetensors"
     save_file({"video": torch.randn(1, 24, 2, 4, 4, generator=g), "audio": torch.randn(1, 32, 2, 4, generator=g),
@@ -43,7 +39,7 @@ def files(tmp_path_factory):
     lora = d / "lora.safetensors"
     save_file({"diffusion_model.blocks.0.attn.out_proj.lora_A.weight": torch.randn(4, 96, generator=g),
                "diffusion_model.blocks.0.attn.out_proj.lora_B.weight": torch.randn(96, 4, generator=g)}, str(lora))
-    return {"dir": d, "tiny": tiny, "nvfp4": nv, "inputs": inputs, "text": text, "lora": lora}
+    return dict(files, inputs=inputs, text=text, lora=lora)
 
 
 
