@@ -16,9 +16,7 @@ the plan picks). A backend that is missing or fails is recorded with its reason.
   H3's canonical segments, as a trained video DiT's attention looks), at the canonical S only.
 * candidates that are not registered backends (rows ``variant_*``): FA3 fp8 with ONE per-tensor scale for each
   of q, k, v and no smoothing (the interface's plain use), and SageAttention2's library wrapper with per-thread
-  q/k quantization. They show what the registered choices gain. ``variant_sage2_q_from_norm_rope``: norm+RoPE
-  and Sage2 as one unit, with q written as the int8 operand by the norm+RoPE kernel (``--qk-operands producer``)
-  against norm+RoPE then the library's quantization; the outputs must be the same bytes.
+  q/k quantization. They show what the registered choices gain.
 * copies: CUDA kernels with "copy" in their name during one call (torch profiler) and the peak-memory
   delta of one call, in q-thirds (a copy of q, k and v would add 3).
 * norm_rope: GB/s = bytes the kernel must move (read + write the q and k thirds, read cos and sin) / time,
@@ -171,47 +169,6 @@ def bench_attention(args, dev, qkv, ref, rows, before, structured=None) -> dict:
         torch.cuda.empty_cache()
     return out
 
-
-
-def bench_qk_producer(args, dev) -> dict:
-    """Row ``variant_sage2_q_from_norm_rope``: norm+RoPE then Sage2 (fused V) as the library path runs them, against
-    the producer path (``qk_operands`` producer: norm+RoPE writes q as Sage2's int8 operand), on the same
-    un-normed buffer; both timed as one unit (the producer has no separate attention call), outputs compared
-    byte for byte. Empty where the producer cannot run here."""
-    s, h, d, r = args.seq, args.heads, args.head_dim, args.rope_dim
-    v_handling = S.v_handling_status("fused", dev, d)[0]
-    ok, why = S.qk_operands_status(dev, d, v_handling)
-    if ok != "producer":
-        return {"variant_sage2_q_from_norm_rope": {"error": why}}
-    g = torch.Generator(device=dev).manual_seed(9)
-    raw = (torch.randn(s, 3 * h * d, generator=g, device=dev) * 3 + 0.5).to(torch.bfloat16)
-    qw = torch.rand(d, generator=g, device=dev) + 0.5
-    kw = torch.rand(d, generator=g, device=dev) + 0.5
-    ang = torch.rand(s, r // 2, generator=g, device=dev) * 50
-    cos, sin = torch.cat([ang, ang], 1).cos().contiguous(), torch.cat([ang, ang], 1).sin().contiguous()
-    lib_fn = A.bind_attention("sage2", d, device=dev, v_handling=v_handling)
-    prod_fn = A.bind_attention("sage2", d, device=dev, v_handling=v_handling, qk_operands="producer")
-    work = raw.clone()
-
-    def library():
-        work.copy_(raw)
-        E.norm_rope_(work, qw, kw, cos, sin, 1e-5, r)
-        return lib_fn(work)
-
-    def producer():
-        work.copy_(raw)
-        return prod_fn.norm_rope_attention(work, qw, kw, cos, sin, 1e-5, r)
-
-    same = bool(torch.equal(library(), producer()))
-    copy = time_ms(lambda: work.copy_(raw), args.iters, args.warmup)["median"]
-    t_lib = time_ms(library, args.iters, args.warmup)["median"] - copy
-    t_prod = time_ms(producer, args.iters, args.warmup)["median"] - copy
-    flops = A.attention_flops(s, h, d)
-    return {"variant_sage2_q_from_norm_rope": {
-        "ms_norm_rope_plus_attention": round(t_prod, 3), "library_ms_norm_rope_plus_attention": round(t_lib, 3),
-        "tflops": round(flops / (t_prod * 1e-3) / 1e12, 1), "output_bytes_equal_library": same,
-        "what": "norm+RoPE and attention as one unit (the buffer restore copy timed apart and subtracted); the "
-                "accuracy is the sage2 row's where the outputs are byte-equal"}}
 
 
 def bench_norm_rope(args, dev) -> dict:
@@ -368,13 +325,6 @@ def main(argv=None) -> int:
         structured = None
         del qkv, before, ref
         torch.cuda.empty_cache()
-        if "sage2" in args.backends:
-            try:
-                result["backends"].update(bench_qk_producer(args, dev))
-            except Exception as e:
-                result["backends"]["variant_sage2_q_from_norm_rope"] = {"error": err_text(e)}
-            print(f"q from norm+RoPE: {result['backends']['variant_sage2_q_from_norm_rope']}", flush=True)
-            torch.cuda.empty_cache()
     if sparse:
         result["backends"].update(bench_sparse(dev, h, d, args.sparse_taus, args.sparse_extra_tokens, args.iters,
                                                args.warmup, args.ref_rows, time_ms))

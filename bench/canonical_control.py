@@ -80,7 +80,18 @@ def _run(rt, text, vshape, ashape, steps, runs, warmup, tower=None, hint=None):
     return {"median_step_seconds": statistics.median(flat), "median_sampling_seconds": rep["median_sampling_seconds"],
             "per_step_seconds": rep["per_step_seconds"], "peak_allocated_bytes": rep["peak_allocated_bytes"],
             "latent_checksums": rep["latent_checksums"], "fc2_dispatch": rep["fc2_dispatch"],
-            "control": rep.get("control")}, r
+            "control": rep.get("control"), "memory": _memory(rep.get("memory"))}, r
+
+
+def _memory(m):
+    """The report's memory block, less its per-block lists: the budget and what the plan made of it."""
+    if not m:
+        return m
+    keep = ("budget", "vram_budget_bytes", "ffn_chunk_rows", "control_tower_streams", "peak_allocated_bytes")
+    out = {k: m[k] for k in keep if k in m}
+    out["streamed_block_count"] = len(m.get("streamed_blocks") or [])
+    out["estimate_total_bytes"] = (m.get("estimate") or {}).get("total_bytes")
+    return out
 
 
 def main(argv=None) -> int:

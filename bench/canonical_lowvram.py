@@ -79,16 +79,15 @@ class _PhaseOps:
 
     def __getattr__(self, name):
         attr = getattr(self.inner, name)
-        if name not in ("qkv", "attend", "attention", "out_proj", "fc1", "fc2", "gate_add_", "norm_rope_"):
+        if name not in ("qkv", "attention", "out_proj", "fc1", "fc2", "gate_add_", "norm_rope_"):
             return attr
-        key = "attention" if name == "attend" else name  # attend: norm+RoPE then attention, one phase here
 
         def call(*a, **kw):
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             out = attr(*a, **kw)
             torch.cuda.synchronize()
-            self.peaks[key] = max(self.peaks.get(key, 0), torch.cuda.max_memory_allocated())
+            self.peaks[name] = max(self.peaks.get(name, 0), torch.cuda.max_memory_allocated())
             return out
 
         return call

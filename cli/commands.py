@@ -38,8 +38,7 @@ def segments_line(layout) -> str:
 def _generate_options(a) -> dict:
     """generate's option flags as RuntimeOptions overrides (None: the H3_* environment or the default)."""
     return dict(device=a.device, dtype=a.dtype, attention=a.attention, gemm=a.gemm, act_format=a.act_format,
-                act_scale=a.act_scale, precision=a.precision, qk_operands=a.qk_operands, fc2=a.fc2,
-                quantize=False if a.dense else None,
+                act_scale=a.act_scale, precision=a.precision, fc2=a.fc2, quantize=False if a.dense else None,
                 sparse_tau=a.sparse_tau, sparse_start=a.sparse_start, sparse_extra_tokens=a.sparse_extra_tokens,
                 sparse_min_tokens=a.sparse_min_tokens, first_block_cache=a.first_block_cache,
                 vram_budget=a.vram_budget)

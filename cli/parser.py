@@ -109,9 +109,6 @@ def _backend_args(g) -> None:
     _runtime_arg(g, "--precision", "precision", "%(choices)s (default: %(runtime_default)s, or H3_PRECISION): fast "
                  "= Hopper's fast fp8 accumulation and the hardware-exp2 silu; exact = fp32 accumulation, the "
                  "bit-exact silu", "MODE")
-    _runtime_arg(g, "--qk-operands", "qk_operands", "who writes SageAttention2's int8 q on sm_90: %(choices)s "
-                 "(default: %(runtime_default)s, or H3_QK_OPERANDS): producer = the norm+RoPE kernel (one pass "
-                 "less, the library's bytes)", "WHO")
     _runtime_arg(g, "--fc2", "fc2", "guarded cuBLASLt FC2 on CUDA: %(choices)s (default: %(runtime_default)s, or "
                  "H3_NVFP4_FC2_LT_SPLITK1 / H3_NVFP4_FC2_LT_STRICT): on falls back on a refusal, strict makes it an "
                  "error", "MODE")

@@ -529,8 +529,13 @@ class MemoryPlan:
                 **({"note": self.note} if self.note else {}), **({"emulated": True} if self.emulated else {})}
 
 
-def _resolve_budget(requested: int | None, dev: DeviceMemory, held_bytes: int) -> tuple[int, str]:
+def _resolve_budget(requested: int | None, dev: DeviceMemory, held_bytes: int, idle_bytes: int = 0
+                    ) -> tuple[int, str]:
     if requested is not None:
+        if idle_bytes:  # a loaded tower this run leaves out still holds them inside the budget
+            left = max(0, requested - idle_bytes)
+            return left, (f"budget {gb(requested)} (vram_budget) less the {gb(idle_bytes)} a loaded Fun ControlNet "
+                          f"tower this run does not use holds on the device = {gb(left)}")
         return requested, f"budget {gb(requested)} (vram_budget)"
     avail = dev.free_bytes + held_bytes
     margin = AUTO_MARGIN_BYTES + int(AUTO_MARGIN_FRACTION * dev.total_bytes)
@@ -558,10 +563,13 @@ def smallest_budget(mm: ModelMemory, wl: Workload, device_kind: str = "cuda") ->
 
 
 def decide(mm: ModelMemory, wl: Workload, dev: DeviceMemory, requested: int | None,
-           host_free: int | None = None, held_bytes: int = 0, host_held_bytes: int = 0) -> MemoryPlan:
+           host_free: int | None = None, held_bytes: int = 0, host_held_bytes: int = 0,
+           idle_bytes: int = 0) -> MemoryPlan:
     """The memory plan (module docstring). requested: the budget in bytes (None = auto); host_free: available
     host memory (default: measured); held_bytes: device bytes this model already holds (re-planning a loaded
-    model: auto counts them as available); host_held_bytes: host bytes its streamed blocks already hold.
+    model: auto counts them as available); host_held_bytes: host bytes its streamed blocks already hold;
+    idle_bytes: device bytes held by what this model loaded but the run leaves out (a Fun ControlNet tower of an
+    earlier run): they come off a given budget (auto's free memory already excludes them).
     Raises BudgetError when the budget cannot run the job or the host cannot hold the streamed weights."""
     n = mm.cfg.num_layers
     emulated = dev.kind == "cpu"
@@ -575,7 +583,7 @@ def decide(mm: ModelMemory, wl: Workload, dev: DeviceMemory, requested: int | No
         p = _plan(mm, wl, dev, None, "auto on the CPU", n, None, None, False)
         p.note = "cpu: device memory is host memory, nothing streams (an explicit budget emulates streaming)"
         return p
-    budget, text = _resolve_budget(requested, dev, held_bytes)
+    budget, text = _resolve_budget(requested, dev, held_bytes, idle_bytes)
     full = estimate(mm, wl, n, SLOTS, None, dev.kind)
     if full.total <= budget:
         return _plan(mm, wl, dev, budget, text, n, None, None, False)
@@ -599,7 +607,8 @@ def decide(mm: ModelMemory, wl: Workload, dev: DeviceMemory, requested: int | No
         f"{text}: too small for {wl.describe()}: even with every block streamed and the smallest activation "
         f"chunking the run needs {gb(smallest)} ({estimate(mm, wl, 0, SLOTS, chunks[-1], dev.kind, ts).describe()}); "
         f"{what} must be at least {gb(smallest)}: set --vram-budget / H3_VRAM_BUDGET to {budget_arg(smallest)} or "
-        "more, or lower the width, height or frames (nothing was loaded)")
+        f"more{', free the unused tower' if idle_bytes else ''}, or lower the width, height or frames (nothing was "
+        "loaded)")
 
 
 def budget_arg(nbytes: int) -> str:

@@ -245,7 +245,8 @@ class H3Runtime:
         sampling starts, so ``auto`` sees the memory ComfyUI's text encoder and VAE hold then), move blocks
         between the device and host memory if the decision changed, and return the ``memory`` choice.
         control: the run's loaded Fun ControlNet tower (``FunControl``) or None: its device bytes are already
-        held (``auto`` counts them as available again) and are planned like the load's. Raises BudgetError
+        held (``auto`` counts them as available again) and are planned like the load's. A tower loaded onto this
+        plan that the run leaves out keeps its device bytes: they come off a given budget. Raises BudgetError
         (nothing moved) when the budget cannot run this request."""
         plan, st = self.plan, self.streamer
         if plan.memory is None or st is None:
@@ -258,8 +259,9 @@ class H3Runtime:
         tower_st = getattr(control, "streamer", None)
         held = mm.other_bytes + len(old.resident) * mm.block_bytes + st.device_bytes + (
             control.device_bytes(self.device) if hasattr(control, "device_bytes") else 0)
+        idle = sum(t.device_bytes(self.device) for t in list(getattr(plan, "towers", ())) if t is not control)
         new = decide(mm, wl, dev, parse_vram_budget(plan.vram_budget), held_bytes=held,
-                     host_held_bytes=st.host_bytes + (0 if tower_st is None else tower_st.host_bytes))
+                     host_held_bytes=st.host_bytes + (0 if tower_st is None else tower_st.host_bytes), idle_bytes=idle)
         if tower_st is not None and new.tower_streams:  # the tower's blocks move too: device -> host first,
             tower_st.restream(range(len(control.places)))  # so that the base's moves find the room
         st.restream(new.streamed)
@@ -310,7 +312,7 @@ def bind_attention(plan: LoadPlan) -> tuple[AttentionFn, SparseStepAttention | N
     it or None). attention=sparse: the kernel plus the dense function for its dense steps."""
     cfg = plan.config
     dense = registry.bind("attention", plan.dense_attention, head_dim=cfg.head_dim, device=plan.device,
-                          v_handling=plan.v_handling, qk_operands=plan.qk_operands)
+                          v_handling=plan.v_handling)
     if plan.attention != "sparse":
         return dense, None
     sparse = registry.bind("attention", "sparse", head_dim=cfg.head_dim, device=plan.device, dtype=plan.dtype,

@@ -27,7 +27,6 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "act_format": ("auto", "nvfp4", "fp8"),
     "act_scale": ("dynamic", "calibrated"),
     "precision": ("fast", "exact"),
-    "qk_operands": ("library", "producer"),
 }
 
 # ComfyUI core's sparse attention defaults (its H3 node's widgets): the RuntimeOptions defaults, the CLI's and
@@ -49,7 +48,6 @@ _ENV = {
     "act_format": ("H3_ACT_FORMAT", str),
     "act_scale": ("H3_NVFP4_ACT_SCALE", str),
     "precision": ("H3_PRECISION", str),
-    "qk_operands": ("H3_QK_OPERANDS", str),
     "quantize": ("H3_NVFP4", "bool"),
     "fc2_lt": ("H3_NVFP4_FC2_LT_SPLITK1", "bool"),
     "fc2_lt_strict": ("H3_NVFP4_FC2_LT_STRICT", "bool"),
@@ -134,9 +132,6 @@ class RuntimeOptions:
                 input_scale where present)
     precision:  fast (W4A8 GEMMs with Hopper's fast fp8 accumulation, SwiGLU producer with the hardware exp2)
                 | exact (fp32 accumulation, the bit-exact silu). Lossy trade, measured in bench/NOTES.md.
-    qk_operands: who writes Sage2's int8 q on sm_90 (with fused V): library (its own quantization stage, the
-                default) | producer (the norm+RoPE kernel writes it, one pass less; the library's bytes by
-                construction, opt-in until its GPU test has run on a GPU: runtime.ops.sage)
     fc2_lt / fc2_lt_strict: the guarded cuBLASLt FC2 path (only where FC2 takes NVFP4 bytes); strict
                 raises instead of falling back
     adaln_cache: precompute modulation rows per run and keep full-form AdaLN weights in host memory (CUDA)
@@ -155,7 +150,6 @@ class RuntimeOptions:
     act_format: str = "auto"
     act_scale: str = "dynamic"
     precision: str = "fast"
-    qk_operands: str = "library"
     fc2_lt: bool = True
     fc2_lt_strict: bool = False
     adaln_cache: bool = True

@@ -22,7 +22,9 @@ callables once (``ops.registry.bind``); nothing re-derives a choice per layer or
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
+
 import torch
 
 from .errors import CheckpointError
@@ -62,6 +64,9 @@ class LoadPlan:
     tiles: ProducerTiles = BUILTIN_TILES  # the producers' tile table (choice "producer_tiles" when one is given)
     scratch: object | None = None  # the GEMM scratch every block linear of this load shares (gemm_backends.Scratch;
     #                                set by the load, reused by a control tower loaded onto this plan)
+    towers: weakref.WeakSet = field(default_factory=weakref.WeakSet, compare=False, repr=False)
+    # ^ the Fun ControlNet towers loaded onto this plan and still alive (io.control.load_control): a run that
+    #   leaves one out plans its budget around the device bytes it holds (H3Runtime.fit_memory)
 
     @property
     def quantize(self) -> bool:
@@ -87,11 +92,6 @@ class LoadPlan:
     @property
     def v_handling(self) -> str:
         return self.choices["v_handling"].choice
-
-    @property
-    def qk_operands(self) -> str:
-        """Who writes Sage2's int8 q: "producer" (the norm+RoPE kernel), "library", or "none" (not Sage2)."""
-        return self.choices["qk_operands"].choice
 
     @property
     def fc2_lt(self) -> bool:
@@ -261,16 +261,6 @@ def _precision(options: RuntimeOptions, device: torch.device, act_format: str) -
     return Choice(options.precision, what + ("; CPU: the exact references either way" if device.type != "cuda" else ""))
 
 
-def _qk_operands(options: RuntimeOptions, device: torch.device, attention: str, cfg: H3Config,
-                 v_handling: str) -> Choice:
-    """Who writes Sage2's int8 q: the option where it applies (producer needs fused V and the kernels on CUDA:
-    ``sage.qk_operands_status`` says why not), "none" for other attention backends."""
-    if attention == "sage2" and options.qk_operands == "library":
-        return Choice("library", "library (the default): SageAttention2's own stage quantizes q and k; "
-                                 "qk_operands=producer (H3_QK_OPERANDS) moves q's into the norm+RoPE kernel")
-    return Choice(*resolve("qk_operands", device, attention, head_dim=cfg.head_dim, v_handling=v_handling))
-
-
 def _adaln(options: RuntimeOptions, device: torch.device, cfg: H3Config) -> Choice:
     if cfg.curve_form:
         return Choice("resident", "curve form: the AdaLN tables are small")
@@ -317,7 +307,6 @@ def make_plan(path, options: RuntimeOptions, tiny_seed: int = 0) -> LoadPlan:
     if name == "sparse":
         name = _sparse(options, device, cfg, ch)
     ch["v_handling"] = Choice(*resolve("v_handling", device, name, head_dim=cfg.head_dim))
-    ch["qk_operands"] = _qk_operands(options, device, name, cfg, ch["v_handling"].choice)
     ch["precision"] = _precision(options, device, ch["act_format"].choice)
     ch["act_scale"] = Choice(options.act_scale, "NVFP4 activations' global scale: " + (
         "amax per call" if options.act_scale == "dynamic" else "the checkpoint's input_scale where present")

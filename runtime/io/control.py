@@ -409,6 +409,9 @@ def load_control(path, plan, base_config=None) -> FunControl:
         raise CheckpointError(f"{cf.name}: no tensor for {left[:5]}")
     streamer.finish()
     tower.streamer = streamer
+    towers = getattr(plan, "towers", None)
+    if towers is not None:
+        towers.add(tower)  # a later run without it plans around the device bytes it holds (fit_memory)
     return tower.eval().requires_grad_(False)
 
 

@@ -79,9 +79,6 @@ class LoraOps(OpsWrapper):
     def attention(self, qkv):
         return self.inner.attention(qkv)
 
-    def attend(self, blk, qkv, cos, sin):
-        return self.inner.attend(blk, qkv, cos, sin)
-
     def out_proj(self, i, blk, o):
         y = self.inner.out_proj(i, blk, o)
         side = self.side(i, "attn.out_proj")

@@ -98,7 +98,8 @@ class DiTBlock(nn.Module):
         (runtime.ops.reference.ReferenceOps, or runtime.ops.block_ops for the quantized ones); index: this block's number."""
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mod.chunk(6, dim=-1)
         qkv = ops.qkv(index, self, x, shift_msa, scale_msa, segments)
-        o = ops.attend(self, qkv, cos, sin)  # norm+RoPE, then attention
+        qkv = ops.norm_rope_(self, qkv, cos, sin)
+        o = ops.attention(qkv)
         del qkv
         ops.gate_add_(x, ops.out_proj(index, self, o), gate_msa, segments)
         del o

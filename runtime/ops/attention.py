@@ -327,21 +327,17 @@ AttentionFn = Callable[[torch.Tensor], torch.Tensor]
 
 
 def bind_attention(backend: str, head_dim: int, *, device: "torch.device | str | None" = None,
-                   v_handling: str = "none", scale: Optional[float] = None, qk_operands: str = "library"
-                   ) -> AttentionFn:
+                   v_handling: str = "none", scale: Optional[float] = None) -> AttentionFn:
     """Resolve ``backend`` once (module, kernel, V handling, softmax scale) into ``fn(qkv [S, 3*H*D]) -> [S, H*D]``
     in qkv's dtype, reading q, k and v as strided views of the buffer (sage1 alone gets a private copy of K).
     H is the buffer's width over ``3*head_dim``, so one bound function serves every head count (sequence
     parallelism hands it a rank's heads). ``device``: where Sage2 runs (its kernel is per architecture; default
     the current CUDA device). ``v_handling``: "fused" (Sage2's sm_90 kernel with V's fp8 operands built from the
-    strided view), else the library's own wrapper. ``qk_operands``: "producer" (with fused V) also gives the
-    function a ``norm_rope_attention`` attribute, ``fn(qkv, q_weight, k_weight, cos, sin, eps, rope_dim)`` on the
-    projection's output, which the block ops call in place of norm+RoPE then attention (``sage.bind_sage2_normed``).
-    Nothing is re-validated per call: the load plan checked the backend, the dtype and the head size."""
+    strided view), else the library's own wrapper. Nothing is re-validated per call: the load plan checked the
+    backend, the dtype and the head size."""
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r}: expected one of {', '.join(BACKENDS)}")
     sm_scale = head_dim ** -0.5 if scale is None else float(scale)
-    normed = None  # Sage2's entry on the projection's output (qk_operands producer)
 
     def views(qkv):
         t = qkv.unflatten(1, (3, -1, head_dim))  # [S, 3, H, D] view
@@ -371,12 +367,4 @@ def bind_attention(backend: str, head_dim: int, *, device: "torch.device | str |
     else:
         dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
         fn = sage.bind_sage2(dev, sm_scale, "fused" if v_handling == "fused" else "library")
-        if v_handling == "fused" and qk_operands == "producer":
-            normed = sage.bind_sage2_normed(dev, sm_scale, head_dim)
-
-    def bound(qkv):
-        return fn(*views(qkv)).reshape(qkv.shape[0], -1)
-
-    if normed is not None:
-        bound.norm_rope_attention = normed
-    return bound
+    return lambda qkv: fn(*views(qkv)).reshape(qkv.shape[0], -1)

@@ -4,10 +4,8 @@
 updated in place, DESIGN.md section 3):
 
   a+b  qkv(i, blk, x, shift, scale, segs)   RMSNorm(x) -> per-segment modulate -> [quantize] -> QKV GEMM
-  c+d  attend(blk, qkv, cos, sin)          norm_rope_(blk, qkv, cos, sin): per-head RMSNorm(q, k) + split-half
-                                            RoPE, in place; then attention(qkv): attention on strided views of
-                                            the qkv buffer -> [S, H*D] (one call where the bound attention
-                                            takes q from norm+RoPE: ``_QuantizedOps.attend``)
+  c    norm_rope_(blk, qkv, cos, sin)       per-head RMSNorm(q, k) + split-half RoPE, in place
+  d    attention(qkv)                       attention on strided views of the qkv buffer -> [S, H*D]
   e    out_proj(i, blk, o)                  [quantize] -> out_proj GEMM
   f    gate_add_(x, y, gate, segs)          x += gate * y, per segment
   g+h  fc1(i, blk, x, shift, scale, segs)   RMSNorm -> modulate -> [quantize] -> FC1 GEMM -> [gate | up]
@@ -63,7 +61,6 @@ class _QuantizedOps:
     def __init__(self, cfg, attention: Callable[[torch.Tensor], torch.Tensor]):
         self.cfg = cfg
         self._attention = attention
-        self._normed = getattr(attention, "norm_rope_attention", None)
         self.fc2_direct_calls = 0  # FC2 GEMMs run without the dispatcher
 
     def norm_rope_(self, blk, qkv, cos, sin):
@@ -79,22 +76,11 @@ class _QuantizedOps:
         """A copy of these ops whose attention is ``fn`` (qkv [S, 3*H*D] -> [S, H*D]); everything else shared."""
         out = copy.copy(self)
         out._attention = fn
-        out._normed = getattr(fn, "norm_rope_attention", None)
         return out
 
     def attention(self, qkv):
         with torch.profiler.record_function("h3.attention"):  # a named range for the profiler's copy count
             return self._attention(qkv)
-
-    def attend(self, blk, qkv, cos, sin):
-        """norm_rope_ then attention -> [S, H*D]. Where the bound attention takes its operands from norm+RoPE
-        (its ``norm_rope_attention``: Sage2's sm_90 kernel with q produced there, ``qk_operands`` producer), the
-        two run as that one call, which leaves the q third of ``qkv`` un-normed (nothing reads it after)."""
-        if self._normed is not None and _on_cuda(qkv):
-            c = self.cfg
-            with torch.profiler.record_function("h3.attention"):
-                return self._normed(qkv, blk.attn.q_norm.weight, blk.attn.k_norm.weight, cos, sin, c.eps, c.rope_dim)
-        return self.attention(self.norm_rope_(blk, qkv, cos, sin))
 
     def gate_add_(self, x, y, gate, segs):
         if _on_cuda(x):

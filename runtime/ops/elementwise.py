@@ -36,7 +36,7 @@ from .triton import MISSING as TRITON_MISSING, interpreting
 if TRITON_MISSING is None:  # the kernels, loaded once; without triton only the references run
     from .triton import elementwise_kernels
 
-__all__ = ["norm_rope_", "norm_rope_q8_", "gate_add_", "segment_table", "sage_q_scale_shape"]
+__all__ = ["norm_rope_", "gate_add_", "segment_table"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -90,71 +90,19 @@ def norm_rope_(
     if s == 0:
         return qkv
     _check_kernel_device(qkv, "norm_rope_")
-    _norm_rope_launch(qkv, q_weight, k_weight, cos, sin, eps, rope_dim, (s, h, d), block_s, heads_per_program,
-                      num_warps)
-    return qkv
-
-
-def _norm_rope_launch(qkv, q_weight, k_weight, cos, sin, eps, rope_dim, shd, block_s, heads_per_program, num_warps,
-                      q8=None, qs=None) -> None:
-    """One norm_rope_kernel launch; with ``q8`` / ``qs`` its q heads go there (``norm_rope_q8_``)."""
-    s, h, d = shd
+    kernel = elementwise_kernels.norm_rope_kernel
     half = rope_dim // 2
     pas = d - rope_dim
     grid = (-(-2 * h // heads_per_program), -(-s // block_s))
-    elementwise_kernels.norm_rope_kernel[grid](
-        qkv, q_weight, k_weight, cos, sin, qkv if q8 is None else q8, qkv if qs is None else qs,
-        s, qkv.stride(0), cos.stride(0), sin.stride(0), float(eps), 0 if qs is None else qs.shape[2],
+    kernel[grid](
+        qkv, q_weight, k_weight, cos, sin,
+        s, qkv.stride(0), cos.stride(0), sin.stride(0), float(eps),
         H=h, D=d, HALF=half, HALF_P=_next_pow2(half), PASS=pas, PASS_P=_next_pow2(pas),
         HEADS_PER_PROG=heads_per_program, BLOCK_S=block_s, OUT_KIND=_OUT_KIND[qkv.dtype],
-        W_KIND=_OUT_KIND[q_weight.dtype], Q8=q8 is not None, HW=q8 is not None and qkv.is_cuda and not interpreting(),
+        W_KIND=_OUT_KIND[q_weight.dtype],
         num_warps=num_warps,
     )
-
-
-SAGE_WARP_ROWS = 16  # SageAttention2's per-warp q block (WARPQ) on sm_90
-SAGE_BLOCK_Q = 64  # its q tile (BLKQ): the scale table has roundup(S, 64) / 16 entries a head
-
-
-def sage_q_scale_shape(s: int, h: int) -> tuple[int, int, int]:
-    """The per-warp q scale table SageAttention2's sm_90 kernel reads: ``[1, H, roundup(S, 64) / 16]``."""
-    return 1, h, -(-s // SAGE_BLOCK_Q) * (SAGE_BLOCK_Q // SAGE_WARP_ROWS)
-
-
-def norm_rope_q8_(
-    qkv: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    eps: float = 1e-5,
-    rope_dim: int = 96,
-    *,
-    heads_per_program: int = 2,
-    num_warps: int = 2,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``norm_rope_`` whose q comes out as SageAttention2's sm_90 per-warp int8 operand instead of going back
-    into ``qkv`` -> (q8 ``int8 [1, S, H, D]``, q_scale ``fp32`` ``sage_q_scale_shape(S, H)``).
-
-    k is normed and rotated in place exactly as ``norm_rope_`` does it; the q third of ``qkv`` is left as it was
-    (the projection's q: not normed). q8 and q_scale are, per head and block of 16 rows, what SageAttention2's
-    ``per_warp_int8`` (BLKQ 64, WARPQ 16) writes from the q ``norm_rope_`` would have stored: amax = max(1e-7,
-    max |q|), scale = amax * fp32(1/127), q8 = rni_sat(q * (127 * rcp(amax))), rows past S zero. On CUDA ``rcp``
-    is the hardware's approximate reciprocal, as in the library's fast-math kernel (the GPU tests compare the
-    bytes with the library's); the interpreter and ``reference.norm_rope_q8_reference`` take the correctly
-    rounded 1 / amax. Entries of q_scale past the last 16-row block are 0 (the library leaves its own there unset or
-    at 1e-7 / 127; the kernel's rows there are past S and never stored). qkv must be bf16 or fp16."""
-    s, h, d = check_norm_rope(qkv, q_weight, k_weight, cos, sin, rope_dim)
-    if qkv.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"norm_rope_q8_: SageAttention2's int8 q comes from bf16 or fp16 values; found {qkv.dtype}")
-    q8 = torch.empty(1, s, h, d, dtype=torch.int8, device=qkv.device)
-    qs = torch.zeros(sage_q_scale_shape(s, h), dtype=torch.float32, device=qkv.device)
-    if s == 0:
-        return q8, qs
-    _check_kernel_device(qkv, "norm_rope_q8_")
-    _norm_rope_launch(qkv, q_weight, k_weight, cos, sin, eps, rope_dim, (s, h, d), SAGE_WARP_ROWS, heads_per_program,
-                      num_warps, q8, qs)
-    return q8, qs
+    return qkv
 
 
 _SEG_CACHE: dict = {}

@@ -124,10 +124,6 @@ class ReferenceOps:
             return exact_attention(*qkv)
         return self._attention(qkv)
 
-    def attend(self, blk, qkv, cos, sin):
-        """norm_rope_ then attention: the qkv projection's output -> [S, H*D]."""
-        return self.attention(self.norm_rope_(blk, qkv, cos, sin))
-
     def out_proj(self, i, blk, o):
         return blk.attn.out_proj(o)
 
@@ -177,41 +173,6 @@ def norm_rope_qkv_reference(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight:
     s, h, d = check_norm_rope(qkv, q_weight, k_weight, cos, sin, rope_dim)
     q, k, v = qk_norm_rope(qkv, q_weight, k_weight, cos, sin, h, d, eps)
     return torch.cat([t.reshape(s, h * d) for t in (q, k, v)], dim=1)
-
-
-def sage_q_int8_reference(q: torch.Tensor, warp_rows: int = 16, block_q: int = 64
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """SageAttention2's per-warp int8 q operand (``per_warp_int8``, WARPQ ``warp_rows``, BLKQ ``block_q``) of q
-    ``[1, S, H, D]`` (bf16 / fp16 values) -> (codes ``int8 [1, S, H, D]``, scales ``fp32 [1, H, roundup(S, block_q)
-    / warp_rows]``): per head and block of ``warp_rows`` rows, amax = max(1e-7, max |q|), scale = amax *
-    fp32(1/127), codes = round-half-even(q * (127 * (1 / amax))) saturated to int8 (1 / amax correctly rounded
-    here; the library's fast-math kernel and the GPU producer use the hardware's approximate reciprocal).
-    Scale entries past the last block are 0. The definition of ``elementwise.norm_rope_q8_``'s q."""
-    _, s, h, d = q.shape
-    nb = -(-s // warp_rows)
-    x = torch.zeros(nb * warp_rows, h, d, dtype=torch.float32, device=q.device)
-    x[:s] = q[0].float()
-    blocks = x.view(nb, warp_rows, h, d)
-    amax = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-7)  # [nb, H]
-    inv = (1.0 / amax) * 127.0
-    codes = torch.round(blocks * inv[:, None, :, None]).clamp(-128, 127).to(torch.int8).view(-1, h, d)[:s]
-    scales = torch.zeros(1, h, -(-s // block_q) * (block_q // warp_rows), dtype=torch.float32, device=q.device)
-    scales[0, :, :nb] = (amax * torch.tensor(1.0 / 127.0, dtype=torch.float32)).t()
-    return codes.unsqueeze(0), scales
-
-
-def norm_rope_q8_reference(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
-                           sin: torch.Tensor, eps: float = 1e-5, rope_dim: int = 96
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Definition of ``elementwise.norm_rope_q8_``: (the new qkv: its k third normed and rotated as
-    :func:`norm_rope_qkv_reference`'s, its q and v thirds ``qkv``'s; q8; q_scale), the last two
-    :func:`sage_q_int8_reference` of the q that :func:`norm_rope_qkv_reference` gives. ``qkv`` is not changed."""
-    s, h, d = check_norm_rope(qkv, q_weight, k_weight, cos, sin, rope_dim)
-    normed = norm_rope_qkv_reference(qkv, q_weight, k_weight, cos, sin, eps, rope_dim)
-    out = qkv.clone()
-    out[:, h * d:2 * h * d] = normed[:, h * d:2 * h * d]
-    q8, qs = sage_q_int8_reference(normed[:, :h * d].reshape(1, s, h, d))
-    return out, q8, qs
 
 
 def gate_add_reference(x: torch.Tensor, y: torch.Tensor, gate_rows: torch.Tensor,

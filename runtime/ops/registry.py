@@ -45,9 +45,8 @@ def _attention_check(name: str):
 
 
 def _attention_bind(name: str):
-    def bind(*, head_dim: int, device=None, v_handling: str = "none", qk_operands: str = "library", **_):
-        return attention.bind_attention(name, head_dim, device=device, v_handling=v_handling,
-                                        qk_operands=qk_operands)
+    def bind(*, head_dim: int, device=None, v_handling: str = "none", **_):
+        return attention.bind_attention(name, head_dim, device=device, v_handling=v_handling)
     return bind
 
 
@@ -104,16 +103,7 @@ def _choose_v_handling(device, attention_backend, head_dim=128, **_):
     return sage.v_handling_status("fused", device, head_dim)
 
 
-def _choose_qk_operands(device, attention_backend, head_dim=128, v_handling="none", **_):
-    """Who writes Sage2's int8 q: the norm+RoPE producer where V is fused and the kernels run, else the library's
-    own stage; nothing to choose for other attention backends."""
-    if attention_backend != "sage2":
-        return "none", f"no effect: attention runs {attention_backend} (it acts on Sage2's sm_90 kernel)"
-    return sage.qk_operands_status(device, head_dim, v_handling)
-
-
-_CHOOSERS = {"attention": _choose_attention, "gemm": _choose_gemm, "v_handling": _choose_v_handling,
-             "qk_operands": _choose_qk_operands}
+_CHOOSERS = {"attention": _choose_attention, "gemm": _choose_gemm, "v_handling": _choose_v_handling}
 
 
 def resolve(op: str, device: torch.device | str, requested: str = "auto", **kw) -> tuple[str, str]:
@@ -125,7 +115,7 @@ def resolve(op: str, device: torch.device | str, requested: str = "auto", **kw) 
 
 def bind(op: str, name: str, **kw) -> Callable:
     """The callable of backend ``name`` of ``op`` (a name the plan resolved; module docstring). attention:
-    ``head_dim``, ``device``, ``v_handling``, ``qk_operands`` (sparse: also ``dtype``, ``heads``, ``dense``, ``dense_name``,
+    ``head_dim``, ``device``, ``v_handling`` (sparse: also ``dtype``, ``heads``, ``dense``, ``dense_name``,
     ``settings``); gemm: ``fp8_tiles``."""
     b = _BY_NAME.get((op, name))
     if b is None:

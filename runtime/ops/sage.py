@@ -19,14 +19,6 @@ amax / 448 and the reciprocal correctly rounded, the hardware e4m3 conversion) r
 fast-math division, so the codes may differ from the library's by one step in rare ties; the GPU tests bound
 the difference.
 
-q and k on sm_90 (the plan's ``qk_operands``, :func:`qk_operands_status`). ``library``: the wrapper's stages quantize
-the normed q and k (``per_warp_int8``: q per 16 rows, k minus its mean per 128 rows). ``producer`` (with fused V;
-CUDA with Triton): the norm+RoPE kernel writes q as that int8 operand directly (``elementwise.norm_rope_q8_``)
-instead of writing bf16 q for the library to read back and quantize; k still goes through the library's own mean
-and quantization. The q bytes are the library's: the same amax, ``amax * fp32(1/127)`` and the hardware's
-approximate reciprocal that its fast-math kernel runs (the GPU tests compare them), so the attention output, and
-the latents, are the same bytes either way. ``bind_sage2_normed`` binds it.
-
 SageAttention 1 and 2 are both the Python package ``sageattention``; they cannot share a site-packages.
 Install SA2 normally; load SA1 from its wheel or an unpacked folder with :func:`use_sage1_from` (it is
 imported under a private module name).
@@ -47,7 +39,6 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import elementwise
 from .fp8_producers import sage_v_fp8
 
 SAGE2_SM90_FN = "sageattn_qk_int8_pv_fp8_cuda_sm90"
@@ -215,30 +206,6 @@ def _missing_stages(mod) -> list[str]:
     return [n for n in ("per_warp_int8_cuda", "sm90_compile") if not hasattr(getattr(mod, "core", None), n)]
 
 
-QK_OPERANDS = ("library", "producer")
-_K_QUANT = "quant_per_block_int8_fuse_sub_mean_cuda"  # the library's k stage (sageattention.quant._fused)
-
-
-def qk_operands_status(device: torch.device, head_dim: int, v_handling: str) -> tuple[str, str]:
-    """Who writes Sage2's int8 q on ``device`` -> (choice, reason): ``producer`` where V is fused (the sm_90
-    stages run here), the Triton kernels run on CUDA and the library exposes its k stage; else ``library``."""
-    if v_handling != "fused":
-        return "library", f"library: q and k quantized by SageAttention2's own stages (v_handling {v_handling})"
-    from .triton import status as triton_status
-
-    ok, why = triton_status(device)
-    if not ok or torch.device(device).type != "cuda":
-        return "library", f"library: the norm+RoPE producer needs Triton on CUDA ({why})"
-    mod, why = sage2_module()
-    fused = getattr(getattr(mod, "quant", None), "_fused", None) if mod is not None else None
-    if not hasattr(fused, _K_QUANT):
-        return "library", (f"library: sageattention.quant._fused lacks {_K_QUANT} (installed {dist_version()}), "
-                           "so k cannot be quantized apart from q")
-    return "producer", ("producer: the norm+RoPE kernel writes q as SageAttention2's per-warp int8 operand (no bf16 q "
-                        "written and read back, no q quantization pass); k: the library's mean and quantization; "
-                        "the library's bytes")
-
-
 def padded_rows(seq: int) -> int:
     """roundup(seq, 128): the rows of V that SageAttention2's sm_90 kernel reads."""
     return -(-seq // SAGE2_V_ROWS) * SAGE2_V_ROWS
@@ -264,42 +231,6 @@ def _sm90_stages(core, q: torch.Tensor, k: torch.Tensor, v_operands, scale: floa
 
 # q, k, v [1, S, H, D] NHD views (any strides, unit stride in D) -> o [1, S, H, D] in q's dtype
 NhdAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def _sm90_stages_normed(core, fused, qkv: torch.Tensor, q_weight, k_weight, cos, sin, eps: float, rope_dim: int,
-                        head_dim: int, scale: float) -> torch.Tensor:
-    """``_sm90_stages`` on the qkv projection's output, normed here: norm+RoPE writes q as the int8 operand and k
-    in place (``elementwise.norm_rope_q8_``), then the library's K mean and k quantization, V's operands, the
-    sm_90 kernel -> o ``[S, H*D]``. The q third of ``qkv`` is left un-normed."""
-    if qkv.is_cuda:
-        torch.cuda.set_device(qkv.device)
-    s = qkv.shape[0]
-    h = qkv.shape[1] // (3 * head_dim)
-    q8, q_scale = elementwise.norm_rope_q8_(qkv, q_weight, k_weight, cos, sin, eps, rope_dim)
-    t = qkv.unflatten(1, (3, h, head_dim))
-    k, v = t[:, 1].unsqueeze(0), t[:, 2].unsqueeze(0)
-    km = k.mean(dim=1, keepdim=True)
-    k8 = torch.empty(k.shape, dtype=torch.int8, device=k.device)
-    k_scale = torch.empty(1, h, -(-s // 128), dtype=torch.float32, device=k.device)
-    getattr(fused, _K_QUANT)(k, km.squeeze(1), k8, k_scale, 128, 0)  # BLKK 128, NHD
-    o = torch.empty(1, s, h, head_dim, dtype=qkv.dtype, device=qkv.device)
-    v_fp8, v_scale = sage_v_fp8(v)
-    core.sm90_compile.qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf(
-        q8, k8, v_fp8, o, q_scale, k_scale, v_scale, 0, 0, 2, scale, 0)
-    return o.reshape(s, h * head_dim)
-
-
-def bind_sage2_normed(device: torch.device, scale: float, head_dim: int) -> Callable[..., torch.Tensor]:
-    """Sage2's sm_90 stages with q from the norm+RoPE producer (``qk_operands`` producer), bound once:
-    ``fn(qkv [S, 3*H*D], q_weight, k_weight, cos, sin, eps, rope_dim) -> [S, H*D]`` (norms and rotates, then
-    attends). RuntimeError where :func:`qk_operands_status` would not give ``producer``."""
-    choice, why = qk_operands_status(torch.device(device), head_dim, v_handling_status("fused", device, head_dim)[0])
-    if choice != "producer":
-        raise RuntimeError(f"qk_operands producer is not available here: {why}")
-    mod, _ = sage2_module()
-    core, fused = mod.core, mod.quant._fused
-    return lambda qkv, qw, kw, cos, sin, eps, rope_dim: _sm90_stages_normed(core, fused, qkv, qw, kw, cos, sin, eps,
-                                                                            rope_dim, head_dim, scale)
 
 
 def bind_sage2(device: torch.device, scale: float, v_handling: str = "library") -> NhdAttention:

@@ -269,50 +269,6 @@ def test_sage2_sm90_fused_v_matches_library_operands_and_output(s):
     assert kernels == [], kernels
 
 
-@pytest.mark.parametrize("s,h", [(CANONICAL[0], CANONICAL[1]), (8192, 8), (200, 2), (37, 2)])
-def test_sage2_q_from_norm_rope_is_the_library_bytes(s, h):
-    """qk_operands producer on the GPU: (1) norm_rope_q8_'s q8 and q scales equal, byte for byte, what the
-    library's per_warp_int8 writes from the q that norm_rope_ stores (same amax, amax * fp32(1/127), and the
-    hardware's approximate reciprocal that its fast-math kernel runs); its k equals norm_rope_'s; (2) the
-    bound producer path (``norm_rope_attention``) gives exactly the output of norm_rope_ then the fused-V
-    library stages; (3) against the fp32 reference it is within the sage2 tolerance."""
-    _need("sage2")
-    if torch.cuda.get_device_capability(DEV) != (9, 0):
-        pytest.skip("the producer acts on Sage2's sm_90 stages only")
-    if S.qk_operands_status(DEV, 128, S.v_handling_status("fused", DEV, 128)[0])[0] != "producer":
-        pytest.skip(S.qk_operands_status(DEV, 128, "fused")[1])
-    import sageattention.core as core
-
-    from h3_blackwell.runtime.ops.elementwise import norm_rope_, norm_rope_q8_
-
-    d, r = 128, 96
-    g = torch.Generator(device=DEV).manual_seed(s + 1)
-    qkv = (torch.randn(s, 3 * h * d, generator=g, device=DEV) * 3 + 0.5).to(torch.bfloat16)
-    qw = torch.rand(d, generator=g, device=DEV) + 0.5
-    kw = torch.rand(d, generator=g, device=DEV) + 0.5
-    ang = torch.rand(s, r // 2, generator=g, device=DEV) * 50
-    cos, sin = torch.cat([ang, ang], 1).cos(), torch.cat([ang, ang], 1).sin()
-    normed = qkv.clone()
-    norm_rope_(normed, qw, kw, cos, sin, 1e-5, r)
-    q, k, _ = qkv_views(normed, h, d)
-    lib_q8, lib_qs, _, _ = core.per_warp_int8_cuda(q, k, k.mean(dim=1, keepdim=True), tensor_layout="NHD", BLKQ=64,
-                                                   WARPQ=16, BLKK=128)
-    mine = qkv.clone()
-    q8, qs = norm_rope_q8_(mine, qw, kw, cos, sin, 1e-5, r)
-    nb = -(-s // 16)
-    nd = int((q8 != lib_q8).sum())
-    print(f"\nS={s}, H={h}: {nd} of {q8.numel()} q codes differ from the library's")
-    assert nd == 0 and torch.equal(qs[:, :, :nb], lib_qs[:, :, :nb])
-    assert torch.equal(mine[:, h * d:], normed[:, h * d:])
-    bound = bind_attention("sage2", d, device=DEV, v_handling="fused", qk_operands="producer")
-    out = bound.norm_rope_attention(qkv.clone(), qw, kw, cos, sin, 1e-5, r)
-    lib = _bound("sage2", d, "fused")(normed.clone())
-    assert torch.equal(out, lib), f"rel-L2 {rel_l2(out.float(), lib.float()):.3g}"
-    rows = _rows(s)
-    ref = exact_attention_reference(*qkv_views(normed, h, d), rows=rows)
-    assert rel_l2(out[rows].float(), ref) <= A.TOLERANCE["sage2"][0]
-
-
 @pytest.mark.parametrize("s,h", [(200, 2), (4146, 8), (CANONICAL[0], CANONICAL[1])])
 def test_fa3_fp8_operands_triton_equal_reference_on_gpu(s, h):
     """fa3_fp8's operands: the Triton launches (hardware e4m3 conversion) write the torch definition's bytes."""

@@ -37,76 +37,15 @@ def _store_rtne(ptr, v, mask, OUT_KIND: tl.constexpr):
 
 
 @triton.jit
-def _store_head(base, o1, o2, npass, c_h, c_p, mh, mp, HALF: tl.constexpr, OUT_KIND: tl.constexpr):
-    """One head's rotated halves and pass-through channels back into the buffer (``_store_rtne``)."""
-    _store_rtne(base + c_h[None, :], o1, mh, OUT_KIND)
-    _store_rtne(base + HALF + c_h[None, :], o2, mh, OUT_KIND)
-    _store_rtne(base + 2 * HALF + c_p[None, :], npass, mp, OUT_KIND)
-
-
-@triton.jit
-def _rounded(v, OUT_KIND: tl.constexpr):
-    """fp32 ``v`` rounded to the buffer dtype as ``_store_rtne`` stores it, back in fp32 (exact)."""
-    if OUT_KIND == 1:
-        bits = v.to(tl.uint32, bitcast=True)
-        return (((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16).to(tl.float32, bitcast=True)
-    elif OUT_KIND == 2:
-        return v.to(tl.float16).to(tl.float32)
-    else:
-        return v
-
-
-@triton.jit
-def _int8_rn(x, inv, HW: tl.constexpr):
-    """x * inv rounded to fp32, then to the nearest integer (ties to even) and saturated to int8: the library's
-    FMUL then cvt.rni.sat.s8.f32. HW: both in one inline PTX sequence (mul.rn cannot be contracted into an FMA with
-    the rounding, which would round the exact product once); else (the interpreter, which never fuses) the
-    product and the 1.5 * 2^23 trick (|x * inv| <= 2^22)."""
-    if HW:
-        r = tl.inline_asm_elementwise("{ .reg .f32 t; mul.rn.ftz.f32 t, $1, $2; cvt.rni.f32.f32 $0, t; }",
-                                      "=f,f,f", [x, inv], dtype=tl.float32, is_pure=True, pack=1)
-    else:
-        r = (x * inv + 12582912.0) - 12582912.0
-    return tl.minimum(tl.maximum(r, -128.0), 127.0).to(tl.int8)
-
-
-@triton.jit
-def _q8_store(q8_ptr, qs_ptr, o1, o2, npass, r_off, c_h, c_p, mh, mp, qs_off,
-              HALF: tl.constexpr, OUT_KIND: tl.constexpr, HW: tl.constexpr):
-    """One q head of a 16-row block as SageAttention2's per-warp int8 operand, from the values the bf16 store
-    would have written: amax = max(1e-7, max |x|) over the block, scale = amax * fp32(1/127), codes =
-    rni_sat(x * (127 * rcp(amax))). HW: rcp is the hardware's approximate reciprocal (rcp.approx.ftz.f32, the
-    instruction SageAttention2's fast-math QuantInt8Kernel runs), else the correctly rounded 1 / amax."""
-    x1 = _rounded(o1, OUT_KIND)
-    x2 = _rounded(o2, OUT_KIND)
-    xp = _rounded(npass, OUT_KIND)
-    amax = tl.maximum(tl.max(tl.max(tl.abs(x1), axis=1), axis=0), tl.max(tl.max(tl.abs(x2), axis=1), axis=0))
-    amax = tl.maximum(tl.maximum(amax, tl.max(tl.max(tl.abs(xp), axis=1), axis=0)), 1e-7)
-    if HW:
-        rcp = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [amax], dtype=tl.float32,
-                                        is_pure=True, pack=1)
-    else:
-        rcp = 1.0 / amax
-    inv = rcp * 127.0
-    tl.store(q8_ptr + r_off + c_h[None, :], _int8_rn(x1, inv, HW), mask=mh)
-    tl.store(q8_ptr + r_off + HALF + c_h[None, :], _int8_rn(x2, inv, HW), mask=mh)
-    tl.store(q8_ptr + r_off + 2 * HALF + c_p[None, :], _int8_rn(xp, inv, HW), mask=mp)
-    tl.store(qs_ptr + qs_off, amax * 0.0078740157186985015869)
-
-
-@triton.jit
 def norm_rope_kernel(
-    qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q8_ptr, qs_ptr,
-    S, stride_row, stride_cos, stride_sin, eps, n_qs,
+    qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr,
+    S, stride_row, stride_cos, stride_sin, eps,
     H: tl.constexpr, D: tl.constexpr,
     HALF: tl.constexpr, HALF_P: tl.constexpr, PASS: tl.constexpr, PASS_P: tl.constexpr,
     HEADS_PER_PROG: tl.constexpr, BLOCK_S: tl.constexpr, OUT_KIND: tl.constexpr, W_KIND: tl.constexpr,
-    Q8: tl.constexpr = False, HW: tl.constexpr = False,
 ):
     # program_id(0) walks the 2H q/k heads fastest, so the programs that share a row block (and
     # its cos/sin rows) run back to back and find cos/sin in L2.
-    # Q8 (BLOCK_S = 16): q heads go to q8 [S, H, D] int8 and qs [H, n_qs] (SageAttention2's per-warp operand,
-    # ``_q8_store``) instead of back into qkv; k heads are stored as always.
     pid_g = tl.program_id(0)
     pid_s = tl.program_id(1)
     rows = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -143,14 +82,9 @@ def norm_rope_kernel(
             npass = xp * r[:, None] * wp[None, :]
             o1 = n1 * cos1 - n2 * sin1
             o2 = n2 * cos2 + n1 * sin2
-            if Q8:
-                if j < H:
-                    _q8_store(q8_ptr, qs_ptr, o1, o2, npass, rows64[:, None] * (H * D) + j * D, c_h, c_p, mh, mp,
-                              j * n_qs + pid_s, HALF, OUT_KIND, HW)
-                else:
-                    _store_head(base, o1, o2, npass, c_h, c_p, mh, mp, HALF, OUT_KIND)
-            else:
-                _store_head(base, o1, o2, npass, c_h, c_p, mh, mp, HALF, OUT_KIND)
+            _store_rtne(base + c_h[None, :], o1, mh, OUT_KIND)
+            _store_rtne(base + HALF + c_h[None, :], o2, mh, OUT_KIND)
+            _store_rtne(base + 2 * HALF + c_p[None, :], npass, mp, OUT_KIND)
 
 
 @triton.jit

@@ -394,3 +394,39 @@ def test_sampling_start_moves_a_tower_loaded_resident(files):
     back = run()
     assert tower.streamer.order == [] and not back.report["memory"]["control_tower_streams"]
     assert report_hashes(back) == report_hashes(want)
+
+
+def test_a_loaded_tower_a_run_leaves_out_counts_against_the_budget(files):
+    """A tower loaded onto the plan but left out of a run still holds its device bytes (found on the H200: a run
+    without the tower, the tower resident, peaked 2.6 GB past a 10 GB budget): the run plans with the budget less
+    those bytes and says so, its latents are the unbounded run's, and a tower that is gone no longer counts."""
+    import gc
+
+    from h3_blackwell.runtime import sample
+    from fixtures.reports import report_hashes
+
+    case = CASES["inpaint49_refs_odd"]
+    rt = load_model(str(files["full"]), RuntimeOptions(device="cpu", dtype="float32"))
+
+    def run():
+        return sample(rt, case["text_states"], case["token_tags"], case["video"], case["audio"], seed=3, steps=3,
+                      conditioning=conditioning_from_payload(case["payload"]))
+
+    want = run()
+    total = want.report["memory"]["estimate"]["total_bytes"]
+    tower = load_control(files["inpaint49_refs_odd"], rt.plan, rt.config)
+    idle = tower.device_bytes(torch.device("cpu"))
+    assert 0 < idle < total
+    budget = total + idle - 1  # the run and the tower together, less a byte: the base streams a little
+    rt.plan.options.vram_budget = repr(budget / 1e9)
+    got = run()
+    mem = got.report["memory"]
+    assert "does not use" in mem["budget"] and abs(mem["vram_budget_bytes"] - (budget - idle)) <= 1, mem["budget"]
+    assert mem["estimate"]["total_bytes"] + idle <= budget
+    assert mem["streamed_blocks"], "the base must stream to leave room for the idle tower"
+    assert report_hashes(got) == report_hashes(want)
+    del tower
+    gc.collect()
+    again = run()
+    assert "does not use" not in again.report["memory"]["budget"] and again.report["memory"]["streamed_blocks"] == []
+    assert report_hashes(again) == report_hashes(want)
