@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
@@ -529,13 +530,24 @@ class MemoryPlan:
                 **({"note": self.note} if self.note else {}), **({"emulated": True} if self.emulated else {})}
 
 
-def _resolve_budget(requested: int | None, dev: DeviceMemory, held_bytes: int, idle_bytes: int = 0
+@dataclass(frozen=True)
+class Outside:
+    """Device memory a model holds beside what ``estimate`` counts: ``nbytes``, ``what`` holds it (for the budget's
+    text: "a loaded Fun ControlNet tower this run does not use holds"), ``advice`` for a budget it makes too small."""
+
+    nbytes: int
+    what: str
+    advice: str = ""
+
+
+def _resolve_budget(requested: int | None, dev: DeviceMemory, held_bytes: int, outside: Sequence[Outside] = ()
                     ) -> tuple[int, str]:
     if requested is not None:
-        if idle_bytes:  # a loaded tower this run leaves out still holds them inside the budget
-            left = max(0, requested - idle_bytes)
-            return left, (f"budget {gb(requested)} (vram_budget) less the {gb(idle_bytes)} a loaded Fun ControlNet "
-                          f"tower this run does not use holds on the device = {gb(left)}")
+        idle = sum(o.nbytes for o in outside)
+        if idle:  # held on the device beside what the estimate counts
+            left = max(0, requested - idle)
+            what = " and ".join(f"the {gb(o.nbytes)} {o.what}" for o in outside if o.nbytes)
+            return left, f"budget {gb(requested)} (vram_budget) less {what} = {gb(left)}"
         return requested, f"budget {gb(requested)} (vram_budget)"
     avail = dev.free_bytes + held_bytes
     margin = AUTO_MARGIN_BYTES + int(AUTO_MARGIN_FRACTION * dev.total_bytes)
@@ -564,12 +576,12 @@ def smallest_budget(mm: ModelMemory, wl: Workload, device_kind: str = "cuda") ->
 
 def decide(mm: ModelMemory, wl: Workload, dev: DeviceMemory, requested: int | None,
            host_free: int | None = None, held_bytes: int = 0, host_held_bytes: int = 0,
-           idle_bytes: int = 0) -> MemoryPlan:
+           outside: Sequence[Outside] = ()) -> MemoryPlan:
     """The memory plan (module docstring). requested: the budget in bytes (None = auto); host_free: available
     host memory (default: measured); held_bytes: device bytes this model already holds (re-planning a loaded
     model: auto counts them as available); host_held_bytes: host bytes its streamed blocks already hold;
-    idle_bytes: device bytes held by what this model loaded but the run leaves out (a Fun ControlNet tower of an
-    earlier run): they come off a given budget (auto's free memory already excludes them).
+    outside: device memory this model holds beside what the estimate counts (``Outside``: a loaded Fun ControlNet
+    tower the run leaves out, LoRA side paths): it comes off a given budget (auto's free memory excludes it).
     Raises BudgetError when the budget cannot run the job or the host cannot hold the streamed weights."""
     n = mm.cfg.num_layers
     emulated = dev.kind == "cpu"
@@ -583,7 +595,7 @@ def decide(mm: ModelMemory, wl: Workload, dev: DeviceMemory, requested: int | No
         p = _plan(mm, wl, dev, None, "auto on the CPU", n, None, None, False)
         p.note = "cpu: device memory is host memory, nothing streams (an explicit budget emulates streaming)"
         return p
-    budget, text = _resolve_budget(requested, dev, held_bytes, idle_bytes)
+    budget, text = _resolve_budget(requested, dev, held_bytes, outside)
     full = estimate(mm, wl, n, SLOTS, None, dev.kind)
     if full.total <= budget:
         return _plan(mm, wl, dev, budget, text, n, None, None, False)
@@ -607,8 +619,8 @@ def decide(mm: ModelMemory, wl: Workload, dev: DeviceMemory, requested: int | No
         f"{text}: too small for {wl.describe()}: even with every block streamed and the smallest activation "
         f"chunking the run needs {gb(smallest)} ({estimate(mm, wl, 0, SLOTS, chunks[-1], dev.kind, ts).describe()}); "
         f"{what} must be at least {gb(smallest)}: set --vram-budget / H3_VRAM_BUDGET to {budget_arg(smallest)} or "
-        f"more{', free the unused tower' if idle_bytes else ''}, or lower the width, height or frames (nothing was "
-        "loaded)")
+        f"more{''.join(f', {o.advice}' for o in outside if o.nbytes and o.advice)}, or lower the width, height or "
+        "frames (nothing was loaded)")
 
 
 def budget_arg(nbytes: int) -> str:

@@ -35,12 +35,13 @@ from typing import Callable
 
 import torch
 
-from .budget import DeviceMemory, ModelMemory, TowerSize, Workload, decide, parse_vram_budget, plan_memory
+from .budget import DeviceMemory, ModelMemory, Outside, TowerSize, Workload, decide, parse_vram_budget, plan_memory
 from .errors import CheckpointError
 from .io.checkpoint import dequantize_layer
 from .io.comfy_quant import from_comfy_quant_tensors
 from .io.finite import check_finite
 from .io.verify import check_names_and_shapes, quant_layers
+from .lora.merge import side_device_bytes
 from .model.config import QUANT_LINEARS, H3Config
 from .model.h3 import H3Model
 from .model.tiny import tiny_state_dict
@@ -246,8 +247,8 @@ class H3Runtime:
         between the device and host memory if the decision changed, and return the ``memory`` choice.
         control: the run's loaded Fun ControlNet tower (``FunControl``) or None: its device bytes are already
         held (``auto`` counts them as available again) and are planned like the load's. A tower loaded onto this
-        plan that the run leaves out keeps its device bytes: they come off a given budget. Raises BudgetError
-        (nothing moved) when the budget cannot run this request."""
+        plan that the run leaves out keeps its device bytes, and LoRA side paths hold theirs: both come off a given
+        budget. Raises BudgetError (nothing moved) when the budget cannot run this request."""
         plan, st = self.plan, self.streamer
         if plan.memory is None or st is None:
             return {}
@@ -260,8 +261,11 @@ class H3Runtime:
         held = mm.other_bytes + len(old.resident) * mm.block_bytes + st.device_bytes + (
             control.device_bytes(self.device) if hasattr(control, "device_bytes") else 0)
         idle = sum(t.device_bytes(self.device) for t in list(getattr(plan, "towers", ())) if t is not control)
+        outside = (Outside(idle, "a loaded Fun ControlNet tower this run does not use holds", "free the unused tower"),
+                   Outside(side_device_bytes(self.model, self.device), "the LoRA side paths hold",
+                           "apply the LoRAs in merge mode (no device bytes beside the weights)"))
         new = decide(mm, wl, dev, parse_vram_budget(plan.vram_budget), held_bytes=held,
-                     host_held_bytes=st.host_bytes + (0 if tower_st is None else tower_st.host_bytes), idle_bytes=idle)
+                     host_held_bytes=st.host_bytes + (0 if tower_st is None else tower_st.host_bytes), outside=outside)
         if tower_st is not None and new.tower_streams:  # the tower's blocks move too: device -> host first,
             tower_st.restream(range(len(control.places)))  # so that the base's moves find the room
         st.restream(new.streamed)

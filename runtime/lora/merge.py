@@ -19,7 +19,7 @@ import torch.nn as nn
 from ..ops import nvfp4
 from .key_forms import LOWRANK, LoraUpdate
 from .pdd import restore_bank
-from .side import uninstall_side
+from .side import SIDE_ATTR, uninstall_side
 from .source import Original, SourceWeights, nvfp4_equal, quantize_like
 
 STATE_ATTR = "_h3_lora_state"
@@ -75,6 +75,17 @@ def lora_state(model: nn.Module) -> LoraState:
         st = LoraState()
         model.__dict__[STATE_ATTR] = st
     return st
+
+
+def side_device_bytes(model: nn.Module, device: torch.device) -> int:
+    """Bytes the LoRA side paths on ``model`` hold on ``device``'s type (every term's A and B; 0 without any)."""
+    st = model.__dict__.get(STATE_ATTR)
+    if st is None:
+        return 0
+    sides = list(st.block_sides.values()) + [getattr(m, SIDE_ATTR, None) for m, _ in st.sides.values()]
+    kind = torch.device(device).type
+    return sum(t.numel() * t.element_size() for side in sides if side is not None for term in side.terms
+               for t in (term.down, term.up) if t.device.type == kind)
 
 
 def restore_all(rt, st: LoraState, source: SourceWeights) -> None:

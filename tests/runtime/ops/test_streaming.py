@@ -101,11 +101,16 @@ def lora_file(tmp_path_factory):
 
 @pytest.mark.parametrize("mode", ["merge", "side"])
 def test_lora_merged_bytes_stream_and_side_paths_run_beside_them(lora_file, mode):
+    from h3_blackwell.runtime.lora.merge import side_device_bytes
+
     kw = STACKS["w4a8"]
-    resident, rt = _load(kw), _load(kw, _all_streamed_budget(kw))
+    resident = _load(kw)
+    L.apply_loras(resident, [(str(lora_file), 0.7, mode)])
+    side = side_device_bytes(resident.model, resident.device)  # side paths: held beside the budget's estimate
+    assert (side > 0) == (mode == "side")
+    rt = _load(kw, _all_streamed_budget(kw) + side)
     plain = report_hashes(sample(rt, *_inputs(), seed=2, steps=STEPS))  # slots now hold the plain bytes
-    for r in (resident, rt):
-        L.apply_loras(r, [(str(lora_file), 0.7, mode)])
+    L.apply_loras(rt, [(str(lora_file), 0.7, mode)])
     want = report_hashes(sample(resident, *_inputs(), seed=2, steps=STEPS))
     assert want != plain
     assert report_hashes(sample(rt, *_inputs(), seed=2, steps=STEPS)) == want  # merged host bytes copied again
@@ -208,3 +213,27 @@ def test_model_call_plans_the_budget_for_the_size_it_sees():
     call(v, a, 1.0, text[:, :20])  # a shorter one keeps the decision made for the larger
     assert rt.plan.memory is decided
     call.end_run()
+
+
+def test_lora_side_paths_count_against_the_budget(lora_file):
+    """LoRA side paths hold their A and B on the device beside the weights: a given budget is planned less those
+    bytes (the report says so), the base streams to make room, and the latents stay the resident run's."""
+    from h3_blackwell.runtime.lora.merge import side_device_bytes
+
+    kw = STACKS["w4a8"]
+    rt = _load(kw)
+    L.apply_loras(rt, [(str(lora_file), 0.7, "side")])
+    want = sample(rt, *_inputs(), seed=2, steps=STEPS)
+    total = want.report["memory"]["estimate"]["total_bytes"]
+    side = side_device_bytes(rt.model, rt.device)
+    assert side > 0 and "side paths" not in want.report["memory"]["budget"]  # auto: nothing taken off
+    budget = total + side - 1  # the run and the side paths together, less a byte
+    rt.plan.options.vram_budget = _gb(budget)
+    got = sample(rt, *_inputs(), seed=2, steps=STEPS)
+    mem = got.report["memory"]
+    assert "the LoRA side paths hold" in mem["budget"] and abs(mem["vram_budget_bytes"] - (budget - side)) <= 1
+    assert mem["estimate"]["total_bytes"] + side <= budget and mem["streamed_blocks"]
+    assert report_hashes(got) == report_hashes(want)
+    L.remove_loras(rt)
+    assert side_device_bytes(rt.model, rt.device) == 0
+    assert "side paths" not in sample(rt, *_inputs(), seed=2, steps=STEPS).report["memory"]["budget"]
