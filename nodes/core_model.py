@@ -23,8 +23,9 @@ this module needs no ComfyUI):
 - ``H3CoreModel`` is core's ``model_base.MiniMaxH3`` (its ``extra_conds``, audio carry in ``process_latent_in`` /
   ``_out``, inpainting, ``ModelSamplingAV``) with that slot filled and no weights of its own. Its ``state_dict``
   names every weight as core would (meta tensors), so core's LoRA loaders find their keys.
-- ``H3ModelPatcher`` is core's ``ModelPatcher`` whose weight work goes to the runtime: ``model_size`` is the
-  resident model's bytes; loading makes sure the runtime is resident; an unload from a CUDA device releases it
+- ``H3ModelPatcher`` is core's ``ModelPatcher`` whose weight work goes to the runtime: ``model_size`` is what the
+  runtime holds on the device (``H3Runtime.device_bytes``: weights, stream buffers, GEMM scratch, LoRA side
+  paths) plus the Fun ControlNet tower it holds; loading makes sure the runtime is resident; an unload from a CUDA device releases it
   (the next load reads the file again); at sampling start (``pre_run``) the LoRA records on the patcher are
   applied through the runtime's LoRA machinery (``core_patches.lora_specs``) and anything it cannot honour is
   refused (``core_patches``); ``cleanup`` closes the run, whose report ``H3 Model Run Report`` reads.
@@ -61,15 +62,6 @@ _SOURCES = {"keyframes": "minimax_keyframes (MiniMaxH3ImageToVideo / MiniMaxH3Ad
 SPARSE_TAU_KEY, FIRST_BLOCK_CACHE_KEY = "h3b_sparse_tau", "h3b_first_block_cache"
 # how the LoRA records are applied: "merge" (default, as core merges) or "side" (the exact bf16 side path)
 LORA_MODE_KEY = "h3b_lora_mode"
-
-
-def resident_bytes(rt) -> int:
-    """Bytes the resident model holds on its device (parameters and buffers there: NVFP4 bytes and scales where
-    quantized; weights kept in host memory, such as offloaded AdaLN, are not device footprint)."""
-    m = rt.model
-    dev = torch.device(rt.device)
-    return sum(t.nbytes for t in list(m.parameters()) + list(m.buffers())
-               if t.device.type == dev.type and (dev.index is None or t.device.index in (None, dev.index)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,7 +113,7 @@ class RuntimeHandle:
 
     def __init__(self, rt, reload=None, on_release=None):
         self._rt, self._reload, self._on_release = rt, reload, on_release
-        self.size = resident_bytes(rt)
+        self.size = rt.device_bytes()
         self.dtype, self.device, self.config = rt.dtype, rt.device, rt.config
         self.names = weight_shapes(rt)
         self.call = ModelCall(rt)
@@ -180,6 +172,7 @@ class RuntimeHandle:
         self.pending, self.conds, self.controlled = True, [], {}
         if fun is None:
             self._drop_towers()  # a run without core's Fun ControlNet: its tower's memory goes back
+        self._measure()  # and side-path LoRAs hold device bytes of their own
 
     def end_sampling(self) -> None:
         self.pending = False
@@ -199,8 +192,11 @@ class RuntimeHandle:
 
     def _drop_towers(self) -> None:
         self.towers, self.controlled = {}, {}
+
+    def _measure(self) -> None:
+        """``size`` (what ComfyUI is told the MODEL holds) from the runtime and the tower it holds now."""
         if self._rt is not None:
-            self.size = resident_bytes(self._rt)
+            self.size = self._rt.device_bytes() + sum(e[2].device_bytes(self._rt.device) for e in self.towers.values())
 
     def fun_control(self, patch, cond, shapes: tuple, text_tokens: int, schedule, window: float):
         """Core's Fun ControlNet patch (``core_patches.fun_control_patch``) for one clip of ``shapes`` (video,
@@ -226,7 +222,7 @@ class RuntimeHandle:
             except H3Error as e:
                 raise node_error(TITLE, f"the Fun ControlNet of MiniMaxH3FunControlNetApply: {e}") from e
             self.towers = {id(module): entry}
-            self.size = resident_bytes(rt) + entry[2].device_bytes(rt.device)
+            self._measure()
         key = (id(patch), id(cond), shapes[0])
         if key not in self.controlled:
             latent = getattr(patch, "control_latent", None)

@@ -234,6 +234,19 @@ class H3Runtime:
     def source(self, value: str) -> None:  # where LoRA merges read source weights from (runtime.lora)
         self.plan.source = value
 
+    def device_bytes(self) -> int:
+        """Bytes this runtime holds on its device: the model's parameters and buffers there (a streamed block's
+        linears sit in host memory between blocks), the streamer's block buffers, the GEMM scratch as the runs so
+        far have grown it, and the LoRA side paths. A Fun ControlNet tower counts its own
+        (``FunControl.device_bytes``)."""
+        dev = torch.device(self.device)
+        m = self.model
+        held = sum(t.nbytes for t in list(m.parameters()) + list(m.buffers())
+                   if t.device.type == dev.type and (dev.index is None or t.device.index in (None, dev.index)))
+        scratch = self.plan.scratch.nbytes() if self.plan.scratch is not None else 0
+        return (held + (0 if self.streamer is None else self.streamer.device_bytes) + scratch
+                + side_device_bytes(m, dev))
+
     def describe(self) -> str:
         lines = self.plan.describe().splitlines()
         extra = {k: v for k, v in self.backends.items() if k not in self.plan.report()}

@@ -419,7 +419,7 @@ def test_core_model_names_weights_as_core_and_sizes_the_resident_model(core):
     assert sd["diffusion_model.blocks.0.attn.qkv_proj.weight"].is_meta
     assert {"diffusion_model.final_layer.video_out.weight", "diffusion_model.token_refiner.blocks.0.mlp.fc2.weight",
             "diffusion_model.rope.inv_freq"} <= set(sd)
-    assert patcher.model_size() == cm.resident_bytes(rt) > 0 and patcher.model.get_dtype() == torch.float32
+    assert patcher.model_size() == rt.device_bytes() > 0 and patcher.model.get_dtype() == torch.float32
     assert patcher.model.diffusion_model.preprocess_text_embeds(torch.ones(1, 3, 5)).shape == (1, 3, 5)
 
 
@@ -456,8 +456,10 @@ def test_lora_side_mode_from_transformer_options(core, tmp_path):
     m.add_patches(core_lora_patches(lora), 0.8)
     m.model_options["transformer_options"][cm.LORA_MODE_KEY] = "side"
     case = _t2va(rt)
+    plain = m.model_size()
     v, _ = _run(m, case)
     assert "x0.8 side" in rt.backends["lora"]["reason"] and rt.backends["lora"]["report"]["side"]
+    assert m.model_size() == rt.device_bytes() > plain  # the side paths' A and B count in what ComfyUI is told
     rt2 = load_model(str(path), RuntimeOptions.from_env(**DENSE))
     apply_loras(rt2, [(str(lora), 0.8, "side")])
     assert _rel(v, call(diffusion_model(rt2), case, schedule=torch.tensor([1.0, 0.8, 0.0]))[0]) < 1e-6
@@ -569,7 +571,7 @@ def test_weight_paths_of_core_are_refused_and_unload_keeps_a_cpu_model(core):
         patcher.patch_weight_to_device("diffusion_model.blocks.0.attn.qkv_proj.weight")
     with pytest.raises(H3NodeError, match="saving the H3 MODEL"):
         patcher.state_dict_for_saving()
-    assert patcher.partially_load(torch.device("cpu")) == cm.resident_bytes(rt)
+    assert patcher.partially_load(torch.device("cpu")) == rt.device_bytes()
     assert patcher.partially_unload(torch.device("cpu"), 1) == 0  # on the CPU nothing is freed: kept resident
     assert patcher.model.h3_handle.resident
 
@@ -579,7 +581,7 @@ def test_release_and_reload(core):
     _, rt = core
     loads = []
     handle = cm.RuntimeHandle(rt, reload=lambda: loads.append(1) or rt, on_release=lambda: loads.append(0))
-    assert handle.release() == cm.resident_bytes(rt) and not handle.resident and loads == [0]
+    assert handle.release() == rt.device_bytes() and not handle.resident and loads == [0]
     assert handle.runtime() is rt and loads == [0, 1]
 
 
@@ -720,7 +722,7 @@ def test_core_fun_controlnet_runs_as_the_pack_tower(name, runtimes):
         assert dm.handle.towers == {}  # never in the window: the tower is not even loaded (core: not encoded)
     else:
         assert _rel(pv, ov) > 1e-3  # the tower moved the output
-        assert len(dm.handle.towers) == 1 and dm.handle.size > cm.resident_bytes(rt)  # counted in the MODEL's size
+        assert len(dm.handle.towers) == 1 and dm.handle.size > rt.device_bytes()  # counted in the MODEL's size
 
 
 def test_core_fun_controlnet_refusals(runtimes):
