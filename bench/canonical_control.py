@@ -87,7 +87,8 @@ def _memory(m):
     """The report's memory block, less its per-block lists: the budget and what the plan made of it."""
     if not m:
         return m
-    keep = ("budget", "vram_budget_bytes", "ffn_chunk_rows", "control_tower_streams", "peak_allocated_bytes")
+    keep = ("budget", "vram_budget_bytes", "outside_bytes", "ffn_chunk_rows", "control_tower_streams",
+            "peak_allocated_bytes", "bytes_copied_per_step", "copy_ms_per_step", "copy_exposed_ms_per_step")
     out = {k: m[k] for k in keep if k in m}
     out["streamed_block_count"] = len(m.get("streamed_blocks") or [])
     out["estimate_total_bytes"] = (m.get("estimate") or {}).get("total_bytes")

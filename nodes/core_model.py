@@ -118,6 +118,7 @@ class RuntimeHandle:
         self.names = weight_shapes(rt)
         self.call = ModelCall(rt)
         self.pending = False  # a run started (pre_run): the first call begins it with the schedule it sees
+        self._fitted_rows = 0  # the run's planned size when ``size`` was last measured (``after_call``)
         self.conds: list = []  # (payload, masks, batch index) -> (tags, H3Conditioning), per run
         self.lossy: dict = {}
         self.towers: dict = {}  # id(core's control module) -> (module, load plan, the runtime's tower)
@@ -178,6 +179,16 @@ class RuntimeHandle:
         self.pending = False
         if self._rt is not None:
             self.call.end_run()
+            self._measure()
+
+    def after_call(self) -> None:
+        """After a model call: the run's first call (or a larger clip) plans the memory budget again and may move
+        blocks (``ModelCall._fit``), so ``size`` is measured again when the planned size changed."""
+        run = self.call.run
+        rows = 0 if run is None else run.fitted_rows
+        if rows != self._fitted_rows:
+            self._fitted_rows = rows
+            self._measure()
 
     def conditioning(self, payload, denoise_mask, audio_denoise_mask, video_shape, audio_shape):
         for p, dm, adm, shapes, out in self.conds:
@@ -328,6 +339,7 @@ class H3DiffusionModel(torch.nn.Module):
             try:
                 outs.append(h.call(video[b:b + 1], audio[b:b + 1], sigma, context[b:b + 1], tags, cond, shifts, scale,
                                    control=tower, window_sigma=window))
+                h.after_call()
             except H3NodeError:
                 raise
             except H3Error as e:
@@ -382,6 +394,12 @@ def _core_classes():
 
         def model_size(self):
             return self._handle().size
+
+        def loaded_size(self):
+            """What is loaded now: the runtime's bytes while it is resident (``size``, measured again as the runtime
+            re-plans), else 0; core reads size - loaded_size as offloaded memory."""
+            h = self._handle()
+            return h.size if h.resident and self.model.model_loaded_weight_memory else 0
 
         def model_patches_models(self):
             """core's patch models to load beside this one, less core's Fun ControlNet tower: the H3 MODEL runs

@@ -484,6 +484,7 @@ class MemoryPlan:
     steps_copied: dict = field(default_factory=dict)
     tower_streams: bool = False  # the control tower's blocks stream from pinned host memory (Workload.tower)
     tower_host_bytes: int = 0  # host memory the streamed control blocks take (pinned on CUDA)
+    outside_bytes: int = 0  # taken off a given budget: what the model holds beside the estimate (``Outside``)
 
     @property
     def streams(self) -> bool:
@@ -513,11 +514,13 @@ class MemoryPlan:
                      else f"FFN in row chunks of {self.ffn_chunk_rows:,} ({self.row_local})")
         parts.append(f"{self.estimate.describe()} for {self.workload.describe()}")
         if self.smallest_budget_bytes is not None:
-            parts.append(f"smallest budget that runs: {gb(self.smallest_budget_bytes)}")
+            parts.append(f"smallest budget that runs: {gb(self.smallest_budget_bytes)}"
+                         + (f" (with the {gb(self.outside_bytes)} held beside it)" if self.outside_bytes else ""))
         return Choice(what, "; ".join(parts))
 
     def report(self) -> dict:
         return {"vram_budget_bytes": self.budget_bytes, "budget": self.budget_text,
+                "outside_bytes": self.outside_bytes,
                 "resident_blocks": list(self.resident), "streamed_blocks": list(self.streamed),
                 "stream_buffers": self.slots if self.streamed else 0, "block_bytes": self.block_bytes,
                 "ffn_chunk_rows": self.ffn_chunk_rows, "estimate": self.estimate.as_dict(),
@@ -576,13 +579,14 @@ def smallest_budget(mm: ModelMemory, wl: Workload, device_kind: str = "cuda") ->
 
 def decide(mm: ModelMemory, wl: Workload, dev: DeviceMemory, requested: int | None,
            host_free: int | None = None, held_bytes: int = 0, host_held_bytes: int = 0,
-           outside: Sequence[Outside] = ()) -> MemoryPlan:
+           outside: Sequence[Outside] = (), unchanged: str = "nothing was loaded") -> MemoryPlan:
     """The memory plan (module docstring). requested: the budget in bytes (None = auto); host_free: available
     host memory (default: measured); held_bytes: device bytes this model already holds (re-planning a loaded
     model: auto counts them as available); host_held_bytes: host bytes its streamed blocks already hold;
     outside: device memory this model holds beside what the estimate counts (``Outside``: a loaded Fun ControlNet
-    tower the run leaves out, LoRA side paths): it comes off a given budget (auto's free memory excludes it).
-    Raises BudgetError when the budget cannot run the job or the host cannot hold the streamed weights."""
+    tower the run leaves out, LoRA side paths): it comes off a given budget (auto's free memory excludes it), and
+    the smallest budget named is the run's plus it. Raises BudgetError (its message ends with ``unchanged``, what
+    the caller left as it was) when the budget cannot run the job or the host cannot hold the streamed weights."""
     n = mm.cfg.num_layers
     emulated = dev.kind == "cpu"
     if dev.integrated:
@@ -596,31 +600,38 @@ def decide(mm: ModelMemory, wl: Workload, dev: DeviceMemory, requested: int | No
         p.note = "cpu: device memory is host memory, nothing streams (an explicit budget emulates streaming)"
         return p
     budget, text = _resolve_budget(requested, dev, held_bytes, outside)
+    extra = sum(o.nbytes for o in outside) if requested is not None else 0
     full = estimate(mm, wl, n, SLOTS, None, dev.kind)
     if full.total <= budget:
-        return _plan(mm, wl, dev, budget, text, n, None, None, False)
-    smallest = smallest_budget(mm, wl, dev.kind)
+        return _outside(_plan(mm, wl, dev, budget, text, n, None, None, False), extra)
+    smallest = smallest_budget(mm, wl, dev.kind) + extra
     ts = wl.tower is not None  # past "everything resident", the control tower streams first (it runs 5 or 10 blocks)
     chunks = [None] + (chunk_options(wl.rows, dev.kind) if mm.ffn_row_local else [])
     for chunk in chunks:
         if (chunk is not None or ts) and estimate(mm, wl, n, SLOTS, chunk, dev.kind, ts).total <= budget:
-            p = _plan(mm, wl, dev, budget, text, n, chunk, smallest, emulated, ts)
-            _check_host(p, host_free, host_held_bytes)
+            p = _outside(_plan(mm, wl, dev, budget, text, n, chunk, smallest, emulated, ts), extra)
+            _check_host(p, host_free, host_held_bytes, unchanged)
             return p
         base = estimate(mm, wl, 0, SLOTS, chunk, dev.kind, ts).total
         if base > budget:
             continue
         resident = min(n - 1, (budget - base) // mm.block_bytes) if mm.block_bytes else n
-        p = _plan(mm, wl, dev, budget, text, int(resident), chunk, smallest, emulated, ts)
-        _check_host(p, host_free, host_held_bytes)
+        p = _outside(_plan(mm, wl, dev, budget, text, int(resident), chunk, smallest, emulated, ts), extra)
+        _check_host(p, host_free, host_held_bytes, unchanged)
         return p
     what = "auto (the free device memory less the margin)" if requested is None else "the budget"
     raise BudgetError(
         f"{text}: too small for {wl.describe()}: even with every block streamed and the smallest activation "
-        f"chunking the run needs {gb(smallest)} ({estimate(mm, wl, 0, SLOTS, chunks[-1], dev.kind, ts).describe()}); "
-        f"{what} must be at least {gb(smallest)}: set --vram-budget / H3_VRAM_BUDGET to {budget_arg(smallest)} or "
-        f"more{''.join(f', {o.advice}' for o in outside if o.nbytes and o.advice)}, or lower the width, height or "
-        "frames (nothing was loaded)")
+        f"chunking the run needs {gb(smallest - extra)} ({estimate(mm, wl, 0, SLOTS, chunks[-1], dev.kind, ts).describe()})"
+        f"{f', and {gb(extra)} more is held beside it' if extra else ''}; {what} must be at least {gb(smallest)}: set "
+        f"--vram-budget / H3_VRAM_BUDGET to {budget_arg(smallest)} or more"
+        f"{''.join(f', {o.advice}' for o in outside if o.nbytes and o.advice)}, or lower the width, height or frames "
+        f"({unchanged})")
+
+
+def _outside(p: MemoryPlan, extra: int) -> MemoryPlan:
+    p.outside_bytes = extra
+    return p
 
 
 def budget_arg(nbytes: int) -> str:
@@ -629,7 +640,8 @@ def budget_arg(nbytes: int) -> str:
     return f"{math.ceil(nbytes / GB * 10 ** digits) / 10 ** digits:.{digits}f}"
 
 
-def _check_host(p: MemoryPlan, host_free: int | None, host_held_bytes: int) -> None:
+def _check_host(p: MemoryPlan, host_free: int | None, host_held_bytes: int,
+                unchanged: str = "nothing was loaded") -> None:
     need = p.host_bytes + p.tower_host_bytes - host_held_bytes
     if need <= 0:
         return
@@ -641,7 +653,7 @@ def _check_host(p: MemoryPlan, host_free: int | None, host_held_bytes: int) -> N
         tower = f" and the control tower's {p.workload.tower.blocks} blocks" if p.tower_host_bytes else ""
         raise BudgetError(f"{p.budget_text}: needs {need / GB:.1f} GB of host memory for the streamed weights "
                           f"({len(p.streamed)} blocks{tower}), {max(0, avail) / GB:.1f} GB free{extra}; raise the "
-                          "budget so fewer blocks stream, or free host memory (nothing was loaded)")
+                          f"budget so fewer blocks stream, or free host memory ({unchanged})")
 
 
 def least_device_weight_bytes(cfg: H3Config, form: tuple[str, bool], device: torch.device, dtype: torch.dtype,

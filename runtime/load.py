@@ -274,11 +274,13 @@ class H3Runtime:
         held = mm.other_bytes + len(old.resident) * mm.block_bytes + st.device_bytes + (
             control.device_bytes(self.device) if hasattr(control, "device_bytes") else 0)
         idle = sum(t.device_bytes(self.device) for t in list(getattr(plan, "towers", ())) if t is not control)
-        outside = (Outside(idle, "a loaded Fun ControlNet tower this run does not use holds", "free the unused tower"),
+        outside = (Outside(idle, "a loaded Fun ControlNet tower this run does not use holds",
+                           "or drop that tower (its memory goes once nothing refers to it)"),
                    Outside(side_device_bytes(self.model, self.device), "the LoRA side paths hold",
-                           "apply the LoRAs in merge mode (no device bytes beside the weights)"))
+                           "or apply the LoRAs in merge mode (no device bytes beside the weights)"))
         new = decide(mm, wl, dev, parse_vram_budget(plan.vram_budget), held_bytes=held,
-                     host_held_bytes=st.host_bytes + (0 if tower_st is None else tower_st.host_bytes), outside=outside)
+                     host_held_bytes=st.host_bytes + (0 if tower_st is None else tower_st.host_bytes), outside=outside,
+                     unchanged="nothing moved: the model stays loaded as it was")
         if tower_st is not None and new.tower_streams:  # the tower's blocks move too: device -> host first,
             tower_st.restream(range(len(control.places)))  # so that the base's moves find the room
         st.restream(new.streamed)

@@ -67,6 +67,8 @@ IGNORED_ENV = {
     "H3_SAGE_QKV_LAYOUT": "attention always reads strided views of the QKV buffer (no copies)",
     "H3_SAGE_V_PAD": "V's handling is automatic: fused fp8 operands where Sage2's sm_90 stages exist, "
                      "the library wrapper elsewhere",
+    "H3_QK_OPERANDS": "removed on 2026-12-01: q written by the norm+RoPE kernel measured slower on the H200 "
+                      "(bench/NOTES.md); SageAttention2 quantizes q and k itself",
 }
 
 # earlier names of the precision option's two halves: value -> the precision it means

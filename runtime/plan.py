@@ -64,9 +64,17 @@ class LoadPlan:
     tiles: ProducerTiles = BUILTIN_TILES  # the producers' tile table (choice "producer_tiles" when one is given)
     scratch: object | None = None  # the GEMM scratch every block linear of this load shares (gemm_backends.Scratch;
     #                                set by the load, reused by a control tower loaded onto this plan)
-    towers: weakref.WeakSet = field(default_factory=weakref.WeakSet, compare=False, repr=False)
+    towers: weakref.WeakSet = field(default_factory=weakref.WeakSet, init=False, compare=False, repr=False)
     # ^ the Fun ControlNet towers loaded onto this plan and still alive (io.control.load_control): a run that
-    #   leaves one out plans its budget around the device bytes it holds (H3Runtime.fit_memory)
+    #   leaves one out plans its budget around the device bytes it holds (H3Runtime.fit_memory). Not copied by
+    #   dataclasses.replace, not pickled (a plan elsewhere has loaded no tower there)
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "towers"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.towers = weakref.WeakSet()
 
     @property
     def quantize(self) -> bool:

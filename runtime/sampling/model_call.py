@@ -93,8 +93,10 @@ class _Run:
     last: tuple | None = None  # (text shape, video shape, audio shape, shifts) of the last call, for the report
     summary: list = field(default_factory=list)  # per conditioning, once the run ended: what the report shows
     fitted_rows: int = 0  # the packed rows the memory budget was last planned for in this run
-    control: object | None = None  # the last ControlRun that ran (a Fun ControlNet): its summary goes in the report
+    control: object | None = None  # the last ControlRun that ran (a Fun ControlNet), until the run ends
     control_calls: int = 0  # calls the tower ran in (its FC2 calls: one per control block in each)
+    control_summary: dict | None = None  # once the run ended: the tower's summary and block count (the report's);
+    control_blocks: int = 0  # the run keeps no reference to the tower, so a dropped tower's memory can go
 
 
 class ModelCall:
@@ -143,6 +145,9 @@ class ModelCall:
             run.summary.append({"layout": None if plan is None else plan.layout, "text_tokens": p.text.shape[1],
                                 "shifts": p.shifts, "off_schedule_sigmas": list(dict.fromkeys(k[0] for k in p.extra))})
         run.plans, run.lossy_plan = [], None
+        if run.control is not None:
+            run.control_summary, run.control_blocks = run.control.summary(), len(run.control.tower.places)
+            run.control = None
         self.last_run, self.run = run, None
 
     # -- one evaluation --------------------------------------------------------------------------
@@ -314,13 +319,13 @@ class ModelCall:
         rec = RunRecord(run.seconds, [{"step": k + 1, "seconds": v} for k, v in enumerate(per_call)], None, None,
                         latent_sha256(video.float()), latent_sha256(audio.float()), dict(run.fc2), nonfinite=bad)
         workload = self._workload(run, video, audio, workload_extra)
-        tower_fc2 = 0 if run.control is None else run.control_calls * len(run.control.tower.places)
+        tower_fc2 = run.control_calls * run.control_blocks
         report = build_report(rt, workload, [rec], 0, video.float(), audio.float(),
                               fc2_required=rt.config.num_layers * run.calls + tower_fc2)
         if run.lossy is not None:
             report.update(run.lossy.report())
-        if run.control is not None:
-            report["control"] = dict(run.control.summary(), model_calls_with_control=run.control_calls)
+        if run.control_summary is not None:
+            report["control"] = dict(run.control_summary, model_calls_with_control=run.control_calls)
         return report
 
     @staticmethod

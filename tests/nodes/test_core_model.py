@@ -836,3 +836,59 @@ def test_core_does_not_load_the_fun_tower_beside_the_h3_model(core):
     patcher.model_options["transformer_options"] = {"patches_replace": opts["patches_replace"],
                                                     "patches": {"x": [other]}}
     assert patcher.model_patches_models() == ["another patch's model"]
+
+
+def test_the_size_comfyui_is_told_follows_the_runtime(runtimes):
+    """What the MODEL tells ComfyUI it holds (``model_size`` / ``loaded_size``) is the runtime's device bytes after
+    every run, including runs whose budget moved blocks between the device and host memory at their first call."""
+    from h3_blackwell.runtime.budget import ModelMemory, smallest_budget
+
+    case = CASES["fl2va_first_last"]
+    _, rt = runtimes(_cfg(case))
+    handle = cm.RuntimeHandle(rt)
+    sched = torch.tensor([1.0, 0.8, 0.0])
+    budgets = []
+    try:
+        for budget in ("auto", None, "auto"):  # None: the smallest budget of this run (every block streams)
+            if budget is None:
+                least = smallest_budget(ModelMemory.from_plan(rt.plan), rt.plan.memory.workload, "cpu")
+                budget = repr(least / 1e9)
+            rt.plan.options.vram_budget = budget
+            _sample_run(handle, case, sched, {})
+            budgets.append((len(rt.plan.memory.streamed), handle.size))
+            assert handle.size == rt.device_bytes(), (budget, handle.size, rt.device_bytes())
+    finally:
+        rt.plan.options.vram_budget = "auto"
+    assert budgets[1][0] > 0 == budgets[0][0] and budgets[1][1] != budgets[0][1]  # the middle run streamed
+
+
+def test_a_dropped_fun_tower_is_freed(runtimes):
+    """A run without core's Fun ControlNet after one with it drops the tower: nothing keeps it alive (the last
+    run's report keeps its summary, not the tower), so a later budget does not count it as held."""
+    import gc
+
+    import control_cases
+    from fixtures.tiny_control import tiny_control_state_dict
+
+    case = control_cases.make_cases()["hint24_keyframes"]
+    cfg = TINY.replace(text_dim=control_cases.TEXT_DIM)
+    _, rt = runtimes(cfg)
+    csd = tiny_control_state_dict(cfg, len(case["places"]), seed=11)
+    patch = MiniMaxH3FunControlPatch(_core_tower(cfg, case["places"], csd), case["control"], case["video"].shape)
+    payload, masks, to = core_kwargs(case)
+    to.update(_fun_options(patch, case["places"], case["sigma"]))
+    handle = cm.RuntimeHandle(rt)
+    dm = cm.H3DiffusionModel(handle)
+    t = torch.tensor([case["sigma"]], dtype=torch.float32) * 1000
+    dm([case["video"], case["audio"]], t, case["text_states"], transformer_options=to, minimax_payload=payload,
+       **masks)
+    handle.end_sampling()
+    assert len(rt.plan.towers) == 1 and handle.call.report(case["video"], case["audio"])["control"]
+
+    class Plain:
+        patches, object_patches, hook_patches, weight_wrapper_patches = {}, {}, {}, {}
+        model_options = {"transformer_options": {}}
+
+    handle.begin_sampling(Plain())
+    gc.collect()
+    assert len(rt.plan.towers) == 0 and handle.size == rt.device_bytes()

@@ -109,11 +109,13 @@ def test_lora_merged_bytes_stream_and_side_paths_run_beside_them(lora_file, mode
     side = side_device_bytes(resident.model, resident.device)  # side paths: held beside the budget's estimate
     assert (side > 0) == (mode == "side")
     rt = _load(kw, _all_streamed_budget(kw) + side)
-    plain = report_hashes(sample(rt, *_inputs(), seed=2, steps=STEPS))  # slots now hold the plain bytes
+    plain = report_hashes(sample(rt, *_inputs(), seed=2, steps=STEPS))  # merge: slots now hold the plain bytes
     L.apply_loras(rt, [(str(lora_file), 0.7, mode)])
     want = report_hashes(sample(resident, *_inputs(), seed=2, steps=STEPS))
     assert want != plain
-    assert report_hashes(sample(rt, *_inputs(), seed=2, steps=STEPS)) == want  # merged host bytes copied again
+    got = sample(rt, *_inputs(), seed=2, steps=STEPS)
+    assert report_hashes(got) == want  # merge: the merged host bytes are copied again
+    assert got.report["memory"]["streamed_blocks"] == [0, 1, 2]  # side: every block streams beside the side paths
     L.remove_loras(rt)
     assert isinstance(rt.ops, StreamOps) and report_hashes(sample(rt, *_inputs(), seed=2, steps=STEPS)) == plain
 
@@ -226,7 +228,7 @@ def test_lora_side_paths_count_against_the_budget(lora_file):
     want = sample(rt, *_inputs(), seed=2, steps=STEPS)
     total = want.report["memory"]["estimate"]["total_bytes"]
     side = side_device_bytes(rt.model, rt.device)
-    assert side > 0 and "side paths" not in want.report["memory"]["budget"]  # auto: nothing taken off
+    assert side > 0
     budget = total + side - 1  # the run and the side paths together, less a byte
     rt.plan.options.vram_budget = _gb(budget)
     got = sample(rt, *_inputs(), seed=2, steps=STEPS)
@@ -237,3 +239,29 @@ def test_lora_side_paths_count_against_the_budget(lora_file):
     L.remove_loras(rt)
     assert side_device_bytes(rt.model, rt.device) == 0
     assert "side paths" not in sample(rt, *_inputs(), seed=2, steps=STEPS).report["memory"]["budget"]
+
+
+def test_a_budget_too_small_beside_side_paths_names_one_that_runs(lora_file):
+    """Where side paths make a budget too small, the error names the budget that runs with them (the run's smallest
+    plus the side bytes) and says nothing moved; that budget then runs."""
+    import re
+
+    from h3_blackwell.runtime.budget import BudgetError
+    from h3_blackwell.runtime.lora.merge import side_device_bytes
+
+    kw = STACKS["w4a8"]
+    least = _all_streamed_budget(kw)
+    rt = _load(kw)
+    L.apply_loras(rt, [(str(lora_file), 0.7, "side")])
+    want = report_hashes(sample(rt, *_inputs(), seed=2, steps=STEPS))
+    side = side_device_bytes(rt.model, rt.device)
+    rt.plan.options.vram_budget = _gb(least)  # enough without the side paths, too little beside them
+    with pytest.raises(BudgetError) as e:
+        sample(rt, *_inputs(), seed=2, steps=STEPS)
+    msg = str(e.value)
+    assert "merge mode" in msg and "nothing moved" in msg and "nothing was loaded" not in msg, msg
+    named = float(re.search(r"H3_VRAM_BUDGET to ([0-9.]+) or more", msg).group(1)) * 1e9
+    assert named >= least + side
+    rt.plan.options.vram_budget = repr(named / 1e9)
+    got = sample(rt, *_inputs(), seed=2, steps=STEPS)
+    assert report_hashes(got) == want and got.report["memory"]["outside_bytes"] == side
