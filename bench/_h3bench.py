@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
+import shlex
 import subprocess
 import sys
 import types
@@ -133,6 +135,13 @@ def bench_copy(dev, nbytes: int, iters: int, warmup: int) -> dict:
 def err_text(e: BaseException) -> str:
     """The error of a bench section that could not run, as recorded in its JSON."""
     return describe(e, 400)
+
+
+def bench_command(argv=None) -> str:
+    """How the bench ran, for its JSON: the ``H3_*`` environment (the runtime options it read), then python3, the
+    script and ``argv`` (the arguments main() was given; default the command line's)."""
+    env = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items()) if k.startswith("H3_")]
+    return " ".join([*env, "python3", *(shlex.quote(x) for x in [sys.argv[0], *(argv or sys.argv[1:])])])
 
 
 def versions(**extra) -> dict:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _h3bench import ROOT, build, time_ms, versions, write_json  # noqa: E402
+from _h3bench import ROOT, bench_command, build, time_ms, versions, write_json  # noqa: E402
 
 from h3_blackwell.runtime.options import RuntimeOptions  # noqa: E402
 from h3_blackwell.runtime.sampling.sampler import initial_noise  # noqa: E402
@@ -40,7 +39,7 @@ def main(argv=None) -> int:
         print("needs a CUDA device", file=sys.stderr)
         return 2
     want = {int(b) for b in a.blocks.split(",")}
-    res = {"name": "attention-inmodel-h200", "command": shlex.join(["python3", *sys.argv]),
+    res = {"name": "attention-inmodel-h200", "command": bench_command(argv),
            "date": datetime.datetime.now().isoformat(timespec="seconds"), "device": torch.cuda.get_device_name(),
            "versions": versions()}
     rt = build(RuntimeOptions.from_env(device="cuda", attention=a.attention), 0)

@@ -30,7 +30,6 @@ import datetime
 import json
 import os
 import platform
-import shlex
 import statistics
 import subprocess
 import sys
@@ -41,7 +40,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _h3bench import ROOT, build, component, is_annotation, write_json  # noqa: E402
+from _h3bench import ROOT, bench_command, build, component, is_annotation, write_json  # noqa: E402
 from _sparse_bench import canonical_sparse  # noqa: E402
 
 import torch.nn.functional as F  # noqa: E402
@@ -191,8 +190,7 @@ def main(argv=None) -> int:
     name = "canonical-h200-sparse" if sparse else "canonical-h200"
     out = Path(a.out or ROOT / "bench" / "results" / f"{name}.json")
     res = {"name": name,
-           "command": " ".join([*(f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items()) if k.startswith("H3_")),
-                                "python3", *(shlex.quote(x) for x in [sys.argv[0], *(argv or sys.argv[1:])])]),
+           "command": bench_command(argv),
            "date": datetime.datetime.now().isoformat(timespec="seconds"),
            "device": torch.cuda.get_device_name(),
            "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()}}

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _h3bench import ROOT, build, versions, write_json  # noqa: E402
+from _h3bench import ROOT, bench_command, build, versions, write_json  # noqa: E402
 
 from h3_blackwell.runtime.io.control import ControlSpec, load_control  # noqa: E402
 from h3_blackwell.runtime.model.conditioning import ControlHint, H3Conditioning  # noqa: E402
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     out = Path(a.out)
     cuda = torch.cuda.is_available()
     cfg = TINY if a.tiny else FULL
-    res = {"name": "canonical-h200-control", "command": " ".join(["python3", *sys.argv]),
+    res = {"name": "canonical-h200-control", "command": bench_command(argv),
            "date": datetime.datetime.now().isoformat(timespec="seconds"),
            "device": torch.cuda.get_device_name() if cuda else "cpu", "versions": versions()}
     t0 = time.perf_counter()
@@ -128,9 +128,7 @@ def main(argv=None) -> int:
                                                   for b in tower.control_blocks
                                                   for p, n in (("attn", "qkv_proj"), ("attn", "out_proj"),
                                                                ("mlp", "fc1"), ("mlp", "fc2"))}),
-                    "device_bytes": sum(t.numel() * t.element_size() for t in
-                                        {id(t): t for t in list(tower.parameters()) + list(tower.buffers())}.values()
-                                        if t.device.type != "cpu")}
+                    "device_bytes": tower.device_bytes(rt.device) if cuda else 0}
     if cuda:
         res["tower"]["resident_bytes_after_tower"] = torch.cuda.memory_allocated()
         res["tower"]["resident_bytes_before_tower"] = resident_before

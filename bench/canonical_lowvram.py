@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
-import shlex
 import statistics
 import sys
 import time
@@ -36,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _h3bench import ROOT, err_text, model_spec, versions, write_json  # noqa: E402
+from _h3bench import ROOT, bench_command, err_text, model_spec, versions, write_json  # noqa: E402
 
 from h3_blackwell.runtime import RuntimeOptions, run, tensor_job  # noqa: E402
 from h3_blackwell.runtime.budget import (SLOTS, ModelMemory, Workload, activation_phases, budget_arg,  # noqa: E402
@@ -135,8 +133,7 @@ def main(argv=None) -> int:
     name = "canonical-h200-lowvram" + ("-quick" if a.quick else "")
     out = Path(a.out or ROOT / "bench" / "results" / f"{name}.json")
     res = {"name": name,
-           "command": " ".join([*(f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items()) if k.startswith("H3_")),
-                                "python3", *(shlex.quote(x) for x in [sys.argv[0], *(argv or sys.argv[1:])])]),
+           "command": bench_command(argv),
            "date": datetime.datetime.now().isoformat(timespec="seconds"), "device": torch.cuda.get_device_name(),
            "versions": versions(), "blocks": cfg.num_layers, "steps": steps,
            "workload": {"resolution": [1344, 768], "frames": 124, "packed_rows": 37810, "seed": SEED,

@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import os
-import shlex
 import statistics
 import sys
 import time
@@ -33,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _h3bench import ROOT, build, err_text, versions, write_json  # noqa: E402
+from _h3bench import ROOT, bench_command, build, err_text, versions, write_json  # noqa: E402
 
 from h3_blackwell.runtime.model.config import FULL, TINY  # noqa: E402
 from h3_blackwell.runtime.options import RuntimeOptions  # noqa: E402
@@ -175,8 +173,7 @@ def main(argv=None) -> int:
     check_degree(n, (TINY if a.smoke else FULL).num_heads, "cpu" if a.smoke else "cuda")  # before anything is built
     out = Path(a.out or ROOT / "bench" / "results" / (f"canonical-h200x{n}.json" if n > 1 else "canonical-h200-sp1.json"))
     res = {"name": out.stem,
-           "command": " ".join([*(f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items()) if k.startswith("H3_")),
-                                "python3", *(shlex.quote(x) for x in [sys.argv[0], *(argv or sys.argv[1:])])]),
+           "command": bench_command(argv),
            "date": datetime.datetime.now().isoformat(timespec="seconds"),
            "devices": ["cpu"] * n if a.smoke else [torch.cuda.get_device_name(i) for i in range(n)],
            "versions": versions(**({} if a.smoke else {"nccl": ".".join(map(str, torch.cuda.nccl.version()))})),

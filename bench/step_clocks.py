@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import shlex
 import statistics
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _h3bench import ROOT, build, component, is_annotation, time_ms, versions, write_json  # noqa: E402
+from _h3bench import ROOT, bench_command, build, component, is_annotation, time_ms, versions, write_json  # noqa: E402
 
 from h3_blackwell.runtime.options import RuntimeOptions  # noqa: E402
 from h3_blackwell.runtime.sampling.sampler import initial_noise  # noqa: E402
@@ -108,7 +107,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
-    res = {"name": "step-clocks-h200", "command": shlex.join(["python3", *sys.argv]),
+    res = {"name": "step-clocks-h200", "command": bench_command(argv),
            "date": datetime.datetime.now().isoformat(timespec="seconds"), "device": torch.cuda.get_device_name(),
            "versions": versions()}
     try:

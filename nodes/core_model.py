@@ -25,8 +25,8 @@ this module needs no ComfyUI):
   names every weight as core would (meta tensors), so core's LoRA loaders find their keys.
 - ``H3ModelPatcher`` is core's ``ModelPatcher`` whose weight work goes to the runtime: ``model_size`` is what the
   runtime holds on the device (``H3Runtime.device_bytes``: weights, stream buffers, GEMM scratch, LoRA side
-  paths) plus the Fun ControlNet tower it holds; loading makes sure the runtime is resident; an unload from a CUDA device releases it
-  (the next load reads the file again); at sampling start (``pre_run``) the LoRA records on the patcher are
+  paths) plus the Fun ControlNet tower it holds; loading makes sure the runtime is resident; an unload from a
+  CUDA device releases it (the next load reads the file again); at sampling start (``pre_run``) the LoRA records on the patcher are
   applied through the runtime's LoRA machinery (``core_patches.lora_specs``) and anything it cannot honour is
   refused (``core_patches``); ``cleanup`` closes the run, whose report ``H3 Model Run Report`` reads.
 """

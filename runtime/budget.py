@@ -560,7 +560,8 @@ def _resolve_budget(requested: int | None, dev: DeviceMemory, held_bytes: int, o
 
 
 def _plan(mm: ModelMemory, wl: Workload, dev: DeviceMemory, budget: int, text: str, resident: int,
-          chunk: int | None, smallest: int | None, emulated: bool, tower_streams: bool = False) -> MemoryPlan:
+          chunk: int | None, smallest: int | None, emulated: bool, tower_streams: bool = False,
+          outside_bytes: int = 0) -> MemoryPlan:
     n = mm.cfg.num_layers
     res = spread(n, resident)
     streamed = tuple(j for j in range(n) if j not in set(res))
@@ -568,7 +569,7 @@ def _plan(mm: ModelMemory, wl: Workload, dev: DeviceMemory, budget: int, text: s
     tower_host = wl.tower.blocks * tower_block_bytes(mm, wl.tower) if tower_streams else 0
     return MemoryPlan(budget, text, res, streamed, SLOTS, chunk, est, wl, mm.block_bytes, len(streamed) * mm.block_bytes,
                       mm.adaln_host_bytes, smallest, dev.kind, emulated, row_local=mm.ffn_row_local_why,
-                      tower_streams=tower_streams, tower_host_bytes=tower_host)
+                      tower_streams=tower_streams, tower_host_bytes=tower_host, outside_bytes=outside_bytes)
 
 
 def smallest_budget(mm: ModelMemory, wl: Workload, device_kind: str = "cuda") -> int:
@@ -603,35 +604,32 @@ def decide(mm: ModelMemory, wl: Workload, dev: DeviceMemory, requested: int | No
     extra = sum(o.nbytes for o in outside) if requested is not None else 0
     full = estimate(mm, wl, n, SLOTS, None, dev.kind)
     if full.total <= budget:
-        return _outside(_plan(mm, wl, dev, budget, text, n, None, None, False), extra)
+        return _plan(mm, wl, dev, budget, text, n, None, None, False, outside_bytes=extra)
     smallest = smallest_budget(mm, wl, dev.kind) + extra
     ts = wl.tower is not None  # past "everything resident", the control tower streams first (it runs 5 or 10 blocks)
     chunks = [None] + (chunk_options(wl.rows, dev.kind) if mm.ffn_row_local else [])
     for chunk in chunks:
         if (chunk is not None or ts) and estimate(mm, wl, n, SLOTS, chunk, dev.kind, ts).total <= budget:
-            p = _outside(_plan(mm, wl, dev, budget, text, n, chunk, smallest, emulated, ts), extra)
+            p = _plan(mm, wl, dev, budget, text, n, chunk, smallest, emulated, ts, extra)
             _check_host(p, host_free, host_held_bytes, unchanged)
             return p
         base = estimate(mm, wl, 0, SLOTS, chunk, dev.kind, ts).total
         if base > budget:
             continue
         resident = min(n - 1, (budget - base) // mm.block_bytes) if mm.block_bytes else n
-        p = _outside(_plan(mm, wl, dev, budget, text, int(resident), chunk, smallest, emulated, ts), extra)
+        p = _plan(mm, wl, dev, budget, text, int(resident), chunk, smallest, emulated, ts, extra)
         _check_host(p, host_free, host_held_bytes, unchanged)
         return p
     what = "auto (the free device memory less the margin)" if requested is None else "the budget"
     raise BudgetError(
         f"{text}: too small for {wl.describe()}: even with every block streamed and the smallest activation "
-        f"chunking the run needs {gb(smallest - extra)} ({estimate(mm, wl, 0, SLOTS, chunks[-1], dev.kind, ts).describe()})"
+        f"chunking the run needs {gb(smallest - extra)} "
+        f"({estimate(mm, wl, 0, SLOTS, chunks[-1], dev.kind, ts).describe()})"
         f"{f', and {gb(extra)} more is held beside it' if extra else ''}; {what} must be at least {gb(smallest)}: set "
         f"--vram-budget / H3_VRAM_BUDGET to {budget_arg(smallest)} or more"
         f"{''.join(f', {o.advice}' for o in outside if o.nbytes and o.advice)}, or lower the width, height or frames "
         f"({unchanged})")
 
-
-def _outside(p: MemoryPlan, extra: int) -> MemoryPlan:
-    p.outside_bytes = extra
-    return p
 
 
 def budget_arg(nbytes: int) -> str:

@@ -51,7 +51,7 @@ from .ops.block_ops import build_ops
 from .ops.gemm_backends import Scratch
 from .ops.linear import Nvfp4Linear
 from .ops.sparse_attention import SparseStepAttention
-from .ops.streaming import BlockStreamer, StreamOps
+from .ops.streaming import BlockStreamer, StreamOps, module_device_bytes
 from .options import RuntimeOptions
 from .plan import LoadPlan, make_plan
 
@@ -239,13 +239,10 @@ class H3Runtime:
         linears sit in host memory between blocks), the streamer's block buffers, the GEMM scratch as the runs so
         far have grown it, and the LoRA side paths. A Fun ControlNet tower counts its own
         (``FunControl.device_bytes``)."""
-        dev = torch.device(self.device)
-        m = self.model
-        held = sum(t.nbytes for t in list(m.parameters()) + list(m.buffers())
-                   if t.device.type == dev.type and (dev.index is None or t.device.index in (None, dev.index)))
         scratch = self.plan.scratch.nbytes() if self.plan.scratch is not None else 0
-        return (held + (0 if self.streamer is None else self.streamer.device_bytes) + scratch
-                + side_device_bytes(m, dev))
+        streams = 0 if self.streamer is None else self.streamer.device_bytes
+        m, dev = self.model, self.device
+        return module_device_bytes(m, dev) + streams + scratch + side_device_bytes(m, dev)
 
     def describe(self) -> str:
         lines = self.plan.describe().splitlines()

@@ -34,6 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import H3Error
+from ..ops.streaming import module_device_bytes
 from .block import DiTBlock
 from .conditioning import ControlHint
 from .config import H3Config
@@ -97,9 +98,7 @@ class FunControl(nn.Module):
     def device_bytes(self, device: torch.device) -> int:
         """Bytes the tower holds on ``device``'s type: its tensors there and, where its blocks stream, its
         streamer's device buffers (the streamed linears themselves sit in host memory between blocks)."""
-        held = sum(t.numel() * t.element_size() for t in list(self.parameters()) + list(self.buffers())
-                   if t.device.type == torch.device(device).type)
-        return held + (0 if self.streamer is None else self.streamer.device_bytes)
+        return module_device_bytes(self, device) + (0 if self.streamer is None else self.streamer.device_bytes)
 
     @property
     def version(self) -> str:

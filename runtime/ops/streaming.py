@@ -43,6 +43,14 @@ class _StepStats:
     stalls: list = field(default_factory=list)  # (start event, end event) on the compute stream
 
 
+def module_device_bytes(module: nn.Module, device: torch.device) -> int:
+    """Bytes of ``module``'s parameters and buffers on ``device`` (its type, and its index where both name one);
+    a streamed block's linears, in host memory between blocks, are not among them."""
+    dev = torch.device(device)
+    return sum(t.nbytes for t in list(module.parameters()) + list(module.buffers())
+               if t.device.type == dev.type and (dev.index is None or t.device.index in (None, dev.index)))
+
+
 class BlockStreamer:
     """The streamed blocks of one model on one device (module docstring). ``streamed``: block indices."""
 

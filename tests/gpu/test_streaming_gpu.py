@@ -131,7 +131,8 @@ def test_device_bytes_is_what_the_load_allocated(source, workload):
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated() - before
     assert rt.plan.memory.streamed == (0, 1, 2, 3) and rt.streamer.device_bytes > 0.05 * held
-    print(f"\nallocated by the load {held}, device_bytes {rt.device_bytes()}, stream buffers {rt.streamer.device_bytes}")
+    print(f"\nallocated by the load {held}, device_bytes {rt.device_bytes()}, "
+          f"stream buffers {rt.streamer.device_bytes}")
     assert abs(rt.device_bytes() - held) <= 0.02 * held
     sample(rt, *_inputs(), seed=3, steps=1)  # a run grows the GEMM scratch, which stays for the next
     torch.cuda.synchronize()

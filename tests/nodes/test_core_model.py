@@ -184,11 +184,7 @@ def test_one_plan_per_run_and_every_call_counted(runtimes):
     dm = cm.H3DiffusionModel(handle)
     sched = torch.tensor([1.0, 0.8, 0.5, 0.0])
 
-    class Patcher:  # what begin_sampling reads from core's ModelPatcher
-        patches, object_patches, hook_patches, weight_wrapper_patches = {}, {}, {}, {}
-        model_options = {"transformer_options": {}}
-
-    handle.begin_sampling(Patcher())
+    handle.begin_sampling(_patcher())
     payload, _, to = core_kwargs(case, sched)  # one payload object per run, as core's CONDConstant hands it
     for s in (1.0, 0.8, 0.65, 0.5):  # 0.65: a sampler's intermediate point
         dm([case["video"], case["audio"]], torch.tensor([s]) * 1000, case["text_states"], transformer_options=to,
@@ -596,17 +592,22 @@ def test_loader_model_output_without_core_h3():
     release_resident()
 
 
+def _patcher(to_extra=None):
+    """What begin_sampling reads from core's ModelPatcher: no patches, these transformer_options."""
+    class Patcher:
+        patches, object_patches, hook_patches, weight_wrapper_patches = {}, {}, {}, {}
+        model_options = {"transformer_options": dict(to_extra or {})}
+
+    return Patcher()
+
+
 # ---------------------------------------------------------------------------------------------
 # the LOSSY options follow the calls
 # ---------------------------------------------------------------------------------------------
 
 def _sample_run(handle, case, sched, to_extra):
-    class Patcher:
-        patches, object_patches, hook_patches, weight_wrapper_patches = {}, {}, {}, {}
-        model_options = {"transformer_options": dict(to_extra)}
-
     dm = cm.H3DiffusionModel(handle)
-    handle.begin_sampling(Patcher())
+    handle.begin_sampling(_patcher(to_extra))
     payload, _, to = core_kwargs(case, sched)
     outs = [dm([case["video"], case["audio"]], torch.tensor([float(s)]) * 1000, case["text_states"],
                transformer_options=to, minimax_payload=payload) for s in sched[:-1]]
@@ -689,15 +690,11 @@ def _core_tower(cfg, places, csd):
     return m
 
 
-@pytest.mark.parametrize("name", ["hint24_keyframes", "narrow_window_fades", "outside_window"])
-def test_core_fun_controlnet_runs_as_the_pack_tower(name, runtimes):
-    """MiniMaxH3FunControlNetApply's records on the H3 MODEL: the pack runs core's tower weights with core's hint,
-    window, strength and fades; the result is core's (the float64 oracle of core's control semantics,
-    tests/oracles/core_control.py), outside the window exactly the uncontrolled evaluation."""
+def _fun_call(runtimes, name):
+    """One control case recorded as MiniMaxH3FunControlNetApply records it -> (case, model path, runtime, the
+    tower's state dict, (payload, masks, transformer_options) of the call)."""
     import control_cases
-    import core_control
     from fixtures.tiny_control import tiny_control_state_dict
-    from safetensors.torch import load_file
 
     case = control_cases.make_cases()[name]
     cfg = TINY.replace(text_dim=control_cases.TEXT_DIM)
@@ -706,6 +703,18 @@ def test_core_fun_controlnet_runs_as_the_pack_tower(name, runtimes):
     patch = MiniMaxH3FunControlPatch(_core_tower(cfg, case["places"], csd), case["control"], case["video"].shape)
     payload, masks, to = core_kwargs(case)
     to.update(_fun_options(patch, case["places"], case["sigma"]))
+    return case, path, rt, csd, (payload, masks, to)
+
+
+@pytest.mark.parametrize("name", ["hint24_keyframes", "narrow_window_fades", "outside_window"])
+def test_core_fun_controlnet_runs_as_the_pack_tower(name, runtimes):
+    """MiniMaxH3FunControlNetApply's records on the H3 MODEL: the pack runs core's tower weights with core's hint,
+    window, strength and fades; the result is core's (the float64 oracle of core's control semantics,
+    tests/oracles/core_control.py), outside the window exactly the uncontrolled evaluation."""
+    import core_control
+    from safetensors.torch import load_file
+
+    case, path, rt, csd, (payload, masks, to) = _fun_call(runtimes, name)
     dm = diffusion_model(rt)
     x = [case["video"], case["audio"]]
     t = torch.tensor([case["sigma"]], dtype=torch.float32) * 1000
@@ -867,16 +876,7 @@ def test_a_dropped_fun_tower_is_freed(runtimes):
     run's report keeps its summary, not the tower), so a later budget does not count it as held."""
     import gc
 
-    import control_cases
-    from fixtures.tiny_control import tiny_control_state_dict
-
-    case = control_cases.make_cases()["hint24_keyframes"]
-    cfg = TINY.replace(text_dim=control_cases.TEXT_DIM)
-    _, rt = runtimes(cfg)
-    csd = tiny_control_state_dict(cfg, len(case["places"]), seed=11)
-    patch = MiniMaxH3FunControlPatch(_core_tower(cfg, case["places"], csd), case["control"], case["video"].shape)
-    payload, masks, to = core_kwargs(case)
-    to.update(_fun_options(patch, case["places"], case["sigma"]))
+    case, _, rt, _, (payload, masks, to) = _fun_call(runtimes, "hint24_keyframes")
     handle = cm.RuntimeHandle(rt)
     dm = cm.H3DiffusionModel(handle)
     t = torch.tensor([case["sigma"]], dtype=torch.float32) * 1000
@@ -885,10 +885,6 @@ def test_a_dropped_fun_tower_is_freed(runtimes):
     handle.end_sampling()
     assert len(rt.plan.towers) == 1 and handle.call.report(case["video"], case["audio"])["control"]
 
-    class Plain:
-        patches, object_patches, hook_patches, weight_wrapper_patches = {}, {}, {}, {}
-        model_options = {"transformer_options": {}}
-
-    handle.begin_sampling(Plain())
+    handle.begin_sampling(_patcher())
     gc.collect()
     assert len(rt.plan.towers) == 0 and handle.size == rt.device_bytes()
