@@ -27,6 +27,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -117,6 +118,12 @@ def cost_model(single_step: float, n: int, blocks: int, hidden_bytes: int, sp: d
     return out
 
 
+def _peak(values) -> Optional[int]:
+    """The largest of a rank's per-run peaks; None where the runs had none (the CPU smoke: no device allocator)."""
+    got = [v for v in values if v is not None]
+    return max(got) if got else None
+
+
 def sequence_parallel(a, res: dict, single: tuple, out: Path) -> None:
     # the workers import this file as the module ``canonical_sp`` (the bench folder is on their sys.path); a
     # function of ``__main__`` could not be found there
@@ -133,9 +140,9 @@ def sequence_parallel(a, res: dict, single: tuple, out: Path) -> None:
         "median_step_seconds": sp["median_step_seconds_all_ranks"],
         "median_step_seconds_rank0": _median_step(rep),
         "per_step_seconds_per_rank": {r["rank"]: [run["per_step_seconds"] for run in r["runs"]] for r in sp["ranks"]},
-        "peak_allocated_bytes_per_rank": {r["rank"]: max(run["peak_allocated_bytes"] for run in r["runs"])
+        "peak_allocated_bytes_per_rank": {r["rank"]: _peak(run["peak_allocated_bytes"] for run in r["runs"])
                                           for r in sp["ranks"]},
-        "peak_reserved_bytes_per_rank": {r["rank"]: max(run["peak_reserved_bytes"] for run in r["runs"])
+        "peak_reserved_bytes_per_rank": {r["rank"]: _peak(run["peak_reserved_bytes"] for run in r["runs"])
                                          for r in sp["ranks"]},
         "all_to_all_seconds_per_step": statistics.median(s for run in runs for s in run["all_to_all_seconds_per_step"]),
         "all_to_all_bytes_per_block": sp["all_to_all"]["bytes_per_block"],
