@@ -212,9 +212,11 @@ class H3Model(nn.Module):
 
     # -- pieces computed once per run ----------------------------------------------------------
     def refine_text(self, text_states: torch.Tensor) -> torch.Tensor:
-        """[1, L, text_dim] Qwen states -> [L, hidden] refined rows; rows already at hidden width pass through."""
+        """[1, L, text_dim] Qwen states -> [L, hidden] refined rows. Rows already at hidden width pass through as
+        refined, whatever text_dim is: core tells refined rows by their width alone, so a checkpoint with
+        text_dim == hidden_size never runs condition_proj or the refiner there, and here neither."""
         x = text_states[0].to(self.device)
-        if x.shape[-1] == self.cfg.hidden_size and self.cfg.text_dim != self.cfg.hidden_size:
+        if x.shape[-1] == self.cfg.hidden_size:
             return x.to(self.dtype)
         if x.shape[-1] != self.cfg.text_dim:
             raise ValueError(f"text states have width {x.shape[-1]}; this model expects {self.cfg.text_dim} "

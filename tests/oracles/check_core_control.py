@@ -16,6 +16,10 @@ and the sampler's sigma in ``transformer_options["sigmas"]``, the hint latent ha
 prepared ``control_latent``. The hint preparation itself (``nodes.control.prepare_hint``) is compared with the
 patch's own ``prepare_control_latent`` on a stand-in VAE (``hints`` in the JSON). Cases: tests/oracles/control_cases.py
 (the masked one needs a model.py with denoise masks and is skipped when the checkout's has none).
+
+``--configs NAME,...`` (or ``all``) runs every case at each configuration of ``configs.CONTROL_CONFIGS`` instead of
+the one tiny config: a base configuration (core's names) and the places of the control blocks (None: each case's
+own); the tower is built at the base's block dimensions, in curve form where the configuration is.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 import check_core  # noqa: E402
+import configs  # noqa: E402
 import control_cases  # noqa: E402
 import core_control  # noqa: E402
 
@@ -48,11 +53,11 @@ def _load_patch_module(path: str):
     return mod
 
 
-def core_tower(csd: dict, places, curve: bool):
+def core_tower(csd: dict, places, curve: bool, c: dict):
+    """Core's MiniMaxH3FunControl at the block dimensions of the configuration ``c`` (core's names)."""
     import comfy.ldm.minimax.controlnet as cn
     import comfy.ops
 
-    c = check_core.CFG
     m = cn.MiniMaxH3FunControl(control_in_dim=49, injection_layers=tuple(places), hidden_size=c["hidden_size"],
                                num_attention_heads=c["num_attention_heads"], attention_head_dim=c["attention_head_dim"],
                                ffn_hidden_size=c["ffn_hidden_size"], time_embed_dim=c["time_embed_dim"],
@@ -62,12 +67,12 @@ def core_tower(csd: dict, places, curve: bool):
     return m.eval().requires_grad_(False)  # as ModelPatchLoader leaves it
 
 
-def run_core(case, sd, csd, patch_mod):
-    curve = case["base"] == "curve"
-    m = check_core.core_model(curve, sd)
+def run_core(case, sd, csd, patch_mod, cfg: dict):
+    grid = configs.curve_grid(cfg, case)
+    m = check_core.core_model(sd, dict(cfg, adaln_curve_grid=grid))
     ctl = case["control"]
     patch = patch_mod.MiniMaxH3FunControlPatch(
-        types.SimpleNamespace(model=core_tower(csd, case["places"], curve)), None, None, None, None,
+        types.SimpleNamespace(model=core_tower(csd, case["places"], grid is not None, cfg)), None, None, None, None,
         ctl.get("strength", 1.0), ctl.get("sigma_start", 1.0), ctl.get("sigma_end", 0.0),
         ctl.get("fade_in_frames", 0), ctl.get("fade_out_frames", 0))
     patch.control_latent = ctl["hint"].float()
@@ -87,7 +92,8 @@ def run_core(case, sd, csd, patch_mod):
     return v, a, patch.active
 
 
-def run_runtime(case, sd, csd):
+def run_runtime(case, sd, csd, cfg):
+    """The runtime (H3Config ``cfg``) with the tower loaded from a file of ``csd`` as ModelPatchLoader reads it."""
     from h3_blackwell.runtime import RuntimeOptions, bind_control
     from h3_blackwell.runtime.io.payload import conditioning_from_payload
     from h3_blackwell.runtime.io.control import load_control
@@ -95,14 +101,13 @@ def run_runtime(case, sd, csd):
     from h3_blackwell.runtime.sampling.schedule import model_sigma
     from safetensors.torch import save_file
 
-    cfg = base_config(case)
     m = H3Model(cfg, torch.float32)
     m.load_state_dict(sd)
     cond = conditioning_from_payload({**case["payload"], "control": case["control"]})
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "tower.safetensors"
         meta = {"control_blocks_places": json.dumps(list(case["places"]))}
-        if case["base"] == "curve":
+        if cfg.curve_form:
             meta["minimax_h3_fun_controlnet"] = "adaln_basis"
         save_file({k: v.contiguous() for k, v in csd.items()}, str(path), metadata=meta)
         plan_like = types.SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32, quantize=False,
@@ -162,11 +167,42 @@ def check_hints(patch_mod) -> dict:
     return out
 
 
-def base_config(case):
-    from h3_blackwell.runtime.model.config import TINY
+def check_config(cfg: dict, places, patch_mod, masks_ok: bool) -> dict:
+    """Every control case at the base configuration ``cfg`` (core's names) with the control blocks at ``places``
+    (None: each case's own) -> {case: record}."""
+    from fixtures.tiny_control import tiny_control_state_dict
+    from h3_blackwell.runtime.model.tiny import tiny_state_dict
 
-    return TINY.replace(text_dim=control_cases.TEXT_DIM,
-                        adaln_curve_grid=control_cases.CURVE_GRID if case["base"] == "curve" else 0)
+    rel = check_core.rel_l2
+    out = {}
+    for name, case in control_cases.make_cases().items():
+        if (case["payload"].get("denoise_mask") is not None or case["payload"].get("audio_denoise_mask") is not None) \
+                and not masks_ok:
+            out[name] = {"skipped": "this checkout's model.py has no denoise masks"}
+            continue
+        case = configs.adapt_case(dict(case, places=tuple(places or case["places"])), cfg, seed=len(name))
+        rcfg = configs.runtime_config(cfg, configs.curve_grid(cfg, case))
+        sd = tiny_state_dict(rcfg, seed=1)
+        csd = tiny_control_state_dict(rcfg, len(case["places"]), seed=11)
+        cv, ca, active = run_core(case, sd, csd, patch_mod, cfg)
+        ov, oa = core_control.core_forward_control(sd, csd, case["places"], case["video"], case["audio"],
+                                                   case["text_states"], case["sigma"], case["control"],
+                                                   token_tags=case["token_tags"], payload=case["payload"])
+        rv, ra = run_runtime(case, sd, csd, rcfg)
+        bv, _ = core_control.o.core_forward(sd, case["video"], case["audio"], case["text_states"], case["sigma"],
+                                           token_tags=case["token_tags"], payload=case["payload"])
+        rec = {"core_active": bool(active), "places": list(case["places"]),
+               "core_vs_oracle_video": rel(cv, ov), "core_vs_oracle_audio": rel(ca, oa),
+               "runtime_vs_core_video": rel(rv, cv), "runtime_vs_core_audio": rel(ra, ca),
+               "control_effect_video": rel(bv, ov)}
+        out[name] = rec
+        print(name, json.dumps(rec))
+    return out
+
+
+def _worst(records: dict) -> float:
+    return max((v for r in records.values() for k, v in r.items() if k.startswith(("core_vs", "runtime_vs"))),
+               default=0.0)
 
 
 def main(argv=None) -> int:
@@ -174,43 +210,38 @@ def main(argv=None) -> int:
     ap.add_argument("--patch-module", required=True)
     ap.add_argument("--json")
     ap.add_argument("--note", default="")
+    ap.add_argument("--configs", default="",
+                    help=f"comma-separated names of configs.CONTROL_CONFIGS or 'all' "
+                         f"({', '.join(configs.CONTROL_CONFIGS)})")
     a = ap.parse_args(argv)
     sys.path.insert(0, os.getcwd())  # the ComfyUI checkout
     from comfy.cli_args import args as comfy_args
 
     comfy_args.cpu = True
     import comfy.ldm.minimax.model as mm
-    from fixtures.tiny_control import tiny_control_state_dict
-    from h3_blackwell.runtime.model.tiny import tiny_state_dict
 
+    names = list(configs.CONTROL_CONFIGS) if a.configs == "all" else [n for n in a.configs.split(",") if n]
+    unknown = [n for n in names if n not in configs.CONTROL_CONFIGS]
+    if unknown:
+        ap.error(f"--configs: unknown {unknown}; known: {', '.join(configs.CONTROL_CONFIGS)}")
     patch_mod = _load_patch_module(a.patch_module)
     masks_ok = "denoise_mask" in inspect.signature(mm.MiniMaxH3Model._forward).parameters
-    rel = check_core.rel_l2
     out = {"meta": {"command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "note": a.note,
-                    "torch": torch.__version__, "bound": 1e-5}, "cases": {}}
-    worst = 0.0
-    for name, case in control_cases.make_cases().items():
-        if (case["payload"].get("denoise_mask") is not None or case["payload"].get("audio_denoise_mask") is not None) \
-                and not masks_ok:
-            out["cases"][name] = {"skipped": "this checkout's model.py has no denoise masks"}
-            continue
-        cfg = base_config(case)
-        sd = tiny_state_dict(cfg, seed=1)
-        csd = tiny_control_state_dict(cfg, len(case["places"]), seed=11)
-        cv, ca, active = run_core(case, sd, csd, patch_mod)
-        ov, oa = core_control.core_forward_control(sd, csd, case["places"], case["video"], case["audio"],
-                                                   case["text_states"], case["sigma"], case["control"],
-                                                   token_tags=case["token_tags"], payload=case["payload"])
-        rv, ra = run_runtime(case, sd, csd)
-        bv, _ = core_control.o.core_forward(sd, case["video"], case["audio"], case["text_states"], case["sigma"],
-                                           token_tags=case["token_tags"], payload=case["payload"])
-        rec = {"core_active": bool(active),
-               "core_vs_oracle_video": rel(cv, ov), "core_vs_oracle_audio": rel(ca, oa),
-               "runtime_vs_core_video": rel(rv, cv), "runtime_vs_core_audio": rel(ra, ca),
-               "control_effect_video": rel(bv, ov)}
-        worst = max(worst, *(v for k, v in rec.items() if k.startswith(("core_vs", "runtime_vs"))))
-        out["cases"][name] = rec
-        print(name, json.dumps(rec))
+                    "torch": torch.__version__, "bound": 1e-5}}
+    if not names:
+        out["cases"] = check_config(configs.BASE, None, patch_mod, masks_ok)
+        worst = _worst(out["cases"])
+    else:
+        out["configs"] = {}
+        for name in names:
+            over, places = configs.CONTROL_CONFIGS[name]
+            print(f"== config {name}: {json.dumps(over)} places {places}")
+            res = check_config(configs.core_config(over), places, patch_mod, masks_ok)
+            out["configs"][name] = {"core_arguments": configs.core_config(over), "places": places,
+                                    "worst": _worst(res), "cases": res}
+        worst = max(c["worst"] for c in out["configs"].values())
+        for name, c in out["configs"].items():
+            print(f"{name:40s} worst {c['worst']:.2e}")
     out["hints"] = check_hints(patch_mod)
     out["worst"] = worst
     out["passed"] = worst <= 1e-5 and all(h["equal"] for h in out["hints"].values())

@@ -28,6 +28,9 @@ What it computes (ComfyUI core, ``comfy/ldm/minimax/model.py`` of Comfy-Org/Comf
   sample_sigmas, start/stop = round((1 - shift(s; video -> 1)) * n), weights dt of linspace(1, 0, n+1)
   under each stream's shift; head = block 0 + sum over j in [max(start, 1), stop) of w_j * block j
 - the output is negated (core's CONST velocity)
+- text states go through condition_proj and the token refiner unless they are as wide as hidden_size: core takes
+  those as refined by their width alone (extra_conds refines once per run), so with text_dim == hidden_size the
+  two are never run
 """
 
 from __future__ import annotations
@@ -413,7 +416,9 @@ def core_forward(sd: dict, video: torch.Tensor, audio: torch.Tensor, text_states
     feats = []
     for kind, f in r.parts:
         if kind == "text":
-            feats.append(refine_text(sd, text_states[0].to(F64), heads, hd, eps))
+            states = text_states[0].to(F64)
+            as_refined = states.shape[-1] == sd["video_patch_proj.weight"].shape[0]
+            feats.append(states if as_refined else refine_text(sd, states, heads, hd, eps))
         elif kind in ("cond", "ref_img", "video"):
             feats.append(linear(f, sd, "video_patch_proj"))
         else:
