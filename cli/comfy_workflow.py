@@ -36,13 +36,19 @@ def is_ui_graph(d) -> bool:
 
 
 def load_workflow(path: str | Path) -> tuple[str, dict]:
-    """('api', prompt) or ('ui', graph); ValueError with the reason otherwise."""
+    """('api', prompt) or ('ui', graph); ValueError with the reason otherwise (a pipe or a device is refused, not
+    read: it could block or never end)."""
+    p = Path(path)
+    if p.exists() and not p.is_file() and not p.is_dir():
+        raise ValueError(f"{path} is not a regular file (a pipe, socket or device); expected a JSON workflow file")
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        data = json.loads(p.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ValueError(f"workflow file not found: {path}") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path} is not a JSON workflow: {e}") from None
+    except RecursionError:
+        raise ValueError(f"{path} is not a JSON workflow: nested too deeply") from None
     if isinstance(data, dict) and is_api_prompt(data.get("prompt")):
         return "api", data["prompt"]  # a saved /prompt request body
     if is_api_prompt(data):
@@ -249,4 +255,7 @@ def apply_overrides(prompt: dict, sets: list[str]) -> None:
             value = json.loads(raw)
         except json.JSONDecodeError:
             value = raw
+        except RecursionError:
+            raise ValueError(f"--set {target}=...: VALUE is JSON nested too deeply; expected a value such as 20, "
+                             "\"text\" or [\"4\", 0]") from None
         prompt[node].setdefault("inputs", {})[name] = value

@@ -14,10 +14,11 @@ from typing import Any
 import torch
 
 from .errors import H3Error
+from .io.atomic import refuse_replacing_inputs
 from .io.finite import is_finite
 from .io.control import load_control, open_control
 from .io.payload import PayloadError, check_control_args, load_payload, read_inputs
-from .model_spec import ModelSpec, open_source, runtime_options, verify_source
+from .model_spec import ModelSpec, open_source, runtime_options, source_files, verify_source
 from .model.conditioning import H3Conditioning
 from .model.control import bind_control
 from .plan import resolve_device, resolve_dtype
@@ -71,6 +72,9 @@ def forward_job(model, inputs: str, *, payload: str | None = None, output: str |
     source, cfg, weight_bytes = open_source(model)
     verify_source(source)
     out = None if output is None else check_output_file(output, "--out")
+    if out is not None:
+        refuse_replacing_inputs([out], {"--model": source_files(source), "--inputs": [inputs], "--payload": [payload],
+                                        "--control": [control]})
     t = _inputs(inputs, cfg)
     cond = load_payload(payload, t)
     check_control_args(control, cond)

@@ -24,6 +24,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from .budget import TowerSize, Workload
+from .io.atomic import refuse_replacing_inputs
 from .io.control import ControlFile, load_control, open_control
 from .io.header import read_header, read_tensors
 from .io.payload import check_control_args, conditioning_from_payload, load_payload, read_inputs
@@ -31,17 +32,19 @@ from .lora.apply import sync_loras
 from .model.conditioning import H3Conditioning
 from .model.config import H3Config
 from .model.layout import FRAME_PER_TOKEN, latent_shapes
-from .model_spec import ModelSpec, lora_specs, open_source, runtime_options, verify_source
+from .model_spec import ModelSpec, lora_specs, open_source, runtime_options, source_files, verify_source
 from .options import RuntimeOptions
 from .parallel import ParallelEnv, check_degree, init_group, launch
 from .plan import requested_device, resolve_device, resolve_dtype
 from .sampling import sampler as sampling
 from .sampling.preview import check_preview_available
 from .sampling.request import (SEED_RANGE, Request, RequestError, check_denoise, check_int, check_latents,
-                               check_memory, check_memory_rows, check_output_dir, check_seed, check_text_states,
-                               defaults_for, latent_rows, resolve_request)
+                               check_memory, check_memory_rows, check_output_dir, check_seed, check_steps,
+                               check_text_states, defaults_for, latent_rows, resolve_request)
 
 RANDOM_TEXT_SEED = 1234  # the random text states of a request without any (make_job)
+# the files `h3-blackwell generate` writes into a job's output folder (cli/commands.py), and with a preview
+OUTPUT_FILES, PREVIEW_FILE = ("latents.safetensors", "report.json"), "preview.webp"
 StepCallback = Callable[[int, int], None]
 
 
@@ -195,7 +198,7 @@ def _sized_request(model: ModelSpec, text_states, text_tokens, size: tuple, step
 def _latents_request(model: ModelSpec, given: dict, steps, path: str) -> Request:
     """The request of an inputs file: its latents are the canvas; checked against the memory."""
     cfg = model.config
-    req = Request(*given["canvas"], defaults_for(cfg)["steps"] if steps is None else check_int("steps", steps),
+    req = Request(*given["canvas"], defaults_for(cfg)["steps"] if steps is None else check_steps(steps),
                   given["text"].shape[1])
     rows = latent_rows(given["video"].shape, given["audio"].shape, req.text_tokens, given["conditioning"])
     check_memory_rows(cfg, rows, req.text_tokens, model.device, model.dtype.itemsize, model.weight_bytes,
@@ -250,6 +253,11 @@ def make_job(model=None, *, seed: int, tiny_seed: int = 0, options: RuntimeOptio
     if write_preview:
         check_preview_available()
     spec.loras = lora_specs(loras)
+    if out is not None:
+        refuse_replacing_inputs([out / n for n in OUTPUT_FILES + ((PREVIEW_FILE,) if write_preview else ())],
+                                {"--model": source_files(source), "--inputs": [inputs], "--text-states": [text_states],
+                                 "--payload": [payload], "--control": [control],
+                                 "--lora": [s.path for s in spec.loras]})
     if given is None:
         given = {"video": None, "audio": None, "conditioning": None, "canvas": (req.width, req.height, req.frames)}
         given["text"], given["tags"] = (_load_text_states(text_states, cfg) if text_states else
@@ -287,7 +295,7 @@ def tensor_job(model, text: torch.Tensor, tags: torch.Tensor | None, video: torc
     check_text_states(text, tags, cfg, sources[0])
     check_latents(video, audio, cfg, sources[1])
     check_seed(int(seed))
-    check_int("steps", int(steps))
+    check_steps(int(steps))
     if isinstance(conditioning, Mapping):
         conditioning = conditioning_from_payload(conditioning)
     if conditioning is not None:

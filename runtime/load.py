@@ -93,12 +93,13 @@ def _set(model, name: str, value, as_parameter: bool = True) -> None:
 
 
 def _nvfp4_linear(layer: str, weight: torch.Tensor | None, shape: tuple[int, int], *, stored: dict | None,
-                  kw: dict) -> Nvfp4Linear:
+                  kw: dict, metadata: dict | None = None) -> Nvfp4Linear:
     """One block linear as an Nvfp4Linear built with ``kw`` (the plan's linear_choices and the shared scratch):
-    adopted from its stored comfy_quant NVFP4 tensors, or quantized from ``weight`` [N, K] (on its device; the
-    Triton quantizer on CUDA, the reference elsewhere: same bytes)."""
+    adopted from its stored comfy_quant NVFP4 tensors (their format from the layer's marker or the file's
+    ``metadata``), or quantized from ``weight`` [N, K] (on its device; the Triton quantizer on CUDA, the reference
+    elsewhere: same bytes)."""
     if stored is not None:
-        q = from_comfy_quant_tensors(stored, layer, shape=shape)
+        q = from_comfy_quant_tensors(stored, layer, shape=shape, metadata=metadata)
         return Nvfp4Linear(q.weight, bias=stored.get(f"{layer}.bias"), input_scale=q.input_scale,
                            pre_quant_scale=q.pre_quant_scale, **kw)
     return Nvfp4Linear.from_float(weight.detach(), **kw)
@@ -134,7 +135,7 @@ class _Loader:
             tensors = {x: self.src.tensor(x, self.device) for x in names}
             for x, t in tensors.items():
                 check_finite(x, t)
-            lin = _nvfp4_linear(layer, None, shape, stored=tensors, kw=self.linear_kw)
+            lin = _nvfp4_linear(layer, None, shape, stored=tensors, kw=self.linear_kw, metadata=self.src.metadata)
         else:
             w = self._dense(layer)
             lin = _nvfp4_linear(layer, w, shape, stored=None, kw=self.linear_kw)

@@ -81,6 +81,14 @@ def open_source(model) -> tuple[object | None, H3Config, int]:
     return ck, ck.config, sum(Path(h.path).stat().st_size for h in ck.headers)
 
 
+def source_files(source) -> list[str]:
+    """The files a checkpoint source is read from (the path it was opened with, and every shard); [] for an
+    in-memory source or the embedded tiny model."""
+    if not isinstance(source, Checkpoint):
+        return []
+    return [source.name, *(str(h.path) for h in source.headers)]
+
+
 def verify_source(source) -> None:
     """Every tensor name and shape of a checkpoint from its headers, once (an in-memory source is the caller's)."""
     if isinstance(source, Checkpoint) and not source.verified:

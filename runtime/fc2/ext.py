@@ -22,6 +22,7 @@ build) so later starts do not pay for a rebuild that will fail again; ``force=Tr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib.util
@@ -32,7 +33,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 
 EXT_NAME = "h3_fc2_lt"
@@ -312,6 +313,28 @@ def _compile_failure(e: Exception, build_dir: Path, t0: float, **kw: Any) -> Ext
                     t0, build_dir=str(build_dir), **kw)
 
 
+@contextlib.contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``build_dir`` while torch builds or loads there (a no-op without flock).
+
+    torch's own lock is a plain file (``build_dir/lock``): a build killed outright (SIGKILL, the OOM killer) leaves
+    it behind, and every later build then waits for it forever. The kernel releases a flock when its holder dies,
+    however it dies; while this process holds it no other build of this runtime can be in ``build_dir``, so a
+    torch lock found then is stale and is removed."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield
+        return
+    fd = os.open(build_dir, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
 def _compile(cpp_ext: Any, paths: CudaPaths, build_dir: Path, verbose: bool) -> Any:
     """``torch.utils.cpp_extension.load`` of the source against ``paths`` (host compiler, no nvcc), with the
     libraries' directories as rpath. Raises whatever the compiler, linker or import raises."""
@@ -381,9 +404,10 @@ def load(
         return _failure(
             f"ninja is required to build the extension ({e}); `pip install ninja` or install the ninja-build package",
             t0, build_dir=str(build_dir), **where)
-    so_existed = any(build_dir.glob(f"{EXT_NAME}*.so"))
     try:
-        module = _compile(cpp_ext, paths, build_dir, verbose)
+        with _build_lock(build_dir):
+            so_existed = any(build_dir.glob(f"{EXT_NAME}*.so"))
+            module = _compile(cpp_ext, paths, build_dir, verbose)
     except Exception as e:  # noqa: BLE001 - compiler, linker and import errors all land here
         return _compile_failure(e, build_dir, t0, **where)
     try:

@@ -198,14 +198,18 @@ class CompatCache:
         return self.root / f"{h}.json"
 
     def load(self, env: Fc2Environment, layer_tag: str) -> dict[str, Any]:
-        p = self.path(env, layer_tag)
+        """The record of this key, or an empty one when the file is missing, unreadable, not JSON, of another key
+        or of the wrong shape (it is measured again); entries that are not objects are dropped."""
+        key = self.key_fields(env, layer_tag)
         try:
-            rec = json.loads(p.read_text())
-            if rec.get("schema") == COMPAT_SCHEMA and rec.get("key") == self.key_fields(env, layer_tag):
-                return rec
-        except (OSError, ValueError):
-            pass
-        return {"schema": COMPAT_SCHEMA, "key": self.key_fields(env, layer_tag), "entries": {}}
+            rec = json.loads(self.path(env, layer_tag).read_text())
+        except (OSError, ValueError, RecursionError):
+            rec = None
+        if isinstance(rec, dict) and rec.get("schema") == COMPAT_SCHEMA and rec.get("key") == key \
+                and isinstance(rec.get("entries"), dict):
+            rec["entries"] = {fp: e for fp, e in rec["entries"].items() if isinstance(e, dict)}
+            return rec
+        return {"schema": COMPAT_SCHEMA, "key": key, "entries": {}}
 
     def store_entry(self, env: Fc2Environment, layer_tag: str, fingerprint: str, result: Mapping[str, Any]) -> None:
         rec = self.load(env, layer_tag)

@@ -96,6 +96,14 @@ class AlgoSpec:
         return cls(**{k: int(v) for k, v in d.items()})
 
 
+def _section(d: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    """``d[key]``, which must be a JSON object (KeyError when absent)."""
+    v = d[key]
+    if not isinstance(v, Mapping):
+        raise ValueError(f"'{key}' is a JSON {type(v).__name__}; expected an object")
+    return v
+
+
 def _ver_pair(v: Sequence[int]) -> tuple[int, int]:
     if len(v) != 2:
         raise ValueError(f"expected [major, minor], found {v!r}")
@@ -196,10 +204,12 @@ class Fc2Entry:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any], source: str = "") -> "Fc2Entry":
+        if not isinstance(d, Mapping):
+            raise ValueError(f"the entry is a JSON {type(d).__name__}; expected an object")
         if d.get("schema") != ENTRY_SCHEMA:
             raise ValueError(f"schema is {d.get('schema')!r}; expected {ENTRY_SCHEMA!r}")
         try:
-            dev, ver, g = d["device"], d["versions"], d["gemm"]
+            dev, ver, g = (_section(d, k) for k in ("device", "versions", "gemm"))
             if g.get("bias") or g.get("lora"):
                 raise ValueError("entries cover only the GEMM without bias and without an active LoRA")
             return cls(
@@ -221,7 +231,7 @@ class Fc2Entry:
                 producer=g.get("producer"),
                 pointer_mode=str(g.get("pointer_mode", "host")),
                 scale_mode=str(g.get("scale_mode", "none")),
-                algo=AlgoSpec.from_dict(d["algo"]),
+                algo=AlgoSpec.from_dict(_section(d, "algo")),
                 workspace_bytes=int(d.get("workspace_bytes", 0)),
                 source=source or str(d.get("source", "")),
                 evidence=d.get("evidence", {}),
@@ -282,7 +292,11 @@ class Fc2Table:
 
     def load_file(self, path: str | Path) -> Fc2Entry:
         path = Path(path)
-        entry = Fc2Entry.from_json(json.loads(path.read_text()), source=str(path))
+        try:
+            d = json.loads(path.read_text())
+        except RecursionError:
+            raise ValueError("JSON nested too deeply to be a table entry") from None
+        entry = Fc2Entry.from_json(d, source=str(path))
         self.add(entry)
         return entry
 
@@ -293,6 +307,8 @@ class Fc2Table:
             return
         for p in sorted(d.glob("*.json")):
             try:
+                if not p.is_file():  # a pipe would block the read forever
+                    raise ValueError("not a regular file (a folder, pipe, socket or device)")
                 self.load_file(p)
             except (OSError, ValueError, TypeError) as e:
                 self.problems.append(f"{p}: {e}")

@@ -22,10 +22,12 @@ import contextlib
 import errno
 import os
 import re
+import secrets
 import shutil
+import stat
 import tempfile
 from pathlib import Path
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 
@@ -68,6 +70,19 @@ def no_space_is_a_refusal(path: str | os.PathLike) -> Iterator[None]:
         raise full from None
 
 
+def refuse_replacing_inputs(outputs: Iterable[str | os.PathLike],
+                            inputs: Mapping[str, Iterable[str | os.PathLike | None]]) -> None:
+    """OutputError when an output would replace a file the same command reads. ``outputs``: the paths the writers
+    rename onto (a final symbolic link is replaced, not written through: resolve it first where writing resolves
+    it); ``inputs``: {what the files are (``--model``, ...): their paths (None entries are skipped)}."""
+    read = {os.path.realpath(p): (what, p) for what, paths in inputs.items() for p in paths if p is not None}
+    for out in map(Path, outputs):
+        hit = read.get(os.path.join(os.path.realpath(out.parent), out.name))
+        if hit is not None:
+            raise OutputError(f"output {out} is the {hit[0]} file {hit[1]}, which this command reads; writing the "
+                              "output would replace it; choose another output path")
+
+
 def _dead(pid_text: str) -> bool:
     """True when ``pid_text`` is the id of a process that no longer runs here (never our own)."""
     if not pid_text.isdigit() or os.name != "posix":
@@ -107,11 +122,20 @@ def sweep_stale(folder: Path, prefix: str, rest: str) -> list[Path]:
 
 def temp_path(path: Path, suffix: str = ".partial") -> Path:
     """A new empty file with a unique hidden name beside ``path`` (``.NAME.PID.XXXXXXXX.partial``), after
-    removing the temporaries dead writers left for ``path``; the caller renames it onto ``path`` or removes it."""
+    removing the temporaries dead writers left for ``path``; the caller renames it onto ``path`` or removes it.
+
+    Its permissions are a new file's (0666 less the umask), as a plain write gives, not ``tempfile.mkstemp``'s
+    0600: an output must stay readable to the other users a ComfyUI server or a shared model folder runs as."""
     sweep_stale(path.parent, f".{path.name}.", r"(\d+)\.[A-Za-z0-9_]+\.(?:partial|spool)")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=suffix, dir=path.parent)
+    while True:
+        tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}{suffix}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+            break
+        except FileExistsError:
+            continue
     os.close(fd)
-    return Path(tmp)
+    return tmp
 
 
 def write_file(path: str | os.PathLike, writer: Callable[[Path], None]) -> None:
@@ -119,9 +143,11 @@ def write_file(path: str | os.PathLike, writer: Callable[[Path], None]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(path)
+    mode = stat.S_IMODE(tmp.stat().st_mode)  # a new file's (the umask's)
     try:
         with no_space_is_a_refusal(path):
             writer(tmp)
+        os.chmod(tmp, mode)  # a writer may replace tmp with a 0600 file of its own (safetensors' save_file does)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -160,6 +186,11 @@ def write_dir(out_dir: str | os.PathLike, files: Mapping[str, Callable[[Path], N
             with no_space_is_a_refusal(out_dir / name):
                 writer(tmp / name)
         with _locked(out_dir):
+            in_the_way = [n for n in files if (out_dir / n).is_dir() and not (out_dir / n).is_symlink()]
+            if in_the_way:  # checked before the first rename: a set is installed whole or not at all
+                raise OutputError(f"{out_dir / in_the_way[0]} is a directory, where this run writes the file "
+                                  f"{in_the_way[0]}; nothing was written; move it away or choose another output "
+                                  "folder")
             for name in files:
                 os.replace(tmp / name, out_dir / name)
                 moved = True

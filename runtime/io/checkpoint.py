@@ -79,7 +79,11 @@ class Checkpoint:
                     cn = name
                 self._sources.setdefault(cn, []).append(_Source(h, k))
                 self._dtypes.setdefault(cn, info.dtype)
-        self.config = config_from_shapes(raw_shapes, "diffusers" if scheme == "diffusers" else "comfy", self.metadata)
+        try:
+            self.config = config_from_shapes(raw_shapes, "diffusers" if scheme == "diffusers" else "comfy",
+                                             self.metadata)
+        except CheckpointError as e:  # detection reads names, shapes and metadata only: say which file they are from
+            raise CheckpointError(f"{self.name}: {e}") from None
         for cn, srcs in self._sources.items():
             shapes = [s.header.tensors[s.key].shape for s in srcs]
             if len(srcs) > 1:
@@ -208,18 +212,22 @@ def expected_keys(cfg: H3Config) -> dict[str, tuple]:
     return out
 
 
+def _row_scale(ck: Checkpoint, layer: str, device) -> torch.Tensor:
+    """An fp8 / int8 weight's scale as fp32: one value [], or one per row [N, 1] (stored [N] or [N, 1]; io.verify
+    refuses other shapes)."""
+    scale = ck.tensor(layer + ".weight_scale", device).float()
+    return scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(())
+
+
 def dequantize_layer(ck: Checkpoint, layer: str, fmt: dict, device) -> torch.Tensor:
     """Dequantize a stored quantized linear weight to fp32 [N, K] (fp8, int8_tensorwise +convrot, nvfp4)."""
     name = fmt.get("format")
     w = ck.tensor(layer + ".weight", device)
     if name in ("float8_e4m3fn", "float8_e5m2"):
-        scale = ck.tensor(layer + ".weight_scale", device).float()
         dt = torch.float8_e4m3fn if name == "float8_e4m3fn" else torch.float8_e5m2
-        return w.view(dt).float() * scale
+        return w.view(dt).float() * _row_scale(ck, layer, device)
     if name == "int8_tensorwise":
-        scale = ck.tensor(layer + ".weight_scale", device).float()
-        scale = scale.reshape(-1, 1) if scale.numel() > 1 else scale
-        wf = w.view(torch.int8).float() * scale
+        wf = w.view(torch.int8).float() * _row_scale(ck, layer, device)
         if fmt.get("convrot"):
             g = int(fmt.get("convrot_groupsize", 256))
             wf = unrotate_convrot(wf, g)

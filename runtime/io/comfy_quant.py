@@ -47,7 +47,15 @@ def parse_comfy_quant_marker(marker: torch.Tensor) -> dict:
     if not isinstance(d, dict):
         raise ValueError(f"comfy_quant marker must be a JSON object; found {d!r}")
     params = d.get("params") if isinstance(d.get("params"), dict) else {}
-    return {**params, **{k: v for k, v in d.items() if k != "params"}}
+    return _checked_conf({**params, **{k: v for k, v in d.items() if k != "params"}}, "comfy_quant marker")
+
+
+def _checked_conf(conf: dict, where: str) -> dict:
+    """A layer's quantization descriptor whose ``format`` (when present) is a string; ValueError otherwise."""
+    fmt = conf.get("format")
+    if fmt is not None and not isinstance(fmt, str):
+        raise ValueError(f"{where}: 'format' is {json.dumps(fmt)[:80]}; expected a string such as \"nvfp4\"")
+    return conf
 
 
 def quantization_metadata(layers: Mapping[str, Mapping]) -> str:
@@ -67,7 +75,8 @@ def parse_quantization_metadata(metadata: Mapping[str, str] | None) -> dict[str,
     except (json.JSONDecodeError, AttributeError, RecursionError, TypeError) as e:
         raise ValueError(f"_quantization_metadata is not a JSON object with 'layers' ({type(e).__name__}: "
                          f"{str(e)[:200]})") from None
-    return {k: dict(v) for k, v in layers.items() if isinstance(v, dict)}
+    return {k: _checked_conf(dict(v), f"_quantization_metadata layer {k!r}") for k, v in layers.items()
+            if isinstance(v, dict)}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -425,7 +425,7 @@ def _linear(cf, layer: str, stored_quant: bool, shape: tuple, plan, scratch) -> 
         tensors = {x: cf.tensor(x, plan.device) for x in names}
         for x, t in tensors.items():
             check_finite(x, t, source=cf.name)
-        q = from_comfy_quant_tensors(tensors, layer, shape=shape)
+        q = from_comfy_quant_tensors(tensors, layer, shape=shape, metadata=cf.metadata)
         return Nvfp4Linear(q.weight, bias=tensors.get(f"{layer}.bias"), input_scale=q.input_scale,
                            pre_quant_scale=q.pre_quant_scale, **kw)
     w = dequantize_layer(cf, layer, fmt, plan.device) if fmt is not None else cf.tensor(layer + ".weight", plan.device)

@@ -34,7 +34,7 @@ from .header import TORCH_TO_ST as ST_DTYPE
 from ..errors import H3Error
 from ..ops import nvfp4
 from . import comfy_quant as cq
-from .atomic import no_space, temp_path
+from .atomic import no_space, refuse_replacing_inputs, temp_path
 from .checkpoint import open_checkpoint
 from .control import CONTROL_LINEARS, ControlView, is_control_file
 from .finite import check_finite
@@ -241,6 +241,7 @@ def quantize_checkpoint(in_path: str | os.PathLike, out_path: str | os.PathLike,
     if is_control_file(in_path):
         return quantize_control(in_path, out_path, device, progress)
     ck = open_checkpoint(in_path, scheme=scheme)
+    refuse_replacing_inputs([out_path], {"input shard": [h.path for h in ck.headers]})  # a sharded input's files
     check_checkpoint(ck)  # every tensor present with its shape, before anything is written
     shapes = {k: (tuple(ck.shape(k)), ck.dtype_name(k)) for k in ck.keys()}
     # the config entry names only core's keys under "transformer" (core merges them into its model's

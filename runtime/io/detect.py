@@ -40,14 +40,21 @@ def _need(shapes: dict[str, tuple[int, ...]], k: str) -> tuple[int, ...]:
 
 
 def _count(shapes: dict[str, tuple[int, ...]], prefix: str) -> int:
-    """The number of numbered children ``<prefix><i>.`` (the highest index + 1; 0 when there are none)."""
+    """The number of numbered children ``<prefix><i>.``: their indices must be 0 .. n-1 (a gap, or a stray
+    ``blocks.1000000000.`` key that would make the model a billion blocks long, is a CheckpointError)."""
     idx = set()
     for k in shapes:
         if k.startswith(prefix):
             rest = k[len(prefix):].split(".", 1)[0]
             if rest.isdigit():
                 idx.add(int(rest))
-    return (max(idx) + 1) if idx else 0
+    n = len(idx)
+    if idx and max(idx) != n - 1:
+        gap = min(set(range(n)) - idx)
+        raise CheckpointError(f"the file numbers {n} blocks up to {prefix}{max(idx)} but has no {prefix}{gap}; "
+                              f"expected {prefix}0 .. {prefix}{n - 1}; the file is damaged or incomplete: re-download "
+                              "or re-export it")
+    return n
 
 
 def _io_kw(shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
@@ -84,6 +91,9 @@ def _block_kw(shapes: dict[str, tuple[int, ...]], has_blocks: bool) -> dict[str,
     has no main blocks)."""
     first = "blocks.0." if has_blocks else "token_refiner.blocks.0."
     head_dim = _need(shapes, first + "attn.q_norm.weight")[0]
+    if head_dim <= 0:
+        raise CheckpointError(f"{first}attn.q_norm.weight has shape {list(shapes[first + 'attn.q_norm.weight'])}; "
+                              "expected [head_dim] with head_dim > 0 (128 for H3); the file is damaged")
     kw: dict[str, Any] = {"head_dim": head_dim,
                           "num_heads": _need(shapes, first + "attn.qkv_proj.weight")[0] // (3 * head_dim),
                           "ffn_hidden_size": _need(shapes, first + "mlp.fc1.weight")[0] // 2}
@@ -122,7 +132,16 @@ def _with_metadata(cfg: H3Config, metadata: dict[str, str] | None) -> H3Config:
         over = over[OWN_CONFIG_KEY]  # ours, in our names (files written since issue 15)
     elif isinstance(over.get("transformer"), dict):
         over = over["transformer"]  # core's / diffusers' names, or our names in older files
-    return H3Config.from_dict({**cfg.to_dict(), **_checked_override(_normalise_override(over), cfg)})
+    over = _checked_override(_normalise_override(over), cfg)
+    for k in ("num_layers", "num_refiner_layers"):  # counted from the names: a different claim is a damaged file
+        if k in over and over[k] != getattr(cfg, k):
+            raise CheckpointError(f"safetensors metadata 'config' says {k}={over[k]}, but the file holds "
+                                  f"{getattr(cfg, k)} such blocks; the metadata or the tensors are damaged; re-export "
+                                  "the file")
+    try:
+        return H3Config.from_dict({**cfg.to_dict(), **over})
+    except CheckpointError as e:
+        raise CheckpointError(f"safetensors metadata 'config': {e}; re-export the file") from None
 
 
 def _checked_override(over: dict, cfg: H3Config) -> dict:

@@ -132,7 +132,19 @@ def read_header(path: str | Path, what: str = "checkpoint") -> Header:
                               "strings)")
     data_len = size - 8 - n
     tensors = {name: _entry(path, name, info, data_len) for name, info in obj.items()}
+    _check_disjoint(path, tensors)
     return Header(path=path, tensors=tensors, metadata=dict(meta), data_start=8 + n)
+
+
+def _check_disjoint(path: Path, tensors: dict[str, TensorInfo]) -> None:
+    """Every tensor in bytes of its own, as safetensors writes them: extents that overlap would let a small file
+    declare any number of tensors over the same bytes (gigabytes to read and hold from a few megabytes)."""
+    extents = sorted((info.offsets, name) for name, info in tensors.items() if info.offsets[0] < info.offsets[1])
+    for ((_, end), prev), ((begin, _), name) in zip(extents, extents[1:]):
+        if begin < end:
+            raise CheckpointError(f"{path}: tensors {prev!r} and {name!r} share bytes of the data section (one ends "
+                                  f"at {end}, the other begins at {begin}); expected each tensor in bytes of its own; "
+                                  "the file is corrupt: re-download or re-export it")
 
 
 def read_tensor(header: Header, name: str) -> torch.Tensor:

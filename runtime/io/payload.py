@@ -118,7 +118,7 @@ def conditioning_from_payload(payload: Mapping[str, Any] | None,
             text_only.append(_text_only(f"refs[{i}]", r))
         else:
             refs.append(_ref(f"refs[{i}]", r, res))
-    return H3Conditioning(
+    cond = H3Conditioning(
         keyframes=keyframes, refs=tuple(refs), text_only_pictures=tuple(text_only),
         denoise_mask=_mask("denoise_mask", res.get("denoise_mask", payload.get("denoise_mask")), 5),
         audio_denoise_mask=_mask("audio_denoise_mask",
@@ -131,6 +131,10 @@ def conditioning_from_payload(payload: Mapping[str, Any] | None,
         seed=_seed(payload.get("seed", 0)),
         control=_control(payload.get("control"), res),
     )
+    if cond.seed == _SEED_MAX and cond.audio_cond_noise_aug < 1.0 and cond.cond_audio_latents:
+        raise field_error("seed", "an integer below 2^64 - 1 here: the audio condition rows are noise-augmented "
+                                  "with seed + 1 (as core's)", cond.seed)
+    return cond
 
 
 def conditioning_to_payload(cond: H3Conditioning) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -250,10 +254,13 @@ def _unit(path: str, value: Any) -> float:
     return float(value)
 
 
+_SEED_MAX = 2 ** 64 - 1  # torch.Generator.manual_seed's range is [-2^63, 2^64 - 1]; ComfyUI's widget ends there
+
+
 def _seed(value: Any) -> int:
     s = _int("seed", value)
-    if not -(2 ** 63) <= s < 2 ** 64 - 1:
-        raise field_error("seed", "an integer in [-2^63, 2^64 - 2] (a CPU generator seed; audio uses seed + 1)", s)
+    if not -(2 ** 63) <= s <= _SEED_MAX:
+        raise field_error("seed", "an integer in [-2^63, 2^64 - 1] (a CPU generator seed)", s)
     return s
 
 

@@ -8,6 +8,8 @@ quantized really stored that way. Reads no tensor data except the few-byte ``com
 
 from __future__ import annotations
 
+import math
+
 from ..errors import CheckpointError
 from .comfy_quant import comfy_quant_shapes, parse_quantization_metadata
 from .checkpoint import Checkpoint, expected_keys
@@ -52,7 +54,10 @@ def _quant_problems(ck: Checkpoint, layer: str, shape: tuple) -> list[str]:
     if fmt is not None and fmt != "nvfp4" and fmt not in _WEIGHT_DTYPES:
         return [f"{layer}: quantization format {fmt!r} is not supported (expected nvfp4, "
                 f"{', '.join(_WEIGHT_DTYPES)})"]
-    if fmt == "nvfp4" or (fmt is None and ck.dtype_name(w) == "U8"):
+    if fmt is None and ck.dtype_name(w) == "U8":  # packed NVFP4 bytes or int8 bytes: the reader cannot tell
+        return [f"{w}: stored as U8 bytes, but neither a {layer}.comfy_quant marker nor the file's "
+                "_quantization_metadata says its format (an nvfp4 file carries one)"]
+    if fmt == "nvfp4":
         if w in have and ck.dtype_name(w) in _FLOAT_DTYPES and tuple(ck.shape(w)) == tuple(shape):
             claim = "its comfy_quant marker" if layer + ".comfy_quant" in have else "_quantization_metadata"
             return [f"{w}: the file's {claim} says nvfp4, but the tensor is a dense {ck.dtype_name(w)} "
@@ -68,13 +73,35 @@ def _quant_problems(ck: Checkpoint, layer: str, shape: tuple) -> list[str]:
                            f"{list(ck.shape(name))}")
             else:
                 out += _dtype_problem(ck, name, _NVFP4_DTYPES[suffix], f"nvfp4 of a {list(shape)} weight")
+        # the optional activation-side tensors: one calibrated global scale, one AWQ factor per input column
+        for suffix, ok, want in ((".input_scale", lambda s: math.prod(s) == 1, "one value"),
+                                 (".pre_quant_scale", lambda s: s == (shape[1],), f"[{shape[1]}]")):
+            name = layer + suffix
+            if name in have:
+                if not ok(tuple(ck.shape(name))):
+                    out.append(f"{name} (nvfp4 of a {list(shape)} weight): expected {want}, found "
+                               f"{list(ck.shape(name))}")
+                out += _dtype_problem(ck, name, _FLOAT_DTYPES, f"nvfp4 of a {list(shape)} weight")
         return out
     if w in have and tuple(ck.shape(w)) != tuple(shape):
         return [f"{w} ({fmt or ck.dtype_name(w)}): expected {list(shape)}, found {list(ck.shape(w))}"]
-    out = _dtype_problem(ck, w, _WEIGHT_DTYPES[fmt], fmt) if w in have and fmt in _WEIGHT_DTYPES else []
+    kind = fmt or "int8_tensorwise"  # how the loader reads a quantized weight without a format claim
+    out = _dtype_problem(ck, w, _WEIGHT_DTYPES[kind], kind) if w in have else []
     scale = layer + ".weight_scale"
-    if scale in have and fmt in _WEIGHT_DTYPES:
-        out += _dtype_problem(ck, scale, _FLOAT_DTYPES, f"the scale of a {fmt} weight")
+    if scale not in have:
+        return out + [f"{scale}: missing (a {kind} weight needs its scale)"]
+    out += _dtype_problem(ck, scale, _FLOAT_DTYPES, f"the scale of a {kind} weight")
+    found = tuple(ck.shape(scale))
+    if math.prod(found) != 1 and found not in ((shape[0],), (shape[0], 1)):
+        out.append(f"{scale} (the scale of the {kind} {list(shape)} weight): expected one value or one per row "
+                   f"([{shape[0]}] or [{shape[0]}, 1]), found {list(found)}")
+    conf = ck.quant_format(layer) or {}
+    if kind == "int8_tensorwise" and conf.get("convrot"):
+        g = conf.get("convrot_groupsize", 256)
+        if isinstance(g, bool) or not isinstance(g, int) or g < 1 or g & (g - 1) or g.bit_length() % 2 == 0 \
+                or shape[1] % g:
+            out.append(f"{layer}: convrot_groupsize {g!r}: expected a power of 4 that divides the weight's "
+                       f"{shape[1]} columns (256 for H3)")
     return out
 
 

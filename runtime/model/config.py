@@ -75,6 +75,11 @@ class H3Config:
             )
         if self.patch_size[0] != 1:
             raise CheckpointError(f"temporal patch must be 1, found patch_size={self.patch_size}")
+        for name in ("eps", "rope_theta", "shift_video", "shift_audio"):  # a config from a file's metadata, too
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and 0 < v < float("inf")):
+                raise CheckpointError(f"{name}={v!r}: expected a finite number > 0 (H3: eps 1e-5, rope_theta 10000, "
+                                      "shift_video 12, shift_audio 3)")
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -63,9 +63,12 @@ class ProducerTiles:
     def load(cls, path: str | Path) -> "ProducerTiles":
         """The table at ``path``; a missing or malformed file raises H3Error naming it."""
         try:
+            if Path(path).exists() and not Path(path).is_file():  # a pipe would block the read forever
+                raise ValueError("not a regular file (a folder, pipe, socket or device)")
             return cls.from_table(json.loads(Path(path).read_text()), str(path))
-        except (OSError, ValueError) as e:
-            raise H3Error(f"producer tile table {path}: {e}; write one with bench/producers_h200.py --tiles-out, "
+        except (OSError, ValueError, RecursionError) as e:
+            why = "JSON nested too deeply" if isinstance(e, RecursionError) else e
+            raise H3Error(f"producer tile table {path}: {why}; write one with bench/producers_h200.py --tiles-out, "
                           "or unset H3_PRODUCER_TILES for the built-in tiles") from e
 
     def entries(self) -> dict:

@@ -26,6 +26,8 @@ from ..model.layout import (CANVAS_MULTIPLE, VAE_SPATIAL, audio_frames, check_ca
                             latent_frames, snap_frames)
 
 SEED_RANGE = (0, 2 ** 64 - 1)  # ComfyUI's seed widget range; torch.Generator.manual_seed takes it whole
+MAX_STEPS = 10000  # ComfyUI's KSampler widget maximum
+MIN_DENOISE = 1e-6
 SMALL_MODEL_HIDDEN = 512  # models this small (the embedded tiny, make-tiny files) get the small defaults
 GB = 1e9
 
@@ -79,10 +81,18 @@ def check_seed(seed) -> int:
     return check_int("seed", seed, *SEED_RANGE, hint=" (ComfyUI's seed range)")
 
 
+def check_steps(steps) -> int:
+    """Sampling steps in [1, MAX_STEPS]: the schedule and the per-step tables are built before the first step, so
+    an unbounded count would fill the memory before anything could be refused."""
+    return check_int("steps", steps, 1, MAX_STEPS, hint=" (ComfyUI's KSampler allows at most 10000)")
+
+
 def check_denoise(denoise) -> float:
+    """denoise in [MIN_DENOISE, 1]: the schedule keeps the last steps of one ``steps / denoise`` steps long, whose
+    positions lose their precision in float64 far below the bound."""
     d = float(denoise)
-    if not math.isfinite(d) or not 0.0 < d <= 1.0:
-        raise RequestError(f"denoise={denoise!r}: expected a number in (0, 1] (1 = full generation)")
+    if not math.isfinite(d) or not MIN_DENOISE <= d <= 1.0:
+        raise RequestError(f"denoise={denoise!r}: expected a number in [{MIN_DENOISE:g}, 1] (1 = full generation)")
     return d
 
 
@@ -98,7 +108,7 @@ def resolve_request(cfg: H3Config, width: int | None = None, height: int | None 
     height = d["height"] if height is None else check_int("height", height,
                                                           hint=f" (a multiple of {CANVAS_MULTIPLE})")
     frames = d["frames"] if frames is None else check_int("frames", frames, hint=" on the 17k+5 grid (5, 22, 39, ...)")
-    steps = d["steps"] if steps is None else check_int("steps", steps)
+    steps = d["steps"] if steps is None else check_steps(steps)
     text_tokens = check_int("text_tokens", text_tokens, hint=" (the length of the random text states)")
     check_canvas(width, height)
     if snap:

@@ -43,8 +43,10 @@ def simple_sigmas(steps: int, shift: float, denoise: float = 1.0) -> torch.Tenso
     total = steps if denoise >= 1.0 else int(steps / denoise)
     table = flow_sigma_table(shift)
     stride = len(table) / total
-    sig = [float(table[-(1 + int(x * stride))]) for x in range(total)] + [0.0]
-    return torch.tensor(sig, dtype=torch.float32)[-(steps + 1):]
+    # core builds all ``total`` sigmas and keeps the last steps + 1; only those are computed here (same values), so
+    # a tiny denoise costs nothing
+    sig = [float(table[-(1 + int(x * stride))]) for x in range(total - steps, total)] + [0.0]
+    return torch.tensor(sig, dtype=torch.float32)
 
 
 def get_sigmas(scheduler: str, steps: int, shift: float, denoise: float = 1.0) -> torch.Tensor:

@@ -161,6 +161,58 @@ def test_huge_requests_refused_with_the_estimate(args, out, capsys):
     assert "lower" in line
 
 
+def test_steps_are_bounded_before_any_work():
+    """``--steps 1000000000`` was accepted: the sigma schedule alone (a Python list of a billion floats) filled the
+    memory before the first step, and the run would not end in a lifetime. ComfyUI's KSampler stops at 10000.
+    (make_job, not the CLI: before the bound a refused count ran.)"""
+    from h3_blackwell.runtime import RequestError, make_job
+
+    for steps in (10 ** 9, 10001):
+        with pytest.raises(RequestError, match=rf"steps={steps}: expected an integer in \[1, 10000\]"):
+            make_job(None, seed=0, steps=steps, width=64, height=64, frames=5)
+    assert make_job(None, seed=0, steps=10000, width=64, height=64, frames=5).steps == 10000
+
+
+def test_a_tiny_denoise_is_bounded_and_costs_nothing():
+    """``--denoise 1e-300`` was accepted: the simple schedule is the tail of one ``steps / denoise`` steps long, and
+    all of it was built (a list of 10^300 floats: a hang). Now the bound is checked with the request, and only the
+    tail is computed: the same values as the whole schedule's last steps."""
+    import time
+
+    from h3_blackwell.runtime import RequestError, make_job
+    from h3_blackwell.runtime.sampling.schedule import flow_sigma_table, simple_sigmas
+
+    for d in (1e-300, 1e-7):
+        with pytest.raises(RequestError, match=r"denoise=.*: expected a number in \[1e-06, 1\]"):
+            make_job(None, seed=0, steps=2, denoise=d, width=64, height=64, frames=5)
+
+    def whole(steps, shift, denoise):  # core's construction: every sigma of the long schedule, then its tail
+        total = steps if denoise >= 1.0 else int(steps / denoise)
+        table, stride = flow_sigma_table(shift), 1000 / total
+        return torch.tensor([float(table[-(1 + int(x * stride))]) for x in range(total)] + [0.0])[-(steps + 1):]
+
+    for steps, d, shift in [(1, 1.0, 12.0), (8, 0.75, 12.0), (20, 0.33, 3.0), (137, 0.01, 12.0), (7, 1e-4, 1.0)]:
+        assert torch.equal(simple_sigmas(steps, shift, d), whole(steps, shift, d)), (steps, d, shift)
+    t0 = time.perf_counter()
+    tail = simple_sigmas(10000, 12.0, 1e-6)  # the tail of a 10^10-step schedule
+    assert time.perf_counter() - t0 < 5 and tail.shape == (10001,) and tail[-1] == 0 and torch.all(tail[:-1] > 0)
+
+
+def test_the_largest_comfyui_seed_runs(out):
+    """ComfyUI's seed widget ends at 2**64 - 1, which the request check accepts; the sampler then parsed the seed as
+    a payload's, whose range ended at 2**64 - 2 (audio condition noise uses seed + 1): a plain run was refused after
+    the model had loaded, naming a payload field it had not been given. seed + 1 is refused only where it is drawn."""
+    from h3_blackwell.runtime import ConditioningError, conditioning_from_payload
+
+    top = 2 ** 64 - 1
+    assert cli.main(["generate", "--output", str(out / "o"), "--seed", str(top), *SMALL]) == 0
+    guide = {"keyframes": [{"resolved_frame_index": 0, "audio_latent": "a"}], "seed": top}
+    tensors = {"a": torch.randn(1, 32, 2, 4, generator=torch.Generator().manual_seed(0))}
+    with pytest.raises(ConditioningError, match=r"seed: expected an integer below 2\^64 - 1 here.*seed \+ 1"):
+        conditioning_from_payload({**guide, "audio_cond_noise_aug": 0.5}, tensors)
+    assert conditioning_from_payload({**guide, "audio_cond_noise_aug": 1.0}, tensors).seed == top  # no noise drawn
+
+
 def test_zero_is_not_the_default(out, capsys):
     # absent flags take the defaults; an explicit 0 never does
     refused(capsys, ["generate", "--output", out / "o", "--steps", "0"], "steps=0", watch=out)
