@@ -50,6 +50,20 @@ def intermediate_device():
     return mm.intermediate_device()
 
 
+def file_stamp(path: str | None) -> str:
+    """What identifies a file's bytes for ComfyUI's cache (``IS_CHANGED``): size and mtime, or 'missing'.
+
+    ComfyUI re-executes a node only when its inputs or its ``IS_CHANGED`` value change; a node that reads a file
+    named by a widget returns this, so a file replaced or deleted between two prompts runs the node again (core's
+    LoadImage hashes its file for the same reason). Never raises: a bad path reads as 'missing' and the node's own
+    function then says what is wrong."""
+    try:
+        st = os.stat(path) if path else None
+    except (OSError, TypeError, ValueError):
+        st = None
+    return "missing" if st is None else f"{st.st_size}:{st.st_mtime_ns}"
+
+
 def input_directory() -> str | None:
     fp = optional_comfy_module("folder_paths")
     return fp.get_input_directory() if fp is not None else None

@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from ._common import CATEGORY, input_directory, list_input_files, node_error
+from ._common import CATEGORY, file_stamp, input_directory, list_input_files, node_error
 
 EMBEDDED_STATES = "embedded random (seed 1234, 32 tokens)"
 # The same states as `h3-blackwell generate` without --text-states: a CPU generator seeded 1234, randn [1, 32, 5120].
@@ -82,6 +82,10 @@ def _embedded_states() -> torch.Tensor:
     return torch.randn(1, EMBEDDED_TOKENS, TEXT_DIM, generator=g)
 
 
+def _states_path(name: str) -> str:
+    return name if os.path.isabs(name) else os.path.join(input_directory() or "", name)
+
+
 class H3TextStatesLoader:
     """Precomputed text-encoder states -> H3 CONDITIONING, for ComfyUI versions without the minimax text
     encoder and for headless runs. File: safetensors with ``text_states`` [1, L, 5120] (or [L, 5120]) and
@@ -97,6 +101,13 @@ class H3TextStatesLoader:
     FUNCTION = "load"
 
     @classmethod
+    def IS_CHANGED(cls, text_states, **_):
+        """The file's size and mtime, so a states file replaced between two prompts is read again."""
+        if text_states == EMBEDDED_STATES or not isinstance(text_states, str):
+            return "embedded"
+        return file_stamp(_states_path(text_states))
+
+    @classmethod
     def INPUT_TYPES(cls):
         files = list_input_files((".safetensors",))
         return {"required": {
@@ -108,7 +119,7 @@ class H3TextStatesLoader:
     def load(self, text_states: str):
         if text_states == EMBEDDED_STATES:
             return ([[_embedded_states(), {}]],)
-        path = text_states if os.path.isabs(text_states) else os.path.join(input_directory() or "", text_states)
+        path = _states_path(text_states)
         if not os.path.isfile(path):
             raise node_error(self.TITLE, f"text states file '{text_states}' was not found (looked for {path}); put "
                                          "it in ComfyUI's input folder")

@@ -256,6 +256,8 @@ class H3FunControlNetApply:
         if (model_patch is None) == (control_name in (None, "", NO_FILE)):
             raise node_error(self.TITLE, "connect a model_patch (ModelPatchLoader) or choose a control_name file, "
                                          "exactly one of the two")
+        fade_in_frames = 0 if fade_in_frames is None else fade_in_frames  # optional sockets left empty: defaults
+        fade_out_frames = 0 if fade_out_frames is None else fade_out_frames
         if strength == 0 or (control_video is None and mask is None):
             return (model,)  # core returns the model unchanged
         try:

@@ -506,6 +506,14 @@ def run_report(model, latent_video, latent_audio, title: str) -> dict:
     if not isinstance(handle, RuntimeHandle):
         raise node_error(title, f"model must be the MODEL output of H3 NVFP4 Model Loader (or a patched copy of it); "
                                 f"got {type(getattr(model, 'model', model)).__name__}")
+    last = getattr(handle.call.last_run, "last", None)
+    if last is not None and (tuple(last[1][1:]), tuple(last[2][1:])) != (tuple(latent_video.shape[1:]),
+                                                                        tuple(latent_audio.shape[1:])):
+        # the report pairs the run's timings and counters with these latents' hashes: they must be that run's
+        raise node_error(title, f"the latent (video {list(latent_video.shape)}, audio {list(latent_audio.shape)}) is "
+                                f"not the output of this model's last sampling run, which sampled video "
+                                f"{list(last[1])}, audio {list(last[2])}; connect the LATENT of the sampler that "
+                                "ran last on this MODEL")
     try:
         rep = handle.call.report(latent_video, latent_audio, {"host": "comfyui core sampler"})
     except H3Error as e:

@@ -85,8 +85,28 @@ def read_latent(latent, title: str, video_channels: int = VIDEO_CHANNELS,
         raise node_error(title, f"expected {what}; its audio stream is {_describe(audio)}")
     if video.shape[0] != 1 or audio.shape[0] != 1:
         raise node_error(title, f"H3 samples one clip at a time (batch 1); the latent has batch "
-                                f"{video.shape[0]} (video) / {audio.shape[0]} (audio)")
+                                f"{video.shape[0]} (video) / {audio.shape[0]} (audio). Remove the batching node "
+                                "(RepeatLatentBatch, LatentBatch), or run one clip per prompt and vary the seed")
     return video, audio
+
+
+def check_batch_index(latent: dict, title: str) -> None:
+    """Refuse a ``batch_index`` that would change the noise. Core's sampler draws the noise of batch entry k as the
+    k-th draw of its generator per stream (``comfy.sample.prepare_noise``), so a one-clip latent tagged [k > 0]
+    (LatentFromBatch, RepeatLatentBatch, LatentBatchSeedBehavior) gets other noise than its seed alone gives; the
+    runtime draws the seed's first noise, so such a latent is refused rather than sampled with other noise."""
+    inds = latent.get("batch_index") if isinstance(latent, dict) else None
+    if inds is None:
+        return
+    try:
+        values = [int(v) for v in (inds.tolist() if hasattr(inds, "tolist") else inds)]
+    except (TypeError, ValueError):
+        raise node_error(title, f"the latent's batch_index must be a list of ints; got {inds!r}") from None
+    if any(v != 0 for v in values):
+        raise node_error(title, f"the latent's batch_index is {values}: core would draw the noise of batch entry "
+                                f"{max(values)} of the seed, which the H3 Sampler does not; expected none or [0]. "
+                                "Remove the node that sets it (LatentFromBatch, RepeatLatentBatch, "
+                                "LatentBatchSeedBehavior) and vary the seed instead")
 
 
 def read_noise_mask(latent: dict, video_shape, audio_shape, title: str

@@ -15,7 +15,7 @@ import os
 import weakref
 
 from ..runtime import CHOICES, FC2_MODES, H3Error, RuntimeOptions, open_model
-from ._common import CATEGORY, comfy_module, node_error, optional_comfy_module
+from ._common import CATEGORY, comfy_module, file_stamp, node_error, optional_comfy_module
 
 TINY_CHOICE = "embedded tiny (seed 0)"
 # the runtime's choices, written once in runtime/options.py (the first value is the default). Widget values are a
@@ -25,8 +25,10 @@ GEMM_CHOICES = list(CHOICES["gemm"])
 ATTENTION_CHOICES = list(CHOICES["attention"])
 FC2_CHOICES = list(FC2_MODES)
 
-# One resident model, keyed on everything that determines it.
-_RESIDENT: dict = {"key": None, "model": None, "core": None}
+# One resident model, keyed on everything that determines it. "previous": (key, weak reference) of the model last
+# released; when something still holds it (ComfyUI's output cache holds the loader's outputs), a load with the same
+# key takes it back instead of reading a second copy of the same weights onto the device.
+_RESIDENT: dict = {"key": None, "model": None, "core": None, "previous": None}
 log = logging.getLogger("h3_blackwell")
 
 
@@ -41,7 +43,11 @@ def resident_model():
 
 
 def release_resident() -> None:
-    """Drop the resident model (the next load reads the file again)."""
+    """Drop the resident model: the next load reads the file again, unless the released model is still alive
+    (held elsewhere, e.g. by ComfyUI's output cache), in which case a load with the same inputs and file takes
+    that model back rather than loading a duplicate."""
+    if _RESIDENT["model"] is not None:
+        _RESIDENT["previous"] = (_RESIDENT["key"], weakref.ref(_RESIDENT["model"]))
     _RESIDENT["key"] = None
     _RESIDENT["model"] = None
     _RESIDENT["core"] = None
@@ -62,19 +68,35 @@ def _core_model(rt, inputs: tuple):
     return make_core_model(rt, reload=lambda: H3ModelLoader().load(*inputs)[0], on_release=on_release)
 
 
+class _LoadProgress:
+    """ComfyUI's progress bar fed by load_model's per-tensor callback (done, total, name). The runtime reports
+    the tensors done *before* each one it reads, so ``finish()`` moves the bar to total once the load returned."""
+
+    def __init__(self, utils):
+        self.utils, self.bar, self.total = utils, None, 0
+
+    def __call__(self, done: int, total: int, name: str = "") -> None:
+        if self.bar is None:
+            self.bar = self.utils.ProgressBar(total)
+        self.total = total
+        self.bar.update_absolute(done, total)
+
+    def finish(self) -> None:
+        if self.bar is not None:
+            self.bar.update_absolute(self.total, self.total)
+
+
 def _load_progress():
-    """ComfyUI's progress bar fed by load_model's per-tensor callback (done, total, name)."""
     utils = optional_comfy_module("comfy.utils")
-    if utils is None:
+    return None if utils is None else _LoadProgress(utils)
+
+
+def _model_path(model: str) -> str | None:
+    """The file of a ``model`` choice (None for the embedded tiny model or outside ComfyUI)."""
+    if model == TINY_CHOICE:
         return None
-    bar = {}
-
-    def progress(done: int, total: int, name: str = "") -> None:
-        if "bar" not in bar:
-            bar["bar"] = utils.ProgressBar(total)
-        bar["bar"].update_absolute(done, total)
-
-    return progress
+    fp = optional_comfy_module("folder_paths")
+    return fp.get_full_path("diffusion_models", model) if fp is not None else None
 
 
 class H3ModelLoader:
@@ -89,6 +111,12 @@ class H3ModelLoader:
                        "the same resident model as ComfyUI core's MODEL: core's KSampler / SamplerCustomAdvanced, "
                        "MiniMaxH3SigmaShift and LoraLoaderModelOnly drive this pack's fast stack")
     FUNCTION = "load"
+
+    @classmethod
+    def IS_CHANGED(cls, model, **_):
+        """The model file's size and mtime: ComfyUI runs the loader again (which reloads) when the file was replaced
+        or deleted between two prompts; the other inputs are in ComfyUI's cache key already."""
+        return "embedded" if model == TINY_CHOICE else file_stamp(_model_path(model) if isinstance(model, str) else None)
 
     @classmethod
     def INPUT_TYPES(cls):
@@ -116,6 +144,11 @@ class H3ModelLoader:
     def load(self, model: str, gemm: str, attention: str, fc2_lt: str, adaln_cache: bool, vram_budget: str = "auto"):
         if fc2_lt not in FC2_CHOICES:
             raise node_error(self.TITLE, f"fc2_lt={fc2_lt!r}: expected one of {', '.join(FC2_CHOICES)}")
+        if not isinstance(model, str) or not model:
+            raise node_error(self.TITLE, f"model: expected a file name of diffusion_models or '{TINY_CHOICE}'; got "
+                                         f"{model!r}")
+        if vram_budget is None:  # an optional socket left empty (V3 / API prompts pass None)
+            vram_budget = "auto"
         if model == TINY_CHOICE:
             path, stamp = None, None
         else:
@@ -137,12 +170,21 @@ class H3ModelLoader:
         if _RESIDENT["key"] == key and _RESIDENT["model"] is not None:
             return (_RESIDENT["model"], _RESIDENT["core"])
         release_resident()
-        try:
-            # the header read once, every tensor and shape checked (NVFP4 layers too) before any is read
-            rt = open_model(path, options, tiny_seed=0).load(progress=_load_progress())
-        except H3Error as e:
-            raise node_error(self.TITLE, str(e)) from e
-        log.info("[h3-blackwell] %s", rt.describe())
+        prev = _RESIDENT["previous"]
+        rt = prev[1]() if prev is not None and prev[0] == key else None
+        if rt is None:
+            progress = _load_progress()
+            try:
+                # the header read once, every tensor and shape checked (NVFP4 layers too) before any is read
+                rt = open_model(path, options, tiny_seed=0).load(progress=progress)
+            except H3Error as e:
+                raise node_error(self.TITLE, str(e)) from e
+            if progress is not None:
+                progress.finish()
+            log.info("[h3-blackwell] %s", rt.describe())
+        else:
+            log.info("[h3-blackwell] H3 model taken back (still held since it was released; same inputs and file)")
+        _RESIDENT["previous"] = None
         _RESIDENT["key"], _RESIDENT["model"] = key, rt
         _RESIDENT["core"] = _core_model(rt, (model, gemm, attention, fc2_lt, adaln_cache, vram_budget))
         return (rt, _RESIDENT["core"])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from ..runtime import H3Error
-from ._common import CATEGORY, comfy_module, node_error, optional_comfy_module
+from ._common import CATEGORY, comfy_module, file_stamp, node_error, optional_comfy_module
 
 MODES = ["merge", "side"]
 NO_LORAS = "(no LoRA files in models/loras)"
@@ -35,6 +35,14 @@ class H3LoRA:
     RETURN_NAMES = ("model",)
     OUTPUT_TOOLTIPS = ("the same resident model with this LoRA added to its stack",)
     FUNCTION = "apply"
+
+    @classmethod
+    def IS_CHANGED(cls, lora_name, **_):
+        """The LoRA file's size and mtime: a file replaced between two prompts runs this node (and the sampler
+        after it) again; the runtime re-applies a LoRA whose file changed (``sync_loras`` compares the same)."""
+        fp = optional_comfy_module("folder_paths")
+        path = fp.get_full_path("loras", lora_name) if fp is not None and lora_name != NO_LORAS else None
+        return file_stamp(path)
 
     @classmethod
     def INPUT_TYPES(cls):

@@ -14,7 +14,7 @@ from ..runtime import (ConditioningError, H3Error, Interrupted, RuntimeOptions, 
 from ..runtime import run as run_job
 from ._common import CATEGORY, intermediate_device, node_error, optional_comfy_module
 from .conditioning import read_conditioning
-from .latents import make_latent, pixel_frames, read_latent, read_noise_mask
+from .latents import check_batch_index, make_latent, pixel_frames, read_latent, read_noise_mask
 
 SAMPLERS = ["euler", "res_multistep"]
 SPARSE_TAU = RuntimeOptions.sparse_tau  # core's default, written once in runtime/options.py
@@ -143,7 +143,9 @@ class H3Sampler:
                                       "tooltip": "sigma shift of the video stream (model default 12)"}),
             "shift_audio": ("FLOAT", {"default": 3.0, "min": 0.01, "max": 100.0, "step": 0.01,
                                       "tooltip": "sigma shift of the audio stream (model default 3)"}),
-            "denoise": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 1.0, "step": 0.01}),
+            "denoise": ("FLOAT", {"default": 1.0, "min": 0.01, "max": 1.0, "step": 0.01, "tooltip": (
+                "1 = generate from noise; below 1 keeps that much of the input latent (above 0: the runtime needs "
+                "at least part of one step)")}),
         }, "optional": {
             "sparse_tau": ("FLOAT", {"default": SPARSE_TAU, "min": 0.0, "max": 4.0, "step": 0.05, "tooltip": (
                 "LOSSY, only when the loader's attention is sparse: routing threshold (higher = sparser, faster, "
@@ -159,9 +161,13 @@ class H3Sampler:
                first_block_cache: float = 0.0):
         if not hasattr(model, "config") or not hasattr(model, "model"):
             raise node_error(self.TITLE, f"model must come from H3 NVFP4 Model Loader; got {type(model).__name__}")
+        # optional sockets left empty arrive as None from V3 / API prompts: their defaults
+        sparse_tau = SPARSE_TAU if sparse_tau is None else sparse_tau
+        first_block_cache = 0.0 if first_block_cache is None else first_block_cache
         cfg = model.config
         text, tags, payload = read_conditioning(positive, cfg.text_dim, self.TITLE)
         video, audio = read_latent(latent, self.TITLE, cfg.video_channels, cfg.audio_channels)
+        check_batch_index(latent, self.TITLE)
         if sampler not in SAMPLERS or scheduler not in SCHEDULERS:
             raise node_error(self.TITLE, f"sampler={sampler!r}, scheduler={scheduler!r}: expected a sampler in "
                                          f"{SAMPLERS} and a scheduler in {SCHEDULERS}")

@@ -72,6 +72,11 @@ def v3_node(node_id: str, v1):
                 return io.NodeOutput(*out.get("result", ()), ui=out.get("ui"))
             return io.NodeOutput(*out)
 
+    if hasattr(v1, "IS_CHANGED"):  # V3 reads the cache-busting value from fingerprint_inputs, never IS_CHANGED
+        def fingerprint_inputs(cls, **kwargs):
+            return v1.IS_CHANGED(**kwargs)
+
+        Node.fingerprint_inputs = classmethod(fingerprint_inputs)
     Node.__name__ = Node.__qualname__ = f"{v1.__name__}V3"
     Node.__module__ = __name__
     return Node
