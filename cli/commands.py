@@ -69,7 +69,7 @@ def cmd_generate(a) -> int:
         "latents.safetensors": lambda p: save_tensors(p, {"video": video, "audio": audio}),
         "report.json": lambda p: p.write_text(json.dumps(report, indent=2)),
         **({"preview.webp": lambda p: write_preview_webp(video, p)} if a.preview else {}),
-    })
+    }, replaces=("preview.webp",))  # an earlier run's preview never stays beside this run's latents
     shown = Path(a.output)
     print(summary(report))
     print(f"wrote {shown / 'latents.safetensors'} and {shown / 'report.json'}"

@@ -28,7 +28,8 @@ examples:
 EPILOG = """\
 Backend flags override the H3_* environment variables (README, "The CLI"). Exit status: 0 done, 1 internal
 error (--debug shows the traceback), 2 refused (one "error:" line says what was expected, what was found and
-what to do; nothing is written), 130 interrupted, 143 terminated.
+what to do; nothing is written), 129 hung up (SIGHUP), 130 interrupted, 143 terminated. A closed standard
+output (| head) does not stop a command: what it would still print there is dropped.
 """
 
 

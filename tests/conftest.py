@@ -2,6 +2,7 @@
 its interpreter (the variable must be set before anything imports triton, comfy_kitchen included)."""
 
 import os
+import signal
 import sys
 import types
 from pathlib import Path
@@ -20,6 +21,19 @@ TESTS = Path(__file__).resolve().parent
 for _p in (TESTS / "oracles", TESTS):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
+
+def _here_only(signum, frame) -> None:
+    """Stands in for SIG_IGN in this process (see below)."""
+
+
+# A test run started as a background job (``cmd &`` in a script) or under nohup inherits SIGINT / SIGHUP ignored, and
+# an ignored signal stays ignored across exec: every CLI the tests start would then keep them ignored, as the CLI
+# must for its own caller, and the tests that interrupt it would see it finish instead. A Python handler is reset to
+# the default on exec, so this process keeps ignoring them in effect while the commands it starts get the defaults
+# a foreground terminal gives.
+for _sig in ("SIGINT", "SIGHUP"):
+    if hasattr(signal, _sig) and signal.getsignal(getattr(signal, _sig)) is signal.SIG_IGN:
+        signal.signal(getattr(signal, _sig), _here_only)
 
 try:  # a plain checkout (e.g. the device copy) that is not pip-installed: the repo root is the package
     import h3_blackwell  # noqa: F401

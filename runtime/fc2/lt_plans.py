@@ -21,7 +21,7 @@ from typing import Any, Mapping, Protocol
 
 import torch
 
-from ..io.atomic import write_file
+from ..io.atomic import folder_lock, write_file
 from . import ext
 from .table import COMPAT_SCHEMA, Fc2Entry
 from .guard import Fc2Environment, Fc2Operands
@@ -171,7 +171,8 @@ class CompatCache:
 
     Records, per entry fingerprint: whether the plan was built (or the stage/reason it was refused),
     its read-back info, and the self-test result. A refusal at a plan stage is replayed without
-    rebuilding; a passed self-test is not repeated.
+    rebuilding; a passed self-test is not repeated. Processes sharing the cache folder each add their
+    entries: a store reads, merges and replaces the file under the folder's lock, so none is lost.
     """
 
     def __init__(self, root: str | Path):
@@ -212,14 +213,16 @@ class CompatCache:
         return {"schema": COMPAT_SCHEMA, "key": key, "entries": {}}
 
     def store_entry(self, env: Fc2Environment, layer_tag: str, fingerprint: str, result: Mapping[str, Any]) -> None:
-        rec = self.load(env, layer_tag)
-        cur = dict(rec["entries"].get(fingerprint, {}))
-        cur.update(result)
-        cur["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-        rec["entries"][fingerprint] = cur
         p = self.path(env, layer_tag)
         try:
-            text = json.dumps(rec, indent=1, sort_keys=True, default=str)
-            write_file(p, lambda tmp: tmp.write_text(text))  # a unique temporary name: processes may race here
+            p.parent.mkdir(parents=True, exist_ok=True)
+            with folder_lock(p.parent):  # read-merge-replace as one step: another process's entry is kept
+                rec = self.load(env, layer_tag)
+                cur = dict(rec["entries"].get(fingerprint, {}))
+                cur.update(result)
+                cur["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+                rec["entries"][fingerprint] = cur
+                text = json.dumps(rec, indent=1, sort_keys=True, default=str)
+                write_file(p, lambda tmp: tmp.write_text(text))  # readers never see a half-written file
         except OSError as e:  # a read-only cache must not break inference
             log.warning("fc2 compat cache not written (%s): %s", p, e)

@@ -5,7 +5,11 @@
   is left behind on an error or an interruption (SIGINT / SIGTERM unwind through here).
 - :func:`write_dir`: several files written into a unique temporary folder inside the output folder, then
   moved in while holding an exclusive lock (``flock``) on that folder, so two runs into one folder never
-  mix their files: the last run's set wins whole.
+  mix their files: the last run's set wins whole (a file of an earlier set that this set does not write, such
+  as a preview, is removed with the same lock when the caller names it).
+- Installing (the renames) is never cut in two by SIGINT / SIGTERM / SIGHUP: a signal that arrives then is held
+  back until the output is whole, then delivered; the exception it raises carries ``written`` (the path that
+  was installed), so a caller can say so instead of "nothing was written".
 - :func:`save_tensors`: safetensors bytes written with Python's file I/O, so a full disk is an ``OSError``.
 
 A write that fails for lack of space (ENOSPC, EDQUOT, EFBIG) raises :class:`OutputError` naming the file.
@@ -24,8 +28,10 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import stat
 import tempfile
+import threading
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping
 
@@ -138,6 +144,51 @@ def temp_path(path: Path, suffix: str = ".partial") -> Path:
     return tmp
 
 
+_DEFERRED = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
+
+
+@contextlib.contextmanager
+def _installing(target: Path) -> Iterator[None]:
+    """Hold SIGINT / SIGTERM / SIGHUP back while an output is moved into place, then deliver the first one that
+    came: its handler runs (when the output was installed, the exception a Python handler raises gets
+    ``written = str(target)``) or, with the default action, the process ends as the signal ends it, only once the
+    renames are over. A no-op off the main thread, where Python runs no signal handler, and for a signal the
+    process ignores or that was handled outside Python."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list[int] = []
+    prev = {}
+    for s in _DEFERRED:
+        h = signal.getsignal(s)
+        if h is None or h == signal.SIG_IGN:
+            continue
+        prev[s] = h
+        signal.signal(s, lambda signum, frame: came.append(signum))
+    whole = False
+    try:
+        yield
+        whole = True
+    finally:
+        for s, h in prev.items():
+            signal.signal(s, h)
+        if came:
+            _deliver(came[0], prev[came[0]], target if whole else None)
+
+
+def _deliver(signum: int, handler, written: Path | None) -> None:
+    """Run ``handler`` for a signal held back by :func:`_installing` (SIG_DFL: raise the signal again)."""
+    if not callable(handler):
+        signal.raise_signal(signum)
+        return
+    try:
+        handler(signum, None)
+    except BaseException as e:
+        if written is not None:
+            e.written = str(written)
+        raise
+
+
 def write_file(path: str | os.PathLike, writer: Callable[[Path], None]) -> None:
     """``writer(tmp)`` beside ``path`` (its folder created), then one rename; nothing is left on failure."""
     path = Path(path)
@@ -148,16 +199,18 @@ def write_file(path: str | os.PathLike, writer: Callable[[Path], None]) -> None:
         with no_space_is_a_refusal(path):
             writer(tmp)
         os.chmod(tmp, mode)  # a writer may replace tmp with a 0600 file of its own (safetensors' save_file does)
-        os.replace(tmp, path)
+        with _installing(path):
+            os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
 
 
 @contextlib.contextmanager
-def _locked(directory: Path) -> Iterator[None]:
-    """An exclusive advisory lock on ``directory`` itself (no lock file is left); a no-op where the OS has no
-    flock."""
+def folder_lock(directory: Path) -> Iterator[None]:
+    """An exclusive advisory lock on ``directory`` itself (no lock file is left; the kernel releases it when its
+    holder dies, however it dies); a no-op where the OS has no flock. Writers of one folder that hold it never
+    interleave."""
     try:
         import fcntl
     except ImportError:  # not POSIX
@@ -171,31 +224,56 @@ def _locked(directory: Path) -> Iterator[None]:
         os.close(fd)  # closing releases the lock
 
 
-def write_dir(out_dir: str | os.PathLike, files: Mapping[str, Callable[[Path], None]]) -> None:
+def _temp_folder(out_dir: Path) -> Path:
+    """A new unique ``.h3-tmp-PID-XXXXXXXX`` folder inside ``out_dir`` (created as needed). Another run into the
+    same folder that fails removes the folder when it made it and it is empty: made again, then."""
+    for _ in range(100):
+        out_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            return Path(tempfile.mkdtemp(prefix=f".h3-tmp-{os.getpid()}-", dir=out_dir))
+        except FileNotFoundError:  # removed between the two calls by that other run's cleanup
+            continue
+    raise OutputError(f"{out_dir}: the output folder kept disappearing while this run made its temporary folder "
+                      "there (another program removes it); nothing was written; choose another output folder")
+
+
+def write_dir(out_dir: str | os.PathLike, files: Mapping[str, Callable[[Path], None]],
+              replaces: Iterable[str] = ()) -> None:
     """Write ``files`` ({name: writer(path)}) into ``out_dir`` as one set: each into a unique temporary folder
-    inside ``out_dir``, then all moved in under the folder's lock. On failure nothing is moved, the temporary
-    folder is removed, and ``out_dir`` too when this call created it and it is still empty."""
+    inside ``out_dir``, then all moved in under the folder's lock. ``replaces``: names an earlier set may hold
+    that this one does not write (an optional file, e.g. a preview): removed with the same lock, so the folder
+    never shows an earlier run's file beside this run's. On failure nothing is moved, the temporary folder is
+    removed, and ``out_dir`` too when this call created it and it is still empty."""
     out_dir = Path(out_dir)
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     sweep_stale(out_dir, ".h3-tmp-", r"(\d+)-[A-Za-z0-9_]+")
-    tmp = Path(tempfile.mkdtemp(prefix=f".h3-tmp-{os.getpid()}-", dir=out_dir))
     moved = False
+    tmp = None
     try:
+        tmp = _temp_folder(out_dir)
         for name, writer in files.items():
             with no_space_is_a_refusal(out_dir / name):
                 writer(tmp / name)
-        with _locked(out_dir):
+        stale = [n for n in replaces if n not in files]
+        with folder_lock(out_dir):
             in_the_way = [n for n in files if (out_dir / n).is_dir() and not (out_dir / n).is_symlink()]
             if in_the_way:  # checked before the first rename: a set is installed whole or not at all
                 raise OutputError(f"{out_dir / in_the_way[0]} is a directory, where this run writes the file "
                                   f"{in_the_way[0]}; nothing was written; move it away or choose another output "
                                   "folder")
-            for name in files:
-                os.replace(tmp / name, out_dir / name)
-                moved = True
+            with _installing(out_dir):
+                for name in files:
+                    os.replace(tmp / name, out_dir / name)
+                    moved = True
+                for name in stale:  # an earlier set's file that this set has no counterpart of
+                    p = out_dir / name
+                    if p.is_symlink() or p.is_file():
+                        with contextlib.suppress(FileNotFoundError):
+                            p.unlink()
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         if created and not moved:
             with contextlib.suppress(OSError):  # another run may be writing into it now
                 out_dir.rmdir()

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from fixtures.cli_contract import check_refusal, finish, kill_tree, leftovers, marked, start, wait_gone
+from fixtures.cli_contract import check_refusal, finish, kill_tree, leftovers, marked, start, unique_mark, wait_gone
 from h3_blackwell.runtime.errors import H3Error
 
 RUN = ["--dense", "--width", "64", "--height", "64", "--frames", "5", "--steps", "6", "--progress"]
@@ -73,7 +73,7 @@ def test_a_worker_failing_mid_run(how, rank, tmp_path):
     site.mkdir()
     (site / "sitecustomize.py").write_text(_SITE)
     path = os.pathsep.join([str(site), *(p for p in sys.path if p)])
-    mark = f"progress-{tmp_path.name}"
+    mark = unique_mark("progress")
     p = start(["generate", "--output", tmp_path / "o", *RUN, "--steps", "40", "--sequence-parallel", "2"],
               PYTHONPATH=path, FAIL_RANK=rank, FAIL_HOW=how, HARDEN_TEST_MARK=mark)
     try:

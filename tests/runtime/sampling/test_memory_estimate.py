@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from fixtures.cli_contract import check_refusal, leftovers, marked, refused_inproc, run, wait_gone
+from fixtures.cli_contract import check_refusal, leftovers, marked, refused_inproc, run, unique_mark, wait_gone
 from h3_blackwell.runtime import conditioning_from_payload
 from h3_blackwell.runtime.model.cond_rows import keyframe_specs
 from h3_blackwell.runtime.model.layout import build_layout
@@ -181,7 +181,7 @@ if {only_workers} is False or os.environ.get("RANK") is not None:
 def test_the_cpu_allocator_running_out_is_out_of_memory(sp, tmp_path):
     argv = ["generate", "--output", tmp_path / "o", "--width", "1024", "--height", "1024", "--frames", "22", "--steps",
             "1", *(["--sequence-parallel", str(sp)] if sp else [])]
-    mark = f"oom-{tmp_path.name}"
+    mark = unique_mark("oom")
     if sp:
         site = tmp_path / "site"
         site.mkdir()
