@@ -1,8 +1,9 @@
 """Block streaming on the CPU (runtime.ops.streaming): the streamed blocks' bytes live in host buffers and are
 copied into two slot buffers before each block computes (the CPU emulation of the device copies). Every run
 must give the resident run's latent hashes: the W4A4, W4A8 and dense stacks, LoRA (merged bytes stream, side
-paths), First-Block Cache, sparse attention, sequence parallelism, re-planning at sampling start, and the FFN
-chunked over rows where every op is row-local."""
+paths), First-Block Cache, sparse attention, sequence parallelism and re-planning at sampling start. The FFN
+chunked over rows (where every op is row-local) runs its GEMMs on fewer rows, so it equals the one-pass run to
+fp32 reassociation, at a stated tolerance."""
 
 import json
 
@@ -166,20 +167,35 @@ def test_replanning_at_sampling_start_moves_blocks_and_keeps_thereport_hashes():
     assert res.report["memory"]["bytes_copied_per_step"] == 0
 
 
+# FFN row chunks vs one pass over all 190 rows. Every FFN op is row-local, so a chunk computes the same math on its
+# rows; what can differ is the fp32 GEMM itself: fc1/fc2 run with M = 128 or 64 instead of 190, and the BLAS may
+# block K differently for another M (MKL's AVX2 kernels do for K = 160: fc2 moves ~3000 elements by an ulp;
+# AVX-512 does not). So the chunked output is the unchunked one to fp32 reassociation, never pinned bytes:
+# dense, per element |d| <= 2 gamma_K sum|x||w| with K <= 160, rel-L2 ~6e-8 seen -> 1e-5; w4a8 quantizes fc2's input
+# per row to e4m3, where an ulp can move one code by an e4m3 step (2^-3 of that element) -> 1e-3. A chunking that
+# is not row-local (W4A4's amax over all rows, which the plan never chunks) is off by ~1e-2, a wrong segment or a
+# dropped chunk by far more.
+CHUNK_TOL = {"dense": 1e-5, "w4a8": 1e-3}
+
+
 @pytest.mark.parametrize("stack", ["w4a8", "dense"])
-def test_ffn_row_chunks_are_bit_identical_where_row_local(stack):
+def test_ffn_row_chunks_equal_one_pass_where_row_local(stack):
     rt = _load(STACKS[stack])
     assert ModelMemory.from_plan(rt.plan).ffn_row_local
     text, _, _, _ = _inputs()
     g = torch.Generator().manual_seed(3)
     video, audio = torch.randn(VSHAPE, generator=g), torch.randn(ASHAPE, generator=g)
+    rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())  # noqa: E731
     with torch.no_grad():
         plan = rt.model.plan(text, VSHAPE, ASHAPE, [0.7])
         want = rt.model.evaluate(plan, 0, video, audio, rt.ops)
         for rows in (128, 64):
             rt.ops.ffn_chunk_rows = rows
             got = rt.model.evaluate(plan, 0, video, audio, rt.ops)
-            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), rows
+            errs = [rel(got[i], want[i]) for i in (0, 1)]
+            assert max(errs) <= CHUNK_TOL[stack], (rows, errs)
+            again = rt.model.evaluate(plan, 0, video, audio, rt.ops)  # the same chunking: the same bytes
+            assert torch.equal(again[0], got[0]) and torch.equal(again[1], got[1]), rows
 
 
 def test_w4a4_dynamic_scale_is_not_chunked():
