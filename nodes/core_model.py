@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import weakref
 
 import torch
 
@@ -139,15 +140,24 @@ class RuntimeHandle:
         return self._rt
 
     def release(self) -> int:
-        """Drop the runtime (device memory freed once nothing else holds it) -> the bytes it held."""
+        """Drop the runtime -> the bytes that freed: ``size`` when that was the last reference, else 0, and the
+        runtime then stays this handle's, resident (ComfyUI's cache of the loader's H3_MODEL output, or an H3 LoRA
+        output, still holds it: its device memory cannot go, and ComfyUI is told so rather than told it went)."""
         if self._rt is None:
             return 0
         self.call.end_run()
+        ref = weakref.ref(self._rt)
         self._rt, self.call = None, ModelCall(None)
         self._drop_towers()
         if self._on_release is not None:
             self._on_release()
         gc.collect()
+        held = ref()
+        if held is not None:
+            self._rt, self.call = held, ModelCall(held)
+            log.info("[h3-blackwell] H3 model not released: another output still holds it (the loader's H3_MODEL "
+                     "output or an H3 LoRA output, cached by ComfyUI); its device memory stays in use")
+            return 0
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         log.info("[h3-blackwell] H3 model released (ComfyUI unloaded the MODEL)")
@@ -429,12 +439,17 @@ def _core_classes():
             return self._unload(device_to)
 
         def _unload(self, device_to) -> int:
+            """The bytes freed: the runtime's when it was released, 0 when it stays (on the CPU, or still held
+            elsewhere: then it stays loaded in what ComfyUI is told as well)."""
             h = self._handle()
+            freed = 0
+            if h.resident and h.device.type == "cuda" and (device_to is None or torch.device(device_to).type != "cuda"):
+                freed = h.release()
+                if h.resident:
+                    return 0
             self.model.model_loaded_weight_memory = 0
             self.model.current_weight_patches_uuid = None
-            if h.resident and h.device.type == "cuda" and (device_to is None or torch.device(device_to).type != "cuda"):
-                return h.release()
-            return 0
+            return freed
 
         def unpatch_model(self, device_to=None, unpatch_weights=True):
             self.eject_model()

@@ -3,8 +3,11 @@
 The model stays loaded across prompts. It is reloaded only when an input changes (file, backends, switches)
 or the file on disk changes (size / mtime); the previous model is released first, so at most one H3 DiT
 loaded by this node is resident. The H3_MODEL output is invisible to ComfyUI's model management ("Unload models"
-does not free it); the MODEL output (core's type, ``core_model``) is the same resident model as ComfyUI sees it:
-unloading it there releases the resident model, and it is read again when a graph needs it.
+does not free it); the MODEL output (core's type, ``core_model``) is the same resident model as ComfyUI sees it.
+Unloading the MODEL there frees the model's device memory only when nothing else holds the runtime, and it is read
+again when a graph needs it; while ComfyUI's cache keeps this node's H3_MODEL output (the runtime itself), the
+unload frees nothing, says so (0 bytes freed) and the model stays loaded. Its device memory is sized by the
+memory budget (``vram_budget``; ``auto`` plans around what ComfyUI's other models hold when sampling starts).
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import contextlib
 import sys
 import types
 import uuid
+import weakref
 from pathlib import Path
 
 import pytest
@@ -572,13 +573,31 @@ def test_weight_paths_of_core_are_refused_and_unload_keeps_a_cpu_model(core):
     assert patcher.model.h3_handle.resident
 
 
-def test_release_and_reload(core):
-    """An unload releases the runtime (where it frees device memory); the next load reads it again."""
+def test_release_and_reload():
+    """An unload releases the runtime when the handle held its last reference (its bytes are freed); the next
+    load reads it again."""
+    from h3_blackwell.runtime import RuntimeOptions, load_model
+
+    opts = RuntimeOptions(device="cpu", quantize=False)
+    loads = []
+    handle = cm.RuntimeHandle(load_model(None, opts), reload=lambda: loads.append(1) or load_model(None, opts),
+                              on_release=lambda: loads.append(0))
+    size = handle.size
+    model_ref = weakref.ref(handle.runtime().model)
+    assert handle.release() == size and not handle.resident and loads == [0]
+    assert model_ref() is None  # nothing holds the released model: its memory went
+    rt2 = handle.runtime()
+    assert loads == [0, 1] and handle.resident and rt2.model is not None
+
+
+def test_a_runtime_held_elsewhere_is_not_said_to_be_freed(core):
+    """ComfyUI caches the loader's H3_MODEL output (the runtime itself) beside the MODEL: an unload cannot free
+    what that output holds, so release says 0 bytes went and keeps the runtime resident (it is not read twice)."""
     _, rt = core
     loads = []
     handle = cm.RuntimeHandle(rt, reload=lambda: loads.append(1) or rt, on_release=lambda: loads.append(0))
-    assert handle.release() == rt.device_bytes() and not handle.resident and loads == [0]
-    assert handle.runtime() is rt and loads == [0, 1]
+    assert handle.release() == 0 and handle.resident and loads == [0]
+    assert handle.runtime() is rt and loads == [0]  # no reload: it never left
 
 
 def test_loader_model_output_without_core_h3():
