@@ -320,19 +320,13 @@ def _build_lock(build_dir: Path) -> Iterator[None]:
     torch's own lock is a plain file (``build_dir/lock``): a build killed outright (SIGKILL, the OOM killer) leaves
     it behind, and every later build then waits for it forever. The kernel releases a flock when its holder dies,
     however it dies; while this process holds it no other build of this runtime can be in ``build_dir``, so a
-    torch lock found then is stale and is removed."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX
+    torch lock found then is stale and is removed (only where the flock is real)."""
+    from ..io.atomic import folder_lock  # imported here: this module is read before torch is needed
+
+    with folder_lock(build_dir) as held:
+        if held:
+            (build_dir / "lock").unlink(missing_ok=True)
         yield
-        return
-    fd = os.open(build_dir, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        (build_dir / "lock").unlink(missing_ok=True)
-        yield
-    finally:
-        os.close(fd)  # closing releases the lock
 
 
 def _compile(cpp_ext: Any, paths: CudaPaths, build_dir: Path, verbose: bool) -> Any:

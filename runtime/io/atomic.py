@@ -207,19 +207,19 @@ def write_file(path: str | os.PathLike, writer: Callable[[Path], None]) -> None:
 
 
 @contextlib.contextmanager
-def folder_lock(directory: Path) -> Iterator[None]:
+def folder_lock(directory: Path) -> Iterator[bool]:
     """An exclusive advisory lock on ``directory`` itself (no lock file is left; the kernel releases it when its
     holder dies, however it dies); a no-op where the OS has no flock. Writers of one folder that hold it never
-    interleave."""
+    interleave. Yields whether the lock is really held (False: no flock here)."""
     try:
         import fcntl
     except ImportError:  # not POSIX
-        yield
+        yield False
         return
     fd = os.open(directory, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        yield True
     finally:
         os.close(fd)  # closing releases the lock
 

@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from fixtures.cli_contract import (check_refusal, finish, kill_tree, leftovers, read_until, start, wait_gone,
-                                   workers)
+from fixtures.cli_contract import (SLOW_QUANTIZE, check_refusal, finish, kill_tree, leftovers, read_until, start,
+                                   wait_gone, workers)
 
 TINY_SLOW = ["--dense", "--width", "64", "--height", "64", "--frames", "5", "--steps", "400", "--progress"]
 SP = ["--sequence-parallel", "2"]
@@ -73,25 +73,13 @@ def test_sigterm_while_sampling(work):
     assert not (work / "o").exists() and not leftovers(work)
 
 
-_SLOW_QUANTIZE = """
-import sys, time
-import h3_blackwell.runtime.io.convert as C
-_convert = C._convert
-def slow(name, box, device):
-    sys.stderr.write("converting " + name + "\\n"); sys.stderr.flush()
-    time.sleep(0.05)
-    return _convert(name, box, device)
-C._convert = slow
-"""
-
-
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_signal_during_quantize_leaves_no_partial_file(sig, code, work):
     from h3_blackwell.runtime.model.tiny import save_tiny
 
     src = save_tiny(work / "tiny.safetensors", seed=0)
     (work / "q").mkdir()
-    p = start(["quantize", src, work / "q" / "nv.safetensors"], prelude=_SLOW_QUANTIZE, TMPDIR=work / "tmp")
+    p = start(["quantize", src, work / "q" / "nv.safetensors"], prelude=SLOW_QUANTIZE, TMPDIR=work / "tmp")
     head = read_until(p.stderr, b"converting blocks.1.", 120)
     assert b"converting blocks.1." in head, head.decode()[-2000:]
     assert [f.name for f in (work / "q").iterdir()] != [], "the writer had started: its temporary file exists"
@@ -177,7 +165,7 @@ def test_a_second_signal_does_not_cut_the_cleanup_short(work):
 
     src = save_tiny(work / "tiny.safetensors", seed=0)
     (work / "q").mkdir()
-    p = start(["quantize", src, work / "q" / "nv.safetensors"], prelude=_SLOW_QUANTIZE, TMPDIR=work / "tmp")
+    p = start(["quantize", src, work / "q" / "nv.safetensors"], prelude=SLOW_QUANTIZE, TMPDIR=work / "tmp")
     head = read_until(p.stderr, b"converting blocks.1.", 120)
     assert b"converting blocks.1." in head, head.decode()[-2000:]
     p.send_signal(signal.SIGTERM)

@@ -30,26 +30,12 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from fixtures.cli_contract import env, finish, leftovers, read_until
+from fixtures.cli_contract import SLOW_QUANTIZE, env, finish, leftovers, read_until, start
 from h3_blackwell.cli import main as cli
 from h3_blackwell.runtime.io import atomic
 
 SMALL = ["--width", "64", "--height", "64", "--frames", "5", "--steps", "1"]
 
-# quantize made slow (one line per source tensor), then the process's own command line: ``main()`` without argv,
-# as the console script and ``python -m h3_blackwell.cli`` call it
-_SLOW_QUANTIZE_MAIN = """
-import sys, time
-import h3_blackwell.runtime.io.convert as C
-_convert = C._convert
-def slow(name, box, device):
-    sys.stderr.write("converting " + name + "\\n"); sys.stderr.flush()
-    time.sleep(0.05)
-    return _convert(name, box, device)
-C._convert = slow
-from h3_blackwell.cli.main import main
-sys.exit(main())
-"""
 
 
 @pytest.fixture(scope="module")
@@ -59,15 +45,8 @@ def tiny(tmp_path_factory) -> Path:
     return save_tiny(tmp_path_factory.mktemp("sc") / "tiny.safetensors", seed=0)
 
 
-def _py(code: str, *args, **popen) -> subprocess.Popen:
-    popen.setdefault("stdout", subprocess.PIPE)
-    popen.setdefault("stderr", subprocess.PIPE)
-    return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], env=env(**popen.pop("extra", {})),
-                            **popen)
-
-
 def _slow_quantize(tiny: Path, out: Path) -> tuple[subprocess.Popen, bytes]:
-    p = _py(_SLOW_QUANTIZE_MAIN, "quantize", tiny, out)
+    p = start(["quantize", tiny, out], prelude=SLOW_QUANTIZE)
     head = read_until(p.stderr, b"converting blocks.1.", 120)
     assert b"converting blocks.1." in head, head.decode(errors="replace")[-2000:]
     return p, head
