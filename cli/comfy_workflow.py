@@ -5,6 +5,7 @@ Autogrow inputs), or refused with the reason; ``--set NODE.INPUT=VALUE`` overrid
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -35,14 +36,24 @@ def is_ui_graph(d) -> bool:
     return isinstance(d, dict) and isinstance(d.get("nodes"), list) and "links" in d
 
 
+def _read_pipe(p: Path) -> str:
+    """A pipe's text to its end. Opened without waiting for a writer (a plain open blocks until one comes); with
+    none, the first read is the end (''), so the caller refuses an empty workflow instead of hanging."""
+    fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)
+    os.set_blocking(fd, True)
+    with os.fdopen(fd, "rb") as f:
+        return f.read().decode("utf-8")
+
+
 def load_workflow(path: str | Path) -> tuple[str, dict]:
-    """('api', prompt) or ('ui', graph); ValueError with the reason otherwise (a pipe or a device is refused, not
-    read: it could block or never end)."""
+    """('api', prompt) or ('ui', graph); ValueError with the reason otherwise. A pipe is read to its end
+    (``comfy-run <(jq ... wf.json)``), but only when a writer holds it as it is opened (a named pipe nobody writes
+    reads as empty, never blocks); a socket or a device is refused, not read: it could never end."""
     p = Path(path)
-    if p.exists() and not p.is_file() and not p.is_dir():
-        raise ValueError(f"{path} is not a regular file (a pipe, socket or device); expected a JSON workflow file")
+    if p.exists() and not (p.is_file() or p.is_dir() or p.is_fifo()):
+        raise ValueError(f"{path} is a socket or a device, not a file; expected a JSON workflow file (or a pipe)")
     try:
-        data = json.loads(p.read_text(encoding="utf-8"))
+        data = json.loads(_read_pipe(p) if p.is_fifo() else p.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ValueError(f"workflow file not found: {path}") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:

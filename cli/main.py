@@ -241,6 +241,8 @@ def _stdout_gone() -> None:
 def _sinks():
     """Wrap sys.stdout and sys.stderr in :class:`_Sink` for a command; returns what puts them back."""
     out, err = sys.stdout, sys.stderr
+    if threading.current_thread() is not threading.main_thread():  # the streams are the process's: not ours there
+        return lambda: None
     if out is not None:
         sys.stdout = _Sink(out, _stdout_gone)
     if err is not None:
@@ -283,13 +285,14 @@ def main(argv: list[str] | None = None) -> int:
             except (OSError, ValueError):
                 pass
         restore_streams()
-        if interrupted and own_process:  # the process is ending: a later signal must not end it another way
+        if interrupted and own_process and threading.current_thread() is threading.main_thread():
+            # the process is ending: a later signal must not end it another way
             for s in _STOPS:
                 if signal.getsignal(s) is not signal.SIG_IGN:
                     signal.signal(s, _ignore)
-            # and blocked until it exits: the interpreter's finalization puts SIG_DFL back for Python handlers, so a
-            # signal arriving in its last moments would still end the process by that signal (status -15); a
-            # blocked one stays pending and dies with the process
+            # and blocked in this thread until it exits: the interpreter's finalization puts SIG_DFL back for Python
+            # handlers. This narrows, not closes, that window: a thread started earlier (torch's) that does not
+            # block them can still take one then, and the process then ends by that signal
             if hasattr(signal, "pthread_sigmask"):
                 signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
         else:

@@ -101,8 +101,9 @@ class H3TextStatesLoader:
     FUNCTION = "load"
 
     @classmethod
-    def IS_CHANGED(cls, text_states, **_):
-        """The file's size and mtime, so a states file replaced between two prompts is read again."""
+    def IS_CHANGED(cls, text_states=None, **_):
+        """The file's size and mtime, so a states file replaced between two prompts is read again (a linked input:
+        None or absent; never raises)."""
         if text_states == EMBEDDED_STATES or not isinstance(text_states, str):
             return "embedded"
         return file_stamp(_states_path(text_states))

@@ -116,9 +116,11 @@ class H3ModelLoader:
     FUNCTION = "load"
 
     @classmethod
-    def IS_CHANGED(cls, model, **_):
+    def IS_CHANGED(cls, model=None, **_):
         """The model file's size and mtime: ComfyUI runs the loader again (which reloads) when the file was replaced
-        or deleted between two prompts; the other inputs are in ComfyUI's cache key already."""
+        or deleted between two prompts; the other inputs are in ComfyUI's cache key already. A linked input arrives
+        as None, or not at all in older ComfyUI versions; this never raises (a raise makes ComfyUI run the node on
+        every prompt)."""
         return "embedded" if model == TINY_CHOICE else file_stamp(_model_path(model) if isinstance(model, str) else None)
 
     @classmethod

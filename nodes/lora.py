@@ -37,11 +37,14 @@ class H3LoRA:
     FUNCTION = "apply"
 
     @classmethod
-    def IS_CHANGED(cls, lora_name, **_):
+    def IS_CHANGED(cls, lora_name=None, **_):
         """The LoRA file's size and mtime: a file replaced between two prompts runs this node (and the sampler
-        after it) again; the runtime re-applies a LoRA whose file changed (``sync_loras`` compares the same)."""
+        after it) again; the runtime re-applies a LoRA whose file changed (``sync_loras`` compares the same). A
+        linked input arrives as None, or not at all in older ComfyUI versions; this never raises (a raise makes
+        ComfyUI run the node, and the sampler after it, on every prompt)."""
         fp = optional_comfy_module("folder_paths")
-        path = fp.get_full_path("loras", lora_name) if fp is not None and lora_name != NO_LORAS else None
+        named = isinstance(lora_name, str) and lora_name != NO_LORAS
+        path = fp.get_full_path("loras", lora_name) if fp is not None and named else None
         return file_stamp(path)
 
     @classmethod

@@ -223,6 +223,6 @@ class CompatCache:
                 cur["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")
                 rec["entries"][fingerprint] = cur
                 text = json.dumps(rec, indent=1, sort_keys=True, default=str)
-                write_file(p, lambda tmp: tmp.write_text(text))  # readers never see a half-written file
+                write_file(p, lambda tmp: tmp.write_text(text), output=False)  # never a half-written file
         except OSError as e:  # a read-only cache must not break inference
             log.warning("fc2 compat cache not written (%s): %s", p, e)

@@ -148,7 +148,7 @@ _DEFERRED = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if
 
 
 @contextlib.contextmanager
-def _installing(target: Path) -> Iterator[None]:
+def _installing(target: Path | None) -> Iterator[None]:
     """Hold SIGINT / SIGTERM / SIGHUP back while an output is moved into place, then deliver the first one that
     came: its handler runs (when the output was installed, the exception a Python handler raises gets
     ``written = str(target)``) or, with the default action, the process ends as the signal ends it, only once the
@@ -157,7 +157,7 @@ def _installing(target: Path) -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    came: list[int] = []
+    came: list[int] = []  # target None: a side file (a cache), never named as "written" in the interrupt line
     prev = {}
     for s in _DEFERRED:
         h = signal.getsignal(s)
@@ -173,7 +173,7 @@ def _installing(target: Path) -> Iterator[None]:
         for s, h in prev.items():
             signal.signal(s, h)
         if came:
-            _deliver(came[0], prev[came[0]], target if whole else None)
+            _deliver(came[0], prev[came[0]], target if whole and target is not None else None)
 
 
 def _deliver(signum: int, handler, written: Path | None) -> None:
@@ -189,8 +189,10 @@ def _deliver(signum: int, handler, written: Path | None) -> None:
         raise
 
 
-def write_file(path: str | os.PathLike, writer: Callable[[Path], None]) -> None:
-    """``writer(tmp)`` beside ``path`` (its folder created), then one rename; nothing is left on failure."""
+def write_file(path: str | os.PathLike, writer: Callable[[Path], None], output: bool = True) -> None:
+    """``writer(tmp)`` beside ``path`` (its folder created), then one rename; nothing is left on failure.
+    ``output``: the file is what the command was asked to write, so an interruption held back over its rename
+    names it as written; False for a side file (a cache record) that the line must not name."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(path)
@@ -199,7 +201,7 @@ def write_file(path: str | os.PathLike, writer: Callable[[Path], None]) -> None:
         with no_space_is_a_refusal(path):
             writer(tmp)
         os.chmod(tmp, mode)  # a writer may replace tmp with a 0600 file of its own (safetensors' save_file does)
-        with _installing(path):
+        with _installing(path if output else None):
             os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -86,8 +86,12 @@ def _quant_problems(ck: Checkpoint, layer: str, shape: tuple) -> list[str]:
     if w in have and tuple(ck.shape(w)) != tuple(shape):
         return [f"{w} ({fmt or ck.dtype_name(w)}): expected {list(shape)}, found {list(ck.shape(w))}"]
     kind = fmt or "int8_tensorwise"  # how the loader reads a quantized weight without a format claim
-    out = _dtype_problem(ck, w, _WEIGHT_DTYPES[kind], kind) if w in have else []
     scale = layer + ".weight_scale"
+    if fmt is None and w in have and ck.dtype_name(w).startswith("F8") and scale not in have:
+        return [f"{w}: an {ck.dtype_name(w)} weight without {scale} (an unscaled fp8 file, or an older scaled_fp8 "
+                "one with 'scale_weight'): not supported; expected a comfy_quant fp8 file (each fp8 weight with its "
+                "weight_scale), bf16, int8 or NVFP4; convert the bf16 release with `h3-blackwell quantize`"]
+    out = _dtype_problem(ck, w, _WEIGHT_DTYPES[kind], kind) if w in have else []
     if scale not in have:
         return out + [f"{scale}: missing (a {kind} weight needs its scale)"]
     out += _dtype_problem(ck, scale, _FLOAT_DTYPES, f"the scale of a {kind} weight")

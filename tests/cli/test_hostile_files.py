@@ -1,5 +1,6 @@
 """Side files the CLI reads that are not what they claim: a comfy-run workflow or ``--set`` value nested too deeply,
-a workflow or ``H3_PRODUCER_TILES`` table that is a pipe or a device. Each is a refusal (exit 2, one ``error:`` line
+a workflow that is a device or a pipe nobody writes to, an ``H3_PRODUCER_TILES`` table that is a pipe (a workflow
+piped in by its writer, ``<(jq ...)``, is read). Each is a refusal (exit 2, one ``error:`` line
 naming the file), read before anything is sent or loaded. Before: a deep JSON was ``error: internal:
 RecursionError`` (exit 1); a pipe blocked the command forever (``--timeout`` does not cover reading the workflow),
 ``/dev/zero`` was read until the memory ran out.
@@ -51,8 +52,34 @@ def test_a_workflow_that_is_not_a_json_file(kind, tmp_path, capsys, alarm):
     elif kind == "pipe":
         os.mkfifo(wf)
     line = _comfy_run(capsys, [wf, *UNREACHABLE, "--output", tmp_path / "out"])
-    assert str(wf) in line and ("nested too deeply" if kind == "deep" else "not a regular file") in line, line
+    # a named pipe nobody writes to reads as empty (it must not block): not a JSON workflow
+    want = {"deep": "nested too deeply", "pipe": "is not a JSON workflow", "device": "a socket or a device"}[kind]
+    assert str(wf) in line and want in line, line
     assert not (tmp_path / "out").exists()
+
+
+def test_a_workflow_from_a_pipe_with_a_writer_is_read(tmp_path, alarm):
+    """``comfy-run <(jq ... wf.json)``: the shell hands over a pipe its writer already holds; it is read to its
+    end like a file."""
+    import threading
+
+    from h3_blackwell.cli.comfy_workflow import load_workflow
+
+    prompt = {"1": {"class_type": "H3B_EmptyLatent", "inputs": {"width": 64}}}
+    r, w = os.pipe()
+
+    def write():
+        with os.fdopen(w, "w") as f:
+            f.write(json.dumps(prompt))
+
+    t = threading.Thread(target=write)
+    t.start()
+    try:
+        assert load_workflow(f"/proc/self/fd/{r}" if os.path.exists(f"/proc/self/fd/{r}") else f"/dev/fd/{r}") == (
+            "api", prompt)
+    finally:
+        t.join()
+        os.close(r)
 
 
 def test_a_set_value_nested_too_deeply(tmp_path, capsys):

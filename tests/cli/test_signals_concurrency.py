@@ -163,6 +163,15 @@ def test_a_signal_between_the_renames_of_a_set_waits_until_the_set_is_whole(tmp_
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is back
 
 
+def test_a_side_files_rename_is_never_named_as_written(tmp_path, monkeypatch, python_sigint):
+    """A cache record (write_file(..., output=False)) is installed whole too, but the interrupt line must not name
+    it as what was written: nothing the user asked for was."""
+    _signal_after_first_replace(monkeypatch, signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt) as ei:
+        atomic.write_file(tmp_path / "rec.json", lambda p: p.write_text("{}"), output=False)
+    assert (tmp_path / "rec.json").read_text() == "{}" and getattr(ei.value, "written", None) is None
+
+
 def test_a_signal_while_the_output_is_renamed_says_it_was_written(tmp_path, monkeypatch, capsys):
     out = tmp_path / "tiny.safetensors"
     _signal_after_first_replace(monkeypatch, signal.SIGTERM)

@@ -117,6 +117,16 @@ def test_text_states_and_lora_files_bust_the_cache(comfy, monkeypatch):
     assert H3LoRA.IS_CHANGED(lora_name="gone.safetensors") == "missing"
 
 
+@pytest.mark.parametrize("node", [H3ModelLoader, H3TextStatesLoader, H3LoRA])
+def test_is_changed_of_a_linked_input_never_raises(comfy, node):
+    """ComfyUI asks IS_CHANGED without evaluating links: current core passes a linked widget input as None, older
+    versions leave it out. A raise there makes ComfyUI store NaN (never equal to itself): the node, and all after
+    it, ran again on every prompt. (H3LoRA's raised TypeError from folder_paths.get_full_path(None).)"""
+    assert isinstance(node.IS_CHANGED(), str)
+    name = {H3ModelLoader: "model", H3TextStatesLoader: "text_states", H3LoRA: "lora_name"}[node]
+    assert isinstance(node.IS_CHANGED(**{name: None}), str)
+
+
 def test_v3_nodes_carry_the_cache_fingerprint(comfy, monkeypatch):
     """Before: the V3 classes generated from the V1 ones had no fingerprint_inputs (V3 never reads IS_CHANGED)."""
     io = types.ModuleType("comfy_api.latest.io")

@@ -168,6 +168,17 @@ def test_packed_bytes_without_a_format_claim_are_refused(files, out, tmp_path, c
     assert listing(out) == before
 
 
+def test_an_fp8_weight_without_its_scale_is_named_as_such(files, out, tmp_path, capsys):
+    """An unscaled fp8 file (or an older scaled_fp8 one, whose scale is 'scale_weight') was refused as a damaged
+    int8_tensorwise layer, a format the file never claims."""
+    def edit(t):
+        t[FC1 + ".weight"] = t[FC1 + ".weight"].to(torch.float8_e4m3fn)
+    bad = _rewrite(files["tiny"], tmp_path / "fp8_unscaled.safetensors", edit)
+    line = _refused(capsys, out, bad, "fp8_unscaled.safetensors", f"{FC1}.weight: an F8_E4M3 weight without "
+                    f"{FC1}.weight_scale", "not supported")
+    assert "int8" not in line.split("not supported")[0], line
+
+
 def _fp8(scale: torch.Tensor):
     def edit(t):
         t[FC1 + ".weight"] = t[FC1 + ".weight"].to(torch.float8_e4m3fn)
