@@ -110,7 +110,8 @@ def _same(a, b) -> bool:
 class RuntimeHandle:
     """The resident runtime a MODEL evaluates (shared by every clone of its patcher), the per-run state, and
     release / reload. ``reload()`` returns the runtime again (the loader's resident one, reading the file when it
-    was released); ``on_release()`` tells the loader to drop it too."""
+    was released); ``on_release()`` tells the loader to drop it too, and may return ``keep(runtime)``, called when
+    the runtime outlived the release (held elsewhere) so the loader lists it again."""
 
     def __init__(self, rt, reload=None, on_release=None):
         self._rt, self._reload, self._on_release = rt, reload, on_release
@@ -149,12 +150,13 @@ class RuntimeHandle:
         ref = weakref.ref(self._rt)
         self._rt, self.call = None, ModelCall(None)
         self._drop_towers()
-        if self._on_release is not None:
-            self._on_release()
+        keep = self._on_release() if self._on_release is not None else None
         gc.collect()
         held = ref()
         if held is not None:
             self._rt, self.call = held, ModelCall(held)
+            if callable(keep):  # the loader keeps its entry (and this MODEL) for the runtime that stayed
+                keep(held)
             log.info("[h3-blackwell] H3 model not released: another output still holds it (the loader's H3_MODEL "
                      "output or an H3 LoRA output, cached by ComfyUI); its device memory stays in use")
             return 0

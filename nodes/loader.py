@@ -65,8 +65,17 @@ def _core_model(rt, inputs: tuple):
     ref = weakref.ref(rt)
 
     def on_release():
-        if _RESIDENT["model"] is not None and _RESIDENT["model"] is ref():
-            release_resident()
+        """Drop the resident entry; returns what puts it back (the handle calls it when the runtime stayed alive,
+        held by an output ComfyUI caches, so this node keeps one entry and one MODEL for it, not two)."""
+        if _RESIDENT["model"] is None or _RESIDENT["model"] is not ref():
+            return None
+        key, core = _RESIDENT["key"], _RESIDENT["core"]
+        release_resident()
+
+        def keep(kept) -> None:
+            if _RESIDENT["model"] is None:  # nothing else was loaded meanwhile
+                _RESIDENT.update(key=key, model=kept, core=core, previous=None)
+        return keep
 
     return make_core_model(rt, reload=lambda: H3ModelLoader().load(*inputs)[0], on_release=on_release)
 

@@ -600,6 +600,24 @@ def test_a_runtime_held_elsewhere_is_not_said_to_be_freed(core):
     assert handle.runtime() is rt and loads == [0]  # no reload: it never left
 
 
+def test_an_unload_that_frees_nothing_keeps_one_model_and_one_handle(core, monkeypatch):
+    """The MODEL's release while ComfyUI's cache holds the loader's H3_MODEL output frees nothing (0 bytes): the
+    runtime stays in the handle, and the loader keeps listing it with the same MODEL, so a rerun of the loader
+    hands out that MODEL, not a second handle over the same runtime (which ComfyUI would count twice)."""
+    from h3_blackwell.nodes import loader as loader_mod
+    from h3_blackwell.nodes.loader import TINY_CHOICE, H3ModelLoader
+
+    monkeypatch.setattr(loader_mod, "_load_progress", lambda: None)  # the stand-in core has no ProgressBar
+    loader_mod.release_resident()
+    rt, model = H3ModelLoader().load(TINY_CHOICE, "auto", "auto", "on", True)  # both cached by ComfyUI
+    handle = model.model.h3_handle
+    assert handle.release() == 0 and handle.resident and handle.runtime() is rt
+    assert loader_mod.resident_model() is rt
+    again = H3ModelLoader().load(TINY_CHOICE, "auto", "auto", "on", True)
+    assert again[0] is rt and again[1] is model
+    loader_mod.release_resident()
+
+
 def test_loader_model_output_without_core_h3():
     """Outside a ComfyUI with core H3 the MODEL output says what it needs when used."""
     from h3_blackwell.nodes.loader import TINY_CHOICE, H3ModelLoader, release_resident
