@@ -22,6 +22,7 @@ from typing import Any, Mapping, Protocol
 import torch
 
 from ..io.atomic import folder_lock, write_file
+from ..io.strict_json import read_json
 from . import ext
 from .table import COMPAT_SCHEMA, Fc2Entry
 from .guard import Fc2Environment, Fc2Operands
@@ -203,8 +204,8 @@ class CompatCache:
         or of the wrong shape (it is measured again); entries that are not objects are dropped."""
         key = self.key_fields(env, layer_tag)
         try:
-            rec = json.loads(self.path(env, layer_tag).read_text())
-        except (OSError, ValueError, RecursionError):
+            rec = read_json(self.path(env, layer_tag))
+        except (OSError, ValueError):
             rec = None
         if isinstance(rec, dict) and rec.get("schema") == COMPAT_SCHEMA and rec.get("key") == key \
                 and isinstance(rec.get("entries"), dict):

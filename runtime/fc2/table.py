@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from ..io.strict_json import read_json
 from ..ops.nvfp4_producers import SWIGLU_PRODUCER
 
 
@@ -291,12 +292,7 @@ class Fc2Table:
         self.entries.append(entry)
 
     def load_file(self, path: str | Path) -> Fc2Entry:
-        path = Path(path)
-        try:
-            d = json.loads(path.read_text())
-        except RecursionError:
-            raise ValueError("JSON nested too deeply to be a table entry") from None
-        entry = Fc2Entry.from_json(d, source=str(path))
+        entry = Fc2Entry.from_json(read_json(path), source=str(path))
         self.add(entry)
         return entry
 
@@ -307,8 +303,6 @@ class Fc2Table:
             return
         for p in sorted(d.glob("*.json")):
             try:
-                if not p.is_file():  # a pipe would block the read forever
-                    raise ValueError("not a regular file (a folder, pipe, socket or device)")
                 self.load_file(p)
             except (OSError, ValueError, TypeError) as e:
                 self.problems.append(f"{p}: {e}")
