@@ -43,6 +43,23 @@ class HungUp(Terminated):
     """SIGHUP (the controlling terminal closed, an ssh session dropped): ends the command as SIGTERM does."""
 
 
+def _take_stops(handler) -> dict:
+    """``handler`` for SIGINT / SIGTERM / SIGHUP, except those the caller ignores (nohup, a background job: they
+    stay ignored) -> the previous handlers, for :func:`_put_back`. Main thread only."""
+    prev = {s: signal.getsignal(s) for s in _STOPS}
+    for s, h in prev.items():
+        if h is not signal.SIG_IGN:
+            signal.signal(s, handler)
+    return prev
+
+
+def _put_back(prev: dict) -> None:
+    """The handlers :func:`_take_stops` replaced (None: one set outside Python, which cannot be put back)."""
+    for s, h in prev.items():
+        if h is not None:
+            signal.signal(s, h)
+
+
 def _ignore(signum, frame) -> None:
     """A Python-level no-op (not SIG_IGN: a signal already pending when the handler changes to SIG_IGN makes
     Python print "Signal N ignored due to race condition" with a traceback)."""
@@ -58,9 +75,7 @@ def _raise_interrupt(signum, frame) -> None:
     """SIGINT -> KeyboardInterrupt, SIGTERM -> Terminated, SIGHUP -> HungUp, once: the cleanup this starts
     (temporary files, workers) must not be cut short by a second signal, so all three are ignored until the command
     has returned."""
-    for s in _STOPS:
-        if signal.getsignal(s) is not signal.SIG_IGN:
-            signal.signal(s, _ignore)
+    _take_stops(_ignore)
     raise _interruption(signum)
 
 
@@ -104,16 +119,11 @@ def _import_commands():
         from . import commands
 
         return commands
-    prev = {s: signal.getsignal(s) for s in _STOPS}
-    for s, h in prev.items():
-        if h is not signal.SIG_IGN:
-            signal.signal(s, _exit_interrupted)
+    prev = _take_stops(_exit_interrupted)
     try:
         from . import commands
     finally:
-        for s, h in prev.items():
-            if h is not None:
-                signal.signal(s, h)
+        _put_back(prev)
     return commands
 
 
@@ -171,11 +181,8 @@ def _handle_signals():
     to do off the main thread, where no handler can be set)."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
-    prev = {s: signal.getsignal(s) for s in _STOPS}
-    for s, h in prev.items():
-        if h is not signal.SIG_IGN:  # a signal the caller ignores (nohup, a background job) stays ignored
-            signal.signal(s, _raise_interrupt)
-    return lambda: [signal.signal(s, h) for s, h in prev.items() if h is not None]
+    prev = _take_stops(_raise_interrupt)
+    return lambda: _put_back(prev)
 
 
 
@@ -287,9 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         restore_streams()
         if interrupted and own_process and threading.current_thread() is threading.main_thread():
             # the process is ending: a later signal must not end it another way
-            for s in _STOPS:
-                if signal.getsignal(s) is not signal.SIG_IGN:
-                    signal.signal(s, _ignore)
+            _take_stops(_ignore)
             # and blocked in this thread until it exits: the interpreter's finalization puts SIG_DFL back for Python
             # handlers. This narrows, not closes, that window: a thread started earlier (torch's) that does not
             # block them can still take one then, and the process then ends by that signal
