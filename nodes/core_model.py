@@ -26,8 +26,9 @@ this module needs no ComfyUI):
 - ``H3ModelPatcher`` is core's ``ModelPatcher`` whose weight work goes to the runtime: ``model_size`` is what the
   runtime holds on the device (``H3Runtime.device_bytes``: weights, stream buffers, GEMM scratch, LoRA side
   paths) plus the Fun ControlNet tower it holds; loading makes sure the runtime is resident; an unload from a
-  CUDA device releases it (the next load reads the file again); at sampling start (``pre_run``) the LoRA records on the patcher are
-  applied through the runtime's LoRA machinery (``core_patches.lora_specs``) and anything it cannot honour is
+  CUDA device releases it (the next load reads the file again), or, while another output ComfyUI caches still
+  holds it, offloads it in place to host memory (``H3Runtime.offload``; the next load moves it back); at sampling
+  start (``pre_run``) the LoRA records on the patcher are applied through the runtime's LoRA machinery (``core_patches.lora_specs``) and anything it cannot honour is
   refused (``core_patches``); ``cleanup`` closes the run, whose report ``H3 Model Run Report`` reads.
 """
 
@@ -130,6 +131,11 @@ class RuntimeHandle:
     def resident(self) -> bool:
         return self._rt is not None
 
+    @property
+    def offloaded(self) -> bool:
+        """The runtime is this handle's but its weights are in host memory (``H3Runtime.offload``)."""
+        return self._rt is not None and getattr(self._rt, "parked", None) is not None
+
     def runtime(self):
         if self._rt is None:
             if self._reload is None:
@@ -138,12 +144,16 @@ class RuntimeHandle:
             self._rt = self._reload()
             self.call = ModelCall(self._rt)
             log.info("[h3-blackwell] H3 model reloaded for the MODEL output")
+        elif getattr(self._rt, "parked", None) is not None:
+            self._rt.onload()
+            log.info("[h3-blackwell] H3 model back on the device")
         return self._rt
 
     def release(self) -> int:
-        """Drop the runtime -> the bytes that freed: ``size`` when that was the last reference, else 0, and the
-        runtime then stays this handle's, resident (ComfyUI's cache of the loader's H3_MODEL output, or an H3 LoRA
-        output, still holds it: its device memory cannot go, and ComfyUI is told so rather than told it went)."""
+        """Drop the runtime -> the bytes that freed: ``size`` when that was the last reference. When something
+        else still holds it (ComfyUI's cache of the loader's H3_MODEL output, or an H3 LoRA output), dropping it
+        frees nothing: the runtime stays this handle's and is offloaded in place instead (``H3Runtime.offload``:
+        its weights to host memory until the next use), and the bytes the allocator freed are returned."""
         if self._rt is None:
             return 0
         self.call.end_run()
@@ -157,9 +167,12 @@ class RuntimeHandle:
             self._rt, self.call = held, ModelCall(held)
             if callable(keep):  # the loader keeps its entry (and this MODEL) for the runtime that stayed
                 keep(held)
-            log.info("[h3-blackwell] H3 model not released: another output still holds it (the loader's H3_MODEL "
-                     "output or an H3 LoRA output, cached by ComfyUI); its device memory stays in use")
-            return 0
+            offload = getattr(held, "offload", None)
+            freed = offload() if offload is not None else 0
+            log.info("[h3-blackwell] H3 model offloaded to host memory (%.2f GB of device memory freed): another "
+                     "output still holds it (the loader's H3_MODEL output or an H3 LoRA output, cached by ComfyUI); "
+                     "its next use moves it back", freed / 1e9)
+            return freed
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         log.info("[h3-blackwell] H3 model released (ComfyUI unloaded the MODEL)")
@@ -441,13 +454,14 @@ def _core_classes():
             return self._unload(device_to)
 
         def _unload(self, device_to) -> int:
-            """The bytes freed: the runtime's when it was released, 0 when it stays (on the CPU, or still held
-            elsewhere: then it stays loaded in what ComfyUI is told as well)."""
+            """The bytes freed: the runtime's when it was released or offloaded in place (still held elsewhere),
+            0 when it stays (on the CPU, or a runtime that cannot offload: then it stays loaded in what ComfyUI is
+            told as well)."""
             h = self._handle()
             freed = 0
             if h.resident and h.device.type == "cuda" and (device_to is None or torch.device(device_to).type != "cuda"):
                 freed = h.release()
-                if h.resident:
+                if h.resident and not h.offloaded:
                     return 0
             self.model.model_loaded_weight_memory = 0
             self.model.current_weight_patches_uuid = None

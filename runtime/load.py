@@ -45,6 +45,7 @@ from .lora.merge import side_device_bytes
 from .model.config import QUANT_LINEARS, H3Config
 from .model.h3 import H3Model
 from .model.tiny import tiny_state_dict
+from .offload import Parked, park, unpark
 from .ops import registry
 from .ops.attention import AttentionFn
 from .ops.block_ops import build_ops
@@ -214,6 +215,7 @@ class H3Runtime:
     #                                            sets its per-run routing and per-step schedule switch
     streamer: BlockStreamer | None = None  # the streamed blocks of the memory plan (plan.memory); ops binds them
     attention: AttentionFn | None = None
+    parked: Parked | None = None  # set while offload() holds the device tensors in host memory
 
     @property
     def config(self) -> H3Config:
@@ -245,6 +247,21 @@ class H3Runtime:
         m, dev = self.model, self.device
         return module_device_bytes(m, dev) + streams + scratch + side_device_bytes(m, dev)
 
+    def offload(self) -> int:
+        """Hand the device memory back without dropping the runtime (``runtime.offload``) -> the bytes the allocator
+        freed (0 off CUDA, or when already offloaded). Every use that plans a run (``fit_memory``) or calls
+        :meth:`onload` puts the weights back first, so a holder of this runtime never sees it half there."""
+        if self.parked is not None or self.device.type != "cuda":
+            return 0
+        self.parked = park(self)
+        return self.parked.freed_bytes
+
+    def onload(self) -> None:
+        """Undo :meth:`offload` (nothing when the runtime was not offloaded): the weights back, placed as before."""
+        parked, self.parked = self.parked, None
+        if parked is not None:
+            unpark(self, parked)
+
     def describe(self) -> str:
         lines = self.plan.describe().splitlines()
         extra = {k: v for k, v in self.backends.items() if k not in self.plan.report()}
@@ -260,6 +277,7 @@ class H3Runtime:
         held (``auto`` counts them as available again) and are planned like the load's. A tower loaded onto this
         plan that the run leaves out keeps its device bytes, and LoRA side paths hold theirs: both come off a given
         budget. Raises BudgetError (nothing moved) when the budget cannot run this request."""
+        self.onload()
         plan, st = self.plan, self.streamer
         if plan.memory is None or st is None:
             return {}

@@ -227,6 +227,9 @@ def _apply(rt, specs: list[LoraSpec]) -> dict:
     """Validate every file, then restore the model's originals and apply ``specs`` (merges, then side paths);
     any failure restores the originals before it propagates. Returns the report."""
     t0 = time.perf_counter()
+    onload = getattr(rt, "onload", None)  # an offloaded runtime's weights come back before any is written
+    if onload is not None:
+        onload()
     matches, banks = _read_all(rt, specs)
     model = rt.model
     mods = dict(model.named_modules())

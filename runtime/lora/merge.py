@@ -88,6 +88,20 @@ def side_device_bytes(model: nn.Module, device: torch.device) -> int:
                for t in (term.down, term.up) if t.device.type == kind)
 
 
+def move_sides(model: nn.Module, device: torch.device) -> None:
+    """Move every LoRA side path on ``model`` (its terms' A and B) to ``device`` (``runtime.offload``)."""
+    st = model.__dict__.get(STATE_ATTR)
+    if st is None:
+        return
+    dev = torch.device(device)
+    for side in list(st.block_sides.values()) + [getattr(m, SIDE_ATTR, None) for m, _ in st.sides.values()]:
+        if side is None:
+            continue
+        for term in side.terms:
+            term.down, term.up = term.down.to(dev), term.up.to(dev)
+        side.device = dev
+
+
 def restore_all(rt, st: LoraState, source: SourceWeights) -> None:
     if st.bank is not None:  # the heads a PDD bank replaced, and the config's head_bank
         restore_bank(rt, st.bank)

@@ -222,6 +222,10 @@ class Scratch:
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._bufs.values())
 
+    def clear(self) -> None:
+        """Drop every buffer (they are allocated again, at the size asked, by the next ``get``)."""
+        self._bufs.clear()
+
 
 DEFAULT_SCRATCH = Scratch()
 

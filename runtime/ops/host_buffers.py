@@ -4,6 +4,7 @@ with the views the module holds between its block's computations."""
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -42,9 +43,13 @@ def _host_empty(nbytes: int, pin: bool) -> tuple[torch.Tensor, str]:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), "pinned"
 
 
+def _unregister(ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
 def _host_free(buf: torch.Tensor, how: str) -> None:
-    if how == "registered":
-        torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+    if how == "registered" and buf.numel():
+        _unregister(buf.data_ptr())
 
 
 @dataclass
@@ -74,6 +79,11 @@ class HostLinear:
             off += _aligned(n)
         self.nbytes = off
         self.buffer, self.pinned = _host_empty(off, pin)
+        # the registration ends when this object is released or dropped, before the buffer's memory can be freed
+        # (the finalizer holds the buffer): a registration left on freed memory makes later copies from whatever
+        # is allocated there fail with "invalid argument"
+        self._unpin = weakref.finalize(self, _host_free, self.buffer, self.pinned)
+        self._unpin.atexit = False
         self.views = {}
         for e, t in zip(self.entries, srcs):
             v = self.view(self.buffer, e)
@@ -97,6 +107,6 @@ class HostLinear:
         return all(getattr(module, e.table).get(e.name) is self.views[e.name] for e in self.entries)
 
     def release(self) -> None:
-        _host_free(self.buffer, self.pinned)
+        self._unpin()  # once: a later drop of this object unregisters nothing again
         self.buffer = torch.empty(0, dtype=torch.uint8)
         self.views = {}

@@ -312,6 +312,25 @@ class BlockStreamer:
         self.last = None
         self.finish()
 
+    # -- offload ------------------------------------------------------------------------------------
+    def park(self) -> frozenset:
+        """All block linears to host memory, slots freed (``runtime.offload``) -> the streamed set, for unpark."""
+        before = self.streamed
+        self.release()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        self._set_streamed(range(len(self.blocks)))
+        for j, name in ((j, n) for j in self.order if j not in self.host for n in LINEAR_NAMES):
+            self.adopt(f"blocks.{j}.{name}", self.blocks[j].get_submodule(name))
+        self.slots, self.slot_bytes, self.last = [], 0, None
+        self._reset_slots()
+        return before
+
+    def unpark(self, streamed) -> None:
+        if frozenset(int(j) for j in streamed) != self.streamed:
+            return self.restream(streamed)  # ends in finish()
+        self.finish()
+
     # -- measurement -------------------------------------------------------------------------------
     def summary(self) -> dict:
         """Copies and stalls of the evaluations since the last summary (read after the run's final

@@ -13,7 +13,13 @@ import pytest
 import torch
 
 from h3_blackwell.nodes import core_model as cm
-from h3_blackwell.runtime import RuntimeOptions, load_model
+from h3_blackwell.runtime import RuntimeOptions, load_model, sample
+from h3_blackwell.runtime.load import StateDictSource
+from h3_blackwell.runtime.model.config import H3Config
+from h3_blackwell.runtime.model.layout import latent_shapes
+from h3_blackwell.runtime.model.tiny import tiny_state_dict
+from h3_blackwell.runtime.ops.streaming import module_device_bytes
+from fixtures.reports import report_hashes
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -64,3 +70,31 @@ def test_model_calls_on_the_fast_stack_and_release():
     assert freed >= 0.9 * size
     rt2 = handle.runtime()  # the next load reads it again
     assert rt2.device.type == "cuda" and handle.resident
+
+
+def test_an_unload_while_the_runtime_is_held_elsewhere_offloads_it_in_place():
+    """ComfyUI's cache holds the loader's outputs, so the MODEL's unload cannot drop the runtime: the handle offloads
+    it in place instead. The bytes release returns are the allocator's, at least 90 % of what the runtime held; every
+    model tensor is then in host memory; the next use puts it back and samples to the same latent hashes."""
+    cfg = H3Config(hidden_size=1024, num_layers=4, num_refiner_layers=1, num_heads=8, head_dim=128,
+                   ffn_hidden_size=2816, time_embed_hidden_size=1024, time_embed_dim=512)
+    rt = load_model(StateDictSource(tiny_state_dict(cfg, 5, torch.bfloat16), "random 4-block H3", cfg),
+                    RuntimeOptions.from_env(device="cuda"))
+    vshape, ashape = latent_shapes(256, 256, 22)
+    g = torch.Generator().manual_seed(1)
+    inputs = (torch.randn(1, 32, cfg.text_dim, generator=g), None, torch.zeros(vshape), torch.zeros(ashape))
+    want = report_hashes(sample(rt, *inputs, seed=9, steps=3))
+    handle = cm.RuntimeHandle(rt, reload=lambda: pytest.fail("an offloaded runtime is never read again"),
+                              on_release=lambda: None)  # ``rt`` stays held here, as ComfyUI's output cache holds it
+    gc.collect()
+    torch.cuda.synchronize()
+    size, before = handle.size, torch.cuda.memory_allocated()
+    weights = module_device_bytes(rt.model, rt.device)
+    freed = handle.release()
+    print(f"held {size} bytes; offload freed {freed} (allocator: {before - torch.cuda.memory_allocated()})")
+    assert handle.resident and handle.offloaded and rt.parked is not None
+    assert freed == before - torch.cuda.memory_allocated() and freed >= 0.9 * size
+    assert all(t.device.type == "cpu" for t in list(rt.model.parameters()) + list(rt.model.buffers()))
+    assert handle.runtime() is rt and not handle.offloaded
+    assert module_device_bytes(rt.model, rt.device) == weights  # the GEMM scratch grows again in the next run
+    assert report_hashes(sample(rt, *inputs, seed=9, steps=3)) == want

@@ -139,3 +139,37 @@ def test_device_bytes_is_what_the_load_allocated(source, workload):
     held = torch.cuda.memory_allocated() - before
     print(f"after a run: allocated {held}, device_bytes {rt.device_bytes()}")
     assert abs(rt.device_bytes() - held) <= 0.02 * held
+
+
+def test_offload_of_a_streamed_runtime_frees_its_device_memory_and_comes_back_exact(runtimes):
+    """A streamed plan offloaded in place (H3Runtime.offload: resident blocks and slots to host memory) frees at
+    least 90 % of its device bytes as the allocator counts them, and its next run gives the same latent hashes."""
+    _, rt = runtimes
+    want = report_hashes(sample(rt, *_inputs(), seed=5, steps=STEPS))
+    held = rt.device_bytes()
+    freed = rt.offload()
+    print(f"streamed runtime held {held} bytes; offload freed {freed}")
+    assert rt.parked is not None and freed >= 0.9 * held and rt.device_bytes() == 0
+    got = sample(rt, *_inputs(), seed=5, steps=STEPS)
+    assert rt.parked is None and report_hashes(got) == want
+
+
+def test_dropped_page_locked_buffers_leave_no_registration_behind():
+    """A streamed runtime dropped without any release: its registered host buffers are unregistered before their
+    memory is freed, so memory allocated there later is plain pageable memory and copies from it work (a stale
+    registration made the next host-to-device copy fail with "invalid argument")."""
+    import gc
+
+    from h3_blackwell.runtime.ops.host_buffers import HostLinear
+
+    for _ in range(3):
+        lin = torch.nn.Linear(4096, 2048, bias=False)
+        hl = HostLinear(lin, pin=True)
+        assert hl.pinned == "registered"
+        ptr, nbytes = hl.buffer.data_ptr(), hl.nbytes
+        del hl
+        gc.collect()
+        t = torch.empty(nbytes, dtype=torch.uint8).fill_(7)
+        if t.data_ptr() == ptr:  # the allocator handed the same addresses out again
+            assert not t.is_pinned()
+        assert bool(t.to("cuda").eq(7).all())

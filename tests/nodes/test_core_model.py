@@ -600,6 +600,30 @@ def test_a_runtime_held_elsewhere_is_not_said_to_be_freed(core):
     assert handle.runtime() is rt and loads == [0]  # no reload: it never left
 
 
+def test_an_unload_of_a_held_cuda_runtime_offloads_it_and_core_is_told_what_went(core, monkeypatch):
+    """On CUDA the release of a runtime held elsewhere offloads it in place (``H3Runtime.offload``, measured on a GPU
+    in tests/gpu/test_core_model_gpu.py): the patcher's unload returns the bytes the offload freed and reports
+    nothing loaded, and core's next load brings the same runtime back (never a second read). Here the runtime is on
+    the CPU, so the handle is told it is on CUDA and the offload is the CPU park with a stated byte count."""
+    from h3_blackwell.runtime.offload import park
+
+    _, rt = core
+    patcher = cm.make_core_model(rt, reload=lambda: pytest.fail("an offloaded runtime is never read again"))
+    handle = patcher.model.h3_handle
+    handle.device = torch.device("cuda")
+
+    def offload():
+        rt.parked = park(rt)
+        return 12345
+    monkeypatch.setattr(rt, "offload", offload)
+    patcher.load(torch.device("cpu"))
+    assert patcher.loaded_size() == handle.size > 0
+    assert patcher.partially_unload(torch.device("cpu"), 1) == 12345
+    assert handle.resident and handle.offloaded and patcher.loaded_size() == 0
+    patcher.load(torch.device("cpu"))
+    assert rt.parked is None and not handle.offloaded and patcher.loaded_size() == handle.size
+
+
 def test_an_unload_that_frees_nothing_keeps_one_model_and_one_handle(core, monkeypatch):
     """The MODEL's release while ComfyUI's cache holds the loader's H3_MODEL output frees nothing (0 bytes): the
     runtime stays in the handle, and the loader keeps listing it with the same MODEL, so a rerun of the loader

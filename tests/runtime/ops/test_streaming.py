@@ -281,3 +281,28 @@ def test_a_budget_too_small_beside_side_paths_names_one_that_runs(lora_file):
     rt.plan.options.vram_budget = repr(named / 1e9)
     got = sample(rt, *_inputs(), seed=2, steps=STEPS)
     assert report_hashes(got) == want and got.report["memory"]["outside_bytes"] == side
+
+
+def test_a_page_locked_host_buffer_is_unregistered_once_when_released_or_dropped(monkeypatch):
+    """cudaHostRegister'ed host buffers must be unregistered before their memory is freed: a registration left on
+    freed memory makes later copies from whatever is allocated there fail ("invalid argument"). Registration is
+    recorded here (the CPU has none); tests/gpu/test_streaming_gpu.py checks the real one."""
+    import gc
+
+    from h3_blackwell.runtime.ops import host_buffers as hb
+
+    calls = []
+    monkeypatch.setattr(hb, "_host_empty", lambda n, pin: (torch.empty(n, dtype=torch.uint8), "registered"))
+    monkeypatch.setattr(hb, "_unregister", calls.append)
+    lin = torch.nn.Linear(64, 32, bias=False)
+    dropped = hb.HostLinear(lin, pin=True)
+    ptr = dropped.buffer.data_ptr()
+    del dropped
+    gc.collect()
+    assert calls == [ptr]  # dropped without release: unregistered by its finalizer
+    released = hb.HostLinear(lin, pin=True)
+    ptr = released.buffer.data_ptr()
+    released.release()
+    del released
+    gc.collect()
+    assert calls[1:] == [ptr]  # released, then dropped: unregistered once
