@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime import H3Error, audio_denoise_mask, audio_frames, latent_frames, snap_frames, video_denoise_mask
+from ..runtime import (MAX_NOISE_INDEX, H3Error, audio_denoise_mask, audio_frames, latent_frames, snap_frames,
+                       video_denoise_mask)
 from ._common import CATEGORY, intermediate_device, node_error, optional_comfy_module
 
 VIDEO_CHANNELS = 24
@@ -90,23 +91,29 @@ def read_latent(latent, title: str, video_channels: int = VIDEO_CHANNELS,
     return video, audio
 
 
-def check_batch_index(latent: dict, title: str) -> None:
-    """Refuse a ``batch_index`` that would change the noise. Core's sampler draws the noise of batch entry k as the
-    k-th draw of its generator per stream (``comfy.sample.prepare_noise``), so a one-clip latent tagged [k > 0]
-    (LatentFromBatch, RepeatLatentBatch, LatentBatchSeedBehavior) gets other noise than its seed alone gives; the
-    runtime draws the seed's first noise, so such a latent is refused rather than sampled with other noise."""
+def batch_index_of(latent: dict, title: str) -> int:
+    """The noise entry of a one-clip latent: its ``batch_index`` [k] -> k (none: 0). Core's sampler draws the noise
+    of batch entry k as the k-th draw of its generator per stream (``comfy.sample.prepare_noise``), so a latent tagged
+    [k] by LatentFromBatch, RepeatLatentBatch or LatentBatchSeedBehavior gets that noise here too. Refused: not one
+    integer per clip, or outside [0, MAX_NOISE_INDEX]."""
     inds = latent.get("batch_index") if isinstance(latent, dict) else None
     if inds is None:
-        return
+        return 0
     try:
-        values = [int(v) for v in (inds.tolist() if hasattr(inds, "tolist") else inds)]
-    except (TypeError, ValueError):
-        raise node_error(title, f"the latent's batch_index must be a list of ints; got {inds!r}") from None
-    if any(v != 0 for v in values):
-        raise node_error(title, f"the latent's batch_index is {values}: core would draw the noise of batch entry "
-                                f"{max(values)} of the seed, which the H3 Sampler does not; expected none or [0]. "
-                                "Remove the node that sets it (LatentFromBatch, RepeatLatentBatch, "
-                                "LatentBatchSeedBehavior) and vary the seed instead")
+        values = inds.tolist() if hasattr(inds, "tolist") else list(inds)
+        if any(isinstance(v, bool) or int(v) != v for v in values):
+            raise ValueError
+        values = [int(v) for v in values]
+    except (TypeError, ValueError, OverflowError):
+        raise node_error(title, f"the latent's batch_index must be a list of integers; got {inds!r}") from None
+    if len(values) != 1:
+        raise node_error(title, f"the latent's batch_index is {values}: expected one index for its one clip. "
+                                "Remove the node that set it, or use LatentFromBatch to pick one clip")
+    if not 0 <= values[0] <= MAX_NOISE_INDEX:
+        raise node_error(title, f"the latent's batch_index is {values}: expected an index in [0, {MAX_NOISE_INDEX}] "
+                                "(the noise of batch entry k is drawn after k entries of every stream). Remove the "
+                                "node that set it and vary the seed instead")
+    return values[0]
 
 
 def read_noise_mask(latent: dict, video_shape, audio_shape, title: str

@@ -14,7 +14,7 @@ from ..runtime import (ConditioningError, H3Error, Interrupted, RuntimeOptions, 
 from ..runtime import run as run_job
 from ._common import CATEGORY, intermediate_device, node_error, optional_comfy_module
 from .conditioning import read_conditioning
-from .latents import check_batch_index, make_latent, pixel_frames, read_latent, read_noise_mask
+from .latents import batch_index_of, make_latent, pixel_frames, read_latent, read_noise_mask
 
 SAMPLERS = ["euler", "res_multistep"]
 SPARSE_TAU = RuntimeOptions.sparse_tau  # core's default, written once in runtime/options.py
@@ -167,7 +167,7 @@ class H3Sampler:
         cfg = model.config
         text, tags, payload = read_conditioning(positive, cfg.text_dim, self.TITLE)
         video, audio = read_latent(latent, self.TITLE, cfg.video_channels, cfg.audio_channels)
-        check_batch_index(latent, self.TITLE)
+        batch_index = batch_index_of(latent, self.TITLE)
         if sampler not in SAMPLERS or scheduler not in SCHEDULERS:
             raise node_error(self.TITLE, f"sampler={sampler!r}, scheduler={scheduler!r}: expected a sampler in "
                                          f"{SAMPLERS} and a scheduler in {SCHEDULERS}")
@@ -190,7 +190,7 @@ class H3Sampler:
                    workload_extra={"frames": pixel_frames(video.shape[2]), "host": "comfyui"},
                    sparse_tau=float(sparse_tau) if getattr(model, "sparse", None) is not None else None,
                    first_block_cache=float(first_block_cache) if first_block_cache > 0 else None,
-                   control=control)
+                   control=control, batch_index=batch_index)
         try:
             res = run_job(job)
         except Interrupted as e:

@@ -34,7 +34,7 @@ from .model.control import ControlError, FunControl, bind_control
 from .errors import CheckpointError, H3Error, Interrupted, is_out_of_memory
 from .sampling.request import RequestError
 # request checks, outputs, reports
-from .sampling.request import SEED_RANGE, check_int, check_output_file
+from .sampling.request import MAX_NOISE_INDEX, SEED_RANGE, check_int, check_output_file
 from .io.atomic import save_tensors, write_dir, write_file
 from .sampling.report import nonfinite_message, summary
 from .sampling.preview import latent_to_rgb, write_preview_webp
@@ -56,7 +56,7 @@ __all__ = [
     "conditioning_to_payload", "LoraSpec", "LoraView", "sync_loras",
     "ControlFile", "ControlSpec", "load_control", "open_control", "ControlError", "FunControl", "bind_control",
     "CheckpointError", "H3Error", "Interrupted", "is_out_of_memory", "RequestError",
-    "SEED_RANGE", "check_int", "check_output_file", "save_tensors", "write_dir", "write_file",
+    "MAX_NOISE_INDEX", "SEED_RANGE", "check_int", "check_output_file", "save_tensors", "write_dir", "write_file",
     "nonfinite_message", "summary", "latent_to_rgb", "write_preview_webp",
     "audio_frames", "latent_frames", "snap_frames", "percent_to_sigma", "audio_denoise_mask", "video_denoise_mask",
     "save_tiny", "quantize_checkpoint", "fc2_tune",

@@ -39,8 +39,8 @@ from .plan import requested_device, resolve_device, resolve_dtype
 from .sampling import sampler as sampling
 from .sampling.preview import check_preview_available
 from .sampling.request import (SEED_RANGE, Request, RequestError, check_denoise, check_int, check_latents,
-                               check_memory, check_memory_rows, check_output_dir, check_seed, check_steps,
-                               check_text_states, defaults_for, latent_rows, resolve_request)
+                               check_memory, check_memory_rows, check_noise_index, check_output_dir, check_seed,
+                               check_steps, check_text_states, defaults_for, latent_rows, resolve_request)
 
 RANDOM_TEXT_SEED = 1234  # the random text states of a request without any (make_job)
 # the files `h3-blackwell generate` writes into a job's output folder (cli/commands.py), and with a preview
@@ -55,7 +55,8 @@ class Job:
     model: a ModelSpec (loaded by ``run``) or a resident runtime (an H3Runtime or a LoRA view of one; made to
     carry exactly its LoRA stack before sampling). text [1, L, text_dim] fp32, tags [L] or None; video
     [1, C, T, H, W] / audio [1, Ca, 2, Ta] the latent to sample from, or None: zeros of ``canvas`` (width,
-    height, pixel frames). The sampling settings are ``runtime.sample``'s. sequence_parallel: N local workers
+    height, pixel frames). The sampling settings are ``runtime.sample``'s (batch_index: the latent's batch entry
+    whose noise is drawn). sequence_parallel: N local workers
     (None or 1: this process); torchrun: this process's place in a torchrun launch, or None.
     progress: makes the step callback ``(done, total)``, called on the main rank once the model is loaded (so
     a bar's clock starts with the sampling; picklable for a sequence-parallel run); preview / interrupt:
@@ -92,6 +93,7 @@ class Job:
     print_plan: bool = False
     control: Any = None
     output: Path | None = None
+    batch_index: int = 0
 
     @property
     def config(self) -> H3Config:
@@ -289,13 +291,14 @@ def tensor_job(model, text: torch.Tensor, tags: torch.Tensor | None, video: torc
     payload dict with tensors as values) against the latents. ``model``: a ModelSpec or a resident runtime.
     ``sources`` name the text and the latents in messages; ``settings``: the other Job fields (sampler,
     scheduler, denoise, shift_video, shift_audio, runs, warmup, sparse_tau, first_block_cache, workload_extra,
-    sequence_parallel, progress, preview, interrupt, print_plan)."""
+    sequence_parallel, progress, preview, interrupt, print_plan, batch_index)."""
     cfg = model.config
     device, compute, weight_bytes = _resident_place(model)
     check_text_states(text, tags, cfg, sources[0])
     check_latents(video, audio, cfg, sources[1])
     check_seed(int(seed))
     check_steps(int(steps))
+    check_noise_index(settings.get("batch_index", 0))
     if isinstance(conditioning, Mapping):
         conditioning = conditioning_from_payload(conditioning)
     if conditioning is not None:
@@ -343,7 +346,7 @@ def run_rank(ctx, job: Job):
         conditioning=job.conditioning, runs=job.runs, warmup=job.warmup, workload_extra=job.workload_extra or None,
         progress=job.progress() if main and job.progress is not None else None, preview=job.preview,
         interrupt=job.interrupt, parallel=ctx, sparse_tau=job.sparse_tau, first_block_cache=job.first_block_cache,
-        control=tower)
+        control=tower, batch_index=job.batch_index)
 
 
 def run(job: Job):

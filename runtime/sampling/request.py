@@ -81,6 +81,15 @@ def check_seed(seed) -> int:
     return check_int("seed", seed, *SEED_RANGE, hint=" (ComfyUI's seed range)")
 
 
+MAX_NOISE_INDEX = 4095  # batch entries drawn before the one kept: each costs one noise draw of every stream
+
+
+def check_noise_index(index) -> int:
+    """A latent's batch index in [0, MAX_NOISE_INDEX] (the noise of that batch entry of the seed, as core draws it)."""
+    return check_int("batch_index", index, 0, MAX_NOISE_INDEX,
+                     hint=" (the noise of batch entry k is drawn after k entries of every stream)")
+
+
 def check_steps(steps) -> int:
     """Sampling steps in [1, MAX_STEPS]: the schedule and the per-step tables are built before the first step, so
     an unbounded count would fill the memory before anything could be refused."""

@@ -24,6 +24,7 @@ from ..parallel.rank_stats import gather_ranks, parallel_section, rank_run
 from .inpaint import Inpaint
 from .lossy import LossyRun, tower_ops
 from .report import RunRecord, StepTimer, build_report, first_nonfinite, latent_sha256
+from .request import check_noise_index
 from .schedule import Stepper, audio_scale, carry_in, carry_out, get_sigmas, model_sigma
 
 
@@ -36,11 +37,17 @@ class SampleResult:
     report: dict
 
 
-def initial_noise(seed: int, video_shape, audio_shape) -> tuple[torch.Tensor, torch.Tensor]:
-    """ComfyUI's noise for a nested (video, audio) latent: one CPU generator, video first, fp32."""
+def initial_noise(seed: int, video_shape, audio_shape, batch_index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """ComfyUI's noise for a one-clip nested (video, audio) latent: one CPU generator, fp32. ``batch_index`` k: the
+    latent's ``batch_index`` [k] (``comfy.sample.prepare_noise``: per stream, video first, k + 1 draws of one
+    entry's shape, the last kept); k = 0 is the plain draw of each stream."""
     g = torch.Generator("cpu").manual_seed(int(seed))
-    return (torch.randn(tuple(video_shape), generator=g, dtype=torch.float32),
-            torch.randn(tuple(audio_shape), generator=g, dtype=torch.float32))
+    out = []
+    for shape in (tuple(video_shape), tuple(audio_shape)):
+        for _ in range(int(batch_index) + 1):
+            noise = torch.randn(shape, generator=g, dtype=torch.float32)
+        out.append(noise)
+    return out[0], out[1]
 
 
 def _check_inputs(rt, text_states, token_tags, video, audio):
@@ -224,7 +231,7 @@ def sample(rt, text_states: torch.Tensor, token_tags: torch.Tensor | None, video
            workload_extra: dict | None = None,
            preview: Callable[[int, int, torch.Tensor], None] | None = None, parallel=None,
            conditioning: H3Conditioning | None = None, sparse_tau: float | None = None,
-           first_block_cache: float | None = None, control=None) -> SampleResult:
+           first_block_cache: float | None = None, control=None, batch_index: int = 0) -> SampleResult:
     """Sample H3 latents with a resident model (ComfyUI core's math; see module docstring).
 
     text_states [1, L, text_dim] fp32; token_tags LongTensor [L] (1 text, 0 vision) or None (all text);
@@ -246,8 +253,11 @@ def sample(rt, text_states: torch.Tensor, token_tags: torch.Tensor | None, video
     ``control`` block when it runs at some step.
     sparse_tau / first_block_cache: this call's LOSSY settings (runtime.sampling.lossy; default the load
     options'); the report gains ``sparse_attention`` / ``first_block_cache`` blocks when they are on.
+    batch_index: the input latent's batch index k (core's ``batch_index`` [k]): the initial noise is that batch
+    entry's of the seed (``initial_noise``); the report's workload gains ``batch_index`` when k > 0.
     """
     cfg = rt.config
+    batch_index = check_noise_index(batch_index)
     _check_inputs(rt, text_states, token_tags, video, audio)
     if parallel is not None and interrupt is not None:
         raise H3Error("interrupt is not supported in a sequence-parallel run (the ranks would disagree on "
@@ -279,7 +289,7 @@ def sample(rt, text_states: torch.Tensor, token_tags: torch.Tensor | None, video
                              cond=_plan_conditioning(conditioning, keyframes, seed))
         if control is not None:  # core's window reads the sampler's sigma; the tower runs dense attention
             bind_control(rt.model, control, hint, plan, [float(s) for s in sigmas[:-1]], ops=tower_ops(rt))
-    noise_v, noise_a = initial_noise(seed, video.shape, audio.shape)
+    noise_v, noise_a = initial_noise(seed, video.shape, audio.shape, batch_index)
     video0, audio0 = video.float().cpu(), audio.float().cpu()
     inpaint = None if conditioning is None else Inpaint.build(conditioning, video0, audio0, noise_v, scale, rt.device)
     lossy = LossyRun.for_call(rt, sparse_tau, first_block_cache, parallel)
@@ -287,6 +297,8 @@ def sample(rt, text_states: torch.Tensor, token_tags: torch.Tensor | None, video
     out, records, sp_section = _measure(run_args, warmup, runs, parallel, preview, inpaint, lossy)
     workload = _workload(rt, plan, video, audio, steps, seed, sampler, scheduler, denoise, shifts, workload_extra,
                          conditioning)
+    if batch_index:
+        workload["batch_index"] = batch_index
     report = build_report(rt, workload, records, warmup, out[0], out[1],
                           fc2_required=cfg.num_layers * steps + (0 if plan.control is None else plan.control.fc2_calls))
     if plan.control is not None:

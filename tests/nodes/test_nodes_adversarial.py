@@ -212,16 +212,23 @@ def test_sampler_optional_sockets_left_empty(comfy, tiny, monkeypatch):
 
 
 def test_sampler_batch_index_from_core_batch_nodes(comfy, tiny, monkeypatch):
-    """Core draws the noise of entry k of batch_index as the generator's k-th draw; the H3 Sampler draws the
-    seed's first. Before: batch_index was silently ignored (other noise than core for the same seed)."""
+    """Core draws the noise of entry k of batch_index as the generator's k-th draw per stream: the H3 Sampler's job
+    carries k (the runtime draws that noise: tests/runtime/sampling/test_noise.py). Not one integer in range:
+    refused with what to do."""
     rec = Recorder()
     monkeypatch.setattr(sampler_mod, "run_job", rec)
     lat = core_empty_latent(64, 64, 5)
-    H3Sampler().sample(tiny, core_conditioning(), {**lat, "batch_index": [0]}, **SAMPLE_ARGS)  # entry 0: the same
-    msg = str(pytest.raises(H3NodeError, H3Sampler().sample, tiny, core_conditioning(), {**lat, "batch_index": [2]},
-                            **SAMPLE_ARGS).value)
-    assert msg.startswith("H3 Sampler: the latent's batch_index is [2]") and "vary the seed" in msg
-    assert len(rec.jobs) == 1
+    for given, want in ((None, 0), ([0], 0), ([2], 2), (torch.tensor([7]), 7)):
+        extra = {} if given is None else {"batch_index": given}
+        H3Sampler().sample(tiny, core_conditioning(), {**lat, **extra}, **SAMPLE_ARGS)
+        assert rec.jobs[-1].batch_index == want
+    for bad, says in (([0, 1], "expected one index"), ([-1], "expected an index in [0, 4095]"),
+                      ([4096], "expected an index in [0, 4095]"), ([1.5], "a list of integers"),
+                      ([True], "a list of integers"), ("x", "a list of integers")):
+        msg = str(pytest.raises(H3NodeError, H3Sampler().sample, tiny, core_conditioning(),
+                                {**lat, "batch_index": bad}, **SAMPLE_ARGS).value)
+        assert msg.startswith("H3 Sampler: the latent's batch_index") and says in msg, msg
+    assert len(rec.jobs) == 4
     batch2 = {"samples": FakeNestedTensor((torch.zeros(2, 24, 2, 4, 4), torch.zeros(2, 32, 2, 8)))}
     msg = str(pytest.raises(H3NodeError, H3Sampler().sample, tiny, core_conditioning(), batch2, **SAMPLE_ARGS).value)
     assert "batch 2 (video) / 2 (audio)" in msg and "RepeatLatentBatch" in msg  # what to do, too
