@@ -35,6 +35,7 @@ this module needs no ComfyUI):
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import gc
 import logging
 import weakref
@@ -123,6 +124,7 @@ class RuntimeHandle:
         self.pending = False  # a run started (pre_run): the first call begins it with the schedule it sees
         self._fitted_rows = 0  # the run's planned size when ``size`` was last measured (``after_call``)
         self.conds: list = []  # (payload, masks, batch index) -> (tags, H3Conditioning), per run
+        self.outputs: list = []  # latent_fingerprints of what core's process_latent_out handed out in the last run
         self.lossy: dict = {}
         self.towers: dict = {}  # id(core's control module) -> (module, load plan, the runtime's tower)
         self.controlled: dict = {}  # (patch, cond, target) ids -> (patch, cond, cond with the control hint), per run
@@ -195,7 +197,7 @@ class RuntimeHandle:
             raise node_error(TITLE, f"LoRA from the MODEL's patches (LoraLoaderModelOnly / LoraLoader): {e}") from e
         self.call.end_run()
         self.lossy = {"sparse_tau": to.get(SPARSE_TAU_KEY), "first_block_cache": to.get(FIRST_BLOCK_CACHE_KEY)}
-        self.pending, self.conds, self.controlled = True, [], {}
+        self.pending, self.conds, self.controlled, self.outputs = True, [], {}, []
         if fun is None:
             self._drop_towers()  # a run without core's Fun ControlNet: its tower's memory goes back
         self._measure()  # and side-path LoRAs hold device bytes of their own
@@ -403,6 +405,15 @@ def _core_classes():
         def h3_handle(self) -> RuntimeHandle:
             return self.diffusion_model.handle
 
+        def process_latent_out(self, latent):
+            """core's (audio carry undone), the result remembered: the run's samples and a custom sampler's denoised
+            output come out here, so H3 Model Run Report can tell that its LATENT is this model's last run's."""
+            out = super().process_latent_out(latent)
+            outputs = self.h3_handle.outputs
+            outputs.append(latent_fingerprints(out))
+            del outputs[:-_OUTPUTS_KEPT]
+            return out
+
         def state_dict(self, *args, **kwargs):
             """core's names of every weight (meta tensors of core's dense shapes: what LoRA loaders match
             against; the resident weights live in the runtime) plus this module's own buffers."""
@@ -531,6 +542,26 @@ def make_core_model(rt, reload=None, on_release=None):
     return patcher_cls(model, load_device=rt.device, offload_device=offload)
 
 
+_OUTPUTS_KEPT = 4
+_INTERMEDIATE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what core's sample() may hand a LATENT out in
+
+
+def _flat(parts) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).float().cpu() for p in parts])
+
+
+def _sha256(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
+
+
+def latent_fingerprints(latent) -> frozenset:
+    """sha256 of a sampled latent's values in core's packed order (the video stream, then the audio stream; a packed
+    [B, 1, N] tensor is already in it) as fp32, after a round trip through each dtype core's sampler may hand a LATENT
+    out in (``intermediate_dtype``)."""
+    flat = _flat(list(latent.unbind()) if getattr(latent, "is_nested", False) else [latent])
+    return frozenset(_sha256(flat.to(d).float()) for d in _INTERMEDIATE_DTYPES)
+
+
 def run_report(model, latent_video, latent_audio, title: str) -> dict:
     """The last sampling run's report of a MODEL from the loader (for H3 Diagnostics)."""
     handle = getattr(getattr(model, "model", None), "h3_handle", None)
@@ -545,6 +576,11 @@ def run_report(model, latent_video, latent_audio, title: str) -> dict:
                                 f"not the output of this model's last sampling run, which sampled video "
                                 f"{list(last[1])}, audio {list(last[2])}; connect the LATENT of the sampler that "
                                 "ran last on this MODEL")
+    if handle.outputs and not any(_sha256(_flat([latent_video, latent_audio])) in fp for fp in handle.outputs):
+        # same shapes, other values: another run's output (of this MODEL before, or of another model)
+        raise node_error(title, "the latent is not the output of this model's last sampling run: its values are "
+                                "neither that run's samples nor its denoised output; connect the LATENT of the "
+                                "sampler that ran last on this MODEL")
     try:
         rep = handle.call.report(latent_video, latent_audio, {"host": "comfyui core sampler"})
     except H3Error as e:

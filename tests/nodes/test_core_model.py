@@ -274,6 +274,9 @@ def _fake_core(monkeypatch):
         def get_dtype(self):  # core's BaseModel
             return self.diffusion_model.dtype
 
+        def process_latent_out(self, latent):  # core's BaseModel with an identity latent format
+            return latent
+
     class Config:
         sampling_settings = {"shift": 12.0, "audio_shift": 3.0}
 
@@ -571,6 +574,22 @@ def test_weight_paths_of_core_are_refused_and_unload_keeps_a_cpu_model(core):
     assert patcher.partially_load(torch.device("cpu")) == rt.device_bytes()
     assert patcher.partially_unload(torch.device("cpu"), 1) == 0  # on the CPU nothing is freed: kept resident
     assert patcher.model.h3_handle.resident
+
+
+def test_process_latent_out_remembers_the_runs_outputs(core):
+    """core's process_latent_out (what every sampler's result and SamplerCustomAdvanced's denoised output go
+    through) returns core's value and records its fingerprints for H3 Model Run Report; a new run starts afresh."""
+    _, rt = core
+    patcher = cm.make_core_model(rt)
+    handle = patcher.model.h3_handle
+    x = torch.randn(1, 1, 300, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(patcher.model.process_latent_out(x), x)
+    assert handle.outputs == [cm.latent_fingerprints(x)] and len(handle.outputs[0]) == 3
+    for _ in range(6):
+        patcher.model.process_latent_out(torch.randn(1, 1, 300))
+    assert len(handle.outputs) == 4  # the last ones only
+    handle.begin_sampling(_patcher())
+    assert handle.outputs == []
 
 
 def test_release_and_reload():

@@ -314,6 +314,33 @@ def test_model_run_report_refuses_a_latent_of_another_run(tiny):
         cm.run_report(model, torch.zeros(1, 24, 7, 4, 6), torch.zeros(1, 32, 2, 37), "H3 Model Run Report")
 
 
+
+def test_model_run_report_tells_a_same_shape_latent_of_another_run_by_its_values(tiny):
+    """Core hands the run's samples (and a custom sampler's denoised output) out through the model's
+    process_latent_out, which remembers their values: a latent of the same shapes with other values (an earlier run
+    of this MODEL, another model's) is refused; the run's own, also after core's fp16 / bf16 intermediates, is
+    reported. Before: only the shapes were compared, so such a report paired one run's timings with another's
+    latent."""
+    handle = cm.RuntimeHandle(tiny)
+    g = torch.Generator().manual_seed(3)
+    video, audio = torch.randn(1, 24, 2, 4, 4, generator=g), torch.randn(1, 32, 2, 8, generator=g)
+    handle.call.begin_run(torch.tensor([1.0, 0.0]))
+    handle.call(video, audio, 1.0, torch.randn(1, 4, tiny.config.text_dim, generator=g))
+    handle.call.end_run()
+    packed = torch.cat([video.reshape(1, 1, -1), audio.reshape(1, 1, -1)], dim=-1)  # core's flat pack
+    handle.outputs.append(cm.latent_fingerprints(packed))  # what H3CoreModel.process_latent_out records
+    model = types.SimpleNamespace(model=types.SimpleNamespace(h3_handle=handle))
+    title = "H3 Model Run Report"
+    assert cm.run_report(model, video, audio, title)["latent_checksums"]["video"]["shape"] == [1, 24, 2, 4, 4]
+    for dt in (torch.float16, torch.bfloat16):
+        cm.run_report(model, video.to(dt), audio.to(dt), title)
+    other = video.clone()
+    other[0, 0, 0, 0, 0] += 1.0
+    for v, a in ((other, audio), (video, audio * 2), (other.to(torch.float16), audio.to(torch.float16))):
+        with pytest.raises(H3NodeError, match=r"its values are neither that run's samples nor its denoised output"):
+            cm.run_report(model, v, a, title)
+
+
 def test_fun_control_fades_left_empty(comfy, tiny, tmp_path):
     """Before: an empty fade socket (None) crashed the node with a TypeError from int(None)."""
     from fixtures.tiny_control import save_tiny_control
