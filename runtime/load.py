@@ -28,6 +28,7 @@ quantizer's temporaries for it). Errors name the tensor: missing keys, wrong sha
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +56,8 @@ from .ops.sparse_attention import SparseStepAttention
 from .ops.streaming import BlockStreamer, StreamOps, module_device_bytes
 from .options import RuntimeOptions
 from .plan import LoadPlan, make_plan
+
+log = logging.getLogger("h3_blackwell")
 
 Progress = Callable[[int, int, str], None]
 
@@ -249,11 +252,16 @@ class H3Runtime:
 
     def offload(self) -> int:
         """Hand the device memory back without dropping the runtime (``runtime.offload``) -> the bytes the allocator
-        freed (0 off CUDA, or when already offloaded). Every use that plans a run (``fit_memory``) or calls
+        freed (0 off CUDA, when already offloaded, or when host memory ran out: then nothing moved). Every use that plans a run (``fit_memory``) or calls
         :meth:`onload` puts the weights back first, so a holder of this runtime never sees it half there."""
         if self.parked is not None or self.device.type != "cuda":
             return 0
-        self.parked = park(self)
+        try:
+            self.parked = park(self)
+        except (MemoryError, RuntimeError) as e:  # host memory ran out: park put everything back
+            log.warning("[h3-blackwell] offload to host memory failed (%s: %s); the model stays on the device",
+                        type(e).__name__, e)
+            return 0
         return self.parked.freed_bytes
 
     def onload(self) -> None:

@@ -75,11 +75,16 @@ def park(rt) -> Parked:
         torch.cuda.synchronize(dev)
     before = torch.cuda.memory_allocated(dev) if cuda else 0
     st = rt.streamer
-    parked = Parked(dev, st.park())
-    views = {id(v) for parts in st.host.values() for hl in parts.values() for v in hl.views.values()}
-    parked.tensors = _host_copies(rt.model, dev, views)
-    _put(parked.tensors, None)
-    move_sides(rt.model, torch.device("cpu"))
+    parked = Parked(dev, st.streamed)
+    try:
+        st.park()
+        views = {id(v) for parts in st.host.values() for hl in parts.values() for v in hl.views.values()}
+        parked.tensors = _host_copies(rt.model, dev, views)
+        _put(parked.tensors, None)
+        move_sides(rt.model, torch.device("cpu"))
+    except BaseException:  # host memory ran out part way (or an interrupt): everything back as it was
+        unpark(rt, parked)
+        raise
     if rt.plan.scratch is not None:
         rt.plan.scratch.clear()
     if cuda:
@@ -90,7 +95,8 @@ def park(rt) -> Parked:
 
 
 def unpark(rt, parked: Parked) -> None:
-    """Undo :func:`park`: the model's tensors back on the device, the blocks placed as before."""
+    """Undo :func:`park` (or what a failed one did): the model's tensors back on the device, the blocks placed as
+    before."""
     _put(parked.tensors, parked.device)
     move_sides(rt.model, parked.device)
     rt.streamer.unpark(parked.streamed)

@@ -28,7 +28,8 @@ def _aligned(n: int) -> int:
 
 def _host_empty(nbytes: int, pin: bool) -> tuple[torch.Tensor, str]:
     """An exact-size host byte buffer, page-locked on CUDA (cudaHostRegister: torch's pinned allocator would
-    round each buffer up to a power of two) -> (buffer, how it is pinned)."""
+    round each buffer up to a power of two; that allocator where registering fails; pageable where neither can lock
+    more memory) -> (buffer, how it is pinned: "registered", "pinned" or "none")."""
     buf = torch.empty(nbytes, dtype=torch.uint8)
     if not pin or nbytes == 0:
         return buf, "none"
@@ -40,7 +41,10 @@ def _host_empty(nbytes: int, pin: bool) -> tuple[torch.Tensor, str]:
             torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
     except (AttributeError, RuntimeError, TypeError):
         pass
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), "pinned"
+    try:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), "pinned"
+    except RuntimeError:  # no page-locked memory left (a locked-memory limit): pageable, its copies synchronous
+        return buf, "none"
 
 
 def _unregister(ptr: int) -> None:

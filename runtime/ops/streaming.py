@@ -302,7 +302,7 @@ class BlockStreamer:
             for name in LINEAR_NAMES:
                 self.adopt(f"blocks.{j}.{name}", self.blocks[j].get_submodule(name))
         for j in sorted(gone):
-            for name, hl in self.host.pop(j).items():
+            for name, hl in self.host.pop(j, {}).items():  # ({}: a failed park left it unadopted)
                 mod = self.blocks[j].get_submodule(name)
                 for e in hl.entries:
                     t = torch.empty(e.shape, dtype=e.dtype, device=self.device)

@@ -57,6 +57,12 @@ def _bound(rt) -> dict:
     return out
 
 
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equal (any dtype, fp8 and NVFP4 bytes included)."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
+        a.detach().contiguous().reshape(-1).view(torch.uint8), b.detach().contiguous().reshape(-1).view(torch.uint8))
+
+
 @pytest.mark.parametrize("partly_streamed", [False, True], ids=["resident", "partly-streamed"])
 @pytest.mark.parametrize("stack", sorted(STACKS))
 def test_park_then_unpark_samples_to_the_same_hashes(stack, partly_streamed):
@@ -78,7 +84,7 @@ def test_park_then_unpark_samples_to_the_same_hashes(stack, partly_streamed):
     views = {id(v) for parts in st.host.values() for hl in parts.values() for v in hl.views.values()}
     assert all(id(before[k]) in views for k in kept) and moved
     for k in moved:  # a copy with the same values, dtype and kind (Parameter or not)
-        assert torch.equal(after[k], before[k]) and after[k].dtype == before[k].dtype
+        assert _same(after[k], before[k])
         assert isinstance(after[k], torch.nn.Parameter) == isinstance(before[k], torch.nn.Parameter)
     unpark(rt, parked)
     assert rt.streamer.streamed == streamed and rt.plan.memory.resident == resident
@@ -132,3 +138,39 @@ def test_sampling_a_parked_runtime_brings_it_back_first():
     rt.parked = park(rt)
     assert report_hashes(sample(rt, *_inputs(), seed=4, steps=STEPS)) == want and rt.parked is None
     assert rt.offload() == 0 and rt.parked is None  # off CUDA offload does nothing: no device memory to give back
+
+
+@pytest.mark.parametrize("where", ["block linears", "other tensors"])
+def test_a_park_that_runs_out_of_host_memory_puts_everything_back(where, monkeypatch):
+    """Host memory running out part way through a park (the fourth block linear's buffer, or the host copies of the
+    other tensors) leaves the runtime as it was: the same placement, bound tensors, and latent hashes."""
+    from h3_blackwell.runtime import offload as off
+    from h3_blackwell.runtime.ops import streaming
+
+    rt = _load(STACKS["w4a8"], True)
+    want = report_hashes(sample(rt, *_inputs(), seed=6, steps=STEPS))
+    streamed, before = rt.streamer.streamed, _bound(rt)
+    made = []
+
+    class Failing(streaming.HostLinear):
+        def __init__(self, *a, **k):
+            if len(made) == 3:
+                raise MemoryError("host memory exhausted (test)")
+            made.append(1)
+            super().__init__(*a, **k)
+
+    if where == "block linears":
+        monkeypatch.setattr(streaming, "HostLinear", Failing)
+    else:
+        def failing(*a):
+            raise MemoryError("host memory exhausted (test)")
+        monkeypatch.setattr(off, "_host_copies", failing)
+    with pytest.raises(MemoryError):
+        park(rt)
+    monkeypatch.undo()
+    assert rt.streamer.streamed == streamed and rt.streamer.slots and set(rt.streamer.host) == set(streamed)
+    after = _bound(rt)
+    resident = [k for k in before if k.startswith("blocks.") and int(k.split(".")[1]) not in streamed]
+    assert all(_same(after[k], before[k]) for k in before)
+    assert all(after[k] is before[k] for k in before if k not in resident)  # only the moved blocks were rebuilt
+    assert report_hashes(sample(rt, *_inputs(), seed=6, steps=STEPS)) == want
