@@ -65,6 +65,9 @@ _SOURCES = {"keyframes": "minimax_keyframes (MiniMaxH3ImageToVideo / MiniMaxH3Ad
 SPARSE_TAU_KEY, FIRST_BLOCK_CACHE_KEY = "h3b_sparse_tau", "h3b_first_block_cache"
 # how the LoRA records are applied: "merge" (default, as core merges) or "side" (the exact bf16 side path)
 LORA_MODE_KEY = "h3b_lora_mode"
+# H3 Model Run Report's check of its LATENT: the last outputs of a run, and the dtypes core's sample() hands out
+_OUTPUTS_KEPT = 4
+_INTERMEDIATE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,7 +120,8 @@ class RuntimeHandle:
 
     def __init__(self, rt, reload=None, on_release=None):
         self._rt, self._reload, self._on_release = rt, reload, on_release
-        self.size = rt.device_bytes()
+        parked = getattr(rt, "parked", None)  # an offloaded runtime: what it held on the device
+        self.size = parked.held_bytes if parked is not None else rt.device_bytes()
         self.dtype, self.device, self.config = rt.dtype, rt.device, rt.config
         self.names = weight_shapes(rt)
         self.call = ModelCall(rt)
@@ -125,9 +129,21 @@ class RuntimeHandle:
         self._fitted_rows = 0  # the run's planned size when ``size`` was last measured (``after_call``)
         self.conds: list = []  # (payload, masks, batch index) -> (tags, H3Conditioning), per run
         self.outputs: list = []  # latent_fingerprints of what core's process_latent_out handed out in the last run
+        self.sampling, self._late_outputs = False, 0
         self.lossy: dict = {}
         self.towers: dict = {}  # id(core's control module) -> (module, load plan, the runtime's tower)
         self.controlled: dict = {}  # (patch, cond, target) ids -> (patch, cond, cond with the control hint), per run
+
+    def record_output(self, latent) -> None:
+        """What core's process_latent_out handed out, for H3 Model Run Report: recorded while a run samples (the
+        sampler's result) and once right after it (SamplerCustomAdvanced's denoised output); a later call (core's
+        AddNoise) is not the run's."""
+        if not self.sampling:
+            if self._late_outputs <= 0:
+                return
+            self._late_outputs -= 1
+        self.outputs.append(latent_fingerprints(latent))
+        del self.outputs[:-_OUTPUTS_KEPT]
 
     @property
     def resident(self) -> bool:
@@ -159,6 +175,7 @@ class RuntimeHandle:
         if self._rt is None:
             return 0
         self.call.end_run()
+        last = self.call.last_run  # H3 Model Run Report still reads it when the runtime stays (offloaded)
         ref = weakref.ref(self._rt)
         self._rt, self.call = None, ModelCall(None)
         self._drop_towers()
@@ -167,6 +184,7 @@ class RuntimeHandle:
         held = ref()
         if held is not None:
             self._rt, self.call = held, ModelCall(held)
+            self.call.last_run = last
             if callable(keep):  # the loader keeps its entry (and this MODEL) for the runtime that stayed
                 keep(held)
             offload = getattr(held, "offload", None)
@@ -198,12 +216,13 @@ class RuntimeHandle:
         self.call.end_run()
         self.lossy = {"sparse_tau": to.get(SPARSE_TAU_KEY), "first_block_cache": to.get(FIRST_BLOCK_CACHE_KEY)}
         self.pending, self.conds, self.controlled, self.outputs = True, [], {}, []
+        self.sampling, self._late_outputs = True, 0
         if fun is None:
             self._drop_towers()  # a run without core's Fun ControlNet: its tower's memory goes back
         self._measure()  # and side-path LoRAs hold device bytes of their own
 
     def end_sampling(self) -> None:
-        self.pending = False
+        self.pending, self.sampling, self._late_outputs = False, False, 1
         if self._rt is not None:
             self.call.end_run()
             self._measure()
@@ -232,8 +251,9 @@ class RuntimeHandle:
         self.towers, self.controlled = {}, {}
 
     def _measure(self) -> None:
-        """``size`` (what ComfyUI is told the MODEL holds) from the runtime and the tower it holds now."""
-        if self._rt is not None:
+        """``size`` (what ComfyUI is told the MODEL holds) from the runtime and the tower it holds now (kept while
+        the runtime is offloaded: what it holds on the device once back)."""
+        if self._rt is not None and not self.offloaded:
             self.size = self._rt.device_bytes() + sum(e[2].device_bytes(self._rt.device) for e in self.towers.values())
 
     def fun_control(self, patch, cond, shapes: tuple, text_tokens: int, schedule, window: float):
@@ -409,9 +429,7 @@ def _core_classes():
             """core's (audio carry undone), the result remembered: the run's samples and a custom sampler's denoised
             output come out here, so H3 Model Run Report can tell that its LATENT is this model's last run's."""
             out = super().process_latent_out(latent)
-            outputs = self.h3_handle.outputs
-            outputs.append(latent_fingerprints(out))
-            del outputs[:-_OUTPUTS_KEPT]
+            self.h3_handle.record_output(out)
             return out
 
         def state_dict(self, *args, **kwargs):
@@ -432,10 +450,12 @@ def _core_classes():
             return self._handle().size
 
         def loaded_size(self):
-            """What is loaded now: the runtime's bytes while it is resident (``size``, measured again as the runtime
-            re-plans), else 0; core reads size - loaded_size as offloaded memory."""
+            """What is loaded now: the runtime's bytes while it is on the device (``size``, measured again as the
+            runtime re-plans), else 0 (released, or offloaded in place); read from the runtime itself, which the H3
+            Sampler or an H3 LoRA output may have brought back since core's unload. Core reads size - loaded_size
+            as offloaded memory."""
             h = self._handle()
-            return h.size if h.resident and self.model.model_loaded_weight_memory else 0
+            return h.size if h.resident and not h.offloaded else 0
 
         def model_patches_models(self):
             """core's patch models to load beside this one, less core's Fun ControlNet tower: the H3 MODEL runs
@@ -542,12 +562,10 @@ def make_core_model(rt, reload=None, on_release=None):
     return patcher_cls(model, load_device=rt.device, offload_device=offload)
 
 
-_OUTPUTS_KEPT = 4
-_INTERMEDIATE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what core's sample() may hand a LATENT out in
-
-
-def _flat(parts) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1).float().cpu() for p in parts])
+def _rows(parts) -> torch.Tensor:
+    """[B, N] fp32: each batch entry's streams (video, then audio) flattened, core's packed order."""
+    batch = parts[0].shape[0]
+    return torch.cat([p.detach().reshape(batch, -1).float().cpu() for p in parts], dim=1)
 
 
 def _sha256(t: torch.Tensor) -> str:
@@ -555,11 +573,11 @@ def _sha256(t: torch.Tensor) -> str:
 
 
 def latent_fingerprints(latent) -> frozenset:
-    """sha256 of a sampled latent's values in core's packed order (the video stream, then the audio stream; a packed
-    [B, 1, N] tensor is already in it) as fp32, after a round trip through each dtype core's sampler may hand a LATENT
+    """sha256 of each batch entry of a sampled latent (core's packed [B, 1, N] or nested (video, audio) form), its
+    streams in core's packed order, as fp32 after a round trip through each dtype core's sampler may hand a LATENT
     out in (``intermediate_dtype``)."""
-    flat = _flat(list(latent.unbind()) if getattr(latent, "is_nested", False) else [latent])
-    return frozenset(_sha256(flat.to(d).float()) for d in _INTERMEDIATE_DTYPES)
+    rows = _rows(list(latent.unbind()) if getattr(latent, "is_nested", False) else [latent])
+    return frozenset(_sha256(r.to(d).float()) for r in rows for d in _INTERMEDIATE_DTYPES)
 
 
 def run_report(model, latent_video, latent_audio, title: str) -> dict:
@@ -576,7 +594,8 @@ def run_report(model, latent_video, latent_audio, title: str) -> dict:
                                 f"not the output of this model's last sampling run, which sampled video "
                                 f"{list(last[1])}, audio {list(last[2])}; connect the LATENT of the sampler that "
                                 "ran last on this MODEL")
-    if handle.outputs and not any(_sha256(_flat([latent_video, latent_audio])) in fp for fp in handle.outputs):
+    entries = {_sha256(r) for r in _rows([latent_video, latent_audio])}  # a LatentFromBatch slice of the run too
+    if handle.outputs and not any(entries <= fp for fp in handle.outputs):
         # same shapes, other values: another run's output (of this MODEL before, or of another model)
         raise node_error(title, "the latent is not the output of this model's last sampling run: its values are "
                                 "neither that run's samples nor its denoised output; connect the LATENT of the "

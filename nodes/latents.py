@@ -20,6 +20,8 @@ Every H3 node accepts both forms as input and outputs core's form whenever the r
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from ..runtime import (MAX_NOISE_INDEX, H3Error, audio_denoise_mask, audio_frames, latent_frames, snap_frames,
@@ -91,20 +93,34 @@ def read_latent(latent, title: str, video_channels: int = VIDEO_CHANNELS,
     return video, audio
 
 
+def _indices(inds) -> list[int]:
+    """A batch_index as core's batch nodes write it (a list of ints; or an int array / tensor) -> ints; ValueError
+    for anything else (booleans, floats, strings, mappings)."""
+    if isinstance(inds, (list, tuple)):
+        values = list(inds)
+    elif hasattr(inds, "reshape") and hasattr(inds, "tolist") and hasattr(inds, "dtype"):  # numpy / torch
+        values = inds.reshape(-1).tolist()
+    else:
+        raise ValueError
+    if any(isinstance(v, bool) or type(v).__name__ == "bool_" for v in values):
+        raise ValueError
+    try:
+        return [operator.index(v) for v in values]  # int and numpy integers; floats and the rest raise
+    except TypeError:
+        raise ValueError from None
+
+
 def batch_index_of(latent: dict, title: str) -> int:
     """The noise entry of a one-clip latent: its ``batch_index`` [k] -> k (none: 0). Core's sampler draws the noise
     of batch entry k as the k-th draw of its generator per stream (``comfy.sample.prepare_noise``), so a latent tagged
-    [k] by LatentFromBatch, RepeatLatentBatch or LatentBatchSeedBehavior gets that noise here too. Refused: not one
-    integer per clip, or outside [0, MAX_NOISE_INDEX]."""
+    [k] by LatentFromBatch or LatentBatchSeedBehavior gets that noise here too. Refused: not one integer per clip,
+    or outside [0, MAX_NOISE_INDEX]."""
     inds = latent.get("batch_index") if isinstance(latent, dict) else None
     if inds is None:
         return 0
     try:
-        values = inds.tolist() if hasattr(inds, "tolist") else list(inds)
-        if any(isinstance(v, bool) or int(v) != v for v in values):
-            raise ValueError
-        values = [int(v) for v in values]
-    except (TypeError, ValueError, OverflowError):
+        values = _indices(inds)
+    except ValueError:
         raise node_error(title, f"the latent's batch_index must be a list of integers; got {inds!r}") from None
     if len(values) != 1:
         raise node_error(title, f"the latent's batch_index is {values}: expected one index for its one clip. "
@@ -114,6 +130,15 @@ def batch_index_of(latent: dict, title: str) -> int:
                                 "(the noise of batch entry k is drawn after k entries of every stream). Remove the "
                                 "node that set it and vary the seed instead")
     return values[0]
+
+
+def sampled_latent(video: torch.Tensor, audio: torch.Tensor, given: dict) -> dict:
+    """The sampler's output LATENT as core's KSampler makes it: the input latent's other entries (``batch_index``,
+    ``noise_mask``) kept, the samples replaced (``make_latent``)."""
+    out = {k: v for k, v in given.items() if k not in ("samples", AUDIO_KEY, "downscale_ratio_spacial",
+                                                        "downscale_ratio_temporal")}
+    out.update(make_latent(video, audio))
+    return out
 
 
 def read_noise_mask(latent: dict, video_shape, audio_shape, title: str

@@ -14,7 +14,7 @@ from ..runtime import (ConditioningError, H3Error, Interrupted, RuntimeOptions, 
 from ..runtime import run as run_job
 from ._common import CATEGORY, intermediate_device, node_error, optional_comfy_module
 from .conditioning import read_conditioning
-from .latents import batch_index_of, make_latent, pixel_frames, read_latent, read_noise_mask
+from .latents import batch_index_of, pixel_frames, read_latent, read_noise_mask, sampled_latent
 
 SAMPLERS = ["euler", "res_multistep"]
 SPARSE_TAU = RuntimeOptions.sparse_tau  # core's default, written once in runtime/options.py
@@ -199,4 +199,4 @@ class H3Sampler:
             raise node_error(self.TITLE, str(e)) from e
         if res.report.get("latents_finite") is False:
             raise node_error(self.TITLE, nonfinite_message(res.report["nonfinite"]))
-        return (make_latent(res.video, res.audio), res.report)
+        return (sampled_latent(res.video, res.audio, latent), res.report)

@@ -252,8 +252,9 @@ class H3Runtime:
 
     def offload(self) -> int:
         """Hand the device memory back without dropping the runtime (``runtime.offload``) -> the bytes the allocator
-        freed (0 off CUDA, when already offloaded, or when host memory ran out: then nothing moved). Every use that plans a run (``fit_memory``) or calls
-        :meth:`onload` puts the weights back first, so a holder of this runtime never sees it half there."""
+        freed (0 off CUDA, when already offloaded, or when host memory ran out: then nothing moved). Every use that
+        plans a run (``fit_memory``) or calls :meth:`onload` puts the weights back first, so a holder of this runtime
+        never sees it half there."""
         if self.parked is not None or self.device.type != "cuda":
             return 0
         try:
@@ -265,10 +266,11 @@ class H3Runtime:
         return self.parked.freed_bytes
 
     def onload(self) -> None:
-        """Undo :meth:`offload` (nothing when the runtime was not offloaded): the weights back, placed as before."""
-        parked, self.parked = self.parked, None
-        if parked is not None:
-            unpark(self, parked)
+        """Undo :meth:`offload` (nothing when the runtime was not offloaded): the weights back, placed as before.
+        Raises the device's out-of-memory error with the runtime still offloaded (a later call tries again)."""
+        if self.parked is not None:
+            unpark(self, self.parked)
+            self.parked = None
 
     def describe(self) -> str:
         lines = self.plan.describe().splitlines()
@@ -284,10 +286,11 @@ class H3Runtime:
         control: the run's loaded Fun ControlNet tower (``FunControl``) or None: its device bytes are already
         held (``auto`` counts them as available again) and are planned like the load's. A tower loaded onto this
         plan that the run leaves out keeps its device bytes, and LoRA side paths hold theirs: both come off a given
-        budget. Raises BudgetError (nothing moved) when the budget cannot run this request."""
-        self.onload()
+        budget. An offloaded runtime (``offload``) is planned as holding nothing and comes back as planned. Raises
+        BudgetError (nothing moved) when the budget cannot run this request."""
         plan, st = self.plan, self.streamer
         if plan.memory is None or st is None:
+            self.onload()
             return {}
         wl = Workload.from_shapes(video_shape, audio_shape, text_tokens, steps, cond, TowerSize.of(control))
         dev = device_memory or DeviceMemory.probe(self.device)
@@ -295,8 +298,9 @@ class H3Runtime:
         old = plan.memory
         # a loaded tower (FunControl) holds device bytes and, streamed, host bytes; a tower's source none yet
         tower_st = getattr(control, "streamer", None)
-        held = mm.other_bytes + len(old.resident) * mm.block_bytes + st.device_bytes + (
-            control.device_bytes(self.device) if hasattr(control, "device_bytes") else 0)
+        # an offloaded runtime holds nothing on the device: it is planned from there and comes back as planned
+        held = (0 if self.parked is not None else mm.other_bytes + len(old.resident) * mm.block_bytes
+                + st.device_bytes) + (control.device_bytes(self.device) if hasattr(control, "device_bytes") else 0)
         idle = sum(t.device_bytes(self.device) for t in list(getattr(plan, "towers", ())) if t is not control)
         outside = (Outside(idle, "a loaded Fun ControlNet tower this run does not use holds",
                            "or drop that tower (its memory goes once nothing refers to it)"),
@@ -307,6 +311,9 @@ class H3Runtime:
                      unchanged="nothing moved: the model stays loaded as it was")
         if tower_st is not None and new.tower_streams:  # the tower's blocks move too: device -> host first,
             tower_st.restream(range(len(control.places)))  # so that the base's moves find the room
+        if self.parked is not None:
+            self.parked.streamed = frozenset(new.streamed)
+            self.onload()
         st.restream(new.streamed)
         if tower_st is not None and not new.tower_streams:
             tower_st.restream(())

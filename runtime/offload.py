@@ -28,13 +28,14 @@ from .lora.merge import move_sides
 
 @dataclass
 class Parked:
-    """What :func:`park` moved: the streamed block set before, and (module, table, name, was a Parameter) of every
-    other device tensor with its host copy (shared tensors share one copy)."""
+    """What :func:`park` moved: the streamed block set to come back to, and (module, table, name, was a Parameter)
+    of every other device tensor with its host copy (shared tensors share one copy)."""
 
     device: torch.device
     streamed: frozenset
     tensors: list = field(default_factory=list)  # (module, table, name, host tensor, param)
     freed_bytes: int = 0
+    held_bytes: int = 0  # H3Runtime.device_bytes() before the park
 
 
 def _host_copies(model: nn.Module, device: torch.device, skip: set) -> list:
@@ -75,7 +76,7 @@ def park(rt) -> Parked:
         torch.cuda.synchronize(dev)
     before = torch.cuda.memory_allocated(dev) if cuda else 0
     st = rt.streamer
-    parked = Parked(dev, st.streamed)
+    parked = Parked(dev, st.streamed, held_bytes=rt.device_bytes())
     try:
         st.park()
         views = {id(v) for parts in st.host.values() for hl in parts.values() for v in hl.views.values()}
@@ -96,7 +97,16 @@ def park(rt) -> Parked:
 
 def unpark(rt, parked: Parked) -> None:
     """Undo :func:`park` (or what a failed one did): the model's tensors back on the device, the blocks placed as
-    before."""
-    _put(parked.tensors, parked.device)
-    move_sides(rt.model, parked.device)
-    rt.streamer.unpark(parked.streamed)
+    before. Where the device runs out of memory part way, what had moved goes back to host memory (the runtime is
+    left as park left it) and the error propagates."""
+    try:
+        _put(parked.tensors, parked.device)
+        move_sides(rt.model, parked.device)
+        rt.streamer.unpark(parked.streamed)
+    except BaseException:
+        _put(parked.tensors, None)
+        move_sides(rt.model, torch.device("cpu"))
+        rt.streamer.park()
+        if parked.device.type == "cuda":
+            torch.cuda.empty_cache()
+        raise

@@ -290,6 +290,9 @@ def sample(rt, text_states: torch.Tensor, token_tags: torch.Tensor | None, video
         if control is not None:  # core's window reads the sampler's sigma; the tower runs dense attention
             bind_control(rt.model, control, hint, plan, [float(s) for s in sigmas[:-1]], ops=tower_ops(rt))
     noise_v, noise_a = initial_noise(seed, video.shape, audio.shape, batch_index)
+    # core rounds each stream's noise to its latent's dtype (fp16 / bf16 intermediates); fp32 latents: unchanged
+    noise_v, noise_a = (n.to(x.dtype).float() if x.is_floating_point() else n for n, x in ((noise_v, video),
+                                                                                        (noise_a, audio)))
     video0, audio0 = video.float().cpu(), audio.float().cpu()
     inpaint = None if conditioning is None else Inpaint.build(conditioning, video0, audio0, noise_v, scale, rt.device)
     lossy = LossyRun.for_call(rt, sparse_tau, first_block_cache, parallel)

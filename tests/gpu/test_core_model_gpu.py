@@ -95,6 +95,7 @@ def test_an_unload_while_the_runtime_is_held_elsewhere_offloads_it_in_place():
     assert handle.resident and handle.offloaded and rt.parked is not None
     assert freed == before - torch.cuda.memory_allocated() and freed >= 0.9 * size
     assert all(t.device.type == "cpu" for t in list(rt.model.parameters()) + list(rt.model.buffers()))
+    assert cm.RuntimeHandle(rt).size == size  # a MODEL made over the offloaded runtime counts what it will hold
     assert handle.runtime() is rt and not handle.offloaded
     assert module_device_bytes(rt.model, rt.device) == weights  # the GEMM scratch grows again in the next run
     assert report_hashes(sample(rt, *inputs, seed=9, steps=3)) == want

@@ -577,19 +577,40 @@ def test_weight_paths_of_core_are_refused_and_unload_keeps_a_cpu_model(core):
 
 
 def test_process_latent_out_remembers_the_runs_outputs(core):
-    """core's process_latent_out (what every sampler's result and SamplerCustomAdvanced's denoised output go
-    through) returns core's value and records its fingerprints for H3 Model Run Report; a new run starts afresh."""
+    """core's process_latent_out (every sampler's result, SamplerCustomAdvanced's denoised output right after the run)
+    returns core's value and records its fingerprints for H3 Model Run Report: during a run (the last few), and once
+    after it; a later call (core's AddNoise) is not recorded; a new run starts afresh."""
     _, rt = core
     patcher = cm.make_core_model(rt)
     handle = patcher.model.h3_handle
-    x = torch.randn(1, 1, 300, generator=torch.Generator().manual_seed(5))
-    assert torch.equal(patcher.model.process_latent_out(x), x)
-    assert handle.outputs == [cm.latent_fingerprints(x)] and len(handle.outputs[0]) == 3
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 1, 300, generator=g)
+    assert torch.equal(patcher.model.process_latent_out(x), x) and handle.outputs == []  # outside a run
+    handle.begin_sampling(_patcher())
+    patcher.model.process_latent_out(x)
+    assert handle.outputs == [cm.latent_fingerprints(x)] and len(handle.outputs[0]) == 3  # fp32, fp16, bf16
     for _ in range(6):
-        patcher.model.process_latent_out(torch.randn(1, 1, 300))
+        patcher.model.process_latent_out(torch.randn(1, 1, 300, generator=g))
     assert len(handle.outputs) == 4  # the last ones only
+    handle.end_sampling()
+    x0 = torch.randn(1, 1, 300, generator=g)
+    patcher.model.process_latent_out(x0)  # the denoised output, right after the run
+    patcher.model.process_latent_out(torch.randn(1, 1, 300, generator=g))  # a later node's
+    assert handle.outputs[-1] == cm.latent_fingerprints(x0) and len(handle.outputs) == 4
     handle.begin_sampling(_patcher())
     assert handle.outputs == []
+
+
+def test_latent_fingerprints_take_each_batch_entry_in_core_pack_order():
+    """core packs a batch-2 (video, audio) latent as [B, 1, Nv + Na] rows (each entry's video, then its audio); the
+    nested form gives the same per-entry fingerprints, and each entry (a LatentFromBatch slice) is among them."""
+    g = torch.Generator().manual_seed(6)
+    v, a = torch.randn(2, 24, 2, 4, 4, generator=g), torch.randn(2, 32, 2, 8, generator=g)
+    packed = torch.cat([v.reshape(2, 1, -1), a.reshape(2, 1, -1)], dim=-1)
+    assert cm.latent_fingerprints(packed) == cm.latent_fingerprints(types.SimpleNamespace(
+        is_nested=True, unbind=lambda: (v, a)))
+    entry = torch.cat([v[1].reshape(-1), a[1].reshape(-1)])[None, None]  # batch entry 1, packed alone
+    assert cm.latent_fingerprints(entry) <= cm.latent_fingerprints(packed)
 
 
 def test_release_and_reload():
@@ -637,10 +658,20 @@ def test_an_unload_of_a_held_cuda_runtime_offloads_it_and_core_is_told_what_went
     monkeypatch.setattr(rt, "offload", offload)
     patcher.load(torch.device("cpu"))
     assert patcher.loaded_size() == handle.size > 0
+    g = torch.Generator().manual_seed(2)  # one finished run, for H3 Model Run Report after the unload
+    video, audio = torch.randn(1, 24, 2, 4, 4, generator=g), torch.randn(1, 32, 2, 8, generator=g)
+    handle.call.begin_run(torch.tensor([1.0, 0.0]))
+    handle.call(video, audio, 1.0, torch.randn(1, 4, rt.config.text_dim, generator=g))
+    handle.call.end_run()
+    last = handle.call.last_run
     assert patcher.partially_unload(torch.device("cpu"), 1) == 12345
     assert handle.resident and handle.offloaded and patcher.loaded_size() == 0
+    assert handle.call.last_run is last  # the run report still reads the run before the unload
     patcher.load(torch.device("cpu"))
     assert rt.parked is None and not handle.offloaded and patcher.loaded_size() == handle.size
+    patcher.partially_unload(torch.device("cpu"), 1)
+    rt.onload()  # the H3 Sampler or an H3 LoRA output brings it back behind the patcher: core is told so
+    assert patcher.loaded_size() == handle.size
 
 
 def test_an_unload_that_frees_nothing_keeps_one_model_and_one_handle(core, monkeypatch):

@@ -11,6 +11,7 @@ import os
 import sys
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -218,17 +219,22 @@ def test_sampler_batch_index_from_core_batch_nodes(comfy, tiny, monkeypatch):
     rec = Recorder()
     monkeypatch.setattr(sampler_mod, "run_job", rec)
     lat = core_empty_latent(64, 64, 5)
-    for given, want in ((None, 0), ([0], 0), ([2], 2), (torch.tensor([7]), 7)):
+    for given, want in ((None, 0), ([0], 0), ([2], 2), (torch.tensor([7]), 7), (torch.tensor(3), 3),
+                        (np.array([5]), 5), ([np.int64(6)], 6), ((4,), 4)):
         extra = {} if given is None else {"batch_index": given}
-        H3Sampler().sample(tiny, core_conditioning(), {**lat, **extra}, **SAMPLE_ARGS)
+        out = H3Sampler().sample(tiny, core_conditioning(), {**lat, **extra}, **SAMPLE_ARGS)[0]
         assert rec.jobs[-1].batch_index == want
+        assert ("batch_index" in out) == (given is not None)  # kept in the output, as core's KSampler keeps it
+        assert out.get("batch_index") is (None if given is None else given)
     for bad, says in (([0, 1], "expected one index"), ([-1], "expected an index in [0, 4095]"),
                       ([4096], "expected an index in [0, 4095]"), ([1.5], "a list of integers"),
-                      ([True], "a list of integers"), ("x", "a list of integers")):
+                      ([2.0], "a list of integers"), ([True], "a list of integers"), ([np.True_], "a list of integers"),
+                      ("x", "a list of integers"), (b"2", "a list of integers"), ({3: 0}, "a list of integers"),
+                      (torch.tensor([2.0]), "a list of integers"), ([[2]], "a list of integers")):
         msg = str(pytest.raises(H3NodeError, H3Sampler().sample, tiny, core_conditioning(),
                                 {**lat, "batch_index": bad}, **SAMPLE_ARGS).value)
         assert msg.startswith("H3 Sampler: the latent's batch_index") and says in msg, msg
-    assert len(rec.jobs) == 4
+    assert len(rec.jobs) == 8
     batch2 = {"samples": FakeNestedTensor((torch.zeros(2, 24, 2, 4, 4), torch.zeros(2, 32, 2, 8)))}
     msg = str(pytest.raises(H3NodeError, H3Sampler().sample, tiny, core_conditioning(), batch2, **SAMPLE_ARGS).value)
     assert "batch 2 (video) / 2 (audio)" in msg and "RepeatLatentBatch" in msg  # what to do, too
@@ -328,7 +334,8 @@ def test_model_run_report_tells_a_same_shape_latent_of_another_run_by_its_values
     handle.call(video, audio, 1.0, torch.randn(1, 4, tiny.config.text_dim, generator=g))
     handle.call.end_run()
     packed = torch.cat([video.reshape(1, 1, -1), audio.reshape(1, 1, -1)], dim=-1)  # core's flat pack
-    handle.outputs.append(cm.latent_fingerprints(packed))  # what H3CoreModel.process_latent_out records
+    handle.sampling = True  # as between core's pre_run and cleanup
+    handle.record_output(packed)  # what H3CoreModel.process_latent_out records
     model = types.SimpleNamespace(model=types.SimpleNamespace(h3_handle=handle))
     title = "H3 Model Run Report"
     assert cm.run_report(model, video, audio, title)["latent_checksums"]["video"]["shape"] == [1, 24, 2, 4, 4]

@@ -1,6 +1,6 @@
 """The H3 Sampler's initial noise against ComfyUI core's own ``comfy.sample.prepare_noise`` on a one-clip nested
-(video, audio) latent, for batch_index none, [0], [1] and [5] and two seeds (bitwise). Not a pytest module and not run
-by CI (it needs a ComfyUI checkout with core H3's NestedTensor). Usage::
+(video, audio) latent, for batch_index none, [0], [1] and [5], two seeds, fp32 and fp16 latents (bitwise). Not a
+pytest module and not run by CI (it needs a ComfyUI checkout with core H3's NestedTensor). Usage::
 
     cd <ComfyUI checkout> && <its python> <repo>/tests/oracles/check_core_noise.py [--json out.json]
 """
@@ -37,15 +37,16 @@ VSHAPE, ASHAPE = (1, 24, 5, 8, 12), (1, 32, 2, 37)
 
 def main() -> int:
     a = OPTS
-    latent = comfy.nested_tensor.NestedTensor([torch.zeros(VSHAPE), torch.zeros(ASHAPE)])
     rows = []
-    for seed in (0, 440420):
-        for inds in (None, [0], [1], [5]):
-            core = comfy.sample.prepare_noise(latent, seed, inds).unbind()
-            ours = initial_noise(seed, VSHAPE, ASHAPE, 0 if inds is None else inds[0])
-            ok = all(torch.equal(c, o) for c, o in zip(core, ours))
-            rows.append({"seed": seed, "batch_index": inds, "bitwise_equal": ok})
-            print(f"seed {seed} batch_index {inds}: {'ok' if ok else 'DIFFERENT'}")
+    for dtype in (torch.float32, torch.float16):  # fp16: core's --fp16-intermediates (sample() rounds the same way)
+        latent = comfy.nested_tensor.NestedTensor([torch.zeros(VSHAPE, dtype=dtype), torch.zeros(ASHAPE, dtype=dtype)])
+        for seed in (0, 440420):
+            for inds in (None, [0], [1], [5]):
+                core = comfy.sample.prepare_noise(latent, seed, inds).unbind()
+                ours = [n.to(dtype) for n in initial_noise(seed, VSHAPE, ASHAPE, 0 if inds is None else inds[0])]
+                ok = all(c.dtype == o.dtype and torch.equal(c, o) for c, o in zip(core, ours))
+                rows.append({"dtype": str(dtype), "seed": seed, "batch_index": inds, "bitwise_equal": ok})
+                print(f"{dtype} seed {seed} batch_index {inds}: {'ok' if ok else 'DIFFERENT'}")
     res = {"shapes": [VSHAPE, ASHAPE], "rows": rows, "all_equal": all(r["bitwise_equal"] for r in rows)}
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))

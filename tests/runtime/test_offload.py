@@ -174,3 +174,49 @@ def test_a_park_that_runs_out_of_host_memory_puts_everything_back(where, monkeyp
     assert all(_same(after[k], before[k]) for k in before)
     assert all(after[k] is before[k] for k in before if k not in resident)  # only the moved blocks were rebuilt
     assert report_hashes(sample(rt, *_inputs(), seed=6, steps=STEPS)) == want
+
+
+def test_an_onload_that_runs_out_of_device_memory_leaves_it_offloaded_and_a_retry_works(monkeypatch):
+    """Out of device memory part way through bringing the weights back: what had moved goes back to host memory,
+    the runtime stays offloaded (``parked`` kept), the error propagates, and a later onload brings it back whole."""
+    from h3_blackwell.runtime import offload as off
+
+    rt = _load(STACKS["w4a8"], True)
+    want = report_hashes(sample(rt, *_inputs(), seed=8, steps=STEPS))
+    rt.parked = park(rt)
+    parked_bound = _bound(rt)
+    real_put = off._put
+
+    def failing_put(entries, device):
+        if device is not None:
+            real_put(entries[: len(entries) // 2], device)
+            raise torch.OutOfMemoryError("device memory exhausted (test)")
+        real_put(entries, device)
+    monkeypatch.setattr(off, "_put", failing_put)
+    with pytest.raises(torch.OutOfMemoryError):
+        rt.onload()
+    monkeypatch.undo()
+    assert rt.parked is not None and rt.streamer.slots == [] and rt.streamer.streamed == frozenset(range(6))
+    now = _bound(rt)  # every host copy (or streamer view) bound again: the same storage as after the park
+    assert all(now[k].data_ptr() == t.data_ptr() for k, t in parked_bound.items())
+    rt.onload()
+    assert rt.parked is None and report_hashes(sample(rt, *_inputs(), seed=8, steps=STEPS)) == want
+
+
+def test_an_offloaded_runtime_is_planned_from_host_memory():
+    """fit_memory on an offloaded runtime plans it as holding nothing on the device: a budget it cannot run is
+    refused with the runtime left offloaded; one it can run brings it back straight into that plan's placement."""
+    from h3_blackwell.runtime.budget import BudgetError
+
+    rt = _load(STACKS["w4a8"], False)
+    want = report_hashes(sample(rt, *_inputs(), seed=9, steps=STEPS))
+    rt.parked = park(rt)
+    rt.plan.options.vram_budget = "0.000001"
+    with pytest.raises(BudgetError, match="nothing moved"):
+        sample(rt, *_inputs(), seed=9, steps=STEPS)
+    assert rt.parked is not None
+    wl = Workload.from_shapes(VSHAPE, ASHAPE, 32, STEPS)
+    rt.plan.options.vram_budget = repr(estimate(ModelMemory.from_plan(rt.plan), wl, 2, 2, None, "cpu").total / 1e9)
+    got = sample(rt, *_inputs(), seed=9, steps=STEPS)
+    assert rt.parked is None and len(rt.plan.memory.resident) == 2 and report_hashes(got) == want
+    assert rt.streamer.streamed == frozenset(rt.plan.memory.streamed)

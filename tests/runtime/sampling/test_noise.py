@@ -51,3 +51,20 @@ def test_sampling_from_batch_entry_two_reports_it_and_differs_from_entry_zero():
     zero, two = sample(*args, seed=3, steps=2), sample(*args, seed=3, steps=2, batch_index=2)
     assert "batch_index" not in zero.report["workload"] and two.report["workload"]["batch_index"] == 2
     assert not torch.equal(zero.video, two.video)
+
+
+def test_reduced_precision_latents_get_the_noise_rounded_to_their_dtype(monkeypatch):
+    """Core rounds each stream's noise to its latent's dtype (fp16 / bf16 intermediates): an fp16 latent samples as
+    the fp32 one with fp16-rounded noise."""
+    from h3_blackwell.runtime import RuntimeOptions, load_model, sample
+    from h3_blackwell.runtime.sampling import sampler as S
+
+    rt = load_model(None, RuntimeOptions(device="cpu", quantize=False))
+    text = torch.randn(1, 8, rt.config.text_dim, generator=torch.Generator().manual_seed(0))
+    got = sample(rt, text, None, torch.zeros(VSHAPE).half(), torch.zeros(ASHAPE).half(), seed=3, steps=2)
+    plain = sample(rt, text, None, torch.zeros(VSHAPE), torch.zeros(ASHAPE), seed=3, steps=2)
+    real = S.initial_noise
+    monkeypatch.setattr(S, "initial_noise", lambda *a: tuple(n.half().float() for n in real(*a)))
+    want = sample(rt, text, None, torch.zeros(VSHAPE), torch.zeros(ASHAPE), seed=3, steps=2)
+    assert torch.equal(got.video, want.video) and torch.equal(got.audio, want.audio)
+    assert not torch.equal(got.video, plain.video)
