@@ -189,9 +189,13 @@ class RuntimeHandle:
                 keep(held)
             offload = getattr(held, "offload", None)
             freed = offload() if offload is not None else 0
-            log.info("[h3-blackwell] H3 model offloaded to host memory (%.2f GB of device memory freed): another "
-                     "output still holds it (the loader's H3_MODEL output or an H3 LoRA output, cached by ComfyUI); "
-                     "its next use moves it back", freed / 1e9)
+            if self.offloaded:
+                log.info("[h3-blackwell] H3 model offloaded to host memory (%.2f GB of device memory freed): another "
+                         "output still holds it (the loader's H3_MODEL output or an H3 LoRA output, cached by "
+                         "ComfyUI); its next use moves it back", freed / 1e9)
+            else:
+                log.info("[h3-blackwell] H3 model not released: another output still holds it and it was not "
+                         "offloaded; its device memory stays in use")
             return freed
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

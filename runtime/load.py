@@ -46,7 +46,7 @@ from .lora.merge import side_device_bytes
 from .model.config import QUANT_LINEARS, H3Config
 from .model.h3 import H3Model
 from .model.tiny import tiny_state_dict
-from .offload import Parked, park, unpark
+from .offload import Parked, park, unpark, why_not_offload
 from .ops import registry
 from .ops.attention import AttentionFn
 from .ops.block_ops import build_ops
@@ -55,6 +55,7 @@ from .ops.linear import Nvfp4Linear
 from .ops.sparse_attention import SparseStepAttention
 from .ops.streaming import BlockStreamer, StreamOps, module_device_bytes
 from .options import RuntimeOptions
+from .sampling.request import host_available_bytes
 from .plan import LoadPlan, make_plan
 
 log = logging.getLogger("h3_blackwell")
@@ -252,10 +253,15 @@ class H3Runtime:
 
     def offload(self) -> int:
         """Hand the device memory back without dropping the runtime (``runtime.offload``) -> the bytes the allocator
-        freed (0 off CUDA, when already offloaded, or when host memory ran out: then nothing moved). Every use that
-        plans a run (``fit_memory``) or calls :meth:`onload` puts the weights back first, so a holder of this runtime
-        never sees it half there."""
+        freed: 0 off CUDA, when already offloaded, on an integrated GPU, or when the host cannot spare the memory
+        (``offload.why_not_offload``; then nothing moved). Every use that plans a run (``fit_memory``) or calls
+        :meth:`onload` puts the weights back first, so a holder of this runtime never sees it half there."""
         if self.parked is not None or self.device.type != "cuda":
+            return 0
+        why = why_not_offload("cuda", bool(getattr(torch.cuda.get_device_properties(self.device), "is_integrated",
+                                                   False)), self.device_bytes(), host_available_bytes())
+        if why is not None:
+            log.warning("[h3-blackwell] the model stays on the device (not offloaded): %s", why)
             return 0
         try:
             self.parked = park(self)

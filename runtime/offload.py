@@ -25,6 +25,22 @@ import torch.nn as nn
 
 from .lora.merge import move_sides
 
+HOST_LEFT_FREE = 2 * 2 ** 30  # page-locked memory cannot be swapped out: an offload leaves at least this much free
+
+
+def why_not_offload(device_type: str, integrated: bool, need_bytes: int, host_free_bytes: int) -> str | None:
+    """Why an offload of ``need_bytes`` would not help or not be safe (None: it would): off CUDA there is no device
+    memory to give back; on an integrated GPU (GB10) the device memory is the host memory; and page-locking what the
+    host cannot spare (less than HOST_LEFT_FREE left) would push the rest of the process out of memory."""
+    if device_type != "cuda":
+        return "the model is not on a CUDA device"
+    if integrated:
+        return "the GPU shares its memory with the host (integrated), so moving the weights frees nothing"
+    if need_bytes + HOST_LEFT_FREE > host_free_bytes:
+        return (f"it needs {need_bytes / 1e9:.2f} GB of host memory and {host_free_bytes / 1e9:.2f} GB is free "
+                f"(at least {HOST_LEFT_FREE / 2 ** 30:.0f} GiB must stay free)")
+    return None
+
 
 @dataclass
 class Parked:

@@ -220,3 +220,15 @@ def test_an_offloaded_runtime_is_planned_from_host_memory():
     got = sample(rt, *_inputs(), seed=9, steps=STEPS)
     assert rt.parked is None and len(rt.plan.memory.resident) == 2 and report_hashes(got) == want
     assert rt.streamer.streamed == frozenset(rt.plan.memory.streamed)
+
+
+def test_why_an_offload_is_not_done():
+    """Off CUDA, on an integrated GPU (GB10: device memory is host memory) and where the host cannot spare the bytes
+    (page-locked memory is never swapped out) the offload is not done, with the reason; otherwise it is."""
+    from h3_blackwell.runtime.offload import HOST_LEFT_FREE, why_not_offload
+
+    gb = 10 ** 9
+    assert "not on a CUDA device" in why_not_offload("cpu", False, gb, 100 * gb)
+    assert "integrated" in why_not_offload("cuda", True, gb, 100 * gb)
+    assert "12.60 GB of host memory and 13.00 GB is free" in why_not_offload("cuda", False, 12.6 * gb, 13 * gb)
+    assert why_not_offload("cuda", False, 12.6 * gb, 12.6 * gb + HOST_LEFT_FREE) is None
