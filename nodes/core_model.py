@@ -28,22 +28,22 @@ this module needs no ComfyUI):
   paths) plus the Fun ControlNet tower it holds; loading makes sure the runtime is resident; an unload from a
   CUDA device releases it (the next load reads the file again), or, while another output ComfyUI caches still
   holds it, offloads it in place to host memory (``H3Runtime.offload``; the next load moves it back); at sampling
-  start (``pre_run``) the LoRA records on the patcher are applied through the runtime's LoRA machinery (``core_patches.lora_specs``) and anything it cannot honour is
-  refused (``core_patches``); ``cleanup`` closes the run, whose report ``H3 Model Run Report`` reads.
+  start (``pre_run``) the LoRA records on the patcher are applied through the runtime's LoRA machinery
+  (``core_patches.lora_specs``) and anything it cannot honour is refused (``core_patches``); ``cleanup`` closes the
+  run, whose report ``H3 Model Run Report`` reads.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import gc
 import logging
 import weakref
 
 import torch
 
-from ..runtime import (ControlHint, H3Conditioning, H3Error, ModelCall, conditioning_from_payload, load_control,
-                       sync_loras, weight_shapes)
+from ..runtime import (ControlHint, H3Conditioning, H3Error, ModelCall, conditioning_from_payload, latent_sha256,
+                       load_control, sync_loras, weight_shapes)
 from ._common import H3NodeError, node_error, optional_comfy_module
 from .control import PatchSource, prepare_hint
 from .core_patches import LORA_MODE, TITLE, check_patcher, check_transformer_options, fun_patch_models, lora_specs
@@ -162,7 +162,7 @@ class RuntimeHandle:
             self._rt = self._reload()
             self.call = ModelCall(self._rt)
             log.info("[h3-blackwell] H3 model reloaded for the MODEL output")
-        elif getattr(self._rt, "parked", None) is not None:
+        elif self.offloaded:
             self._rt.onload()
             log.info("[h3-blackwell] H3 model back on the device")
         return self._rt
@@ -572,16 +572,12 @@ def _rows(parts) -> torch.Tensor:
     return torch.cat([p.detach().reshape(batch, -1).float().cpu() for p in parts], dim=1)
 
 
-def _sha256(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
-
-
 def latent_fingerprints(latent) -> frozenset:
     """sha256 of each batch entry of a sampled latent (core's packed [B, 1, N] or nested (video, audio) form), its
     streams in core's packed order, as fp32 after a round trip through each dtype core's sampler may hand a LATENT
     out in (``intermediate_dtype``)."""
     rows = _rows(list(latent.unbind()) if getattr(latent, "is_nested", False) else [latent])
-    return frozenset(_sha256(r.to(d).float()) for r in rows for d in _INTERMEDIATE_DTYPES)
+    return frozenset(latent_sha256(r.to(d).float()) for r in rows for d in _INTERMEDIATE_DTYPES)
 
 
 def run_report(model, latent_video, latent_audio, title: str) -> dict:
@@ -598,7 +594,7 @@ def run_report(model, latent_video, latent_audio, title: str) -> dict:
                                 f"not the output of this model's last sampling run, which sampled video "
                                 f"{list(last[1])}, audio {list(last[2])}; connect the LATENT of the sampler that "
                                 "ran last on this MODEL")
-    entries = {_sha256(r) for r in _rows([latent_video, latent_audio])}  # a LatentFromBatch slice of the run too
+    entries = {latent_sha256(r) for r in _rows([latent_video, latent_audio])}  # a LatentFromBatch slice of the run too
     if handle.outputs and not any(entries <= fp for fp in handle.outputs):
         # same shapes, other values: another run's output (of this MODEL before, or of another model)
         raise node_error(title, "the latent is not the output of this model's last sampling run: its values are "

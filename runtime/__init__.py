@@ -36,7 +36,7 @@ from .sampling.request import RequestError
 # request checks, outputs, reports
 from .sampling.request import MAX_NOISE_INDEX, SEED_RANGE, check_int, check_output_file
 from .io.atomic import save_tensors, write_dir, write_file
-from .sampling.report import nonfinite_message, summary
+from .sampling.report import latent_sha256, nonfinite_message, summary
 from .sampling.preview import latent_to_rgb, write_preview_webp
 # latent geometry and masks (the nodes' empty latent and noise masks)
 from .model.layout import audio_frames, latent_frames, snap_frames
@@ -57,7 +57,7 @@ __all__ = [
     "ControlFile", "ControlSpec", "load_control", "open_control", "ControlError", "FunControl", "bind_control",
     "CheckpointError", "H3Error", "Interrupted", "is_out_of_memory", "RequestError",
     "MAX_NOISE_INDEX", "SEED_RANGE", "check_int", "check_output_file", "save_tensors", "write_dir", "write_file",
-    "nonfinite_message", "summary", "latent_to_rgb", "write_preview_webp",
+    "latent_sha256", "nonfinite_message", "summary", "latent_to_rgb", "write_preview_webp",
     "audio_frames", "latent_frames", "snap_frames", "percent_to_sigma", "audio_denoise_mask", "video_denoise_mask",
     "save_tiny", "quantize_checkpoint", "fc2_tune",
 ]

@@ -55,8 +55,8 @@ from .ops.linear import Nvfp4Linear
 from .ops.sparse_attention import SparseStepAttention
 from .ops.streaming import BlockStreamer, StreamOps, module_device_bytes
 from .options import RuntimeOptions
-from .sampling.request import host_available_bytes
 from .plan import LoadPlan, make_plan
+from .sampling.request import host_available_bytes
 
 log = logging.getLogger("h3_blackwell")
 

@@ -77,26 +77,26 @@ def lora_state(model: nn.Module) -> LoraState:
     return st
 
 
-def side_device_bytes(model: nn.Module, device: torch.device) -> int:
-    """Bytes the LoRA side paths on ``model`` hold on ``device``'s type (every term's A and B; 0 without any)."""
+def _side_paths(model: nn.Module) -> list:
+    """Every LoRA side path on ``model``: the block linears' (in the LoraOps) and the hooked layers'."""
     st = model.__dict__.get(STATE_ATTR)
     if st is None:
-        return 0
+        return []
     sides = list(st.block_sides.values()) + [getattr(m, SIDE_ATTR, None) for m, _ in st.sides.values()]
+    return [side for side in sides if side is not None]
+
+
+def side_device_bytes(model: nn.Module, device: torch.device) -> int:
+    """Bytes the LoRA side paths on ``model`` hold on ``device``'s type (every term's A and B; 0 without any)."""
     kind = torch.device(device).type
-    return sum(t.numel() * t.element_size() for side in sides if side is not None for term in side.terms
+    return sum(t.numel() * t.element_size() for side in _side_paths(model) for term in side.terms
                for t in (term.down, term.up) if t.device.type == kind)
 
 
 def move_sides(model: nn.Module, device: torch.device) -> None:
     """Move every LoRA side path on ``model`` (its terms' A and B) to ``device`` (``runtime.offload``)."""
-    st = model.__dict__.get(STATE_ATTR)
-    if st is None:
-        return
     dev = torch.device(device)
-    for side in list(st.block_sides.values()) + [getattr(m, SIDE_ATTR, None) for m, _ in st.sides.values()]:
-        if side is None:
-            continue
+    for side in _side_paths(model):
         for term in side.terms:
             term.down, term.up = term.down.to(dev), term.up.to(dev)
         side.device = dev

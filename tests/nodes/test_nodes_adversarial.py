@@ -304,15 +304,21 @@ def test_interrupt_through_the_servers_progress_hook_leaves_the_model_usable(com
 # the MODEL path's run report
 # ---------------------------------------------------------------------------------------------
 
+def _one_run(rt, seed: int):
+    """A handle over ``rt`` with one finished run of one model call -> (handle, video, audio) of that call."""
+    handle = cm.RuntimeHandle(rt)
+    g = torch.Generator().manual_seed(seed)
+    video, audio = torch.randn(1, 24, 2, 4, 4, generator=g), torch.randn(1, 32, 2, 8, generator=g)
+    handle.call.begin_run(torch.tensor([1.0, 0.0]))
+    handle.call(video, audio, 1.0, torch.randn(1, 4, rt.config.text_dim, generator=g))
+    handle.call.end_run()
+    return handle, video, audio
+
+
 def test_model_run_report_refuses_a_latent_of_another_run(tiny):
     """The report pairs the last run's timings and counters with the hashes of the latent it is given; a latent of
     another shape is not that run's output. Before: the report mixed the two."""
-    handle = cm.RuntimeHandle(tiny)
-    g = torch.Generator().manual_seed(2)
-    video, audio = torch.randn(1, 24, 2, 4, 4, generator=g), torch.randn(1, 32, 2, 8, generator=g)
-    handle.call.begin_run(torch.tensor([1.0, 0.0]))
-    handle.call(video, audio, 1.0, torch.randn(1, 4, tiny.config.text_dim, generator=g))
-    handle.call.end_run()
+    handle, video, audio = _one_run(tiny, 2)
     model = types.SimpleNamespace(model=types.SimpleNamespace(h3_handle=handle))
     rep = cm.run_report(model, video, audio, "H3 Model Run Report")
     assert rep["latent_checksums"]["video"]["shape"] == [1, 24, 2, 4, 4] and rep["workload"]["model_calls"] == 1
@@ -327,12 +333,7 @@ def test_model_run_report_tells_a_same_shape_latent_of_another_run_by_its_values
     of this MODEL, another model's) is refused; the run's own, also after core's fp16 / bf16 intermediates, is
     reported. Before: only the shapes were compared, so such a report paired one run's timings with another's
     latent."""
-    handle = cm.RuntimeHandle(tiny)
-    g = torch.Generator().manual_seed(3)
-    video, audio = torch.randn(1, 24, 2, 4, 4, generator=g), torch.randn(1, 32, 2, 8, generator=g)
-    handle.call.begin_run(torch.tensor([1.0, 0.0]))
-    handle.call(video, audio, 1.0, torch.randn(1, 4, tiny.config.text_dim, generator=g))
-    handle.call.end_run()
+    handle, video, audio = _one_run(tiny, 3)
     packed = torch.cat([video.reshape(1, 1, -1), audio.reshape(1, 1, -1)], dim=-1)  # core's flat pack
     handle.sampling = True  # as between core's pre_run and cleanup
     handle.record_output(packed)  # what H3CoreModel.process_latent_out records
