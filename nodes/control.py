@@ -22,6 +22,8 @@ same when the shift is set before the control, as core's templates do).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -141,17 +143,27 @@ class PatchSource:
 # the model with a control attached, and the node
 # ---------------------------------------------------------------------------------------------
 
+@dataclasses.dataclass
 class ControlAttachment:
     """What the node attaches: the tower's source and core's apply-time inputs. ``hint(target, shift)`` gives the
     payload's control field for a target latent shape (cached per shape); ``tower(rt)`` the loaded tower for a
     resident runtime (cached per load plan)."""
 
-    def __init__(self, source, vae, strength, start_percent, end_percent, control_video, mask, source_video,
-                 fade_in_frames=0, fade_out_frames=0):
-        self.source, self.vae = source, vae
-        self.strength, self.start_percent, self.end_percent = float(strength), float(start_percent), float(end_percent)
-        self.control_video, self.mask, self.source_video = control_video, mask, source_video
-        self.fade_in_frames, self.fade_out_frames = int(fade_in_frames), int(fade_out_frames)
+    source: object
+    vae: object
+    strength: float
+    start_percent: float
+    end_percent: float
+    control_video: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    source_video: torch.Tensor | None = None
+    fade_in_frames: int = 0
+    fade_out_frames: int = 0
+
+    def __post_init__(self):
+        self.strength, self.start_percent, self.end_percent = (float(self.strength), float(self.start_percent),
+                                                               float(self.end_percent))
+        self.fade_in_frames, self.fade_out_frames = int(self.fade_in_frames), int(self.fade_out_frames)
         self._hint = (None, None)
         self._tower = (None, None)
 
@@ -215,6 +227,24 @@ def _pixels(image, title: str, what: str) -> torch.Tensor | None:
     return image[..., :3].movedim(-1, 1).float()
 
 
+def _control_source(model_patch, control_name: str):
+    """The tower's source: core's ModelPatchLoader output (``PatchSource``) or a file of models/model_patches."""
+    if model_patch is not None:
+        module = getattr(model_patch, "model", model_patch)
+        if not hasattr(module, "control_blocks") or not hasattr(module, "injection_layers"):
+            raise H3Error(f"model_patch holds {type(module).__name__}, not a MiniMax H3 Fun ControlNet")
+        return PatchSource(module)
+    path = comfy_module("folder_paths").get_full_path("model_patches", control_name)
+    if path is None:
+        raise H3Error(f"'{control_name}' was not found in models/model_patches")
+    return open_control(path)
+
+
+# H3 Fun ControlNet's optional inputs and their defaults (an empty socket arrives absent, or None from V3 / API)
+_OPTIONAL = {"model_patch": None, "control_name": NO_FILE, "control_video": None, "mask": None, "source_video": None,
+             "fade_in_frames": 0, "fade_out_frames": 0}
+
+
 class H3FunControlNetApply:
     TITLE = "H3 Fun ControlNet"
     DESCRIPTION = ("MiniMax H3 Fun ControlNet-Union (v1 / v2) for the H3 model, with core's inputs: a control video "
@@ -247,35 +277,31 @@ class H3FunControlNetApply:
             "fade_out_frames": ("INT", {"default": 0, "min": 0, "max": 3600, "advanced": True}),
         }}
 
-    def apply(self, model, vae, strength, start_percent, end_percent, model_patch=None, control_name=NO_FILE,
-              control_video=None, mask=None, source_video=None, fade_in_frames=0, fade_out_frames=0):
+    def apply(self, model, vae, strength, start_percent, end_percent, **optional):
+        """ComfyUI's FUNCTION: the optional inputs of INPUT_TYPES (model_patch, control_name, control_video, mask,
+        source_video, fade_in_frames, fade_out_frames) as keywords; absent or None: their defaults."""
+        unknown = sorted(set(optional) - set(_OPTIONAL))
+        if unknown:
+            raise node_error(self.TITLE, f"unknown inputs {unknown}; expected some of {', '.join(_OPTIONAL)}")
+        opt = {k: v if optional.get(k) is None else optional[k] for k, v in _OPTIONAL.items()}
         if not hasattr(model, "config") or not hasattr(model, "model"):
             raise node_error(self.TITLE, f"model must come from H3 NVFP4 Model Loader; got {type(model).__name__}")
         if getattr(model, "fun_control", None) is not None:
             raise node_error(self.TITLE, "the model already has a Fun ControlNet; this pack applies one per model")
-        if (model_patch is None) == (control_name in (None, "", NO_FILE)):
+        if (opt["model_patch"] is None) == (opt["control_name"] in ("", NO_FILE)):
             raise node_error(self.TITLE, "connect a model_patch (ModelPatchLoader) or choose a control_name file, "
                                          "exactly one of the two")
-        fade_in_frames = 0 if fade_in_frames is None else fade_in_frames  # optional sockets left empty: defaults
-        fade_out_frames = 0 if fade_out_frames is None else fade_out_frames
-        if strength == 0 or (control_video is None and mask is None):
+        mask = opt["mask"]
+        if strength == 0 or (opt["control_video"] is None and mask is None):
             return (model,)  # core returns the model unchanged
         try:
-            if model_patch is not None:
-                module = getattr(model_patch, "model", model_patch)
-                if not hasattr(module, "control_blocks") or not hasattr(module, "injection_layers"):
-                    raise H3Error(f"model_patch holds {type(module).__name__}, not a MiniMax H3 Fun ControlNet")
-                source = PatchSource(module)
-            else:
-                path = comfy_module("folder_paths").get_full_path("model_patches", control_name)
-                if path is None:
-                    raise H3Error(f"'{control_name}' was not found in models/model_patches")
-                source = open_control(path)
+            source = _control_source(opt["model_patch"], opt["control_name"])
             source.spec.check_base(model.config)  # form, adaLN width, dimensions, places: refused here
         except H3Error as e:
             raise node_error(self.TITLE, str(e)) from e
-        fc = ControlAttachment(source, vae, strength, start_percent, end_percent, _pixels(control_video, self.TITLE,
-                        "control_video"), mask, _pixels(source_video, self.TITLE, "source_video") if mask is not None
-                        else None, fade_in_frames, fade_out_frames)
+        fc = ControlAttachment(source, vae, strength, start_percent, end_percent,
+                               _pixels(opt["control_video"], self.TITLE, "control_video"), mask,
+                               _pixels(opt["source_video"], self.TITLE, "source_video") if mask is not None else None,
+                               opt["fade_in_frames"], opt["fade_out_frames"])
         return (ControlledModel(model, fc),)
 

@@ -1,24 +1,27 @@
 """H3 NVFP4 Model Loader: a resident H3 DiT for the sampler (type H3_MODEL = runtime.H3Runtime).
 
 The model stays loaded across prompts. It is reloaded only when an input changes (file, backends, switches)
-or the file on disk changes (size / mtime); the previous model is released first, so at most one H3 DiT
-loaded by this node is resident. The H3_MODEL output is invisible to ComfyUI's model management ("Unload models"
-does not free it); the MODEL output (core's type, ``core_model``) is the same resident model as ComfyUI sees it.
-Unloading the MODEL there frees the model's device memory only when nothing else holds the runtime, and it is read
-again when a graph needs it; while ComfyUI's cache keeps this node's H3_MODEL output (the runtime itself), the
-unload frees nothing, says so (0 bytes freed) and the model stays loaded. Its device memory is sized by the
-memory budget (``vram_budget``; ``auto`` plans around what ComfyUI's other models hold when sampling starts).
+or the file on disk changes (size / mtime); the loader then forgets the previous model, whose memory goes once
+nothing holds it (ComfyUI's cache of its outputs). The H3_MODEL output is invisible to ComfyUI's model management
+("Unload models" does not free it); the MODEL output (core's type, ``core_classes``) is the same resident model as
+ComfyUI sees it. One owner holds the model: the runtime's ``ResidentModel`` (``core_model.RuntimeHandle``), shared
+by this node and its MODEL output. Unloading the MODEL releases it: its device memory goes when nothing else holds
+the runtime, and it is read again when a graph needs it; while ComfyUI's cache keeps this node's H3_MODEL output
+(the runtime itself), the unload offloads it in place to host memory instead, and the next use moves it back.
+Its device memory is sized by the memory budget (``vram_budget``; ``auto`` plans around what ComfyUI's other
+models hold when sampling starts).
 """
 
 from __future__ import annotations
 
 import gc
+import importlib
 import logging
 import os
-import weakref
 
 from ..runtime import CHOICES, FC2_MODES, H3Error, RuntimeOptions, open_model
 from ._common import CATEGORY, comfy_module, file_stamp, node_error, optional_comfy_module
+from .core_model import RuntimeHandle, UnavailableModel
 
 TINY_CHOICE = "embedded tiny (seed 0)"
 # the runtime's choices, written once in runtime/options.py (the first value is the default). Widget values are a
@@ -28,10 +31,9 @@ GEMM_CHOICES = list(CHOICES["gemm"])
 ATTENTION_CHOICES = list(CHOICES["attention"])
 FC2_CHOICES = list(FC2_MODES)
 
-# One resident model, keyed on everything that determines it. "previous": (key, weak reference) of the model last
-# released; when something still holds it (ComfyUI's output cache holds the loader's outputs), a load with the same
-# key takes it back instead of reading a second copy of the same weights onto the device.
-_RESIDENT: dict = {"key": None, "model": None, "core": None, "previous": None}
+# The model this node keeps resident: the inputs that determine it, its one owner (RuntimeHandle) and its MODEL
+# output over that owner.
+_RESIDENT: dict = {"key": None, "handle": None, "core": None}
 log = logging.getLogger("h3_blackwell")
 
 
@@ -40,44 +42,30 @@ def _diffusion_models() -> list[str]:
     return list(fp.get_filename_list("diffusion_models")) if fp is not None else []
 
 
+def resident_handle() -> RuntimeHandle | None:
+    """The owner of the model this node keeps resident (None before the first load); for tests and diagnostics."""
+    return _RESIDENT["handle"]
+
+
 def resident_model():
-    """The model this node keeps resident (None before the first load); for tests and diagnostics."""
-    return _RESIDENT["model"]
+    """The runtime this node keeps resident, as it is now (None before the first load or once released)."""
+    return None if _RESIDENT["handle"] is None else _RESIDENT["handle"].loaded
 
 
 def release_resident() -> None:
-    """Drop the resident model: the next load reads the file again, unless the released model is still alive
-    (held elsewhere, e.g. by ComfyUI's output cache), in which case a load with the same inputs and file takes
-    that model back rather than loading a duplicate."""
-    if _RESIDENT["model"] is not None:
-        _RESIDENT["previous"] = (_RESIDENT["key"], weakref.ref(_RESIDENT["model"]))
-    _RESIDENT["key"] = None
-    _RESIDENT["model"] = None
-    _RESIDENT["core"] = None
+    """Forget the resident model: the next load reads the file again. Its memory goes once nothing else holds it
+    (the MODEL output, or an output ComfyUI caches, keeps it until then)."""
+    _RESIDENT.update(key=None, handle=None, core=None)
     gc.collect()
 
 
-def _core_model(rt, inputs: tuple):
-    """The MODEL output over the resident ``rt`` (nodes/core_model.py): it reloads through this node's inputs when
-    ComfyUI unloaded it, and releasing it releases the resident model here too."""
-    from .core_model import make_core_model
-
-    ref = weakref.ref(rt)
-
-    def on_release():
-        """Drop the resident entry; returns what puts it back (the handle calls it when the runtime stayed alive,
-        held by an output ComfyUI caches, so this node keeps one entry and one MODEL for it, not two)."""
-        if _RESIDENT["model"] is None or _RESIDENT["model"] is not ref():
-            return None
-        key, core = _RESIDENT["key"], _RESIDENT["core"]
-        release_resident()
-
-        def keep(kept) -> None:
-            if _RESIDENT["model"] is None:  # nothing else was loaded meanwhile
-                _RESIDENT.update(key=key, model=kept, core=core, previous=None)
-        return keep
-
-    return make_core_model(rt, reload=lambda: H3ModelLoader().load(*inputs)[0], on_release=on_release)
+def _core_model(handle: RuntimeHandle):
+    """The MODEL output over ``handle`` (``core_classes``, imported only where ComfyUI core has H3 support)."""
+    try:
+        classes = importlib.import_module(".core_classes", __package__)
+    except ImportError as e:
+        return UnavailableModel(f"{e}")
+    return classes.make_core_model(handle)
 
 
 class _LoadProgress:
@@ -181,24 +169,24 @@ class H3ModelLoader:
         except ValueError as e:
             raise node_error(self.TITLE, str(e)) from e
         key = (model, path, stamp, tuple(sorted(options.to_dict().items())))
-        if _RESIDENT["key"] == key and _RESIDENT["model"] is not None:
-            return (_RESIDENT["model"], _RESIDENT["core"])
-        release_resident()
-        prev = _RESIDENT["previous"]
-        rt = prev[1]() if prev is not None and prev[0] == key else None
-        if rt is None:
-            progress = _load_progress()
-            try:
-                # the header read once, every tensor and shape checked (NVFP4 layers too) before any is read
-                rt = open_model(path, options, tiny_seed=0).load(progress=progress)
-            except H3Error as e:
-                raise node_error(self.TITLE, str(e)) from e
-            if progress is not None:
-                progress.finish()
-            log.info("[h3-blackwell] %s", rt.describe())
-        else:
-            log.info("[h3-blackwell] H3 model taken back (still held since it was released; same inputs and file)")
-        _RESIDENT["previous"] = None
-        _RESIDENT["key"], _RESIDENT["model"] = key, rt
-        _RESIDENT["core"] = _core_model(rt, (model, gemm, attention, fc2_lt, adaln_cache, vram_budget))
-        return (rt, _RESIDENT["core"])
+        if _RESIDENT["key"] != key:
+            release_resident()  # the previous model: its memory goes once nothing holds it
+            handle = RuntimeHandle(open=lambda: _read(path, options, self.TITLE))
+            _RESIDENT.update(key=key, handle=handle, core=_core_model(handle))
+        handle = _RESIDENT["handle"]
+        # as it is (an offloaded runtime moves back at its next use), or read again when its MODEL released it
+        return (handle.loaded if handle.resident else handle.runtime(), _RESIDENT["core"])
+
+
+def _read(path: str | None, options: RuntimeOptions, title: str):
+    """The runtime of ``path`` (None: the embedded tiny model), with ComfyUI's progress bar: the header read once,
+    every tensor and shape checked (NVFP4 layers too) before any is read."""
+    progress = _load_progress()
+    try:
+        rt = open_model(path, options, tiny_seed=0).load(progress=progress)
+    except H3Error as e:
+        raise node_error(title, str(e)) from e
+    if progress is not None:
+        progress.finish()
+    log.info("[h3-blackwell] %s", rt.describe())
+    return rt

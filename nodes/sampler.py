@@ -83,10 +83,12 @@ _FIELD_SOURCES = (("keyframes", "minimax_keyframes (MiniMaxH3ImageToVideo / Mini
                   ("audio_cond_noise_aug", "minimax_audio_cond_noise_aug"), ("seed", "the seed"))
 
 
-def _job(model, text, tags, video, audio, payload: dict, seed, steps, title: str, **settings):
+def _job(model, streams: tuple, payload: dict, seed, steps, title: str, **settings):
     """The runtime's job, validated once before any work: the CLI's request checks (finite text states of the
     right shape, finite latents, the seed and step count, the memory estimate against what the model's device
-    has free), then core's payload as the runtime's H3Conditioning (its errors name the graph input)."""
+    has free), then core's payload as the runtime's H3Conditioning (its errors name the graph input). streams:
+    (text states, token tags, video latent, audio latent)."""
+    text, tags, video, audio = streams
     try:
         return tensor_job(model, text, tags, video, audio, seed=int(seed), steps=int(steps), conditioning=payload,
                           sources=("positive", "latent"), **settings)
@@ -99,6 +101,22 @@ def _job(model, text, tags, video, audio, payload: dict, seed, steps, title: str
         raise node_error(title, msg) from e
     except H3Error as e:
         raise node_error(title, str(e)) from e
+
+
+_REQUIRED = ("seed", "steps", "sampler", "scheduler", "shift_video", "shift_audio", "denoise")
+_OPTIONAL = {"sparse_tau": SPARSE_TAU, "first_block_cache": 0.0}
+
+
+def _widgets(widgets: dict, title: str) -> tuple:
+    """H3 Sampler's widget values in INPUT_TYPES' order; optional sockets left empty (absent, or None from V3 /
+    API prompts) take their defaults."""
+    missing = [k for k in _REQUIRED if k not in widgets]
+    unknown = sorted(set(widgets) - set(_REQUIRED) - set(_OPTIONAL))
+    if missing or unknown:
+        raise node_error(title, f"expected the inputs {', '.join(_REQUIRED)} (and optionally "
+                                f"{', '.join(_OPTIONAL)}); missing {missing}, unknown {unknown}")
+    opt = [_OPTIONAL[k] if widgets.get(k) is None else widgets[k] for k in _OPTIONAL]
+    return (*(widgets[k] for k in _REQUIRED), *opt)
 
 
 def _raise_interrupted(exc: Interrupted):
@@ -156,14 +174,12 @@ class H3Sampler:
                 "relative L1 of the last computed step's; 0 = off (peers use 0.05-0.1)")}),
         }}
 
-    def sample(self, model, positive, latent, seed: int, steps: int, sampler: str, scheduler: str,
-               shift_video: float, shift_audio: float, denoise: float, sparse_tau: float = SPARSE_TAU,
-               first_block_cache: float = 0.0):
+    def sample(self, model, positive, latent, **widgets):
+        """ComfyUI's FUNCTION: INPUT_TYPES' widgets (seed, steps, sampler, ... first_block_cache) as keywords."""
         if not hasattr(model, "config") or not hasattr(model, "model"):
             raise node_error(self.TITLE, f"model must come from H3 NVFP4 Model Loader; got {type(model).__name__}")
-        # optional sockets left empty arrive as None from V3 / API prompts: their defaults
-        sparse_tau = SPARSE_TAU if sparse_tau is None else sparse_tau
-        first_block_cache = 0.0 if first_block_cache is None else first_block_cache
+        seed, steps, sampler, scheduler, shift_video, shift_audio, denoise, sparse_tau, first_block_cache = \
+            _widgets(widgets, self.TITLE)
         cfg = model.config
         text, tags, payload = read_conditioning(positive, cfg.text_dim, self.TITLE)
         video, audio = read_latent(latent, self.TITLE, cfg.video_channels, cfg.audio_channels)
@@ -183,7 +199,7 @@ class H3Sampler:
         progress, preview, interrupt = _callbacks(int(steps))
         # the loader's model is shared and resident: the run makes it carry exactly this graph's LoRAs (none if
         # the graph has no LoRA node), so a LoRA from an earlier prompt never leaks into this one
-        job = _job(model, text, tags, video, audio, payload, seed, steps, self.TITLE, sampler=sampler,
+        job = _job(model, (text, tags, video, audio), payload, seed, steps, self.TITLE, sampler=sampler,
                    scheduler=scheduler, shift_video=float(shift_video), shift_audio=float(shift_audio),
                    denoise=float(denoise), progress=None if progress is None else (lambda: progress),
                    preview=preview, interrupt=interrupt,

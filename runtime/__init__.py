@@ -22,6 +22,7 @@ from .model.config import H3Config
 from .options import CHOICES, FC2_MODES, SPARSE_EXTRA_TOKENS_CHOICES, RuntimeOptions
 from .plan import resolve_device
 from .load import H3Runtime, load_model
+from .resident import ResidentModel
 from .sampling.sampler import SampleResult, sample
 from .sampling.model_call import ModelCall, weight_shapes
 from .model.conditioning import ConditioningError, ControlHint, H3Conditioning
@@ -51,7 +52,7 @@ __all__ = [
     "Job", "ModelSpec", "make_job", "open_model", "run", "runtime_options", "tensor_job",
     "ForwardJob", "forward_job", "run_forward",
     "H3Config", "RuntimeOptions", "CHOICES", "FC2_MODES", "SPARSE_EXTRA_TOKENS_CHOICES", "resolve_device",
-    "H3Runtime", "load_model", "SampleResult", "sample",
+    "H3Runtime", "load_model", "ResidentModel", "SampleResult", "sample",
     "ModelCall", "weight_shapes", "ConditioningError", "ControlHint", "H3Conditioning", "conditioning_from_payload",
     "conditioning_to_payload", "LoraSpec", "LoraView", "sync_loras",
     "ControlFile", "ControlSpec", "load_control", "open_control", "ControlError", "FunControl", "bind_control",

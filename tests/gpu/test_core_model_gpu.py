@@ -41,7 +41,7 @@ def test_model_calls_on_the_fast_stack_and_release():
     audio = torch.randn(1, 32, 2, 37, generator=g).cuda()
     text = torch.randn(1, 32, rt.config.text_dim, generator=g).cuda()
     sched = torch.tensor([1.0, 0.9, 0.6, 0.3, 0.0], device="cuda")
-    handle = cm.RuntimeHandle(rt, reload=lambda: load_model(None, opts))
+    handle = cm.RuntimeHandle(rt, open=lambda: load_model(None, opts))
     dm = cm.H3DiffusionModel(handle)
     handle.begin_sampling(_Patcher())
     payload = {"seed": 3, "audio_scale": 1.0}
@@ -84,8 +84,8 @@ def test_an_unload_while_the_runtime_is_held_elsewhere_offloads_it_in_place():
     g = torch.Generator().manual_seed(1)
     inputs = (torch.randn(1, 32, cfg.text_dim, generator=g), None, torch.zeros(vshape), torch.zeros(ashape))
     want = report_hashes(sample(rt, *inputs, seed=9, steps=3))
-    handle = cm.RuntimeHandle(rt, reload=lambda: pytest.fail("an offloaded runtime is never read again"),
-                              on_release=lambda: None)  # ``rt`` stays held here, as ComfyUI's output cache holds it
+    handle = cm.RuntimeHandle(rt, open=lambda: pytest.fail("an offloaded runtime is never read again"))
+    # ``rt`` stays held here, as ComfyUI's output cache holds it
     gc.collect()
     torch.cuda.synchronize()
     size, before = handle.size, torch.cuda.memory_allocated()

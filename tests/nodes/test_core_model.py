@@ -14,6 +14,7 @@ The real thing runs in tests/oracles/check_core_model.py (a ComfyUI with core H3
 from __future__ import annotations
 
 import contextlib
+import importlib
 import sys
 import types
 import uuid
@@ -363,7 +364,18 @@ def _fake_core(monkeypatch):
         monkeypatch.setitem(sys.modules, k, v)
         if "." in k:
             setattr(comfy, k.split(".", 1)[1], v)
-    monkeypatch.setattr(cm, "_CLASSES", {})
+    # core_classes subclasses core's classes at import: imported afresh over these stand-ins, dropped afterwards
+    monkeypatch.setitem(sys.modules, CORE_CLASSES, None)
+    del sys.modules[CORE_CLASSES]
+    importlib.import_module(CORE_CLASSES)
+
+
+CORE_CLASSES = cm.__package__ + ".core_classes"
+
+
+def make_core_model(rt):
+    """The loader's MODEL over a loaded ``rt`` (core_classes over the stand-in core)."""
+    return sys.modules[CORE_CLASSES].make_core_model(cm.RuntimeHandle(rt))
 
 
 def core_lora_patches(path) -> dict:
@@ -412,7 +424,7 @@ def _run(patcher, case):
 
 def test_core_model_names_weights_as_core_and_sizes_the_resident_model(core):
     _, rt = core
-    patcher = cm.make_core_model(rt)
+    patcher = make_core_model(rt)
     sd = patcher.model.state_dict()
     inner = rt.config.num_heads * rt.config.head_dim
     assert sd["diffusion_model.blocks.0.attn.qkv_proj.weight"].shape == (3 * inner, rt.config.hidden_size)
@@ -428,7 +440,7 @@ def test_lora_patches_read_from_the_model(core, tmp_path):
     LoRA machinery: the result equals the runtime with the same file at 0.8, and the next run without them is the
     base model again, bit for bit."""
     path, rt = core
-    base = cm.make_core_model(rt)
+    base = make_core_model(rt)
     case = _t2va(rt)
     v0, a0 = _run(base, case)
     lora = save_tiny_lora(tmp_path / "l.safetensors", tiny_lora_truth(TINY, seed=3), "diffusion_model")
@@ -451,7 +463,7 @@ def test_lora_patches_read_from_the_model(core, tmp_path):
 def test_lora_side_mode_from_transformer_options(core, tmp_path):
     """h3b_lora_mode = side in the MODEL's transformer_options: the records run as the runtime's side path."""
     path, rt = core
-    m = cm.make_core_model(rt).clone()
+    m = make_core_model(rt).clone()
     lora = save_tiny_lora(tmp_path / "l.safetensors", tiny_lora_truth(TINY, seed=3), "diffusion_model")
     m.add_patches(core_lora_patches(lora), 0.8)
     m.model_options["transformer_options"][cm.LORA_MODE_KEY] = "side"
@@ -470,7 +482,7 @@ def test_lora_side_mode_from_transformer_options(core, tmp_path):
 
 def test_stacked_loras_and_strengths(core, tmp_path):
     path, rt = core
-    base = cm.make_core_model(rt)
+    base = make_core_model(rt)
     l1 = save_tiny_lora(tmp_path / "a.safetensors", tiny_lora_truth(TINY, seed=3), "diffusion_model")
     l2 = save_tiny_lora(tmp_path / "b.safetensors", tiny_lora_truth(TINY, seed=5), "diffusion_model")
     m = base.clone()
@@ -542,7 +554,7 @@ def test_core_keys_that_are_no_patches_pass(runtimes):
 
 def test_controlnet_unknown_kwargs_object_patches_and_hooks_are_refused(core):
     _, rt = core
-    patcher = cm.make_core_model(rt)
+    patcher = make_core_model(rt)
     case = _t2va(rt)
     payload, _, to = core_kwargs(case)
     dm = patcher.model.diffusion_model
@@ -566,7 +578,7 @@ def test_controlnet_unknown_kwargs_object_patches_and_hooks_are_refused(core):
 
 def test_weight_paths_of_core_are_refused_and_unload_keeps_a_cpu_model(core):
     _, rt = core
-    patcher = cm.make_core_model(rt)
+    patcher = make_core_model(rt)
     with pytest.raises(H3NodeError, match="patch the weight"):
         patcher.patch_weight_to_device("diffusion_model.blocks.0.attn.qkv_proj.weight")
     with pytest.raises(H3NodeError, match="saving the H3 MODEL"):
@@ -581,7 +593,7 @@ def test_process_latent_out_remembers_the_runs_outputs(core):
     returns core's value and records its fingerprints for H3 Model Run Report: during a run (the last few), and once
     after it; a later call (core's AddNoise) is not recorded; a new run starts afresh."""
     _, rt = core
-    patcher = cm.make_core_model(rt)
+    patcher = make_core_model(rt)
     handle = patcher.model.h3_handle
     g = torch.Generator().manual_seed(5)
     x = torch.randn(1, 1, 300, generator=g)
@@ -620,14 +632,14 @@ def test_release_and_reload():
 
     opts = RuntimeOptions(device="cpu", quantize=False)
     loads = []
-    handle = cm.RuntimeHandle(load_model(None, opts), reload=lambda: loads.append(1) or load_model(None, opts),
-                              on_release=lambda: loads.append(0))
+    handle = cm.RuntimeHandle(open=lambda: loads.append(1) or load_model(None, opts))
+    assert loads == [1]
     size = handle.size
     model_ref = weakref.ref(handle.runtime().model)
-    assert handle.release() == size and not handle.resident and loads == [0]
+    assert handle.release() == size and not handle.resident and loads == [1]
     assert model_ref() is None  # nothing holds the released model: its memory went
     rt2 = handle.runtime()
-    assert loads == [0, 1] and handle.resident and rt2.model is not None
+    assert loads == [1, 1] and handle.resident and rt2.model is not None
 
 
 def test_a_runtime_held_elsewhere_is_not_said_to_be_freed(core):
@@ -635,9 +647,9 @@ def test_a_runtime_held_elsewhere_is_not_said_to_be_freed(core):
     what that output holds, so release says 0 bytes went and keeps the runtime resident (it is not read twice)."""
     _, rt = core
     loads = []
-    handle = cm.RuntimeHandle(rt, reload=lambda: loads.append(1) or rt, on_release=lambda: loads.append(0))
-    assert handle.release() == 0 and handle.resident and loads == [0]
-    assert handle.runtime() is rt and loads == [0]  # no reload: it never left
+    handle = cm.RuntimeHandle(rt, open=lambda: loads.append(1) or rt)
+    assert handle.release() == 0 and handle.resident and loads == []
+    assert handle.runtime() is rt and loads == []  # no reload: it never left
 
 
 def test_an_unload_of_a_held_cuda_runtime_offloads_it_and_core_is_told_what_went(core, monkeypatch):
@@ -648,7 +660,7 @@ def test_an_unload_of_a_held_cuda_runtime_offloads_it_and_core_is_told_what_went
     from h3_blackwell.runtime.offload import park
 
     _, rt = core
-    patcher = cm.make_core_model(rt, reload=lambda: pytest.fail("an offloaded runtime is never read again"))
+    patcher = make_core_model(rt)  # no file to read again: an offloaded runtime is never read again
     handle = patcher.model.h3_handle
     handle.device = torch.device("cuda")
 
@@ -685,10 +697,35 @@ def test_an_unload_that_frees_nothing_keeps_one_model_and_one_handle(core, monke
     loader_mod.release_resident()
     rt, model = H3ModelLoader().load(TINY_CHOICE, "auto", "auto", "on", True)  # both cached by ComfyUI
     handle = model.model.h3_handle
+    assert handle is loader_mod.resident_handle()  # one owner: the loader's and the MODEL's
     assert handle.release() == 0 and handle.resident and handle.runtime() is rt
     assert loader_mod.resident_model() is rt
     again = H3ModelLoader().load(TINY_CHOICE, "auto", "auto", "on", True)
     assert again[0] is rt and again[1] is model
+    loader_mod.release_resident()
+
+
+def test_a_released_model_is_read_again_by_its_one_owner(core, monkeypatch):
+    """Nothing else holds the runtime: the MODEL's release frees it (the bytes it held), and the next use, through
+    the MODEL (core's load) or the loader, reads the file again into the same owner: one MODEL, one handle."""
+    from h3_blackwell.nodes import loader as loader_mod
+    from h3_blackwell.nodes.loader import TINY_CHOICE, H3ModelLoader
+
+    monkeypatch.setattr(loader_mod, "_load_progress", lambda: None)
+    loader_mod.release_resident()
+    rt, model = H3ModelLoader().load(TINY_CHOICE, "auto", "auto", "off", True)
+    handle, ref = model.model.h3_handle, weakref.ref(rt)
+    del rt
+    assert handle.release() == handle.size > 0 and not handle.resident and ref() is None
+    assert loader_mod.resident_model() is None
+    model.load(torch.device("cpu"))  # core's load reads it again
+    assert handle.resident and model.loaded_size() == handle.size
+    again = H3ModelLoader().load(TINY_CHOICE, "auto", "auto", "off", True)
+    assert again[0] is handle.loaded and again[1] is model and loader_mod.resident_handle() is handle
+    del again
+    handle.release()
+    assert H3ModelLoader().load(TINY_CHOICE, "auto", "auto", "off", True)[1] is model  # the loader reads it again
+    assert handle.resident
     loader_mod.release_resident()
 
 
@@ -946,7 +983,7 @@ def test_core_does_not_load_the_fun_tower_beside_the_h3_model(core):
     from fixtures.tiny_control import tiny_control_state_dict
 
     _, rt = core
-    patcher = cm.make_core_model(rt)
+    patcher = make_core_model(rt)
     case = control_cases.make_cases()["hint24_keyframes"]
     cfg = TINY.replace(text_dim=control_cases.TEXT_DIM)
     tower = _core_tower(cfg, case["places"], tiny_control_state_dict(cfg, len(case["places"]), seed=11))
