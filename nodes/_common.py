@@ -8,6 +8,7 @@ be exercised there with stand-in modules.
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 
 from ..runtime import H3Error
@@ -27,6 +28,23 @@ H3NodeError.__module__ = "h3_blackwell.nodes"
 
 def node_error(title: str, message: str) -> H3NodeError:
     return H3NodeError(f"{title}: {message}")
+
+
+def keyword_inputs(node, given: dict) -> dict:
+    """The inputs a node's FUNCTION takes as keywords (``**inputs``), checked against its ``INPUT_TYPES``: each
+    required one given, none unknown; an optional one absent or None (an empty socket of a V3 / API prompt) takes
+    its INPUT_TYPES default (None where it has none). Inputs the FUNCTION names as parameters are not in ``given``."""
+    spec = node.INPUT_TYPES()
+    named = set(inspect.signature(getattr(node, node.FUNCTION)).parameters)
+    required = [k for k in spec["required"] if k not in named]
+    optional = {k: (v[1] if len(v) > 1 else {}).get("default") for k, v in spec.get("optional", {}).items()}
+    missing, unknown = [k for k in required if k not in given], sorted(set(given) - set(required) - set(optional))
+    if missing or unknown:
+        raise node_error(node.TITLE, f"expected the inputs {', '.join(required + list(optional))}; missing "
+                                     f"{missing}, unknown {unknown}")
+    out = {k: given[k] for k in required}
+    out.update({k: d if given.get(k) is None else given[k] for k, d in optional.items()})
+    return out
 
 
 def comfy_module(name: str):

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..runtime import ControlSpec, H3Error, load_control, open_control, percent_to_sigma
-from ._common import CATEGORY, comfy_module, node_error, optional_comfy_module
+from ._common import CATEGORY, comfy_module, keyword_inputs, node_error, optional_comfy_module
 
 NO_FILE = "(use the model_patch input)"
 FRAME_PER_TOKEN = (1, 4, 4, 4, 4)
@@ -240,11 +240,6 @@ def _control_source(model_patch, control_name: str):
     return open_control(path)
 
 
-# H3 Fun ControlNet's optional inputs and their defaults (an empty socket arrives absent, or None from V3 / API)
-_OPTIONAL = {"model_patch": None, "control_name": NO_FILE, "control_video": None, "mask": None, "source_video": None,
-             "fade_in_frames": 0, "fade_out_frames": 0}
-
-
 class H3FunControlNetApply:
     TITLE = "H3 Fun ControlNet"
     DESCRIPTION = ("MiniMax H3 Fun ControlNet-Union (v1 / v2) for the H3 model, with core's inputs: a control video "
@@ -280,10 +275,7 @@ class H3FunControlNetApply:
     def apply(self, model, vae, strength, start_percent, end_percent, **optional):
         """ComfyUI's FUNCTION: the optional inputs of INPUT_TYPES (model_patch, control_name, control_video, mask,
         source_video, fade_in_frames, fade_out_frames) as keywords; absent or None: their defaults."""
-        unknown = sorted(set(optional) - set(_OPTIONAL))
-        if unknown:
-            raise node_error(self.TITLE, f"unknown inputs {unknown}; expected some of {', '.join(_OPTIONAL)}")
-        opt = {k: v if optional.get(k) is None else optional[k] for k, v in _OPTIONAL.items()}
+        opt = keyword_inputs(self, optional)
         if not hasattr(model, "config") or not hasattr(model, "model"):
             raise node_error(self.TITLE, f"model must come from H3 NVFP4 Model Loader; got {type(model).__name__}")
         if getattr(model, "fun_control", None) is not None:

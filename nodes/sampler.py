@@ -12,7 +12,7 @@ from __future__ import annotations
 from ..runtime import (ConditioningError, H3Error, Interrupted, RuntimeOptions, latent_to_rgb, nonfinite_message,
                        tensor_job)
 from ..runtime import run as run_job
-from ._common import CATEGORY, intermediate_device, node_error, optional_comfy_module
+from ._common import CATEGORY, intermediate_device, keyword_inputs, node_error, optional_comfy_module
 from .conditioning import read_conditioning
 from .latents import batch_index_of, pixel_frames, read_latent, read_noise_mask, sampled_latent
 
@@ -103,22 +103,6 @@ def _job(model, streams: tuple, payload: dict, seed, steps, title: str, **settin
         raise node_error(title, str(e)) from e
 
 
-_REQUIRED = ("seed", "steps", "sampler", "scheduler", "shift_video", "shift_audio", "denoise")
-_OPTIONAL = {"sparse_tau": SPARSE_TAU, "first_block_cache": 0.0}
-
-
-def _widgets(widgets: dict, title: str) -> tuple:
-    """H3 Sampler's widget values in INPUT_TYPES' order; optional sockets left empty (absent, or None from V3 /
-    API prompts) take their defaults."""
-    missing = [k for k in _REQUIRED if k not in widgets]
-    unknown = sorted(set(widgets) - set(_REQUIRED) - set(_OPTIONAL))
-    if missing or unknown:
-        raise node_error(title, f"expected the inputs {', '.join(_REQUIRED)} (and optionally "
-                                f"{', '.join(_OPTIONAL)}); missing {missing}, unknown {unknown}")
-    opt = [_OPTIONAL[k] if widgets.get(k) is None else widgets[k] for k in _OPTIONAL]
-    return (*(widgets[k] for k in _REQUIRED), *opt)
-
-
 def _raise_interrupted(exc: Interrupted):
     """Hand an interruption back to ComfyUI as its own exception (the run then ends as 'interrupted')."""
     mm = optional_comfy_module("comfy.model_management")
@@ -178,8 +162,10 @@ class H3Sampler:
         """ComfyUI's FUNCTION: INPUT_TYPES' widgets (seed, steps, sampler, ... first_block_cache) as keywords."""
         if not hasattr(model, "config") or not hasattr(model, "model"):
             raise node_error(self.TITLE, f"model must come from H3 NVFP4 Model Loader; got {type(model).__name__}")
-        seed, steps, sampler, scheduler, shift_video, shift_audio, denoise, sparse_tau, first_block_cache = \
-            _widgets(widgets, self.TITLE)
+        w = keyword_inputs(self, widgets)
+        seed, steps, sampler, scheduler = w["seed"], w["steps"], w["sampler"], w["scheduler"]
+        shift_video, shift_audio, denoise = w["shift_video"], w["shift_audio"], w["denoise"]
+        sparse_tau, first_block_cache = w["sparse_tau"], w["first_block_cache"]
         cfg = model.config
         text, tags, payload = read_conditioning(positive, cfg.text_dim, self.TITLE)
         video, audio = read_latent(latent, self.TITLE, cfg.video_channels, cfg.audio_channels)

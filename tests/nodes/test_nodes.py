@@ -24,7 +24,8 @@ import torch
 import h3_blackwell
 from h3_blackwell.nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS, NODES
 from h3_blackwell.nodes import loader as loader_mod
-from h3_blackwell.nodes._common import H3NodeError
+from h3_blackwell.nodes._common import H3NodeError, keyword_inputs
+from h3_blackwell.nodes.control import H3FunControlNetApply
 from h3_blackwell.nodes.conditioning import EMBEDDED_STATES, H3TextStatesLoader
 from h3_blackwell.nodes.diagnostics import H3Diagnostics
 from h3_blackwell.nodes.latents import H3EmptyLatent
@@ -60,9 +61,12 @@ def test_node_contract(node_id):
     assert len(cls.RETURN_NAMES) == len(cls.RETURN_TYPES)
     fn = getattr(cls, cls.FUNCTION)
     params = inspect.signature(fn).parameters
+    # a FUNCTION may take inputs as keywords (**inputs), checked against INPUT_TYPES (_common.keyword_inputs)
+    keywords = [p for p, v in params.items() if v.kind is inspect.Parameter.VAR_KEYWORD]
+    params = {p: v for p, v in params.items() if p not in keywords}
     for section in ("required", "optional"):
         for name, s in spec.get(section, {}).items():
-            assert name in params, f"{node_id}.{cls.FUNCTION} lacks parameter {name}"
+            assert name in params or keywords, f"{node_id}.{cls.FUNCTION} lacks parameter {name}"
             assert isinstance(s, tuple) and 1 <= len(s) <= 2
             kind, opts = s[0], (s[1] if len(s) > 1 else {})
             assert isinstance(kind, (list, str))
@@ -73,6 +77,22 @@ def test_node_contract(node_id):
                 assert opts["min"] <= opts["default"] <= opts["max"]
     required = [p for p, v in params.items() if p != "self" and v.default is inspect.Parameter.empty]
     assert set(required) <= set(spec["required"])
+
+
+def test_keyword_inputs_are_checked_against_input_types(tiny):
+    """Node FUNCTIONs that take their inputs as keywords refuse a missing or unknown one by name, and an optional
+    socket left empty (None) takes its INPUT_TYPES default."""
+    args = dict(SAMPLE_ARGS)
+    del args["steps"]
+    with pytest.raises(H3NodeError, match=r"^H3 Sampler: expected the inputs seed, steps.*missing \['steps'\]"):
+        H3Sampler().sample(tiny, core_conditioning(), core_empty_latent(64, 64, 5), **args)
+    with pytest.raises(H3NodeError, match=r"unknown \['cfg'\]"):
+        H3Sampler().sample(tiny, core_conditioning(), core_empty_latent(64, 64, 5), **SAMPLE_ARGS, cfg=2.0)
+    got = keyword_inputs(H3Sampler(), {**SAMPLE_ARGS, "sparse_tau": None, "first_block_cache": 0.25})
+    assert got == {**SAMPLE_ARGS, "sparse_tau": H3Sampler.INPUT_TYPES()["optional"]["sparse_tau"][1]["default"],
+                   "first_block_cache": 0.25}
+    with pytest.raises(H3NodeError, match=r"unknown \['strenght'\]"):
+        H3FunControlNetApply().apply(tiny, object(), 1.0, 0.0, 1.0, strenght=2.0)
 
 
 def test_types():
