@@ -12,9 +12,9 @@ means that support is missing (the MODEL output is then ``core_model.Unavailable
   runtime holds on the device (``H3Runtime.device_bytes``: weights, stream buffers, GEMM scratch, LoRA side paths)
   plus the Fun ControlNet tower it holds; loading makes sure the runtime is resident; an unload from a CUDA device
   releases it (``ResidentModel.release``: the next load reads the file again, or, while another output ComfyUI
-  caches still holds it, it is offloaded in place to host memory and the next load moves it back); ``pre_run`` and
-  ``cleanup`` bracket the run (``RuntimeHandle.begin_sampling`` / ``end_sampling``); core's weight paths (patching
-  a weight, merging, saving) are refused.
+  caches still holds it, it is offloaded in place to host memory and the next load moves it back); core's weight
+  paths (patching a weight, merging, saving) are refused. Its ``pre_run`` / ``cleanup`` callbacks (core's
+  ``CallbacksMP``) bracket the run: ``RuntimeHandle.begin_sampling`` / ``end_sampling``.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from comfy.utils import set_attr
 from ._common import node_error
 from .core_model import H3DiffusionModel, RuntimeHandle
 from .core_patches import TITLE, fun_patch_models
+
+CALLBACK_KEY = "h3_blackwell"
 
 
 class H3CoreModel(MiniMaxH3):
@@ -126,13 +128,14 @@ class H3ModelPatcher(ModelPatcher):
         raise node_error(TITLE, "saving the H3 MODEL is not supported (its weights are the loader's file, in "
                                 "this pack's resident format); save or convert the file itself")
 
-    def pre_run(self):
-        super().pre_run()
-        self.model.h3_handle.begin_sampling(self)
 
-    def cleanup(self):
-        super().cleanup()
-        self.model.h3_handle.end_sampling()
+
+def _begin_sampling(patcher) -> None:
+    patcher.model.h3_handle.begin_sampling(patcher)
+
+
+def _end_sampling(patcher) -> None:
+    patcher.model.h3_handle.end_sampling()
 
 
 def make_core_model(handle: RuntimeHandle) -> H3ModelPatcher:
@@ -142,4 +145,8 @@ def make_core_model(handle: RuntimeHandle) -> H3ModelPatcher:
     config.sampling_settings = {"shift": cfg.shift_video, "audio_shift": cfg.shift_audio}
     config.set_inference_dtype(handle.dtype, None)
     model = H3CoreModel(config, handle, device=handle.device)
-    return H3ModelPatcher(model, load_device=handle.device, offload_device=unet_offload_device())
+    patcher = H3ModelPatcher(model, load_device=handle.device, offload_device=unet_offload_device())
+    # core's pre_run / cleanup bracket a sampling run and call these (clones copy them)
+    patcher.add_callback_with_key(CallbacksMP.ON_PRE_RUN, CALLBACK_KEY, _begin_sampling)
+    patcher.add_callback_with_key(CallbacksMP.ON_CLEANUP, CALLBACK_KEY, _end_sampling)
+    return patcher

@@ -7,7 +7,8 @@ The diffusion model gets exactly what core hands ``MiniMaxH3Model.forward`` (new
 checked against the float64 oracle of core's semantics, tests/oracles/core_h3.py, which two cases here use too),
 the audio carried as core's model carries it. The ModelPatcher side runs against small stand-ins of core's classes
 with core's logic for what the adapter relies on (``add_patches`` keeps only keys of ``model.state_dict()``,
-``clone`` copies the patch lists, ``pre_run`` / ``cleanup`` bracket a run, ``patch_model`` applies object patches).
+``clone`` copies the patch lists and callbacks, ``pre_run`` / ``cleanup`` bracket a run and call its callbacks,
+``patch_model`` applies object patches).
 The real thing runs in tests/oracles/check_core_model.py (a ComfyUI with core H3; not CI).
 """
 
@@ -315,7 +316,11 @@ def _fake_core(monkeypatch):
             n.object_patches = dict(self.object_patches)
             n.model_options = {"transformer_options": dict(self.model_options["transformer_options"])}
             n.patches_uuid = self.patches_uuid
+            n.callbacks = {k: {k1: c1.copy() for k1, c1 in c.items()} for k, c in self.callbacks.items()}
             return n
+
+        def add_callback_with_key(self, call_type, key, callback):
+            self.callbacks.setdefault(call_type, {}).setdefault(key, []).append(callback)
 
         def model_size(self):
             return 0
@@ -334,7 +339,7 @@ def _fake_core(monkeypatch):
             pass
 
         def get_all_callbacks(self, kind):
-            return []
+            return [c for cs in self.callbacks.get(kind, {}).values() for c in cs]
 
         def patch_model(self, device_to=None, lowvram_model_memory=0, load_weights=True, force_patch_weights=False):
             for k, v in self.object_patches.items():
@@ -346,12 +351,16 @@ def _fake_core(monkeypatch):
 
         def pre_run(self):
             self.model.current_patcher = self
+            for callback in self.get_all_callbacks(CallbacksMP.ON_PRE_RUN):
+                callback(self)
 
         def cleanup(self):
             self.model.current_patcher = None
+            for callback in self.get_all_callbacks(CallbacksMP.ON_CLEANUP):
+                callback(self)
 
     class CallbacksMP:
-        ON_LOAD = "on_load_after"
+        ON_LOAD, ON_PRE_RUN, ON_CLEANUP = "on_load_after", "on_pre_run", "on_cleanup"
 
     mb.MiniMaxH3, sm.MiniMaxH3, mp.ModelPatcher, ext.CallbacksMP = MiniMaxH3, Config, ModelPatcher, CallbacksMP
     mm.unet_offload_device = lambda: torch.device("cpu")
