@@ -2,7 +2,8 @@
 
 One table gives each node its id (prefixed ``H3B_``, since clashing ids are dropped silently by ComfyUI),
 its class and its menu name. Importing this package needs no ComfyUI: ComfyUI modules are imported inside
-the node functions.
+the node functions, and ``core_classes`` (core's model classes subclassed at import) only by the loader, inside a
+ComfyUI with core H3.
 """
 
 from .conditioning import H3TextStatesLoader

@@ -2,7 +2,8 @@
 
 ComfyUI modules (``comfy.*``, ``folder_paths``) are imported inside functions, never at module import, so
 ``import h3_blackwell`` works in a plain Python environment (the CLI, the tests) and the node classes can
-be exercised there with stand-in modules.
+be exercised there with stand-in modules. The one exception, ``core_classes`` (core's classes subclassed at
+module level), is imported only by the loader and only inside a ComfyUI with core H3.
 """
 
 from __future__ import annotations

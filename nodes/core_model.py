@@ -151,9 +151,10 @@ class RuntimeHandle(ResidentModel):
         return super().release()
 
     def unload(self, device_to) -> tuple[int, bool]:
-        """core unloads the MODEL to ``device_to`` -> (bytes freed, whether the runtime stays loaded). Only an
-        unload of a CUDA runtime off CUDA releases it (``release``: freed, or offloaded in place while held
-        elsewhere); on the CPU nothing is freed and the runtime stays resident."""
+        """core unloads the MODEL to ``device_to`` -> (bytes freed, whether core must still count the runtime as
+        loaded). Only an unload of a CUDA runtime off CUDA releases it (``release``: freed, or offloaded in place
+        while held elsewhere; a runtime that could do neither stays loaded); a CPU runtime frees nothing and
+        stays resident, outside what core counts."""
         if not (self.resident and self.device.type == "cuda"
                 and (device_to is None or torch.device(device_to).type != "cuda")):
             return 0, False
