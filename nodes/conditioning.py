@@ -13,6 +13,7 @@ Core's H3 CONDITIONING (CLIPLoader type "minimax" + CLIPTextEncode, or MiniMaxH3
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 
@@ -36,6 +37,21 @@ _NOT_HONOURED = {
 _PAYLOAD_FIELDS = {"minimax_keyframes": "keyframes", "minimax_refs": "refs",
                    "minimax_visual_cond_noise_aug": "visual_cond_noise_aug",
                    "minimax_audio_cond_noise_aug": "audio_cond_noise_aug"}
+
+# the runtime's conditioning fields -> where they come from in a ComfyUI graph (for error messages)
+PAYLOAD_SOURCES = {"keyframes": "minimax_keyframes (MiniMaxH3ImageToVideo / MiniMaxH3AddGuide)",
+                   "refs": "minimax_refs (MiniMaxH3ReferenceToVideo)",
+                   "denoise_mask": "the latent's noise_mask (video stream)",
+                   "audio_denoise_mask": "the latent's noise_mask (audio stream)",
+                   "visual_cond_noise_aug": "minimax_visual_cond_noise_aug",
+                   "audio_cond_noise_aug": "minimax_audio_cond_noise_aug", "seed": "the sampler's seed"}
+
+
+def with_source(message: str) -> str:
+    """A runtime conditioning error (``refs[0].latent: expected ...``) prefixed with where its field comes from in
+    the graph; unchanged when it names no conditioning field."""
+    field = re.match(r"\w*", message).group()
+    return f"{PAYLOAD_SOURCES[field]}: {message}" if field in PAYLOAD_SOURCES else message
 
 
 def read_conditioning(positive, text_dim: int, title: str) -> tuple[torch.Tensor, torch.Tensor | None, dict]:

@@ -37,6 +37,7 @@ import torch
 from ..runtime import (ControlHint, H3Conditioning, H3Error, ResidentModel, conditioning_from_payload, latent_sha256,
                        load_control, sync_loras, weight_shapes)
 from ._common import H3NodeError, node_error, optional_comfy_module
+from .conditioning import PAYLOAD_SOURCES, with_source
 from .control import PatchSource, prepare_hint
 from .core_patches import LORA_MODE, TITLE, check_patcher, check_transformer_options, lora_specs
 
@@ -48,13 +49,6 @@ _EMPTY_KWARGS = ("y", "c_concat", "crossattn_controlnet")
 _CONDS = ("minimax_payload", "denoise_mask", "audio_denoise_mask")
 # payload entries MiniMaxH3.extra_conds writes that carry no information of their own (derived, or core's caches)
 _DERIVED = ("cond_video_latents", "cond_audio_latents", "layout", "audio_scale", "_text_token_tags_list")
-# core's payload field -> where it comes from in a graph (for error messages)
-_SOURCES = {"keyframes": "minimax_keyframes (MiniMaxH3ImageToVideo / MiniMaxH3AddGuide)",
-            "refs": "minimax_refs (MiniMaxH3ReferenceToVideo)",
-            "denoise_mask": "the latent's noise mask (video)", "audio_denoise_mask": "the latent's noise mask (audio)",
-            "visual_cond_noise_aug": "minimax_visual_cond_noise_aug",
-            "audio_cond_noise_aug": "minimax_audio_cond_noise_aug",
-            "seed": "the sampler's seed"}
 # per-graph LOSSY settings a node may put in transformer_options (default: the loader's)
 SPARSE_TAU_KEY, FIRST_BLOCK_CACHE_KEY = "h3b_sparse_tau", "h3b_first_block_cache"
 # how the LoRA records are applied: "merge" (default, as core merges) or "side" (the exact bf16 side path)
@@ -77,20 +71,18 @@ def conditioning_from_core(payload: dict | None, denoise_mask=None, audio_denois
     tags = payload.pop("text_token_tags", None)
     for k in _DERIVED:
         payload.pop(k, None)
-    unknown = sorted(k for k in payload if k not in _SOURCES)
+    unknown = sorted(k for k in payload if k not in PAYLOAD_SOURCES)
     if unknown:
         raise node_error(TITLE, f"the conditioning payload carries {unknown[0]!r}, an H3 entry this pack does not "
-                                f"know (it takes {', '.join(sorted(_SOURCES))}); update h3-blackwell or remove the "
-                                "node that adds it")
+                                f"know (it takes {', '.join(sorted(PAYLOAD_SOURCES))}); update h3-blackwell or "
+                                "remove the node that adds it")
     payload["denoise_mask"], payload["audio_denoise_mask"] = denoise_mask, audio_denoise_mask
     try:
         cond = conditioning_from_payload(payload)
         if target is not None:
             cond.check_target(*target)
     except H3Error as e:
-        msg = str(e)
-        field = msg.split(":", 1)[0].split("[", 1)[0].split(".", 1)[0]
-        raise node_error(TITLE, f"{_SOURCES.get(field, field)}: {msg}") from e
+        raise node_error(TITLE, with_source(str(e))) from e
     if tags is not None:
         tags = torch.as_tensor(tags).reshape(-1).long().cpu()
     return tags, cond

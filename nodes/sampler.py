@@ -13,7 +13,7 @@ from ..runtime import (ConditioningError, H3Error, Interrupted, RuntimeOptions, 
                        tensor_job)
 from ..runtime import run as run_job
 from ._common import CATEGORY, intermediate_device, keyword_inputs, node_error, optional_comfy_module
-from .conditioning import read_conditioning
+from .conditioning import read_conditioning, with_source
 from .latents import batch_index_of, pixel_frames, read_latent, read_noise_mask, sampled_latent
 
 SAMPLERS = ["euler", "res_multistep"]
@@ -74,15 +74,6 @@ def _noise_masked(payload: dict, latent: dict, video, audio, seed: int, title: s
     return {**payload, "denoise_mask": video_mask, "audio_denoise_mask": audio_mask, "seed": int(seed)}
 
 
-# where the runtime's conditioning fields come from in a ComfyUI graph, for error messages
-_FIELD_SOURCES = (("keyframes", "minimax_keyframes (MiniMaxH3ImageToVideo / MiniMaxH3AddGuide)"),
-                  ("refs", "minimax_refs (MiniMaxH3ReferenceToVideo)"),
-                  ("denoise_mask", "the latent's noise_mask (video stream)"),
-                  ("audio_denoise_mask", "the latent's noise_mask (audio stream)"),
-                  ("visual_cond_noise_aug", "minimax_visual_cond_noise_aug"),
-                  ("audio_cond_noise_aug", "minimax_audio_cond_noise_aug"), ("seed", "the seed"))
-
-
 def _job(model, streams: tuple, payload: dict, seed, steps, title: str, **settings):
     """The runtime's job, validated once before any work: the CLI's request checks (finite text states of the
     right shape, finite latents, the seed and step count, the memory estimate against what the model's device
@@ -93,12 +84,7 @@ def _job(model, streams: tuple, payload: dict, seed, steps, title: str, **settin
         return tensor_job(model, text, tags, video, audio, seed=int(seed), steps=int(steps), conditioning=payload,
                           sources=("positive", "latent"), **settings)
     except ConditioningError as e:
-        msg = str(e)
-        for field, where in _FIELD_SOURCES:
-            if msg.startswith(field):
-                msg = f"{where}: {msg}"
-                break
-        raise node_error(title, msg) from e
+        raise node_error(title, with_source(str(e))) from e
     except H3Error as e:
         raise node_error(title, str(e)) from e
 
