@@ -33,7 +33,7 @@ FC2_CHOICES = list(FC2_MODES)
 
 # The model this node keeps resident: the inputs that determine it, its one owner (RuntimeHandle) and its MODEL
 # output over that owner.
-_RESIDENT: dict = {"key": None, "handle": None, "core": None}
+_SLOT: dict = {"key": None, "handle": None, "core": None}
 log = logging.getLogger("h3_blackwell")
 
 
@@ -44,18 +44,18 @@ def _diffusion_models() -> list[str]:
 
 def resident_handle() -> RuntimeHandle | None:
     """The owner of the model this node keeps resident (None before the first load); for tests and diagnostics."""
-    return _RESIDENT["handle"]
+    return _SLOT["handle"]
 
 
 def resident_model():
     """The runtime this node keeps resident, as it is now (None before the first load or once released)."""
-    return None if _RESIDENT["handle"] is None else _RESIDENT["handle"].loaded
+    return None if _SLOT["handle"] is None else _SLOT["handle"].loaded
 
 
 def release_resident() -> None:
     """Forget the resident model: the next load reads the file again. Its memory goes once nothing else holds it
     (the MODEL output, or an output ComfyUI caches, keeps it until then)."""
-    _RESIDENT.update(key=None, handle=None, core=None)
+    _SLOT.update(key=None, handle=None, core=None)
     gc.collect()
 
 
@@ -169,13 +169,13 @@ class H3ModelLoader:
         except ValueError as e:
             raise node_error(self.TITLE, str(e)) from e
         key = (model, path, stamp, tuple(sorted(options.to_dict().items())))
-        if _RESIDENT["key"] != key:
+        if _SLOT["key"] != key:
             release_resident()  # the previous model: its memory goes once nothing holds it
             handle = RuntimeHandle(open=lambda: _read(path, options, self.TITLE))
-            _RESIDENT.update(key=key, handle=handle, core=_core_model(handle))
-        handle = _RESIDENT["handle"]
+            _SLOT.update(key=key, handle=handle, core=_core_model(handle))
+        handle = _SLOT["handle"]
         # as it is (an offloaded runtime moves back at its next use), or read again when its MODEL released it
-        return (handle.loaded if handle.resident else handle.runtime(), _RESIDENT["core"])
+        return (handle.loaded if handle.resident else handle.runtime(), _SLOT["core"])
 
 
 def _read(path: str | None, options: RuntimeOptions, title: str):
