@@ -15,6 +15,8 @@ Blackwell GPU, into ``bench/results/blackwell-build.json``.
   (all seven builds at once on 16 cores, so each ``seconds`` is a wall time under that shared load); this script
   reads that machine's ``device-builds.json`` and, with ``--device-logs``, counts ptxas's registers and spills per
   build from its logs.
+* FlashAttention-4: what the package index holds (``detail.flash_attention_4``) and its import and guard on the
+  GPU machine (from the logs).
 """
 
 from __future__ import annotations
@@ -125,6 +127,34 @@ def ptxas_summary(log: Path) -> dict:
             "local_memory_warnings": len(re.findall(r"Local memory used", text))}
 
 
+def fa4_record(device_logs: str | None) -> dict:
+    """FlashAttention-4 on the package index (``pip download --pre --no-deps flash-attn-4``: what the newest wheel
+    holds) and, from the GPU machine's log, its import there and its guard's answer."""
+    import zipfile
+    rec: dict = {"package": "flash-attn-4"}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = _run([sys.executable, "-m", "pip", "download", "-q", "--pre", "--no-deps", "-d", tmp, "flash-attn-4"],
+                   timeout=300)
+        wheels = sorted(Path(tmp).glob("*.whl"))
+        if not wheels:
+            return {**rec, "index": f"no wheel downloaded: {out[-500:]}"}
+        with zipfile.ZipFile(wheels[0]) as zf:
+            names = zf.namelist()
+            meta = next(zf.read(n).decode() for n in names if n.endswith("METADATA"))
+    rec.update(
+        wheel=wheels[0].name, files=len(names),
+        compiled_files=[n for n in names if n.endswith((".so", ".cubin", ".fatbin"))],
+        sm100_sources=sorted(n for n in names if "sm100" in n and n.endswith(".py")),
+        requires=[ln.split(":", 1)[1].strip() for ln in meta.splitlines() if ln.startswith("Requires-Dist:")
+                  and "extra ==" not in ln],
+        build_for_sm100="no prebuilt binary exists: a pure-Python wheel whose SM100 kernels the CuTe DSL compiles "
+                        "at the first call (nothing to build ahead of time here)")
+    log = Path(device_logs or "") / "fa4.txt"
+    if device_logs and log.exists():
+        rec["gpu_machine"] = log.read_text(errors="replace").strip().splitlines()[-12:]
+    return rec
+
+
 def sage_entry(build: dict | None) -> dict | str:
     if build is None:
         return NOT_APPLICABLE
@@ -175,6 +205,7 @@ def main(argv=None) -> int:
                                        else logs / f"{name}.log")
         out["detail"]["sage_builds"][name] = d
     out["detail"]["sage_builds_wall_s"] = dev.get("wall_s")
+    out["detail"]["flash_attention_4"] = fa4_record(a.device_logs)
     write_json(out, a.out)
     print(f"wrote {a.out}")
     return 0

@@ -90,7 +90,9 @@ ENTRIES: tuple[BlackwellEntry, ...] = (
         "NHD views, 16-byte aligned (else it copies)",
         "the flash-attn-4 wheel (pure Python, CuTe DSL JIT: nvidia-cutlass-dsl >= 4.6.2, quack-kernels, "
         "apache-tvm-ffi); any torch it installs with",
-        "flash-attn-4 4.0.0b40 wheel (flash_attn/cute/interface.py, flash_fwd_sm100.py)",
+        "flash-attn-4 4.0.0b40 wheel: interface.py _validate_head_dims (CC 10/11: 8..128 or 256, a multiple of "
+        "16 bytes / element; (192, 128) and MLA shapes not used here), fp8 only on CC 10; its SM100 path also "
+        "serves CC 11 (sm_110), which this backend does not wire",
         "none: compiled by the CuTe DSL at the first call (no ahead-of-time build exists)"),
     BlackwellEntry(
         "fc2_gb10", "the seed's GB10 FC2 entry: pinned cuBLASLt NVFP4 plan (algo 70, tile 20, stages 37, split-K 1)",
