@@ -25,6 +25,10 @@ from typing import Any
 
 import torch
 
+from ..fp8_producers import _tiles as _fp8_wrapper_tiles  # the wrappers' own CUDA tile choices
+from ..nvfp4 import BLOCK, roundup, scale_shape
+from ..nvfp4_producers import _tiles as _nvfp4_wrapper_tiles
+
 HERE = Path(__file__).resolve().parent
 KERNEL_MODULES = ("common", "elementwise_kernels", "fa3_kernels", "fp8_kernels", "nvfp4_kernels")
 
@@ -104,14 +108,12 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _nvfp4_geometry(rows: int, k: int) -> dict[str, int]:
-    from ..nvfp4 import BLOCK, roundup, scale_shape
     rs, cp = scale_shape(rows, k)
     return dict(R_PACK=rows, R_SCALE=rs, KP=roundup(k, BLOCK), CP=cp)
 
 
 def _fp8_tiles(op: str, k: int) -> dict[str, int]:
-    from ..fp8_producers import _tiles
-    _, bm, bk, nkt, nw = _tiles(op, k, torch.device("cuda"), "auto", None)
+    _, bm, bk, nkt, nw = _fp8_wrapper_tiles(op, k, torch.device("cuda"), "auto", None)
     return dict(BM=bm, BK=bk, NKT=nkt, num_warps=nw)
 
 
@@ -159,8 +161,7 @@ def _fp8_launches() -> dict[str, dict[str, Any]]:
 
 
 def _nvfp4_launches() -> dict[str, dict[str, Any]]:
-    from ..nvfp4_producers import _tiles
-    t = _tiles(torch.device("cuda"))
+    t = _nvfp4_wrapper_tiles(torch.device("cuda"))
     nseg = 1 << (SEGMENTS - 1).bit_length()
     g_in, g_ffn, g_w = _nvfp4_geometry(S, INNER), _nvfp4_geometry(S, FFN), _nvfp4_geometry(HIDDEN, FFN)
     (qm, qk, qw), (nm, nk, nw), (gm, gk, gw) = t["q"], t["norm"], t["glu"]
@@ -251,7 +252,7 @@ def _ptxas_figures(log: str) -> tuple[int | None, int | None]:
 
 def compile_launch(launch_name: str, launch: dict[str, Any], arch: int) -> dict[str, Any]:
     """``{"ok", "registers", "shared_bytes", "spills", "error"}`` of one launch compiled for ``sm_<arch>``."""
-    import triton
+    # triton is optional for the package (ops.triton.MISSING): imported where a compile is asked for
     from triton import knobs
     from triton.runtime import driver
 
