@@ -48,6 +48,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from .blackwell_table import BY_NAME as _TABLE
+
 __all__ = [
     "SAGE3_ARCHS", "FA4_ARCHS", "TOLERANCE", "NhdAttention",
     "capability", "sage3_check", "fa4_check", "bind_sage3", "bind_fa4",
@@ -55,10 +57,10 @@ __all__ = [
     "sage3_emulated", "fa4_emulated", "BLACKWELL_BACKENDS",
 ]
 
-SAGE3_ARCHS = ((12, 0), (12, 1))  # sageattn3's kernel: TORCH_CHECK(sm120 || sm121)
-FA4_ARCHS = ((10, 0), (10, 3))  # flash_attn.cute: CC 10.x runs its SM100 kernels (sm_103: native exp2)
+# architectures and head dims: the Blackwell table's (ops.blackwell_table; tests/test_blackwell_table.py)
+SAGE3_ARCHS = _TABLE["sage3"].archs  # sageattn3's kernel: TORCH_CHECK(sm120 || sm121)
+FA4_ARCHS = _TABLE["fa4"].archs  # flash_attn.cute: CC 10.x runs its SM100 kernels (sm_103: native exp2)
 SAGE3_MODULE, FA4_MODULE = "sageattn3", "flash_attn.cute"
-_SAGE3_HEAD_DIMS = (64, 128)
 _SAGE3_BLOCK = 128  # rows per Q-mean block, key tile and padding unit (QBLKSIZE = KBLKSIZE = 128)
 _FP4_BLOCK = 16  # elements per e4m3 scale
 _E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0..7; bit 3 is the sign
@@ -132,17 +134,13 @@ def sage3_check(device: "torch.device | str", head_dim: int = 128,
                        "torch >= 2.8; its setup.py clones CUTLASS, so the build needs network access)")
     if not hasattr(mod, "sageattn3_blackwell"):
         return False, f"sage3: {SAGE3_MODULE} at {getattr(mod, '__file__', '?')} has no sageattn3_blackwell"
-    if head_dim not in _SAGE3_HEAD_DIMS:
+    if not _TABLE["sage3"].head_dim_ok(head_dim):
         return False, f"sage3: SageAttention3 runs head_dim 64 or 128 (found {head_dim})"
     if dtype not in (torch.float16, torch.bfloat16):
         return False, f"sage3: needs fp16/bf16 q, k, v (compute dtype is {dtype})"
     cc = capability(device)
     return True, (f"sm_{cc[0]}{cc[1]}: SageAttention3 sageattn3_blackwell ({_dist_version('sageattn3')}): FP4 q, "
                   f"k, P, v with e4m3 scales per 16, lossy (rel-L2 <= {TOLERANCE['sage3'][0]:g} on random data)")
-
-
-def _fa4_head_dim_ok(d: int) -> bool:
-    return (8 <= d <= 128 and d % 8 == 0) or d == 256
 
 
 def fa4_check(device: "torch.device | str", head_dim: int = 128,
@@ -158,7 +156,7 @@ def fa4_check(device: "torch.device | str", head_dim: int = 128,
                        "(CUDA 13: pip install 'flash-attn-4[cu13]'), which brings nvidia-cutlass-dsl")
     if not hasattr(mod, "flash_attn_func"):
         return False, f"fa4: {FA4_MODULE} at {getattr(mod, '__file__', '?')} has no flash_attn_func"
-    if not _fa4_head_dim_ok(head_dim):
+    if not _TABLE["fa4"].head_dim_ok(head_dim):
         return False, (f"fa4: FlashAttention-4's SM100 forward runs head_dim 8..128 (multiple of 8) or 256 "
                        f"(found {head_dim})")
     if dtype not in (torch.float16, torch.bfloat16):

@@ -49,11 +49,13 @@ import torch.nn.functional as F
 
 from ..errors import describe
 from . import nvfp4, nvfp4_producers
+from .blackwell_table import BY_NAME as _BLACKWELL
 
 __all__ = ["BACKENDS", "K_MULTIPLE", "Capability", "gemm_capability_table", "choose_gemm_backend", "probe_backend",
            "Scratch", "DEFAULT_SCRATCH", "bind_gemm", "scaled_mm_rowwise"]
 
 BACKENDS = ("native", "emulated", "fp8", "bf16", "reference")
+_NATIVE_MIN_CC = min(_BLACKWELL["native"].archs)  # the Blackwell table's (ops.blackwell_table)
 K_MULTIPLE = {"native": 32, "fp8": 16}  # what K a backend's kernel needs (others take any K)
 
 
@@ -74,8 +76,9 @@ def _native_status(device: torch.device) -> tuple[bool, str]:
     cc = _cc(device)
     if cc is None:
         return False, f"native: refused, needs a CUDA device with compute capability >= 10.0 (found {device.type})"
-    if cc < (10, 0):
-        return False, f"native: refused, compute capability {cc[0]}.{cc[1]} < 10.0 (no FP4 tensor cores)"
+    if cc < _NATIVE_MIN_CC:
+        return False, (f"native: refused, compute capability {cc[0]}.{cc[1]} < {_NATIVE_MIN_CC[0]}.{_NATIVE_MIN_CC[1]} "
+                       "(no FP4 tensor cores)")
     if not hasattr(torch, "float4_e2m1fn_x2"):
         return False, f"native: refused, torch {torch.__version__} has no float4_e2m1fn_x2 (needs torch >= 2.7)"
     api = "torch.nn.functional.scaled_mm" if hasattr(F, "scaled_mm") else "torch._scaled_mm"

@@ -7,6 +7,9 @@ Kernel modules (plain modules, kernels at module level under ``@triton.jit``; ea
 - ``fp8_kernels``: behind ``ops.fp8_producers`` (e4m3 rowwise producers, SageAttention V);
 - ``elementwise_kernels``: behind ``ops.elementwise`` (q/k norm + RoPE, gate + residual add).
 
+``aot`` (no kernels): every kernel above compiled ahead of time for a GPU target that is not here
+(``bench/blackwell_build.py``).
+
 Triton is optional where the kernels cannot run anyway (the CPU): this package imports without it, sets
 ``MISSING`` to the reason, and the ops modules then import no kernel module and run their torch
 references. The ops modules load the kernel modules once, at their own import::
