@@ -128,7 +128,7 @@ def test_every_h3b_node_renders_its_widgets_at_their_defaults(editor):
         const n = LiteGraph.createNode(t);
         n.pos = [40 + (i % 4) * 460, 60 + Math.floor(i / 4) * 520];
         app.graph.add(n);
-        out[t] = {title: n.title, widgets: (n.widgets || []).map(w => [w.name, w.value])};
+        out[t] = {title: n.title, width: n.size[0], widgets: (n.widgets || []).map(w => [w.name, w.value])};
       });
       return out;
     }""", sorted(NODES))
@@ -136,6 +136,7 @@ def test_every_h3b_node_renders_its_widgets_at_their_defaults(editor):
     assert not editor.errors, editor.errors
     for node_id, cls in NODES.items():
         assert got[node_id]["title"] == cls.TITLE
+        assert got[node_id]["width"] >= 360, f"{node_id}: web/h3_blackwell.js widens new H3B nodes to 360 px"
         widgets = [(n, None if n == "control_after_generate" else v) for n, v in got[node_id]["widgets"]]
         assert widgets == _expected_widgets(node_id), node_id
 
