@@ -2,7 +2,8 @@
 that Playwright downloads), on the page of a real ComfyUI that has this pack loaded.
 
 - ``comfyui_server``: a ComfyUI on the CPU with the pack in ``custom_nodes/`` (a stand-in until the shared session
-  fixture of tests/comfyui lands; that one has the same ``url`` / ``get_json``, so this definition is then deleted).
+  fixture of tests/comfyui lands; that one has the same ``url`` / ``get_json`` / ``base_dir`` / ``python``, so this
+  definition, with ``_Server`` and ``_comfyui_paths``, is then deleted).
 - ``editor``: one page for the session, opened once the editor is ready; ``editor.errors`` collects console errors
   and page errors from then on (tests read and clear it).
 Skips, saying why, where ComfyUI, Playwright or chromium is missing.
@@ -67,7 +68,7 @@ class _Server:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        self.url, self.base_dir = f"http://127.0.0.1:{self.port}", base
+        self.url, self.base_dir, self.python = f"http://127.0.0.1:{self.port}", base, python
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "TRITON_INTERPRET")}
         with open(base / "comfyui.log", "wb") as log:
             self.proc = subprocess.Popen(
@@ -135,7 +136,7 @@ def _wav(path: Path, seconds: float = 1.0, rate: int = 16000) -> None:
         w.writeframes(b"".join(struct.pack("<h", int(8000 * math.sin(i * 0.05))) for i in range(int(seconds * rate))))
 
 
-def add_input_files(server, python: Path | None) -> list[str]:
+def add_input_files(server, python: Path) -> list[str]:
     """The input files the shipped workflows name (images, audio, the control video), made small, in the server's
     input folder: the editor then previews them instead of logging 404s, as it would for a user who added them."""
     from fixtures.workflow_specs import GRAPHS
@@ -151,7 +152,7 @@ def add_input_files(server, python: Path | None) -> list[str]:
                 _png(folder / name)
             elif node.type == "LoadAudio":
                 _wav(folder / name)
-            elif python is not None:
+            else:  # ComfyUI's venv has PyAV
                 subprocess.run([str(python), "-c", MP4, str(folder / name)], check=True, timeout=120)
             made.append(name)
     return made
@@ -179,7 +180,7 @@ class Editor:
 
 @pytest.fixture(scope="session")
 def editor(comfyui_server):
-    add_input_files(comfyui_server, _comfyui_paths()[1])
+    add_input_files(comfyui_server, comfyui_server.python)
     sync_api = pytest.importorskip("playwright.sync_api", reason="the browser tests need the playwright package "
                                                                  "(scripts/test.sh installs it)")
     if not Path(CHROMIUM).is_file():
