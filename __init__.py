@@ -26,7 +26,9 @@ import logging
 import sys
 
 __version__ = "0.1.0"
-__all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"]
+__all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "WEB_DIRECTORY"]
+# the editor extension (web/*.js: the H3 Diagnostics report shown under the node), served by ComfyUI
+WEB_DIRECTORY = "./web"
 _REGISTRATION = ("NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "comfy_entrypoint")
 
 # Imported as the package (ComfyUI loads the folder as a package, pip installs it as h3_blackwell). A test

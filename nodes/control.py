@@ -257,9 +257,13 @@ class H3FunControlNetApply:
         return {"required": {
             "model": ("H3_MODEL", {"tooltip": "from H3 NVFP4 Model Loader or H3 LoRA"}),
             "vae": ("VAE", {"tooltip": "the H3 video VAE (encodes the control video and the masked source)"}),
-            "strength": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 10.0, "step": 0.01}),
-            "start_percent": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1.0, "step": 0.001, "advanced": True}),
-            "end_percent": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 1.0, "step": 0.001, "advanced": True}),
+            "strength": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 10.0, "step": 0.01,
+                                   "tooltip": "scale of the control signal; 0 leaves the model unchanged"}),
+            "start_percent": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1.0, "step": 0.001, "advanced": True,
+                                        "tooltip": "fraction of the schedule where the control starts (0 = first "
+                                                   "step)"}),
+            "end_percent": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 1.0, "step": 0.001, "advanced": True,
+                                      "tooltip": "fraction of the schedule where the control stops (1 = last step)"}),
         }, "optional": {
             "model_patch": ("MODEL_PATCH", {"tooltip": "core's ModelPatchLoader with a MiniMax H3 Fun ControlNet"}),
             "control_name": (_patch_files(), {"default": NO_FILE, "tooltip": "or a Fun ControlNet file of "
@@ -268,8 +272,12 @@ class H3FunControlNetApply:
                                                     "last frame, long ones are cut."}),
             "mask": ("MASK", {"tooltip": "1 marks the regions to regenerate."}),
             "source_video": ("IMAGE", {"tooltip": "Video behind the mask; only read when a mask is given."}),
-            "fade_in_frames": ("INT", {"default": 0, "min": 0, "max": 3600, "advanced": True}),
-            "fade_out_frames": ("INT", {"default": 0, "min": 0, "max": 3600, "advanced": True}),
+            "fade_in_frames": ("INT", {"default": 0, "min": 0, "max": 3600, "advanced": True,
+                                       "tooltip": "output-video frames over which the control eases in from 0 "
+                                                  "at the start"}),
+            "fade_out_frames": ("INT", {"default": 0, "min": 0, "max": 3600, "advanced": True,
+                                        "tooltip": "output-video frames over which the control eases out to 0 "
+                                                   "at the end"}),
         }}
 
     def apply(self, model, vae, strength, start_percent, end_percent, **optional):

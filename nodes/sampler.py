@@ -125,8 +125,10 @@ class H3Sampler:
             "seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF, "control_after_generate": True,
                              "tooltip": "noise seed (CPU generator: video noise, then audio noise, as core)"}),
             "steps": ("INT", {"default": 20, "min": 1, "max": 200, "tooltip": "sampling steps (model passes)"}),
-            "sampler": (SAMPLERS, {"default": "res_multistep"}),
-            "scheduler": (SCHEDULERS, {"default": "simple"}),
+            "sampler": (SAMPLERS, {"default": "res_multistep", "tooltip": "sampling method (core's samplers of the "
+                                                                          "same names, flow matching)"}),
+            "scheduler": (SCHEDULERS, {"default": "simple", "tooltip": "sigma schedule before the shifts (core's "
+                                                                       "'simple')"}),
             "shift_video": ("FLOAT", {"default": 12.0, "min": 0.01, "max": 100.0, "step": 0.01,
                                       "tooltip": "sigma shift of the video stream (model default 12)"}),
             "shift_audio": ("FLOAT", {"default": 3.0, "min": 0.01, "max": 100.0, "step": 0.01,

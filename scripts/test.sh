@@ -12,5 +12,15 @@ if [ ! -f "$SAGE1_WHL" ]; then
   "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$ROOT/.whl" sageattention==1.0.6 \
     || echo "test.sh: could not download sageattention==1.0.6; its wheel test will skip" >&2
 fi
+# The browser tests (marker `browser`): Debian's chromium driven by the playwright package. Never `playwright install`
+# (it downloads a browser build); a missing piece makes those tests skip and say why.
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "test.sh: installing Debian's chromium for the browser tests (apt-get, once)..." >&2
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/dev/null 2>&1 \
+    || echo "test.sh: could not install chromium; the browser tests will skip" >&2
+fi
+if ! "$PY" -c "import playwright" 2>/dev/null; then
+  "$PY" -m pip install -q playwright >/dev/null 2>&1 || echo "test.sh: could not install playwright; the browser tests will skip" >&2
+fi
 cd "$ROOT"
 "$PY" -m pytest -q -ra "$@"

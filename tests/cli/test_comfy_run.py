@@ -294,16 +294,16 @@ def test_ui_workflow_refused_when_the_server_lacks_a_node(server, tmp_path, caps
 def test_ui_workflow_refused_when_widgets_do_not_line_up(server, tmp_path, capsys):
     graph = json.loads((WORKFLOWS / "h3_t2va_nvfp4.json").read_text())
     sampler = next(n for n in graph["nodes"] if n["type"] == "H3B_Sampler")
-    # the server defines the stored widgets plus two optional ones (sparse_tau, first_block_cache): three
-    # extra values are one more than it can account for
+    # the file stores every widget the server defines (optional ones included): one extra value is one more
+    # than it can account for
     stored = len(sampler["widgets_values"])
-    sampler["widgets_values"] += [0.5, 0.0, 0.25]
+    sampler["widgets_values"] += [0.25]
     path = tmp_path / "ui.json"
     path.write_text(json.dumps(graph))
     rc, _ = _run(server, tmp_path, path)
     assert rc == 2
-    assert (f"node 5 (H3B_Sampler): the workflow stores {stored + 3} widget values but the server's definition "
-            f"accounts for {stored + 2}") in capsys.readouterr().err
+    assert (f"node 5 (H3B_Sampler): the workflow stores {stored + 1} widget values but the server's definition "
+            f"accounts for {stored}") in capsys.readouterr().err
 
 
 def _graph(nodes, links):

@@ -19,6 +19,7 @@ from h3_blackwell.cli.comfy_workflow import is_api_prompt, is_ui_graph, ui_to_ap
 
 from fixtures.comfy_standins import _install  # the ComfyUI stand-ins
 from fixtures.core_nodes import MODEL_EXTENSIONS, OWN_FILE_LISTS, object_info
+from fixtures.workflow_gen import build
 
 WORKFLOWS = Path(__file__).resolve().parents[2] / "workflows"
 def _types_match(out_type: str, in_type: str) -> bool:
@@ -155,15 +156,31 @@ def _strip(prompt):
 
 
 UI_GRAPHS = ["h3_t2va_nvfp4", "h3_fl2va_nvfp4", "h3_ref2va_nvfp4", "h3_fl2va_control_nvfp4",
-             "h3_t2va_ksampler", "h3_fl2va_ksampler", "h3_ref2va_ksampler"]
+             "h3_t2va_ksampler", "h3_fl2va_ksampler", "h3_ref2va_ksampler", "h3_smoke_tiny"]
 
 
 def test_every_workflow_is_checked():
     assert sorted(p.name for p in WORKFLOWS.glob("*.json")) == sorted(
-        ["h3_smoke_tiny.api.json"] + [f"{n}.json" for n in UI_GRAPHS] + [f"{n}.api.json" for n in UI_GRAPHS])
+        [f"{n}.json" for n in UI_GRAPHS] + [f"{n}.api.json" for n in UI_GRAPHS])
 
 
-@pytest.mark.parametrize("name", ["h3_smoke_tiny.api.json"] + [f"{n}.api.json" for n in UI_GRAPHS])
+@pytest.mark.parametrize("name", sorted(build()))
+def test_shipped_workflow_is_what_the_node_definitions_give(name):
+    """Each file equals what fixtures/workflow_gen.py builds from the node definitions today: a new widget, a
+    changed default or a changed layout rule reaches the shipped files only by regenerating them."""
+    assert (WORKFLOWS / name).read_text(encoding="utf-8") == build()[name], (
+        f"workflows/{name} differs from what the node definitions give; run "
+        "`.venv/bin/python scripts/make_workflows.py` and commit the result")
+
+
+def test_smoke_graph_keeps_its_seed():
+    """The smoke graph exists to reproduce a hash: its seed's control after generate is 'fixed', not the
+    editor's default 'randomize' (which a graph loaded from its API form gets)."""
+    sampler = next(n for n in _load("h3_smoke_tiny.json")["nodes"] if n["type"] == "H3B_Sampler")
+    assert sampler["widgets_values"][:2] == [440420, "fixed"]
+
+
+@pytest.mark.parametrize("name", [f"{n}.api.json" for n in UI_GRAPHS])
 def test_api_workflows_validate(name):
     prompt = _load(name)
     assert is_api_prompt(prompt)
