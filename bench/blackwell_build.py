@@ -83,6 +83,25 @@ def triton_target(arch: int) -> tuple[dict, dict]:
     return res, secs
 
 
+def by_kernel(launches: dict[str, dict]) -> dict[str, dict]:
+    """``{kernel name: result}`` from ``{launch name: result}``: a kernel launched in several modes
+    (``name[MODE=m]``) is ok only where every mode compiled; its registers, shared bytes and spills are the
+    largest of its modes, its error the first (each mode's own record stays in ``detail.triton_launch_results``)."""
+    out: dict[str, dict] = {}
+    for launch, r in launches.items():
+        k = aot.kernel_of(launch)
+        if k not in out:
+            out[k] = dict(r)
+            continue
+        o = out[k]
+        o["ok"] = bool(o["ok"] and r["ok"])
+        for f in ("registers", "shared_bytes", "spills"):
+            vals = [v for v in (o[f], r[f]) if v is not None]
+            o[f] = max(vals) if vals else None
+        o["error"] = o["error"] or r["error"]
+    return out
+
+
 def _fc2_flags() -> list[str]:
     from torch.utils import cpp_extension
     import torch
@@ -192,7 +211,8 @@ def main(argv=None) -> int:
         fc2, fc2_detail = fc2_target(a.nvcc, target, flags)
         print(f"  fc2 {target}: {fc2} {fc2_detail.get('seconds')} s", flush=True)
         short = target.replace("_", "")
-        out["targets"][target] = {"triton": tri, "fc2": fc2, "sage2": sage_entry(builds.get(f"sage2_{short}")),
+        out["detail"].setdefault("triton_launch_results", {})[target] = tri
+        out["targets"][target] = {"triton": by_kernel(tri), "fc2": fc2, "sage2": sage_entry(builds.get(f"sage2_{short}")),
                                   "sage3": sage_entry(builds.get(f"sage3_{short}"))}
         out["detail"]["triton_seconds"][target] = secs
         out["detail"]["fc2"][target] = fc2_detail

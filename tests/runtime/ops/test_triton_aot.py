@@ -52,7 +52,8 @@ def test_build_matrix_covers_every_launch_and_target():
     data = json.loads(BUILD_JSON.read_text())
     assert set(data["toolchain"]) and set(data["targets"]) == set(TARGETS)
     for target, t in data["targets"].items():
-        assert set(t["triton"]) == set(aot.canonical_launches()), target
+        assert set(t["triton"]) == {aot.kernel_of(n) for n in aot.canonical_launches()}, target
+        assert set(data["detail"]["triton_launch_results"][target]) == set(aot.canonical_launches()), target
         for name, r in t["triton"].items():
             assert set(r) == {"ok", "registers", "shared_bytes", "spills", "error"}, (target, name)
             assert r["ok"] or r["error"], (target, name)
