@@ -18,6 +18,10 @@
 #   bash scripts/device_session.sh Z    the LOSSY sparse canonical (canonical-h200-sparse.json: dense, quality, FBCache)
 #   bash scripts/device_session.sh T    every GPU test (sage2 built alongside the non-attention ones) + the tiny
 #                                       model generated twice on CUDA with the defaults
+#   bash scripts/device_session.sh R    the canonical job at BASE_TREE (default third_party/head: `git archive REV`) and
+#                                       at this tree in one lease (a refactor's hashes and step time)
+#   bash scripts/device_session.sh G    the drop-in (core MODEL), control, low-VRAM and Blackwell-guard GPU tests
+# R and G unpack a carried SageAttention2 build (third_party/sage2-sm90/*.part-*) where there is one.
 # (Sessions C, D, E and G of 2026-11-29 were earlier versions of F and H; their results are in bench/results.)
 # Carry .sage (SageAttention source) and .whl (diffusers + deps, sageattention 1.0.6). Logs and JSONs go to
 # $OUT (at most 8 files come back).
@@ -69,7 +73,33 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >> "$LOG" 2
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" >> "$LOG" 2>&1
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/diffusers-*.whl \
   .whl/importlib_metadata-*.whl .whl/zipp-*.whl >> "$LOG" 2>&1
+# SageAttention2 for sm_90 carried as a built site folder (third_party/sage2-sm90/*.part-*, split tar.gz) instead of built
+sage_unpack() {
+  if ls third_party/sage2-sm90/*.part-* >/dev/null 2>&1; then
+    mkdir -p /tmp/site && cat third_party/sage2-sm90/*.part-* | tar -xzf - -C /tmp/site && echo "sage2 unpacked" >> "$LOG"
+  else
+    sage_build_start; sage_build_wait
+  fi
+}
 case "${1:-A}" in
+R)  # a refactor's check: the canonical job at BASE_TREE (a copy of the earlier commit, e.g. third_party/head) and at
+    # this tree, in one lease, same card: latent hashes must match, step times within 1 %
+  sage_unpack
+  mkdir -p /tmp/pkg_base && ln -sfn "$PWD/${BASE_TREE:-third_party/head}" /tmp/pkg_base/h3_blackwell
+  phase "canonical at ${BASE_TREE:-third_party/head}"
+  ( cd "${BASE_TREE:-third_party/head}" && PYTHONPATH=/tmp/site:/tmp/pkg_base timeout 280 python3 bench/canonical.py \
+      --runs 1 --warmup 1 --skip profile,accuracy,peer --out "$OUT/canonical-base.json" 2>&1 | tail -6 >> "$LOG" )
+  phase "canonical at this tree"
+  timeout 280 python3 bench/canonical.py --runs 1 --warmup 1 --skip profile,accuracy,peer \
+    --out "$OUT/canonical-h200-structure.json" 2>&1 | tail -6 >> "$LOG"
+  ;;
+G)  # the drop-in (core MODEL), control and low-VRAM (streaming) GPU tests + the Blackwell guards
+  sage_unpack
+  for t in core_model control streaming blackwell_guards; do
+    phase "gpu-tests $t"
+    timeout 200 python3 -m pytest -q -m gpu "tests/gpu/test_${t}_gpu.py" -rfs 2>&1 | tail -8 >> "$LOG"
+  done
+  ;;
 A)
   sage_build_start
   phase nvfp4-gpu-tests
