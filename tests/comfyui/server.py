@@ -38,13 +38,16 @@ START_TIMEOUT_S = 240.0  # a cold start on a busy 2-core machine imports torch, 
 def comfyui_paths():
     """(src, python) of the vendored ComfyUI: from ``H3_COMFYUI_SRC`` / ``H3_COMFYUI_PYTHON`` (set by
     scripts/test.sh), else from ``$H3_COMFY_HOME/paths.env`` (default ``<repo>/.comfyui``). Skips where the archive
-    is absent (``H3_COMFYUI_SKIP``), fails where the build failed (``H3_COMFYUI_ERROR``)."""
+    is absent (``H3_COMFYUI_SKIP``; fails instead under ``H3_COMFYUI_REQUIRED=1``, as .ci/run sets), fails where the
+    build failed (``H3_COMFYUI_ERROR``)."""
     import pytest
 
     if os.environ.get("H3_COMFYUI_ERROR"):
         pytest.fail(f"the ComfyUI for the comfyui tests is not usable: {os.environ['H3_COMFYUI_ERROR']}")
+    # .ci/run sets H3_COMFYUI_REQUIRED=1: there the comfyui tests must run, never skip
+    skip = pytest.fail if os.environ.get("H3_COMFYUI_REQUIRED") == "1" else pytest.skip
     if os.environ.get("H3_COMFYUI_SKIP"):
-        pytest.skip(os.environ["H3_COMFYUI_SKIP"])
+        skip(os.environ["H3_COMFYUI_SKIP"])
     src, py = os.environ.get("H3_COMFYUI_SRC"), os.environ.get("H3_COMFYUI_PYTHON")
     if not (src and py):
         env_file = Path(os.environ.get("H3_COMFY_HOME") or REPO / ".comfyui") / "paths.env"
@@ -52,7 +55,7 @@ def comfyui_paths():
             found = dict(line.split("=", 1) for line in env_file.read_text().splitlines() if "=" in line)
             src, py = found.get("H3_COMFYUI_SRC"), found.get("H3_COMFYUI_PYTHON")
     if not (src and py and Path(src, "main.py").is_file() and Path(py).is_file()):
-        pytest.skip("no ComfyUI set up for the comfyui tests: run them through `bash scripts/test.sh -m comfyui` "
+        skip("no ComfyUI set up for the comfyui tests: run them through `bash scripts/test.sh -m comfyui` "
                     "(it unpacks ../shared/vendor/comfyui-0f1fa67a.tar.gz and builds its venv)")
     return Path(src), Path(py)
 
