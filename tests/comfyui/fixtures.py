@@ -63,11 +63,9 @@ def comfyui_models(tmp_path_factory, comfyui_install):
         subprocess.run([*cmd, "make-tiny", str(path), "--seed", str(seed)], env=env, check=True, timeout=300,
                        capture_output=True)
         out[name] = path
-    sys.path.insert(0, str(REPO / "tests"))
-    from fixtures.tiny_control import save_tiny_control
-    from fixtures.tiny_lora import save_tiny_lora, tiny_lora_truth
-
     import torch
+    from fixtures.tiny_control import save_tiny_control  # tests/ is on the path (tests/conftest.py)
+    from fixtures.tiny_lora import save_tiny_lora, tiny_lora_truth
 
     from h3_blackwell.runtime.model.config import TINY
 
@@ -80,7 +78,7 @@ def comfyui_models(tmp_path_factory, comfyui_install):
     return out
 
 
-def _start(tmp_path_factory, install, models, name: str, env: dict):
+def _start(install, models, name: str, env: dict):
     base = make_base_dir(Path(tempfile.mkdtemp(prefix=f"h3b-{name}-")))
     for path in models.values():
         shutil.copy(path, base / "models" / path.parent.name / path.name)
@@ -89,16 +87,16 @@ def _start(tmp_path_factory, install, models, name: str, env: dict):
 
 
 @pytest.fixture(scope="session")
-def comfyui_server(tmp_path_factory, comfyui_install, comfyui_models):
-    srv, base = _start(tmp_path_factory, comfyui_install, comfyui_models, "comfyui", {})
+def comfyui_server(comfyui_install, comfyui_models):
+    srv, base = _start(comfyui_install, comfyui_models, "comfyui", {})
     with srv:
         yield srv
     shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
-def comfyui_dense_server(tmp_path_factory, comfyui_install, comfyui_models):
-    srv, base = _start(tmp_path_factory, comfyui_install, comfyui_models, "comfyui-dense", {"H3_NVFP4": "0"})
+def comfyui_dense_server(comfyui_install, comfyui_models):
+    srv, base = _start(comfyui_install, comfyui_models, "comfyui-dense", {"H3_NVFP4": "0"})
     with srv:
         yield srv
     shutil.rmtree(base, ignore_errors=True)

@@ -49,15 +49,22 @@ class SaveLatent:
         return {"ui": {"h3b_probe": [f"h3b_probe/{name}.safetensors"]}}
 
 
-class TextConditioning:
+class _Maker:
+    """A node of INT inputs only: ``INTS`` = {name: (default, min, max)}; ``make(**ints)`` returns the output."""
+
     CATEGORY = CATEGORY
-    RETURN_TYPES = ("CONDITIONING",)
     FUNCTION = "make"
+    INTS: dict = {}
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"tokens": ("INT", {"default": 12, "min": 4, "max": 256}),
-                             "seed": ("INT", {"default": 1234, "min": 0, "max": 2**31})}}
+        return {"required": {name: ("INT", {"default": d, "min": lo, "max": hi})
+                             for name, (d, lo, hi) in cls.INTS.items()}}
+
+
+class TextConditioning(_Maker):
+    RETURN_TYPES = ("CONDITIONING",)
+    INTS = {"tokens": (12, 4, 256), "seed": (1234, 0, 2**31)}
 
     def make(self, tokens, seed):
         g = torch.Generator().manual_seed(seed)
@@ -82,30 +89,17 @@ class _VAE:
         return torch.einsum("oc,tchw->othw", self.proj, x)[None]
 
 
-class StandInVAE:
-    CATEGORY = CATEGORY
+class StandInVAE(_Maker):
     RETURN_TYPES = ("VAE",)
-    FUNCTION = "make"
-
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"seed": ("INT", {"default": 7, "min": 0, "max": 2**31})}}
+    INTS = {"seed": (7, 0, 2**31)}
 
     def make(self, seed):
         return (_VAE(seed),)
 
 
-class RandomFrames:
-    CATEGORY = CATEGORY
+class RandomFrames(_Maker):
     RETURN_TYPES = ("IMAGE",)
-    FUNCTION = "make"
-
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"frames": ("INT", {"default": 1, "min": 1, "max": 400}),
-                             "height": ("INT", {"default": 96, "min": 16, "max": 4096}),
-                             "width": ("INT", {"default": 128, "min": 16, "max": 4096}),
-                             "seed": ("INT", {"default": 11, "min": 0, "max": 2**31})}}
+    INTS = {"frames": (1, 1, 400), "height": (96, 16, 4096), "width": (128, 16, 4096), "seed": (11, 0, 2**31)}
 
     def make(self, frames, height, width, seed):
         return (torch.rand(frames, height, width, 3, generator=torch.Generator().manual_seed(seed)),)

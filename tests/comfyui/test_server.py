@@ -55,7 +55,7 @@ def test_object_info_serves_the_pack_as_nodes_defines_it(comfyui_server):
                     assert _fixed(options) == _fixed(kind), (node_id, name, options, kind)
                 else:
                     assert s_kind == kind, (node_id, name, s_kind)
-                for key in ("default", "min", "max", "step", "tooltip"):
+                for key in ("default", "min", "max", "step", "control_after_generate", "tooltip"):
                     assert s_opts.get(key) == opts.get(key), (node_id, name, key, s_opts.get(key), opts.get(key))
     # the model files the tests made are offered by the loader
     kind, opts = info["H3B_ModelLoader"]["input"]["required"]["model"][:2]
