@@ -34,7 +34,7 @@ _h3_comfy_setup() {
   exec 8>"$home/.lock"
   flock 8
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/python" ] && [ -f "$src/main.py" ]; then
-    flock -u 8
+    exec 8>&-
     _h3_comfy_export "$home" "$src" "$venv/bin/python"
     return 0
   fi
@@ -49,7 +49,7 @@ _h3_comfy_setup() {
     export H3_COMFYUI_ERROR="building ComfyUI's venv in $venv failed (see $home/install.log); delete $home and rerun"
     echo "test.sh: $H3_COMFYUI_ERROR" >&2
   fi
-  flock -u 8
+  exec 8>&-  # closing the lock file releases the lock (and keeps it out of the tests' processes)
 }
 
 _h3_comfy_build() {  # each step must succeed (set -e does not hold inside an `if` condition)

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -28,15 +29,21 @@ from comfyui.server import REPO, ComfyServer, comfyui_paths, make_base_dir
 TINY_MODELS = {"tiny.safetensors": 0, "tiny_b.safetensors": 1}  # make-tiny seed per file
 
 
+@functools.lru_cache(maxsize=1)
+def _package_link() -> Path:
+    """A folder holding an ``h3_blackwell`` link to this checkout (its root is the package), made once."""
+    link_dir = Path(tempfile.mkdtemp(prefix="h3b-pkg-"))
+    (link_dir / "h3_blackwell").symlink_to(REPO, target_is_directory=True)
+    return link_dir
+
+
 def h3b_command(python: str | Path | None = None) -> tuple[list[str], dict]:
     """(argv prefix, env) running this checkout's CLI: in this venv, or in ``python`` (e.g. ComfyUI's) with a
     folder holding an ``h3_blackwell`` link to the checkout on its path."""
     env = {**os.environ}
     if python is None:
         return [sys.executable, "-m", "h3_blackwell.cli"], env
-    link_dir = Path(tempfile.mkdtemp(prefix="h3b-pkg-"))
-    (link_dir / "h3_blackwell").symlink_to(REPO, target_is_directory=True)
-    env["PYTHONPATH"] = str(link_dir)
+    env["PYTHONPATH"] = str(_package_link())
     env.pop("TRITON_INTERPRET", None)
     return [str(python), "-m", "h3_blackwell.cli"], env
 
