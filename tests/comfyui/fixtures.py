@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import shutil
@@ -33,6 +34,7 @@ TINY_MODELS = {"tiny.safetensors": 0, "tiny_b.safetensors": 1}  # make-tiny seed
 def _package_link() -> Path:
     """A folder holding an ``h3_blackwell`` link to this checkout (its root is the package), made once."""
     link_dir = Path(tempfile.mkdtemp(prefix="h3b-pkg-"))
+    atexit.register(shutil.rmtree, link_dir, True)
     (link_dir / "h3_blackwell").symlink_to(REPO, target_is_directory=True)
     return link_dir
 
