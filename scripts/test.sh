@@ -5,6 +5,8 @@
 set -euo pipefail
 source "$(dirname "$0")/_env.sh"
 h3_install test,cuda-headers
+# the vendored ComfyUI and its venv for the tests marked `comfyui` (they skip, saying why, without ../shared)
+source "$ROOT/scripts/comfyui_env.sh"
 # the PyPI SageAttention 1.0.6 wheel as a file (never installed: it would shadow SageAttention2's module name),
 # for the test that loads a real SageAttention 1 wheel through use_sage1_from
 SAGE1_WHL="$ROOT/.whl/sageattention-1.0.6-py3-none-any.whl"

@@ -50,3 +50,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# the real-ComfyUI fixtures (comfyui_server, comfyui_dense_server, comfyui_models, h3b_cli), shared by the tests
+# marked comfyui and browser; they start nothing until a test asks for them
+from comfyui.fixtures import comfyui_dense_server, comfyui_install, comfyui_models, comfyui_server, h3b_cli  # noqa: E402,F401
