@@ -1,12 +1,12 @@
 """The editor in a real browser: Debian's chromium driven by Playwright (the ``playwright`` package; never a browser
 that Playwright downloads), on the page of a real ComfyUI that has this pack loaded.
 
-- ``comfyui_server``: a ComfyUI on the CPU with the pack in ``custom_nodes/`` (a stand-in until the shared session
-  fixture of tests/comfyui lands; that one has the same ``url`` / ``get_json`` / ``base_dir`` / ``python``, so this
-  definition, with ``_Server`` and ``_comfyui_paths``, is then deleted).
+- ``comfyui_server`` (tests/comfyui/fixtures.py, shared with the tests marked comfyui): a ComfyUI on the CPU with the
+  pack in ``custom_nodes/``.
 - ``editor``: one page for the session, opened once the editor is ready; ``editor.errors`` collects console errors
   and page errors from then on (tests read and clear it).
-Skips, saying why, where ComfyUI, Playwright or chromium is missing.
+Skips, saying why, where ComfyUI, Playwright or chromium is missing; fails instead where ``H3_COMFYUI_REQUIRED=1``
+(CI: `.ci/run`), so a missing piece is never a quiet skip there.
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ import json
 import math
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import time
 import struct
@@ -48,74 +46,6 @@ with av.open(sys.argv[1], "w") as f:
         f.mux(s.encode(av.VideoFrame.from_ndarray(img, format="rgb24")))
     f.mux(s.encode())
 """
-
-
-def _comfyui_paths():
-    src, py = os.environ.get("H3_COMFYUI_SRC"), os.environ.get("H3_COMFYUI_PYTHON")
-    if not (src and py):
-        env_file = Path(os.environ.get("H3_COMFY_HOME") or REPO / ".comfyui") / "paths.env"
-        if env_file.is_file():
-            found = dict(line.split("=", 1) for line in env_file.read_text().splitlines() if "=" in line)
-            src, py = found.get("H3_COMFYUI_SRC"), found.get("H3_COMFYUI_PYTHON")
-    if not (src and py and Path(src, "main.py").is_file() and Path(py).is_file()):
-        pytest.skip("no ComfyUI for the browser tests: run them through `bash scripts/test.sh -m browser` (it "
-                    "unpacks ../shared/vendor/comfyui-0f1fa67a.tar.gz and builds its venv)")
-    return Path(src), Path(py)
-
-
-class _Server:
-    def __init__(self, base: Path, src: Path, python: Path):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url, self.base_dir, self.python = f"http://127.0.0.1:{self.port}", base, python
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "TRITON_INTERPRET")}
-        with open(base / "comfyui.log", "wb") as log:
-            self.proc = subprocess.Popen(
-                [str(python), "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
-                 "--base-directory", str(base), "--database-url", "sqlite:///:memory:", "--disable-auto-launch"],
-                cwd=src, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True)
-
-    def get_json(self, path: str, timeout: float = 30.0):
-        with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
-            return json.loads(r.read())
-
-    def wait_ready(self, timeout: float = 240.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                break
-            try:
-                self.get_json("/system_stats", timeout=5)
-                return
-            except (OSError, ValueError):
-                time.sleep(0.5)
-        log = (self.base_dir / "comfyui.log").read_text(errors="replace")[-4000:]
-        self.stop()
-        raise RuntimeError(f"ComfyUI did not serve {self.url} within {timeout:.0f} s; its log:\n{log}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
-
-
-@pytest.fixture(scope="session")
-def comfyui_server(tmp_path_factory):
-    src, python = _comfyui_paths()
-    base = tmp_path_factory.mktemp("comfyui_base")
-    for sub in ("custom_nodes", "input", "output", "user"):
-        (base / sub).mkdir()
-    (base / "custom_nodes" / "h3-blackwell").symlink_to(REPO, target_is_directory=True)
-    server = _Server(base, src, python)
-    server.wait_ready()
-    yield server
-    server.stop()
 
 
 def _png(path: Path, width: int = 64, height: int = 64) -> None:
@@ -181,11 +111,14 @@ class Editor:
 @pytest.fixture(scope="session")
 def editor(comfyui_server):
     add_input_files(comfyui_server, comfyui_server.python)
-    sync_api = pytest.importorskip("playwright.sync_api", reason="the browser tests need the playwright package "
-                                                                 "(scripts/test.sh installs it)")
+    missing = pytest.fail if os.environ.get("H3_COMFYUI_REQUIRED") == "1" else pytest.skip
+    try:
+        from playwright import sync_api
+    except ImportError:
+        missing("the browser tests need the playwright package (scripts/test.sh installs it)")
     if not Path(CHROMIUM).is_file():
-        pytest.skip(f"no chromium at {CHROMIUM}: scripts/test.sh installs Debian's (apt-get install chromium); "
-                    "or set H3_CHROMIUM")
+        missing(f"no chromium at {CHROMIUM}: scripts/test.sh installs Debian's (apt-get install chromium); "
+                "or set H3_CHROMIUM")
     # a first start would open the template browser over the graph; the minimap would cover part of it; text is
     # drawn at every zoom (the screenshots show whole graphs)
     settings = {"Comfy.TutorialCompleted": True, "Comfy.Minimap.Visible": False, "LiteGraph.Canvas.MinFontSizeForLOD": 0}
