@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from fixtures.checkout import copy_checkout
+
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 VENDOR = Path(os.environ.get("H3_SHARED") or ROOT.parent / "shared") / "vendor"  # as scripts/test.sh finds it
@@ -31,8 +33,6 @@ COMFY_CLI = os.environ.get("H3_COMFY_CLI", "comfy-cli==1.23.0")  # the version t
 _OS_PREFIXES = ("Microsoft", "POSIX", "MacOS", "OS Independent")
 _ACCELERATORS = {"GPU :: NVIDIA CUDA", "GPU :: AMD ROCm", "GPU :: Intel Arc", "NPU :: Huawei Ascend",
                  "GPU :: Apple Metal"}
-_SKIP_COPY = shutil.ignore_patterns(".git", ".venv*", "__pycache__", "*.pyc", "build", "dist", "*.egg-info", "out",
-                                    ".whl", ".sage", ".pytest_cache", ".ruff_cache", "third_party")
 
 
 def _requirement_names(lines) -> set[str]:
@@ -141,7 +141,7 @@ def test_comfy_cli_validates_the_pyproject(tmp_path):
             pytest.skip(f"comfy-cli could not be installed from the package index ({COMFY_CLI}): "
                         f"{r.stderr.strip().splitlines()[-1:]}; the field checks above still ran")
     src = tmp_path / "h3-blackwell"
-    shutil.copytree(ROOT, src, ignore=_SKIP_COPY)
+    copy_checkout(src)
     env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "config"), "RUFF_NO_CACHE": "true"}
     r = subprocess.run([comfy, "--skip-prompt", "--no-enable-telemetry", "node", "validate"], cwd=src, env=env,
                        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
@@ -179,7 +179,7 @@ print(len(mappings))
 
 def test_custom_nodes_copy_loads_as_comfyui_loads_it(tmp_path):
     folder = tmp_path / "ComfyUI" / "custom_nodes" / "h3-blackwell"
-    shutil.copytree(ROOT, folder, ignore=_SKIP_COPY)
+    copy_checkout(folder)
     r = subprocess.run([sys.executable, "-c", _LOAD_AS_COMFYUI, folder, ROOT], cwd=tmp_path, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -10,7 +10,6 @@ no build/ or egg-info of theirs.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -21,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from fixtures.checkout import copy_checkout
+
 ROOT = Path(__file__).resolve().parents[1]
 CODE = ("runtime", "cli", "nodes")  # the Python of the package (tests/, bench/, scripts/ are not part of it)
 # data folders and root files the package ships: (folder, patterns)
@@ -28,8 +29,6 @@ DATA = (("csrc", ("*.cpp", "*.h", "*.cu", "*.cuh")), ("workflows", ("*.json",)),
 ROOT_DATA = ("README.md", "requirements.txt", "icon.svg")
 # the torch the clean environment gets, as scripts/_env.sh installs it (the CPU build from local disk in CI)
 TORCH_REQ = os.environ.get("H3_TORCH") or f"torch=={torch.__version__.split('+')[0]}"
-_SKIP_COPY = shutil.ignore_patterns(".git", ".venv*", "__pycache__", "*.pyc", "build", "dist", "*.egg-info", "out",
-                                    ".whl", ".sage", ".pytest_cache", ".ruff_cache", "third_party")
 
 pytestmark = pytest.mark.slow
 
@@ -80,7 +79,7 @@ def built(tmp_path_factory) -> dict:
     checkout, and the seconds each took."""
     tmp = tmp_path_factory.mktemp("pack")
     src = tmp / "h3-blackwell"
-    shutil.copytree(ROOT, src, ignore=_SKIP_COPY)
+    copy_checkout(src)
     dist = tmp / "dist"
     t0 = time.perf_counter()
     _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", dist, src], tmp, 300)
@@ -115,7 +114,7 @@ def test_sdist_holds_every_module_and_data_file(built):
 
 def test_source_modules_sees_a_new_module(tmp_path):
     """The comparison can fail: a module added in a new folder is counted (and would be missed by a hand list)."""
-    shutil.copytree(ROOT, tmp_path / "src", ignore=_SKIP_COPY)
+    copy_checkout(tmp_path / "src")
     extra = tmp_path / "src" / "runtime" / "ops" / "newfolder"
     extra.mkdir()
     (extra / "kernel.py").write_text("X = 1\n")
