@@ -25,7 +25,7 @@ from fixtures.checkout import copy_checkout
 ROOT = Path(__file__).resolve().parents[1]
 CODE = ("runtime", "cli", "nodes")  # the Python of the package (tests/, bench/, scripts/ are not part of it)
 # data folders and root files the package ships: (folder, patterns)
-DATA = (("csrc", ("*.cpp", "*.h", "*.cu", "*.cuh")), ("workflows", ("*.json",)), ("web", ("*.js", "*.css")))
+DATA = (("csrc", ("*.cpp", "*.h", "*.cu", "*.cuh")), ("workflows", ("*.json",)), ("web", ("**/*.js", "**/*.css")))
 ROOT_DATA = ("README.md", "requirements.txt", "icon.svg")
 # the torch the clean environment gets, as scripts/_env.sh installs it (the CPU build from local disk in CI)
 TORCH_REQ = os.environ.get("H3_TORCH") or f"torch=={torch.__version__.split('+')[0]}"
