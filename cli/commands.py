@@ -73,31 +73,45 @@ def cpu_threads(job) -> int | None:
     return n
 
 
-def cpu_seconds_at_least(job) -> float:
-    """A lower bound of a CPU job's sampling time: its matmul FLOPs (block linears and attention; the rest
-    left out) at the speed of a 1024 x 1024 fp32 matmul measured here, the best of three."""
+SLOWEST_CPU_FLOPS = 1e9  # fp32 matmul FLOP/s every CPU exceeds: work done within WARN_AFTER_S at it is not timed
+
+
+def cpu_matmul_flops(job) -> float:
+    """The matmul FLOPs of a CPU job's sampling: block linears and attention of every block, step and run (the
+    rest left out, so the time they take is a lower bound)."""
     cfg = job.config
     video, audio = job.latents(cfg)
     rows = latent_rows(video.shape, audio.shape, job.text.shape[-2], job.conditioning)
     per_block = 2 * rows * (4 * cfg.hidden_size * cfg.inner_dim + 3 * cfg.hidden_size * cfg.ffn_hidden_size) \
         + 4 * rows * rows * cfg.inner_dim
+    return per_block * cfg.num_layers * job.steps * (job.runs + job.warmup)
+
+
+def measured_flops_per_s() -> float:
+    """This CPU's fp32 matmul speed now: a 1024 x 1024 product, the best of three."""
     x = torch.randn(1024, 1024)
     best = float("inf")
     for _ in range(3):
         t0 = time.perf_counter()
         x @ x
         best = min(best, time.perf_counter() - t0)
-    return per_block * cfg.num_layers * job.steps * (job.runs + job.warmup) / (2 * 1024 ** 3 / best)
+    return 2 * 1024 ** 3 / best
 
 
-def warn_if_hours(job) -> None:
-    """A CPU job estimated (``cpu_seconds_at_least``) to take WARN_AFTER_S or more: a warning before it starts."""
+def warn_if_hours(job) -> float | None:
+    """A CPU job whose matmul FLOPs alone need WARN_AFTER_S or more at the speed measured here: a warning before it
+    starts. -> that lower bound in seconds, or None where it was not measured (not the CPU, or too little work to
+    take that long on any CPU)."""
     if job.device_type != "cpu":
-        return
-    s = cpu_seconds_at_least(job)
+        return None
+    flops = cpu_matmul_flops(job)
+    if flops / SLOWEST_CPU_FLOPS < WARN_AFTER_S:
+        return None
+    s = flops / measured_flops_per_s()
     if s >= WARN_AFTER_S:
         print(f"warning: this run needs at least {clock(s)} on this CPU (its matrix products alone, at the speed "
               f"measured here); Ctrl-C stops it, and fewer pixels, frames or steps shorten it", file=sys.stderr)
+    return s
 
 
 def cmd_generate(a) -> int:

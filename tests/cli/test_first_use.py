@@ -188,13 +188,24 @@ def test_the_runtime_reports_every_block_of_every_step():
     assert seen == [(i, j, n) for i in range(2) for j in range(1, n + 1)]
 
 
-def test_a_cpu_run_of_hours_is_a_warning_before_it_starts(tmp_path, capsys):
-    commands.warn_if_hours(_job(tmp_path, "--width", "8192", "--height", "8192", "--steps", "20"))
+def test_a_cpu_run_of_hours_is_a_warning_before_it_starts(tmp_path, capsys, monkeypatch):
+    big = _job(tmp_path, "--width", "8192", "--height", "8192", "--steps", "20")
+    assert commands.warn_if_hours(big) >= P.WARN_AFTER_S
     assert "warning: this run needs at least" in capsys.readouterr().err
     tiny = _job(tmp_path)
-    assert commands.cpu_seconds_at_least(tiny) < 60
-    commands.warn_if_hours(tiny)
-    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(commands, "measured_flops_per_s", lambda: pytest.fail("the tiny job must not be timed"))
+    assert commands.warn_if_hours(tiny) is None and capsys.readouterr().err == ""
+
+
+def test_the_flop_count_follows_the_model(tmp_path):
+    """The lower bound's FLOPs: 2 x rows x (4 h inner + 3 h ffn) linear + 4 rows^2 inner attention per block."""
+    job = _job(tmp_path, "--steps", "2")
+    c = job.config
+    video, audio = job.latents(c)
+    rows = job.text.shape[-2] + 2 * audio.shape[3] + video.shape[2] * (video.shape[3] // 2) * (video.shape[4] // 2)
+    per_block = 2 * rows * (4 * c.hidden_size * c.inner_dim + 3 * c.hidden_size * c.ffn_hidden_size) \
+        + 4 * rows ** 2 * c.inner_dim
+    assert commands.cpu_matmul_flops(job) == per_block * c.num_layers * 2
 
 
 # ---------------------------------------------------------------------------------------------
