@@ -85,6 +85,7 @@ def _run_once(rt, plan, sigmas, sampler, video0, audio0, noise_v, noise_a, scale
               lossy: LossyRun | None = None, measured: bool = True):
     model = rt.model
     cache = lossy.cache if lossy is not None else None
+    plan.on_block = getattr(progress, "block", None)  # progress.block(step, done, total): progress within a step
     if evaluate is None:
         def evaluate(plan_, i_, video_, audio_):
             return model.evaluate(plan_, i_, video_, audio_, rt.ops, cache)
@@ -241,8 +242,7 @@ def sample(rt, text_states: torch.Tensor, token_tags: torch.Tensor | None, video
     denoise masks, noise augmentation, seed, sample_sigmas); its masks inpaint as core's sampler does
     (``runtime.sampling.inpaint``), keeping the input latent's content where the mask is 0.
     runs / warmup: the seed's measurement policy (median of ``runs`` after ``warmup`` resident runs).
-    progress(done, total) after each step, and ``progress.block(step, done, total)`` after each block where the
-    callback has that method; preview(done, total, x0_video) too, with the step's denoised video
+    progress(done, total) after each step; preview(done, total, x0_video) too, with the step's denoised video
     estimate [1, C, T, H, W] (on the model's device; the callee copies what it keeps), for live previews.
     The layout, RoPE tables, refined text and the modulation rows of every (step, block) are computed once.
     Raises Interrupted between steps when ``interrupt()`` is true; nothing is returned or written then.
@@ -290,7 +290,6 @@ def sample(rt, text_states: torch.Tensor, token_tags: torch.Tensor | None, video
                              cond=_plan_conditioning(conditioning, keyframes, seed))
         if control is not None:  # core's window reads the sampler's sigma; the tower runs dense attention
             bind_control(rt.model, control, hint, plan, [float(s) for s in sigmas[:-1]], ops=tower_ops(rt))
-    plan.on_block = getattr(progress, "block", None)  # progress within a step, where the callback takes it
     noise_v, noise_a = initial_noise(seed, video.shape, audio.shape, batch_index)
     # core rounds each stream's noise to its latent's dtype (fp16 / bf16 intermediates); fp32 latents: unchanged
     noise_v, noise_a = (n.to(x.dtype).float() if x.is_floating_point() else n for n, x in ((noise_v, video),
