@@ -14,14 +14,15 @@ import functools
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
 
-from ..runtime import (SEED_RANGE, H3Error, check_int, check_output_file, forward_job, make_job, nonfinite_message,
-                       quantize_checkpoint, resolve_device, run, run_forward, runtime_options, save_tensors, save_tiny,
-                       summary, write_dir, write_file, write_preview_webp)
-from .progress import Progress
+from ..runtime import (SEED_RANGE, H3Error, check_int, check_output_file, cpu_thread_count, forward_job, latent_rows,
+                       make_job, nonfinite_message, quantize_checkpoint, resolve_device, run, run_forward,
+                       runtime_options, save_tensors, save_tiny, summary, write_dir, write_file, write_preview_webp)
+from .progress import WARN_AFTER_S, Progress, clock
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -41,22 +42,82 @@ def _generate_options(a) -> dict:
                 act_scale=a.act_scale, precision=a.precision, fc2=a.fc2, quantize=False if a.dense else None,
                 sparse_tau=a.sparse_tau, sparse_start=a.sparse_start, sparse_extra_tokens=a.sparse_extra_tokens,
                 sparse_min_tokens=a.sparse_min_tokens, first_block_cache=a.first_block_cache,
-                vram_budget=a.vram_budget)
+                vram_budget=a.vram_budget, cpu_threads=a.cpu_threads)
 
 
 def generate_job(a):
     """The runtime's validated job for generate's flags (no weight is read)."""
-    return make_job(a.model, seed=a.seed, tiny_seed=a.tiny_seed, options=_generate_options(a),
+    job = make_job(a.model, seed=a.seed, tiny_seed=a.tiny_seed, options=_generate_options(a),
                     text_states=a.text_states, text_tokens=a.text_tokens, inputs=a.inputs, payload=a.payload,
                     width=a.width, height=a.height, frames=a.frames, snap=a.snap, steps=a.steps, sampler=a.sampler,
                     scheduler=a.scheduler, denoise=a.denoise, runs=a.runs, warmup=a.warmup, loras=a.lora,
                     sequence_parallel=a.sequence_parallel, output=a.output, write_preview=a.preview,
                     progress=functools.partial(Progress, "sampling", force=a.progress), print_plan=True,
                     control=a.control, env=os.environ)
+    # the progress line knows the run's size: its estimate after the first blocks, its ETA within a slow step
+    job.progress = functools.partial(Progress, "sampling", force=a.progress, steps=job.steps,
+                                     runs=job.runs + job.warmup)
+    return job
+
+
+def cpu_threads(job) -> int | None:
+    """Set torch's intra-op threads for a job on the CPU in this process (runtime.cpu_thread_count: one thread
+    for small work, else the free cores; H3_CPU_THREADS / --cpu-threads / OMP_NUM_THREADS override) -> the count,
+    or None (a GPU job, or sequence-parallel workers, which split the cores themselves)."""
+    if job.device_type != "cpu" or job.sequence_parallel not in (None, 1):
+        return None
+    video, audio = job.latents(job.config)
+    rows = latent_rows(video.shape, audio.shape, job.text.shape[-2], job.conditioning)
+    n = cpu_thread_count(job.model.options.cpu_threads, rows, job.config.hidden_size, torch.get_num_threads())
+    torch.set_num_threads(n)
+    return n
+
+
+SLOWEST_CPU_FLOPS = 1e9  # fp32 matmul FLOP/s every CPU exceeds: work done within WARN_AFTER_S at it is not timed
+
+
+def cpu_matmul_flops(job) -> float:
+    """The matmul FLOPs of a CPU job's sampling: block linears and attention of every block, step and run (the
+    rest left out, so the time they take is a lower bound)."""
+    cfg = job.config
+    video, audio = job.latents(cfg)
+    rows = latent_rows(video.shape, audio.shape, job.text.shape[-2], job.conditioning)
+    per_block = 2 * rows * (4 * cfg.hidden_size * cfg.inner_dim + 3 * cfg.hidden_size * cfg.ffn_hidden_size) \
+        + 4 * rows * rows * cfg.inner_dim
+    return per_block * cfg.num_layers * job.steps * (job.runs + job.warmup)
+
+
+def measured_flops_per_s() -> float:
+    """This CPU's fp32 matmul speed now: a 1024 x 1024 product, the best of three."""
+    x = torch.randn(1024, 1024)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        x @ x
+        best = min(best, time.perf_counter() - t0)
+    return 2 * 1024 ** 3 / best
+
+
+def warn_if_hours(job) -> float | None:
+    """A CPU job whose matmul FLOPs alone need WARN_AFTER_S or more at the speed measured here: a warning before it
+    starts. -> that lower bound in seconds, or None where it was not measured (not the CPU, or too little work to
+    take that long on any CPU)."""
+    if job.device_type != "cpu":
+        return None
+    flops = cpu_matmul_flops(job)
+    if flops / SLOWEST_CPU_FLOPS < WARN_AFTER_S:
+        return None
+    s = flops / measured_flops_per_s()
+    if s >= WARN_AFTER_S:
+        print(f"warning: this run needs at least {clock(s)} on this CPU (its matrix products alone, at the speed "
+              f"measured here); Ctrl-C stops it, and fewer pixels, frames or steps shorten it", file=sys.stderr)
+    return s
 
 
 def cmd_generate(a) -> int:
     job = generate_job(a)  # every input validated before the (possibly long) model load
+    cpu_threads(job)
+    warn_if_hours(job)
     res = run(job)
     if res is None:  # a torchrun rank other than 0: rank 0 writes
         return 0

@@ -9,6 +9,8 @@ argparse needs them (checking a value, printing a command's help), so building t
 from __future__ import annotations
 
 import argparse
+import difflib
+import re
 import sys
 
 EXIT_USAGE = 2  # a refused request or a usage error
@@ -33,12 +35,54 @@ output (| head) does not stop a command: what it would still print there is drop
 """
 
 
+_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+(e[-+]?\d+)?$", re.IGNORECASE)  # a negative number is a value, not a flag
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse with the CLI's error line: usage, then ``error: ...`` as the last line, exit status 2."""
+    """argparse with the CLI's error line: usage, then ``error: ...`` as the last line, exit status 2. An unknown
+    option is one line naming it, the nearest known option and the help of the command it was given to (argparse
+    would report it from the top-level parser, or first complain about a required flag the typo stood for)."""
 
     def error(self, message):
         self.print_usage(sys.stderr)
         self.exit(EXIT_USAGE, f"error: {message} (see {self.prog} --help)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        cmd, i = self._command(args)
+        for parser, tokens in ((self, args[:i]), (cmd, args[i + 1:])):
+            for token in tokens if parser is not None else ():
+                if token == "--":
+                    break
+                if parser._unknown(token):
+                    parser._unknown_option(token.split("=", 1)[0])
+        return super().parse_args(args, namespace)
+
+    def _command(self, args: list[str]):
+        """(the subcommand's parser, its index in args), or (None, len(args)) where no command is named."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for i, token in enumerate(args):
+                    if token in action.choices:
+                        return action.choices[token], i
+                    if not token.startswith("-"):
+                        break
+        return None, len(args)
+
+    def _unknown(self, token: str) -> bool:
+        """True for a flag this parser does not know, not even as an unambiguous prefix (argparse's
+        abbreviations)."""
+        if not token.startswith("-") or token == "-" or _NUMBER.match(token):
+            return False
+        flag = token.split("=", 1)[0]
+        known = self._option_string_actions
+        return flag not in known and not (flag.startswith("--") and any(k.startswith(flag) for k in known))
+
+    def _unknown_option(self, flag: str):
+        known = sorted(k for k in self._option_string_actions if k.startswith("--"))
+        near = difflib.get_close_matches(flag, known, n=1, cutoff=0.7)
+        hint = f"; did you mean {near[0]}?" if near else ""
+        self.exit(EXIT_USAGE, f"error: {self.prog}: unknown option {flag}{hint} (see {self.prog} --help)\n")
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -135,7 +179,8 @@ def _lossy_args(g) -> None:
 
 
 def _generate_inputs_args(g) -> None:
-    g.add_argument("--output", required=True, help="directory for latents.safetensors and report.json (created)")
+    g.add_argument("--output", "--out", dest="output", required=True,
+                   help="directory for latents.safetensors and report.json (created)")
     g.add_argument("--model", help="H3 DiT checkpoint (.safetensors or sharded .index.json); default: the embedded "
                                    "tiny model")
     g.add_argument("--tiny-seed", type=int, default=0, help="weight seed of the embedded tiny model")
@@ -169,6 +214,10 @@ def _generate_parser(sub) -> None:
     g.add_argument("--runs", type=int, default=1, help="measured resident runs (the report gives their median)")
     g.add_argument("--warmup", type=int, default=0, help="resident runs before the measured ones (not reported)")
     g.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N (default: auto, or H3 options)")
+    g.add_argument("--cpu-threads", default=None, metavar="N|auto",
+                   help="torch threads of a CPU run (default: auto, or H3_CPU_THREADS / OMP_NUM_THREADS): one thread "
+                        "for small work, where a pool only waits on itself and on other busy processes; else the "
+                        "cores that are free")
     g.add_argument("--vram-budget", default=None, metavar="GB|auto",
                    help="device-memory budget of the run in GB (1 GB = 1e9 bytes), or auto (default, or "
                         "H3_VRAM_BUDGET): the free device memory less a margin. Blocks that do not fit stream from "
@@ -204,7 +253,8 @@ def _forward_parser(sub) -> None:
                                      "audio_denoise_mask, sample_sigmas, *_cond_noise_aug, seed)")
     f.add_argument("--control", metavar="CONTROL.safetensors",
                    help="a Fun ControlNet (core's model patch file) applied with the payload's control field")
-    f.add_argument("--out", required=True, help="safetensors file for the video and audio velocities")
+    f.add_argument("--out", "--output", dest="out", required=True,
+                   help="safetensors file for the video and audio velocities")
     f.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
     f.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     f.add_argument("--dense", action="store_true",

@@ -19,7 +19,7 @@ from .model_spec import ModelSpec, open_model, runtime_options
 from .forward import ForwardJob, forward_job, run_forward
 # a resident model and sampling
 from .model.config import H3Config
-from .options import CHOICES, FC2_MODES, SPARSE_EXTRA_TOKENS_CHOICES, RuntimeOptions
+from .options import CHOICES, FC2_MODES, SPARSE_EXTRA_TOKENS_CHOICES, RuntimeOptions, cpu_thread_count
 from .plan import resolve_device
 from .load import H3Runtime, load_model
 from .resident import ResidentModel
@@ -35,7 +35,7 @@ from .model.control import ControlError, FunControl, bind_control
 from .errors import CheckpointError, H3Error, Interrupted, is_out_of_memory
 from .sampling.request import RequestError
 # request checks, outputs, reports
-from .sampling.request import MAX_NOISE_INDEX, SEED_RANGE, check_int, check_output_file
+from .sampling.request import MAX_NOISE_INDEX, SEED_RANGE, check_int, check_output_file, latent_rows
 from .io.atomic import save_tensors, write_dir, write_file
 from .sampling.report import latent_sha256, nonfinite_message, summary
 from .sampling.preview import latent_to_rgb, write_preview_webp
@@ -61,4 +61,5 @@ __all__ = [
     "latent_sha256", "nonfinite_message", "summary", "latent_to_rgb", "write_preview_webp",
     "audio_frames", "latent_frames", "snap_frames", "percent_to_sigma", "audio_denoise_mask", "video_denoise_mask",
     "save_tiny", "quantize_checkpoint", "fc2_tune",
+    "cpu_thread_count", "latent_rows",
 ]

@@ -41,6 +41,12 @@ SPARSE_MIN_TOKENS = 12288      # shorter sequences stay dense
 # default
 FC2_MODES: dict[str, tuple[bool, bool]] = {"on": (True, False), "off": (False, False), "strict": (True, True)}
 
+# CPU threads (``cpu_threads`` auto): an activation of fewer elements than this (packed rows x model width) makes
+# each op too short to share: a pool of several threads then waits on its slowest member at every op, and one
+# other busy process on the machine stalls them all (the tiny model's job: 0.2 s/step on one thread, 2.6 s on two
+# beside a busy loop). Such work runs on one thread; bigger work on the cores that are free.
+SMALL_CPU_WORK = 1 << 21
+
 # field -> (environment variable, kind)
 _ENV = {
     "attention": ("H3_ATTENTION", str),
@@ -141,6 +147,8 @@ class RuntimeOptions:
     cache_dir:  where the FC2 extension build and its tables live
     vram_budget: device-memory budget of a run: auto (the free device memory less a margin) or a number of GB
                 (1 GB = 1e9 bytes); blocks beyond it stream from pinned host memory (runtime.budget)
+    cpu_threads: torch's intra-op threads for a run on the CPU in a process of its own (the CLI; ComfyUI keeps its
+                own): auto (see ``cpu_thread_count``) or a number; H3_CPU_THREADS, else OMP_NUM_THREADS
     ignored:    {variable: why} for accepted names that change nothing here (never reported as configuration)
     """
 
@@ -163,6 +171,7 @@ class RuntimeOptions:
     sparse_min_tokens: int = SPARSE_MIN_TOKENS
     first_block_cache: float | None = None
     vram_budget: str = "auto"
+    cpu_threads: str = "auto"
     ignored: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -174,6 +183,9 @@ class RuntimeOptions:
                 raise ValueError(f"option {name}={v!r}: expected one of {', '.join(choices)}")
         self._check_lossy()
         self._check_budget()
+        if self.cpu_threads != "auto" and not (str(self.cpu_threads).isdigit() and int(self.cpu_threads) > 0):
+            raise ValueError(f"option cpu_threads={self.cpu_threads!r}: expected auto or a positive whole number "
+                             "(H3_CPU_THREADS, --cpu-threads)")
 
     def _check_budget(self):
         """vram_budget: auto or a positive number of GB (runtime.budget.parse_vram_budget reads it)."""
@@ -221,6 +233,9 @@ class RuntimeOptions:
         for name, (var, kind) in _ENV.items():
             if var in env:
                 kw[name] = _parse_bool(var, env[var]) if kind == "bool" else kind(env[var])
+        threads = env.get("H3_CPU_THREADS") or env.get("OMP_NUM_THREADS")  # OMP's: what the user set for torch
+        if threads:
+            kw["cpu_threads"] = threads.strip().lower()
         kw["ignored"] = {var: why for var, why in IGNORED_ENV.items() if var in env}
         kw.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**kw)
@@ -244,3 +259,28 @@ class RuntimeOptions:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _free_cores() -> int:
+    """The cores this process may run on (its affinity) less the load average's busy ones, at least 1."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        busy = os.getloadavg()[0]
+    except OSError:  # no load average here
+        busy = 0.0
+    return max(1, min(cores, cores - int(busy + 0.5)))
+
+
+def cpu_thread_count(setting: str, rows: int, width: int, default: int, free: int | None = None) -> int:
+    """torch's intra-op threads for a CPU run of ``rows`` packed rows of a model ``width`` wide.
+
+    ``setting``: RuntimeOptions.cpu_threads (a number is taken as given); ``default``: torch's own count (its
+    physical cores); ``free``: the cores free now (default: the affinity less the 1-minute load average).
+    auto: 1 thread when one activation has fewer than SMALL_CPU_WORK elements, else the free cores, at most
+    ``default``.
+    """
+    if setting != "auto":
+        return int(setting)
+    if rows * width < SMALL_CPU_WORK:
+        return 1
+    return max(1, min(default, _free_cores() if free is None else free))

@@ -46,6 +46,8 @@ h3_install() {
   if [ -f "$stamp" ] && [ -x "$VENV/bin/h3-blackwell" ] && [ "$(_h3_install_state "$extras")" = "$(cat "$stamp")" ]; then
     return 0  # installed from this folder with these extras, pyproject.toml unchanged, every requirement present
   fi
+  echo "installing h3-blackwell${extras:+[$extras]} into $VENV (torch and what it needs; once, about a minute" \
+       "the first time)..." >&2
   log="$(mktemp)"  # pip's and setuptools' chatter, shown only when the install fails
   if ! { { "$PY" -m pip install -q --upgrade pip || true; } \
          && { "$PY" -c "import torch" || "$PY" -m pip install -q "${H3_TORCH:-torch==2.13.0}"; } \

@@ -8,7 +8,14 @@ import types
 from pathlib import Path
 
 import pytest
-import torch
+
+# The suite's work is small (tiny models): one intra-op thread, as `generate`'s auto picks for such work
+# (runtime.cpu_thread_count). A pool of two on a 2-core machine that other jobs share waits on its slowest thread at
+# every op (the suite: 11 min against 9). Set before torch is imported, so this process and every command the tests
+# start inherit it; an OMP_NUM_THREADS already set wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402 - after the thread count above
 
 # Before anything imports h3_blackwell: Triton decides at decoration (the kernel modules' import) whether a kernel
 # is compiled or interpreted.

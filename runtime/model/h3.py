@@ -181,6 +181,7 @@ class RunPlan:
     video_mask: torch.Tensor | None = None
     audio_mask: torch.Tensor | None = None
     control: object | None = None  # a bound Fun ControlNet (runtime.model.control.bind_control) or None
+    on_block: object | None = None  # (step, blocks done, blocks) after each block: progress within a step
 
 
 class H3Model(nn.Module):
@@ -370,6 +371,8 @@ class H3Model(nn.Module):
                 x = self.blocks[j](x, plan.mods[i][j], segs, plan.cos, plan.sin, ops, j)
                 if ctl is not None:
                     x = ctl.after(j, x, ops)
+                if plan.on_block is not None:
+                    plan.on_block(i, j + 1, len(self.blocks))
             return x
 
         n = len(self.blocks)

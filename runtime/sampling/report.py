@@ -235,7 +235,8 @@ def summary(report: dict) -> str:
             f"{w['frames']} frames, {w['packed_tokens']} packed rows, {steps} steps -> median {med:.3f} s "
             f"({med / steps:.3f} s/step) over {len(report['sampling_seconds'])} run(s)\n"
             f"video sha256 {lc['video_sha256'][:16]}..  audio sha256 {lc['audio_sha256'][:16]}..  "
-            f"exact across runs: {lc['exact_across_measured_runs']}")
+            + (f"exact across runs: {lc['exact_across_measured_runs']}" if len(report["sampling_seconds"]) > 1
+               else "1 run, nothing to compare"))
     sp = report.get("sequence_parallel")
     if sp:
         a2a = sp["all_to_all"]

@@ -85,6 +85,7 @@ def _run_once(rt, plan, sigmas, sampler, video0, audio0, noise_v, noise_a, scale
               lossy: LossyRun | None = None, measured: bool = True):
     model = rt.model
     cache = lossy.cache if lossy is not None else None
+    plan.on_block = getattr(progress, "block", None)  # progress.block(step, done, total): progress within a step
     if evaluate is None:
         def evaluate(plan_, i_, video_, audio_):
             return model.evaluate(plan_, i_, video_, audio_, rt.ops, cache)

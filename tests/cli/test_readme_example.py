@@ -4,6 +4,7 @@ on them. The README is the contract a new user copies from; a renamed field or a
 
 import json
 import re
+import runpy
 import shlex
 from pathlib import Path
 
@@ -37,7 +38,7 @@ def test_readme_conditioning_example_runs_as_written(tmp_path, monkeypatch, caps
         if not argv:
             continue
         if argv == ["python", "make_example_inputs.py"]:
-            exec(compile(script, "make_example_inputs.py", "exec"), {"__name__": "__main__"})
+            runpy.run_path(str(tmp_path / "make_example_inputs.py"), run_name="__main__")
             continue
         assert argv[0] == "h3-blackwell", cmd
         code = main(argv[1:])
