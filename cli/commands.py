@@ -18,9 +18,10 @@ from pathlib import Path
 
 import torch
 
-from ..runtime import (SEED_RANGE, H3Error, check_int, check_output_file, forward_job, make_job, nonfinite_message,
-                       quantize_checkpoint, resolve_device, run, run_forward, runtime_options, save_tensors, save_tiny,
-                       summary, write_dir, write_file, write_preview_webp)
+from ..runtime import (SEED_RANGE, Canvas, H3Error, JobFiles, Launch, Measure, SamplingSettings, check_int,
+                       check_output_file, forward_job, make_job, nonfinite_message, quantize_checkpoint, resolve_device,
+                       run, run_forward, runtime_options, save_tensors, save_tiny, summary, write_dir, write_file,
+                       write_preview_webp)
 from .progress import Progress
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -46,13 +47,12 @@ def _generate_options(a) -> dict:
 
 def generate_job(a):
     """The runtime's validated job for generate's flags (no weight is read)."""
-    return make_job(a.model, seed=a.seed, tiny_seed=a.tiny_seed, options=_generate_options(a),
-                    text_states=a.text_states, text_tokens=a.text_tokens, inputs=a.inputs, payload=a.payload,
-                    width=a.width, height=a.height, frames=a.frames, snap=a.snap, steps=a.steps, sampler=a.sampler,
-                    scheduler=a.scheduler, denoise=a.denoise, runs=a.runs, warmup=a.warmup, loras=a.lora,
-                    sequence_parallel=a.sequence_parallel, output=a.output, write_preview=a.preview,
-                    progress=functools.partial(Progress, "sampling", force=a.progress), print_plan=True,
-                    control=a.control, env=os.environ)
+    return make_job(a.model, sampling=SamplingSettings(a.seed, a.steps, a.sampler, a.scheduler, a.denoise),
+                    files=JobFiles(a.text_states, a.text_tokens, a.inputs, a.payload, a.control, tuple(a.lora or ())),
+                    canvas=Canvas(a.width, a.height, a.frames, a.snap), options=_generate_options(a),
+                    measure=Measure(a.runs, a.warmup), tiny_seed=a.tiny_seed,
+                    launch=Launch(a.sequence_parallel, a.output, a.preview,
+                                  functools.partial(Progress, "sampling", force=a.progress), True, os.environ))
 
 
 def cmd_generate(a) -> int:

@@ -244,3 +244,47 @@ class RuntimeOptions:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# one run's settings, passed whole from the request to the plan to the loop
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """One sampling run: the noise seed, the step count (None: the model's default, for ``make_job``), core's
+    sampler and scheduler names, partial denoise, the flow shifts (None: the model's), and the input latent's
+    batch entry whose noise is drawn (core's ``batch_index`` [k])."""
+
+    seed: int
+    steps: int | None = None
+    sampler: str = "res_multistep"
+    scheduler: str = "simple"
+    denoise: float = 1.0
+    shift_video: float | None = None
+    shift_audio: float | None = None
+    batch_index: int = 0
+
+    def shifts(self, shift_video: float, shift_audio: float) -> tuple[float, float]:
+        """(video, audio) shifts: these settings', else the model's ``shift_video`` / ``shift_audio``."""
+        return (float(self.shift_video if self.shift_video is not None else shift_video),
+                float(self.shift_audio if self.shift_audio is not None else shift_audio))
+
+
+@dataclass(frozen=True)
+class LossySettings:
+    """One run's LOSSY speed settings (None: the load options'): the sparse routing threshold (attention=sparse
+    only) and the First-Block Cache threshold. Installed once per run on the model call
+    (``runtime.sampling.lossy``); the blocks never see them."""
+
+    sparse_tau: float | None = None
+    first_block_cache: float | None = None
+
+
+@dataclass(frozen=True)
+class Measure:
+    """How often a job samples: ``warmup`` unreported resident runs, then ``runs`` measured ones (the report
+    gives their median and whether their latents are the same bytes)."""
+
+    runs: int = 1
+    warmup: int = 0

@@ -6,6 +6,7 @@ recorded beside them); step times come from events recorded without a per-step s
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import platform
 import statistics
@@ -13,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
+from ..parallel.rank_stats import merge_sections
 
 
 def latent_sha256(t: torch.Tensor) -> str:
@@ -253,3 +256,25 @@ def summary(report: dict) -> str:
                  "exposed)" + (f"; peak {mem['peak_allocated_bytes'] / 1e9:.2f} GB allocated"
                                if mem.get("peak_allocated_bytes") else ""))
     return text
+
+
+def measured_report(rt, results: list, warmup: int) -> dict:
+    """One report over the measured runs of one request (``results``: their SampleResults, each with its one
+    run's report and record; ``warmup`` runs before them went unreported): the per-run lists (seconds, step
+    times, peaks, FC2 counts) joined, their median, whether their latents are the same bytes, where a latent
+    first became non-finite (runs counted from the first warm-up); the last run's blocks otherwise."""
+    last = results[-1]
+    records = []
+    for k, res in enumerate(results):
+        bad = res.record.nonfinite
+        records.append(res.record if bad is None else
+                       dataclasses.replace(res.record, nonfinite=dict(bad, run=warmup + k + 1)))
+    report = dict(last.report)
+    report.update(build_report(rt, last.report["workload"], records, warmup, last.video, last.audio,
+                               last.report["fc2_dispatch"]["required_per_run"]))
+    if "first_block_cache" in report:
+        report["first_block_cache"] = dict(report["first_block_cache"], reused_steps_per_measured_run=[
+            r.report["first_block_cache"]["reused_steps"] for r in results])
+    if "sequence_parallel" in report:
+        report["sequence_parallel"] = merge_sections([r.report["sequence_parallel"] for r in results])
+    return report
