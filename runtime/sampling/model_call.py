@@ -278,8 +278,9 @@ class ModelCall:
     def _check_control(cond, control) -> None:
         hint = None if cond is None else cond.control
         if (control is None) != (hint is None):
-            raise H3Error("a Fun ControlNet needs both the tower (control=, --control FILE) and the conditioning's "
-                          f"hint (cond.control, payload field control); found {'the hint' if control is None else 'the tower'} only")
+            found = "the hint" if control is None else "the tower"
+            raise H3Error("a Fun ControlNet needs both the tower (control=) and the conditioning's hint "
+                          f"(cond.control); got {found} only")
 
     # -- plans -----------------------------------------------------------------------------------
     def _plan_for(self, text, tags, shapes, cond, shifts, control=None) -> _Plan:

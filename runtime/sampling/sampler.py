@@ -133,10 +133,6 @@ def _check_run(rt, inputs: SampleInputs, settings: SamplingSettings, control, pa
                       "when to stop); pass interrupt=None")
     if inputs.conditioning is not None and inputs.keyframes:
         raise H3Error("pass keyframes inside conditioning (H3Conditioning.keyframes), not both")
-    hint = None if inputs.conditioning is None else inputs.conditioning.control
-    if (control is None) != (hint is None):
-        raise H3Error("a Fun ControlNet needs both the tower (control=, --control FILE) and the conditioning's "
-                      f"control hint (payload field control); found {'the tower' if hint is None else 'the hint'} only")
     if control is not None and parallel is not None:
         raise H3Error("the Fun ControlNet tower does not run under sequence parallelism yet; run it on one GPU")
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from h3_blackwell.nodes import core_model as cm
-from h3_blackwell.runtime import RuntimeOptions, load_model, sample
+from h3_blackwell.runtime import RuntimeOptions, load_model
+from fixtures.sampling import sample
 from h3_blackwell.runtime.load import StateDictSource
 from h3_blackwell.runtime.model.config import H3Config
 from h3_blackwell.runtime.model.layout import latent_shapes

@@ -20,7 +20,8 @@ from h3_blackwell.nodes._common import H3NodeError  # noqa: E402
 from h3_blackwell.nodes.control import (NO_FILE, ControlledModel, H3FunControlNetApply, percent_to_sigma,  # noqa: E402
                                         prepare_hint)
 from h3_blackwell.nodes.sampler import H3Sampler  # noqa: E402
-from h3_blackwell.runtime import load_control, sample  # noqa: E402
+from h3_blackwell.runtime import load_control  # noqa: E402
+from fixtures.sampling import sample  # noqa: E402
 from h3_blackwell.runtime import conditioning_from_payload  # noqa: E402
 from h3_blackwell.runtime.model.config import TINY  # noqa: E402
 

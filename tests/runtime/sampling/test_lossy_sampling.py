@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from h3_blackwell.cli import main as cli
-from h3_blackwell.runtime import RuntimeOptions, load_model, sample
+from h3_blackwell.runtime import RuntimeOptions, load_model
+from fixtures.sampling import sample
 from h3_blackwell.runtime.errors import H3Error
 from h3_blackwell.runtime.model.layout import latent_shapes
 from h3_blackwell.runtime.ops import sparse_attention as SA

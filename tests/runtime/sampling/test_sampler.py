@@ -4,7 +4,8 @@ interruption; the report schema."""
 import pytest
 import torch
 
-from h3_blackwell.runtime import Interrupted, RuntimeOptions, load_model, sample
+from h3_blackwell.runtime import Interrupted, RuntimeOptions, load_model
+from fixtures.sampling import sample
 from h3_blackwell.runtime.model.layout import latent_shapes
 
 CPU = RuntimeOptions(device="cpu", dtype="float32")
