@@ -189,12 +189,11 @@ def _inputs_file(path: str, payload: str | None, seed: int, cfg: H3Config, clash
             "audio": audio, "conditioning": cond, "canvas": (video.shape[4] * 16, video.shape[3] * 16, frames)}
 
 
-def _check_numbers(seed, tiny_seed, runs, warmup, denoise) -> None:
-    check_seed(seed)
-    check_int("tiny_seed", tiny_seed, *SEED_RANGE)
-    check_int("runs", runs, 1)
-    check_int("warmup", warmup, 0)
-    check_denoise(denoise)
+def _check_numbers(sampling: SamplingSettings, measure: Measure) -> None:
+    check_seed(sampling.seed)
+    check_int("runs", measure.runs, 1)
+    check_int("warmup", measure.warmup, 0)
+    check_denoise(sampling.denoise)
 
 
 def _spec_type(options) -> str:
@@ -285,7 +284,8 @@ def make_job(model=None, *, sampling: SamplingSettings, files: JobFiles = JobFil
     measured runs; launch: workers, output folder, preview, progress (``Launch``). Checks run cheap first,
     each refusal an H3Error (RequestError, CheckpointError, ParallelError, ...)."""
     source, cfg, weight_bytes = open_source(model)
-    _check_numbers(sampling.seed, tiny_seed, measure.runs, measure.warmup, sampling.denoise)
+    check_int("tiny_seed", tiny_seed, *SEED_RANGE)
+    _check_numbers(sampling, measure)
     if launch.sequence_parallel is not None:  # the degree first: its message names the devices it needs
         check_degree(launch.sequence_parallel, cfg.num_heads, _spec_type(options))
     opts = runtime_options(options)
@@ -337,7 +337,7 @@ def tensor_job(model, inputs: SampleInputs, sampling: SamplingSettings,
     text, tags, video, audio = inputs.text, inputs.tags, inputs.video, inputs.audio
     check_text_states(text, tags, cfg, sources[0])
     check_latents(video, audio, cfg, sources[1])
-    check_seed(int(sampling.seed))
+    _check_numbers(sampling, job.get("measure", Measure()))
     if sampling.steps is None:
         raise RequestError("steps: expected a step count (an int >= 1); found None")
     check_steps(int(sampling.steps))
@@ -369,11 +369,10 @@ def tensor_job(model, inputs: SampleInputs, sampling: SamplingSettings,
 # run
 # ---------------------------------------------------------------------------------------------
 
-def _load(ctx, job: Job):
+def _load(ctx, job: Job, video: torch.Tensor, audio: torch.Tensor):
     """The job's runtime: its ModelSpec loaded (onto ctx.device for a rank), its memory budget planned for this
-    run's size; or the resident model made to carry exactly this job's LoRA stack."""
+    run's size (``video`` / ``audio``); or the resident model made to carry exactly this job's LoRA stack."""
     if isinstance(job.model, ModelSpec):
-        video, audio = job.latents(job.model.config)
         return job.model.load(device=None if ctx is None else str(ctx.device), workload=Workload.from_shapes(
             video.shape, audio.shape, job.inputs.text.shape[-2], job.sampling.steps, job.inputs.conditioning,
             TowerSize.of(job.control)))
@@ -387,8 +386,8 @@ def run_rank(ctx, job: Job):
     ctx.device). -> SampleResult of the last run, its report over the measured runs; every rank returns the
     same latents."""
     main = ctx is None or ctx.is_main
-    rt = _load(ctx, job)
-    video, audio = job.latents(rt.config)
+    video, audio = job.latents(job.config)
+    rt = _load(ctx, job, video, audio)
     if main and job.print_plan:
         print(rt.describe(), file=sys.stderr)
     tower = load_control(job.control, rt.plan, rt.config) if isinstance(job.control, ControlFile) else job.control

@@ -265,11 +265,6 @@ class SamplingSettings:
     shift_audio: float | None = None
     batch_index: int = 0
 
-    def shifts(self, shift_video: float, shift_audio: float) -> tuple[float, float]:
-        """(video, audio) shifts: these settings', else the model's ``shift_video`` / ``shift_audio``."""
-        return (float(self.shift_video if self.shift_video is not None else shift_video),
-                float(self.shift_audio if self.shift_audio is not None else shift_audio))
-
 
 @dataclass(frozen=True)
 class LossySettings:

@@ -15,7 +15,6 @@ from typing import Callable
 import torch
 
 from ..errors import H3Error, Interrupted
-from ..io.payload import conditioning_from_payload
 from ..model.conditioning import H3Conditioning
 from ..options import LossySettings, SamplingSettings
 from .inpaint import Inpaint
@@ -39,16 +38,16 @@ class SampleResult:
 @dataclass
 class SampleInputs:
     """What a run samples from: text states [1, L, text_dim] fp32, token tags [L] (1 text, 0 vision) or None (all
-    text), the input latent video [1, C, T, H, W] / audio [1, Ca, 2, Ta] (zeros for t2va), core's conditioning
-    (``H3Conditioning``: keyframes, references, denoise masks, noise augmentation, seed, sample_sigmas) or
-    core's ``minimax_keyframes`` dicts ``[{"resolved_frame_index": int, "latent": [1, C, t, H, W]}]`` (fl2va)."""
+    text), the input latent video [1, C, T, H, W] / audio [1, Ca, 2, Ta] (zeros for t2va) and core's
+    conditioning (``H3Conditioning``: keyframes, references, denoise masks, noise augmentation, seed,
+    sample_sigmas; core's payload, ``minimax_keyframes`` included, becomes one with
+    ``conditioning_from_payload``) or None (plain t2va)."""
 
     text: torch.Tensor
     tags: torch.Tensor | None
     video: torch.Tensor
     audio: torch.Tensor
     conditioning: H3Conditioning | None = None
-    keyframes: list | None = None
 
 
 @dataclass
@@ -100,12 +99,6 @@ def _with_run_schedule(cond: H3Conditioning, sigmas: torch.Tensor) -> H3Conditio
     return dataclasses.replace(cond, sample_sigmas=sigmas.float().cpu())
 
 
-def _plan_conditioning(cond: H3Conditioning | None, keyframes: list | None, seed: int) -> H3Conditioning:
-    """What the model plans the run with: the conditioning, or core's ``minimax_keyframes`` dicts and the seed
-    parsed as a payload (a plain t2va conditioning without either)."""
-    if cond is not None:
-        return cond
-    return conditioning_from_payload({"keyframes": list(keyframes or ()), "seed": int(seed)})
 
 
 
@@ -131,15 +124,14 @@ def _check_run(rt, inputs: SampleInputs, settings: SamplingSettings, control, pa
     if parallel is not None and hooks.interrupt is not None:
         raise H3Error("interrupt is not supported in a sequence-parallel run (the ranks would disagree on "
                       "when to stop); pass interrupt=None")
-    if inputs.conditioning is not None and inputs.keyframes:
-        raise H3Error("pass keyframes inside conditioning (H3Conditioning.keyframes), not both")
     if control is not None and parallel is not None:
         raise H3Error("the Fun ControlNet tower does not run under sequence parallelism yet; run it on one GPU")
 
 
 def _start(rt, inputs: SampleInputs, settings: SamplingSettings) -> _Start:
     """Shifts, schedule, the plan's conditioning, core's initial noise and the starting state (module docstring)."""
-    shifts = settings.shifts(rt.config.shift_video, rt.config.shift_audio)
+    shifts = (float(settings.shift_video if settings.shift_video is not None else rt.config.shift_video),
+              float(settings.shift_audio if settings.shift_audio is not None else rt.config.shift_audio))
     scale = audio_scale(*shifts)
     sigmas = get_sigmas(settings.scheduler, settings.steps, shifts[0], settings.denoise)
     cond = None if inputs.conditioning is None else _with_run_schedule(inputs.conditioning, sigmas)
@@ -153,7 +145,8 @@ def _start(rt, inputs: SampleInputs, settings: SamplingSettings) -> _Start:
     s0 = sigmas[0]
     xv = (s0 * noise_v + (1.0 - s0) * video0).to(rt.device)
     y = (s0 * noise_a + (1.0 - s0) * (audio0 * scale)).to(rt.device)
-    return _Start(shifts, scale, sigmas, _plan_conditioning(cond, inputs.keyframes, settings.seed), xv, y, inpaint)
+    plan_cond = cond if cond is not None else H3Conditioning(seed=int(settings.seed))  # plain t2va: the run's seed
+    return _Start(shifts, scale, sigmas, plan_cond, xv, y, inpaint)
 
 
 @torch.no_grad()
@@ -183,8 +176,7 @@ def _steps(call: ModelCall, inputs: SampleInputs, sampler: str, start: _Start, c
     return xv, (y / scale if scale != 1.0 else y)
 
 
-def _workload_extra(inputs: SampleInputs, settings: SamplingSettings, cond: H3Conditioning | None,
-                    extra: dict | None) -> dict:
+def _workload_extra(settings: SamplingSettings, cond: H3Conditioning | None, extra: dict | None) -> dict:
     """The sampler's fields of the report's workload (its settings and conditioning), then the caller's own."""
     w = {"seed": int(settings.seed), "sampler": settings.sampler, "scheduler": settings.scheduler,
          "denoise": settings.denoise}
@@ -225,6 +217,8 @@ def sample(rt, inputs: SampleInputs, settings: SamplingSettings, lossy: LossySet
     settings = dataclasses.replace(settings, batch_index=check_noise_index(settings.batch_index))
     _check_run(rt, inputs, settings, control, parallel, hooks)
     start = _start(rt, inputs, settings)
+    cond = start.cond if inputs.conditioning is not None else None
+    workload = _workload_extra(settings, cond, workload_extra)
     call = ModelCall(rt, parallel)
     # the plan carries the conditioning's schedule only where one was given (as core's payload has it)
     call.begin_run(start.sigmas, lossy, pin_schedule=False)
@@ -235,6 +229,5 @@ def sample(rt, inputs: SampleInputs, settings: SamplingSettings, lossy: LossySet
     finally:
         call.end_run()
     video, audio = xv.float().cpu(), y.float().cpu()
-    cond = start.cond if inputs.conditioning is not None else None
-    report = call.report(video, audio, _workload_extra(inputs, settings, cond, workload_extra))
+    report = call.report(video, audio, workload)
     return SampleResult(video, audio, report, call.last_run.record)
