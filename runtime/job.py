@@ -395,8 +395,8 @@ def run_rank(ctx, job: Job):
     inputs = dataclasses.replace(job.inputs, video=video, audio=audio)
     results = []
     for _ in range(job.measure.warmup + job.measure.runs):
-        results.append(sampling.sample(rt, inputs, job.sampling, job.lossy, tower, hooks, ctx,
-                                       job.workload_extra or None))
+        results.append(sampling.sample(rt, inputs, job.sampling, lossy=job.lossy, control=tower, hooks=hooks,
+                                       parallel=ctx, workload_extra=job.workload_extra or None))
         if len(results) > job.measure.runs:  # warm-ups: only the last runs are reported
             results.pop(0)
     last = results[-1]

@@ -8,8 +8,7 @@ conditioning. It gets back the negated network output (CONST velocity ``eps - x0
 the audio, the velocity of the carried variable ``(1 - s) * x_a + (1 + (s - 1) * sigma_a) * v_a``
 (``runtime.sampling.schedule.carry_in`` / ``carry_out``): exactly what ``sample`` computes inside its loop.
 
-A sampling run (``begin_run`` .. ``end_run``) plans the device-memory budget for the largest size it sees (as
-``sample`` does at its start) and builds the run plan once, from the first call's text states,
+A sampling run (``begin_run`` .. ``end_run``) plans the device-memory budget for the largest size it sees and builds the run plan once, from the first call's text states,
 shapes, conditioning and the host's whole schedule (``schedule``: core's ``sample_sigmas``, trailing 0
 included): the refined text, layout, RoPE tables and the modulation rows of every scheduled sigma. A call at a
 scheduled sigma then costs only the block stack; a call at another sigma (a sampler's intermediate point)
@@ -40,7 +39,7 @@ from ..options import LossySettings
 from ..parallel.evaluate import ShardedEvaluator, numerics
 from ..parallel.rank_stats import gather_ranks, parallel_section, rank_run
 from .lossy import LossyRun, tower_ops
-from .report import RunRecord, build_report, latent_sha256
+from .report import RunRecord, build_report, first_nonfinite, latent_sha256
 from .request import latent_rows
 from .schedule import carry_in, carry_out, model_sigma
 
@@ -305,13 +304,13 @@ class ModelCall:
         return p
 
     def _bind(self, plan, control, cond, window_sigmas) -> None:
-        """Bind the tower (if any) to ``plan`` with the hint ``cond.control`` (``bind_control`` with ``tower_ops``,
-        as ``sample`` does)."""
+        """Bind the tower (if any) to ``plan`` with the hint ``cond.control`` (``bind_control`` with ``tower_ops``:
+        the tower runs dense attention, as core's)."""
         if control is not None:
             bind_control(self.rt.model, control, cond.control, plan, window_sigmas, ops=tower_ops(self.rt))
 
     def _fit(self, text, shapes, cond, steps: int, control=None) -> None:
-        """The device-memory budget planned again for this conditioning's size, as ``sample`` does when it starts
+        """The device-memory budget planned again for this conditioning's size
         (``H3Runtime.fit_memory``: blocks move between the device and host memory if the decision changes; the
         host's latents may be larger than the size the load planned for). Within a run only a conditioning with
         more packed rows than any before plans again (CFG's second conditioning, or a shorter prompt, keeps the
@@ -379,7 +378,8 @@ class ModelCall:
     # -- the report ------------------------------------------------------------------------------
     def report(self, video: torch.Tensor, audio: torch.Tensor, workload_extra: dict | None = None) -> dict:
         """The last finished run's report: per-call seconds as ``per_step_seconds``, the FC2 counters, peak
-        memory, the lossy and control blocks, ``latents_finite`` from every call's output, the sha256 of
+        memory, the lossy and control blocks, ``latents_finite`` from every call's output and the final
+        latents (``nonfinite``: the first call whose output was not, else the last step), the sha256 of
         ``video`` / ``audio`` (the host's final latents), the workload (``workload_extra`` overrides its fields)
         and, in a sequence-parallel run, the ranks' block (a collective: every rank reports). Raises H3Error
         when no run has finished."""
@@ -391,12 +391,13 @@ class ModelCall:
             per_call = [a.elapsed_time(b) / 1000.0 for a, b in run.marks]
         else:
             per_call = [b - a for a, b in run.marks]
-        bad = None
-        for k, (fv, fa) in enumerate(run.finite):
-            if not bool(fv) or not bool(fa):
-                bad = {"run": 1, "step": k + 1, "steps": len(run.finite),
-                       "stream": "video" if not bool(fv) else "audio"}
-                break
+        # each call's outputs (a backend's numerics), then the final latents (the host's last update)
+        finite = [torch.stack(f) for f in run.finite] + [torch.stack([torch.isfinite(video).all(),
+                                                                      torch.isfinite(audio).all()]).to(rt.device)]
+        bad = first_nonfinite(torch.stack(finite).cpu(), 0)
+        if bad is not None:
+            bad["steps"] = len(run.finite)
+            bad["step"] = min(bad["step"], bad["steps"])
         run.record = RunRecord(run.seconds, [{"step": k + 1, "seconds": v} for k, v in enumerate(per_call)],
                                *run.peaks, latent_sha256(video.float()), latent_sha256(audio.float()), dict(run.fc2),
                                nonfinite=bad)

@@ -24,40 +24,6 @@ def latent_sha256(t: torch.Tensor) -> str:
     return hashlib.sha256(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()
 
 
-class StepTimer:
-    """Per-step times: CUDA events with one synchronisation at the end, or perf_counter on the CPU."""
-
-    def __init__(self, device: torch.device, steps: int):
-        self.cuda = device.type == "cuda"
-        self.steps = steps
-        if self.cuda:
-            self.events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                           for _ in range(steps)]
-        else:
-            self.marks = [[0.0, 0.0] for _ in range(steps)]
-
-    def start(self, i):
-        if self.cuda:
-            self.events[i][0].record()
-        else:
-            self.marks[i][0] = time.perf_counter()
-
-    def stop(self, i):
-        if self.cuda:
-            self.events[i][1].record()
-        else:
-            self.marks[i][1] = time.perf_counter()
-
-    def seconds(self) -> list:
-        """[{step, seconds}] (synchronises once on CUDA)."""
-        if self.cuda:
-            torch.cuda.synchronize()
-            vals = [a.elapsed_time(b) / 1000.0 for a, b in self.events]
-        else:
-            vals = [b - a for a, b in self.marks]
-        return [{"step": i + 1, "seconds": v} for i, v in enumerate(vals)]
-
-
 @dataclass
 class RunRecord:
     """One run's measurements. Peaks are None where the device keeps no allocator statistics (the CPU);

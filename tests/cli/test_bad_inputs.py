@@ -412,17 +412,33 @@ def test_bad_lora_specs(spec, needles, out, tmp_path, capsys):
 
 
 def test_nonfinite_latents_are_an_error(out, capsys, monkeypatch):
-    """A backend that diverges mid-run: the step and the stream are named, nothing is written."""
+    """A backend that diverges mid-run (the model's output at the second step): the step and the stream are
+    named, nothing is written."""
+    from h3_blackwell.runtime.model.h3 import H3Model
+
+    real, calls = H3Model.evaluate, []
+
+    def diverging(self, plan, i, video, audio, ops=None):
+        vv, va = real(self, plan, i, video, audio, ops)
+        calls.append(i)
+        return (vv * float("nan") if len(calls) == 2 else vv), va
+
+    monkeypatch.setattr(H3Model, "evaluate", diverging)
+    refused(capsys, ["generate", "--output", out / "o", *SMALL[:-1], "3"], "step 2 of 3", "video", "--attention",
+            watch=out)
+
+
+def test_nonfinite_final_update_is_an_error(out, capsys, monkeypatch):
+    """The sampler's last update diverges (no model call follows it): the final latents are checked too."""
     import h3_blackwell.runtime.sampling.sampler as sampler_mod
 
     class Diverging(sampler_mod.Stepper):
         def step(self, i, x, den):
             xv, y = super().step(i, x, den)
-            return (xv * float("nan") if i == 1 else xv), y
+            return xv, (y * float("inf") if i == 2 else y)
 
     monkeypatch.setattr(sampler_mod, "Stepper", Diverging)
-    refused(capsys, ["generate", "--output", out / "o", *SMALL[:-1], "3"], "step 2 of 3", "video", "--attention",
-            watch=out)
+    refused(capsys, ["generate", "--output", out / "o", *SMALL[:-1], "3"], "step 3 of 3", "audio", watch=out)
 
 
 # ---------------------------------------------------------------------------------------------
