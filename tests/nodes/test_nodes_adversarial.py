@@ -223,7 +223,7 @@ def test_sampler_batch_index_from_core_batch_nodes(comfy, tiny, monkeypatch):
                         (np.array([5]), 5), ([np.int64(6)], 6), ((4,), 4)):
         extra = {} if given is None else {"batch_index": given}
         out = H3Sampler().sample(tiny, core_conditioning(), {**lat, **extra}, **SAMPLE_ARGS)[0]
-        assert rec.jobs[-1].batch_index == want
+        assert rec.jobs[-1].sampling.batch_index == want
         assert ("batch_index" in out) == (given is not None)  # kept in the output, as core's KSampler keeps it
         assert out.get("batch_index") is (None if given is None else given)
     for bad, says in (([0, 1], "expected one index"), ([-1], "expected an index in [0, 4095]"),
