@@ -1,5 +1,6 @@
 """The resident sampling loop: noise as ComfyUI draws it, the flow schedule, euler / res_multistep, the
-audio carry, keyframes, deferred step timing, progress and interruption.
+audio carry, inpainting, progress and interruption. One run per call; every step is one call of the
+``ModelCall`` core's samplers call too (the plan, timing, FC2 counters, finiteness checks and the report).
 
 Initial noise (ComfyUI ``prepare_noise`` for the nested H3 latent): one CPU generator seeded with
 ``seed`` draws ``randn(video.shape)`` and then ``randn(audio.shape)``, fp32. The sampler starts from
@@ -99,10 +100,6 @@ def _with_run_schedule(cond: H3Conditioning, sigmas: torch.Tensor) -> H3Conditio
     return dataclasses.replace(cond, sample_sigmas=sigmas.float().cpu())
 
 
-
-
-
-
 @dataclass
 class _Start:
     """A run's starting point, prepared once: the (video, audio) shifts, the audio carry's scale, the schedule
@@ -117,10 +114,14 @@ class _Start:
     y: torch.Tensor
     inpaint: Inpaint | None
 
+    @property
+    def options(self) -> CallOptions:
+        """What each model call of the run takes besides its tensors: the shifts and the audio carry's scale."""
+        return CallOptions(self.shifts, self.scale)
 
-def _check_run(rt, inputs: SampleInputs, settings: SamplingSettings, control, parallel, hooks: Hooks) -> None:
+
+def _check_run(rt, inputs: SampleInputs, control, parallel, hooks: Hooks) -> None:
     _check_inputs(rt, inputs.text, inputs.tags, inputs.video, inputs.audio)
-    check_noise_index(settings.batch_index)
     if parallel is not None and hooks.interrupt is not None:
         raise H3Error("interrupt is not supported in a sequence-parallel run (the ranks would disagree on "
                       "when to stop); pass interrupt=None")
@@ -157,7 +158,7 @@ def _steps(call: ModelCall, inputs: SampleInputs, sampler: str, start: _Start, c
     sigmas, shifts, scale, inpaint = start.sigmas, start.shifts, start.scale, start.inpaint
     steps = len(sigmas) - 1
     stepper = Stepper(sampler, sigmas.to(dev))
-    options = CallOptions(shifts, scale)
+    options = start.options
     xv, y = start.xv, start.y
     for i in range(steps):
         if hooks.interrupt is not None and hooks.interrupt():
@@ -215,7 +216,7 @@ def sample(rt, inputs: SampleInputs, settings: SamplingSettings, lossy: LossySet
     """
     hooks = hooks or Hooks()
     settings = dataclasses.replace(settings, batch_index=check_noise_index(settings.batch_index))
-    _check_run(rt, inputs, settings, control, parallel, hooks)
+    _check_run(rt, inputs, control, parallel, hooks)
     start = _start(rt, inputs, settings)
     cond = start.cond if inputs.conditioning is not None else None
     workload = _workload_extra(settings, cond, workload_extra)
@@ -224,7 +225,7 @@ def sample(rt, inputs: SampleInputs, settings: SamplingSettings, lossy: LossySet
     call.begin_run(start.sigmas, lossy, pin_schedule=False)
     try:
         call.prepare(inputs.text, inputs.tags, (tuple(inputs.video.shape), tuple(inputs.audio.shape)),
-                     start.cond, CallOptions(start.shifts, start.scale), control)
+                     start.cond, start.options, control)
         xv, y = _steps(call, inputs, settings.sampler, start, control, hooks)
     finally:
         call.end_run()
