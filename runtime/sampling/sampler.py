@@ -157,13 +157,14 @@ def _steps(call: ModelCall, inputs: SampleInputs, sampler: str, start: _Start, c
     dev = call.rt.device
     sigmas, shifts, scale, inpaint = start.sigmas, start.shifts, start.scale, start.inpaint
     steps = len(sigmas) - 1
-    stepper = Stepper(sampler, sigmas.to(dev))
+    on_dev = sigmas.to(dev)  # one copy: a per-step copy from host memory would wait for the device
+    stepper = Stepper(sampler, on_dev)
     options = start.options
     xv, y = start.xv, start.y
     for i in range(steps):
         if hooks.interrupt is not None and hooks.interrupt():
             raise Interrupted(f"interrupted before step {i + 1} of {steps}")
-        s = sigmas[i].to(dev)
+        s = on_dev[i]
         xv_in, y_in = inpaint.model_input(s, xv, y, shifts, scale) if inpaint is not None else (xv, y)
         vv, vy = call(xv_in, y_in, model_sigma(sigmas[i]), inputs.text, inputs.tags, start.cond, options, control)
         den = [xv_in - vv * s, y_in - vy * s]
