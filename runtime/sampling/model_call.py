@@ -315,11 +315,10 @@ class ModelCall:
         host's latents may be larger than the size the load planned for). Within a run only a conditioning with
         more packed rows than any before plans again (CFG's second conditioning, or a shorter prompt, keeps the
         decision made for the larger). Raises BudgetError (nothing moved) when the budget cannot run it."""
-        fit = getattr(self.rt, "fit_memory", None)
         rows = latent_rows(shapes[0], shapes[1], text.shape[1], cond)
-        if not callable(fit) or rows <= self.run.fitted_rows:
+        if rows <= self.run.fitted_rows:
             return
-        fit(shapes[0], shapes[1], text.shape[1], steps, cond, control=control)
+        self.rt.fit_memory(shapes[0], shapes[1], text.shape[1], steps, cond, control=control)
         self.run.fitted_rows = rows
 
     def _step(self, p: _Plan, sigma: float, window_sigma: float):
