@@ -20,7 +20,7 @@ import torch
 
 from h3_blackwell.runtime.ops import attention as A
 from h3_blackwell.runtime.ops import sparse_attention as SA
-from h3_blackwell.runtime import run, tensor_job
+from h3_blackwell.runtime import LossySettings, Measure, SampleInputs, run, tensor_job
 from h3_blackwell.runtime.ops import sparse_routing as SR
 from h3_blackwell.runtime.sampling.schedule import get_sigmas, model_sigma
 
@@ -157,8 +157,8 @@ def canonical_sparse(rt, sparse_result, text, vshape, ashape, steps: int, sample
     keep = sp.start_percent
     sp.start_percent = 1.0  # every step dense: the dense backend the sparse run uses on its dense steps
     try:
-        dense = run(tensor_job(rt, text, None, torch.zeros(vshape), torch.zeros(ashape), steps=steps,
-                               runs=dense_runs, warmup=0, **sample_kw))
+        dense = run(tensor_job(rt, SampleInputs(text, None, torch.zeros(vshape), torch.zeros(ashape)),
+                               measure=Measure(dense_runs, 0), **sample_kw))
     finally:
         sp.start_percent = keep
     out["dense_median_step_seconds"] = _median_step(dense.report)
@@ -168,7 +168,7 @@ def canonical_sparse(rt, sparse_result, text, vshape, ashape, steps: int, sample
     out["quality"] = {"final_latent_vs_dense": {"video_rel_l2": _rel(sparse_result.video, dense.video),
                                                 "audio_rel_l2": _rel(sparse_result.audio, dense.audio)}}
     write(out)
-    shift = sample_kw.get("shift_video") or rt.config.shift_video
+    shift = sample_kw["sampling"].shift_video or rt.config.shift_video
     sig = [float(model_sigma(s)) for s in get_sigmas("simple", steps, shift)[:-1]]
     schedule = SR.SparseSchedule(shift, keep, 1.0, sp.min_tokens)
     seq_len = sparse_result.report["workload"]["packed_tokens"]
@@ -180,8 +180,8 @@ def canonical_sparse(rt, sparse_result, text, vshape, ashape, steps: int, sample
         for k, i in picks.items()}
     write(out)
     if fbcache is not None:
-        cached = run(tensor_job(rt, text, None, torch.zeros(vshape), torch.zeros(ashape), steps=steps, runs=1,
-                                warmup=0, first_block_cache=fbcache, **sample_kw))
+        cached = run(tensor_job(rt, SampleInputs(text, None, torch.zeros(vshape), torch.zeros(ashape)),
+                                lossy=LossySettings(first_block_cache=fbcache), **sample_kw))
         fb = cached.report["first_block_cache"]
         out["first_block_cache_run"] = {
             "lossy": True, "threshold": fbcache, "on_top_of": "the sparse configuration above",

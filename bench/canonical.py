@@ -50,7 +50,7 @@ from h3_blackwell.runtime.ops import nvfp4 as nv  # noqa: E402
 from h3_blackwell.runtime.ops.attention import bind_attention  # noqa: E402
 from h3_blackwell.runtime.ops.block_ops import LINEARS, Nvfp4Ops  # noqa: E402
 from h3_blackwell.runtime.options import RuntimeOptions  # noqa: E402
-from h3_blackwell.runtime import run, tensor_job  # noqa: E402
+from h3_blackwell.runtime import Measure, SampleInputs, SamplingSettings, run, tensor_job  # noqa: E402
 from h3_blackwell.runtime.sampling.sampler import initial_noise  # noqa: E402
 
 SEED_COMPONENTS = {"attention": "sage2"}  # the seed's name for our attention component when it is Sage2
@@ -231,9 +231,9 @@ def main(argv=None) -> int:
     text = torch.randn(1, 100, rt.config.text_dim, generator=g)
     vshape, ashape = (1, 24, 37, 48, 84), (1, 32, 2, 207)
     video, audio = torch.zeros(vshape), torch.zeros(ashape)
-    sample_kw = dict(seed=440420, sampler="res_multistep",
+    sample_kw = dict(sampling=SamplingSettings(seed=440420, steps=a.steps, sampler="res_multistep"),
                      workload_extra={"frames": 124, "text_source": "random (seed 440420)"})
-    r = run(tensor_job(rt, text, None, video, audio, steps=a.steps, runs=a.runs, warmup=a.warmup, **sample_kw))
+    r = run(tensor_job(rt, SampleInputs(text, None, video, audio), measure=Measure(a.runs, a.warmup), **sample_kw))
     rep = r.report
     steps_flat = [[s["seconds"] for s in run] for run in rep["per_step_seconds"]]
     res.update({

@@ -35,7 +35,7 @@ from h3_blackwell.runtime.model.conditioning import ControlHint, H3Conditioning 
 from h3_blackwell.runtime.model.config import FULL, TINY  # noqa: E402
 from h3_blackwell.runtime.model.control import FunControl  # noqa: E402
 from h3_blackwell.runtime.options import RuntimeOptions  # noqa: E402
-from h3_blackwell.runtime.sampling.sampler import sample  # noqa: E402
+from h3_blackwell.runtime import Measure, SampleInputs, SamplingSettings, run, tensor_job  # noqa: E402
 
 
 class RandomControlSource:
@@ -72,9 +72,10 @@ class RandomControlSource:
 
 def _run(rt, text, vshape, ashape, steps, runs, warmup, tower=None, hint=None):
     cond = H3Conditioning(seed=440420, control=hint)
-    r = sample(rt, text, None, torch.zeros(vshape), torch.zeros(ashape), seed=440420, steps=steps,
-               sampler="res_multistep", runs=runs, warmup=warmup, conditioning=cond, control=tower,
-               workload_extra={"frames": 124, "text_source": "random (seed 440420)"})
+    r = run(tensor_job(rt, SampleInputs(text, None, torch.zeros(vshape), torch.zeros(ashape), cond),
+                       SamplingSettings(seed=440420, steps=steps, sampler="res_multistep"),
+                       measure=Measure(runs, warmup), control=tower,
+                       workload_extra={"frames": 124, "text_source": "random (seed 440420)"}))
     rep = r.report
     flat = [s["seconds"] for run in rep["per_step_seconds"] for s in run]
     return {"median_step_seconds": statistics.median(flat), "median_sampling_seconds": rep["median_sampling_seconds"],

@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _h3bench import ROOT, bench_command, err_text, model_spec, versions, write_json  # noqa: E402
 
-from h3_blackwell.runtime import RuntimeOptions, run, tensor_job  # noqa: E402
+from h3_blackwell.runtime import Measure, RuntimeOptions, SampleInputs, SamplingSettings, run, tensor_job  # noqa: E402
 from h3_blackwell.runtime.budget import (SLOTS, ModelMemory, Workload, activation_phases, budget_arg,  # noqa: E402
                                          estimate, smallest_budget)
 from h3_blackwell.runtime.model.config import FULL  # noqa: E402
@@ -53,8 +53,9 @@ def _inputs(cfg):
 
 def _sample(rt, steps: int, runs: int, warmup: int) -> dict:
     text, video, audio = _inputs(rt.config)
-    rep = run(tensor_job(rt, text, None, video, audio, seed=SEED, steps=steps, runs=runs, warmup=warmup,
-                         sampler="res_multistep",
+    rep = run(tensor_job(rt, SampleInputs(text, None, video, audio),
+                         SamplingSettings(seed=SEED, steps=steps, sampler="res_multistep"),
+                         measure=Measure(runs, warmup),
                          workload_extra={"frames": 124, "text_source": f"random (seed {SEED})"})).report
     steps_flat = [s["seconds"] for r in rep["per_step_seconds"] for s in r]
     mem = rep.get("memory") or {}

@@ -36,7 +36,7 @@ from _h3bench import ROOT, bench_command, build, err_text, versions, write_json 
 
 from h3_blackwell.runtime.model.config import FULL, TINY  # noqa: E402
 from h3_blackwell.runtime.options import RuntimeOptions  # noqa: E402
-from h3_blackwell.runtime import tensor_job  # noqa: E402
+from h3_blackwell.runtime import Measure, SampleInputs, SamplingSettings, tensor_job  # noqa: E402
 from h3_blackwell.runtime.job import run_rank  # noqa: E402
 from h3_blackwell.runtime.parallel import check_degree, launch  # noqa: E402
 
@@ -64,8 +64,9 @@ def _sample(rt, a, ctx=None):
     ``run_rank``, what each worker of a sequence-parallel ``run`` executes)."""
     vshape, ashape, text_rows = SHAPES["smoke" if a.smoke else "canonical"]
     text = torch.randn(1, text_rows, rt.config.text_dim, generator=torch.Generator().manual_seed(SEED))
-    job = tensor_job(rt, text, None, torch.zeros(vshape), torch.zeros(ashape), seed=SEED, steps=a.steps,
-                     sampler="res_multistep", runs=a.runs, warmup=a.warmup,
+    job = tensor_job(rt, SampleInputs(text, None, torch.zeros(vshape), torch.zeros(ashape)),
+                     SamplingSettings(seed=SEED, steps=a.steps, sampler="res_multistep"),
+                     measure=Measure(a.runs, a.warmup),
                      workload_extra={"frames": 5 if a.smoke else 124, "text_source": f"random (seed {SEED})"})
     return run_rank(ctx, job)
 

@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _h3bench import ROOT, build, versions, write_json  # noqa: E402
 import _core_model as C  # noqa: E402
 
-from h3_blackwell.runtime import RuntimeOptions, run, tensor_job  # noqa: E402
+from h3_blackwell.runtime import Measure, RuntimeOptions, SampleInputs, SamplingSettings, run, tensor_job  # noqa: E402
 from h3_blackwell.runtime.model.config import FULL, TINY  # noqa: E402
 from h3_blackwell.runtime.model.layout import latent_shapes  # noqa: E402
 
@@ -196,9 +196,9 @@ def time_ours(cfg, text, vs, as_, dev, a) -> dict:
     rt = build(RuntimeOptions.from_env(device=dev.type), 0, cfg)
     r = {"build_seconds": time.perf_counter() - t, "backends": rt.backends}
     say(f"ours: built in {r['build_seconds']:.1f} s")
-    job = tensor_job(rt, text, None, torch.zeros(vs), torch.zeros(as_), seed=SEED, steps=a.our_steps, runs=a.our_runs,
-                     warmup=a.our_warmup, sampler="res_multistep",
-                     workload_extra={"text_source": f"random (seed {SEED})"})
+    job = tensor_job(rt, SampleInputs(text, None, torch.zeros(vs), torch.zeros(as_)),
+                     SamplingSettings(seed=SEED, steps=a.our_steps, sampler="res_multistep"),
+                     measure=Measure(a.our_runs, a.our_warmup), workload_extra={"text_source": f"random (seed {SEED})"})
     rep = run(job).report
     steps = [s["seconds"] for one in rep["per_step_seconds"] for s in one]
     r.update({"median_step_seconds": statistics.median(steps), "per_step_seconds": rep["per_step_seconds"],

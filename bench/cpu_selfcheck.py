@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from h3_blackwell.runtime import RuntimeOptions, load_model, sample  # noqa: E402
+from h3_blackwell.runtime import (Measure, RuntimeOptions, SampleInputs, SamplingSettings, load_model,  # noqa: E402
+                                  run, sample, tensor_job)
 from h3_blackwell.runtime.model.layout import latent_shapes  # noqa: E402
 
 
@@ -33,9 +34,9 @@ def check_sparse_sections() -> None:
                                          sparse_min_tokens=0, sparse_extra_tokens=0), tiny_seed=0)
     vshape, ashape = latent_shapes(256, 192, 39)
     text = torch.randn(1, 9, 5120, generator=torch.Generator().manual_seed(0))
-    kw = dict(seed=3, sampler="res_multistep")
     steps = 4
-    r = sample(rt, text, None, torch.zeros(vshape), torch.zeros(ashape), steps=steps, **kw)
+    kw = dict(sampling=SamplingSettings(seed=3, steps=steps, sampler="res_multistep"))
+    r = sample(rt, SampleInputs(text, None, torch.zeros(vshape), torch.zeros(ashape)), kw["sampling"])
     saved = []
     out = B.canonical_sparse(rt, r, text, vshape, ashape, steps, kw, fbcache=10.0, dense_runs=1, write=saved.append)
     assert len(saved) == 3 and out["quality_note"].startswith("The weights are random")
@@ -47,7 +48,7 @@ def check_sparse_sections() -> None:
     assert all(0 < one[k]["video_rel_l2"] < 0.5 for k in one)
     fb = out["first_block_cache_run"]
     assert fb["reused_steps"] == [1, 2, 3] and fb["final_latent_vs_uncached"]["video_rel_l2"] > 0
-    again = sample(rt, text, None, torch.zeros(vshape), torch.zeros(ashape), steps=steps, **kw)
+    again = sample(rt, SampleInputs(text, None, torch.zeros(vshape), torch.zeros(ashape)), kw["sampling"])
     assert again.report["latent_checksums"]["video_sha256"] == r.report["latent_checksums"]["video_sha256"]
 
 
@@ -66,7 +67,8 @@ def check_accuracy_stage() -> None:
     assert {lin.backend for blk in m.blocks for lin in (blk.attn.qkv_proj, blk.mlp.fc2)} == {"fp8"}  # restored
     assert 0 < r["benchmarked"]["video_rel_l2"] < r["nvfp4_w4a4_emulation"]["video_rel_l2"], r
     assert r["benchmarked_no_less_accurate"] is True
-    f = sample(rt, text, None, video, audio, seed=1, steps=2, runs=2).report["fc2_dispatch"]
+    f = run(tensor_job(rt, SampleInputs(text, None, video, audio), SamplingSettings(seed=1, steps=2),
+                       measure=Measure(2, 0))).report["fc2_dispatch"]
     n = len(m.blocks) * 2
     assert [x["direct_calls"] for x in f["runs"]] == [n, n] and {x["attempts"] for x in f["runs"]} == {0}
     assert f["consistent_with_configuration"] is True and "direct FC2 calls" in f["expected"]

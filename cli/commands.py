@@ -19,9 +19,10 @@ from pathlib import Path
 
 import torch
 
-from ..runtime import (SEED_RANGE, H3Error, check_int, check_output_file, cpu_thread_count, forward_job, latent_rows,
-                       make_job, nonfinite_message, quantize_checkpoint, resolve_device, run, run_forward,
-                       runtime_options, save_tensors, save_tiny, summary, write_dir, write_file, write_preview_webp)
+from ..runtime import (SEED_RANGE, Canvas, H3Error, JobFiles, Launch, Measure, SamplingSettings, check_int,
+                       check_output_file, cpu_thread_count, forward_job, latent_rows, make_job, nonfinite_message,
+                       quantize_checkpoint, resolve_device, run, run_forward, runtime_options, save_tensors, save_tiny,
+                       summary, write_dir, write_file, write_preview_webp)
 from .progress import WARN_AFTER_S, Progress, clock
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -47,16 +48,15 @@ def _generate_options(a) -> dict:
 
 def generate_job(a):
     """The runtime's validated job for generate's flags (no weight is read)."""
-    job = make_job(a.model, seed=a.seed, tiny_seed=a.tiny_seed, options=_generate_options(a),
-                    text_states=a.text_states, text_tokens=a.text_tokens, inputs=a.inputs, payload=a.payload,
-                    width=a.width, height=a.height, frames=a.frames, snap=a.snap, steps=a.steps, sampler=a.sampler,
-                    scheduler=a.scheduler, denoise=a.denoise, runs=a.runs, warmup=a.warmup, loras=a.lora,
-                    sequence_parallel=a.sequence_parallel, output=a.output, write_preview=a.preview,
-                    progress=functools.partial(Progress, "sampling", force=a.progress), print_plan=True,
-                    control=a.control, env=os.environ)
+    job = make_job(a.model, sampling=SamplingSettings(a.seed, a.steps, a.sampler, a.scheduler, a.denoise),
+                   files=JobFiles(a.text_states, a.text_tokens, a.inputs, a.payload, a.control, tuple(a.lora or ())),
+                   canvas=Canvas(a.width, a.height, a.frames, a.snap), options=_generate_options(a),
+                   measure=Measure(a.runs, a.warmup), tiny_seed=a.tiny_seed,
+                   launch=Launch(a.sequence_parallel, a.output, a.preview,
+                                 functools.partial(Progress, "sampling", force=a.progress), True, os.environ))
     # the progress line knows the run's size: its estimate after the first blocks, its ETA within a slow step
-    job.progress = functools.partial(Progress, "sampling", force=a.progress, steps=job.steps,
-                                     runs=job.runs + job.warmup)
+    job.progress = functools.partial(Progress, "sampling", force=a.progress, steps=job.sampling.steps,
+                                     runs=job.measure.runs + job.measure.warmup)
     return job
 
 
@@ -67,7 +67,7 @@ def cpu_threads(job) -> int | None:
     if job.device_type != "cpu" or job.sequence_parallel not in (None, 1):
         return None
     video, audio = job.latents(job.config)
-    rows = latent_rows(video.shape, audio.shape, job.text.shape[-2], job.conditioning)
+    rows = latent_rows(video.shape, audio.shape, job.inputs.text.shape[-2], job.inputs.conditioning)
     n = cpu_thread_count(job.model.options.cpu_threads, rows, job.config.hidden_size, torch.get_num_threads())
     torch.set_num_threads(n)
     return n
@@ -81,10 +81,10 @@ def cpu_matmul_flops(job) -> float:
     rest left out, so the time they take is a lower bound)."""
     cfg = job.config
     video, audio = job.latents(cfg)
-    rows = latent_rows(video.shape, audio.shape, job.text.shape[-2], job.conditioning)
+    rows = latent_rows(video.shape, audio.shape, job.inputs.text.shape[-2], job.inputs.conditioning)
     per_block = 2 * rows * (4 * cfg.hidden_size * cfg.inner_dim + 3 * cfg.hidden_size * cfg.ffn_hidden_size) \
         + 4 * rows * rows * cfg.inner_dim
-    return per_block * cfg.num_layers * job.steps * (job.runs + job.warmup)
+    return per_block * cfg.num_layers * job.sampling.steps * (job.measure.runs + job.measure.warmup)
 
 
 def measured_flops_per_s() -> float:

@@ -34,8 +34,8 @@ import logging
 
 import torch
 
-from ..runtime import (ControlHint, H3Conditioning, H3Error, ResidentModel, conditioning_from_payload, latent_sha256,
-                       load_control, sync_loras, weight_shapes)
+from ..runtime import (CallOptions, ControlHint, H3Conditioning, H3Error, LossySettings, ResidentModel,
+                       conditioning_from_payload, latent_sha256, load_control, sync_loras, weight_shapes)
 from ._common import H3NodeError, node_error, optional_comfy_module
 from .conditioning import PAYLOAD_SOURCES, with_source
 from .control import PatchSource, prepare_hint
@@ -124,7 +124,7 @@ class RuntimeHandle(ResidentModel):
         self.conds: list = []  # (payload, masks, batch index) -> (tags, H3Conditioning), per run
         self.outputs: list = []  # latent_fingerprints of what core's process_latent_out handed out in the last run
         self.sampling, self._late_outputs = False, 0
-        self.lossy: dict = {}
+        self.lossy = LossySettings()
         self.controlled: dict = {}  # (patch, cond, target) ids -> (patch, cond, cond with the control hint), per run
 
     def record_output(self, latent) -> None:
@@ -169,7 +169,7 @@ class RuntimeHandle(ResidentModel):
         except H3Error as e:
             raise node_error(TITLE, f"LoRA from the MODEL's patches (LoraLoaderModelOnly / LoraLoader): {e}") from e
         self.call.end_run()
-        self.lossy = {"sparse_tau": to.get(SPARSE_TAU_KEY), "first_block_cache": to.get(FIRST_BLOCK_CACHE_KEY)}
+        self.lossy = LossySettings(to.get(SPARSE_TAU_KEY), to.get(FIRST_BLOCK_CACHE_KEY))
         self.pending, self.conds, self.controlled, self.outputs = True, [], {}, []
         self.sampling, self._late_outputs = True, 0
         if fun is None:
@@ -306,7 +306,7 @@ class H3DiffusionModel(torch.nn.Module):
         h = self.handle
         h.runtime()
         if h.pending or h.call.run is None:
-            h.call.begin_run(options.get("sample_sigmas"), **h.lossy)
+            h.call.begin_run(options.get("sample_sigmas"), h.lossy)
             h.pending = False
         payload = minimax_payload or {}
         scale = float(payload.get("audio_scale", 1.0))
@@ -329,10 +329,10 @@ class H3DiffusionModel(torch.nn.Module):
                                             context.shape[1], options.get("sample_sigmas"), window)
                 h.runtime()  # a VAE encode for the hint may have had ComfyUI unload and reload the model
                 if h.call.run is None:
-                    h.call.begin_run(options.get("sample_sigmas"), **h.lossy)
+                    h.call.begin_run(options.get("sample_sigmas"), h.lossy)
             try:
-                outs.append(h.call(video[b:b + 1], audio[b:b + 1], sigma, context[b:b + 1], tags, cond, shifts, scale,
-                                   control=tower, window_sigma=window))
+                outs.append(h.call(video[b:b + 1], audio[b:b + 1], sigma, context[b:b + 1], tags, cond,
+                                   CallOptions(shifts, scale, window), tower))
                 h.after_call()
             except H3NodeError:
                 raise

@@ -9,8 +9,8 @@ one message on this node.
 
 from __future__ import annotations
 
-from ..runtime import (ConditioningError, H3Error, Interrupted, RuntimeOptions, latent_to_rgb, nonfinite_message,
-                       tensor_job)
+from ..runtime import (ConditioningError, H3Error, Hooks, Interrupted, LossySettings, RuntimeOptions, SampleInputs,
+                       SamplingSettings, latent_to_rgb, nonfinite_message, tensor_job)
 from ..runtime import run as run_job
 from ._common import CATEGORY, intermediate_device, keyword_inputs, node_error, optional_comfy_module
 from .conditioning import read_conditioning, with_source
@@ -74,15 +74,13 @@ def _noise_masked(payload: dict, latent: dict, video, audio, seed: int, title: s
     return {**payload, "denoise_mask": video_mask, "audio_denoise_mask": audio_mask, "seed": int(seed)}
 
 
-def _job(model, streams: tuple, payload: dict, seed, steps, title: str, **settings):
+def _job(model, inputs: SampleInputs, sampling: SamplingSettings, title: str, **job):
     """The runtime's job, validated once before any work: the CLI's request checks (finite text states of the
     right shape, finite latents, the seed and step count, the memory estimate against what the model's device
-    has free), then core's payload as the runtime's H3Conditioning (its errors name the graph input). streams:
-    (text states, token tags, video latent, audio latent)."""
-    text, tags, video, audio = streams
+    has free), then core's payload (``inputs.conditioning``) as the runtime's H3Conditioning (its errors name
+    the graph input)."""
     try:
-        return tensor_job(model, text, tags, video, audio, seed=int(seed), steps=int(steps), conditioning=payload,
-                          sources=("positive", "latent"), **settings)
+        return tensor_job(model, inputs, sampling, ("positive", "latent"), **job)
     except ConditioningError as e:
         raise node_error(title, with_source(str(e))) from e
     except H3Error as e:
@@ -173,14 +171,14 @@ class H3Sampler:
         progress, preview, interrupt = _callbacks(int(steps))
         # the loader's model is shared and resident: the run makes it carry exactly this graph's LoRAs (none if
         # the graph has no LoRA node), so a LoRA from an earlier prompt never leaks into this one
-        job = _job(model, (text, tags, video, audio), payload, seed, steps, self.TITLE, sampler=sampler,
-                   scheduler=scheduler, shift_video=float(shift_video), shift_audio=float(shift_audio),
-                   denoise=float(denoise), progress=None if progress is None else (lambda: progress),
-                   preview=preview, interrupt=interrupt,
-                   workload_extra={"frames": pixel_frames(video.shape[2]), "host": "comfyui"},
-                   sparse_tau=float(sparse_tau) if getattr(model, "sparse", None) is not None else None,
-                   first_block_cache=float(first_block_cache) if first_block_cache > 0 else None,
-                   control=control, batch_index=batch_index)
+        settings = SamplingSettings(int(seed), int(steps), sampler, scheduler, float(denoise), float(shift_video),
+                                    float(shift_audio), batch_index)
+        lossy = LossySettings(float(sparse_tau) if getattr(model, "sparse", None) is not None else None,
+                              float(first_block_cache) if first_block_cache > 0 else None)
+        job = _job(model, SampleInputs(text, tags, video, audio, payload), settings, self.TITLE, lossy=lossy,
+                   hooks=Hooks(preview=preview, interrupt=interrupt),
+                   progress=None if progress is None else (lambda: progress),
+                   workload_extra={"frames": pixel_frames(video.shape[2]), "host": "comfyui"}, control=control)
         try:
             res = run_job(job)
         except Interrupted as e:

@@ -15,11 +15,12 @@ of a torchrun launch. Refusals are H3Errors saying what was expected, what was f
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 import torch
 
@@ -33,11 +34,13 @@ from .model.conditioning import H3Conditioning
 from .model.config import H3Config
 from .model.layout import FRAME_PER_TOKEN, latent_shapes
 from .model_spec import ModelSpec, lora_specs, open_source, runtime_options, source_files, verify_source
-from .options import RuntimeOptions
+from .options import LossySettings, Measure, RuntimeOptions, SamplingSettings
 from .parallel import ParallelEnv, check_degree, init_group, launch
 from .plan import requested_device, resolve_device, resolve_dtype
 from .sampling import sampler as sampling
 from .sampling.preview import check_preview_available
+from .sampling.report import measured_report
+from .sampling.sampler import Hooks, SampleInputs
 from .sampling.request import (SEED_RANGE, Request, RequestError, check_denoise, check_int, check_latents,
                                check_memory, check_memory_rows, check_noise_index, check_output_dir, check_seed,
                                check_steps, check_text_states, defaults_for, latent_rows, resolve_request)
@@ -48,52 +51,89 @@ OUTPUT_FILES, PREVIEW_FILE = ("latents.safetensors", "report.json"), "preview.we
 StepCallback = Callable[[int, int], None]
 
 
+@runtime_checkable
+class BlockProgress(Protocol):
+    """A step callback that also shows progress within a step: ``block(step, blocks done, blocks)``."""
+
+    def __call__(self, done: int, total: int) -> None: ...
+
+    def block(self, step: int, done: int, total: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class JobFiles:
+    """What a generate request reads (``make_job``): ``inputs``, a safetensors with video / audio (the latent to
+    sample from: its shape is the canvas), text_states [, token_tags] and the tensors ``payload`` (core's
+    conditioning JSON) names; without it ``text_states`` (a file) or random states of ``text_tokens``.
+    control: a Fun ControlNet file (core's model patch) applied with the payload's ``control`` field; loras:
+    the LoRA stack (``runtime.lora_specs``' forms)."""
+
+    text_states: str | None = None
+    text_tokens: int = 32
+    inputs: str | None = None
+    payload: str | None = None
+    control: str | None = None
+    loras: tuple = ()
+
+
+@dataclass(frozen=True)
+class Canvas:
+    """The clip's size in pixels and frames (None: the model's default); snap: round to the nearest valid size."""
+
+    width: int | None = None
+    height: int | None = None
+    frames: int | None = None
+    snap: bool = False
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Where and how a job runs: ``sequence_parallel`` N local workers (None or 1: this process); ``output`` a
+    folder that must be writable (``job.output``: where the caller writes); ``write_preview``: Pillow must be
+    there; ``progress`` makes the step callback ``(done, total)`` (picklable for a sequence-parallel run);
+    ``print_plan``: write the loaded model's plan to stderr; ``env``: the process environment for torchrun's
+    variables (default ``os.environ``)."""
+
+    sequence_parallel: int | None = None
+    output: str | None = None
+    write_preview: bool = False
+    progress: Callable[[], StepCallback] | None = None
+    print_plan: bool = False
+    env: Mapping[str, str] | None = None
+
+
 @dataclass
 class Job:
     """One validated generate request (make it with :func:`make_job` or :func:`tensor_job`).
 
     model: a ModelSpec (loaded by ``run``) or a resident runtime (an H3Runtime or a LoRA view of one; made to
-    carry exactly its LoRA stack before sampling). text [1, L, text_dim] fp32, tags [L] or None; video
-    [1, C, T, H, W] / audio [1, Ca, 2, Ta] the latent to sample from, or None: zeros of ``canvas`` (width,
-    height, pixel frames). The sampling settings are ``runtime.sample``'s (batch_index: the latent's batch entry
-    whose noise is drawn). sequence_parallel: N local workers
-    (None or 1: this process); torchrun: this process's place in a torchrun launch, or None.
-    progress: makes the step callback ``(done, total)``, called on the main rank once the model is loaded (so
-    a bar's clock starts with the sampling; picklable for a sequence-parallel run); preview / interrupt:
-    ``runtime.sample``'s, in-process runs only. print_plan: write the loaded model's plan to stderr.
-    control: a Fun ControlNet applied with ``conditioning.control``: its opened, checked file (loaded onto the
-    model's plan by ``run``) or a loaded tower (``runtime.sample``'s ``control``). output: the checked output
-    folder (symbolic links resolved) where the caller writes, or None.
+    carry exactly its LoRA stack before sampling). inputs: ``runtime.sample``'s (text [1, L, text_dim] fp32,
+    tags [L] or None, the conditioning); its video / audio the latent to sample from, or None: zeros of
+    ``canvas`` (width, height, pixel frames). sampling / lossy: the run's settings; measure: warm-up and
+    measured runs (``run`` samples that often and reports the measured runs). control: a Fun ControlNet applied
+    with ``conditioning.control``: its opened, checked file (loaded onto the model's plan by ``run``) or a
+    loaded tower. hooks: ``runtime.sample``'s preview / interrupt (in-process runs only); progress: makes the
+    step callback ``(done, total)``, called on the main rank once the model is loaded (so a bar's clock starts
+    with the sampling; picklable for a sequence-parallel run). sequence_parallel: N local workers (None or 1:
+    this process); torchrun: this process's place in a torchrun launch, or None. print_plan: write the loaded
+    model's plan to stderr. output: the checked output folder (symbolic links resolved) where the caller
+    writes, or None.
     """
 
     model: ModelSpec | Any
-    text: torch.Tensor
-    tags: torch.Tensor | None
-    video: torch.Tensor | None
-    audio: torch.Tensor | None
+    inputs: SampleInputs
     canvas: tuple[int, int, int]
-    seed: int
-    steps: int
-    sampler: str = "res_multistep"
-    scheduler: str = "simple"
-    denoise: float = 1.0
-    shift_video: float | None = None
-    shift_audio: float | None = None
-    conditioning: H3Conditioning | None = None
-    runs: int = 1
-    warmup: int = 0
-    sparse_tau: float | None = None
-    first_block_cache: float | None = None
+    sampling: SamplingSettings
+    lossy: LossySettings = LossySettings()
+    measure: Measure = Measure()
+    control: Any = None
+    hooks: Hooks = field(default_factory=Hooks)
+    progress: Callable[[], StepCallback] | None = None
     workload_extra: dict = field(default_factory=dict)
     sequence_parallel: int | None = None
     torchrun: ParallelEnv | None = None
-    progress: Callable[[], StepCallback] | None = None
-    preview: Callable[[int, int, torch.Tensor], None] | None = None
-    interrupt: Callable[[], bool] | None = None
     print_plan: bool = False
-    control: Any = None
     output: Path | None = None
-    batch_index: int = 0
 
     @property
     def config(self) -> H3Config:
@@ -105,8 +145,8 @@ class Job:
 
     def latents(self, cfg: H3Config) -> tuple[torch.Tensor, torch.Tensor]:
         """(video, audio) to sample from: the job's, or zeros of its canvas."""
-        if self.video is not None:
-            return self.video, self.audio
+        if self.inputs.video is not None:
+            return self.inputs.video, self.inputs.audio
         vshape, ashape = latent_shapes(*self.canvas, cfg.video_channels, cfg.audio_channels)
         return torch.zeros(vshape), torch.zeros(ashape)
 
@@ -158,12 +198,11 @@ def _inputs_file(path: str, payload: str | None, seed: int, cfg: H3Config, clash
             "audio": audio, "conditioning": cond, "canvas": (video.shape[4] * 16, video.shape[3] * 16, frames)}
 
 
-def _check_numbers(seed, tiny_seed, runs, warmup, denoise) -> None:
-    check_seed(seed)
-    check_int("tiny_seed", tiny_seed, *SEED_RANGE)
-    check_int("runs", runs, 1)
-    check_int("warmup", warmup, 0)
-    check_denoise(denoise)
+def _check_numbers(sampling: SamplingSettings, measure: Measure) -> None:
+    check_seed(sampling.seed)
+    check_int("runs", measure.runs, 1)
+    check_int("warmup", measure.warmup, 0)
+    check_denoise(sampling.denoise)
 
 
 def _spec_type(options) -> str:
@@ -210,66 +249,77 @@ def _latents_request(model: ModelSpec, given: dict, steps, path: str) -> Request
     return req
 
 
-def make_job(model=None, *, seed: int, tiny_seed: int = 0, options: RuntimeOptions | Mapping[str, Any] | None = None,
-             text_states: str | None = None, text_tokens: int = 32, inputs: str | None = None,
-             payload: str | None = None, width: int | None = None, height: int | None = None,
-             frames: int | None = None, snap: bool = False, steps: int | None = None, sampler: str = "res_multistep",
-             scheduler: str = "simple", denoise: float = 1.0, runs: int = 1, warmup: int = 0, loras=(),
-             sequence_parallel: int | None = None, output: str | None = None, write_preview: bool = False,
-             progress: Callable[[], StepCallback] | None = None, print_plan: bool = False,
-             control: str | None = None, env: Mapping[str, str] | None = None) -> Job:
+def _file_request(spec: ModelSpec, files: JobFiles, canvas: Canvas, sampling: SamplingSettings
+                  ) -> tuple[dict | None, Request]:
+    """(the inputs file's tensors or None, the request's sizes), checked against the memory; the payload and
+    the control file need an inputs file."""
+    if files.inputs is None and files.payload is not None:
+        raise RequestError("--payload needs --inputs: the safetensors with video, audio, text_states and the "
+                           "tensors the payload names")
+    if files.inputs is None:
+        size = (canvas.width, canvas.height, canvas.frames)
+        req = _sized_request(spec, files.text_states, files.text_tokens, size, sampling.steps, canvas.snap)
+        given = None
+    else:
+        given = _inputs_file(files.inputs, files.payload, sampling.seed, spec.config, {
+            "--text-states": files.text_states, "--width": canvas.width, "--height": canvas.height,
+            "--frames": canvas.frames})
+        req = _latents_request(spec, given, sampling.steps, files.inputs)
+    if files.control is not None and files.inputs is None:
+        raise RequestError(f"--control {files.control} needs --inputs and --payload: the payload's control field "
+                           "holds the hint, strength, sigma window and fades")
+    if given is not None:
+        check_control_args(files.control, given["conditioning"])
+    return given, req
+
+
+def _text_request(files: JobFiles, req: Request, cfg: H3Config) -> dict:
+    """A request without an inputs file: its text states (the file's or random ones), zeros of its canvas."""
+    text, tags = (_load_text_states(files.text_states, cfg) if files.text_states else
+                  (torch.randn(1, req.text_tokens, cfg.text_dim,
+                               generator=torch.Generator().manual_seed(RANDOM_TEXT_SEED)), None))
+    return {"text": text, "tags": tags, "video": None, "audio": None, "conditioning": None,
+            "canvas": (req.width, req.height, req.frames)}
+
+
+def make_job(model=None, *, sampling: SamplingSettings, files: JobFiles = JobFiles(), canvas: Canvas = Canvas(),
+             options: RuntimeOptions | Mapping[str, Any] | None = None, measure: Measure = Measure(),
+             launch: Launch = Launch(), tiny_seed: int = 0) -> Job:
     """Validate a generate request given as files and sizes (the CLI's flags) -> the Job; no weight is read.
 
     model: a checkpoint path (or an opened Checkpoint / in-memory source), None for the embedded tiny model.
-    Sizes not given take the model's defaults. ``inputs``: a safetensors with video / audio (the latent to
-    sample from: its shape is the canvas), text_states [, token_tags] and the tensors ``payload`` (core's
-    conditioning JSON) names. Without it: ``text_states`` (a file) or random states of ``text_tokens``.
-    control: a Fun ControlNet file (core's model patch) applied with the payload's ``control`` field.
-    output: a directory that must be writable (``job.output``: where to write); write_preview: Pillow must be
-    there. env: the process environment for torchrun's variables (default ``os.environ``). Checks run cheap
-    first, each refusal an H3Error (RequestError, CheckpointError, ParallelError, ...)."""
+    sampling: seed, steps (None: the model's default), sampler, scheduler, denoise; files: what to read
+    (``JobFiles``); canvas: the sizes (``Canvas``; not given: the model's defaults); measure: warm-up and
+    measured runs; launch: workers, output folder, preview, progress (``Launch``). Checks run cheap first,
+    each refusal an H3Error (RequestError, CheckpointError, ParallelError, ...)."""
     source, cfg, weight_bytes = open_source(model)
-    _check_numbers(seed, tiny_seed, runs, warmup, denoise)
-    if sequence_parallel is not None:  # the degree first: its message names the devices it needs
-        check_degree(sequence_parallel, cfg.num_heads, _spec_type(options))
+    check_int("tiny_seed", tiny_seed, *SEED_RANGE)
+    _check_numbers(sampling, measure)
+    if launch.sequence_parallel is not None:  # the degree first: its message names the devices it needs
+        check_degree(launch.sequence_parallel, cfg.num_heads, _spec_type(options))
     opts = runtime_options(options)
     device = resolve_device(opts)
     spec = ModelSpec(source, cfg, opts, device, resolve_dtype(opts, device), tiny_seed, (), weight_bytes)
-    if inputs is None and payload is not None:
-        raise RequestError("--payload needs --inputs: the safetensors with video, audio, text_states and the "
-                           "tensors the payload names")
-    if inputs is None:
-        req, given = _sized_request(spec, text_states, text_tokens, (width, height, frames), steps, snap), None
-    else:
-        given = _inputs_file(inputs, payload, seed, cfg, {"--text-states": text_states, "--width": width,
-                                                          "--height": height, "--frames": frames})
-        req = _latents_request(spec, given, steps, inputs)
-    if control is not None and inputs is None:
-        raise RequestError(f"--control {control} needs --inputs and --payload: the payload's control field holds the "
-                           "hint, strength, sigma window and fades")
-    if given is not None:
-        check_control_args(control, given["conditioning"])
-    out = None if output is None else check_output_dir(output)
+    given, req = _file_request(spec, files, canvas, sampling)
+    out = None if launch.output is None else check_output_dir(launch.output)
     verify_source(source)  # every tensor and shape (builds the model's key table: after the cheap checks)
-    tower = None if control is None else open_control(control).check_base(cfg)  # its fit, from headers
-    if write_preview:
+    tower = None if files.control is None else open_control(files.control).check_base(cfg)  # its fit, from headers
+    if launch.write_preview:
         check_preview_available()
-    spec.loras = lora_specs(loras)
+    spec.loras = lora_specs(files.loras)
     if out is not None:
-        refuse_replacing_inputs([out / n for n in OUTPUT_FILES + ((PREVIEW_FILE,) if write_preview else ())],
-                                {"--model": source_files(source), "--inputs": [inputs], "--text-states": [text_states],
-                                 "--payload": [payload], "--control": [control],
-                                 "--lora": [s.path for s in spec.loras]})
-    if given is None:
-        given = {"video": None, "audio": None, "conditioning": None, "canvas": (req.width, req.height, req.frames)}
-        given["text"], given["tags"] = (_load_text_states(text_states, cfg) if text_states else
-                                        (torch.randn(1, req.text_tokens, cfg.text_dim,
-                                                     generator=torch.Generator().manual_seed(RANDOM_TEXT_SEED)), None))
-    n, penv = _parallel(sequence_parallel, env, spec)
-    extra = {"frames": req.frames, "text_source": inputs or text_states or f"random (seed {RANDOM_TEXT_SEED})"}
-    return Job(spec, seed=seed, steps=req.steps, sampler=sampler, scheduler=scheduler, denoise=denoise, runs=runs,
-               warmup=warmup, workload_extra=extra, sequence_parallel=n, torchrun=penv, progress=progress,
-               print_plan=print_plan, control=tower, output=out, **given)
+        refuse_replacing_inputs([out / n for n in OUTPUT_FILES + ((PREVIEW_FILE,) if launch.write_preview else ())],
+                                {"--model": source_files(source), "--inputs": [files.inputs],
+                                 "--text-states": [files.text_states], "--payload": [files.payload],
+                                 "--control": [files.control], "--lora": [s.path for s in spec.loras]})
+    given = given if given is not None else _text_request(files, req, cfg)
+    n, penv = _parallel(launch.sequence_parallel, launch.env, spec)
+    extra = {"frames": req.frames,
+             "text_source": files.inputs or files.text_states or f"random (seed {RANDOM_TEXT_SEED})"}
+    inputs = SampleInputs(given["text"], given["tags"], given["video"], given["audio"], given["conditioning"])
+    return Job(spec, inputs, given["canvas"], dataclasses.replace(sampling, steps=req.steps), measure=measure,
+               control=tower, progress=launch.progress, workload_extra=extra, sequence_parallel=n, torchrun=penv,
+               print_plan=launch.print_plan, output=out)
 
 
 def _resident_place(model) -> tuple[torch.device, int, int]:
@@ -282,23 +332,26 @@ def _resident_place(model) -> tuple[torch.device, int, int]:
     return model.device, model.dtype.itemsize, 0
 
 
-def tensor_job(model, text: torch.Tensor, tags: torch.Tensor | None, video: torch.Tensor, audio: torch.Tensor, *,
-               seed: int, steps: int, conditioning: H3Conditioning | Mapping | None = None,
-               sources: tuple[str, str] = ("text states", "latents"), **settings) -> Job:
-    """Validate a request given as tensors -> the Job: text [1, L, text_dim] (or [L, text_dim]) finite, tags
-    None or [L] of 0/1, video [1, C, T, H, W] / audio [1, Ca, 2, Ta] finite with the model's channels, the seed
-    and steps, the memory estimate on the model's device, then the conditioning (an H3Conditioning or core's
-    payload dict with tensors as values) against the latents. ``model``: a ModelSpec or a resident runtime.
-    ``sources`` name the text and the latents in messages; ``settings``: the other Job fields (sampler,
-    scheduler, denoise, shift_video, shift_audio, runs, warmup, sparse_tau, first_block_cache, workload_extra,
-    sequence_parallel, progress, preview, interrupt, print_plan, batch_index)."""
+def tensor_job(model, inputs: SampleInputs, sampling: SamplingSettings,
+               sources: tuple[str, str] = ("text states", "latents"), **job) -> Job:
+    """Validate a request given as tensors -> the Job. inputs: text [1, L, text_dim] (or [L, text_dim]) finite,
+    tags None or [L] of 0/1, video [1, C, T, H, W] / audio [1, Ca, 2, Ta] finite with the model's channels, the
+    conditioning (an H3Conditioning or core's payload dict with tensors as values) checked against the latents;
+    sampling: the seed, steps (given) and batch index are checked, then the memory estimate on the model's
+    device. ``model``: a ModelSpec or a resident runtime. ``sources`` name the text and the latents in
+    messages; ``job``: the other Job fields (lossy, measure, control, hooks, progress, workload_extra,
+    sequence_parallel, print_plan)."""
     cfg = model.config
     device, compute, weight_bytes = _resident_place(model)
+    text, tags, video, audio = inputs.text, inputs.tags, inputs.video, inputs.audio
     check_text_states(text, tags, cfg, sources[0])
     check_latents(video, audio, cfg, sources[1])
-    check_seed(int(seed))
-    check_steps(int(steps))
-    check_noise_index(settings.get("batch_index", 0))
+    _check_numbers(sampling, job.get("measure", Measure()))
+    if sampling.steps is None:
+        raise RequestError("steps: expected a step count (an int >= 1); found None")
+    check_steps(int(sampling.steps))
+    check_noise_index(sampling.batch_index)
+    conditioning = inputs.conditioning
     if isinstance(conditioning, Mapping):
         conditioning = conditioning_from_payload(conditioning)
     if conditioning is not None:
@@ -307,7 +360,7 @@ def tensor_job(model, text: torch.Tensor, tags: torch.Tensor | None, video: torc
     check_memory_rows(cfg, rows, text.shape[-2], device, compute, weight_bytes,
                       f"a {video.shape[4] * 16}x{video.shape[3] * 16} latent of {video.shape[2]} latent frames"
                       + (" and its conditioning" if conditioning is not None and not conditioning.is_empty else ""))
-    n = settings.pop("sequence_parallel", None)
+    n = job.pop("sequence_parallel", None)
     if n not in (None, 1):
         if not isinstance(model, ModelSpec):
             raise RequestError(f"sequence_parallel={n} with a resident model: each rank loads its own copy; pass a "
@@ -315,38 +368,50 @@ def tensor_job(model, text: torch.Tensor, tags: torch.Tensor | None, video: torc
         n = _parallel(n, {}, model)[0]
     frames = sum(FRAME_PER_TOKEN[k % 5] for k in range(video.shape[2]))
     text = text.float()
-    return Job(model, text[None] if text.dim() == 2 else text, tags, video, audio,
-               (video.shape[4] * 16, video.shape[3] * 16, frames), seed=int(seed), steps=int(steps),
-               conditioning=conditioning, sequence_parallel=n, **settings)
+    inputs = dataclasses.replace(inputs, text=text[None] if text.dim() == 2 else text, conditioning=conditioning)
+    settings = dataclasses.replace(sampling, seed=int(sampling.seed), steps=int(sampling.steps))
+    return Job(model, inputs, (video.shape[4] * 16, video.shape[3] * 16, frames), settings, sequence_parallel=n,
+               **job)
 
 
 # ---------------------------------------------------------------------------------------------
 # run
 # ---------------------------------------------------------------------------------------------
 
-def run_rank(ctx, job: Job):
-    """Load (or take the resident model) and sample: the whole run (``ctx`` None) or one rank of a
-    sequence-parallel run (``ctx``: its ParallelContext; the rank loads onto ctx.device). -> SampleResult;
-    every rank returns the same latents."""
-    main = ctx is None or ctx.is_main
+def _load(ctx, job: Job, video: torch.Tensor, audio: torch.Tensor):
+    """The job's runtime: its ModelSpec loaded (onto ctx.device for a rank), its memory budget planned for this
+    run's size (``video`` / ``audio``); or the resident model made to carry exactly this job's LoRA stack."""
     if isinstance(job.model, ModelSpec):
-        video, audio = job.latents(job.model.config)  # the memory budget is planned for this run's size
-        rt = job.model.load(device=None if ctx is None else str(ctx.device), workload=Workload.from_shapes(
-            video.shape, audio.shape, job.text.shape[-2], job.steps, job.conditioning, TowerSize.of(job.control)))
-    else:
-        rt = job.model
-        sync_loras(rt)  # a shared resident model carries exactly this job's LoRA stack (none for a plain runtime)
-        video, audio = job.latents(rt.config)
+        return job.model.load(device=None if ctx is None else str(ctx.device), workload=Workload.from_shapes(
+            video.shape, audio.shape, job.inputs.text.shape[-2], job.sampling.steps, job.inputs.conditioning,
+            TowerSize.of(job.control)))
+    sync_loras(job.model)  # a shared resident model carries exactly this job's LoRA stack (none for a plain runtime)
+    return job.model
+
+
+def run_rank(ctx, job: Job):
+    """Load (or take the resident model) and sample ``job.measure``'s warm-up and measured runs: the whole run
+    (``ctx`` None) or one rank of a sequence-parallel run (``ctx``: its ParallelContext; the rank loads onto
+    ctx.device). -> SampleResult of the last run, its report over the measured runs; every rank returns the
+    same latents."""
+    main = ctx is None or ctx.is_main
+    video, audio = job.latents(job.config)
+    rt = _load(ctx, job, video, audio)
     if main and job.print_plan:
         print(rt.describe(), file=sys.stderr)
     tower = load_control(job.control, rt.plan, rt.config) if isinstance(job.control, ControlFile) else job.control
-    return sampling.sample(
-        rt, job.text, job.tags, video, audio, seed=job.seed, steps=job.steps, sampler=job.sampler,
-        scheduler=job.scheduler, shift_video=job.shift_video, shift_audio=job.shift_audio, denoise=job.denoise,
-        conditioning=job.conditioning, runs=job.runs, warmup=job.warmup, workload_extra=job.workload_extra or None,
-        progress=job.progress() if main and job.progress is not None else None, preview=job.preview,
-        interrupt=job.interrupt, parallel=ctx, sparse_tau=job.sparse_tau, first_block_cache=job.first_block_cache,
-        control=tower, batch_index=job.batch_index)
+    prog = job.progress() if main and job.progress is not None else None
+    hooks = dataclasses.replace(job.hooks, progress=prog,
+                                block=prog.block if isinstance(prog, BlockProgress) else job.hooks.block)
+    inputs = dataclasses.replace(job.inputs, video=video, audio=audio)
+    results = []
+    for _ in range(job.measure.warmup + job.measure.runs):
+        results.append(sampling.sample(rt, inputs, job.sampling, lossy=job.lossy, control=tower, hooks=hooks,
+                                       parallel=ctx, workload_extra=job.workload_extra or None))
+        if len(results) > job.measure.runs:  # warm-ups: only the last runs are reported
+            results.pop(0)
+    last = results[-1]
+    return dataclasses.replace(last, report=measured_report(rt, results, job.measure.warmup))
 
 
 def run(job: Job):

@@ -284,3 +284,40 @@ def cpu_thread_count(setting: str, rows: int, width: int, default: int, free: in
     if rows * width < SMALL_CPU_WORK:
         return 1
     return max(1, min(default, _free_cores() if free is None else free))
+# ---------------------------------------------------------------------------------------------
+# one run's settings, passed whole from the request to the plan to the loop
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """One sampling run: the noise seed, the step count (None: the model's default, for ``make_job``), core's
+    sampler and scheduler names, partial denoise, the flow shifts (None: the model's), and the input latent's
+    batch entry whose noise is drawn (core's ``batch_index`` [k])."""
+
+    seed: int
+    steps: int | None = None
+    sampler: str = "res_multistep"
+    scheduler: str = "simple"
+    denoise: float = 1.0
+    shift_video: float | None = None
+    shift_audio: float | None = None
+    batch_index: int = 0
+
+
+@dataclass(frozen=True)
+class LossySettings:
+    """One run's LOSSY speed settings (None: the load options'): the sparse routing threshold (attention=sparse
+    only) and the First-Block Cache threshold. Installed once per run on the model call
+    (``runtime.sampling.lossy``); the blocks never see them."""
+
+    sparse_tau: float | None = None
+    first_block_cache: float | None = None
+
+
+@dataclass(frozen=True)
+class Measure:
+    """How often a job samples: ``warmup`` unreported resident runs, then ``runs`` measured ones (the report
+    gives their median and whether their latents are the same bytes)."""
+
+    runs: int = 1
+    warmup: int = 0

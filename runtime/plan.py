@@ -32,6 +32,7 @@ from .io.checkpoint import Checkpoint, open_checkpoint
 from .model.config import QUANT_LINEARS, TINY, H3Config
 from .ops.producer_tiles import BUILTIN as BUILTIN_TILES, ProducerTiles
 from .ops.registry import capability_table, resolve
+from .ops.sparse_attention import SparseSettings
 from .options import RuntimeOptions
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -140,11 +141,11 @@ class LoadPlan:
         """Where the FC2 extension build and its tables live."""
         return self.options.cache_dir
 
-    def sparse_settings(self) -> dict:
-        """attention=sparse: the keyword settings ``ops.sparse_attention.bind_sparse`` takes."""
+    def sparse_settings(self) -> SparseSettings:
+        """attention=sparse: the settings ``ops.sparse_attention.bind_sparse`` takes."""
         o = self.options
-        return {"tau": o.sparse_tau, "extra_tokens": o.sparse_extra_tokens, "start_percent": o.sparse_start,
-                "min_tokens": o.sparse_min_tokens}
+        return SparseSettings(tau=o.sparse_tau, extra_tokens=o.sparse_extra_tokens, start_percent=o.sparse_start,
+                              min_tokens=o.sparse_min_tokens)
 
     @property
     def vram_budget(self) -> str:

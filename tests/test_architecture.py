@@ -228,7 +228,8 @@ def test_every_registered_backend_available_here_matches_its_reference():
 
 def test_report_carries_the_registry_capability_table():
     """Every registered backend appears in the load plan's capability table and in the report, with a reason."""
-    from h3_blackwell.runtime import RuntimeOptions, load_model, sample
+    from h3_blackwell.runtime import RuntimeOptions, load_model
+    from fixtures.sampling import sample
     from h3_blackwell.runtime.ops.registry import REGISTRY
 
     rt = load_model(None, RuntimeOptions(device="cpu", dtype="float32"))

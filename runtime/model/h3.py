@@ -182,6 +182,9 @@ class RunPlan:
     audio_mask: torch.Tensor | None = None
     control: object | None = None  # a bound Fun ControlNet (runtime.model.control.bind_control) or None
     on_block: object | None = None  # (step, blocks done, blocks) after each block: progress within a step
+    # a First-Block Cache installed on this plan for its run (runtime.sampling.lossy) or None: ``run(i, x, first,
+    # rest)`` may skip blocks 1.. at step i (runtime.sampling.step_cache)
+    step_cache: object | None = None
 
 
 class H3Model(nn.Module):
@@ -244,14 +247,13 @@ class H3Model(nn.Module):
         return self.audio_patch_proj(rows.float()).to(self.dtype)
 
     def plan(self, text_states: torch.Tensor, video_shape, audio_shape, sigmas, token_tags=None,
-             shifts=None, seed: int = 0, visual_cond_noise_aug: float = 0.999,
-             steps: list | None = None, cond: H3Conditioning | None = None) -> RunPlan:
+             shifts=None, cond: H3Conditioning | None = None) -> RunPlan:
         """Precompute a run. ``sigmas`` are the video sigmas the model will be evaluated at (one per step; for
         a PDD bank the schedule's next sigma is taken from this list, or from ``cond.sample_sigmas`` when set).
 
         cond: the run's conditioning (``conditioning.H3Conditioning``: keyframes, references, masks, noise
         augmentation, seed; core's payload dicts become one with ``runtime.io.payload.conditioning_from_payload``).
-        Without it: plain t2va with ``seed`` and ``visual_cond_noise_aug``.
+        Without it: plain t2va (``H3Conditioning()``: seed 0, its default noise augmentation).
         """
         cfg = self.cfg
         shifts = tuple(shifts or (cfg.shift_video, cfg.shift_audio))
@@ -261,7 +263,7 @@ class H3Model(nn.Module):
         if audio_shape[1] != cfg.audio_channels or audio_shape[2] != 2:
             raise ValueError(f"audio latent has shape {list(audio_shape)}; expected [1, {cfg.audio_channels}, 2, Ta]")
         if cond is None:
-            cond = H3Conditioning(seed=int(seed), visual_cond_noise_aug=float(visual_cond_noise_aug))
+            cond = H3Conditioning()
         cond.check_target(video_shape, audio_shape, cfg.video_channels, cfg.audio_channels)
         layout = build_layout(text_states.shape[1], t, h, w, audio_shape[3], keyframe_specs(cond), cond.refs)
         text = self.refine_text(text_states)
@@ -282,7 +284,7 @@ class H3Model(nn.Module):
         schedule = None if cond.sample_sigmas is None else [float(v) for v in cond.sample_sigmas]
         t_embs = []
         for i, sigma in enumerate(p.sigmas):
-            st = step_times(layout, sigma, shifts[0], shifts[1], tags, visual_cond_t=cond.visual_cond_noise_aug,
+            st = step_times(layout, sigma, (shifts[0], shifts[1]), tags, visual_cond_t=cond.visual_cond_noise_aug,
                             audio_cond_t=cond.audio_cond_noise_aug, video_mask_rows=vrows, audio_mask_rows=arows)
             p.times.append(st)
             t_embs.append(self.time_embedding(st.t_values))
@@ -357,9 +359,9 @@ class H3Model(nn.Module):
         x[a:b] = self.embed_video_rows(patchify_video(pad_video(video.to(self.device).float())))
         return x
 
-    def run_blocks(self, x: torch.Tensor, plan: RunPlan, i: int, ops, cache=None) -> torch.Tensor:
+    def run_blocks(self, x: torch.Tensor, plan: RunPlan, i: int, ops) -> torch.Tensor:
         """The block stack at step i over ``ops`` (BlockOps resolved at load; ReferenceOps for the oracle).
-        ``cache``: a First-Block Cache (runtime.sampling.step_cache) that may skip blocks 1.. at this step.
+        A First-Block Cache installed on the plan (``plan.step_cache``) may skip blocks 1.. at this step.
         A control tower bound to the plan (``plan.control``) runs beside the blocks it is placed after."""
         segs = plan.times[i].mod_segments
         ctl = None if plan.control is None else plan.control.step(plan, i)
@@ -375,7 +377,7 @@ class H3Model(nn.Module):
                     plan.on_block(i, j + 1, len(self.blocks))
             return x
 
-        n = len(self.blocks)
+        n, cache = len(self.blocks), plan.step_cache
         if cache is None:
             return blocks(x, 0, n)
         return cache.run(i, x, lambda x: blocks(x, 0, 1), lambda x: blocks(x, 1, n))
@@ -402,32 +404,24 @@ class H3Model(nn.Module):
             audio = audio * plan.audio_mask.to(audio.device)
         return video, audio
 
-    def evaluate(self, plan: RunPlan, i: int, video: torch.Tensor, audio: torch.Tensor, ops=None, cache=None):
+    def evaluate(self, plan: RunPlan, i: int, video: torch.Tensor, audio: torch.Tensor, ops=None):
         """Model output at step i of a plan: negated velocity (video, audio), fp32, no audio carry. ops: the
-        BlockOps to run the blocks with (default: the exact reference); cache: see run_blocks."""
+        BlockOps to run the blocks with (default: the exact reference)."""
         x = self.pack(plan, video, audio)
-        x = self.run_blocks(x, plan, i, ops if ops is not None else ReferenceOps(self.cfg), cache)
+        x = self.run_blocks(x, plan, i, ops if ops is not None else ReferenceOps(self.cfg))
         return self.head(x, plan, i)
 
     @torch.no_grad()
     def forward(self, video, audio, text_states, sigma: float, token_tags=None, shifts=None,
-                sample_sigmas=None, seed: int = 0, cond: H3Conditioning | None = None, ops=None):
+                cond: H3Conditioning | None = None, ops=None):
         """One evaluation: exactly ComfyUI core's H3 output for the same conditioning, with no audio carry.
 
         video [1, C, T, H, W], audio [1, Ca, 2, Ta], text_states [1, L, text_dim] (fp32 ok), sigma: video sigma.
-        cond: keyframes, references, masks, noise augmentation, seed and sample_sigmas (``H3Conditioning``);
-        without it plain t2va with ``seed``. sample_sigmas (or cond.sample_sigmas): the run's
-        schedule, needed only by PDD head banks. ops: the BlockOps (default: the exact reference, whatever the
+        cond: keyframes, references, masks, noise augmentation, seed and sample_sigmas (``H3Conditioning``; the
+        run's schedule, needed only by PDD head banks); without it plain t2va with seed 0. ops: the BlockOps (default: the exact reference, whatever the
         stored weights' format). Returns (video, audio) fp32.
         """
-        sigma = float(sigma)
-        sig = [sigma]
-        if sample_sigmas is not None and (cond is None or cond.sample_sigmas is None):
-            ss = [float(s) for s in sample_sigmas]
-            j = min(range(len(ss)), key=lambda k: abs(ss[k] - sigma))
-            sig = ss[j:j + 2]
-            sig[0] = sigma
+        sig = [float(sigma)]
         plan = self.plan(text_states, tuple(video.shape), tuple(audio.shape), sig, token_tags=token_tags,
-                         shifts=shifts, seed=seed, cond=cond)
-        plan.sigmas = sig
+                         shifts=shifts, cond=cond)
         return self.evaluate(plan, 0, video, audio, ops)

@@ -319,17 +319,18 @@ def _row_runs(a: int, rows_index: torch.Tensor, tag: int) -> list:
     return runs
 
 
-def step_times(layout: PackedLayout, sigma_v: float, shift_v: float, shift_a: float,
+def step_times(layout: PackedLayout, sigma_v: float, shifts: tuple[float, float],
                text_tags: list | None = None, visual_cond_t: float = VISUAL_COND_T,
                audio_cond_t: float = AUDIO_COND_T, video_mask_rows: torch.Tensor | None = None,
                audio_mask_rows: torch.Tensor | None = None) -> StepTimes:
-    """Timesteps of one evaluation at video sigma ``sigma_v`` (ComfyUI core's rules).
+    """Timesteps of one evaluation at video sigma ``sigma_v`` (ComfyUI core's rules); shifts: (video, audio).
 
     text / video t_v = 1 - sigma_v; audio t_a = 1 - shift(sigma_v; shift_v -> shift_a); cond / ref_img rows
     max(t_v, visual_cond_t); cond_audio / ref_audio rows max(t_a, audio_cond_t) (the noise-augmentation values).
     video_mask_rows [n_video_rows] / audio_mask_rows [2 * Ta]: pooled denoise-mask values (float32) of a masked
     stream; its rows then run at ``masked_row_times`` (pins 0.999 / 1.0, core's constants).
     """
+    shift_v, shift_a = shifts
     sigma_v = max(float(sigma_v), 1e-6)
     t_v = 1.0 - sigma_v
     t_a = 1.0 - time_shift_sigma(sigma_v, shift_v, shift_a)

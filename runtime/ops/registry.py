@@ -50,10 +50,10 @@ def _attention_bind(name: str):
     return bind
 
 
-def _sparse_bind(*, head_dim: int, device, dtype, heads: int, dense, dense_name: str, settings: dict, **_):
+def _sparse_bind(*, head_dim: int, device, dtype, heads: int, dense, dense_name: str, settings, **_):
     """The sparse backend: its kernel plus the bound ``dense`` function for the dense steps; ``settings``:
-    tau, extra_tokens, start_percent, min_tokens (the plan's ``sparse_settings``)."""
-    return sparse_attention.bind_sparse(device, dtype, heads, head_dim, dense, dense_name, **settings)
+    the plan's ``sparse_settings`` (a SparseSettings)."""
+    return sparse_attention.bind_sparse(device, dtype, heads, head_dim, dense, dense_name, settings)
 
 
 def _gemm_check(name: str):

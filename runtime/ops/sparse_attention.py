@@ -355,10 +355,20 @@ def choose_sparse(device: torch.device | str, *, head_dim: int = HEAD_DIM, dtype
     return "sparse", why
 
 
+@dataclass(frozen=True)
+class SparseSettings:
+    """What the load binds the sparse backend with (the plan's ``sparse_settings``): the routing threshold
+    ``tau``, the extra tokens per routed block, the dense fraction of the schedule and the fewest rows that go
+    sparse."""
+
+    tau: float = DEFAULT_TAU
+    extra_tokens: int = DEFAULT_EXTRA_TOKENS
+    start_percent: float = DEFAULT_START_PERCENT
+    min_tokens: int = DEFAULT_MIN_TOKENS
+
+
 def bind_sparse(device: torch.device | str, dtype: torch.dtype, heads: int, head_dim: int, dense, dense_name: str,
-                *, tau: float = DEFAULT_TAU, extra_tokens: int = DEFAULT_EXTRA_TOKENS,
-                start_percent: float = DEFAULT_START_PERCENT,
-                min_tokens: int = DEFAULT_MIN_TOKENS) -> SparseStepAttention:
+                settings: SparseSettings = SparseSettings()) -> SparseStepAttention:
     """The sparse backend bound once at load: comfy-kitchen's kernel on CUDA (reference on the CPU) plus the
     bound ``dense`` backend for the dense steps."""
     device = torch.device(device)
@@ -367,6 +377,7 @@ def bind_sparse(device: torch.device | str, dtype: torch.dtype, heads: int, head
     else:
         kernel = SolAttention.resolve(device, head_dim, dtype)
         name = f"comfy-kitchen {kernel.version} sol_attn"
-    return SparseStepAttention(kernel, dense, heads, head_dim, tau=float(tau), token_aug=int(extra_tokens),
-                               start_percent=float(start_percent), min_tokens=int(min_tokens), kernel_name=name,
+    return SparseStepAttention(kernel, dense, heads, head_dim, tau=float(settings.tau),
+                               token_aug=int(settings.extra_tokens), start_percent=float(settings.start_percent),
+                               min_tokens=int(settings.min_tokens), kernel_name=name,
                                dense_name=dense_name)

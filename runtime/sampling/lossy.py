@@ -1,5 +1,7 @@
-"""The LOSSY speed options of one ``sample`` call: sparse attention's per-run routing and per-step schedule
-switch, and the First-Block Cache. The sampler sets this context; the blocks never re-derive it per call.
+"""The LOSSY speed options of one sampling run (``LossySettings``): sparse attention's per-run routing and
+per-step schedule switch, and the First-Block Cache. The model call (``runtime.sampling.model_call``) installs
+them once per run: the sparse backend bound at load (an ops-level attention) gets the run's routing, and the
+cache is installed on each plan of the run (``RunPlan.step_cache``), so neither travels through the calls.
 
 - sparse attention (``attention=sparse`` at load, runtime.ops.sparse_attention): the routing comes from the run's
   packed layout, the dense/sparse switch from each step's model sigma and the video shift; ``tau`` may be set per
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..errors import H3Error
+from ..options import LossySettings
 from .step_cache import FirstBlockCache
 
 
@@ -33,12 +36,13 @@ class LossyRun:
     cache: FirstBlockCache | None
     tau: Optional[float] = None
     cache_runs: list = field(default_factory=list)
+    step: int = 0  # the run's current step (the model call's index in the run): the cache's step
 
     @classmethod
-    def for_call(cls, rt, sparse_tau: Optional[float], first_block_cache: Optional[float],
-                 parallel) -> Optional["LossyRun"]:
-        """The context of one sample call, or None when no lossy option is on."""
-        threshold = rt.plan.first_block_cache if first_block_cache is None else first_block_cache
+    def for_run(cls, rt, settings: LossySettings, parallel) -> Optional["LossyRun"]:
+        """The context of one sampling run, or None when no lossy option is on."""
+        sparse_tau = settings.sparse_tau
+        threshold = rt.plan.first_block_cache if settings.first_block_cache is None else settings.first_block_cache
         if sparse_tau is not None and rt.sparse is None:
             raise H3Error(f"sparse_tau={sparse_tau} was given but the model was loaded with attention="
                           f"{rt.plan.attention}; load it with attention=sparse (or drop sparse_tau)")
@@ -55,7 +59,17 @@ class LossyRun:
         if self.cache is not None:
             self.cache.reset()
 
+    def install(self, plan) -> None:
+        """Install the cache on a plan of this run (its blocks then consult it at every step)."""
+        if self.cache is not None:
+            plan.step_cache = self
+
+    def run(self, i: int, x, first, rest):
+        """The installed cache's hook (``RunPlan.step_cache``): the plan's step ``i`` is counted as the run's."""
+        return self.cache.run(self.step, x, first, rest)
+
     def begin_step(self, i: int, model_sigma: float) -> None:
+        self.step = i
         if self.sparse is not None:
             self.sparse.begin_step(i, model_sigma)
 

@@ -8,22 +8,27 @@ conditioning. It gets back the negated network output (CONST velocity ``eps - x0
 the audio, the velocity of the carried variable ``(1 - s) * x_a + (1 + (s - 1) * sigma_a) * v_a``
 (``runtime.sampling.schedule.carry_in`` / ``carry_out``): exactly what ``sample`` computes inside its loop.
 
-A sampling run (``begin_run`` .. ``end_run``) plans the device-memory budget for the largest size it sees (as
-``sample`` does at its start) and builds the run plan once, from the first call's text states,
+A sampling run (``begin_run`` .. ``end_run``) plans the device-memory budget for the largest size it sees and builds the run plan once, from the first call's text states,
 shapes, conditioning and the host's whole schedule (``schedule``: core's ``sample_sigmas``, trailing 0
 included): the refined text, layout, RoPE tables and the modulation rows of every scheduled sigma. A call at a
 scheduled sigma then costs only the block stack; a call at another sigma (a sampler's intermediate point)
 plans that one sigma. A call whose text, shapes, conditioning or shifts differ (a second conditioning: CFG)
-gets its own plan. Sparse attention and the First-Block Cache follow the calls (``runtime.sampling.lossy``):
-the sparse window from each call's sigma, the cache's steps are the calls of the run; both need one
-conditioning per run. ``report(video, audio)`` gives the run's report (the ``sample`` report's fields; the
-latent hashes are those of the final latents the host hands in).
+gets its own plan. Sparse attention and the First-Block Cache (``runtime.sampling.lossy``, installed once per
+run from its ``LossySettings``) follow the calls: the sparse window from each call's sigma, the cache's steps
+are the calls of the run; both need one conditioning per run. ``report(video, audio)`` gives the run's report
+(the latent hashes are those of the final latents the host hands in).
+
+The runtime's own sampler (``runtime.sampling.sampler.sample``) steps through this same object, so the
+per-call bookkeeping (FC2 counters, control-tower and hint checks, the memory fit, timing, finiteness checks,
+the workload record) exists once; it adds a sequence-parallel context (``parallel``: each plan evaluated over
+the ranks) and builds its plan before the clock starts (``prepare``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -31,8 +36,11 @@ import torch
 from ..errors import H3Error
 from ..model.conditioning import H3Conditioning
 from ..model.control import bind_control
+from ..options import LossySettings
+from ..parallel.evaluate import ShardedEvaluator, numerics
+from ..parallel.rank_stats import gather_ranks, parallel_section, rank_run
 from .lossy import LossyRun, tower_ops
-from .report import RunRecord, build_report, latent_sha256
+from .report import RunRecord, build_report, first_nonfinite, latent_sha256
 from .request import latent_rows
 from .schedule import carry_in, carry_out, model_sigma
 
@@ -66,10 +74,14 @@ class _Plan:
     cond_full: H3Conditioning | None = None  # cond with the run's schedule as sample_sigmas
     extra: dict = field(default_factory=dict)  # off-schedule sigma -> one-sigma plan
     control: object | None = None  # the Fun ControlNet tower bound to its plans (cond.control holds the hint)
+    source: torch.Tensor | None = None  # the caller's text and tags tensors the plan was made from
+    source_tags: torch.Tensor | None = None
 
     def matches(self, text, tags, shapes, cond, shifts, control=None) -> bool:
         if self.shapes != shapes or self.shifts != shifts or self.cond is not cond or self.control is not control:
             return False
+        if text is self.source and tags is self.source_tags:  # the same tensors as the first call (a sampler's)
+            return True
         if (self.tags is None) != (tags is None) or (tags is not None and not torch.equal(self.tags, tags)):
             return False
         return self.text.shape == text.shape and torch.equal(self.text, text.to(self.text.device, self.text.dtype))
@@ -78,6 +90,7 @@ class _Plan:
 @dataclass
 class _Run:
     schedule: list | None
+    pin_schedule: bool = True  # the plans' conditioning carries the schedule as sample_sigmas (core's hosts)
     plans: list = field(default_factory=list)
     lossy: LossyRun | None = None
     lossy_plan: object = None
@@ -88,8 +101,10 @@ class _Run:
     seconds: float | None = None
     direct0: int = 0
     fc2: dict | None = None
-    sparse_tau: float | None = None
-    first_block_cache: float | None = None
+    lossy_settings: LossySettings = LossySettings()
+    peaks: tuple = (None, None)  # (peak allocated, peak reserved) bytes on CUDA, from the clock's start
+    evaluator: ShardedEvaluator | None = None  # a sequence-parallel run's evaluator of the run plan
+    record: RunRecord | None = None  # once reported: the run's measurements
     last: tuple | None = None  # (text shape, video shape, audio shape, shifts) of the last call, for the report
     summary: list = field(default_factory=list)  # per conditioning, once the run ended: what the report shows
     fitted_rows: int = 0  # the packed rows the memory budget was last planned for in this run
@@ -99,32 +114,73 @@ class _Run:
     control_blocks: int = 0  # the run keeps no reference to the tower, so a dropped tower's memory can go
 
 
+@dataclass(frozen=True)
+class CallOptions:
+    """What a call takes besides its tensors (core's ``transformer_options`` and payload): the (video, audio) flow
+    shifts (None: the model's), the audio carry's scale (1: no carry; ``schedule.audio_scale``), and the sigma
+    a Fun ControlNet's window is tested on (core's ``transformer_options["sigmas"][0]``; None: the call's)."""
+
+    shifts: tuple | None = None
+    audio_scale: float = 1.0
+    window_sigma: float | None = None
+
+
+def _peaks(device) -> tuple[int | None, int | None]:
+    """(peak allocated, peak reserved) bytes since the clock started on CUDA; (None, None) on the CPU (no
+    allocator statistics for host memory: the report says so)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+    return None, None
+
+
 class ModelCall:
     """Evaluate the resident model ``rt`` (an H3Runtime or a LoRA view of it) one sigma at a time.
 
-    Use: ``begin_run(schedule)``, then ``__call__`` once per model evaluation, then ``end_run()``; a call
-    outside a run starts one implicitly (no schedule known: each sigma is planned alone).
+    Use: ``begin_run(schedule, lossy)``, then ``__call__`` once per model evaluation, then ``end_run()``; a call
+    outside a run starts one implicitly (no schedule known: each sigma is planned alone). ``parallel``: this
+    process's ParallelContext in a sequence-parallel run (every rank makes the same calls), else None.
     """
 
-    def __init__(self, rt):
+    def __init__(self, rt, parallel=None):
         self.rt = rt
+        self.parallel = parallel
         self.run: _Run | None = None
         self.last_run: _Run | None = None
+        # (step, blocks done, blocks) after each block of a run plan's step: progress within a slow step
+        self.on_block: Callable[[int, int, int], None] | None = None
 
     # -- run boundaries ------------------------------------------------------------------------
-    def begin_run(self, schedule=None, sparse_tau: float | None = None,
-                  first_block_cache: float | None = None) -> None:
-        """Start a sampling run. schedule: the host's sigmas [N + 1] (trailing 0) or None; sparse_tau /
-        first_block_cache: this run's LOSSY settings (None: the load options')."""
+    def begin_run(self, schedule=None, lossy: LossySettings | None = None, pin_schedule: bool = True) -> None:
+        """Start a sampling run. schedule: the host's sigmas [N + 1] (trailing 0) or None; lossy: this run's
+        LOSSY settings, installed once for the run (None: the load options'); pin_schedule: give the plans'
+        conditioning the schedule as its sample_sigmas (core's rule; the runtime's sampler passes the
+        conditioning it planned with)."""
         if self.run is not None:
             self.end_run()
         sched = None if schedule is None else [float(s) for s in torch.as_tensor(schedule).flatten().float()]
-        rt = self.rt
-        self.run = _Run(sched, sparse_tau=sparse_tau, first_block_cache=first_block_cache)
-        self.run.direct0 = getattr(rt.ops, "fc2_direct_calls", 0)
+        self.run = _Run(sched, pin_schedule=pin_schedule, lossy_settings=lossy or LossySettings())
+        self._start_clock()
+
+    def _start_clock(self) -> None:
+        """Zero the run's FC2 counters, peak memory and clock (again after ``prepare`` built the plan)."""
+        rt, run = self.rt, self.run
+        run.direct0 = getattr(rt.ops, "fc2_direct_calls", 0)
         if rt.fc2 is not None:
             rt.fc2.begin_run()
-        self.run.t0 = time.perf_counter()
+        if rt.device.type == "cuda":
+            torch.cuda.synchronize(rt.device)
+            torch.cuda.reset_peak_memory_stats(rt.device)
+        run.t0 = time.perf_counter()
+
+    def prepare(self, text_states, token_tags, shapes, cond, options: CallOptions, control=None) -> None:
+        """Build the run's plan for these inputs now (what the first call would), then start the clock, so the
+        run's seconds, FC2 counts and peaks are the steps' own (the runtime's sampler)."""
+        shifts = tuple(float(s) for s in options.shifts)
+        self._check_control(cond, control)
+        p = self._plan_for(text_states, token_tags, shapes, cond, shifts, control)
+        if p.plan is not None:
+            self._lossy(p, p.plan)
+        self._start_clock()
 
     def end_run(self) -> None:
         """Close the run: its FC2 counters, lossy summaries and timings are kept for ``report``."""
@@ -134,6 +190,7 @@ class ModelCall:
         if rt.device.type == "cuda":
             torch.cuda.synchronize(rt.device)
         run.seconds = time.perf_counter() - run.t0
+        run.peaks = _peaks(rt.device)
         counts = rt.fc2.end_run() if rt.fc2 is not None else {"attempts": 0, "successes": 0, "fallbacks": 0}
         run.fc2 = {k: counts[k] for k in ("attempts", "successes", "fallbacks")}
         run.fc2["direct_calls"] = getattr(rt.ops, "fc2_direct_calls", 0) - run.direct0
@@ -154,59 +211,78 @@ class ModelCall:
     @torch.no_grad()
     def __call__(self, video: torch.Tensor, audio: torch.Tensor, sigma, text_states: torch.Tensor,
                  token_tags: torch.Tensor | None = None, cond: H3Conditioning | None = None,
-                 shifts: tuple | None = None, audio_scale: float = 1.0, control=None,
-                 window_sigma: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(video [1, C, T, H, W], audio [1, Ca, 2, Ta] carried when audio_scale != 1) at video sigma ``sigma``
-        (the value the network sees: core's ``timestep / 1000`` in fp32, clamped at 1e-6; a scheduled sigma s
-        arrives as ``(s * 1000) / 1000``, ``schedule.model_sigma``) -> (video velocity, carried audio velocity), fp32,
-        on the inputs' device. text_states [1, L, text_dim] (or already refined [1, L, hidden]); cond: the
-        conditioning (its ``sample_sigmas`` is replaced by the run's schedule); shifts: (video, audio) flow
-        shifts, default the model's. Batch 1 (core's model refuses more; the host loops). control: a Fun
-        ControlNet tower (``runtime.model.control.FunControl``, loaded onto this model's plan) run with the hint
-        ``cond.control`` (both or neither); its window is tested, as core's wrapper does, on the sampler's sigma
-        of each scheduled step (the schedule's values), and on ``window_sigma`` (core's
-        ``transformer_options["sigmas"][0]``; default ``sigma``) for a call between them."""
+                 options: CallOptions | None = None, control=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(video [1, C, T, H, W], audio [1, Ca, 2, Ta] carried when options.audio_scale != 1) at video sigma
+        ``sigma`` (the value the network sees: core's ``timestep / 1000`` in fp32, clamped at 1e-6; a scheduled
+        sigma s arrives as ``(s * 1000) / 1000``, ``schedule.model_sigma``) -> (video velocity, carried audio
+        velocity), fp32, on the inputs' device. text_states [1, L, text_dim] (or already refined [1, L, hidden]);
+        cond: the conditioning (its ``sample_sigmas`` is replaced by the run's schedule); options: the shifts,
+        audio scale and control window sigma (``CallOptions``). Batch 1 (core's model refuses more; the host
+        loops). control: a Fun ControlNet tower (``runtime.model.control.FunControl``, loaded onto this model's
+        plan) run with the hint ``cond.control`` (both or neither); its window is tested, as core's wrapper
+        does, on the sampler's sigma of each scheduled step (the schedule's values), and on
+        ``options.window_sigma`` (default ``sigma``) for a call between them."""
         rt = self.rt
         if self.run is None:
             self.begin_run()
         run = self.run
-        cfg = rt.config
+        options = options or CallOptions()
         if video.shape[0] != 1 or audio.shape[0] != 1 or text_states.shape[0] != 1:
             raise H3Error(f"one clip per call (batch 1); got video {list(video.shape)}, audio {list(audio.shape)}, "
                           f"text {list(text_states.shape)}")
-        shifts = (float(shifts[0]), float(shifts[1])) if shifts is not None else (cfg.shift_video, cfg.shift_audio)
-        hint = None if cond is None else cond.control
-        if (control is None) != (hint is None):
-            raise H3Error("a Fun ControlNet needs both the tower (control=) and the conditioning's hint "
-                          f"(cond.control); got {'the hint' if control is None else 'the tower'} only")
+        shifts = (tuple(float(s) for s in options.shifts) if options.shifts is not None
+                  else (rt.config.shift_video, rt.config.shift_audio))
+        self._check_control(cond, control)
         sm = torch.as_tensor(sigma, dtype=torch.float32).reshape(()).cpu().clamp(min=1e-6)
         p = self._plan_for(text_states, token_tags, (tuple(video.shape), tuple(audio.shape)), cond, shifts, control)
-        plan, i = self._step(p, float(sm), float(sm) if window_sigma is None else float(window_sigma))
+        window = float(sm) if options.window_sigma is None else float(options.window_sigma)
+        plan, i = self._step(p, float(sm), window)
         lossy = self._lossy(p, plan)
         if lossy is not None:
             lossy.begin_step(run.calls, float(sm))
-        out_dev = video.device
-        dev = rt.device
         self._mark_start()
-        xv = video.to(dev, torch.float32)
-        y = audio.to(dev, torch.float32)
-        s_dev = sm.to(dev)
-        xa = carry_in(y, s_dev, *shifts) if audio_scale != 1.0 else y
-        model = rt.model
-        ops = rt.ops
-        if lossy is not None and lossy.cache is not None:
-            vv, va = model.evaluate(plan, i, xv, xa, ops, _CallCache(lossy.cache, run.calls))
-        else:
-            vv, va = model.evaluate(plan, i, xv, xa, ops)
-        vy = carry_out(va, xa, s_dev, shifts[0], shifts[1], audio_scale) if audio_scale != 1.0 else va
+        out = self._evaluate(plan, i, video, audio, sm, options.audio_scale, shifts)
         if plan.control is not None and plan.control.active[i]:
             run.control = plan.control
             run.control_calls += 1
-        run.finite.append((torch.isfinite(vv).all(), torch.isfinite(vy).all()))
+        run.finite.append((torch.isfinite(out[0]).all(), torch.isfinite(out[1]).all()))  # read once at the end
         self._mark_stop()
         run.calls += 1
         run.last = (tuple(text_states.shape), tuple(video.shape), tuple(audio.shape), shifts)
-        return vv.float().to(out_dev), vy.float().to(out_dev)
+        return out[0].float().to(video.device), out[1].float().to(video.device)
+
+    def _evaluate(self, plan, i: int, video, audio, sm, scale: float, shifts):
+        """The network at step i of ``plan`` on the model's device, the audio carried in and out when ``scale``
+        != 1 -> (video velocity, carried audio velocity)."""
+        dev = self.rt.device
+        xv = video.to(dev, torch.float32)
+        y = audio.to(dev, torch.float32)
+        s_dev = sm.to(dev)
+        xa = carry_in(y, s_dev, *shifts) if scale != 1.0 else y
+        if self.parallel is not None:
+            vv, va = self._evaluator(plan).evaluate(plan, i, xv, xa)
+        else:
+            vv, va = self.rt.model.evaluate(plan, i, xv, xa, self.rt.ops)
+        return vv, (carry_out(va, xa, s_dev, shifts[0], shifts[1], scale) if scale != 1.0 else va)
+
+    def _evaluator(self, plan) -> ShardedEvaluator:
+        """The run's sequence-parallel evaluator, bound to the run plan (one plan per run under parallelism)."""
+        run, rt = self.run, self.rt
+        if run.evaluator is None:
+            run.evaluator = ShardedEvaluator(self.parallel, rt.model, plan, rt.ops, attention=None
+                                             if rt.ops.attends_exactly else rt.attention)
+        elif run.evaluator.plan is not plan:
+            raise H3Error("a sequence-parallel run evaluates one plan (its schedule, one conditioning); this call "
+                          "needs another (a sigma off the schedule or a second conditioning)")
+        return run.evaluator
+
+    @staticmethod
+    def _check_control(cond, control) -> None:
+        hint = None if cond is None else cond.control
+        if (control is None) != (hint is None):
+            found = "the hint" if control is None else "the tower"
+            raise H3Error("a Fun ControlNet needs both the tower (control=) and the conditioning's hint "
+                          f"(cond.control); got {found} only")
 
     # -- plans -----------------------------------------------------------------------------------
     def _plan_for(self, text, tags, shapes, cond, shifts, control=None) -> _Plan:
@@ -217,7 +293,7 @@ class ModelCall:
         sched = run.schedule
         sigmas = [float(model_sigma(torch.tensor(s))) for s in sched[:-1]] if sched else []
         c = cond if cond is not None else H3Conditioning()
-        if sched:
+        if sched and run.pin_schedule:
             c = dataclasses.replace(c, sample_sigmas=torch.tensor(sched, dtype=torch.float32))
         self._fit(text, shapes, c, max(1, len(sigmas)), control)
         plan = None
@@ -225,28 +301,28 @@ class ModelCall:
             plan = self.rt.model.plan(text.float(), shapes[0], shapes[1], sigmas, token_tags=tags, shifts=shifts,
                                       cond=c)
             self._bind(plan, control, c, [float(s) for s in torch.tensor(sched[:-1], dtype=torch.float32)])
+            plan.on_block = self.on_block
         p = _Plan(text.detach().clone(), None if tags is None else tags.detach().clone(), shapes, cond, shifts,
-                  plan, sigmas, c, control=control)
+                  plan, sigmas, c, control=control, source=text, source_tags=tags)
         run.plans.append(p)
         return p
 
     def _bind(self, plan, control, cond, window_sigmas) -> None:
-        """Bind the tower (if any) to ``plan`` with the hint ``cond.control`` (``bind_control`` with ``tower_ops``,
-        as ``sample`` does)."""
+        """Bind the tower (if any) to ``plan`` with the hint ``cond.control`` (``bind_control`` with ``tower_ops``:
+        the tower runs dense attention, as core's)."""
         if control is not None:
             bind_control(self.rt.model, control, cond.control, plan, window_sigmas, ops=tower_ops(self.rt))
 
     def _fit(self, text, shapes, cond, steps: int, control=None) -> None:
-        """The device-memory budget planned again for this conditioning's size, as ``sample`` does when it starts
+        """The device-memory budget planned again for this conditioning's size
         (``H3Runtime.fit_memory``: blocks move between the device and host memory if the decision changes; the
         host's latents may be larger than the size the load planned for). Within a run only a conditioning with
         more packed rows than any before plans again (CFG's second conditioning, or a shorter prompt, keeps the
         decision made for the larger). Raises BudgetError (nothing moved) when the budget cannot run it."""
-        fit = getattr(self.rt, "fit_memory", None)
         rows = latent_rows(shapes[0], shapes[1], text.shape[1], cond)
-        if not callable(fit) or rows <= self.run.fitted_rows:
+        if rows <= self.run.fitted_rows:
             return
-        fit(shapes[0], shapes[1], text.shape[1], steps, cond, control=control)
+        self.rt.fit_memory(shapes[0], shapes[1], text.shape[1], steps, cond, control=control)
         self.run.fitted_rows = rows
 
     def _step(self, p: _Plan, sigma: float, window_sigma: float):
@@ -262,6 +338,8 @@ class ModelCall:
             plan = self.rt.model.plan(p.text.float(), p.shapes[0], p.shapes[1], [sigma], token_tags=p.tags,
                                       shifts=p.shifts, cond=p.cond_full)
             self._bind(plan, p.control, p.cond_full, [window_sigma])
+            if self.run.lossy is not None:
+                self.run.lossy.install(plan)
             p.extra[key] = plan
         return p.extra[key], 0
 
@@ -269,11 +347,14 @@ class ModelCall:
         """The run's sparse attention / First-Block Cache context, bound to the run's one conditioning."""
         run, rt = self.run, self.rt
         if run.lossy is None:
-            run.lossy = LossyRun.for_call(rt, run.sparse_tau, run.first_block_cache, None)
+            run.lossy = LossyRun.for_run(rt, run.lossy_settings, self.parallel)
             if run.lossy is None:
                 return None
             run.lossy_plan = p
             run.lossy.begin_run(plan, p.shifts[0])
+            for q in [p.plan, *p.extra.values()]:
+                if q is not None:
+                    run.lossy.install(q)
         elif run.lossy_plan is not p:
             raise H3Error("sparse attention / the First-Block Cache follow one conditioning per sampling run; this "
                           "run evaluates a second one (CFG with a negative prompt, or a changed conditioning). "
@@ -299,9 +380,12 @@ class ModelCall:
 
     # -- the report ------------------------------------------------------------------------------
     def report(self, video: torch.Tensor, audio: torch.Tensor, workload_extra: dict | None = None) -> dict:
-        """The last finished run's report (``sample``'s fields): per-call seconds as ``per_step_seconds``, the
-        FC2 counters, the lossy blocks, ``latents_finite`` from every call's output, and the sha256 of ``video`` /
-        ``audio`` (the host's final latents). Raises H3Error when no run has finished."""
+        """The last finished run's report: per-call seconds as ``per_step_seconds``, the FC2 counters, peak
+        memory, the lossy and control blocks, ``latents_finite`` from every call's output and the final
+        latents (``nonfinite``: the first call whose output was not, else the last step), the sha256 of
+        ``video`` / ``audio`` (the host's final latents), the workload (``workload_extra`` overrides its fields)
+        and, in a sequence-parallel run, the ranks' block (a collective: every rank reports). Raises H3Error
+        when no run has finished."""
         run = self.last_run
         if run is None or run.seconds is None:
             raise H3Error("no sampling run of this model has finished yet; connect the report after the sampler")
@@ -310,48 +394,55 @@ class ModelCall:
             per_call = [a.elapsed_time(b) / 1000.0 for a, b in run.marks]
         else:
             per_call = [b - a for a, b in run.marks]
-        bad = None
-        for k, (fv, fa) in enumerate(run.finite):
-            if not bool(fv) or not bool(fa):
-                bad = {"run": 1, "step": k + 1, "steps": len(run.finite),
-                       "stream": "video" if not bool(fv) else "audio"}
-                break
-        rec = RunRecord(run.seconds, [{"step": k + 1, "seconds": v} for k, v in enumerate(per_call)], None, None,
-                        latent_sha256(video.float()), latent_sha256(audio.float()), dict(run.fc2), nonfinite=bad)
-        workload = self._workload(run, video, audio, workload_extra)
+        # each call's outputs (a backend's numerics), then the final latents (the host's last update)
+        finite = [torch.stack(f) for f in run.finite] + [torch.stack([torch.isfinite(video).all(),
+                                                                      torch.isfinite(audio).all()]).to(rt.device)]
+        bad = first_nonfinite(torch.stack(finite).cpu(), 0)
+        if bad is not None:
+            bad["steps"] = len(run.finite)
+            bad["step"] = min(bad["step"], bad["steps"])
+        run.record = RunRecord(run.seconds, [{"step": k + 1, "seconds": v} for k, v in enumerate(per_call)],
+                               *run.peaks, latent_sha256(video.float()), latent_sha256(audio.float()), dict(run.fc2),
+                               nonfinite=bad)
         tower_fc2 = run.control_calls * run.control_blocks
-        report = build_report(rt, workload, [rec], 0, video.float(), audio.float(),
-                              fc2_required=rt.config.num_layers * run.calls + tower_fc2)
+        report = build_report(rt, _workload(rt, run, video, audio, workload_extra), [run.record], 0, video.float(),
+                              audio.float(), fc2_required=rt.config.num_layers * run.calls + tower_fc2)
         if run.lossy is not None:
             report.update(run.lossy.report())
         if run.control_summary is not None:
             report["control"] = dict(run.control_summary, model_calls_with_control=run.control_calls)
+        if run.evaluator is not None:
+            report["sequence_parallel"] = self._parallel_section(run)
         return report
 
-    @staticmethod
-    def _workload(run: _Run, video, audio, extra: dict | None) -> dict:
-        p = run.summary[0] if run.summary else None
-        lay = None if p is None else p["layout"]
-        w = {"resolution": [video.shape[-1] * 16, video.shape[-2] * 16], "frames": None,
-             "latent_frames": video.shape[2], "audio_frames": audio.shape[-1],
-             "packed_tokens": lay.seq_len if lay is not None else None,
-             "text_tokens": p["text_tokens"] if p is not None else None,
-             "steps": max(len(run.schedule) - 1, 0) if run.schedule else run.calls,
-             "model_calls": run.calls, "conditionings": len(run.summary),
-             "off_schedule_calls": sum(len(s["off_schedule_sigmas"]) for s in run.summary),
-             "shifts": list(p["shifts"]) if p is not None else None, "sampler": "host (ComfyUI core)"}
-        if lay is not None:
-            w["segments"] = [[k, a, b] for a, b, k in lay.segments]
-        if extra:
-            w.update(extra)
-        return w
+    def _parallel_section(self, run: _Run) -> dict:
+        """The ``sequence_parallel`` block: this rank's numbers of the run, gathered from every rank."""
+        ev, rec, ctx = run.evaluator, run.record, self.parallel
+        steps = run.calls
+        mine = rank_run([s["seconds"] for s in rec.per_step_seconds], ev.stats.per_step_seconds(steps),
+                        rec.peak_allocated_bytes, rec.peak_reserved_bytes, (rec.video_sha256, rec.audio_sha256),
+                        ev.amax_stats.per_step_seconds(steps), ev.amax_stats.per_step_calls(steps))
+        return parallel_section(ctx, ev.shard, ev.stats, gather_ranks(ctx, [mine]), self.rt.config.num_layers,
+                                numerics(self.rt.ops), ev.amax_stats)
 
 
-class _CallCache:
-    """The run's First-Block Cache seen from one call: its step is the call's index in the run."""
-
-    def __init__(self, cache, step: int):
-        self.cache, self.step = cache, step
-
-    def run(self, i, x, first, rest):
-        return self.cache.run(self.step, x, first, rest)
+def _workload(rt, run: _Run, video, audio, extra: dict | None) -> dict:
+    """The report's workload block: shapes, the packed layout (its segment table), the run's calls, shifts and
+    attention backend; ``extra`` (the caller's settings: seed, sampler, ..., or the host) overrides."""
+    p = run.summary[0] if run.summary else None
+    lay = None if p is None else p["layout"]
+    w = {"resolution": [video.shape[-1] * 16, video.shape[-2] * 16], "frames": None,
+         "latent_frames": video.shape[2], "audio_frames": audio.shape[-1],
+         "packed_tokens": lay.seq_len if lay is not None else None,
+         "text_tokens": p["text_tokens"] if p is not None else None,
+         "cond_tokens": lay.cond_rows if lay is not None else None,
+         "steps": max(len(run.schedule) - 1, 0) if run.schedule else run.calls,
+         "model_calls": run.calls, "conditionings": len(run.summary),
+         "off_schedule_calls": sum(len(s["off_schedule_sigmas"]) for s in run.summary),
+         "shifts": list(p["shifts"]) if p is not None else None, "sampler": "host (ComfyUI core)",
+         "attention": rt.backends.get("attention", {}).get("choice")}
+    if lay is not None:
+        w["segments"] = [[k, a, b] for a, b, k in lay.segments]
+    if extra:
+        w.update(extra)
+    return w

@@ -6,6 +6,7 @@ recorded beside them); step times come from events recorded without a per-step s
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import platform
 import statistics
@@ -14,45 +15,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..parallel.rank_stats import merge_sections
+
 
 def latent_sha256(t: torch.Tensor) -> str:
     """sha256 of the contiguous CPU bytes of a tensor."""
     t = t.detach().to("cpu").contiguous()
     return hashlib.sha256(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()
-
-
-class StepTimer:
-    """Per-step times: CUDA events with one synchronisation at the end, or perf_counter on the CPU."""
-
-    def __init__(self, device: torch.device, steps: int):
-        self.cuda = device.type == "cuda"
-        self.steps = steps
-        if self.cuda:
-            self.events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                           for _ in range(steps)]
-        else:
-            self.marks = [[0.0, 0.0] for _ in range(steps)]
-
-    def start(self, i):
-        if self.cuda:
-            self.events[i][0].record()
-        else:
-            self.marks[i][0] = time.perf_counter()
-
-    def stop(self, i):
-        if self.cuda:
-            self.events[i][1].record()
-        else:
-            self.marks[i][1] = time.perf_counter()
-
-    def seconds(self) -> list:
-        """[{step, seconds}] (synchronises once on CUDA)."""
-        if self.cuda:
-            torch.cuda.synchronize()
-            vals = [a.elapsed_time(b) / 1000.0 for a, b in self.events]
-        else:
-            vals = [b - a for a, b in self.marks]
-        return [{"step": i + 1, "seconds": v} for i, v in enumerate(vals)]
 
 
 @dataclass
@@ -254,3 +223,25 @@ def summary(report: dict) -> str:
                  "exposed)" + (f"; peak {mem['peak_allocated_bytes'] / 1e9:.2f} GB allocated"
                                if mem.get("peak_allocated_bytes") else ""))
     return text
+
+
+def measured_report(rt, results: list, warmup: int) -> dict:
+    """One report over the measured runs of one request (``results``: their SampleResults, each with its one
+    run's report and record; ``warmup`` runs before them went unreported): the per-run lists (seconds, step
+    times, peaks, FC2 counts) joined, their median, whether their latents are the same bytes, where a latent
+    first became non-finite (runs counted from the first warm-up); the last run's blocks otherwise."""
+    last = results[-1]
+    records = []
+    for k, res in enumerate(results):
+        bad = res.record.nonfinite
+        records.append(res.record if bad is None else
+                       dataclasses.replace(res.record, nonfinite=dict(bad, run=warmup + k + 1)))
+    report = dict(last.report)
+    report.update(build_report(rt, last.report["workload"], records, warmup, last.video, last.audio,
+                               last.report["fc2_dispatch"]["required_per_run"]))
+    if "first_block_cache" in report:
+        report["first_block_cache"] = dict(report["first_block_cache"], reused_steps_per_measured_run=[
+            r.report["first_block_cache"]["reused_steps"] for r in results])
+    if "sequence_parallel" in report:
+        report["sequence_parallel"] = merge_sections([r.report["sequence_parallel"] for r in results])
+    return report

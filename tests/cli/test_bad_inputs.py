@@ -165,12 +165,12 @@ def test_steps_are_bounded_before_any_work():
     """``--steps 1000000000`` was accepted: the sigma schedule alone (a Python list of a billion floats) filled the
     memory before the first step, and the run would not end in a lifetime. ComfyUI's KSampler stops at 10000.
     (make_job, not the CLI: before the bound a refused count ran.)"""
-    from h3_blackwell.runtime import RequestError, make_job
+    from h3_blackwell.runtime import Canvas, RequestError, SamplingSettings, make_job
 
     for steps in (10 ** 9, 10001):
         with pytest.raises(RequestError, match=rf"steps={steps}: expected an integer in \[1, 10000\]"):
-            make_job(None, seed=0, steps=steps, width=64, height=64, frames=5)
-    assert make_job(None, seed=0, steps=10000, width=64, height=64, frames=5).steps == 10000
+            make_job(None, sampling=SamplingSettings(seed=0, steps=steps), canvas=Canvas(64, 64, 5))
+    assert make_job(None, sampling=SamplingSettings(seed=0, steps=10000), canvas=Canvas(64, 64, 5)).sampling.steps == 10000
 
 
 def test_a_tiny_denoise_is_bounded_and_costs_nothing():
@@ -179,12 +179,12 @@ def test_a_tiny_denoise_is_bounded_and_costs_nothing():
     tail is computed: the same values as the whole schedule's last steps."""
     import time
 
-    from h3_blackwell.runtime import RequestError, make_job
+    from h3_blackwell.runtime import Canvas, RequestError, SamplingSettings, make_job
     from h3_blackwell.runtime.sampling.schedule import flow_sigma_table, simple_sigmas
 
     for d in (1e-300, 1e-7):
         with pytest.raises(RequestError, match=r"denoise=.*: expected a number in \[1e-06, 1\]"):
-            make_job(None, seed=0, steps=2, denoise=d, width=64, height=64, frames=5)
+            make_job(None, sampling=SamplingSettings(seed=0, steps=2, denoise=d), canvas=Canvas(64, 64, 5))
 
     def whole(steps, shift, denoise):  # core's construction: every sigma of the long schedule, then its tail
         total = steps if denoise >= 1.0 else int(steps / denoise)
@@ -412,17 +412,33 @@ def test_bad_lora_specs(spec, needles, out, tmp_path, capsys):
 
 
 def test_nonfinite_latents_are_an_error(out, capsys, monkeypatch):
-    """A backend that diverges mid-run: the step and the stream are named, nothing is written."""
+    """A backend that diverges mid-run (the model's output at the second step): the step and the stream are
+    named, nothing is written."""
+    from h3_blackwell.runtime.model.h3 import H3Model
+
+    real, calls = H3Model.evaluate, []
+
+    def diverging(self, plan, i, video, audio, ops=None):
+        vv, va = real(self, plan, i, video, audio, ops)
+        calls.append(i)
+        return (vv * float("nan") if len(calls) == 2 else vv), va
+
+    monkeypatch.setattr(H3Model, "evaluate", diverging)
+    refused(capsys, ["generate", "--output", out / "o", *SMALL[:-1], "3"], "step 2 of 3", "video", "--attention",
+            watch=out)
+
+
+def test_nonfinite_final_update_is_an_error(out, capsys, monkeypatch):
+    """The sampler's last update diverges (no model call follows it): the final latents are checked too."""
     import h3_blackwell.runtime.sampling.sampler as sampler_mod
 
     class Diverging(sampler_mod.Stepper):
         def step(self, i, x, den):
             xv, y = super().step(i, x, den)
-            return (xv * float("nan") if i == 1 else xv), y
+            return xv, (y * float("inf") if i == 2 else y)
 
     monkeypatch.setattr(sampler_mod, "Stepper", Diverging)
-    refused(capsys, ["generate", "--output", out / "o", *SMALL[:-1], "3"], "step 2 of 3", "video", "--attention",
-            watch=out)
+    refused(capsys, ["generate", "--output", out / "o", *SMALL[:-1], "3"], "step 3 of 3", "audio", watch=out)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """The CLI: the default tiny run, forward, make-tiny, and one clear error line for each bad input."""
 
+import dataclasses
 import hashlib
 import json
 import subprocess
@@ -50,7 +51,7 @@ def test_interrupted_generate_writes_nothing(tmp_path, monkeypatch, capsys):
     real = sampler_mod.sample
 
     def interrupted(*a, **k):
-        k["interrupt"] = iter([False, True]).__next__
+        k["hooks"] = dataclasses.replace(k["hooks"], interrupt=iter([False, True]).__next__)
         return real(*a, **k)
 
     monkeypatch.setattr(sampler_mod, "sample", interrupted)

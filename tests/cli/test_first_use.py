@@ -24,7 +24,8 @@ import torch
 from h3_blackwell.cli import commands, progress as P
 from h3_blackwell.cli.main import main
 from h3_blackwell.cli.parser import build_parser
-from h3_blackwell.runtime import RuntimeOptions, cpu_thread_count, load_model, sample, summary
+from h3_blackwell.runtime import (Hooks, Launch, RuntimeOptions, SampleInputs, SamplingSettings, cpu_thread_count,
+                                   load_model, make_job, run, sample, summary)
 from h3_blackwell.runtime.options import SMALL_CPU_WORK
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -182,10 +183,35 @@ def test_the_runtime_reports_every_block_of_every_step():
 
     rt = load_model(None, RuntimeOptions(device="cpu"))
     n = rt.config.num_layers
-    sample(rt, torch.randn(1, 8, rt.config.text_dim), None, torch.zeros(1, 24, 2, 4, 4), torch.zeros(1, 32, 2, 5),
-           seed=1, steps=2, progress=Recorder())
+    rec = Recorder()
+    sample(rt, SampleInputs(torch.randn(1, 8, rt.config.text_dim), None, torch.zeros(1, 24, 2, 4, 4),
+                            torch.zeros(1, 32, 2, 5)),
+           SamplingSettings(seed=1, steps=2), hooks=Hooks(progress=rec, block=rec.block))
     assert steps == [1, 2]
     assert seen == [(i, j, n) for i in range(2) for j in range(1, n + 1)]
+
+
+def test_a_job_hands_its_progress_blocks_to_the_sampler():
+    """run(job): a progress object with ``block`` (the CLI's Progress) gets every block; a plain step callback
+    (the nodes') gets the steps only."""
+    seen, steps = [], []
+
+    class Recorder:
+        def __call__(self, done, total):
+            steps.append(done)
+
+        def block(self, step, done, total):
+            seen.append((step, done, total))
+
+    job = make_job(None, sampling=SamplingSettings(seed=1, steps=2), options={"device": "cpu"},
+                   launch=Launch(progress=Recorder))
+    run(job)
+    n = job.config.num_layers
+    assert steps == [1, 2] and seen == [(i, j, n) for i in range(2) for j in range(1, n + 1)]
+    plain = []
+    run(make_job(None, sampling=SamplingSettings(seed=1, steps=2), options={"device": "cpu"},
+                 launch=Launch(progress=lambda: (lambda done, total: plain.append(done)))))
+    assert plain == [1, 2]
 
 
 def test_a_cpu_run_of_hours_is_a_warning_before_it_starts(tmp_path, capsys, monkeypatch):
@@ -202,7 +228,7 @@ def test_the_flop_count_follows_the_model(tmp_path):
     job = _job(tmp_path, "--steps", "2")
     c = job.config
     video, audio = job.latents(c)
-    rows = job.text.shape[-2] + 2 * audio.shape[3] + video.shape[2] * (video.shape[3] // 2) * (video.shape[4] // 2)
+    rows = job.inputs.text.shape[-2] + 2 * audio.shape[3] + video.shape[2] * (video.shape[3] // 2) * (video.shape[4] // 2)
     per_block = 2 * rows * (4 * c.hidden_size * c.inner_dim + 3 * c.hidden_size * c.ffn_hidden_size) \
         + 4 * rows ** 2 * c.inner_dim
     assert commands.cpu_matmul_flops(job) == per_block * c.num_layers * 2

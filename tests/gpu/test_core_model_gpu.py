@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from h3_blackwell.nodes import core_model as cm
-from h3_blackwell.runtime import RuntimeOptions, load_model, sample
+from h3_blackwell.runtime import H3Conditioning, RuntimeOptions, load_model
+from fixtures.sampling import sample
 from h3_blackwell.runtime.load import StateDictSource
 from h3_blackwell.runtime.model.config import H3Config
 from h3_blackwell.runtime.model.layout import latent_shapes
@@ -49,7 +50,8 @@ def test_model_calls_on_the_fast_stack_and_release():
                minimax_payload=payload) for s in sched[:-1]]
     handle.end_sampling()
     for s, (v, a) in zip(sched[:-1], outs):
-        rv, ra = rt.model.forward(video, audio, text, float((s * 1000) / 1000), ops=rt.ops, seed=3)
+        rv, ra = rt.model.forward(video, audio, text, float((s * 1000) / 1000), ops=rt.ops,
+                                  cond=H3Conditioning(seed=3))
         assert v.device.type == "cuda" and _rel(v, rv) < 1e-3 and _rel(a, ra) < 1e-3  # same stack, same plan math
     rep = handle.call.report(outs[-1][0], outs[-1][1])
     print(rep["backends"].get("gemm"), rep["per_step_seconds"][0], rep["fc2_dispatch"]["runs"])

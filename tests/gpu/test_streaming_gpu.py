@@ -12,7 +12,8 @@ import json
 import pytest
 import torch
 
-from h3_blackwell.runtime import RuntimeOptions, load_model, sample
+from h3_blackwell.runtime import RuntimeOptions, load_model
+from fixtures.sampling import sample
 from h3_blackwell.runtime.budget import ModelMemory, Workload, smallest_budget
 from h3_blackwell.runtime.load import StateDictSource
 from h3_blackwell.runtime.model.config import H3Config

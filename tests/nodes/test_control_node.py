@@ -20,7 +20,8 @@ from h3_blackwell.nodes._common import H3NodeError  # noqa: E402
 from h3_blackwell.nodes.control import (NO_FILE, ControlledModel, H3FunControlNetApply, percent_to_sigma,  # noqa: E402
                                         prepare_hint)
 from h3_blackwell.nodes.sampler import H3Sampler  # noqa: E402
-from h3_blackwell.runtime import load_control, sample  # noqa: E402
+from h3_blackwell.runtime import load_control  # noqa: E402
+from fixtures.sampling import sample  # noqa: E402
 from h3_blackwell.runtime import conditioning_from_payload  # noqa: E402
 from h3_blackwell.runtime.model.config import TINY  # noqa: E402
 
@@ -56,7 +57,8 @@ def test_node_contract_is_cores():
     it = H3FunControlNetApply.INPUT_TYPES()
     req, opt = it["required"], it["optional"]
     assert list(req) == ["model", "vae", "strength", "start_percent", "end_percent"]
-    assert req["strength"][1] == {"default": 1.0, "min": 0.0, "max": 10.0, "step": 0.01}
+    assert {k: v for k, v in req["strength"][1].items() if k != "tooltip"} == {"default": 1.0, "min": 0.0,
+                                                                               "max": 10.0, "step": 0.01}
     assert req["start_percent"][1]["default"] == 0.0 and req["end_percent"][1]["default"] == 1.0
     assert {"model_patch", "control_name", "control_video", "mask", "source_video", "fade_in_frames",
             "fade_out_frames"} == set(opt)

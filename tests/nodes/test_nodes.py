@@ -32,7 +32,7 @@ from h3_blackwell.nodes.latents import H3EmptyLatent
 from h3_blackwell.nodes.loader import TINY_CHOICE, H3ModelLoader
 from h3_blackwell.nodes.sampler import H3Sampler
 from h3_blackwell.runtime import CHOICES, RuntimeOptions
-from h3_blackwell.runtime import sample as runtime_sample
+from fixtures.sampling import sample as runtime_sample
 
 from fixtures.comfy_standins import FakeNestedTensor, InterruptProcessingException, SAMPLE_ARGS, core_conditioning, core_empty_latent
 
@@ -524,9 +524,10 @@ class RecordingRuntime:
     def __call__(self, job):
         from h3_blackwell.runtime import SampleResult
 
-        self.calls.append({"text": job.text, "video": job.video, "audio": job.audio,
-                           "conditioning": job.conditioning, "steps": job.steps, "sampler": job.sampler})
-        return SampleResult(job.video + 1.0, job.audio + 1.0, {"recorded": True})
+        self.calls.append({"text": job.inputs.text, "video": job.inputs.video, "audio": job.inputs.audio,
+                           "conditioning": job.inputs.conditioning, "steps": job.sampling.steps,
+                           "sampler": job.sampling.sampler})
+        return SampleResult(job.inputs.video + 1.0, job.inputs.audio + 1.0, {"recorded": True})
 
 
 def _cases():

@@ -66,7 +66,7 @@ class Recorder:
         from h3_blackwell.runtime import SampleResult
 
         self.jobs.append(job)
-        return SampleResult(job.video + 1.0, job.audio + 1.0, {"recorded": True})
+        return SampleResult(job.inputs.video + 1.0, job.inputs.audio + 1.0, {"recorded": True})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,7 +208,7 @@ def test_sampler_optional_sockets_left_empty(comfy, tiny, monkeypatch):
     H3Sampler().sample(tiny, core_conditioning(), core_empty_latent(64, 64, 5), **SAMPLE_ARGS, sparse_tau=None,
                        first_block_cache=None)
     (job,) = rec.jobs
-    assert job.sparse_tau is None and job.first_block_cache is None  # the defaults: off on this model
+    assert job.lossy.sparse_tau is None and job.lossy.first_block_cache is None  # the defaults: off on this model
 
 
 def test_sampler_batch_index_from_core_batch_nodes(comfy, tiny, monkeypatch):
@@ -222,7 +222,7 @@ def test_sampler_batch_index_from_core_batch_nodes(comfy, tiny, monkeypatch):
                         (np.array([5]), 5), ([np.int64(6)], 6), ((4,), 4)):
         extra = {} if given is None else {"batch_index": given}
         out = H3Sampler().sample(tiny, core_conditioning(), {**lat, **extra}, **SAMPLE_ARGS)[0]
-        assert rec.jobs[-1].batch_index == want
+        assert rec.jobs[-1].sampling.batch_index == want
         assert ("batch_index" in out) == (given is not None)  # kept in the output, as core's KSampler keeps it
         assert out.get("batch_index") is (None if given is None else given)
     for bad, says in (([0, 1], "expected one index"), ([-1], "expected an index in [0, 4095]"),
@@ -261,8 +261,8 @@ def test_sampler_latent_dtypes_layouts_and_extra_keys(comfy, tiny, monkeypatch):
         ov, oa = out["samples"].tensors
         assert ov.dtype == oa.dtype == torch.float32  # core's latent dtype out, whatever came in
         job = rec.jobs[-1]
-        assert torch.equal(job.video.float(), lat["samples"].tensors[0].float())
-        assert torch.equal(job.audio.float(), lat["samples"].tensors[1].float())
+        assert torch.equal(job.inputs.video.float(), lat["samples"].tensors[0].float())
+        assert torch.equal(job.inputs.audio.float(), lat["samples"].tensors[1].float())
     nan = v.clone()
     nan[0, 0, 0, 0, 0] = float("nan")
     with pytest.raises(H3NodeError, match="must be finite"):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from h3_blackwell.nodes import NODES
-from h3_blackwell.runtime import sample as runtime_sample
+from fixtures.sampling import sample as runtime_sample
 from h3_blackwell.cli.comfy_workflow import is_api_prompt, is_ui_graph, ui_to_api
 
 from fixtures.comfy_standins import _install  # the ComfyUI stand-ins

@@ -315,7 +315,10 @@ def _runtime_sample(sd, video0, audio0, text, tags, cond, sample, sampler):
         save_file({k: v.contiguous() for k, v in sd.items()}, str(path),
                   metadata={"config": config_metadata(cfg)})
         rt = load_model(path, RuntimeOptions(device="cpu", dtype="float32", quantize=False))
-        res = sample(rt, text, tags, video0, audio0, seed=cond.seed, steps=3, sampler=sampler, conditioning=cond)
+        from h3_blackwell.runtime import SampleInputs, SamplingSettings
+
+        res = sample(rt, SampleInputs(text, tags, video0, audio0, cond),
+                     SamplingSettings(seed=cond.seed, steps=3, sampler=sampler))
     return res.video, res.audio
 
 

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from h3_blackwell.runtime import RuntimeOptions, load_model, sample
+from h3_blackwell.runtime import RuntimeOptions, load_model
+from fixtures.sampling import sample
 from h3_blackwell.runtime.model.config import TINY
 
 RUNTIME = Path(__file__).resolve().parents[2] / "runtime"

@@ -8,7 +8,8 @@ back first. The bytes freed are measured by the CUDA allocator: tests/gpu/test_s
 import pytest
 import torch
 
-from h3_blackwell.runtime import RuntimeOptions, load_model, sample
+from h3_blackwell.runtime import RuntimeOptions, load_model
+from fixtures.sampling import sample
 from h3_blackwell.runtime.budget import ModelMemory, Workload, estimate
 from h3_blackwell.runtime.load import StateDictSource
 from h3_blackwell.runtime.lora import apply as L

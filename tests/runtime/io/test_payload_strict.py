@@ -172,15 +172,15 @@ def test_the_inputs_own_tensors_any_float_dtype(name, value, ok, inputs, out, ca
     """The latents and text states of --inputs: any float dtype is converted, anything else refused naming it."""
     from safetensors.torch import load_file
 
-    from h3_blackwell.runtime import make_job
+    from h3_blackwell.runtime import JobFiles, SamplingSettings, make_job
 
     t = load_file(str(inputs))
     t[name] = value(t[name])
     p = out / "in.safetensors"
     save_file(t, str(p))
     if ok:
-        job = make_job(None, seed=0, inputs=str(p), steps=1)
-        assert job.text.dtype == torch.float32
+        job = make_job(None, sampling=SamplingSettings(seed=0, steps=1), files=JobFiles(inputs=str(p)))
+        assert job.inputs.text.dtype == torch.float32
         return
     refused_inproc(capsys, ["generate", "--output", out / "o", "--inputs", p, "--steps", "1"], name, "dtype",
                    "float")

@@ -15,7 +15,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from h3_blackwell.runtime import RuntimeOptions, load_model, sample
+from h3_blackwell.runtime import RuntimeOptions, load_model
+from fixtures.sampling import sample
 from h3_blackwell.runtime.lora import apply as L
 from h3_blackwell.runtime.model.config import FULL, TINY
 from h3_blackwell.runtime.load import StateDictSource

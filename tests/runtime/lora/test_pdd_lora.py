@@ -19,7 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from fixtures.tiny_lora import save_tiny_lora, tiny_lora_truth  # noqa: E402
 
 from h3_blackwell.cli import main as cli  # noqa: E402
-from h3_blackwell.runtime import RuntimeOptions, load_model, sample  # noqa: E402
+from h3_blackwell.runtime import RuntimeOptions, load_model  # noqa: E402
+from fixtures.sampling import sample  # noqa: E402
 from h3_blackwell.runtime.lora import apply as L  # noqa: E402
 from h3_blackwell.runtime.lora.key_forms import LoraError  # noqa: E402
 from h3_blackwell.runtime.model.config import TINY, config_metadata  # noqa: E402

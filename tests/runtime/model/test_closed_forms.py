@@ -6,6 +6,7 @@ import torch
 
 from h3_blackwell.runtime.model.config import TINY
 from h3_blackwell.runtime.model.layout import build_layout, latent_shapes, step_times
+from h3_blackwell.runtime.model.conditioning import H3Conditioning
 from h3_blackwell.runtime.model.h3 import pdd_head_weights, pdd_span
 from h3_blackwell.runtime.model.tiny import tiny_model
 
@@ -78,7 +79,7 @@ def test_pdd_bank_in_the_forward_uses_the_step_heads():
     audio = torch.randn(1, 32, 2, 3, generator=g)
     text = torch.randn(1, 5, TINY.text_dim, generator=g)
     sigmas = [1.0, 0.8, 0.4, 0.0]
-    out_bank = bank(video, audio, text, 0.8, sample_sigmas=sigmas)
+    out_bank = bank(video, audio, text, 0.8, cond=H3Conditioning(sample_sigmas=torch.tensor(sigmas)))
     start, stop = pdd_span(0.8, 0.4, n, 12.0)
     for name, shift in (("video_out", 12.0), ("audio_out", 3.0)):
         lin = getattr(bank.final_layer, name)
@@ -93,7 +94,7 @@ def test_pdd_bank_in_the_forward_uses_the_step_heads():
 
 def test_step_times_segments_and_tags():
     lay = build_layout(6, 2, 4, 4, 3)
-    st = step_times(lay, 0.6, 12.0, 3.0, text_tags=[1, 1, 0, 0, 1, 1])
+    st = step_times(lay, 0.6, (12.0, 3.0), text_tags=[1, 1, 0, 0, 1, 1])
     t_v, t_a = 0.4, 1 - _shift(0.6 / (12 - 11 * 0.6), 3.0)
     assert st.t_values == sorted([t_v, t_a])
     iv, ia = st.t_values.index(t_v), st.t_values.index(t_a)

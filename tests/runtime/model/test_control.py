@@ -369,7 +369,7 @@ def test_sampling_start_moves_a_tower_loaded_resident(files):
     """A tower loaded while the budget kept it resident (the node path loads it at apply time) streams once the
     plan at sampling start says so, and goes back to the device when a later plan has room; the latents never
     change."""
-    from h3_blackwell.runtime import sample
+    from fixtures.sampling import sample
     from fixtures.reports import report_hashes
 
     name = "inpaint49_refs_odd"
@@ -402,7 +402,7 @@ def test_a_loaded_tower_a_run_leaves_out_counts_against_the_budget(files):
     those bytes and says so, its latents are the unbounded run's, and a tower that is gone no longer counts."""
     import gc
 
-    from h3_blackwell.runtime import sample
+    from fixtures.sampling import sample
     from fixtures.reports import report_hashes
 
     case = CASES["inpaint49_refs_odd"]

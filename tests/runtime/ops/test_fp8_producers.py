@@ -401,7 +401,7 @@ def test_w4a8_out_proj_side_path_is_added():
 def test_fc2_counts_for_w4a8():
     """The run report's FC2 consistency for W4A8: FC2 runs its layer directly (n blocks x 2 evaluations per run),
     the dispatcher is never attempted. (bench/canonical.py's accuracy stage: bench/cpu_selfcheck.py.)"""
-    from h3_blackwell.runtime.sampling.sampler import sample
+    from fixtures.sampling import sample
 
     rt = _w4a8(6)
     m = rt.model

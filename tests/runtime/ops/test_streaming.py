@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from h3_blackwell.cli import main as cli
-from h3_blackwell.runtime import RuntimeOptions, load_model, sample
+from h3_blackwell.runtime import RuntimeOptions, load_model
+from fixtures.sampling import sample
 from h3_blackwell.runtime.budget import ModelMemory, Workload, estimate, smallest_budget
 from h3_blackwell.runtime.load import StateDictSource
 from h3_blackwell.runtime.lora import apply as L

@@ -21,7 +21,7 @@ from h3_blackwell.runtime import RuntimeOptions, load_model  # noqa: E402
 from h3_blackwell.runtime.io.payload import conditioning_from_payload, conditioning_to_payload  # noqa: E402
 from h3_blackwell.runtime.model.config import TINY  # noqa: E402
 from h3_blackwell.runtime.model.tiny import save_tiny, tiny_state_dict  # noqa: E402
-from h3_blackwell.runtime.sampling.sampler import sample  # noqa: E402
+from fixtures.sampling import sample  # noqa: E402
 from h3_blackwell.runtime.sampling.schedule import get_sigmas  # noqa: E402
 
 CFG = TINY.replace(text_dim=case_mod.TEXT_DIM)

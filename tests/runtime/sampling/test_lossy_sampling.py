@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from h3_blackwell.cli import main as cli
-from h3_blackwell.runtime import RuntimeOptions, load_model, sample
+from h3_blackwell.runtime import RuntimeOptions, load_model
+from fixtures.sampling import sample
 from h3_blackwell.runtime.errors import H3Error
 from h3_blackwell.runtime.model.layout import latent_shapes
 from h3_blackwell.runtime.ops import sparse_attention as SA
@@ -61,11 +62,11 @@ def test_forced_reuse_adds_exactly_the_cached_residual_of_the_real_blocks(rt):
         first0 = m.blocks[0](x0.clone(), plan.mods[0][0], segs, plan.cos, plan.sin, rt.ops, 0)
         uncached0 = m.run_blocks(x0.clone(), plan, 0, rt.ops)
         residual = uncached0 - first0
-        cache = FirstBlockCache(math.inf)
-        out0 = m.run_blocks(x0.clone(), plan, 0, rt.ops, cache)
+        cache = plan.step_cache = FirstBlockCache(math.inf)  # installed on the plan, as the model call does
+        out0 = m.run_blocks(x0.clone(), plan, 0, rt.ops)
         segs1 = plan.times[1].mod_segments
         first1 = m.blocks[0](x1.clone(), plan.mods[1][0], segs1, plan.cos, plan.sin, rt.ops, 0)
-        out1 = m.run_blocks(x1.clone(), plan, 1, rt.ops, cache)
+        out1 = m.run_blocks(x1.clone(), plan, 1, rt.ops)
     assert torch.equal(out0, uncached0)                     # a computed step is the uncached stack, bit for bit
     assert cache.reused_steps == [1]
     assert torch.equal(out1, first1 + residual)              # a reused step: block 0 plus the cached residual

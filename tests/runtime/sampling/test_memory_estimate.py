@@ -121,26 +121,27 @@ def test_forward_refuses_them_too(inputs, tmp_path, small_host, capsys):
 
 def test_the_tensor_job_refuses_them_too(monkeypatch):
     """The nodes' path: a resident model's job counts the condition rows as well."""
-    from h3_blackwell.runtime import H3Error, RuntimeOptions, load_model, tensor_job
+    from h3_blackwell.runtime import H3Error, RuntimeOptions, SampleInputs, SamplingSettings, load_model, tensor_job
 
     rt = load_model(None, RuntimeOptions(device="cpu", quantize=False))
     monkeypatch.setattr(request, "host_available_bytes", lambda: int(2 * GB))
     kf = torch.randn(1, 24, 1, 4, 4)
     cond = conditioning_from_payload({"keyframes": [{"resolved_frame_index": 0, "latent": "k"}] * 20000}, {"k": kf})
     with pytest.raises(H3Error, match=r"80,020 packed rows.*needs ~"):
-        tensor_job(rt, torch.randn(1, 4, 5120), None, torch.zeros(1, 24, 2, 4, 4), torch.zeros(1, 32, 2, 4),
-                   seed=0, steps=1, conditioning=cond)
+        tensor_job(rt, SampleInputs(torch.randn(1, 4, 5120), None, torch.zeros(1, 24, 2, 4, 4),
+                                    torch.zeros(1, 32, 2, 4), cond), SamplingSettings(seed=0, steps=1))
     few = conditioning_from_payload({"keyframes": [{"resolved_frame_index": 0, "latent": "k"}] * 10}, {"k": kf})
-    tensor_job(rt, torch.randn(1, 4, 5120), None, torch.zeros(1, 24, 2, 4, 4), torch.zeros(1, 32, 2, 4), seed=0,
-               steps=1, conditioning=few)
+    tensor_job(rt, SampleInputs(torch.randn(1, 4, 5120), None, torch.zeros(1, 24, 2, 4, 4), torch.zeros(1, 32, 2, 4),
+                                few), SamplingSettings(seed=0, steps=1))
 
 
 def test_a_few_keyframes_still_pass(inputs, tmp_path, monkeypatch):
-    from h3_blackwell.runtime import make_job
+    from h3_blackwell.runtime import JobFiles, SamplingSettings, make_job
 
     monkeypatch.setattr(request, "host_available_bytes", lambda: int(2 * GB))
-    job = make_job(None, seed=0, inputs=str(inputs), payload=str(_payload(tmp_path, 10)), steps=1)
-    assert len(job.conditioning.keyframes) == 10
+    job = make_job(None, sampling=SamplingSettings(seed=0, steps=1),
+                   files=JobFiles(inputs=str(inputs), payload=str(_payload(tmp_path, 10))))
+    assert len(job.inputs.conditioning.keyframes) == 10
 
 
 def test_refused_on_any_machine_without_patches(tmp_path):

@@ -33,17 +33,19 @@ def test_entries_differ_and_entry_zero_is_the_plain_draw():
 
 
 def test_a_job_refuses_a_batch_index_out_of_range():
-    from h3_blackwell.runtime import RuntimeOptions, load_model, tensor_job
+    from h3_blackwell.runtime import RuntimeOptions, SampleInputs, SamplingSettings, load_model, tensor_job
 
     rt = load_model(None, RuntimeOptions(device="cpu", quantize=False))
     text = torch.randn(1, 8, rt.config.text_dim)
     for bad in (-1, 4096, 1.0, True):
         with pytest.raises(RequestError, match=r"^batch_index="):
-            tensor_job(rt, text, None, torch.zeros(VSHAPE), torch.zeros(ASHAPE), seed=1, steps=2, batch_index=bad)
+            tensor_job(rt, SampleInputs(text, None, torch.zeros(VSHAPE), torch.zeros(ASHAPE)),
+                       SamplingSettings(seed=1, steps=2, batch_index=bad))
 
 
 def test_sampling_from_batch_entry_two_reports_it_and_differs_from_entry_zero():
-    from h3_blackwell.runtime import RuntimeOptions, load_model, sample
+    from h3_blackwell.runtime import RuntimeOptions, load_model
+    from fixtures.sampling import sample
 
     rt = load_model(None, RuntimeOptions(device="cpu", quantize=False))
     text = torch.randn(1, 8, rt.config.text_dim, generator=torch.Generator().manual_seed(0))
@@ -56,7 +58,8 @@ def test_sampling_from_batch_entry_two_reports_it_and_differs_from_entry_zero():
 def test_reduced_precision_latents_get_the_noise_rounded_to_their_dtype(monkeypatch):
     """Core rounds each stream's noise to its latent's dtype (fp16 / bf16 intermediates): an fp16 latent samples as
     the fp32 one with fp16-rounded noise."""
-    from h3_blackwell.runtime import RuntimeOptions, load_model, sample
+    from h3_blackwell.runtime import RuntimeOptions, load_model
+    from fixtures.sampling import sample
     from h3_blackwell.runtime.sampling import sampler as S
 
     rt = load_model(None, RuntimeOptions(device="cpu", quantize=False))

@@ -45,7 +45,8 @@ def test_latent_to_rgb_is_cores_linear_projection():
 
 
 def test_preview_callback_gets_each_steps_denoised_video():
-    from h3_blackwell.runtime import RuntimeOptions, load_model, sample
+    from h3_blackwell.runtime import RuntimeOptions, load_model
+    from fixtures.sampling import sample
 
     rt = load_model(None, RuntimeOptions(device="cpu", dtype="float32", quantize=False))
     seen = []

@@ -4,7 +4,8 @@ interruption; the report schema."""
 import pytest
 import torch
 
-from h3_blackwell.runtime import Interrupted, RuntimeOptions, load_model, sample
+from h3_blackwell.runtime import Interrupted, RuntimeOptions, load_model
+from fixtures.sampling import sample
 from h3_blackwell.runtime.model.layout import latent_shapes
 
 CPU = RuntimeOptions(device="cpu", dtype="float32")
@@ -48,7 +49,7 @@ def _reference_trajectory(model, text, tags, video, audio, seed, steps, sampler,
         s, sn = sig[k], sig[k + 1]
         sv = ((s * 1000) / 1000).clamp(min=1e-6)
         xa = y * (sa_of(sv) / sv)
-        vv, va = model(xv, xa, text, float(sv), token_tags=tags, sample_sigmas=None, ops=ops)
+        vv, va = model(xv, xa, text, float(sv), token_tags=tags, ops=ops)
         vy = (1 - scale) * xa + (1 + (scale - 1) * sa_of(sv)) * va
         den = [xv - vv * s, y - vy * s]
         if sampler == "euler" or sn == 0 or old is None:
