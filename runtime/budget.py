@@ -224,8 +224,10 @@ class ModelMemory:
 
     @classmethod
     def build(cls, cfg: H3Config, dtype: torch.dtype, act_format: str, gemm: str = "fp8", attention: str = "sage2",
-              v_handling: str = "fused", adaln_on_host: bool = True, act_scale: str = "dynamic",
-              calibrated_layers: bool = False) -> "ModelMemory":
+              v_handling: str = "fused", adaln_on_host: bool = True, calibrated_scales: bool = False
+              ) -> "ModelMemory":
+        """calibrated_scales: the activations take the checkpoint's calibrated scales in every layer
+        (act_scale=calibrated and every fc1/fc2 carries an input_scale), so W4A4's FFN rows are row-local."""
         quantized = act_format != "dense"
         e = torch.empty((), dtype=dtype).element_size()
         block = block_linear_bytes(cfg, quantized, e)
@@ -243,7 +245,7 @@ class ModelMemory:
             other += nbytes
         if quantized:
             other += cfg.num_layers * 4 * 64  # per linear: global scale (and the odd small buffer)
-        if act_format == "nvfp4" and not (act_scale == "calibrated" and calibrated_layers):
+        if act_format == "nvfp4" and not calibrated_scales:
             row_local, why = False, ("W4A4 with a dynamic activation scale: the SwiGLU bytes take one amax over all "
                                      "rows, so a row chunk would quantize differently")
         else:
@@ -255,12 +257,12 @@ class ModelMemory:
         """From a ``runtime.plan.LoadPlan`` (its config, dtype and choices)."""
         ck = plan.checkpoint
         calibrated = False
-        if ck is not None and hasattr(ck, "keys"):
+        if plan.act_scale == "calibrated" and ck is not None and hasattr(ck, "keys"):
             keys = set(ck.keys())
             calibrated = all(f"blocks.{j}.{n}.input_scale" in keys for j in range(plan.config.num_layers)
                              for n in ("mlp.fc1", "mlp.fc2"))
         return cls.build(plan.config, plan.dtype, plan.act_format, plan.gemm, plan.dense_attention,
-                         plan.v_handling, plan.adaln_on_host, plan.act_scale, calibrated)
+                         plan.v_handling, plan.adaln_on_host, calibrated)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -559,17 +561,29 @@ def _resolve_budget(requested: int | None, dev: DeviceMemory, held_bytes: int, o
                                     f"less a {gb(margin)} margin = {gb(max(0, avail - margin))}")
 
 
-def _plan(mm: ModelMemory, wl: Workload, dev: DeviceMemory, budget: int, text: str, resident: int,
-          chunk: int | None, smallest: int | None, emulated: bool, tower_streams: bool = False,
-          outside_bytes: int = 0) -> MemoryPlan:
+@dataclass(frozen=True)
+class _Shape:
+    """One candidate of ``decide``: blocks kept resident, FFN rows per chunk (None: all), whether the control
+    tower streams, and whether it is past "everything resident" (on the CPU: streaming emulated)."""
+
+    resident: int
+    chunk: int | None = None
+    tower_streams: bool = False
+    streams: bool = False
+
+
+def _plan(mm: ModelMemory, wl: Workload, dev: DeviceMemory, budget: tuple[int | None, str], shape: _Shape,
+          smallest: int | None = None, outside_bytes: int = 0) -> MemoryPlan:
     n = mm.cfg.num_layers
-    res = spread(n, resident)
+    res = spread(n, shape.resident)
     streamed = tuple(j for j in range(n) if j not in set(res))
-    est = estimate(mm, wl, resident, SLOTS, chunk, dev.kind, tower_streams)
-    tower_host = wl.tower.blocks * tower_block_bytes(mm, wl.tower) if tower_streams else 0
-    return MemoryPlan(budget, text, res, streamed, SLOTS, chunk, est, wl, mm.block_bytes, len(streamed) * mm.block_bytes,
-                      mm.adaln_host_bytes, smallest, dev.kind, emulated, row_local=mm.ffn_row_local_why,
-                      tower_streams=tower_streams, tower_host_bytes=tower_host, outside_bytes=outside_bytes)
+    est = estimate(mm, wl, shape.resident, SLOTS, shape.chunk, dev.kind, shape.tower_streams)
+    tower_host = wl.tower.blocks * tower_block_bytes(mm, wl.tower) if shape.tower_streams else 0
+    emulated = shape.streams and dev.kind == "cpu"
+    return MemoryPlan(budget[0], budget[1], res, streamed, SLOTS, shape.chunk, est, wl, mm.block_bytes,
+                      len(streamed) * mm.block_bytes, mm.adaln_host_bytes, smallest, dev.kind, emulated,
+                      row_local=mm.ffn_row_local_why, tower_streams=shape.tower_streams, tower_host_bytes=tower_host,
+                      outside_bytes=outside_bytes)
 
 
 def smallest_budget(mm: ModelMemory, wl: Workload, device_kind: str = "cuda") -> int:
@@ -578,47 +592,54 @@ def smallest_budget(mm: ModelMemory, wl: Workload, device_kind: str = "cuda") ->
     return estimate(mm, wl, 0, SLOTS, chunks[-1] if chunks else None, device_kind, wl.tower is not None).total
 
 
+@dataclass(frozen=True)
+class Held:
+    """What a loaded model already holds when it is planned again: ``device_bytes`` on the device (auto counts
+    them as available), ``host_bytes`` in host memory for its streamed blocks."""
+
+    device_bytes: int = 0
+    host_bytes: int = 0
+
+
 def decide(mm: ModelMemory, wl: Workload, dev: DeviceMemory, requested: int | None,
-           host_free: int | None = None, held_bytes: int = 0, host_held_bytes: int = 0,
-           outside: Sequence[Outside] = (), unchanged: str = "nothing was loaded") -> MemoryPlan:
+           host_free: int | None = None, held: Held = Held(), outside: Sequence[Outside] = (),
+           unchanged: str = "nothing was loaded") -> MemoryPlan:
     """The memory plan (module docstring). requested: the budget in bytes (None = auto); host_free: available
-    host memory (default: measured); held_bytes: device bytes this model already holds (re-planning a loaded
-    model: auto counts them as available); host_held_bytes: host bytes its streamed blocks already hold;
+    host memory (default: measured); held: what the model already holds (re-planning a loaded model);
     outside: device memory this model holds beside what the estimate counts (``Outside``: a loaded Fun ControlNet
     tower the run leaves out, LoRA side paths): it comes off a given budget (auto's free memory excludes it), and
     the smallest budget named is the run's plus it. Raises BudgetError (its message ends with ``unchanged``, what
     the caller left as it was) when the budget cannot run the job or the host cannot hold the streamed weights."""
     n = mm.cfg.num_layers
-    emulated = dev.kind == "cpu"
     if dev.integrated:
-        p = _plan(mm, wl, dev, requested or dev.total_bytes, "", n, None, None, False)
+        p = _plan(mm, wl, dev, (requested or dev.total_bytes, ""), _Shape(n))
         p.budget_text = f"{dev.name} is integrated (memory shared with the host)"
         p.note = (f"{dev.name} shares its memory with the host (is_integrated): streaming does not apply, every "
                   "block stays resident")
         return p
-    if emulated and requested is None:
-        p = _plan(mm, wl, dev, None, "auto on the CPU", n, None, None, False)
+    if dev.kind == "cpu" and requested is None:
+        p = _plan(mm, wl, dev, (None, "auto on the CPU"), _Shape(n))
         p.note = "cpu: device memory is host memory, nothing streams (an explicit budget emulates streaming)"
         return p
-    budget, text = _resolve_budget(requested, dev, held_bytes, outside)
+    budget, text = _resolve_budget(requested, dev, held.device_bytes, outside)
     extra = sum(o.nbytes for o in outside) if requested is not None else 0
     full = estimate(mm, wl, n, SLOTS, None, dev.kind)
     if full.total <= budget:
-        return _plan(mm, wl, dev, budget, text, n, None, None, False, outside_bytes=extra)
+        return _plan(mm, wl, dev, (budget, text), _Shape(n), outside_bytes=extra)
     smallest = smallest_budget(mm, wl, dev.kind) + extra
     ts = wl.tower is not None  # past "everything resident", the control tower streams first (it runs 5 or 10 blocks)
     chunks = [None] + (chunk_options(wl.rows, dev.kind) if mm.ffn_row_local else [])
     for chunk in chunks:
         if (chunk is not None or ts) and estimate(mm, wl, n, SLOTS, chunk, dev.kind, ts).total <= budget:
-            p = _plan(mm, wl, dev, budget, text, n, chunk, smallest, emulated, ts, extra)
-            _check_host(p, host_free, host_held_bytes, unchanged)
+            p = _plan(mm, wl, dev, (budget, text), _Shape(n, chunk, ts, True), smallest, extra)
+            _check_host(p, host_free, held.host_bytes, unchanged)
             return p
         base = estimate(mm, wl, 0, SLOTS, chunk, dev.kind, ts).total
         if base > budget:
             continue
         resident = min(n - 1, (budget - base) // mm.block_bytes) if mm.block_bytes else n
-        p = _plan(mm, wl, dev, budget, text, int(resident), chunk, smallest, emulated, ts, extra)
-        _check_host(p, host_free, host_held_bytes, unchanged)
+        p = _plan(mm, wl, dev, (budget, text), _Shape(int(resident), chunk, ts, True), smallest, extra)
+        _check_host(p, host_free, held.host_bytes, unchanged)
         return p
     what = "auto (the free device memory less the margin)" if requested is None else "the budget"
     raise BudgetError(
@@ -679,6 +700,6 @@ def plan_memory(plan, workload: Workload | None = None, dev: DeviceMemory | None
     return mp
 
 
-__all__ = ["BudgetError", "DeviceMemory", "Estimate", "MemoryPlan", "ModelMemory", "TowerSize", "Workload", "decide",
-           "estimate", "least_device_weight_bytes", "parse_vram_budget", "plan_memory", "smallest_budget",
+__all__ = ["BudgetError", "DeviceMemory", "Estimate", "Held", "MemoryPlan", "ModelMemory", "TowerSize", "Workload",
+           "decide", "estimate", "least_device_weight_bytes", "parse_vram_budget", "plan_memory", "smallest_budget",
            "tower_block_bytes", "tower_bytes"]

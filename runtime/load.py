@@ -36,7 +36,8 @@ from typing import Callable
 
 import torch
 
-from .budget import DeviceMemory, ModelMemory, Outside, TowerSize, Workload, decide, parse_vram_budget, plan_memory
+from .budget import (DeviceMemory, Held, ModelMemory, Outside, TowerSize, Workload, decide, parse_vram_budget,
+                     plan_memory)
 from .errors import CheckpointError
 from .io.checkpoint import dequantize_layer
 from .io.comfy_quant import from_comfy_quant_tensors
@@ -51,7 +52,7 @@ from .ops import registry
 from .ops.attention import AttentionFn
 from .ops.block_ops import build_ops
 from .ops.gemm_backends import Scratch
-from .ops.linear import Nvfp4Linear
+from .ops.linear import Nvfp4Linear, StoredParts
 from .ops.sparse_attention import SparseStepAttention
 from .ops.streaming import BlockStreamer, StreamOps, module_device_bytes
 from .options import RuntimeOptions
@@ -105,8 +106,8 @@ def _nvfp4_linear(layer: str, weight: torch.Tensor | None, shape: tuple[int, int
     elsewhere: same bytes)."""
     if stored is not None:
         q = from_comfy_quant_tensors(stored, layer, shape=shape, metadata=metadata)
-        return Nvfp4Linear(q.weight, bias=stored.get(f"{layer}.bias"), input_scale=q.input_scale,
-                           pre_quant_scale=q.pre_quant_scale, **kw)
+        return Nvfp4Linear(q.weight, stored=StoredParts(stored.get(f"{layer}.bias"), q.input_scale,
+                                                        q.pre_quant_scale), **kw)
     return Nvfp4Linear.from_float(weight.detach(), **kw)
 
 
@@ -312,8 +313,8 @@ class H3Runtime:
                            "or drop that tower (its memory goes once nothing refers to it)"),
                    Outside(side_device_bytes(self.model, self.device), "the LoRA side paths hold",
                            "or apply the LoRAs in merge mode (no device bytes beside the weights)"))
-        new = decide(mm, wl, dev, parse_vram_budget(plan.vram_budget), held_bytes=held,
-                     host_held_bytes=st.host_bytes + (0 if tower_st is None else tower_st.host_bytes), outside=outside,
+        host_held = st.host_bytes + (0 if tower_st is None else tower_st.host_bytes)
+        new = decide(mm, wl, dev, parse_vram_budget(plan.vram_budget), held=Held(held, host_held), outside=outside,
                      unchanged="nothing moved: the model stays loaded as it was")
         if tower_st is not None and new.tower_streams:  # the tower's blocks move too: device -> host first,
             tower_st.restream(range(len(control.places)))  # so that the base's moves find the room

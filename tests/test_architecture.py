@@ -146,6 +146,43 @@ def test_no_function_longer_than_80_lines():
                       "named steps")
 
 
+# Functions in runtime/, cli/ and nodes/ take at most MAX_PARAMETERS parameters (issue 36): self/cls not counted,
+# *args and **kwargs counted as one each; Triton kernels (@triton.jit) are excluded (their launch wrappers are not).
+# More settings travel as one value (a dataclass), not as a long keyword list.
+MAX_PARAMETERS = 8
+
+
+def _parameter_count(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    a = fn.args
+    names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs] + [x.arg for x in (a.vararg, a.kwarg) if x]
+    return len([n for n in names if n not in ("self", "cls")])
+
+
+def _too_many_parameters(tree: ast.AST, where: str) -> list[str]:
+    return [f"{where}:{n.lineno} {n.name} ({_parameter_count(n)} parameters)" for n in ast.walk(tree)
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _is_triton_jit(n)
+            and _parameter_count(n) > MAX_PARAMETERS]
+
+
+def test_parameter_checker_counts_what_the_rule_counts():
+    """The checker itself: self/cls free, keyword-only, *args and **kwargs count; a Triton kernel is excluded."""
+    src = ("def ok(self, a, b, c, d, e, f, g, h): pass\n"
+           "def bad(a, b, c, d, e, f, g, *, h, **kw): pass\n"
+           "class C:\n    @classmethod\n    def m(cls, a, b, c, d, e, f, g, h, *rest): pass\n"
+           "@triton.jit\ndef kernel(a, b, c, d, e, f, g, h, i, j): pass\n")
+    found = _too_many_parameters(ast.parse(src), "x.py")
+    assert found == ["x.py:2 bad (9 parameters)", "x.py:5 m (9 parameters)"], found
+
+
+def test_no_function_takes_more_than_8_parameters():
+    many = []
+    for d in ("runtime", "cli", "nodes"):
+        for p in sorted((ROOT / d).rglob("*.py")):
+            many += _too_many_parameters(ast.parse(p.read_text()), str(p.relative_to(ROOT)))
+    assert not many, (f"functions with more than {MAX_PARAMETERS} parameters (self/cls not counted): {many}; pass "
+                      "related settings as one dataclass value")
+
+
 def test_options_defined_once_with_ignored_seed_names():
     """Seed names that change nothing here are accepted with the reason and kept out of `configuration`;
     the precision option's earlier half-names map onto it and refuse a contradiction."""

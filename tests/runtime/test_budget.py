@@ -7,7 +7,7 @@ import torch
 
 from h3_blackwell.cli import main as cli
 from h3_blackwell.runtime import RuntimeOptions, load_model
-from h3_blackwell.runtime.budget import (GB, SLOTS, BudgetError, DeviceMemory, ModelMemory, Workload, budget_arg,
+from h3_blackwell.runtime.budget import (GB, SLOTS, BudgetError, DeviceMemory, Held, ModelMemory, Workload, budget_arg,
                                          chunk_options, decide, estimate, parse_vram_budget, smallest_budget)
 from h3_blackwell.runtime.model.config import FULL
 from h3_blackwell.runtime.model.h3 import H3Model
@@ -90,7 +90,7 @@ def test_auto_is_free_memory_less_a_margin(w4a8):
     assert big.streamed == () and big.budget_bytes > 130e9
     # re-planning a loaded model: the bytes it already holds count as available
     held = decide(w4a8, CANONICAL, DeviceMemory("cuda", "x", 8 * 10 ** 9, int(3e9)), None, host_free=HOST,
-                  held_bytes=int(4.6e9))
+                  held=Held(int(4.6e9)))
     assert held.streamed == p.streamed
 
 

@@ -88,8 +88,8 @@ def test_fc2_gets_producer_bytes_padded_to_16_rows():
     calls = []
 
     class FakeDispatcher:
-        def __call__(self, x, w, *, m_logical, fallback, **kw):
-            calls.append((tuple(x.shape), m_logical, kw["producer"], kw["lora_active"]))
+        def __call__(self, ops, fallback, **kw):
+            calls.append((tuple(ops.x.shape), ops.m_logical, kw["producer"], kw["lora_active"]))
             return fallback(None)
 
     rt.ops.fc2_dispatcher = FakeDispatcher()
@@ -114,11 +114,11 @@ def test_qkv_producers_pad_rows_zero_tail():
     x, w = torch.randn(50, 64, generator=g), torch.randn(64, generator=g)
     sc, sh = torch.randn(1, 64, generator=g), torch.randn(1, 64, generator=g)
     segs = [(0, 50, 0)]
-    a1 = qk.rms_modulate_quantize(x, w, sc, sh, segs, 1e-6)
-    a128 = qk.rms_modulate_quantize(x, w, sc, sh, segs, 1e-6, pad_rows=128)
+    a1 = qk.rms_modulate_quantize(x, w, qk.Modulation(sc, sh, segs), 1e-6)
+    a128 = qk.rms_modulate_quantize(x, w, qk.Modulation(sc, sh, segs), 1e-6, pad_rows=128)
     assert a128.packed.shape[0] == 128 and torch.equal(a128.packed[:50], a1.packed) and not a128.packed[50:].any()
-    o1, r1 = f8.rms_modulate_fp8(x, w, sc, sh, segs, 1e-6)
-    o128, r128 = f8.rms_modulate_fp8(x, w, sc, sh, segs, 1e-6, pad_rows=128)
+    o1, r1 = f8.rms_modulate_fp8(x, w, f8.Modulation(sc, sh, segs), 1e-6)
+    o128, r128 = f8.rms_modulate_fp8(x, w, f8.Modulation(sc, sh, segs), 1e-6, pad_rows=128)
     assert o128.shape == (128, 64) and r128.shape == (128,)
     assert torch.equal(o128[:50].view(torch.uint8), o1.view(torch.uint8)) and torch.equal(r128[:50], r1)
     assert not o128[50:].view(torch.uint8).any() and torch.equal(r128[50:], torch.ones(78))

@@ -122,10 +122,10 @@ def test_rms_modulate_fp8_bit_exact(s, k, dtype, scheme):
     shift_rows[2] *= 1e4  # very different magnitudes per segment
     scale_rows[2] *= 50
     segs = [(0, 1, 2), (1, 2, 3), (2, s, 0)] if s in (37, 9) else SEGS[s]
-    args = (x, weight, scale_rows, shift_rows, segs, 1e-5)
+    args = (x, weight, f8.Modulation(scale_rows, shift_rows, segs), 1e-5)
     ref = f8.rms_modulate_fp8(*args, backend="reference")
     _same(f8.rms_modulate_fp8(*args, backend="triton", scheme=scheme), ref)
-    h = R.rms_modulate_reference(*args)
+    h = R.rms_modulate_reference(x, weight, scale_rows, shift_rows, segs, 1e-5)
     _check_definition(h, *ref)
     if len(segs) > 1 and segs[1] == (1, 2, 3):
         assert ref[1][1].item() == 1.0 and (ref[0][1].view(torch.uint8) == 0).all()
@@ -331,7 +331,7 @@ def test_w4a8_no_less_accurate_than_w4a4_and_fc2_lt_not_applicable():
     calls = []
 
     class Dispatcher:
-        def __call__(self, *a, fallback, **kw):
+        def __call__(self, ops, fallback, **kw):
             calls.append(1)
             return fallback(None)
 

@@ -14,6 +14,7 @@ from h3_blackwell.runtime.model.config import TINY
 from h3_blackwell.runtime.ops import nvfp4, nvfp4_producers, reference
 from h3_blackwell.runtime.ops.block_ops import Nvfp4Ops, W4A8Ops
 from h3_blackwell.runtime.ops.linear import Nvfp4Linear
+from h3_blackwell.runtime.ops.nvfp4_producers import Modulation
 from h3_blackwell.runtime.ops.reference import ReferenceOps
 from h3_blackwell.runtime.ops.streaming import StreamOps
 from h3_blackwell.runtime.parallel import AmaxAllReduce, CommStats, RowShard, launch
@@ -53,9 +54,10 @@ def _producers_on_ranks(ctx):
     cases = {
         "quantize": (nvfp4_producers.quantize(x), lambda r: nvfp4_producers.quantize(x[a:b], amax_reduce=r)),
         "rms_modulate_quantize": (
-            nvfp4_producers.rms_modulate_quantize(x, w, scale, shift, SEGS, eps),
-            lambda r: nvfp4_producers.rms_modulate_quantize(x[a:b], w, scale, shift, shard.local_segments(SEGS),
-                                                            eps, amax_reduce=r)),
+            nvfp4_producers.rms_modulate_quantize(x, w, Modulation(scale, shift, SEGS), eps),
+            lambda r: nvfp4_producers.rms_modulate_quantize(x[a:b], w,
+                                                            Modulation(scale, shift, shard.local_segments(SEGS)), eps,
+                                                            amax_reduce=r)),
         "swiglu_quantize": (nvfp4_producers.swiglu_quantize(h, pad_rows=16),
                             lambda r: nvfp4_producers.swiglu_quantize(h[a:b], pad_rows=16, amax_reduce=r)),
     }
@@ -102,10 +104,10 @@ def test_amax_reduce_hook_on_both_producer_backends(backend):
         "quantize": (nvfp4_producers.quantize(x), nvfp4.amax(x), lo,
                      lambda r: nvfp4_producers.quantize(x[lo], amax_reduce=r, backend=backend)),
         "rms_modulate_quantize": (
-            nvfp4_producers.rms_modulate_quantize(x, w, scale, shift, SEGS, TINY.eps),
+            nvfp4_producers.rms_modulate_quantize(x, w, Modulation(scale, shift, SEGS), TINY.eps),
             nvfp4.amax(reference.rms_modulate_reference(x, w, scale, shift, SEGS, TINY.eps)), lo,
-            lambda r: nvfp4_producers.rms_modulate_quantize(x[lo], w, scale, shift, segs, TINY.eps, amax_reduce=r,
-                                                            backend=backend)),
+            lambda r: nvfp4_producers.rms_modulate_quantize(x[lo], w, Modulation(scale, shift, segs), TINY.eps,
+                                                            amax_reduce=r, backend=backend)),
         "swiglu_quantize": (nvfp4_producers.swiglu_quantize(h, pad_rows=16), nvfp4.amax(reference.swiglu_reference(h)),
                             hi, lambda r: nvfp4_producers.swiglu_quantize(h[hi], pad_rows=16, amax_reduce=r,
                                                                           backend=backend)),
