@@ -50,6 +50,7 @@ from .model.tiny import tiny_state_dict
 from .offload import Parked, park, unpark, why_not_offload
 from .ops import registry
 from .ops.attention import AttentionFn
+from .ops.interface import BlockOps
 from .ops.block_ops import build_ops
 from .ops.gemm_backends import Scratch
 from .ops.linear import Nvfp4Linear, StoredParts
@@ -212,7 +213,7 @@ class H3Runtime:
 
     model: H3Model
     plan: LoadPlan
-    ops: object
+    ops: BlockOps
     backends: dict = field(default_factory=dict)
     load_seconds: float = 0.0
     fc2: object | None = None  # the guarded FC2 dispatcher, where FC2 takes NVFP4 bytes on CUDA
@@ -221,6 +222,7 @@ class H3Runtime:
     streamer: BlockStreamer | None = None  # the streamed blocks of the memory plan (plan.memory); ops binds them
     attention: AttentionFn | None = None
     parked: Parked | None = None  # set while offload() holds the device tensors in host memory
+    lora_stack: tuple = ()  # the LoRA stack last applied to this runtime (apply_loras; sync_loras restores it)
 
     @property
     def config(self) -> H3Config:
@@ -324,7 +326,7 @@ class H3Runtime:
         st.restream(new.streamed)
         if tower_st is not None and not new.tower_streams:
             tower_st.restream(())
-        self.ops.ffn_chunk_rows = new.ffn_chunk_rows
+        self.ops.set_ffn_chunk_rows(new.ffn_chunk_rows)
         plan.memory = new
         plan.choices["memory"] = new.choice()
         self.backends["memory"] = plan.choices["memory"].as_dict()

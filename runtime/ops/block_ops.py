@@ -41,6 +41,7 @@ import torch
 from .reference import ReferenceOps
 from . import elementwise, fp8_producers, nvfp4_producers, reference
 from .fc2_operands import Fc2Operands
+from .interface import OpsState
 from .linear import Nvfp4Linear
 from .producer_tiles import ProducerTiles
 
@@ -52,7 +53,7 @@ def _on_cuda(t: torch.Tensor) -> bool:
     return t.device.type == "cuda"
 
 
-class _QuantizedOps:
+class _QuantizedOps(OpsState):
     """What the NVFP4 and W4A8 ops share: fused norm+RoPE and gate/add on CUDA (references on the CPU), the
     bound attention, and qkv / fc1 (RMSNorm -> modulate -> quantize -> GEMM in the producer)."""
 
@@ -105,7 +106,7 @@ class Nvfp4Ops(_QuantizedOps):
     parallelism, runtime.parallel.evaluate); None: the local amax."""
 
     name = "nvfp4"
-    amax_reduce = None
+    takes_amax_reduce = True
 
     def __init__(self, cfg, attention, fc2=None, act_scale: str = "dynamic"):
         super().__init__(cfg, attention)

@@ -365,12 +365,19 @@ class BlockStreamer:
 class StreamOps(OpsWrapper):
     """BlockOps = ``inner`` (any BlockOps) whose blocks' streamed linears are bound to their device slot while
     the block computes (``BlockStreamer.enter`` / ``leave``); ``ffn_chunk_rows``: the FFN row chunk of the
-    memory plan (None: unchunked). Other attributes read and write the inner ops' (``ops.wrapper.OpsWrapper``)."""
+    memory plan (None: unchunked). Every other BlockOps member is the inner ops' (``ops.wrapper.OpsWrapper``)."""
 
-    OWN = ("inner", "streamer", "ffn_chunk_rows")
+    OWN = ("inner", "streamer", "chunk_rows")
 
     def __init__(self, inner, streamer: BlockStreamer | None, ffn_chunk_rows: int | None = None):
-        super().__init__(inner, streamer=streamer, ffn_chunk_rows=ffn_chunk_rows)
+        super().__init__(inner, streamer=streamer, chunk_rows=ffn_chunk_rows)
+
+    @property
+    def ffn_chunk_rows(self) -> int | None:
+        return self.chunk_rows
+
+    def set_ffn_chunk_rows(self, rows: int | None) -> None:
+        self.chunk_rows = rows
 
     def _enter(self, i, blk, starts_block: bool = False) -> None:
         st = self.streamer

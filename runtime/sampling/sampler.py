@@ -17,6 +17,7 @@ import torch
 
 from ..errors import H3Error, Interrupted
 from ..io.payload import conditioning_from_payload
+from ..lora.apply import sync_loras
 from ..model.conditioning import H3Conditioning
 from ..model.control import bind_control
 from ..parallel.evaluate import ShardedEvaluator, numerics
@@ -259,6 +260,7 @@ def sample(rt, text_states: torch.Tensor, token_tags: torch.Tensor | None, video
     cfg = rt.config
     batch_index = check_noise_index(batch_index)
     _check_inputs(rt, text_states, token_tags, video, audio)
+    sync_loras(rt)  # the shared model carries rt's LoRA stack (a LoraView's, or the runtime's own)
     if parallel is not None and interrupt is not None:
         raise H3Error("interrupt is not supported in a sequence-parallel run (the ranks would disagree on "
                       "when to stop); pass interrupt=None")

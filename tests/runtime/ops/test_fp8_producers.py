@@ -335,7 +335,7 @@ def test_w4a8_no_less_accurate_than_w4a4_and_fc2_lt_not_applicable():
             calls.append(1)
             return fallback(None)
 
-    w4a4.ops.fc2_dispatcher = Dispatcher()  # W4A4 goes through it; W4A8 has none to call
+    w4a4.ops.base.fc2_dispatcher = Dispatcher()  # W4A4 goes through it; W4A8 has none to call
     args = (*_inputs(None, 1), 0.6)
     dv, da = dense(*args)
     errs = {}
@@ -454,7 +454,7 @@ def test_precision_option_reaches_the_w4a8_linears_and_the_silu():
     real = lin_mod.scaled_mm_rowwise
     for mode in ("exact", "fast"):
         rt = load_model(None, RuntimeOptions(**CPU, gemm="fp8", precision=mode), tiny_seed=1)
-        assert rt.ops.silu == mode and rt.ops.fast_accum == (mode == "fast")
+        assert rt.ops.base.silu == mode and rt.ops.base.fast_accum == (mode == "fast")
         seen = []
 
         def spy(*a, fast_accum=False, **kw):

@@ -190,7 +190,7 @@ def test_ffn_row_chunks_equal_one_pass_where_row_local(stack):
         plan = rt.model.plan(text, VSHAPE, ASHAPE, [0.7])
         want = rt.model.evaluate(plan, 0, video, audio, rt.ops)
         for rows in (128, 64):
-            rt.ops.ffn_chunk_rows = rows
+            rt.ops.set_ffn_chunk_rows(rows)
             got = rt.model.evaluate(plan, 0, video, audio, rt.ops)
             errs = [rel(got[i], want[i]) for i in (0, 1)]
             assert max(errs) <= CHUNK_TOL[stack], (rows, errs)

@@ -184,13 +184,15 @@ def test_sharded_ops_binds_the_reduction_on_a_copy_through_the_wrappers():
     base = Nvfp4Ops(TINY, None)
     wrapped = LoraOps(StreamOps(base, None), {})
     out = sharded_ops(wrapped, "ulysses", red)
-    assert out.amax_reduce is red and out.inner.inner._attention == "ulysses"
-    assert base.amax_reduce is None and wrapped.amax_reduce is None  # the load's ops keep the local amax
+    assert out.base.amax_reduce is red and out.inner.inner._attention == "ulysses"
+    assert base.amax_reduce is None and wrapped.base.amax_reduce is None  # the load's ops keep the local amax
     # a world of one binds nothing: the plain path's ops, attention aside
     assert sharded_ops(base, "ulysses", None).amax_reduce is None
     # row-local stacks have no dynamic per-tensor scale: nothing to bind
     for ops in (ReferenceOps(TINY), W4A8Ops(TINY, None)):
-        assert not hasattr(sharded_ops(ops, "ulysses", red), "amax_reduce")
+        assert not ops.takes_amax_reduce and sharded_ops(ops, "ulysses", red).base.amax_reduce is None
+        with pytest.raises(TypeError, match="take no dynamic amax"):
+            ops.set_amax_reduce(red)
     assert numerics(base).startswith("W4A4 with a dynamic activation scale: each per-tensor amax is all-reduced")
     assert numerics(W4A8Ops(TINY, None)).startswith("row-local")
 
