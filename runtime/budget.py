@@ -36,7 +36,6 @@ embedding and its modulation rows of every step), so the blocks that stream make
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -46,8 +45,9 @@ from .errors import H3Error
 from .model.config import QUANT_LINEARS, H3Config
 from .model.h3 import H3Model
 from .ops import nvfp4
-from .plan import Choice
-from .sampling.request import host_available_bytes, latent_rows, resolve_request
+from .options import vram_budget_bytes
+from .plan import Choice, weight_form
+from .sampling.request import RequestError, host_available_bytes, latent_rows, resolve_request
 
 GB = 1e9
 SLOTS = 2  # device buffers of one streamed block each: block i+1 is copied while block i computes
@@ -59,7 +59,6 @@ CHUNK_MULTIPLE = 128  # chunk boundaries on the producers' and GEMMs' 128-row ti
 WORKSPACE_BYTES = 64 << 20  # cuBLAS / cuBLASLt workspaces and small per-run tensors (CUDA)
 ALIGN = 256  # byte alignment of each tensor inside a streamed block's buffer
 
-_BUDGET = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(?:gb?)?\s*$", re.IGNORECASE)
 
 
 class BudgetError(H3Error):
@@ -67,19 +66,12 @@ class BudgetError(H3Error):
 
 
 def parse_vram_budget(value) -> int | None:
-    """``auto`` -> None; a number of GB (``8``, ``7.5``, ``12GB``; 1 GB = 1e9 bytes) -> bytes. BudgetError
-    for anything else (zero, negative, not finite, not a number)."""
-    if value is None:
-        return None
-    text = str(value).strip()
-    if text.lower() == "auto":
-        return None
-    m = _BUDGET.match(text)
-    v = float(m.group(1)) if m else float("nan")
-    if not math.isfinite(v) or v <= 0:
-        raise BudgetError(f"vram_budget={value!r}: expected auto or a positive number of GB (e.g. 8 or 7.5; "
-                          "1 GB = 1e9 bytes)")
-    return int(v * GB)
+    """``options.vram_budget_bytes`` (the one parser: ``auto`` -> None, a number of GB -> bytes) raising
+    BudgetError for a bad value."""
+    try:
+        return vram_budget_bytes(value)
+    except ValueError as e:
+        raise BudgetError(str(e).removeprefix("option ")) from None
 
 
 def gb(n: int | float) -> str:
@@ -253,6 +245,21 @@ class ModelMemory:
         return cls(cfg, e, act_format, gemm, attention, v_handling, block, other, adaln, row_local, why, adaln_on_host)
 
     @classmethod
+    def for_options(cls, cfg: H3Config, options, device: torch.device, dtype: torch.dtype) -> "ModelMemory":
+        """Before a load plan exists (the request checks): the block linears quantized to one byte a weight at
+        most ("fp8") or dense, AdaLN where the options keep it (``plan.weight_form``), and the attention the
+        options name, counted as the nearest kind the estimate knows: auto is sage2 on CUDA and the exact
+        reference elsewhere (what the plan resolves there); the fused flash kernels (fa3, fa4, sage3) hold no
+        score matrix, like sdpa."""
+        form, adaln_on_host = weight_form(options, cfg)
+        a = options.attention
+        if a == "auto":
+            a = "sage2" if device.type == "cuda" else "reference"
+        elif not (a in ("sage2", "sage1", "sparse", "reference") or a.startswith("sdpa")):
+            a = "sdpa"
+        return cls.build(cfg, dtype, form, "fp8" if form != "dense" else "dense", a, "fused", adaln_on_host)
+
+    @classmethod
     def from_plan(cls, plan) -> "ModelMemory":
         """From a ``runtime.plan.LoadPlan`` (its config, dtype and choices)."""
         ck = plan.checkpoint
@@ -298,8 +305,9 @@ def _attention_operands(mm: ModelMemory, rows: int) -> int:
         return 3 * s_i * (1 if mm.v_handling == "fused" else 1 + mm.dtype_bytes) + 8 * rows * c.num_heads
     if a.startswith("sdpa"):
         return s_i * mm.dtype_bytes + 4 * rows * c.num_heads  # the [H, S, D] -> [S, H*D] copy, logsumexp
-    # exact attention: fp32 q, k, v and a score chunk of at most 1 GiB
-    return 3 * s_i * 4 + min(4 * c.num_heads * rows * rows, 1 << 30)
+    # exact attention: fp32 q, k, v and a score chunk of at most 1 GiB, alive together with its softmax input
+    # (measured on the CPU: two chunks at the peak)
+    return 3 * s_i * 4 + 2 * min(4 * c.num_heads * rows * rows, 1 << 30)
 
 
 def activation_phases(mm: ModelMemory, wl: Workload, chunk_rows: int | None = None) -> dict[str, int]:
@@ -653,6 +661,38 @@ def decide(mm: ModelMemory, wl: Workload, dev: DeviceMemory, requested: int | No
 
 
 
+@dataclass(frozen=True)
+class MemoryAsk:
+    """A request as the memory check names it: ``what`` (e.g. "1344x768, 124 frames, 512 text tokens") and
+    ``lower``, what the user can reduce."""
+
+    what: str
+    lower: str = "the width, height, frames or text length"
+
+
+def check_request(mm: ModelMemory, wl: Workload, dev: DeviceMemory, vram_budget, ask: MemoryAsk,
+                  held: Held = Held(), host_free: int | None = None) -> MemoryPlan:
+    """The request-time memory check, before any weight is read: the budget's own decision (``decide``, the
+    same estimate, the same free memory: the driver's plus torch's unused cache) for ``wl`` on ``dev`` under
+    ``vram_budget`` (the option's text), and that decision's estimate against what the device has free (plus
+    ``held``, what a loaded model already holds there): auto on CUDA plans within it, but nothing streams on the
+    CPU under auto (device memory is host memory) or on an integrated GPU, and a given budget may exceed it.
+    Raises RequestError saying what the request needs, what the device has and what to change; returns the plan
+    the load would make."""
+    try:
+        p = decide(mm, wl, dev, parse_vram_budget(vram_budget), host_free, held)
+    except BudgetError as e:
+        raise RequestError(f"{ask.what} ({wl.rows:,} packed rows): {e}") from None
+    have = dev.free_bytes + held.device_bytes
+    if p.estimate.total > have:
+        where = f"free of {dev.total_bytes / GB:.1f} GB on {dev.name}" if dev.kind == "cuda" else \
+            "of available host memory"
+        raise RequestError(f"{ask.what} ({wl.rows:,} packed rows) needs ~{p.estimate.total / GB:.1f} GB, the device "
+                           f"has {have / GB:.1f} GB {where}; lower {ask.lower}, or use a device with more memory "
+                           f"(the {p.estimate.describe()})")
+    return p
+
+
 def budget_arg(nbytes: int) -> str:
     """The smallest ``--vram-budget`` value (GB, rounded up) that is at least ``nbytes``."""
     digits = 2 if nbytes >= GB else 4
@@ -675,18 +715,6 @@ def _check_host(p: MemoryPlan, host_free: int | None, host_held_bytes: int,
                           f"budget so fewer blocks stream, or free host memory ({unchanged})")
 
 
-def least_device_weight_bytes(cfg: H3Config, form: tuple[str, bool], device: torch.device, dtype: torch.dtype,
-                              whole: int) -> int:
-    """The weight bytes a run must hold on ``device`` at the least, for the request checks made before the plan
-    (``sampling.request.check_memory``): where blocks can stream (CUDA, not integrated) the non-block weights and
-    ``SLOTS`` block buffers; elsewhere ``whole`` (the checkpoint's bytes). ``form``: the block linears' form and
-    whether AdaLN stays on the host (``runtime.plan.weight_form`` of the options)."""
-    if device.type != "cuda" or DeviceMemory.probe(device).integrated:
-        return whole
-    mm = ModelMemory.build(cfg, dtype, form[0], adaln_on_host=form[1])
-    return min(whole, mm.other_bytes + SLOTS * mm.block_bytes)
-
-
 def plan_memory(plan, workload: Workload | None = None, dev: DeviceMemory | None = None,
                 host_free: int | None = None) -> MemoryPlan:
     """The memory plan of a load (``runtime.plan.LoadPlan``), for ``workload`` (default: the model's default
@@ -700,6 +728,6 @@ def plan_memory(plan, workload: Workload | None = None, dev: DeviceMemory | None
     return mp
 
 
-__all__ = ["BudgetError", "DeviceMemory", "Estimate", "Held", "MemoryPlan", "ModelMemory", "TowerSize", "Workload",
-           "decide", "estimate", "least_device_weight_bytes", "parse_vram_budget", "plan_memory", "smallest_budget",
-           "tower_block_bytes", "tower_bytes"]
+__all__ = ["BudgetError", "DeviceMemory", "Estimate", "Held", "MemoryAsk", "MemoryPlan", "ModelMemory", "TowerSize",
+           "Workload", "check_request", "decide", "estimate", "parse_vram_budget",
+           "plan_memory", "smallest_budget", "tower_block_bytes", "tower_bytes"]

@@ -17,7 +17,8 @@ class Runtime(Protocol):
     """config: the model's H3Config; device / dtype: where and at what compute dtype it runs; plan: the
     ``LoadPlan`` it was loaded with; model: the resident ``H3Model``; ops: its bound ``BlockOps``; backends:
     {op: {"choice", "reason"}} as every report carries them; lora_stack: the LoRA stack this object wants the
-    shared model to carry (``sync_loras`` makes it so: an explicit call, never a side effect of reading)."""
+    shared model to carry (``sync_loras`` makes it so: an explicit call, never a side effect of reading);
+    check_memory: the request-time memory check (``runtime.budget.check_request``) on this loaded model."""
 
     @property
     def config(self) -> H3Config: ...
@@ -42,6 +43,7 @@ class Runtime(Protocol):
                    control=None) -> dict: ...
     def offload(self) -> int: ...
     def onload(self) -> None: ...
+    def check_memory(self, wl, ask, dev=None, host_free=None) -> Any: ...
 
 
 __all__ = ["Runtime"]

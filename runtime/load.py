@@ -36,8 +36,8 @@ from typing import Callable
 
 import torch
 
-from .budget import (DeviceMemory, Held, ModelMemory, Outside, TowerSize, Workload, decide, parse_vram_budget,
-                     plan_memory)
+from .budget import (DeviceMemory, Held, MemoryAsk, MemoryPlan, ModelMemory, Outside, TowerSize, Workload,
+                     check_request, decide, parse_vram_budget, plan_memory)
 from .errors import CheckpointError
 from .io.checkpoint import dequantize_layer
 from .io.comfy_quant import from_comfy_quant_tensors
@@ -280,6 +280,15 @@ class H3Runtime:
         if self.parked is not None:
             unpark(self, self.parked)
             self.parked = None
+
+    def check_memory(self, wl: Workload, ask: MemoryAsk, dev: DeviceMemory | None = None,
+                     host_free: int | None = None) -> MemoryPlan:
+        """The request-time memory check of ``wl`` on this loaded model (``budget.check_request`` with its plan;
+        what it holds on the device and in host memory counts as available to it)."""
+        held = Held(self.device_bytes() if self.parked is None else 0,
+                    0 if self.streamer is None else self.streamer.host_bytes)
+        return check_request(ModelMemory.from_plan(self.plan), wl, dev or DeviceMemory.probe(self.device),
+                             self.plan.vram_budget, ask, held, host_free)
 
     def describe(self) -> str:
         lines = self.plan.describe().splitlines()

@@ -143,7 +143,12 @@ def test_host_memory_is_checked_before_pinning(w4a8):
                                          ("7.5", int(7.5e9)), ("12GB", 12 * 10 ** 9), (" 6 gb ", 6 * 10 ** 9),
                                          (16, 16 * 10 ** 9)])
 def test_parse_budget(value, want):
-    assert parse_vram_budget(value) == want
+    """One parser (options.vram_budget_bytes): the option's check and the budget read the same values the same."""
+    from h3_blackwell.runtime.options import vram_budget_bytes
+
+    assert parse_vram_budget(value) == want == vram_budget_bytes(value)
+    assert RuntimeOptions(vram_budget="auto" if value is None else value).vram_budget is not None
+    assert parse_vram_budget(repr(7_817_936 / 1e9)) == 7_817_936  # a byte count printed in GB reads back whole
 
 
 @pytest.mark.parametrize("bad", ["0", "-1", "abc", "nan", "inf", "", "8 TB", "1e999"])
