@@ -55,7 +55,8 @@ from .ops.block_ops import build_ops
 from .ops.gemm_backends import Scratch
 from .ops.linear import Nvfp4Linear, StoredParts
 from .ops.sparse_attention import SparseStepAttention
-from .ops.streaming import BlockStreamer, StreamOps, module_device_bytes
+from .ops.stream_ops import StreamOps
+from .ops.streaming import BlockStreamer, module_device_bytes
 from .options import RuntimeOptions
 from .plan import LoadPlan, make_plan
 from .sampling.request import host_available_bytes

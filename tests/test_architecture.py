@@ -9,7 +9,11 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("runtime", "nodes", "cli")
+PACKAGES = ("runtime", "nodes", "cli", "comfy_client")
+# who may import whom (folders of this package): the runtime stands alone, the ComfyUI adapter (nodes/) and the
+# command line (cli/) sit on it, and the ComfyUI HTTP client (comfy_client/) stands alone beside cli/, which calls it
+MAY_IMPORT = {"runtime": {"runtime"}, "nodes": {"nodes", "runtime"}, "cli": {"cli", "runtime", "comfy_client"},
+              "comfy_client": {"comfy_client"}}
 
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
@@ -340,6 +344,15 @@ def test_cli_and_nodes_import_only_the_runtime_package():
             private += [f"{p.relative_to(ROOT)}: {n}" for n in names if n not in rt.__all__]
     assert not bad, f"cli/ and nodes/ import runtime submodules (use h3_blackwell.runtime's public names): {bad}"
     assert not private, f"names imported from h3_blackwell.runtime that are not in its __all__: {private}"
+
+
+def test_each_folder_imports_only_what_the_layers_allow():
+    """runtime/ imports none of the others; nodes/ only the runtime; cli/ the runtime and the ComfyUI client;
+    comfy_client/ nothing of this package (it is the standalone HTTP client that ``comfy-run`` calls)."""
+    bad = [f"{m} imports {t}" for m, imps in _graph().items() for t, _ in imps
+           if t.split(".")[0] not in MAY_IMPORT[m.split(".")[0]]]
+    assert not bad, f"imports across the layers (allowed: {MAY_IMPORT}): {bad}"
+    assert any(t.startswith("comfy_client") for t, _ in _graph()["cli.comfy_run"]), "cli/comfy_run.py calls the client"
 
 
 def test_no_two_folders_import_each_other():

@@ -1,4 +1,4 @@
-"""OpsWrapper: the base of the BlockOps wrappers (``runtime.lora.ops.LoraOps``, ``runtime.ops.streaming.StreamOps``).
+"""OpsWrapper: the base of the BlockOps wrappers (``runtime.lora.ops.LoraOps``, ``runtime.ops.stream_ops.StreamOps``).
 
 A wrapper holds ``inner`` (any BlockOps) and a few attributes of its own, listed in the subclass's ``OWN``. Every
 member of the ``BlockOps`` interface (runtime.ops.interface) is delegated to ``inner`` explicitly; a subclass

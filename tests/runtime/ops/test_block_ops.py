@@ -154,7 +154,7 @@ def test_every_block_ops_meets_the_interface_and_wrappers_do_not_pass_writes_on(
     from h3_blackwell.runtime.ops.block_ops import Nvfp4Ops, W4A8Ops
     from h3_blackwell.runtime.ops.interface import BlockOps
     from h3_blackwell.runtime.ops.reference import ReferenceOps
-    from h3_blackwell.runtime.ops.streaming import StreamOps
+    from h3_blackwell.runtime.ops.stream_ops import StreamOps
 
     base = Nvfp4Ops(TINY, None)
     wrapped = LoraOps(StreamOps(base, None, ffn_chunk_rows=32), {})

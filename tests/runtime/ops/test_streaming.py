@@ -18,7 +18,7 @@ from h3_blackwell.runtime.lora import apply as L
 from h3_blackwell.runtime.model.config import TINY
 from h3_blackwell.runtime.model.layout import latent_shapes
 from h3_blackwell.runtime.model.tiny import tiny_state_dict
-from h3_blackwell.runtime.ops.streaming import StreamOps
+from h3_blackwell.runtime.ops.stream_ops import StreamOps
 from h3_blackwell.runtime.parallel.group import ParallelContext
 from fixtures.reports import report_hashes
 from tests.fixtures.tiny_lora import save_tiny_lora, tiny_lora_truth

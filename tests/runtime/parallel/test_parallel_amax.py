@@ -16,7 +16,7 @@ from h3_blackwell.runtime.ops.block_ops import Nvfp4Ops, W4A8Ops
 from h3_blackwell.runtime.ops.linear import Nvfp4Linear
 from h3_blackwell.runtime.ops.nvfp4_producers import Modulation
 from h3_blackwell.runtime.ops.reference import ReferenceOps
-from h3_blackwell.runtime.ops.streaming import StreamOps
+from h3_blackwell.runtime.ops.stream_ops import StreamOps
 from h3_blackwell.runtime.parallel import AmaxAllReduce, CommStats, RowShard, launch
 from h3_blackwell.runtime.parallel.evaluate import numerics, sharded_ops
 
