@@ -65,8 +65,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         problem = fc2_tune.TuneProblem(dtype, a.m, m_padded, a.n, a.k, a.role, int(a.workspace_mb * (1 << 20)),
                                        a.scale_mode)
-        sweep = fc2_tune.TuneSweep(a.max_candidates, a.top, a.rounds, a.seeds, a.check_seconds, a.run_seconds,
-                                   int(a.heuristic_workspace_mb * (1 << 20)))
+        sweep = fc2_tune.TuneSweep(max_candidates=a.max_candidates, top=a.top, rounds=a.rounds, seeds=a.seeds,
+                                   check_seconds=a.check_seconds, run_seconds=a.run_seconds,
+                                   heuristic_workspace=int(a.heuristic_workspace_mb * (1 << 20)))
         res = fc2_tune.tune(problem, sweep, cache_dir=options.cache_dir, device=device, producer=a.producer,
                             command="h3-blackwell tune-fc2 " + " ".join(argv), say=lambda s: print(s, file=sys.stderr))
     except Exception as e:  # noqa: BLE001 - one line, exit 2

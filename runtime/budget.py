@@ -46,7 +46,7 @@ from .model.config import QUANT_LINEARS, H3Config
 from .model.h3 import H3Model
 from .ops import nvfp4
 from .options import vram_budget_bytes
-from .plan import Choice, weight_form
+from .plan import Choice
 from .sampling.request import RequestError, host_available_bytes, latent_rows, resolve_request
 
 GB = 1e9
@@ -245,19 +245,13 @@ class ModelMemory:
         return cls(cfg, e, act_format, gemm, attention, v_handling, block, other, adaln, row_local, why, adaln_on_host)
 
     @classmethod
-    def for_options(cls, cfg: H3Config, options, device: torch.device, dtype: torch.dtype) -> "ModelMemory":
-        """Before a load plan exists (the request checks): the block linears quantized to one byte a weight at
-        most ("fp8") or dense, AdaLN where the options keep it (``plan.weight_form``), and the attention the
-        options name, counted as the nearest kind the estimate knows: auto is sage2 on CUDA and the exact
-        reference elsewhere (what the plan resolves there); the fused flash kernels (fa3, fa4, sage3) hold no
-        score matrix, like sdpa."""
-        form, adaln_on_host = weight_form(options, cfg)
-        a = options.attention
-        if a == "auto":
-            a = "sage2" if device.type == "cuda" else "reference"
-        elif not (a in ("sage2", "sage1", "sparse", "reference") or a.startswith("sdpa")):
-            a = "sdpa"
-        return cls.build(cfg, dtype, form, "fp8" if form != "dense" else "dense", a, "fused", adaln_on_host)
+    def for_options(cls, cfg: H3Config, choices: dict, dtype: torch.dtype) -> "ModelMemory":
+        """Before a load plan exists (the request checks), from ``plan.memory_choices``: the block linears
+        quantized to one byte a weight at most ("fp8") or dense, AdaLN where the options keep it, and the
+        attention the options name."""
+        form = choices["form"]
+        return cls.build(cfg, dtype, form, "fp8" if form != "dense" else "dense", choices["attention"], "fused",
+                         choices["adaln_on_host"])
 
     @classmethod
     def from_plan(cls, plan) -> "ModelMemory":

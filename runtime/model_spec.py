@@ -23,7 +23,7 @@ from .lora.apply import apply_loras
 from .lora.spec import as_spec, parse_lora_arg
 from .model.config import TINY, H3Config
 from .options import RuntimeOptions
-from .plan import resolve_device, resolve_dtype
+from .plan import memory_choices, resolve_device, resolve_dtype
 from .sampling.request import SEED_RANGE, RequestError, approx_param_bytes, check_int
 
 
@@ -48,8 +48,9 @@ class ModelSpec:
                      host_free: int | None = None) -> MemoryPlan:
         """The request-time memory check of ``wl`` before the load (``budget.check_request``; the model's memory
         from the options, ``ModelMemory.for_options``); dev / host_free: simulated (tests), default measured."""
-        mm = ModelMemory.for_options(self.config, self.options, self.device, self.dtype)
-        return check_request(mm, wl, dev or DeviceMemory.probe(self.device), self.options.vram_budget, ask,
+        choices = memory_choices(self.options, self.config, self.device)
+        mm = ModelMemory.for_options(self.config, choices, self.dtype)
+        return check_request(mm, wl, dev or DeviceMemory.probe(self.device), choices["vram_budget"], ask,
                              host_free=host_free)
 
     def load(self, progress: Callable[[int, int, str], None] | None = None, device: str | None = None,

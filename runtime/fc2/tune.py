@@ -177,11 +177,11 @@ class TuneSweep:
 
     max_candidates: int = 300
     top: int = 6
+    heuristic_workspace: int = 32 << 20  # the baseline the finalists are timed against
     rounds: int = 20
     seeds: int = 3
     check_seconds: float = 90.0
     run_seconds: float = 120.0
-    heuristic_workspace: int = 32 << 20
 
 
 def tune_subprocess(problem: TuneProblem, sweep: TuneSweep = TuneSweep(), *, cache_dir: str, device: str = "cuda",

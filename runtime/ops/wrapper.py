@@ -1,19 +1,19 @@
 """OpsWrapper: the base of the BlockOps wrappers (``runtime.lora.ops.LoraOps``, ``runtime.ops.stream_ops.StreamOps``).
 
 A wrapper holds ``inner`` (any BlockOps) and a few attributes of its own, listed in the subclass's ``OWN``. Every
-member of the ``BlockOps`` interface (runtime.ops.interface) is delegated to ``inner`` explicitly; a subclass
-overrides the ones it changes. Nothing else is delegated, and a wrapper refuses to have any other attribute set
+member of the ``BlockOps`` interface (runtime.ops.interface) is delegated to ``inner`` by name (``DELEGATED``)
+or by a declared setter; a subclass overrides the ones it changes and defines ``with_attention``. Nothing else is delegated, and a wrapper refuses to have any other attribute set
 on it: state belongs to the ops that declare it (``ops.base`` for the plain ops' state,
 ``set_ffn_chunk_rows`` / ``set_amax_reduce`` for the declared setters), so wrappers stack in any order and never
 shadow or silently pass on what they wrap."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
-from .interface import AttentionFn, BlockOps
+from .interface import BlockOps
 
 
 class OpsWrapper:
@@ -31,69 +31,27 @@ class OpsWrapper:
                                  f"ops.base, or use the BlockOps setter")
         object.__setattr__(self, name, value)
 
-    # -- the declared state, read from the wrapped ops ---------------------------------------------
-    @property
-    def name(self) -> str:
-        return self.inner.name
-
-    @property
-    def attends_exactly(self) -> bool:
-        return self.inner.attends_exactly
-
-    @property
-    def base(self) -> BlockOps:
-        return self.inner.base
-
-    @property
-    def ffn_chunk_rows(self) -> int | None:
-        return self.inner.ffn_chunk_rows
-
-    @property
-    def fc2_dispatcher(self) -> Any:
-        return self.inner.fc2_dispatcher
-
-    @property
-    def fc2_direct_calls(self) -> int:
-        return self.inner.fc2_direct_calls
-
-    @property
-    def act_scale(self) -> str | None:
-        return self.inner.act_scale
-
-    @property
-    def takes_amax_reduce(self) -> bool:
-        return self.inner.takes_amax_reduce
-
     def set_ffn_chunk_rows(self, rows: int | None) -> None:
         self.inner.set_ffn_chunk_rows(rows)
 
     def set_amax_reduce(self, fn: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
         self.inner.set_amax_reduce(fn)
 
-    def status(self) -> dict:
-        return self.inner.status()
 
-    # -- the block's operations, unchanged unless a subclass overrides them ------------------------
-    def with_attention(self, fn: AttentionFn) -> BlockOps:  # a subclass re-wraps the copy
-        raise NotImplementedError(f"{type(self).__name__}.with_attention")
+class _FromInner:
+    """A BlockOps member of a wrapper that is the wrapped ops' own (read on each access, never copied)."""
 
-    def qkv(self, i, blk, x, shift, scale, segs):
-        return self.inner.qkv(i, blk, x, shift, scale, segs)
+    def __init__(self, name: str):
+        self.name = name
 
-    def norm_rope_(self, blk, qkv, cos, sin):
-        return self.inner.norm_rope_(blk, qkv, cos, sin)
+    def __get__(self, obj, owner=None):
+        return self if obj is None else getattr(obj.inner, self.name)
 
-    def attention(self, qkv):
-        return self.inner.attention(qkv)
 
-    def out_proj(self, i, blk, o):
-        return self.inner.out_proj(i, blk, o)
-
-    def gate_add_(self, x, y, gate, segs):
-        return self.inner.gate_add_(x, y, gate, segs)
-
-    def fc1(self, i, blk, x, shift, scale, segs):
-        return self.inner.fc1(i, blk, x, shift, scale, segs)
-
-    def fc2(self, i, blk, h, lora_active: bool = False):
-        return self.inner.fc2(i, blk, h, lora_active=lora_active)
+# The BlockOps members (runtime.ops.interface) a wrapper takes from the ops it wraps unless its class overrides them:
+# the declared state and the block's operations. Everything else is neither read nor written through a wrapper.
+DELEGATED = ("name", "attends_exactly", "base", "ffn_chunk_rows", "fc2_dispatcher", "fc2_direct_calls", "act_scale",
+             "takes_amax_reduce", "status", "qkv", "norm_rope_", "attention", "out_proj", "gate_add_", "fc1", "fc2")
+for _member in DELEGATED:
+    setattr(OpsWrapper, _member, _FromInner(_member))
+del _member

@@ -654,6 +654,7 @@ def test_memory_check_asks_the_budget_and_refuses_what_cannot_fit():
     from h3_blackwell.runtime.model.config import FULL, TINY
     from h3_blackwell.runtime.model.layout import latent_shapes
     from h3_blackwell.runtime.options import RuntimeOptions
+    from h3_blackwell.runtime.plan import memory_choices
     from h3_blackwell.runtime.sampling.request import RequestError, resolve_request
 
     def workload(cfg, req):
@@ -663,7 +664,7 @@ def test_memory_check_asks_the_budget_and_refuses_what_cannot_fit():
     req = resolve_request(FULL, text_tokens=512)
     assert (req.width, req.height, req.frames, req.steps) == (1344, 768, 124, 20)
     cuda = torch.device("cuda")
-    mm = ModelMemory.for_options(FULL, RuntimeOptions(device="cpu"), cuda, torch.bfloat16)
+    mm = ModelMemory.for_options(FULL, memory_choices(RuntimeOptions(device="cpu"), FULL, cuda), torch.bfloat16)
     ask, host = MemoryAsk("the canonical request"), int(200e9)
     big = check_request(mm, workload(FULL, req), DeviceMemory("cuda", "H200", int(139e9), int(139e9)), "auto", ask,
                         host_free=host)
@@ -676,7 +677,7 @@ def test_memory_check_asks_the_budget_and_refuses_what_cannot_fit():
         check_request(mm, workload(FULL, req), DeviceMemory("cuda", "4 GB card", int(4e9), int(4e9)), "auto", ask,
                       host_free=host)
     cpu = torch.device("cpu")
-    tiny = ModelMemory.for_options(TINY, RuntimeOptions(device="cpu"), cpu, torch.float32)
+    tiny = ModelMemory.for_options(TINY, memory_choices(RuntimeOptions(device="cpu"), TINY, cpu), torch.float32)
     assert check_request(tiny, workload(TINY, resolve_request(TINY)), DeviceMemory("cpu", "cpu", int(1e9), int(1e9)),
                          "auto", ask).estimate.total < 1e9
     with pytest.raises(RequestError, match=r"needs ~\d+\.\d GB, the device has 64\.0 GB of available host memory; "
