@@ -195,8 +195,8 @@ def bench_norm_rope(args, dev) -> dict:
     for bs, hpp, nw in [(32, 2, 4), (16, 1, 4), (16, 2, 4), (32, 4, 4), (32, 8, 4), (64, 2, 8), (64, 4, 8), (8, 2, 2),
                         (4, 2, 1), (4, 4, 2), (8, 1, 1), (8, 4, 2), (8, 2, 4), (16, 2, 2)]:
         try:
-            t = time_ms(lambda: E.norm_rope_(work, qw, kw, cos, sin, 1e-5, r, block_s=bs,
-                                             heads_per_program=hpp, num_warps=nw), args.iters * 2, args.warmup)
+            t = time_ms(lambda: E.norm_rope_(work, qw, kw, cos, sin, 1e-5, r,
+                                             launch=E.NormRopeLaunch(bs, hpp, nw)), args.iters * 2, args.warmup)
             configs.append({"block_s": bs, "heads_per_program": hpp, "num_warps": nw, "ms": round(t["median"], 4),
                             "GBps": round(moved / (t["median"] * 1e-3) / 1e9, 1)})
         except Exception as e:

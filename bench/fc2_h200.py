@@ -44,6 +44,8 @@ from h3_blackwell.runtime.options import RuntimeOptions  # noqa: E402
 from h3_blackwell.runtime.fc2.tune import (  # noqa: E402
     CANONICAL,
     TuneCrash,
+    TuneProblem,
+    TuneSweep,
     compare_bytes,
     reference_gemm,
     synthetic_operands,
@@ -127,14 +129,14 @@ def main(argv=None) -> int:
             return torch.zeros((o.m_logical, CANONICAL["n"]), dtype=torch.bfloat16, device=dev)
 
         d.begin_run()
-        d(ops.x, ops.w, x_scale=ops.x_scale, w_scale=ops.w_scale, alpha=ops.alpha, m_logical=CANONICAL["m_logical"],
-          producer=PRODUCER_SWIGLU_NVFP4, fallback=fallback)
+        call = Fc2Operands(ops.x, ops.w, x_scale=ops.x_scale, w_scale=ops.w_scale, alpha=ops.alpha,
+                           m_logical=CANONICAL["m_logical"])
+        d(call, fallback, producer=PRODUCER_SWIGLU_NVFP4)
         run = d.end_run()
         strict = Fc2Dispatcher(options.cache_dir, strict=True, table=Fc2Table([GB10_CANONICAL]),
                                plan_layer=LtPlanLayer(options.cache_dir, st))
         try:
-            strict(ops.x, ops.w, x_scale=ops.x_scale, w_scale=ops.w_scale, alpha=ops.alpha,
-                   m_logical=CANONICAL["m_logical"], producer=PRODUCER_SWIGLU_NVFP4, fallback=fallback)
+            strict(call, fallback, producer=PRODUCER_SWIGLU_NVFP4)
             strict_msg = None
         except Fc2LtError as e:
             strict_msg = str(e)
@@ -152,10 +154,11 @@ def main(argv=None) -> int:
         for ws_mb in (0, 32):
             log = Path(a.cache_dir) / f"tune-{dtype}-ws{ws_mb}.log"
             try:
-                r = tune_subprocess(dtype=dtype, cache_dir=a.cache_dir, device=str(dev), workspace_limit=ws_mb << 20,
-                                    rounds=a.rounds, max_candidates=a.max_candidates, check_seconds=a.check_seconds,
-                                    run_seconds=a.run_seconds, timeout=a.tune_timeout, log_path=str(log),
-                                    say=lambda s: print(s, file=sys.stderr), **CANONICAL)
+                r = tune_subprocess(TuneProblem(dtype, **CANONICAL, workspace_limit=ws_mb << 20),
+                                    TuneSweep(max_candidates=a.max_candidates, rounds=a.rounds,
+                                              check_seconds=a.check_seconds, run_seconds=a.run_seconds),
+                                    cache_dir=a.cache_dir, device=str(dev), timeout=a.tune_timeout, log_path=str(log),
+                                    say=lambda s: print(s, file=sys.stderr))
             except TuneCrash as e:
                 attempts.append({"workspace_mb": ws_mb, "found": False, "crash": str(e), "returncode": e.returncode,
                                  "log": str(log), "log_tail": e.log_tail[-3000:]})
@@ -200,7 +203,7 @@ def main(argv=None) -> int:
         d.begin_run()
         for call in range(BLOCKS * STEPS):
             o = acts[call % len(acts)]
-            y = d(o.x, w, m_logical=m, fallback=fb)
+            y = d(Fc2Operands(o.x, w, m_logical=m), fb)
             if call % 25 == 7:
                 checks.append(compare_bytes(y, fb(Fc2Operands(x=o.x, w=w, m_logical=m)))["equal"])
         d.end_run()
@@ -211,7 +214,7 @@ def main(argv=None) -> int:
         t0.record()
         for call in range(BLOCKS * STEPS):
             o = acts[call % len(acts)]
-            d(o.x, w, m_logical=m, fallback=fb)
+            d(Fc2Operands(o.x, w, m_logical=m), fb)
         t1.record()
         t1.synchronize()
         pinned_ms = t0.elapsed_time(t1)
@@ -231,10 +234,10 @@ def main(argv=None) -> int:
         # CUDA graph: the prepared plan replays inside a captured graph
         out = torch.empty((CANONICAL["m_padded"], CANONICAL["n"]), dtype=torch.bfloat16, device=dev)
         o = acts[1]
-        d(o.x, w, m_logical=m, fallback=fb, out=out)
+        d(Fc2Operands(o.x, w, m_logical=m), fb, out=out)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            yg = d(o.x, w, m_logical=m, fallback=fb, out=out)
+            yg = d(Fc2Operands(o.x, w, m_logical=m), fb, out=out)
         out.zero_()
         g.replay()
         torch.cuda.synchronize()

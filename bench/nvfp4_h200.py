@@ -134,7 +134,8 @@ def bench_producers(dev, iters: int, warmup: int, copy_gbps: float) -> dict:
     nbytes = x.numel() * 2 + out_bytes(M, HIDDEN)  # the tables are tiny and stay in L2
     for policy, gs, passes in (("dynamic", None, 2), ("calibrated", torch.tensor(0.003, device=dev), 1)):
         try:
-            t = time_ms(lambda: qk.rms_modulate_quantize(x, weight, tab, tab, segs, 1e-5, gs, backend="triton"),
+            mod = qk.Modulation(tab, tab, segs)
+            t = time_ms(lambda: qk.rms_modulate_quantize(x, weight, mod, 1e-5, gs, backend="triton"),
                         iters, warmup)
             out[f"rms_modulate_quantize_{HIDDEN}_{policy}"] = _producer_entry(t, nbytes, copy_gbps, passes)
         except Exception as e:

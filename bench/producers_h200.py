@@ -173,8 +173,8 @@ def main(argv=None) -> int:
         mod = torch.randn(3, 6 * HIDDEN, device=dev) * 0.1  # the stack's modulation rows, chunked per use
         sc, sh = mod[:, :HIDDEN], mod[:, HIDDEN:2 * HIDDEN]
         segs = [(0, 100, 0), (100, 37000, 1), (37000, M, 2)]
-        fn = lambda: f8.rms_modulate_fp8(x, w, sc, sh, segs, 1e-6)  # noqa: E731
-        ref = f8.rms_modulate_fp8(x, w, sc, sh, segs, 1e-6, backend="reference")
+        fn = lambda: f8.rms_modulate_fp8(x, w, f8.Modulation(sc, sh, segs), 1e-6)  # noqa: E731
+        ref = f8.rms_modulate_fp8(x, w, f8.Modulation(sc, sh, segs), 1e-6, backend="reference")
         r = sweep("rms_modulate_fp8", fn, lambda: same(fn(), ref), M * HIDDEN * 3 + M * 4,
                   candidates("rms", HIDDEN), _F8Tiles, it, wu, cg)
         report["ops"]["rms_modulate_fp8"] = {"shape": [M, HIDDEN], **r}

@@ -63,11 +63,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: --m-padded {m_padded} < --m {a.m}", file=sys.stderr)
         return 2
     try:
-        res = fc2_tune.tune(dtype=dtype, m_logical=a.m, m_padded=m_padded, n=a.n, k=a.k, role=a.role,
-                            cache_dir=options.cache_dir, device=device, workspace_limit=int(a.workspace_mb * (1 << 20)),
-                            scale_mode=a.scale_mode, heuristic_workspace=int(a.heuristic_workspace_mb * (1 << 20)),
-                            producer=a.producer, max_candidates=a.max_candidates, top=a.top, rounds=a.rounds,
-                            seeds=a.seeds, check_seconds=a.check_seconds, run_seconds=a.run_seconds,
+        problem = fc2_tune.TuneProblem(dtype, a.m, m_padded, a.n, a.k, a.role, int(a.workspace_mb * (1 << 20)),
+                                       a.scale_mode)
+        sweep = fc2_tune.TuneSweep(max_candidates=a.max_candidates, top=a.top, rounds=a.rounds, seeds=a.seeds,
+                                   check_seconds=a.check_seconds, run_seconds=a.run_seconds,
+                                   heuristic_workspace=int(a.heuristic_workspace_mb * (1 << 20)))
+        res = fc2_tune.tune(problem, sweep, cache_dir=options.cache_dir, device=device, producer=a.producer,
                             command="h3-blackwell tune-fc2 " + " ".join(argv), say=lambda s: print(s, file=sys.stderr))
     except Exception as e:  # noqa: BLE001 - one line, exit 2
         print(f"error: tune-fc2: {type(e).__name__}: {e}", file=sys.stderr)

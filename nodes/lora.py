@@ -72,8 +72,8 @@ class H3LoRA:
             raise node_error(self.TITLE, f"LoRA file '{lora_name}' was not found in loras (searched {folders}). Put "
                                          "the .safetensors file there and refresh.")
         try:
-            view = LoraView(model, tuple(getattr(model, "lora_stack", ())) + (LoraSpec(path, strength, mode),))
-            view.model  # apply now: a bad LoRA fails on this node, with its message
+            view = LoraView(model, tuple(model.lora_stack) + (LoraSpec(path, strength, mode),))
+            view.sync()  # apply now: a bad LoRA fails on this node, with its message
         except H3Error as e:
             raise node_error(self.TITLE, str(e)) from e
         log.info("[h3-blackwell] %s", view.backends.get("lora", {}).get("reason", "LoRA applied"))

@@ -23,6 +23,7 @@ from .options import (CHOICES, FC2_MODES, SPARSE_EXTRA_TOKENS_CHOICES, LossySett
                       SamplingSettings, cpu_thread_count)
 from .plan import resolve_device
 from .load import H3Runtime, load_model
+from .interface import Runtime
 from .resident import ResidentModel
 from .sampling.sampler import Hooks, SampleInputs, SampleResult, sample
 from .sampling.model_call import CallOptions, ModelCall, weight_shapes
@@ -49,19 +50,31 @@ from .model.tiny import save_tiny
 from .io.convert import quantize_checkpoint
 from .fc2 import tune as fc2_tune
 
+# The public API (README "Public API"): what a node pack or a script needs. The other names imported above stay
+# importable for the tests and the benches (types such as Job, H3Runtime, SampleResult; the error subclasses,
+# all H3Errors), but nothing outside the runtime builds on them: cli/ and nodes/ import only these (a test checks).
 __all__ = [
-    "Job", "JobFiles", "Canvas", "Launch", "ModelSpec", "make_job", "open_model", "run", "runtime_options",
-    "tensor_job", "SamplingSettings", "LossySettings", "Measure", "SampleInputs", "Hooks",
-    "ForwardJob", "forward_job", "run_forward",
-    "H3Config", "RuntimeOptions", "CHOICES", "FC2_MODES", "SPARSE_EXTRA_TOKENS_CHOICES", "resolve_device",
-    "H3Runtime", "load_model", "ResidentModel", "SampleResult", "sample",
-    "ModelCall", "CallOptions", "weight_shapes", "ConditioningError", "ControlHint", "H3Conditioning", "conditioning_from_payload",
-    "conditioning_to_payload", "LoraSpec", "LoraView", "sync_loras",
-    "ControlFile", "ControlSpec", "load_control", "open_control", "ControlError", "FunControl", "bind_control",
-    "CheckpointError", "H3Error", "Interrupted", "is_out_of_memory", "RequestError",
-    "MAX_NOISE_INDEX", "SEED_RANGE", "check_int", "check_output_file", "save_tensors", "write_dir", "write_file",
-    "latent_sha256", "nonfinite_message", "summary", "latent_to_rgb", "write_preview_webp",
-    "audio_frames", "latent_frames", "snap_frames", "percent_to_sigma", "audio_denoise_mask", "video_denoise_mask",
-    "save_tiny", "quantize_checkpoint", "fc2_tune",
+    # a request, validated once, and its run
+    "make_job", "tensor_job", "run", "open_model", "ModelSpec", "runtime_options",
+    "forward_job", "run_forward",
+    # a resident model, its options and sampling
+    "load_model", "sample", "Runtime", "RuntimeOptions", "CHOICES", "FC2_MODES", "SPARSE_EXTRA_TOKENS_CHOICES",
+    "resolve_device", "ModelCall", "CallOptions", "weight_shapes", "ResidentModel",
+    # a run's settings as values, passed whole from the request to the plan to the loop
+    "SamplingSettings", "LossySettings", "Measure", "SampleInputs", "Hooks", "JobFiles", "Canvas", "Launch",
+    # conditioning, LoRA, the Fun ControlNet
+    "H3Conditioning", "ConditioningError", "ControlHint", "conditioning_from_payload", "conditioning_to_payload",
+    "LoraSpec", "LoraView", "sync_loras", "ControlSpec", "open_control", "load_control",
+    # errors: every refusal is an H3Error
+    "H3Error", "Interrupted", "is_out_of_memory",
+    # latent geometry, noise masks and batch indices (the nodes' latents)
+    "latent_frames", "audio_frames", "snap_frames", "video_denoise_mask", "audio_denoise_mask", "percent_to_sigma",
+    "MAX_NOISE_INDEX",
+    # outputs and reports: atomic writes, the report summary and fingerprints, previews
+    "write_file", "write_dir", "save_tensors", "check_output_file", "summary", "nonfinite_message", "latent_sha256",
+    "latent_to_rgb", "write_preview_webp",
+    # the file commands: make-tiny, quantize, tune-fc2 (and the seed range make-tiny checks)
+    "save_tiny", "quantize_checkpoint", "fc2_tune", "SEED_RANGE", "check_int",
+    # CPU runs: torch's thread count for a job's size (packed rows)
     "cpu_thread_count", "latent_rows",
 ]

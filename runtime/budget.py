@@ -36,7 +36,6 @@ embedding and its modulation rows of every step), so the blocks that stream make
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -46,8 +45,9 @@ from .errors import H3Error
 from .model.config import QUANT_LINEARS, H3Config
 from .model.h3 import H3Model
 from .ops import nvfp4
+from .options import vram_budget_bytes
 from .plan import Choice
-from .sampling.request import host_available_bytes, latent_rows, resolve_request
+from .sampling.request import RequestError, host_available_bytes, latent_rows, resolve_request
 
 GB = 1e9
 SLOTS = 2  # device buffers of one streamed block each: block i+1 is copied while block i computes
@@ -59,7 +59,6 @@ CHUNK_MULTIPLE = 128  # chunk boundaries on the producers' and GEMMs' 128-row ti
 WORKSPACE_BYTES = 64 << 20  # cuBLAS / cuBLASLt workspaces and small per-run tensors (CUDA)
 ALIGN = 256  # byte alignment of each tensor inside a streamed block's buffer
 
-_BUDGET = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(?:gb?)?\s*$", re.IGNORECASE)
 
 
 class BudgetError(H3Error):
@@ -67,19 +66,12 @@ class BudgetError(H3Error):
 
 
 def parse_vram_budget(value) -> int | None:
-    """``auto`` -> None; a number of GB (``8``, ``7.5``, ``12GB``; 1 GB = 1e9 bytes) -> bytes. BudgetError
-    for anything else (zero, negative, not finite, not a number)."""
-    if value is None:
-        return None
-    text = str(value).strip()
-    if text.lower() == "auto":
-        return None
-    m = _BUDGET.match(text)
-    v = float(m.group(1)) if m else float("nan")
-    if not math.isfinite(v) or v <= 0:
-        raise BudgetError(f"vram_budget={value!r}: expected auto or a positive number of GB (e.g. 8 or 7.5; "
-                          "1 GB = 1e9 bytes)")
-    return int(v * GB)
+    """``options.vram_budget_bytes`` (the one parser: ``auto`` -> None, a number of GB -> bytes) raising
+    BudgetError for a bad value."""
+    try:
+        return vram_budget_bytes(value)
+    except ValueError as e:
+        raise BudgetError(str(e).removeprefix("option ")) from None
 
 
 def gb(n: int | float) -> str:
@@ -224,8 +216,10 @@ class ModelMemory:
 
     @classmethod
     def build(cls, cfg: H3Config, dtype: torch.dtype, act_format: str, gemm: str = "fp8", attention: str = "sage2",
-              v_handling: str = "fused", adaln_on_host: bool = True, act_scale: str = "dynamic",
-              calibrated_layers: bool = False) -> "ModelMemory":
+              v_handling: str = "fused", adaln_on_host: bool = True, calibrated_scales: bool = False
+              ) -> "ModelMemory":
+        """calibrated_scales: the activations take the checkpoint's calibrated scales in every layer
+        (act_scale=calibrated and every fc1/fc2 carries an input_scale), so W4A4's FFN rows are row-local."""
         quantized = act_format != "dense"
         e = torch.empty((), dtype=dtype).element_size()
         block = block_linear_bytes(cfg, quantized, e)
@@ -243,7 +237,7 @@ class ModelMemory:
             other += nbytes
         if quantized:
             other += cfg.num_layers * 4 * 64  # per linear: global scale (and the odd small buffer)
-        if act_format == "nvfp4" and not (act_scale == "calibrated" and calibrated_layers):
+        if act_format == "nvfp4" and not calibrated_scales:
             row_local, why = False, ("W4A4 with a dynamic activation scale: the SwiGLU bytes take one amax over all "
                                      "rows, so a row chunk would quantize differently")
         else:
@@ -251,16 +245,25 @@ class ModelMemory:
         return cls(cfg, e, act_format, gemm, attention, v_handling, block, other, adaln, row_local, why, adaln_on_host)
 
     @classmethod
+    def for_options(cls, cfg: H3Config, choices: dict, dtype: torch.dtype) -> "ModelMemory":
+        """Before a load plan exists (the request checks), from ``plan.memory_choices``: the block linears
+        quantized to one byte a weight at most ("fp8") or dense, AdaLN where the options keep it, and the
+        attention the options name."""
+        form = choices["form"]
+        return cls.build(cfg, dtype, form, "fp8" if form != "dense" else "dense", choices["attention"], "fused",
+                         choices["adaln_on_host"])
+
+    @classmethod
     def from_plan(cls, plan) -> "ModelMemory":
         """From a ``runtime.plan.LoadPlan`` (its config, dtype and choices)."""
         ck = plan.checkpoint
         calibrated = False
-        if ck is not None and hasattr(ck, "keys"):
+        if plan.act_scale == "calibrated" and ck is not None and hasattr(ck, "keys"):
             keys = set(ck.keys())
             calibrated = all(f"blocks.{j}.{n}.input_scale" in keys for j in range(plan.config.num_layers)
                              for n in ("mlp.fc1", "mlp.fc2"))
         return cls.build(plan.config, plan.dtype, plan.act_format, plan.gemm, plan.dense_attention,
-                         plan.v_handling, plan.adaln_on_host, plan.act_scale, calibrated)
+                         plan.v_handling, plan.adaln_on_host, calibrated)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -296,8 +299,9 @@ def _attention_operands(mm: ModelMemory, rows: int) -> int:
         return 3 * s_i * (1 if mm.v_handling == "fused" else 1 + mm.dtype_bytes) + 8 * rows * c.num_heads
     if a.startswith("sdpa"):
         return s_i * mm.dtype_bytes + 4 * rows * c.num_heads  # the [H, S, D] -> [S, H*D] copy, logsumexp
-    # exact attention: fp32 q, k, v and a score chunk of at most 1 GiB
-    return 3 * s_i * 4 + min(4 * c.num_heads * rows * rows, 1 << 30)
+    # exact attention: fp32 q, k, v and a score chunk of at most 1 GiB, alive together with its softmax input
+    # (measured on the CPU: two chunks at the peak)
+    return 3 * s_i * 4 + 2 * min(4 * c.num_heads * rows * rows, 1 << 30)
 
 
 def activation_phases(mm: ModelMemory, wl: Workload, chunk_rows: int | None = None) -> dict[str, int]:
@@ -559,17 +563,29 @@ def _resolve_budget(requested: int | None, dev: DeviceMemory, held_bytes: int, o
                                     f"less a {gb(margin)} margin = {gb(max(0, avail - margin))}")
 
 
-def _plan(mm: ModelMemory, wl: Workload, dev: DeviceMemory, budget: int, text: str, resident: int,
-          chunk: int | None, smallest: int | None, emulated: bool, tower_streams: bool = False,
-          outside_bytes: int = 0) -> MemoryPlan:
+@dataclass(frozen=True)
+class _Shape:
+    """One candidate of ``decide``: blocks kept resident, FFN rows per chunk (None: all), whether the control
+    tower streams, and whether it is past "everything resident" (on the CPU: streaming emulated)."""
+
+    resident: int
+    chunk: int | None = None
+    tower_streams: bool = False
+    streams: bool = False
+
+
+def _plan(mm: ModelMemory, wl: Workload, dev: DeviceMemory, budget: tuple[int | None, str], shape: _Shape,
+          smallest: int | None = None, outside_bytes: int = 0) -> MemoryPlan:
     n = mm.cfg.num_layers
-    res = spread(n, resident)
+    res = spread(n, shape.resident)
     streamed = tuple(j for j in range(n) if j not in set(res))
-    est = estimate(mm, wl, resident, SLOTS, chunk, dev.kind, tower_streams)
-    tower_host = wl.tower.blocks * tower_block_bytes(mm, wl.tower) if tower_streams else 0
-    return MemoryPlan(budget, text, res, streamed, SLOTS, chunk, est, wl, mm.block_bytes, len(streamed) * mm.block_bytes,
-                      mm.adaln_host_bytes, smallest, dev.kind, emulated, row_local=mm.ffn_row_local_why,
-                      tower_streams=tower_streams, tower_host_bytes=tower_host, outside_bytes=outside_bytes)
+    est = estimate(mm, wl, shape.resident, SLOTS, shape.chunk, dev.kind, shape.tower_streams)
+    tower_host = wl.tower.blocks * tower_block_bytes(mm, wl.tower) if shape.tower_streams else 0
+    emulated = shape.streams and dev.kind == "cpu"
+    return MemoryPlan(budget[0], budget[1], res, streamed, SLOTS, shape.chunk, est, wl, mm.block_bytes,
+                      len(streamed) * mm.block_bytes, mm.adaln_host_bytes, smallest, dev.kind, emulated,
+                      row_local=mm.ffn_row_local_why, tower_streams=shape.tower_streams, tower_host_bytes=tower_host,
+                      outside_bytes=outside_bytes)
 
 
 def smallest_budget(mm: ModelMemory, wl: Workload, device_kind: str = "cuda") -> int:
@@ -578,47 +594,54 @@ def smallest_budget(mm: ModelMemory, wl: Workload, device_kind: str = "cuda") ->
     return estimate(mm, wl, 0, SLOTS, chunks[-1] if chunks else None, device_kind, wl.tower is not None).total
 
 
+@dataclass(frozen=True)
+class Held:
+    """What a loaded model already holds when it is planned again: ``device_bytes`` on the device (auto counts
+    them as available), ``host_bytes`` in host memory for its streamed blocks."""
+
+    device_bytes: int = 0
+    host_bytes: int = 0
+
+
 def decide(mm: ModelMemory, wl: Workload, dev: DeviceMemory, requested: int | None,
-           host_free: int | None = None, held_bytes: int = 0, host_held_bytes: int = 0,
-           outside: Sequence[Outside] = (), unchanged: str = "nothing was loaded") -> MemoryPlan:
+           host_free: int | None = None, held: Held = Held(), outside: Sequence[Outside] = (),
+           unchanged: str = "nothing was loaded") -> MemoryPlan:
     """The memory plan (module docstring). requested: the budget in bytes (None = auto); host_free: available
-    host memory (default: measured); held_bytes: device bytes this model already holds (re-planning a loaded
-    model: auto counts them as available); host_held_bytes: host bytes its streamed blocks already hold;
+    host memory (default: measured); held: what the model already holds (re-planning a loaded model);
     outside: device memory this model holds beside what the estimate counts (``Outside``: a loaded Fun ControlNet
     tower the run leaves out, LoRA side paths): it comes off a given budget (auto's free memory excludes it), and
     the smallest budget named is the run's plus it. Raises BudgetError (its message ends with ``unchanged``, what
     the caller left as it was) when the budget cannot run the job or the host cannot hold the streamed weights."""
     n = mm.cfg.num_layers
-    emulated = dev.kind == "cpu"
     if dev.integrated:
-        p = _plan(mm, wl, dev, requested or dev.total_bytes, "", n, None, None, False)
+        p = _plan(mm, wl, dev, (requested or dev.total_bytes, ""), _Shape(n))
         p.budget_text = f"{dev.name} is integrated (memory shared with the host)"
         p.note = (f"{dev.name} shares its memory with the host (is_integrated): streaming does not apply, every "
                   "block stays resident")
         return p
-    if emulated and requested is None:
-        p = _plan(mm, wl, dev, None, "auto on the CPU", n, None, None, False)
+    if dev.kind == "cpu" and requested is None:
+        p = _plan(mm, wl, dev, (None, "auto on the CPU"), _Shape(n))
         p.note = "cpu: device memory is host memory, nothing streams (an explicit budget emulates streaming)"
         return p
-    budget, text = _resolve_budget(requested, dev, held_bytes, outside)
+    budget, text = _resolve_budget(requested, dev, held.device_bytes, outside)
     extra = sum(o.nbytes for o in outside) if requested is not None else 0
     full = estimate(mm, wl, n, SLOTS, None, dev.kind)
     if full.total <= budget:
-        return _plan(mm, wl, dev, budget, text, n, None, None, False, outside_bytes=extra)
+        return _plan(mm, wl, dev, (budget, text), _Shape(n), outside_bytes=extra)
     smallest = smallest_budget(mm, wl, dev.kind) + extra
     ts = wl.tower is not None  # past "everything resident", the control tower streams first (it runs 5 or 10 blocks)
     chunks = [None] + (chunk_options(wl.rows, dev.kind) if mm.ffn_row_local else [])
     for chunk in chunks:
         if (chunk is not None or ts) and estimate(mm, wl, n, SLOTS, chunk, dev.kind, ts).total <= budget:
-            p = _plan(mm, wl, dev, budget, text, n, chunk, smallest, emulated, ts, extra)
-            _check_host(p, host_free, host_held_bytes, unchanged)
+            p = _plan(mm, wl, dev, (budget, text), _Shape(n, chunk, ts, True), smallest, extra)
+            _check_host(p, host_free, held.host_bytes, unchanged)
             return p
         base = estimate(mm, wl, 0, SLOTS, chunk, dev.kind, ts).total
         if base > budget:
             continue
         resident = min(n - 1, (budget - base) // mm.block_bytes) if mm.block_bytes else n
-        p = _plan(mm, wl, dev, budget, text, int(resident), chunk, smallest, emulated, ts, extra)
-        _check_host(p, host_free, host_held_bytes, unchanged)
+        p = _plan(mm, wl, dev, (budget, text), _Shape(int(resident), chunk, ts, True), smallest, extra)
+        _check_host(p, host_free, held.host_bytes, unchanged)
         return p
     what = "auto (the free device memory less the margin)" if requested is None else "the budget"
     raise BudgetError(
@@ -630,6 +653,38 @@ def decide(mm: ModelMemory, wl: Workload, dev: DeviceMemory, requested: int | No
         f"{''.join(f', {o.advice}' for o in outside if o.nbytes and o.advice)}, or lower the width, height or frames "
         f"({unchanged})")
 
+
+
+@dataclass(frozen=True)
+class MemoryAsk:
+    """A request as the memory check names it: ``what`` (e.g. "1344x768, 124 frames, 512 text tokens") and
+    ``lower``, what the user can reduce."""
+
+    what: str
+    lower: str = "the width, height, frames or text length"
+
+
+def check_request(mm: ModelMemory, wl: Workload, dev: DeviceMemory, vram_budget, ask: MemoryAsk,
+                  held: Held = Held(), host_free: int | None = None) -> MemoryPlan:
+    """The request-time memory check, before any weight is read: the budget's own decision (``decide``, the
+    same estimate, the same free memory: the driver's plus torch's unused cache) for ``wl`` on ``dev`` under
+    ``vram_budget`` (the option's text), and that decision's estimate against what the device has free (plus
+    ``held``, what a loaded model already holds there): auto on CUDA plans within it, but nothing streams on the
+    CPU under auto (device memory is host memory) or on an integrated GPU, and a given budget may exceed it.
+    Raises RequestError saying what the request needs, what the device has and what to change; returns the plan
+    the load would make."""
+    try:
+        p = decide(mm, wl, dev, parse_vram_budget(vram_budget), host_free, held)
+    except BudgetError as e:
+        raise RequestError(f"{ask.what} ({wl.rows:,} packed rows): {e}") from None
+    have = dev.free_bytes + held.device_bytes
+    if p.estimate.total > have:
+        where = f"free of {dev.total_bytes / GB:.1f} GB on {dev.name}" if dev.kind == "cuda" else \
+            "of available host memory"
+        raise RequestError(f"{ask.what} ({wl.rows:,} packed rows) needs ~{p.estimate.total / GB:.1f} GB, the device "
+                           f"has {have / GB:.1f} GB {where}; lower {ask.lower}, or use a device with more memory "
+                           f"(the {p.estimate.describe()})")
+    return p
 
 
 def budget_arg(nbytes: int) -> str:
@@ -654,18 +709,6 @@ def _check_host(p: MemoryPlan, host_free: int | None, host_held_bytes: int,
                           f"budget so fewer blocks stream, or free host memory ({unchanged})")
 
 
-def least_device_weight_bytes(cfg: H3Config, form: tuple[str, bool], device: torch.device, dtype: torch.dtype,
-                              whole: int) -> int:
-    """The weight bytes a run must hold on ``device`` at the least, for the request checks made before the plan
-    (``sampling.request.check_memory``): where blocks can stream (CUDA, not integrated) the non-block weights and
-    ``SLOTS`` block buffers; elsewhere ``whole`` (the checkpoint's bytes). ``form``: the block linears' form and
-    whether AdaLN stays on the host (``runtime.plan.weight_form`` of the options)."""
-    if device.type != "cuda" or DeviceMemory.probe(device).integrated:
-        return whole
-    mm = ModelMemory.build(cfg, dtype, form[0], adaln_on_host=form[1])
-    return min(whole, mm.other_bytes + SLOTS * mm.block_bytes)
-
-
 def plan_memory(plan, workload: Workload | None = None, dev: DeviceMemory | None = None,
                 host_free: int | None = None) -> MemoryPlan:
     """The memory plan of a load (``runtime.plan.LoadPlan``), for ``workload`` (default: the model's default
@@ -679,6 +722,6 @@ def plan_memory(plan, workload: Workload | None = None, dev: DeviceMemory | None
     return mp
 
 
-__all__ = ["BudgetError", "DeviceMemory", "Estimate", "MemoryPlan", "ModelMemory", "TowerSize", "Workload", "decide",
-           "estimate", "least_device_weight_bytes", "parse_vram_budget", "plan_memory", "smallest_budget",
-           "tower_block_bytes", "tower_bytes"]
+__all__ = ["BudgetError", "DeviceMemory", "Estimate", "Held", "MemoryAsk", "MemoryPlan", "ModelMemory", "TowerSize",
+           "Workload", "check_request", "decide", "estimate", "parse_vram_budget",
+           "plan_memory", "smallest_budget", "tower_block_bytes", "tower_bytes"]

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .budget import MemoryAsk, Workload
 from .errors import H3Error
 from .io.atomic import refuse_replacing_inputs
 from .io.finite import is_finite
@@ -22,8 +23,7 @@ from .model_spec import ModelSpec, open_source, runtime_options, source_files, v
 from .model.conditioning import H3Conditioning
 from .model.control import bind_control
 from .plan import resolve_device, resolve_dtype
-from .sampling.request import (RequestError, check_latents, check_memory_rows, check_output_file, check_text_states,
-                               latent_rows)
+from .sampling.request import RequestError, check_latents, check_output_file, check_text_states
 from .sampling.schedule import model_sigma
 
 
@@ -69,7 +69,7 @@ def forward_job(model, inputs: str, *, payload: str | None = None, output: str |
     quantized; exact attention); ``fast``: the block stack the load plan picks (NVFP4 / W4A8, fast attention).
     control: a Fun ControlNet file applied with the payload's ``control`` field.
     """
-    source, cfg, weight_bytes = open_source(model)
+    source, cfg, _ = open_source(model)
     verify_source(source)
     out = None if output is None else check_output_file(output, "--out")
     if out is not None:
@@ -84,9 +84,8 @@ def forward_job(model, inputs: str, *, payload: str | None = None, output: str |
     dev = resolve_device(opts)
     spec = ModelSpec(source, cfg, opts, dev, resolve_dtype(opts, dev))
     text = t["text_states"].shape[-2]  # every packed row, condition rows too, before the model loads
-    check_memory_rows(cfg, latent_rows(t["video"].shape, t["audio"].shape, text, cond), text, dev,
-                      spec.dtype.itemsize, weight_bytes, f"the evaluation of {inputs}",
-                      lower="the latents or the payload's keyframes and references")
+    spec.check_memory(Workload.from_shapes(t["video"].shape, t["audio"].shape, text, 1, cond),
+                      MemoryAsk(f"the evaluation of {inputs}", "the latents or the payload's keyframes and references"))
     return ForwardJob(spec, t["text_states"].float(), t.get("token_tags"), t["video"].float(), t["audio"].float(),
                       t["sigma"].flatten()[0], cond, tower, out)
 

@@ -24,7 +24,8 @@ from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 import torch
 
-from .budget import TowerSize, Workload
+from .budget import MemoryAsk, TowerSize, Workload
+from .interface import Runtime
 from .io.atomic import refuse_replacing_inputs
 from .io.control import ControlFile, load_control, open_control
 from .io.header import read_header, read_tensors
@@ -42,8 +43,8 @@ from .sampling.preview import check_preview_available
 from .sampling.report import measured_report
 from .sampling.sampler import Hooks, SampleInputs
 from .sampling.request import (SEED_RANGE, Request, RequestError, check_denoise, check_int, check_latents,
-                               check_memory, check_memory_rows, check_noise_index, check_output_dir, check_seed,
-                               check_steps, check_text_states, defaults_for, latent_rows, resolve_request)
+                               check_noise_index, check_output_dir, check_seed, check_steps, check_text_states,
+                               defaults_for, resolve_request)
 
 RANDOM_TEXT_SEED = 1234  # the random text states of a request without any (make_job)
 # the files `h3-blackwell generate` writes into a job's output folder (cli/commands.py), and with a preview
@@ -231,8 +232,12 @@ def _parallel(n: int | None, env: Mapping[str, str] | None, spec: ModelSpec) -> 
 def _sized_request(model: ModelSpec, text_states, text_tokens, size: tuple, steps, snap) -> Request:
     """The request's sizes from the flags (the model's defaults where not given), checked against the memory."""
     tokens = text_tokens if text_states is None else _text_states_tokens(text_states, model.config)
-    req = resolve_request(model.config, *size, steps, tokens, snap)
-    check_memory(model.config, req, model.device, model.dtype.itemsize, model.weight_bytes)
+    cfg = model.config
+    req = resolve_request(cfg, *size, steps, tokens, snap)
+    shapes = latent_shapes(req.width, req.height, req.frames, cfg.video_channels, cfg.audio_channels)
+    model.check_memory(Workload.from_shapes(*shapes, req.text_tokens, req.steps),
+                       MemoryAsk(f"{req.width}x{req.height}, {req.frames} frames, {req.text_tokens} text tokens",
+                                 "--width/--height/--frames/--text-tokens"))
     return req
 
 
@@ -241,11 +246,12 @@ def _latents_request(model: ModelSpec, given: dict, steps, path: str) -> Request
     cfg = model.config
     req = Request(*given["canvas"], defaults_for(cfg)["steps"] if steps is None else check_steps(steps),
                   given["text"].shape[1])
-    rows = latent_rows(given["video"].shape, given["audio"].shape, req.text_tokens, given["conditioning"])
-    check_memory_rows(cfg, rows, req.text_tokens, model.device, model.dtype.itemsize, model.weight_bytes,
-                      f"the latents of {path}" + ("" if getattr(given["conditioning"], "is_empty", True) else
-                                                  " and the payload's rows"),
-                      lower="the latents, the text length, or the payload's keyframes and references")
+    cond = given["conditioning"]
+    model.check_memory(Workload.from_shapes(given["video"].shape, given["audio"].shape, req.text_tokens, req.steps,
+                                            cond),
+                       MemoryAsk(f"the latents of {path}" + ("" if cond is None or cond.is_empty else
+                                                             " and the payload's rows"),
+                                 "the latents, the text length, or the payload's keyframes and references"))
     return req
 
 
@@ -322,14 +328,11 @@ def make_job(model=None, *, sampling: SamplingSettings, files: JobFiles = JobFil
                print_plan=launch.print_plan, output=out)
 
 
-def _resident_place(model) -> tuple[torch.device, int, int]:
-    """(device, compute bytes, weight bytes not yet resident) of a ModelSpec or a resident runtime."""
-    if isinstance(model, ModelSpec):
-        return model.device, model.dtype.itemsize, model.weight_bytes
-    if not hasattr(model, "config") or not hasattr(model, "model"):
+def _check_model(model) -> None:
+    """A ModelSpec or a resident runtime (an H3Runtime or a LoraView of one: ``runtime.interface.Runtime``)."""
+    if not isinstance(model, (ModelSpec, Runtime)):
         raise RequestError(f"model: expected a ModelSpec (runtime.open_model) or a loaded H3 runtime; got "
                            f"{type(model).__name__}")
-    return model.device, model.dtype.itemsize, 0
 
 
 def tensor_job(model, inputs: SampleInputs, sampling: SamplingSettings,
@@ -342,7 +345,7 @@ def tensor_job(model, inputs: SampleInputs, sampling: SamplingSettings,
     messages; ``job``: the other Job fields (lossy, measure, control, hooks, progress, workload_extra,
     sequence_parallel, print_plan)."""
     cfg = model.config
-    device, compute, weight_bytes = _resident_place(model)
+    _check_model(model)
     text, tags, video, audio = inputs.text, inputs.tags, inputs.video, inputs.audio
     check_text_states(text, tags, cfg, sources[0])
     check_latents(video, audio, cfg, sources[1])
@@ -356,10 +359,10 @@ def tensor_job(model, inputs: SampleInputs, sampling: SamplingSettings,
         conditioning = conditioning_from_payload(conditioning)
     if conditioning is not None:
         conditioning.check_target(video.shape, audio.shape, cfg.video_channels, cfg.audio_channels)
-    rows = latent_rows(video.shape, audio.shape, text.shape[-2], conditioning)  # condition rows counted too
-    check_memory_rows(cfg, rows, text.shape[-2], device, compute, weight_bytes,
-                      f"a {video.shape[4] * 16}x{video.shape[3] * 16} latent of {video.shape[2]} latent frames"
-                      + (" and its conditioning" if conditioning is not None and not conditioning.is_empty else ""))
+    wl = Workload.from_shapes(tuple(video.shape), tuple(audio.shape), text.shape[-2], int(sampling.steps), conditioning)
+    model.check_memory(wl, MemoryAsk(  # condition rows counted too
+        f"a {video.shape[4] * 16}x{video.shape[3] * 16} latent of {video.shape[2]} latent frames"
+        + (" and its conditioning" if conditioning is not None and not conditioning.is_empty else "")))
     n = job.pop("sequence_parallel", None)
     if n not in (None, 1):
         if not isinstance(model, ModelSpec):

@@ -36,7 +36,8 @@ from typing import Callable
 
 import torch
 
-from .budget import DeviceMemory, ModelMemory, Outside, TowerSize, Workload, decide, parse_vram_budget, plan_memory
+from .budget import (DeviceMemory, Held, MemoryAsk, MemoryPlan, ModelMemory, Outside, TowerSize, Workload,
+                     check_request, decide, parse_vram_budget, plan_memory)
 from .errors import CheckpointError
 from .io.checkpoint import dequantize_layer
 from .io.comfy_quant import from_comfy_quant_tensors
@@ -49,11 +50,13 @@ from .model.tiny import tiny_state_dict
 from .offload import Parked, park, unpark, why_not_offload
 from .ops import registry
 from .ops.attention import AttentionFn
+from .ops.interface import BlockOps
 from .ops.block_ops import build_ops
 from .ops.gemm_backends import Scratch
-from .ops.linear import Nvfp4Linear
+from .ops.linear import Nvfp4Linear, StoredParts
 from .ops.sparse_attention import SparseStepAttention
-from .ops.streaming import BlockStreamer, StreamOps, module_device_bytes
+from .ops.stream_ops import StreamOps
+from .ops.streaming import BlockStreamer, module_device_bytes
 from .options import RuntimeOptions
 from .plan import LoadPlan, make_plan
 from .sampling.request import host_available_bytes
@@ -105,8 +108,8 @@ def _nvfp4_linear(layer: str, weight: torch.Tensor | None, shape: tuple[int, int
     elsewhere: same bytes)."""
     if stored is not None:
         q = from_comfy_quant_tensors(stored, layer, shape=shape, metadata=metadata)
-        return Nvfp4Linear(q.weight, bias=stored.get(f"{layer}.bias"), input_scale=q.input_scale,
-                           pre_quant_scale=q.pre_quant_scale, **kw)
+        return Nvfp4Linear(q.weight, stored=StoredParts(stored.get(f"{layer}.bias"), q.input_scale,
+                                                        q.pre_quant_scale), **kw)
     return Nvfp4Linear.from_float(weight.detach(), **kw)
 
 
@@ -211,7 +214,7 @@ class H3Runtime:
 
     model: H3Model
     plan: LoadPlan
-    ops: object
+    ops: BlockOps
     backends: dict = field(default_factory=dict)
     load_seconds: float = 0.0
     fc2: object | None = None  # the guarded FC2 dispatcher, where FC2 takes NVFP4 bytes on CUDA
@@ -220,6 +223,7 @@ class H3Runtime:
     streamer: BlockStreamer | None = None  # the streamed blocks of the memory plan (plan.memory); ops binds them
     attention: AttentionFn | None = None
     parked: Parked | None = None  # set while offload() holds the device tensors in host memory
+    lora_stack: tuple = ()  # the LoRA stack last applied to this runtime (apply_loras; sync_loras restores it)
 
     @property
     def config(self) -> H3Config:
@@ -278,6 +282,15 @@ class H3Runtime:
             unpark(self, self.parked)
             self.parked = None
 
+    def check_memory(self, wl: Workload, ask: MemoryAsk, dev: DeviceMemory | None = None,
+                     host_free: int | None = None) -> MemoryPlan:
+        """The request-time memory check of ``wl`` on this loaded model (``budget.check_request`` with its plan;
+        what it holds on the device and in host memory counts as available to it)."""
+        held = Held(self.device_bytes() if self.parked is None else 0,
+                    0 if self.streamer is None else self.streamer.host_bytes)
+        return check_request(ModelMemory.from_plan(self.plan), wl, dev or DeviceMemory.probe(self.device),
+                             self.plan.vram_budget, ask, held, host_free)
+
     def describe(self) -> str:
         lines = self.plan.describe().splitlines()
         extra = {k: v for k, v in self.backends.items() if k not in self.plan.report()}
@@ -312,8 +325,8 @@ class H3Runtime:
                            "or drop that tower (its memory goes once nothing refers to it)"),
                    Outside(side_device_bytes(self.model, self.device), "the LoRA side paths hold",
                            "or apply the LoRAs in merge mode (no device bytes beside the weights)"))
-        new = decide(mm, wl, dev, parse_vram_budget(plan.vram_budget), held_bytes=held,
-                     host_held_bytes=st.host_bytes + (0 if tower_st is None else tower_st.host_bytes), outside=outside,
+        host_held = st.host_bytes + (0 if tower_st is None else tower_st.host_bytes)
+        new = decide(mm, wl, dev, parse_vram_budget(plan.vram_budget), held=Held(held, host_held), outside=outside,
                      unchanged="nothing moved: the model stays loaded as it was")
         if tower_st is not None and new.tower_streams:  # the tower's blocks move too: device -> host first,
             tower_st.restream(range(len(control.places)))  # so that the base's moves find the room
@@ -323,7 +336,7 @@ class H3Runtime:
         st.restream(new.streamed)
         if tower_st is not None and not new.tower_streams:
             tower_st.restream(())
-        self.ops.ffn_chunk_rows = new.ffn_chunk_rows
+        self.ops.set_ffn_chunk_rows(new.ffn_chunk_rows)
         plan.memory = new
         plan.choices["memory"] = new.choice()
         self.backends["memory"] = plan.choices["memory"].as_dict()

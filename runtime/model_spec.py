@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .budget import Workload, least_device_weight_bytes
+from .budget import DeviceMemory, MemoryAsk, MemoryPlan, ModelMemory, Workload, check_request
 from .io.checkpoint import Checkpoint, open_checkpoint
 from .io.verify import check_checkpoint
 from .load import H3Runtime, load_model
@@ -23,7 +23,7 @@ from .lora.apply import apply_loras
 from .lora.spec import as_spec, parse_lora_arg
 from .model.config import TINY, H3Config
 from .options import RuntimeOptions
-from .plan import resolve_device, resolve_dtype, weight_form
+from .plan import memory_choices, resolve_device, resolve_dtype
 from .sampling.request import SEED_RANGE, RequestError, approx_param_bytes, check_int
 
 
@@ -32,8 +32,8 @@ from .sampling.request import SEED_RANGE, RequestError, approx_param_bytes, chec
 class ModelSpec:
     """What to load, checked. source: the opened checkpoint (headers read once, every name and shape checked),
     an in-memory tensor source (``plan.make_plan``: the benches' random weights), or None for the embedded tiny
-    model; device / dtype: what the options resolve to here; weight_bytes: the weights' size for the memory
-    estimate (the file's bytes, or an estimate from the config); loras: LoraSpecs applied after the load."""
+    model; device / dtype: what the options resolve to here; weight_bytes: the weights' size as stored
+    (the files' bytes, or an estimate from the config); loras: LoraSpecs applied after the load."""
 
     source: object | None
     config: H3Config
@@ -43,6 +43,15 @@ class ModelSpec:
     tiny_seed: int = 0
     loras: tuple = ()
     weight_bytes: int = 0
+
+    def check_memory(self, wl: Workload, ask: MemoryAsk, dev: DeviceMemory | None = None,
+                     host_free: int | None = None) -> MemoryPlan:
+        """The request-time memory check of ``wl`` before the load (``budget.check_request``; the model's memory
+        from the options, ``ModelMemory.for_options``); dev / host_free: simulated (tests), default measured."""
+        choices = memory_choices(self.options, self.config, self.device)
+        mm = ModelMemory.for_options(self.config, choices, self.dtype)
+        return check_request(mm, wl, dev or DeviceMemory.probe(self.device), choices["vram_budget"], ask,
+                             host_free=host_free)
 
     def load(self, progress: Callable[[int, int, str], None] | None = None, device: str | None = None,
              workload: Workload | None = None) -> H3Runtime:
@@ -107,7 +116,6 @@ def open_model(model=None, options: RuntimeOptions | Mapping[str, Any] | None = 
     verify_source(source)
     loras = lora_specs(loras)
     dtype = resolve_dtype(opts, device)
-    weight_bytes = least_device_weight_bytes(cfg, weight_form(opts, cfg), device, dtype, weight_bytes)  # may stream
     return ModelSpec(source, cfg, opts, device, dtype, tiny_seed, loras, weight_bytes)
 
 

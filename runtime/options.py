@@ -13,7 +13,9 @@ they never appear in a report's ``configuration``.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -109,6 +111,26 @@ def _precision_from_aliases(env: Mapping[str, str]) -> str | None:
     return next(iter(got.values()), None)
 
 
+
+_BUDGET = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(?:gb?)?\s*$", re.IGNORECASE)
+
+
+def vram_budget_bytes(value) -> int | None:
+    """The one parser of ``vram_budget``: ``auto`` (or None) -> None; a number of GB (``8``, ``7.5``, ``12GB``,
+    ``12 g``; 1 GB = 1e9 bytes) -> bytes. ValueError for anything else (zero, negative, not finite, not a
+    number); ``runtime.budget.parse_vram_budget`` raises it as a BudgetError."""
+    if value is None:
+        return None
+    text = str(value).strip()
+    if text.lower() == "auto":
+        return None
+    m = _BUDGET.match(text)
+    v = float(m.group(1)) if m else float("nan")
+    if not math.isfinite(v) or v <= 0:
+        raise ValueError(f"option vram_budget={value!r}: expected auto or a positive number of GB (e.g. 8 or 7.5; "
+                         "1 GB = 1e9 bytes)")
+    return round(v * 1e9)  # the nearest byte: a value printed from a byte count (repr(n / 1e9)) reads back as n
+
 @dataclass
 class RuntimeOptions:
     """What the user asked for (the plan resolves it for the device and says why).
@@ -188,15 +210,8 @@ class RuntimeOptions:
                              "(H3_CPU_THREADS, --cpu-threads)")
 
     def _check_budget(self):
-        """vram_budget: auto or a positive number of GB (runtime.budget.parse_vram_budget reads it)."""
-        b = str(self.vram_budget).strip().lower().removesuffix("gb").removesuffix("g").strip()
-        try:
-            ok = b == "auto" or 0 < float(b) < float("inf")
-        except ValueError:
-            ok = False
-        if not ok:
-            raise ValueError(f"option vram_budget={self.vram_budget!r}: expected auto or a positive number of GB "
-                             "(e.g. 8 or 7.5)")
+        """vram_budget: auto or a positive number of GB (``vram_budget_bytes``, the one parser)."""
+        vram_budget_bytes(self.vram_budget)
 
     def _check_lossy(self):
         """The sparse attention and step-reuse numbers: finite and in range."""

@@ -204,6 +204,20 @@ def weight_form(options: RuntimeOptions, cfg: H3Config) -> tuple[str, bool]:
     return ("fp8" if options.quantize else "dense"), bool(options.adaln_cache and not cfg.curve_form)
 
 
+def memory_choices(options: RuntimeOptions, cfg: H3Config, device: torch.device) -> dict:
+    """Before a plan (the request's memory check, ``budget.ModelMemory.for_options``): the block linears' form and
+    AdaLN's place (``weight_form``), the attention the options name counted as the nearest kind the memory
+    estimate knows (auto: sage2 on CUDA, the exact reference elsewhere, what the plan resolves there; the fused
+    flash kernels, fa3 / fa4 / sage3, hold no score matrix, like sdpa), and the vram_budget text."""
+    form, adaln_on_host = weight_form(options, cfg)
+    a = options.attention
+    if a == "auto":
+        a = "sage2" if device.type == "cuda" else "reference"
+    elif not (a in ("sage2", "sage1", "sparse", "reference") or a.startswith("sdpa")):
+        a = "sdpa"
+    return {"form": form, "adaln_on_host": adaln_on_host, "attention": a, "vram_budget": options.vram_budget}
+
+
 def resolve_dtype(options: RuntimeOptions, device: torch.device) -> torch.dtype:
     if options.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32

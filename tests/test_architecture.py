@@ -9,7 +9,11 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("runtime", "nodes", "cli")
+PACKAGES = ("runtime", "nodes", "cli", "comfy_client")
+# who may import whom (folders of this package): the runtime stands alone, the ComfyUI adapter (nodes/) and the
+# command line (cli/) sit on it, and the ComfyUI HTTP client (comfy_client/) stands alone beside cli/, which calls it
+MAY_IMPORT = {"runtime": {"runtime"}, "nodes": {"nodes", "runtime"}, "cli": {"cli", "runtime", "comfy_client"},
+              "comfy_client": {"comfy_client"}}
 
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
@@ -145,6 +149,43 @@ def test_no_function_longer_than_80_lines():
     assert not not_kernels, f"the allow-list holds Triton kernels only; these are not @triton.jit: {not_kernels}"
     assert not long, (f"functions over {MAX_FUNCTION_LINES} lines (docstring not counted): {long}; split them into "
                       "named steps")
+
+
+# Functions in runtime/, cli/ and nodes/ take at most MAX_PARAMETERS parameters (issue 36): self/cls not counted,
+# *args and **kwargs counted as one each; Triton kernels (@triton.jit) are excluded (their launch wrappers are not).
+# More settings travel as one value (a dataclass), not as a long keyword list.
+MAX_PARAMETERS = 8
+
+
+def _parameter_count(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    a = fn.args
+    names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs] + [x.arg for x in (a.vararg, a.kwarg) if x]
+    return len([n for n in names if n not in ("self", "cls")])
+
+
+def _too_many_parameters(tree: ast.AST, where: str) -> list[str]:
+    return [f"{where}:{n.lineno} {n.name} ({_parameter_count(n)} parameters)" for n in ast.walk(tree)
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _is_triton_jit(n)
+            and _parameter_count(n) > MAX_PARAMETERS]
+
+
+def test_parameter_checker_counts_what_the_rule_counts():
+    """The checker itself: self/cls free, keyword-only, *args and **kwargs count; a Triton kernel is excluded."""
+    src = ("def ok(self, a, b, c, d, e, f, g, h): pass\n"
+           "def bad(a, b, c, d, e, f, g, *, h, **kw): pass\n"
+           "class C:\n    @classmethod\n    def m(cls, a, b, c, d, e, f, g, h, *rest): pass\n"
+           "@triton.jit\ndef kernel(a, b, c, d, e, f, g, h, i, j): pass\n")
+    found = _too_many_parameters(ast.parse(src), "x.py")
+    assert found == ["x.py:2 bad (9 parameters)", "x.py:5 m (9 parameters)"], found
+
+
+def test_no_function_takes_more_than_8_parameters():
+    many = []
+    for d in ("runtime", "cli", "nodes"):
+        for p in sorted((ROOT / d).rglob("*.py")):
+            many += _too_many_parameters(ast.parse(p.read_text()), str(p.relative_to(ROOT)))
+    assert not many, (f"functions with more than {MAX_PARAMETERS} parameters (self/cls not counted): {many}; pass "
+                      "related settings as one dataclass value")
 
 
 def test_options_defined_once_with_ignored_seed_names():
@@ -305,6 +346,15 @@ def test_cli_and_nodes_import_only_the_runtime_package():
             private += [f"{p.relative_to(ROOT)}: {n}" for n in names if n not in rt.__all__]
     assert not bad, f"cli/ and nodes/ import runtime submodules (use h3_blackwell.runtime's public names): {bad}"
     assert not private, f"names imported from h3_blackwell.runtime that are not in its __all__: {private}"
+
+
+def test_each_folder_imports_only_what_the_layers_allow():
+    """runtime/ imports none of the others; nodes/ only the runtime; cli/ the runtime and the ComfyUI client;
+    comfy_client/ nothing of this package (it is the standalone HTTP client that ``comfy-run`` calls)."""
+    bad = [f"{m} imports {t}" for m, imps in _graph().items() for t, _ in imps
+           if t.split(".")[0] not in MAY_IMPORT[m.split(".")[0]]]
+    assert not bad, f"imports across the layers (allowed: {MAY_IMPORT}): {bad}"
+    assert any(t.startswith("comfy_client") for t, _ in _graph()["cli.comfy_run"]), "cli/comfy_run.py calls the client"
 
 
 def test_no_two_folders_import_each_other():

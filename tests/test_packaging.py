@@ -23,7 +23,12 @@ import torch
 from fixtures.checkout import copy_checkout
 
 ROOT = Path(__file__).resolve().parents[1]
-CODE = ("runtime", "cli", "nodes")  # the Python of the package (tests/, bench/, scripts/ are not part of it)
+# the Python of the package: every top-level folder holding a .py file anywhere below it, except what is not part of
+# the package (tests/, bench/, scripts/, ignored build folders)
+NOT_PACKAGE = {"tests", "bench", "scripts", "build", "dist", "third_party", "out"}
+CODE = tuple(sorted(d.name for d in ROOT.iterdir() if d.is_dir() and not d.name.startswith(".")
+                    and d.name not in NOT_PACKAGE and any(d.rglob("*.py"))))
+assert {"runtime", "cli", "nodes", "comfy_client"} <= set(CODE), CODE
 # data folders and root files the package ships: (folder, patterns)
 DATA = (("csrc", ("*.cpp", "*.h", "*.cu", "*.cuh")), ("workflows", ("*.json",)), ("web", ("**/*.js", "**/*.css")))
 ROOT_DATA = ("README.md", "requirements.txt", "icon.svg")

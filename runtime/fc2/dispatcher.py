@@ -57,8 +57,8 @@ class Fc2Dispatcher:
         fc2 = Fc2Dispatcher(plan.cache_dir, strict=plan.fc2_strict)  # table: builtin + cache_dir/fc2_lt/table/*.json
         fc2.prepare(torch.device("cuda"))       # build plans, cached compatibility, self-test
         fc2.begin_run()
-        y = fc2(x_q, w_q, x_scale=xs, w_scale=ws, alpha=gs, m_logical=rows,
-                producer=PRODUCER_SWIGLU_NVFP4, fallback=lambda ops: slow_path(ops))
+        y = fc2(Fc2Operands(x_q, w_q, x_scale=xs, w_scale=ws, alpha=gs, m_logical=rows),
+                lambda ops: slow_path(ops), producer=PRODUCER_SWIGLU_NVFP4)
         counts = fc2.end_run()                  # {"attempts", "successes", "fallbacks", ...}
     """
 
@@ -271,19 +271,15 @@ class Fc2Dispatcher:
 
     # -- the call --------------------------------------------------------------------------------
 
-    def __call__(self, x: torch.Tensor, w: torch.Tensor, *, m_logical: int,
-                 fallback: Callable[[Fc2Operands], torch.Tensor], x_scale: torch.Tensor | None = None,
-                 w_scale: torch.Tensor | None = None, alpha: torch.Tensor | float | None = None,
-                 role: str = ROLE_FC2, bias: torch.Tensor | None = None, lora_active: bool = False,
-                 producer: str | None = None, out_dtype: torch.dtype = torch.bfloat16,
+    def __call__(self, ops: Fc2Operands, fallback: Callable[[Fc2Operands], torch.Tensor], *, role: str = ROLE_FC2,
+                 lora_active: bool = False, producer: str | None = None, out_dtype: torch.dtype = torch.bfloat16,
                  out: torch.Tensor | None = None) -> torch.Tensor:
-        """y[m_logical, N] = x . w^T (+ nothing): the pinned plan when accepted, else ``fallback(ops)``.
+        """y[ops.m_logical, N] = x . w^T (+ nothing): the pinned plan when accepted, else ``fallback(ops)``.
 
         ``fallback`` receives the same :class:`Fc2Operands` (the same tensor objects) and must return
         ``[m_logical, N]`` in ``out_dtype``. ``out`` (optional) is a [m_padded, N] bf16 buffer for the
         pinned path; the result is then a view of it.
         """
-        ops = Fc2Operands(x=x, w=w, x_scale=x_scale, w_scale=w_scale, alpha=alpha, m_logical=m_logical, bias=bias)
         self._count("attempts")
         try:
             result = self._try(ops, role=role, out_dtype=out_dtype, lora_active=lora_active, producer=producer,

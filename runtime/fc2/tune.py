@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -152,11 +153,39 @@ class TuneCrash(TuneError):
         self.log_tail = log_tail
 
 
-def tune_subprocess(*, dtype: str, m_logical: int, m_padded: int, n: int, k: int, cache_dir: str,
-                    role: str = ROLE_FC2, workspace_limit: int = 0, heuristic_workspace: int = 32 << 20,
-                    scale_mode: str | None = None, max_candidates: int = 300, top: int = 6, rounds: int = 20,
-                    seeds: int = 3, check_seconds: float = 90.0, run_seconds: float = 120.0, device: str = "cuda",
-                    timeout: float | None = None, trace: bool = True, log_path: str | None = None,
+@dataclass(frozen=True)
+class TuneProblem:
+    """The GEMM one sweep tunes: operand ``dtype`` (``KINDS``), ``m_logical`` rows padded to ``m_padded``, N x K
+    weights, the ``role`` it is tuned for; ``workspace_limit`` bounds the pinned candidates (0: zero-workspace
+    configurations only, like the seed's entry); ``scale_mode`` None: the dtype's default."""
+
+    dtype: str
+    m_logical: int
+    m_padded: int
+    n: int
+    k: int
+    role: str = ROLE_FC2
+    workspace_limit: int = 0
+    scale_mode: str | None = None
+
+
+@dataclass(frozen=True)
+class TuneSweep:
+    """How far one sweep goes: at most ``max_candidates`` executed, the ``top`` exact ones checked over ``seeds``
+    seeds and timed over ``rounds`` alternating rounds; ``check_seconds`` / ``run_seconds`` bound the AlgoCheck
+    and execution stages; ``heuristic_workspace``: the unpinned baseline's workspace (a typical 32 MiB)."""
+
+    max_candidates: int = 300
+    top: int = 6
+    heuristic_workspace: int = 32 << 20  # the baseline the finalists are timed against
+    rounds: int = 20
+    seeds: int = 3
+    check_seconds: float = 90.0
+    run_seconds: float = 120.0
+
+
+def tune_subprocess(problem: TuneProblem, sweep: TuneSweep = TuneSweep(), *, cache_dir: str, device: str = "cuda",
+                    timeout: float | None = None, log_path: str | None = None, trace: bool = True,
                     say: Callable[[str], None] = print) -> dict[str, Any]:
     """:func:`tune` in a child process (:func:`_child_main`), so that a crash inside cuBLASLt is
     reported as a :class:`TuneCrash` naming the signal instead of killing the caller.
@@ -169,11 +198,8 @@ def tune_subprocess(*, dtype: str, m_logical: int, m_padded: int, n: int, k: int
         evidence = Path(td) / "result.json"
         log = Path(log_path) if log_path else Path(td) / "stderr.log"
         log.parent.mkdir(parents=True, exist_ok=True)
-        kw = {"dtype": dtype, "role": role, "m_logical": m_logical, "m_padded": m_padded, "n": n, "k": k,
-              "workspace_limit": workspace_limit, "heuristic_workspace": heuristic_workspace,
-              "scale_mode": scale_mode, "max_candidates": max_candidates, "top": top, "rounds": rounds,
-              "seeds": seeds, "check_seconds": check_seconds, "run_seconds": run_seconds, "device": str(device),
-              "cache_dir": str(cache_dir), "command": "tune_subprocess"}
+        kw = {"problem": asdict(problem), "sweep": asdict(sweep), "device": str(device), "cache_dir": str(cache_dir),
+              "command": "tune_subprocess"}
         args = [json.dumps(kw), str(evidence)]
         code = ("import sys; from h3_blackwell.runtime.fc2.tune import _child_main; "
                 "sys.exit(_child_main(sys.argv[1:]))")
@@ -182,8 +208,9 @@ def tune_subprocess(*, dtype: str, m_logical: int, m_padded: int, n: int, k: int
         env["PYTHONUNBUFFERED"] = "1"
         if trace:
             env["H3_FC2_LT_TRACE"] = "1"
-        say(f"tune-fc2 subprocess: {dtype} M={m_logical}/{m_padded} N={n} K={k} workspace {workspace_limit} "
-            f"(log {log})")
+        pr = problem
+        say(f"tune-fc2 subprocess: {pr.dtype} M={pr.m_logical}/{pr.m_padded} N={pr.n} K={pr.k} workspace "
+            f"{pr.workspace_limit} (log {log})")
         t0 = time.perf_counter()
         with open(log, "w") as errf:
             try:
@@ -217,15 +244,16 @@ class _Bench:
     """The state one sweep shares between its steps: the plan module's Problem, the operands of the current seed
     and their reference output, the output buffer and the pinned candidates' workspace."""
 
-    def __init__(self, mod: Any, *, dtype: str, m_logical: int, m_padded: int, n: int, k: int,
-                 device: torch.device, scale_mode: str, workspace_limit: int, say: Callable[[str], None]):
-        self.dtype, self.m_logical, self.m_padded, self.n, self.k = dtype, m_logical, m_padded, n, k
-        self.device, self.scale_mode, self.say = device, scale_mode, say
-        self.pointer_mode = "device" if dtype == "nvfp4" else "host"
-        self.prob = mod.Problem(dtype, m_padded, n, k, self.pointer_mode, scale_mode)
+    def __init__(self, mod: Any, problem: TuneProblem, device: torch.device, say: Callable[[str], None]):
+        p = problem
+        self.dtype, self.m_logical, self.m_padded, self.n, self.k = p.dtype, p.m_logical, p.m_padded, p.n, p.k
+        self.device, self.scale_mode, self.say = device, p.scale_mode or DEFAULT_SCALE_MODE[p.dtype], say
+        self.pointer_mode = "device" if p.dtype == "nvfp4" else "host"
+        self.prob = mod.Problem(p.dtype, p.m_padded, p.n, p.k, self.pointer_mode, self.scale_mode)
         self.new_seed(0)
-        self.out = torch.empty((m_padded, n), dtype=torch.bfloat16, device=device)
-        self.ws_buf = torch.empty(workspace_limit, dtype=torch.uint8, device=device) if workspace_limit else None
+        self.out = torch.empty((p.m_padded, p.n), dtype=torch.bfloat16, device=device)
+        ws = p.workspace_limit
+        self.ws_buf = torch.empty(ws, dtype=torch.uint8, device=device) if ws else None
 
     def new_seed(self, seed: int) -> None:
         """Synthetic operands of ``seed`` and their reference output (the previous ones are freed first)."""
@@ -421,16 +449,16 @@ def _entry(env: Fc2Environment, bench: _Bench, role: str, winner_info: Mapping[s
     )
 
 
-def _open_bench(*, dtype: str, m_logical: int, m_padded: int, n: int, k: int, cache_dir: str | Path | None,
-                device: torch.device | str, workspace_limit: int, scale_mode: str | None, module: Any,
+def _open_bench(problem: TuneProblem, cache_dir: str | Path | None, device: torch.device | str, module: Any,
                 say: Callable[[str], None]) -> tuple[_Bench, Fc2Environment, dict[str, Any]]:
     """Check the arguments, select the device, load the plan module and build the seed-0 bench.
     Returns (bench, the plans' environment, the module's build info)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    if dtype not in KINDS:
-        raise TuneError(f"dtype {dtype!r}; expected one of {KINDS}")
+    p = problem
+    if p.dtype not in KINDS:
+        raise TuneError(f"dtype {p.dtype!r}; expected one of {KINDS}")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if module is None and cache_dir is None:
@@ -441,45 +469,41 @@ def _open_bench(*, dtype: str, m_logical: int, m_padded: int, n: int, k: int, ca
     if env.cc is None:
         raise TuneError(f"no device for the plans: {env.device_error}")
     say(f"tune-fc2: {env.device_name} sm_{env.cc[0]}{env.cc[1]} x{env.sm_count} SMs, cuBLASLt {env.cublaslt_runtime}, "
-        f"{dtype} M={m_logical}/{m_padded} N={n} K={k}")
-    bench = _Bench(mod, dtype=dtype, m_logical=m_logical, m_padded=m_padded, n=n, k=k, device=device,
-                   scale_mode=scale_mode or DEFAULT_SCALE_MODE[dtype], workspace_limit=workspace_limit, say=say)
-    return bench, env, info
+        f"{p.dtype} M={p.m_logical}/{p.m_padded} N={p.n} K={p.k}")
+    return _Bench(mod, p, device, say), env, info
 
 
-def tune(*, dtype: str, m_logical: int, m_padded: int, n: int, k: int, role: str = ROLE_FC2,
-         cache_dir: str | Path | None = None, device: torch.device | str = "cuda", workspace_limit: int = 0,
-         scale_mode: str | None = None, producer: str | None = None, max_candidates: int = 300, top: int = 6,
-         rounds: int = 20, seeds: int = 3, check_seconds: float = 90.0, run_seconds: float = 120.0,
-         heuristic_workspace: int = 32 << 20, command: str | None = None, say: Callable[[str], None] = print,
-         module: Any = None) -> dict[str, Any]:
-    """Sweep, verify and time; returns ``{"entry": <entry JSON or None>, "evidence": {...}}``.
+def tune(problem: TuneProblem, sweep: TuneSweep = TuneSweep(), *, cache_dir: str | Path | None = None,
+         device: torch.device | str = "cuda", producer: str | None = None, command: str | None = None,
+         say: Callable[[str], None] = print, module: Any = None) -> dict[str, Any]:
+    """Sweep, verify and time ``problem`` as far as ``sweep`` says; returns ``{"entry": <entry JSON or None>,
+    "evidence": {...}}``.
 
-    ``workspace_limit`` bounds the pinned candidates (0: zero-workspace configurations only, like the
-    seed's entry). The timing baseline is the heuristic's own first choice with ``heuristic_workspace``
+    The timing baseline is the heuristic's own first choice with ``sweep.heuristic_workspace``
     bytes available (what cuBLASLt picks unpinned with a typical 32 MiB workspace). ``module`` is the
     plan module (default: the compiled extension through ``ext.require``); tests pass a CPU stand-in
     with the same Problem/Plan interface.
     """
     t_start = time.perf_counter()
-    bench, env, info = _open_bench(dtype=dtype, m_logical=m_logical, m_padded=m_padded, n=n, k=k, cache_dir=cache_dir,
-                                   device=device, workspace_limit=workspace_limit, scale_mode=scale_mode,
-                                   module=module, say=say)
-    heur_plan, heur_ws, heur = _heuristic_baseline(bench, heuristic_workspace)
+    bench, env, info = _open_bench(problem, cache_dir, device, module, say)
+    dtype, m_padded, n, k, workspace_limit = problem.dtype, problem.m_padded, problem.n, problem.k, \
+        problem.workspace_limit
+    sw = sweep
+    heur_plan, heur_ws, heur = _heuristic_baseline(bench, sw.heuristic_workspace)
     ids, candidates = _candidates(bench, workspace_limit)
-    sweep = _legal_plans(bench, candidates, workspace_limit, check_seconds)
-    legal, refused, ws_needed = sweep["legal"], sweep["refused"], sweep["ws_needed"]
-    say(f"  {len(ids)} algo ids, {sweep['checked']} configurations checked, {len(legal)} legal "
+    found = _legal_plans(bench, candidates, workspace_limit, sw.check_seconds)
+    legal, refused, ws_needed = found["legal"], found["refused"], found["ws_needed"]
+    say(f"  {len(ids)} algo ids, {found['checked']} configurations checked, {len(legal)} legal "
         f"({', '.join(f'{k} {v}' for k, v in sorted(refused.items())) or 'none refused'})")
     if not legal and ws_needed is not None:
         say(f"  every configuration that passed AlgoCheck needs workspace (at least {ws_needed} bytes) and the limit "
             f"is {workspace_limit}: run again with a workspace limit (--workspace-mb) of at least that")
-    results, truncated_runs = _exact_on_first_seed(bench, legal, max_candidates, run_seconds)
+    results, truncated_runs = _exact_on_first_seed(bench, legal, sw.max_candidates, sw.run_seconds)
     exact = sorted((r for r in results if r["exact"]), key=lambda r: r["rough_ms"])
     say(f"  {len(results)} executed, {len(exact)} byte-identical to the reference")
-    seed_list = list(range(seeds))
-    finalists, deterministic = _robust_finalists(bench, exact[: max(top, 1)], seed_list)
-    timing = _alternating_timing(bench, finalists, heur_plan, heur_ws, heur, rounds)
+    seed_list = list(range(sw.seeds))
+    finalists, deterministic = _robust_finalists(bench, exact[: max(sw.top, 1)], seed_list)
+    timing = _alternating_timing(bench, finalists, heur_plan, heur_ws, heur, sw.rounds)
     flop = 2.0 * m_padded * n * k
     evidence: dict[str, Any] = {
         "tool": "h3-blackwell tune-fc2",
@@ -489,22 +513,23 @@ def tune(*, dtype: str, m_logical: int, m_padded: int, n: int, k: int, role: str
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
         "build_info": info,
-        "problem": {"dtype": dtype, "role": role, "m_logical": m_logical, "m_padded": m_padded, "n": n, "k": k,
+        "problem": {"dtype": dtype, "role": problem.role, "m_logical": problem.m_logical, "m_padded": m_padded,
+                    "n": n, "k": k,
                     "pointer_mode": bench.pointer_mode, "scale_mode": bench.scale_mode,
                     "workspace_limit": workspace_limit,
                     "padding_rows": "zero (as the producer writes them)", "compared_rows": "all m_padded rows"},
         "reference": REFERENCE_NAME[dtype],
         "heuristic": heur,
-        "sweep": {"algo_ids": ids, "configurations_checked": sweep["checked"], "legal": len(legal),
+        "sweep": {"algo_ids": ids, "configurations_checked": found["checked"], "legal": len(legal),
                   "refused_by_stage": refused, "least_workspace_refused": ws_needed,
-                  "executed": len(results), "exact_seed0": len(exact), "truncated_checks": sweep["truncated"],
-                  "truncated_runs": truncated_runs, "max_candidates": max_candidates},
+                  "executed": len(results), "exact_seed0": len(exact), "truncated_checks": found["truncated"],
+                  "truncated_runs": truncated_runs, "max_candidates": sw.max_candidates},
         "seeds": seed_list,
         "finalists": [{"name": f"pinned{i}", "config": r["config"], "rough_ms": r["rough_ms"]}
                       for i, r in enumerate(finalists)],
         "rejected_on_seed": [{"config": r["config"], "seed": r["failed_seed"]} for r in exact if "failed_seed" in r],
         "deterministic": deterministic,
-        "timing": {"order": "alternating (forward on even rounds, reversed on odd)", "rounds": rounds,
+        "timing": {"order": "alternating (forward on even rounds, reversed on odd)", "rounds": sw.rounds,
                    "ms": timing, "tflops_p50": {name: round(flop / (t["p50"] * 1e-3) / 1e12, 2)
                                                 for name, t in timing.items()}},
         "inexact_examples": [{"config": r["config"], "mismatched": r.get("mismatched"), "status": r["status"]}
@@ -514,7 +539,7 @@ def tune(*, dtype: str, m_logical: int, m_padded: int, n: int, k: int, role: str
     if not finalists:
         say("  no configuration was byte-identical to the reference on every seed: no entry written")
         return {"entry": None, "evidence": evidence}
-    return {"entry": _record_winner(bench, env, role, producer, finalists, timing, evidence).to_json(),
+    return {"entry": _record_winner(bench, env, problem.role, producer, finalists, timing, evidence).to_json(),
             "evidence": evidence}
 
 
@@ -565,6 +590,7 @@ def _child_main(argv: Sequence[str]) -> int:
     if not torch.cuda.is_available():
         print("error: tune-fc2 needs a CUDA device; torch sees none", file=sys.stderr)
         return 2
-    res = tune(**kw, say=lambda s: print(s, file=sys.stderr))
+    res = tune(TuneProblem(**kw.pop("problem")), TuneSweep(**kw.pop("sweep")), **kw,
+               say=lambda s: print(s, file=sys.stderr))
     result.write_text(json.dumps(res, indent=1, default=str))
     return 0 if res["entry"] is not None else 1

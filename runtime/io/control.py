@@ -36,7 +36,7 @@ import torch
 from ..errors import CheckpointError
 from ..model.control import ControlError, FunControl, block_config, check_fits, check_places
 from ..ops.gemm_backends import Scratch
-from ..ops.linear import Nvfp4Linear
+from ..ops.linear import Nvfp4Linear, StoredParts
 from ..ops.streaming import SLOTS, BlockStreamer
 from .checkpoint import dequantize_layer
 from .comfy_quant import from_comfy_quant_tensors, parse_comfy_quant_marker, parse_quantization_metadata
@@ -426,8 +426,8 @@ def _linear(cf, layer: str, stored_quant: bool, shape: tuple, plan, scratch) -> 
         for x, t in tensors.items():
             check_finite(x, t, source=cf.name)
         q = from_comfy_quant_tensors(tensors, layer, shape=shape, metadata=cf.metadata)
-        return Nvfp4Linear(q.weight, bias=tensors.get(f"{layer}.bias"), input_scale=q.input_scale,
-                           pre_quant_scale=q.pre_quant_scale, **kw)
+        return Nvfp4Linear(q.weight, stored=StoredParts(tensors.get(f"{layer}.bias"), q.input_scale,
+                                                        q.pre_quant_scale), **kw)
     w = dequantize_layer(cf, layer, fmt, plan.device) if fmt is not None else cf.tensor(layer + ".weight", plan.device)
     check_finite(layer + ".weight", w, source=cf.name)
     return Nvfp4Linear.from_float(w.to(plan.dtype).detach(), **kw)

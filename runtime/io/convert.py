@@ -145,6 +145,78 @@ def _convert(name: str, box: list, device) -> list[tuple[str, torch.Tensor]]:
     return [(k, v.to("cpu")) for k, v in parts.items()]
 
 
+def _write_planned(tensor_iter: Iterable[tuple[str, torch.Tensor]], partial: Path,
+                   shapes: Mapping[str, tuple[tuple[int, ...], str]], device: torch.device,
+                   progress: Progress | None, metadata: Mapping[str, str] | None, layers: dict[str, dict]) -> int:
+    """The header first (planned from ``shapes``), then every converted tensor in that order, checked against
+    the plan. Fills ``layers``; returns the tensor bytes written."""
+    plan = plan_output(shapes)
+    for name, (shape, dtype) in shapes.items():
+        if _check_target(name, dtype, tuple(shape)):
+            layers[name[: -len(".weight")]] = {"format": "nvfp4"}
+    expected = {n: (d, s) for n, d, s in plan}
+    order = [n for n, _, _ in plan]
+    total = len(shapes)
+    written = 0
+    with open(partial, "wb") as f:
+        f.write(_header_bytes(plan, _metadata(metadata, layers)))
+        pos = i = 0
+        for name, t in tensor_iter:  # not enumerate(): its cached result tuple would keep the
+            box = [t]                # previous tensor alive while the next one is made
+            del t
+            if progress:
+                progress(i, total, name)
+            i += 1
+            for oname, ot in _convert(name, box, device):
+                if pos >= len(order) or order[pos] != oname:
+                    want = order[pos] if pos < len(order) else "nothing (the plan is complete)"
+                    raise H3Error(f"source yielded {oname!r} but the header planned {want!r} next; pass "
+                                  "shapes in the iteration order of the tensors")
+                d, s = expected[oname]
+                if ST_DTYPE[ot.dtype] != d or tuple(ot.shape) != s:
+                    raise H3Error(f"{oname}: header planned {d} {list(s)}, found {ST_DTYPE[ot.dtype]} "
+                                  f"{list(ot.shape)}; the shapes given do not match the tensors")
+                written += _write_tensor(f, ot)
+                pos += 1
+                del ot
+        if pos != len(order):
+            raise H3Error(f"source ended after {pos} of {len(order)} planned tensors; next missing: "
+                          f"{order[pos]!r}")
+    return written
+
+
+def _write_spooled(tensor_iter: Iterable[tuple[str, torch.Tensor]], out_path: Path, partial: Path,
+                   device: torch.device, progress: Progress | None, metadata: Mapping[str, str] | None,
+                   layers: dict[str, dict]) -> int:
+    """Shapes unknown: the converted tensors into a spool file beside ``out_path``, then the header and the
+    spool into ``partial``. Fills ``layers``; returns the tensor bytes written."""
+    spool = temp_path(out_path, ".spool")
+    entries = []
+    written = 0
+    try:
+        with open(spool, "wb") as f:
+            i = 0
+            for name, t in tensor_iter:
+                box = [t]
+                del t
+                if progress:
+                    progress(i, 0, name)
+                i += 1
+                for oname, ot in _convert(name, box, device):
+                    if oname.endswith(".comfy_quant") and oname != name:
+                        layers[oname[: -len(".comfy_quant")]] = {"format": "nvfp4"}
+                    entries.append((oname, ST_DTYPE[ot.dtype], tuple(ot.shape)))
+                    written += _write_tensor(f, ot)
+                    del ot
+        with open(partial, "wb") as f, open(spool, "rb") as src:
+            f.write(_header_bytes(entries, _metadata(metadata, layers)))
+            while chunk := src.read(64 << 20):
+                f.write(chunk)
+    finally:
+        spool.unlink(missing_ok=True)
+    return written
+
+
 def quantize_state_dict_streaming(tensor_iter: Iterable[tuple[str, torch.Tensor]], out_path: str | os.PathLike,
                                   device: str | torch.device = "cpu", progress: Progress | None = None, *,
                                   shapes: Mapping[str, tuple[tuple[int, ...], str]] | None = None,
@@ -161,64 +233,11 @@ def quantize_state_dict_streaming(tensor_iter: Iterable[tuple[str, torch.Tensor]
     partial = temp_path(out_path)
     device = torch.device(device)
     layers: dict[str, dict] = {}
-    written = 0
     try:
         if shapes is not None:
-            plan = plan_output(shapes)
-            for name, (shape, dtype) in shapes.items():
-                if _check_target(name, dtype, tuple(shape)):
-                    layers[name[: -len(".weight")]] = {"format": "nvfp4"}
-            expected = {n: (d, s) for n, d, s in plan}
-            order = [n for n, _, _ in plan]
-            total = len(shapes)
-            with open(partial, "wb") as f:
-                f.write(_header_bytes(plan, _metadata(metadata, layers)))
-                pos = i = 0
-                for name, t in tensor_iter:  # not enumerate(): its cached result tuple would keep the
-                    box = [t]                # previous tensor alive while the next one is made
-                    del t
-                    if progress:
-                        progress(i, total, name)
-                    i += 1
-                    for oname, ot in _convert(name, box, device):
-                        if pos >= len(order) or order[pos] != oname:
-                            want = order[pos] if pos < len(order) else "nothing (the plan is complete)"
-                            raise H3Error(f"source yielded {oname!r} but the header planned {want!r} next; pass "
-                                          "shapes in the iteration order of the tensors")
-                        d, s = expected[oname]
-                        if ST_DTYPE[ot.dtype] != d or tuple(ot.shape) != s:
-                            raise H3Error(f"{oname}: header planned {d} {list(s)}, found {ST_DTYPE[ot.dtype]} "
-                                          f"{list(ot.shape)}; the shapes given do not match the tensors")
-                        written += _write_tensor(f, ot)
-                        pos += 1
-                        del ot
-                if pos != len(order):
-                    raise H3Error(f"source ended after {pos} of {len(order)} planned tensors; next missing: "
-                                  f"{order[pos]!r}")
+            written = _write_planned(tensor_iter, partial, shapes, device, progress, metadata, layers)
         else:
-            spool = temp_path(out_path, ".spool")
-            entries = []
-            try:
-                with open(spool, "wb") as f:
-                    i = 0
-                    for name, t in tensor_iter:
-                        box = [t]
-                        del t
-                        if progress:
-                            progress(i, 0, name)
-                        i += 1
-                        for oname, ot in _convert(name, box, device):
-                            if oname.endswith(".comfy_quant") and oname != name:
-                                layers[oname[: -len(".comfy_quant")]] = {"format": "nvfp4"}
-                            entries.append((oname, ST_DTYPE[ot.dtype], tuple(ot.shape)))
-                            written += _write_tensor(f, ot)
-                            del ot
-                with open(partial, "wb") as f, open(spool, "rb") as src:
-                    f.write(_header_bytes(entries, _metadata(metadata, layers)))
-                    while chunk := src.read(64 << 20):
-                        f.write(chunk)
-            finally:
-                spool.unlink(missing_ok=True)
+            written = _write_spooled(tensor_iter, out_path, partial, device, progress, metadata, layers)
         os.replace(partial, out_path)
     except BaseException as e:
         partial.unlink(missing_ok=True)

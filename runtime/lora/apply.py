@@ -33,7 +33,8 @@ Removal restores every patched tensor bit for bit: from the source when it repro
 original exactly (checked when the layer is first patched; no memory held), else from a host copy taken
 then. Side paths are unhooked and the runtime's base BlockOps object is put back as ``rt.ops``.
 ``remove_loras(rt)`` = ``apply_loras(rt, [])``; ``sync_loras`` applies only when the stack differs; a
-``LoraView`` (what the "H3 LoRA" node outputs) syncs its stack whenever its ``.model`` or ``.ops`` is used.
+``LoraView`` (what the "H3 LoRA" node outputs) carries its stack and applies it only when asked:
+``view.sync()`` / ``sync_loras(view)`` (``sample`` and ``run`` call it; reading ``.model`` changes nothing).
 
 Where the side path is added:
 
@@ -216,7 +217,7 @@ def _finish_report(rt, st: LoraState, mods: dict, nv_cls: type, report: dict) ->
     report["stack"] = "dense reference stack (merge = into the dense weights)" if not any(
         isinstance(m, nv_cls) for m in mods.values()) else "NVFP4 stack (merge = re-quantized NVFP4)"
     if report["fc2_side"]:
-        disp = getattr(rt.ops, "fc2_dispatcher", None) is not None
+        disp = rt.ops.fc2_dispatcher is not None
         report["fc2_guard"] = ("refused on every FC2 call of " + ", ".join(report["fc2_side"])
                                + ": reason 'lora: LoRA side-path active on fc2' (the pinned GEMM has no LoRA term)"
                                + ("" if disp else "; no FC2 dispatcher is active on this stack"))
@@ -227,9 +228,7 @@ def _apply(rt, specs: list[LoraSpec]) -> dict:
     """Validate every file, then restore the model's originals and apply ``specs`` (merges, then side paths);
     any failure restores the originals before it propagates. Returns the report."""
     t0 = time.perf_counter()
-    onload = getattr(rt, "onload", None)  # an offloaded runtime's weights come back before any is written
-    if onload is not None:
-        onload()
+    rt.onload()  # an offloaded runtime's weights come back before any is written
     matches, banks = _read_all(rt, specs)
     model = rt.model
     mods = dict(model.named_modules())
@@ -315,7 +314,7 @@ def sync_loras(rt, specs: Iterable | None = None) -> dict | None:
     for a plain runtime the stack last applied to it, none by default), doing nothing when it already
     does (same files, sizes, mtimes, strengths, modes). Call it before sampling with ``rt``."""
     if specs is None:
-        specs = getattr(rt, "lora_stack", ())
+        specs = rt.lora_stack
     specs = [as_spec(s) for s in specs]
     base = _base(rt)
     st = base.model.__dict__.get(STATE_ATTR)
@@ -326,37 +325,36 @@ def sync_loras(rt, specs: Iterable | None = None) -> dict | None:
 
 
 class LoraView:
-    """A resident runtime seen with a LoRA stack (what the "H3 LoRA" node outputs).
+    """A resident runtime seen with a LoRA stack (what the "H3 LoRA" node outputs; a ``runtime.interface.Runtime``).
 
-    It shares the resident model; every access to ``.model`` first makes that model carry exactly
-    ``lora_stack`` (``sync_loras``: no work when it already does). Everything else is the base runtime's.
+    It shares the resident model and wants it to carry exactly ``lora_stack``: ``sync()`` (= ``sync_loras(view)``)
+    makes it so, with no work when it already does; ``sample`` and ``run`` call it before they evaluate. Reading
+    an attribute never changes the model: ``.model`` and ``.ops`` are the shared ones as they are now (another
+    view may have synced its own stack since). Every other attribute is the base runtime's.
     """
 
     def __init__(self, base, stack: Iterable):
         object.__setattr__(self, "_base", _base(base))
         self.lora_stack = tuple(as_spec(s) for s in stack)
 
+    def sync(self) -> dict | None:
+        """Make the shared model carry ``lora_stack``; returns the stack's report (None for an empty stack)."""
+        return sync_loras(self._base, self.lora_stack)
+
     @property
     def model(self):
-        sync_loras(self._base, self.lora_stack)
         return self._base.model
+
+    @property
+    def ops(self):
+        return self._base.ops
 
     def __getattr__(self, name):
         if name.startswith("__") or name == "_base":
             raise AttributeError(name)
         return getattr(self._base, name)
 
-    @property
-    def ops(self):
-        """The base runtime's BlockOps once the shared model carries ``lora_stack`` (block side paths live there)."""
-        sync_loras(self._base, self.lora_stack)
-        return self._base.ops
-
-    def describe(self) -> str:
-        sync_loras(self._base, self.lora_stack)
-        return self._base.describe()
-
 
 def with_lora(rt, path: str, strength: float = 1.0, mode: str = "merge") -> LoraView:
-    """``rt`` plus one more LoRA on top of its stack (a LoraView; nothing is applied until ``.model``)."""
-    return LoraView(rt, tuple(getattr(rt, "lora_stack", ())) + (LoraSpec(path, strength, mode),))
+    """``rt`` plus one more LoRA on top of its stack (a LoraView; nothing is applied until ``sync``)."""
+    return LoraView(rt, tuple(rt.lora_stack) + (LoraSpec(path, strength, mode),))

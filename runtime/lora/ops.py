@@ -34,7 +34,7 @@ BLOCK_LINEAR = re.compile(r"^blocks\.(\d+)\.(attn\.qkv_proj|attn\.out_proj|mlp\.
 class LoraOps(OpsWrapper):
     """BlockOps = ``inner`` (any BlockOps) + the LoRA side paths ``sides`` {block linear name: LoraSide}.
 
-    Other attributes read and write the inner ops' (``runtime.ops.wrapper.OpsWrapper``).
+    Every other BlockOps member is the inner ops' (``runtime.ops.wrapper.OpsWrapper``).
     """
 
     OWN = ("inner", "sides")
@@ -49,14 +49,6 @@ class LoraOps(OpsWrapper):
     def side(self, i: int, layer: str) -> LoraSide | None:
         """The side path of ``blocks.{i}.{layer}`` (layer e.g. "mlp.fc2"), None when it has none."""
         return self.sides.get(f"blocks.{i}.{layer}")
-
-    @property
-    def name(self) -> str:
-        return self.inner.name
-
-    @property
-    def attends_exactly(self) -> bool:
-        return self.inner.attends_exactly
 
     def with_attention(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "LoraOps":
         """The same side paths around ``inner.with_attention(fn)``."""
@@ -73,21 +65,12 @@ class LoraOps(OpsWrapper):
         y = self.inner.qkv(i, blk, x, shift, scale, segs)
         return self._add_modulated(y, i, "attn.qkv_proj", blk.norm1, x, shift, scale, segs)
 
-    def norm_rope_(self, blk, qkv, cos, sin):
-        return self.inner.norm_rope_(blk, qkv, cos, sin)
-
-    def attention(self, qkv):
-        return self.inner.attention(qkv)
-
     def out_proj(self, i, blk, o):
         y = self.inner.out_proj(i, blk, o)
         side = self.side(i, "attn.out_proj")
         if side is not None:
             side.add_(o, y)
         return y
-
-    def gate_add_(self, x, y, gate, segs):
-        return self.inner.gate_add_(x, y, gate, segs)
 
     def fc1(self, i, blk, x, shift, scale, segs):
         y = self.inner.fc1(i, blk, x, shift, scale, segs)
@@ -100,6 +83,3 @@ class LoraOps(OpsWrapper):
             gate, up = h.chunk(2, dim=-1)
             side.add_(F.silu(gate) * up, m)
         return m
-
-    def status(self) -> dict:
-        return self.inner.status()

@@ -103,7 +103,7 @@ class DiTBlock(nn.Module):
         del qkv
         ops.gate_add_(x, ops.out_proj(index, self, o), gate_msa, segments)
         del o
-        rows = getattr(ops, "ffn_chunk_rows", None) or max(1, x.shape[0])  # row chunks when the memory budget asks
+        rows = ops.ffn_chunk_rows or max(1, x.shape[0])  # row chunks when the memory budget asks
         for a in range(0, x.shape[0], rows):  # every FFN op is row-local: the same math per row (the GEMMs' M differs, so fp32 sums may reassociate)
             xs, sg = (x, segments) if rows >= x.shape[0] else (x[a:a + rows], clip_segments(segments, a, a + rows))
             h = ops.fc1(index, self, xs, shift_mlp, scale_mlp, sg)

@@ -30,13 +30,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.attention
 
 from ..errors import describe
 from . import blackwell_attention, flash_attention, sage
+from .interface import AttentionFn
 
 __all__ = [
     "BACKENDS",
@@ -322,8 +323,8 @@ def backend_table(device: "torch.device | str", *, head_dim: int = 128, dtype: t
     return {b: _available(b, device, head_dim, dtype, probe) for b in BACKENDS}
 
 
-# qkv [S, 3*H*D] -> [S, H*D] in qkv's dtype (H = qkv.shape[1] // (3*D): any head count, e.g. a rank's heads)
-AttentionFn = Callable[[torch.Tensor], torch.Tensor]
+# AttentionFn: qkv [S, 3*H*D] -> [S, H*D] in qkv's dtype (H = qkv.shape[1] // (3*D): any head count, e.g. a
+# rank's heads); declared with the BlockOps interface (runtime.ops.interface)
 
 
 def bind_attention(backend: str, head_dim: int, *, device: "torch.device | str | None" = None,

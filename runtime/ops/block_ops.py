@@ -40,6 +40,8 @@ import torch
 
 from .reference import ReferenceOps
 from . import elementwise, fp8_producers, nvfp4_producers, reference
+from .fc2_operands import Fc2Operands
+from .interface import OpsState
 from .linear import Nvfp4Linear
 from .producer_tiles import ProducerTiles
 
@@ -51,7 +53,7 @@ def _on_cuda(t: torch.Tensor) -> bool:
     return t.device.type == "cuda"
 
 
-class _QuantizedOps:
+class _QuantizedOps(OpsState):
     """What the NVFP4 and W4A8 ops share: fused norm+RoPE and gate/add on CUDA (references on the CPU), the
     bound attention, and qkv / fc1 (RMSNorm -> modulate -> quantize -> GEMM in the producer)."""
 
@@ -104,7 +106,7 @@ class Nvfp4Ops(_QuantizedOps):
     parallelism, runtime.parallel.evaluate); None: the local amax."""
 
     name = "nvfp4"
-    amax_reduce = None
+    takes_amax_reduce = True
 
     def __init__(self, cfg, attention, fc2=None, act_scale: str = "dynamic"):
         super().__init__(cfg, attention)
@@ -112,7 +114,8 @@ class Nvfp4Ops(_QuantizedOps):
         self.act_scale = act_scale
 
     def _norm_linear(self, lin: Nvfp4Linear, x, norm, shift, scale, segs):
-        a = nvfp4_producers.rms_modulate_quantize(x, norm.weight, scale, shift, segs, self.cfg.eps,
+        mod = nvfp4_producers.Modulation(scale, shift, segs)
+        a = nvfp4_producers.rms_modulate_quantize(x, norm.weight, mod, self.cfg.eps,
                                                   lin.act_global(), amax_reduce=self.amax_reduce)
         return lin.forward_quantized(a.packed, a.scales, a.global_scale)
 
@@ -136,10 +139,9 @@ class Nvfp4Ops(_QuantizedOps):
             self.fc2_direct_calls += 1
             return fallback(None)
         w = fc2.weight
-        return self.fc2_dispatcher(s_q.packed, w.packed, x_scale=s_q.scales, w_scale=w.scales,
-                                   alpha=(s_q.global_scale * w.global_scale).reshape(1), m_logical=rows,
-                                   producer=FC2_PRODUCER, lora_active=lora_active, bias=fc2.bias,
-                                   fallback=fallback)
+        ops = Fc2Operands(s_q.packed, w.packed, x_scale=s_q.scales, w_scale=w.scales,
+                          alpha=(s_q.global_scale * w.global_scale).reshape(1), m_logical=rows, bias=fc2.bias)
+        return self.fc2_dispatcher(ops, fallback, producer=FC2_PRODUCER, lora_active=lora_active)
 
     def status(self) -> dict:
         return {"lt_path": "dispatcher" if self.fc2_dispatcher is not None else "none (fallback GEMM)",
@@ -162,7 +164,8 @@ class W4A8Ops(_QuantizedOps):
         self.tiles = tiles
 
     def _norm_linear(self, lin: Nvfp4Linear, x, norm, shift, scale, segs):
-        a8, ra = fp8_producers.rms_modulate_fp8(x, norm.weight, scale, shift, segs, self.cfg.eps, tiles=self.tiles)
+        mod = fp8_producers.Modulation(scale, shift, segs)
+        a8, ra = fp8_producers.rms_modulate_fp8(x, norm.weight, mod, self.cfg.eps, tiles=self.tiles)
         return lin.forward_fp8(a8, ra, fast_accum=self.fast_accum)
 
     def out_proj(self, i, blk, o):

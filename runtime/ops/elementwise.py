@@ -26,6 +26,7 @@ under ``TRITON_INTERPRET=1`` set before import (tests).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -36,7 +37,7 @@ from .triton import MISSING as TRITON_MISSING, interpreting
 if TRITON_MISSING is None:  # the kernels, loaded once; without triton only the references run
     from .triton import elementwise_kernels
 
-__all__ = ["norm_rope_", "gate_add_", "segment_table"]
+__all__ = ["NormRopeLaunch", "norm_rope_", "gate_add_", "segment_table"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -67,6 +68,16 @@ def _check_kernel_device(t: torch.Tensor, what: str) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class NormRopeLaunch:
+    """``norm_rope_``'s launch: rows per program, heads per program, warps. Speed only, never the bytes; how
+    the defaults were chosen: bench/NOTES.md."""
+
+    block_s: int = 8
+    heads_per_program: int = 2
+    num_warps: int = 2
+
+
 def norm_rope_(
     qkv: torch.Tensor,
     q_weight: torch.Tensor,
@@ -76,15 +87,13 @@ def norm_rope_(
     eps: float = 1e-5,
     rope_dim: int = 96,
     *,
-    block_s: int = 8,
-    heads_per_program: int = 2,
-    num_warps: int = 2,
+    launch: NormRopeLaunch = NormRopeLaunch(),
 ) -> torch.Tensor:
     """In place on ``qkv [S, 3*H*D]`` (bf16/fp16/fp32, unit column stride): per-head RMSNorm of the q
     and k thirds with ``q_weight``/``k_weight [D]`` then split-half RoPE on channels ``[0, rope_dim)``
     with fp32 ``cos``/``sin [S, rope_dim]``; v untouched. One Triton kernel reading and writing through
-    qkv's strides (no copies). The launch defaults (``block_s``, ``heads_per_program``, ``num_warps``) change
-    speed only, never the bytes; how they were chosen: bench/NOTES.md. ``H = cols / (3*D)``,
+    qkv's strides (no copies). ``launch`` (``NormRopeLaunch``) changes speed only, never the bytes.
+    ``H = cols / (3*D)``,
     ``D = q_weight.numel()``. Returns ``qkv``."""
     s, h, d = check_norm_rope(qkv, q_weight, k_weight, cos, sin, rope_dim)
     if s == 0:
@@ -93,14 +102,14 @@ def norm_rope_(
     kernel = elementwise_kernels.norm_rope_kernel
     half = rope_dim // 2
     pas = d - rope_dim
-    grid = (-(-2 * h // heads_per_program), -(-s // block_s))
+    grid = (-(-2 * h // launch.heads_per_program), -(-s // launch.block_s))
     kernel[grid](
         qkv, q_weight, k_weight, cos, sin,
         s, qkv.stride(0), cos.stride(0), sin.stride(0), float(eps),
         H=h, D=d, HALF=half, HALF_P=_next_pow2(half), PASS=pas, PASS_P=_next_pow2(pas),
-        HEADS_PER_PROG=heads_per_program, BLOCK_S=block_s, OUT_KIND=_OUT_KIND[qkv.dtype],
+        HEADS_PER_PROG=launch.heads_per_program, BLOCK_S=launch.block_s, OUT_KIND=_OUT_KIND[qkv.dtype],
         W_KIND=_OUT_KIND[q_weight.dtype],
-        num_warps=num_warps,
+        num_warps=launch.num_warps,
     )
     return qkv
 

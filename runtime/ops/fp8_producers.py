@@ -54,7 +54,7 @@ from typing import Sequence
 import torch
 
 from .nvfp4_producers import DTYPE_CODE, cdiv, hw_cvt, padded_segment_table, pick_backend
-from .operand_checks import check_2d, check_norm_inputs
+from .operand_checks import Modulation, check_2d, check_norm_inputs
 from .nvfp4 import E4M3_MAX
 from .reference import (FP32_MIN_NORMAL, const_like, quantize_fp8_reference, rms_modulate_fp8_reference,
                         swiglu_fp8_reference)
@@ -64,7 +64,8 @@ from .triton import MISSING as TRITON_MISSING
 if TRITON_MISSING is None:  # the kernels, loaded once; without triton the references run
     from .triton import fp8_kernels
 
-__all__ = ["E4M3_MAX", "SCHEMES", "quantize_fp8", "rms_modulate_fp8", "swiglu_fp8", "sage_v_fp8", "sage_v_fp8_reference",
+__all__ = ["E4M3_MAX", "SCHEMES", "Modulation", "quantize_fp8", "rms_modulate_fp8", "swiglu_fp8", "sage_v_fp8",
+           "sage_v_fp8_reference",
            "SAGE_V_PERM", "e4m3_scales"]
 
 SCHEMES = ("auto", "loop", "row")
@@ -165,18 +166,19 @@ def _padded_outputs(s: int, k: int, device, pad_rows: int) -> tuple[torch.Tensor
     return out, rs
 
 
-def rms_modulate_fp8(x: torch.Tensor, weight: torch.Tensor | None, scale_rows: torch.Tensor,
-                     shift_rows: torch.Tensor, segments: Sequence[Sequence[int]], eps: float, *,
+def rms_modulate_fp8(x: torch.Tensor, weight: torch.Tensor | None, mod: Modulation, eps: float, *,
                      backend: str = "auto", scheme: str = "auto", pad_rows: int = 1,
                      tiles: ProducerTiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm(x) * weight -> per-segment modulate -> e4m3 rowwise, in one kernel launch.
 
-    Arguments as ``nvfp4_producers.rms_modulate_quantize`` (segments: (start, stop, row) triples tiling
-    [0, S) in order). Output equals ``fp8_rowwise_reference(rms_modulate_reference(...))`` bit for bit.
+    Arguments as ``nvfp4_producers.rms_modulate_quantize`` (``mod``: the scale/shift tables and the
+    (start, stop, row) segments tiling [0, S) in order). Output equals
+    ``fp8_rowwise_reference(rms_modulate_reference(...))`` bit for bit.
     ``pad_rows`` > 1: outputs of ``roundup(S, pad_rows)`` rows, zero codes and row scale 1.0 past S.
     """
     _check_scheme(scheme)
-    segs = check_norm_inputs(x, weight, scale_rows, shift_rows, segments)
+    scale_rows, shift_rows = mod.scale_rows, mod.shift_rows
+    segs = check_norm_inputs(x, weight, scale_rows, shift_rows, mod.segments)
     if shift_rows.dtype != scale_rows.dtype:
         raise TypeError(f"scale_rows ({scale_rows.dtype}) and shift_rows ({shift_rows.dtype}) must share a dtype")
     s, k = x.shape

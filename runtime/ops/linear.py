@@ -12,6 +12,8 @@ CPU) with the ``act_scale`` policy, also bound at construction: ``dynamic`` (ama
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 
@@ -19,7 +21,18 @@ from ..errors import H3Error
 from . import nvfp4, nvfp4_producers, reference
 from .gemm_backends import BACKENDS, DEFAULT_SCRATCH, K_MULTIPLE, Scratch, bind_gemm, scaled_mm_rowwise
 
-__all__ = ["Nvfp4Linear"]
+__all__ = ["Nvfp4Linear", "StoredParts"]
+
+
+@dataclass(frozen=True)
+class StoredParts:
+    """What a checkpoint may store beside an NVFP4 linear's weight: the bias [N], the calibrated activation
+    scale (``input_scale``, a scalar: the act_scale=calibrated global) and the AWQ/SmoothQuant
+    ``pre_quant_scale`` [K]."""
+
+    bias: torch.Tensor | None = None
+    input_scale: torch.Tensor | None = None
+    pre_quant_scale: torch.Tensor | None = None
 
 
 class Nvfp4Linear(nn.Module):
@@ -40,8 +53,7 @@ class Nvfp4Linear(nn.Module):
     """
 
     def __init__(self, weight: nvfp4.NVFP4Tensor, *, backend: str, reason: str = "",
-                 bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None,
-                 pre_quant_scale: torch.Tensor | None = None, act_scale: str = "dynamic",
+                 stored: StoredParts = StoredParts(), act_scale: str = "dynamic",
                  out_dtype: torch.dtype | None = None, scratch: Scratch | None = None,
                  fp8_tiles: tuple | None = None):
         super().__init__()
@@ -49,6 +61,7 @@ class Nvfp4Linear(nn.Module):
             raise TypeError(f"Nvfp4Linear needs an NVFP4Tensor weight; found {type(weight).__name__} "
                             "(use Nvfp4Linear.from_float, or runtime.io.comfy_quant to decode a stored layer)")
         self.out_features, self.in_features = weight.shape
+        bias, input_scale, pre_quant_scale = stored.bias, stored.input_scale, stored.pre_quant_scale
         self.register_buffer("packed", weight.packed)
         self.register_buffer("scales", weight.scales)
         self.register_buffer("global_scale", weight.global_scale)
@@ -89,12 +102,16 @@ class Nvfp4Linear(nn.Module):
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, **kw) -> "Nvfp4Linear":
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                   input_scale: torch.Tensor | None = None, pre_quant_scale: torch.Tensor | None = None,
+                   **kw) -> "Nvfp4Linear":
         """Quantize a float weight [N, K] (global scale amax / 2688): the Triton quantizer on CUDA, the
-        reference elsewhere; both write the reference's bytes."""
+        reference elsewhere; both write the reference's bytes. The other keywords: ``StoredParts`` and
+        ``Nvfp4Linear``'s own."""
+        stored = StoredParts(bias, input_scale, pre_quant_scale)
         if weight.is_cuda:
-            return cls(nvfp4_producers.quantize(weight.contiguous()), bias=bias, **kw)
-        return cls(nvfp4.quantize(weight), bias=bias, **kw)
+            return cls(nvfp4_producers.quantize(weight.contiguous()), stored=stored, **kw)
+        return cls(nvfp4.quantize(weight), stored=stored, **kw)
 
     @property
     def weight(self) -> nvfp4.NVFP4Tensor:

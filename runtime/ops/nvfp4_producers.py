@@ -36,7 +36,7 @@ import torch
 
 from . import nvfp4
 from .elementwise import segment_table
-from .operand_checks import FLOAT_DTYPES, check_2d, check_norm_inputs
+from .operand_checks import FLOAT_DTYPES, Modulation, check_2d, check_norm_inputs
 from .reference import (const_like, dequantize_bf16_reference, rms_modulate_reference, swiglu_reference,
                         to_fp8_rowwise_reference)
 from .triton import MISSING as TRITON_MISSING, hw_cvt, status as triton_status
@@ -46,7 +46,7 @@ if TRITON_MISSING is None:  # the kernels, loaded once; without triton the refer
 
 __all__ = [
     "triton_status", "hw_cvt", "activation_global_scale", "AmaxReduce", "dynamic_global_scale",
-    "quantize", "rms_modulate_quantize", "swiglu_quantize",
+    "Modulation", "quantize", "rms_modulate_quantize", "swiglu_quantize",
     "dequantize_bf16", "to_fp8_rowwise", "nvfp4_gemm",
 ]
 
@@ -170,19 +170,19 @@ def quantize(x: torch.Tensor, global_scale: torch.Tensor | float | None = None, 
     return nvfp4.NVFP4Tensor(packed, scales.view(torch.float8_e4m3fn), g, (s, k))
 
 
-def rms_modulate_quantize(x: torch.Tensor, weight: torch.Tensor | None, scale_rows: torch.Tensor,
-                          shift_rows: torch.Tensor, segments: Sequence[Sequence[int]], eps: float,
+def rms_modulate_quantize(x: torch.Tensor, weight: torch.Tensor | None, mod: Modulation, eps: float,
                           global_scale: torch.Tensor | float | None = None, *, backend: str = "auto",
                           pad_rows: int = 1, amax_reduce: AmaxReduce | None = None) -> nvfp4.NVFP4Tensor:
     """RMSNorm(x) * weight -> per-segment modulate -> NVFP4, in one kernel (two with dynamic scale).
 
-    x [S, K] float; weight [K] or None; scale_rows / shift_rows [rows, K] (e.g. the block's
-    scale_msa / shift_msa rows for every (t, modality) row); segments: (start, stop, row) triples that
-    tile [0, S) in order. Output bytes equal ``nvfp4.quantize(rms_modulate_reference(...), g, pad_rows=pad_rows)``:
+    x [S, K] float; weight [K] or None; mod: ``Modulation`` (scale_rows / shift_rows [rows, K], e.g. the
+    block's scale_msa / shift_msa rows for every (t, modality) row; segments: (start, stop, row) triples that
+    tile [0, S) in order). Output bytes equal ``nvfp4.quantize(rms_modulate_reference(...), g, pad_rows=pad_rows)``:
     ``pad_rows=128`` gives packed ``[roundup(S, 128), K/2]`` with zero rows, so a GEMM on it writes zero rows
     past S.
     """
-    segs = check_norm_inputs(x, weight, scale_rows, shift_rows, segments)
+    scale_rows, shift_rows = mod.scale_rows, mod.shift_rows
+    segs = check_norm_inputs(x, weight, scale_rows, shift_rows, mod.segments)
     if pick_backend(backend, x.device) == "reference":
         h = rms_modulate_reference(x, weight, scale_rows, shift_rows, segs, eps)
         g = dynamic_global_scale(h, amax_reduce) if global_scale is None else _global(global_scale, x)

@@ -4,6 +4,7 @@ Each raises ValueError (TypeError for a wrong dtype of a producer input) naming 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -93,6 +94,18 @@ def check_2d(x: torch.Tensor, name: str) -> None:
         raise TypeError(f"{name} must be float32/bfloat16/float16; found {x.dtype}")
     if x.stride(1) != 1:
         raise ValueError(f"{name} needs unit column stride; found strides {x.stride()}")
+
+
+@dataclass(frozen=True)
+class Modulation:
+    """The per-segment modulation the RMSNorm producers apply after the norm: rows ``[start, stop)`` of segment
+    ``(start, stop, row)`` take ``h * (1 + scale_rows[row]) + shift_rows[row]``. scale_rows / shift_rows
+    [rows, K] float tables of one dtype with unit column stride (e.g. a block's scale_msa / shift_msa for every
+    (t, modality) row); segments: (start, stop, row) triples that tile [0, S) in order."""
+
+    scale_rows: torch.Tensor
+    shift_rows: torch.Tensor
+    segments: Sequence[Sequence[int]]
 
 
 def check_norm_inputs(x, weight, scale_rows, shift_rows, segments) -> list[tuple[int, int, int]]:

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from . import nvfp4
+from .interface import OpsState
 from .operand_checks import check_gate_add, check_norm_inputs, check_norm_rope
 
 FP32_MIN_NORMAL = 1.1754943508222875e-38  # 2^-126
@@ -83,7 +84,7 @@ def gate_add_(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, segments) ->
     return x
 
 
-class ReferenceOps:
+class ReferenceOps(OpsState):
     """The dense reference BlockOps (see runtime.ops.block_ops for the protocol): torch modules, fp32-math norms,
     exact attention, unless ``attention`` binds a faster dense backend taking the normed qkv buffer
     [S, 3*H*D] -> [S, H*D]. The oracle every other path is tested against. Linears are called as modules

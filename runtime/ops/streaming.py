@@ -7,9 +7,9 @@ before they compute (the memory plan of ``runtime.budget`` says which).
   of the next streamed block while the current one computes. Order is kept with CUDA events only: the copy
   into a slot waits for the event recorded after the last block that used it (``free``), the compute stream
   waits for the event recorded after the copy (``ready``). Nothing synchronizes the host per block.
-- ``StreamOps`` is a BlockOps wrapper (like ``runtime.lora.ops.LoraOps``): the first op of block i that reads a
-  weight (qkv, out_proj, fc1 or fc2) binds block i's linears to its slot (``enter``), FC2's return unbinds
-  them (``leave``) and records the slot free. Between blocks a streamed linear holds its host tensors, so a
+- ``StreamOps`` (runtime.ops.stream_ops) is a BlockOps wrapper (like ``runtime.lora.ops.LoraOps``): the first op
+  of block i that reads a weight (qkv, out_proj, fc1 or fc2) binds block i's linears to its slot (``enter``),
+  FC2's return unbinds them (``leave``) and records the slot free. Between blocks a streamed linear holds its host tensors, so a
   LoRA merge (which writes the layer's tensors in place) writes the host bytes that stream next; each slot
   remembers the version counters of the host bytes it holds and copies again when they changed. The
   wrapper also carries the plan's FFN row chunking (``ffn_chunk_rows``, read by ``DiTBlock.forward``).
@@ -31,7 +31,6 @@ import torch
 import torch.nn as nn
 
 from .host_buffers import HostLinear
-from .wrapper import OpsWrapper
 
 SLOTS = 2
 LINEAR_NAMES = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
@@ -360,41 +359,3 @@ class BlockStreamer:
                 "timing": ("CUDA events: copies on the copy stream, stalls where the compute stream waited for a "
                            "copy (medians over the evaluations)") if self.cuda else
                           "cpu emulation: synchronous host copies, all exposed (perf_counter)"}
-
-
-class StreamOps(OpsWrapper):
-    """BlockOps = ``inner`` (any BlockOps) whose blocks' streamed linears are bound to their device slot while
-    the block computes (``BlockStreamer.enter`` / ``leave``); ``ffn_chunk_rows``: the FFN row chunk of the
-    memory plan (None: unchunked). Other attributes read and write the inner ops' (``ops.wrapper.OpsWrapper``)."""
-
-    OWN = ("inner", "streamer", "ffn_chunk_rows")
-
-    def __init__(self, inner, streamer: BlockStreamer | None, ffn_chunk_rows: int | None = None):
-        super().__init__(inner, streamer=streamer, ffn_chunk_rows=ffn_chunk_rows)
-
-    def _enter(self, i, blk, starts_block: bool = False) -> None:
-        st = self.streamer
-        if st is not None and isinstance(i, int) and 0 <= i < len(st.blocks) and st.blocks[i] is blk:
-            st.enter(i, starts_block)
-
-    def with_attention(self, fn) -> "StreamOps":
-        return StreamOps(self.inner.with_attention(fn), self.streamer, self.ffn_chunk_rows)
-
-    def qkv(self, i, blk, x, shift, scale, segs):
-        self._enter(i, blk, starts_block=True)
-        return self.inner.qkv(i, blk, x, shift, scale, segs)
-
-    def out_proj(self, i, blk, o):
-        self._enter(i, blk)
-        return self.inner.out_proj(i, blk, o)
-
-    def fc1(self, i, blk, x, shift, scale, segs):
-        self._enter(i, blk)
-        return self.inner.fc1(i, blk, x, shift, scale, segs)
-
-    def fc2(self, i, blk, h, lora_active: bool = False):
-        self._enter(i, blk)
-        y = self.inner.fc2(i, blk, h, lora_active=lora_active)
-        if self.streamer is not None and isinstance(i, int):
-            self.streamer.leave(i)
-        return y

@@ -38,19 +38,19 @@ def sharded_ops(ops, attention: Callable[[torch.Tensor], torch.Tensor], amax_red
     """``ops`` (the BlockOps bound at load, LoRA and streaming wrappers included) with its attention replaced by
     ``attention`` (the Ulysses wrapper; ``ops.with_attention``, a copy) and, for ops whose producers take a
     dynamic amax (W4A4: ``Nvfp4Ops.amax_reduce``), ``amax_reduce`` (the all-reduce over the ranks; None keeps
-    the local amax) set on that copy (a wrapper sets it on its inner ops). Every other op is row-local and
+    the local amax) set on that copy (``set_amax_reduce``: a wrapper passes it to its inner ops). Every other op is row-local and
     runs unchanged on the rank's rows. The reference ops take the bound-backend form (they then hand the normed
     qkv buffer to attention)."""
     out = ops.with_attention(attention)
-    if amax_reduce is not None and hasattr(out, "amax_reduce"):
-        out.amax_reduce = amax_reduce
+    if amax_reduce is not None and out.takes_amax_reduce:
+        out.set_amax_reduce(amax_reduce)
     return out
 
 
 def numerics(ops) -> str:
     """What splitting the rows does to the numbers, for the report. Every op is row-local but the NVFP4
     producers with a dynamic scale (W4A4), which take one amax per tensor: all-reduced over the ranks."""
-    if getattr(ops, "name", None) == "nvfp4" and getattr(ops, "act_scale", None) == "dynamic":
+    if ops.name == "nvfp4" and ops.act_scale == "dynamic":
         return ("W4A4 with a dynamic activation scale: each per-tensor amax is all-reduced (MAX) over the ranks, "
                 "so every rank quantizes with the single-process scale; everything else row-local")
     return "row-local: each rank runs the single-device per-row and per-head math on its rows and heads"

@@ -1,7 +1,7 @@
-"""A generation request validated before any work: sizes, numbers, device, memory, output paths, text states.
+"""A generation request validated before any work: sizes, numbers, device, output paths, text states.
 
 Everything here reads only the request, the model's config (from the checkpoint header) and the machine's
-free memory: no weight is read and no tensor of the request's size is allocated, so a hostile request
+free memory (the memory check itself asks the budget: ``runtime.budget.check_request``): no weight is read and no tensor of the request's size is allocated, so a hostile request
 (``--width 100000``, ``--frames 1700005``, ``--text-tokens 10000000``) is refused in milliseconds.
 
 The CLI and the nodes call the same checks; each raises RequestError (an H3Error: one ``error:`` line in
@@ -29,7 +29,6 @@ SEED_RANGE = (0, 2 ** 64 - 1)  # ComfyUI's seed widget range; torch.Generator.ma
 MAX_STEPS = 10000  # ComfyUI's KSampler widget maximum
 MIN_DENOISE = 1e-6
 SMALL_MODEL_HIDDEN = 512  # models this small (the embedded tiny, make-tiny files) get the small defaults
-GB = 1e9
 
 
 class RequestError(H3Error):
@@ -154,15 +153,6 @@ def host_available_bytes() -> int:
     return free if cg is None else min(free, cg)
 
 
-def device_available_bytes(device: torch.device) -> tuple[int, str]:
-    """(bytes free for the run, what that number is) for a CPU or CUDA device."""
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        return free, f"{free / GB:.1f} GB free of {total / GB:.1f} GB on {device}"
-    free = host_available_bytes()
-    return free, f"{free / GB:.1f} GB of available host memory"
-
-
 def approx_param_bytes(cfg: H3Config, bytes_per_param: int = 4) -> int:
     """Weights of a model of ``cfg`` from its dimensions alone (no model is built): the block and refiner
     linears and AdaLN, the text projection, the patch projections and heads, the time embedder."""
@@ -197,43 +187,6 @@ def latent_rows(video_shape, audio_shape, text_tokens: int, cond=None) -> int:
     """Packed rows of an evaluation from its latent shapes: video [1, C, T, H, W] (H, W padded to even),
     audio [1, Ca, 2, Ta], the text tokens, and the condition rows of ``cond`` (``condition_rows``)."""
     return text_tokens + 2 * int(audio_shape[3]) + _video_rows(video_shape) + condition_rows(cond)
-
-
-def estimate_bytes(cfg: H3Config, rows: int, text_tokens: int, compute_bytes: int, weight_bytes: int) -> int:
-    """Rough peak memory of one run over ``rows`` packed rows: the resident weights plus the activations of
-    one block (residual and modulation temporaries, qkv, attention output, fc1 and SwiGLU at the compute
-    dtype; the fp32 residual stream; RoPE tables; latents, noise and velocities of the target rows), the text
-    states on the host, and the attention score chunk of the reference attention with its scaled copy (at most
-    1 GiB each; measured on the CPU, the chunk and its softmax input are alive together). ``rows`` counts every
-    packed row: text, targets, and each keyframe's and reference's condition rows (``latent_rows``).
-    Deliberately not above the real peak (no allocator slack): it refuses only what cannot fit."""
-    h, inner, ffn = cfg.hidden_size, cfg.inner_dim, cfg.ffn_hidden_size
-    per_row = compute_bytes * (4 * h + 4 * inner + 3 * ffn) + 4 * (2 * h + 2 * cfg.head_dim) + 24
-    per_row += 4 * 6 * max(cfg.video_patch_dim, cfg.audio_channels)
-    scores = 2 * min(4 * cfg.num_heads * rows * rows, 1 << 30)
-    text = 2 * 4 * text_tokens * cfg.text_dim
-    return weight_bytes + rows * per_row + scores + text
-
-
-def check_memory_rows(cfg: H3Config, rows: int, text_tokens: int, device: torch.device, compute_bytes: int,
-                      weight_bytes: int, what: str, available: tuple[int, str] | None = None,
-                      lower: str = "the width, height, frames or text length") -> int:
-    """Refuse ``rows`` packed rows when the estimate exceeds what the device has: ``needs ~N GB, the device has
-    M``. ``what`` describes the request, ``lower`` what to reduce. Returns the estimate in bytes."""
-    need = estimate_bytes(cfg, rows, text_tokens, compute_bytes, weight_bytes)
-    free, have = available if available is not None else device_available_bytes(device)
-    if need > free:
-        raise RequestError(f"{what} ({rows:,} packed rows) needs ~{need / GB:.1f} GB, the device has {have}; "
-                           f"lower {lower}, or use a device with more memory")
-    return need
-
-
-def check_memory(cfg: H3Config, req: Request, device: torch.device, compute_bytes: int, weight_bytes: int,
-                 available: tuple[int, str] | None = None) -> int:
-    """``check_memory_rows`` for a pixel request (the CLI's flags named in the message)."""
-    what = f"{req.width}x{req.height}, {req.frames} frames, {req.text_tokens} text tokens"
-    return check_memory_rows(cfg, req.packed_rows, req.text_tokens, device, compute_bytes, weight_bytes, what,
-                             available, lower="--width/--height/--frames/--text-tokens")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,6 +16,8 @@ from typing import Callable
 import torch
 
 from ..errors import H3Error, Interrupted
+from ..io.payload import conditioning_from_payload
+from ..lora.apply import sync_loras
 from ..model.conditioning import H3Conditioning
 from ..options import LossySettings, SamplingSettings
 from .inpaint import Inpaint
@@ -221,6 +223,7 @@ def sample(rt, inputs: SampleInputs, settings: SamplingSettings, lossy: LossySet
     hooks = hooks or Hooks()
     settings = dataclasses.replace(settings, batch_index=check_noise_index(settings.batch_index))
     _check_run(rt, inputs, control, parallel, hooks)
+    sync_loras(rt)  # the shared model carries rt's LoRA stack (a LoraView's, or the runtime's own)
     start = _start(rt, inputs, settings)
     cond = start.cond if inputs.conditioning is not None else None
     workload = _workload_extra(settings, cond, workload_extra)

@@ -101,9 +101,11 @@ def test_workflow_loads_clean_and_matches_its_api_twin(editor, name):
     assert {n["id"]: n["widgets_values"] for n in got["saved"]} == values
 
 
-def _expected_widgets(node_id: str) -> list[tuple[str, object]]:
+def _expected_widgets(node_id: str, served: dict) -> list[tuple[str, object]]:
     """(widget name, value) of a new node: every widget input at its declared default, in order, the seed's
-    control after it, and for H3 Diagnostics the report box (empty until a run)."""
+    control after it, and for H3 Diagnostics the report box (empty until a run). A choice without a declared
+    default starts at the first of the choices the server lists (``served``: its /object_info entry; file lists
+    such as models/loras/ are the server's)."""
     cls = NODES[node_id]
     out = []
     for section in ("required", "optional"):
@@ -111,7 +113,11 @@ def _expected_widgets(node_id: str) -> list[tuple[str, object]]:
             kind, opts = spec[0], (spec[1] if len(spec) > 1 else {})
             if not (isinstance(kind, list) or kind in ("INT", "FLOAT", "STRING", "BOOLEAN")):
                 continue
-            out.append((name, opts["default"] if "default" in opts else kind[0]))
+            choices = served["input"][section][name]  # [[choices...], opts] or ["COMBO", {"options": [...]}]
+            first = None
+            if isinstance(kind, list):
+                first = choices[0][0] if isinstance(choices[0], list) else choices[1]["options"][0]
+            out.append((name, opts["default"] if "default" in opts else first))
             if opts.get("control_after_generate"):
                 out.append(("control_after_generate", None))  # the editor's setting decides it
     if node_id == "H3B_Diagnostics":
@@ -119,7 +125,7 @@ def _expected_widgets(node_id: str) -> list[tuple[str, object]]:
     return out
 
 
-def test_every_h3b_node_renders_its_widgets_at_their_defaults(editor):
+def test_every_h3b_node_renders_its_widgets_at_their_defaults(editor, comfyui_server):
     editor.errors.clear()
     got = editor.js("""async (types) => {
       await app.loadGraphData({nodes: [], links: [], groups: [], config: {}, extra: {}, version: 0.4});
@@ -134,11 +140,12 @@ def test_every_h3b_node_renders_its_widgets_at_their_defaults(editor):
     }""", sorted(NODES))
     _show(editor, "h3b_nodes")
     assert not editor.errors, editor.errors
+    info = comfyui_server.get_json("/object_info")
     for node_id, cls in NODES.items():
         assert got[node_id]["title"] == cls.TITLE
         assert got[node_id]["width"] >= 360, f"{node_id}: web/h3_blackwell.js widens new H3B nodes to 360 px"
         widgets = [(n, None if n == "control_after_generate" else v) for n, v in got[node_id]["widgets"]]
-        assert widgets == _expected_widgets(node_id), node_id
+        assert widgets == _expected_widgets(node_id, info[node_id]), node_id
 
 
 RUN = """async () => {

@@ -660,23 +660,46 @@ def test_check_finite_every_dtype():
                      "do this")
 
 
-def test_memory_estimate_admits_the_canonical_run_and_refuses_what_cannot_fit():
-    """The H200 canonical workload (full model, 1344x768, 124 frames, bf16, ~16.6 GB peak measured) passes on a
-    139 GB device; the same request on a 16 GB device, and a 100000x100000 tiny request, are refused."""
+def test_memory_check_asks_the_budget_and_refuses_what_cannot_fit():
+    """The request-time check is the budget's decision (runtime.budget.check_request: the same estimate and free
+    memory as the load's plan). The H200 canonical workload (full model, 1344x768, 124 frames, bf16, W4A8 form)
+    runs resident on 139 GB; on a 16 GB card it streams blocks (the old per-row check refused it there, although
+    the load's plan streams it: that expectation was wrong); a 4 GB card and a 100000x100000 tiny request on the
+    CPU are refused, saying what the request needs, what the device has and what to change."""
+    from h3_blackwell.runtime.budget import DeviceMemory, MemoryAsk, ModelMemory, Workload, check_request
     from h3_blackwell.runtime.model.config import FULL, TINY
-    from h3_blackwell.runtime.sampling.request import RequestError, check_memory, resolve_request
+    from h3_blackwell.runtime.model.layout import latent_shapes
+    from h3_blackwell.runtime.options import RuntimeOptions
+    from h3_blackwell.runtime.plan import memory_choices
+    from h3_blackwell.runtime.sampling.request import RequestError, resolve_request
+
+    def workload(cfg, req):
+        shapes = latent_shapes(req.width, req.height, req.frames, cfg.video_channels, cfg.audio_channels)
+        return Workload.from_shapes(*shapes, req.text_tokens, req.steps)
 
     req = resolve_request(FULL, text_tokens=512)
     assert (req.width, req.height, req.frames, req.steps) == (1344, 768, 124, 20)
-    weights = 18_000_000_000  # an NVFP4 file of the full model is about this size
-    need = check_memory(FULL, req, torch.device("cuda"), 2, weights, available=(139e9, "139 GB"))
-    assert 16.6e9 < need < 139e9, need
-    with pytest.raises(RequestError, match=r"needs ~\d+\.\d GB, the device has 16 GB"):
-        check_memory(FULL, req, torch.device("cuda"), 2, weights, available=(16e9, "16 GB"))
-    tiny = resolve_request(TINY)
-    assert check_memory(TINY, tiny, torch.device("cpu"), 4, 5_000_000, available=(1e9, "1 GB")) < 1e9
-    with pytest.raises(RequestError, match="needs ~"):
-        check_memory(TINY, resolve_request(TINY, 100000, 100000), torch.device("cpu"), 4, 0, available=(64e9, "x"))
+    cuda = torch.device("cuda")
+    mm = ModelMemory.for_options(FULL, memory_choices(RuntimeOptions(device="cpu"), FULL, cuda), torch.bfloat16)
+    ask, host = MemoryAsk("the canonical request"), int(200e9)
+    big = check_request(mm, workload(FULL, req), DeviceMemory("cuda", "H200", int(139e9), int(139e9)), "auto", ask,
+                        host_free=host)
+    assert not big.streamed and 10e9 < big.estimate.total < 139e9, big.estimate.describe()
+    card = check_request(mm, workload(FULL, req), DeviceMemory("cuda", "16 GB card", int(16e9), int(16e9)), "auto",
+                         ask, host_free=host)
+    assert card.streamed and card.estimate.total <= card.budget_bytes
+    with pytest.raises(RequestError, match=r"the canonical request \(\d{2},\d{3} packed rows\): .*too small.*"
+                                           r"--vram-budget"):
+        check_request(mm, workload(FULL, req), DeviceMemory("cuda", "4 GB card", int(4e9), int(4e9)), "auto", ask,
+                      host_free=host)
+    cpu = torch.device("cpu")
+    tiny = ModelMemory.for_options(TINY, memory_choices(RuntimeOptions(device="cpu"), TINY, cpu), torch.float32)
+    assert check_request(tiny, workload(TINY, resolve_request(TINY)), DeviceMemory("cpu", "cpu", int(1e9), int(1e9)),
+                         "auto", ask).estimate.total < 1e9
+    with pytest.raises(RequestError, match=r"needs ~\d+\.\d GB, the device has 64\.0 GB of available host memory; "
+                                           r"lower the width"):
+        check_request(tiny, workload(TINY, resolve_request(TINY, 100000, 100000)),
+                      DeviceMemory("cpu", "cpu", int(64e9), int(64e9)), "auto", MemoryAsk("100000x100000"))
 
 
 def test_load_model_refuses_a_mis_shaped_nvfp4_layer(files, tmp_path):

@@ -19,7 +19,7 @@ import pytest
 
 from h3_blackwell.cli import comfy_run
 from h3_blackwell.cli.comfy_run import main
-from h3_blackwell.cli.comfy_workflow import ConversionError, ui_to_api
+from h3_blackwell.comfy_client import Client, ConversionError, ui_to_api
 
 from fixtures.core_nodes import object_info
 
@@ -392,8 +392,8 @@ def test_websocket_that_drops_falls_back_to_polling(server, tmp_path, capsys):
 
 
 def test_ws_url():
-    assert comfy_run.Client("127.0.0.1:8188").ws_url("abc") == "ws://127.0.0.1:8188/ws?clientId=abc"
-    assert comfy_run.Client("https://h/base/").ws_url("a") == "wss://h/base/ws?clientId=a"
+    assert Client("127.0.0.1:8188").ws_url("abc") == "ws://127.0.0.1:8188/ws?clientId=abc"
+    assert Client("https://h/base/").ws_url("a") == "wss://h/base/ws?clientId=a"
 
 
 def test_converter_skips_upload_widget_values():

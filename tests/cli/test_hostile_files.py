@@ -63,7 +63,7 @@ def test_a_workflow_from_a_pipe_with_a_writer_is_read(tmp_path, alarm):
     end like a file."""
     import threading
 
-    from h3_blackwell.cli.comfy_workflow import load_workflow
+    from h3_blackwell.comfy_client.workflow import load_workflow
 
     prompt = {"1": {"class_type": "H3B_EmptyLatent", "inputs": {"width": 64}}}
     r, w = os.pipe()

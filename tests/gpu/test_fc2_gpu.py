@@ -14,11 +14,14 @@ import torch
 
 from h3_blackwell.runtime.fc2 import ext
 from h3_blackwell.runtime.fc2.dispatcher import Fc2Dispatcher
+from h3_blackwell.runtime.fc2.guard import Fc2Operands
 from h3_blackwell.runtime.fc2.lt_plans import LtPlanLayer
 from h3_blackwell.runtime.fc2.table import AlgoSpec, Fc2Entry, Fc2LtError, Fc2Table, GB10_CANONICAL, PRODUCER_SWIGLU_NVFP4
 from h3_blackwell.runtime.options import RuntimeOptions
 from h3_blackwell.runtime.fc2.tune import (
     TuneCrash,
+    TuneProblem,
+    TuneSweep,
     compare_bytes,
     reference_gemm,
     synthetic_operands,
@@ -85,8 +88,9 @@ def test_canonical_nvfp4_entry_is_refused_with_its_reason(options, extst):
     w = torch.empty((5376, 7168), dtype=torch.uint8, device=dev)
     called = []
     d.begin_run()
-    d(x, w, m_logical=37810, producer=PRODUCER_SWIGLU_NVFP4,
-      fallback=lambda ops: called.append(ops) or torch.zeros((37810, 5376), dtype=torch.bfloat16, device=dev))
+    d(Fc2Operands(x, w, m_logical=37810),
+      lambda ops: called.append(ops) or torch.zeros((37810, 5376), dtype=torch.bfloat16, device=dev),
+      producer=PRODUCER_SWIGLU_NVFP4)
     run = d.end_run()
     assert len(called) == 1 and called[0].x is x
     [reason] = run["reasons"]
@@ -96,7 +100,7 @@ def test_canonical_nvfp4_entry_is_refused_with_its_reason(options, extst):
     strict = Fc2Dispatcher(options.cache_dir, strict=True, table=Fc2Table([GB10_CANONICAL]),
                            plan_layer=LtPlanLayer(options.cache_dir, extst))
     with pytest.raises(Fc2LtError):
-        strict(x, w, m_logical=37810, producer=PRODUCER_SWIGLU_NVFP4, fallback=lambda ops: None)
+        strict(Fc2Operands(x, w, m_logical=37810), lambda ops: None, producer=PRODUCER_SWIGLU_NVFP4)
 
 
 _TUNED: dict = {}
@@ -115,9 +119,9 @@ def _tuned(options, dtype):
         # entry then records its workspace and the dispatcher allocates it at prepare
         ws = (1 << 20) if dtype == "fp8_e4m3" else 0
         try:
-            res = tune_subprocess(dtype=dtype, cache_dir=str(options.cache_dir), max_candidates=40, top=3, rounds=3,
-                                  seeds=2, check_seconds=10, run_seconds=20, timeout=300, say=print,
-                                  workspace_limit=ws, **SMALL)
+            res = tune_subprocess(TuneProblem(dtype, **SMALL, workspace_limit=ws),
+                                  TuneSweep(max_candidates=40, top=3, rounds=3, seeds=2, check_seconds=10,
+                                            run_seconds=20), cache_dir=str(options.cache_dir), timeout=300, say=print)
         except TuneCrash as e:
             _TUNED[dtype] = f"{e}\n--- tuner stderr tail ---\n{e.log_tail[-3000:]}"
         else:
@@ -148,8 +152,8 @@ def test_tuned_entry_dispatches_byte_identical_to_the_reference(options, extst, 
     for seed in range(6):
         ops = synthetic_operands(dtype, device=dev, seed=100 + seed, **SMALL)
         ref = reference_gemm(ops, dtype)[: SMALL["m_logical"]]
-        y = d(ops.x, ops.w, x_scale=ops.x_scale, w_scale=ops.w_scale, m_logical=SMALL["m_logical"],
-              fallback=lambda o: reference_gemm(o, dtype)[: o.m_logical])
+        y = d(Fc2Operands(ops.x, ops.w, x_scale=ops.x_scale, w_scale=ops.w_scale, m_logical=SMALL["m_logical"]),
+              lambda o: reference_gemm(o, dtype)[: o.m_logical])
         assert compare_bytes(y, ref)["equal"], f"seed {seed}"
     run = d.end_run()
     assert (run["attempts"], run["successes"], run["fallbacks"]) == (6, 6, 0), run
@@ -170,7 +174,8 @@ def test_check_failure_on_gpu_falls_back_and_is_counted(options, extst):
     ops = synthetic_operands("bf16", device=dev, seed=5, **SMALL)
     d.begin_run()
     for _ in range(2):
-        y = d(ops.x, ops.w, m_logical=SMALL["m_logical"], fallback=lambda o: reference_gemm(o, "bf16")[: o.m_logical])
+        y = d(Fc2Operands(ops.x, ops.w, m_logical=SMALL["m_logical"]),
+              lambda o: reference_gemm(o, "bf16")[: o.m_logical])
         assert y.shape == (SMALL["m_logical"], SMALL["n"])
     run = d.end_run()
     assert (run["attempts"], run["successes"], run["fallbacks"]) == (2, 0, 2)
@@ -187,10 +192,10 @@ def test_dispatch_inside_a_cuda_graph_after_prepare(options, extst):
     ops = synthetic_operands("bf16", device=dev, seed=7, **SMALL)
     out = torch.empty((SMALL["m_padded"], SMALL["n"]), dtype=torch.bfloat16, device=dev)
     fb = lambda o: reference_gemm(o, "bf16")[: o.m_logical]  # noqa: E731
-    d(ops.x, ops.w, m_logical=SMALL["m_logical"], fallback=fb, out=out)  # warm-up outside capture
+    d(Fc2Operands(ops.x, ops.w, m_logical=SMALL["m_logical"]), fb, out=out)  # warm-up outside capture
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        y = d(ops.x, ops.w, m_logical=SMALL["m_logical"], fallback=fb, out=out)
+        y = d(Fc2Operands(ops.x, ops.w, m_logical=SMALL["m_logical"]), fb, out=out)
     out.zero_()
     g.replay()
     torch.cuda.synchronize()
@@ -203,6 +208,6 @@ def test_dispatch_inside_a_cuda_graph_after_prepare(options, extst):
     fresh.layer.environment(dev)
     g2 = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g2):
-        fresh(ops.x, ops.w, m_logical=SMALL["m_logical"], fallback=fb)
+        fresh(Fc2Operands(ops.x, ops.w, m_logical=SMALL["m_logical"]), fb)
     [reason] = fresh.total["reasons"]
     assert reason.startswith("capture:")

@@ -75,7 +75,7 @@ def test_rms_modulate_fp8_bit_exact_full_width(s, scheme):
     shift_rows = _rand((36, HIDDEN), seed=3, scale=0.2)
     shift_rows[3 * 4 + 2] *= 100.0  # the audio segment far above the others
     segs = [(a, b, 3 * 4 + r) for a, b, r in _segments(s)]
-    args = (x, weight, scale_rows, shift_rows, segs, 1e-5)
+    args = (x, weight, f8.Modulation(scale_rows, shift_rows, segs), 1e-5)
     _same(f8.rms_modulate_fp8(*args, backend="triton", scheme=scheme),
           f8.rms_modulate_fp8(*args, backend="reference"))
 
@@ -95,8 +95,8 @@ def test_cuda_reference_equals_cpu_reference():
     x = _rand((127, HIDDEN), seed=13, scale=2.0)
     tab = _rand((6, HIDDEN), seed=14, scale=0.2)
     segs = _segments(127)
-    got = f8.rms_modulate_fp8(x, None, tab, tab, segs, 1e-5, backend="reference")
-    _same([t.cpu() for t in got], f8.rms_modulate_fp8(x.cpu(), None, tab.cpu(), tab.cpu(), segs, 1e-5,
+    got = f8.rms_modulate_fp8(x, None, f8.Modulation(tab, tab, segs), 1e-5, backend="reference")
+    _same([t.cpu() for t in got], f8.rms_modulate_fp8(x.cpu(), None, f8.Modulation(tab.cpu(), tab.cpu(), segs), 1e-5,
                                                       backend="reference"))
 
 
@@ -166,7 +166,7 @@ def test_hot_path_producers_make_no_host_to_device_copies():
     segs = _segments(300)
 
     def hot():
-        f8.rms_modulate_fp8(x, None, tab, tab, segs, 1e-6)
+        f8.rms_modulate_fp8(x, None, f8.Modulation(tab, tab, segs), 1e-6)
         f8.quantize_fp8(x)
         f8.swiglu_fp8(h)
         f8.sage_v_fp8(v)

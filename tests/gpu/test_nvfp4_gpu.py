@@ -75,7 +75,7 @@ def test_rms_modulate_quantize_bit_exact_full_width(s, calibrated):
     shift_rows = _rand((36, HIDDEN), seed=3, scale=0.2)
     segs = [(a, b, 3 * 4 + r) for a, b, r in _segments(s)]
     g = torch.tensor(0.003, device=DEV) if calibrated else None
-    args = (x, weight, scale_rows, shift_rows, segs, 1e-5, g)
+    args = (x, weight, qk.Modulation(scale_rows, shift_rows, segs), 1e-5, g)
     _same(qk.rms_modulate_quantize(*args, backend="triton"), qk.rms_modulate_quantize(*args, backend="reference"))
 
 
@@ -94,8 +94,9 @@ def test_cuda_reference_equals_cpu_reference():
     _same(qk.swiglu_quantize(h, backend="reference").to("cpu"), qk.swiglu_quantize(h.cpu(), backend="reference"))
     tab = _rand((6, HIDDEN), seed=13, scale=0.2)
     segs = _segments(127)
-    a = qk.rms_modulate_quantize(x, None, tab, tab, segs, 1e-5, backend="reference")
-    _same(a.to("cpu"), qk.rms_modulate_quantize(x.cpu(), None, tab.cpu(), tab.cpu(), segs, 1e-5, backend="reference"))
+    a = qk.rms_modulate_quantize(x, None, qk.Modulation(tab, tab, segs), 1e-5, backend="reference")
+    _same(a.to("cpu"), qk.rms_modulate_quantize(x.cpu(), None, qk.Modulation(tab.cpu(), tab.cpu(), segs), 1e-5,
+                                                backend="reference"))
 
 
 @pytest.mark.parametrize("shape", [(21504, HIDDEN), (HIDDEN, FFN)])

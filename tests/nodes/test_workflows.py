@@ -15,7 +15,7 @@ import torch
 
 from h3_blackwell.nodes import NODES
 from fixtures.sampling import sample as runtime_sample
-from h3_blackwell.cli.comfy_workflow import is_api_prompt, is_ui_graph, ui_to_api
+from h3_blackwell.comfy_client.workflow import is_api_prompt, is_ui_graph, ui_to_api
 
 from fixtures.comfy_standins import _install  # the ComfyUI stand-ins
 from fixtures.core_nodes import MODEL_EXTENSIONS, OWN_FILE_LISTS, object_info

@@ -125,7 +125,7 @@ def test_fc2_table_is_matched_once_per_run_not_per_call(monkeypatch, tmp_path):
                         plan_layer=LtPlanLayer(cache, ExtStatus(ok=False, reason="no extension in this CPU test")),
                         compat=False)
     assert not hasattr(d, "options")
-    rt.fc2, rt.ops.fc2_dispatcher = d, d
+    rt.fc2, rt.ops.base.fc2_dispatcher = d, d
     matches = []
     real = D.match_call
     monkeypatch.setattr(D, "match_call", lambda table, call: matches.append(call) or real(table, call))
@@ -146,8 +146,8 @@ def test_the_plans_tiles_reach_the_bound_ops_and_layers(tmp_path):
     p.write_text('{"device": "test", "rms": ["row", 1, 256, 4], "to_fp8_rowwise": [8, 512, 4]}')
     rt = load_model(None, RuntimeOptions(device="cpu", dtype="float32", gemm="fp8", producer_tiles=str(p)))
     assert rt.backends["producer_tiles"]["choice"] == str(p) and "measured on test" in rt.backends["producer_tiles"]["reason"]
-    assert rt.ops.tiles is rt.plan.tiles and rt.plan.tiles.fp8 == {"rms": ("row", 1, 256, 4)}
+    assert rt.ops.base.tiles is rt.plan.tiles and rt.plan.tiles.fp8 == {"rms": ("row", 1, 256, 4)}
     assert {blk.attn.qkv_proj.fp8_tiles for blk in rt.model.blocks} == {(8, 512, 4)}
     plain = load_model(None, RuntimeOptions(device="cpu", dtype="float32", gemm="fp8"))
-    assert plain.ops.tiles.fp8 == {} and "producer_tiles" not in plain.backends
+    assert plain.ops.base.tiles.fp8 == {} and "producer_tiles" not in plain.backends
     assert {blk.attn.qkv_proj.fp8_tiles for blk in plain.model.blocks} == {None}

@@ -7,7 +7,7 @@ import torch
 
 from h3_blackwell.cli import main as cli
 from h3_blackwell.runtime import RuntimeOptions, load_model
-from h3_blackwell.runtime.budget import (GB, SLOTS, BudgetError, DeviceMemory, ModelMemory, Workload, budget_arg,
+from h3_blackwell.runtime.budget import (GB, SLOTS, BudgetError, DeviceMemory, Held, ModelMemory, Workload, budget_arg,
                                          chunk_options, decide, estimate, parse_vram_budget, smallest_budget)
 from h3_blackwell.runtime.model.config import FULL
 from h3_blackwell.runtime.model.h3 import H3Model
@@ -90,7 +90,7 @@ def test_auto_is_free_memory_less_a_margin(w4a8):
     assert big.streamed == () and big.budget_bytes > 130e9
     # re-planning a loaded model: the bytes it already holds count as available
     held = decide(w4a8, CANONICAL, DeviceMemory("cuda", "x", 8 * 10 ** 9, int(3e9)), None, host_free=HOST,
-                  held_bytes=int(4.6e9))
+                  held=Held(int(4.6e9)))
     assert held.streamed == p.streamed
 
 
@@ -143,7 +143,12 @@ def test_host_memory_is_checked_before_pinning(w4a8):
                                          ("7.5", int(7.5e9)), ("12GB", 12 * 10 ** 9), (" 6 gb ", 6 * 10 ** 9),
                                          (16, 16 * 10 ** 9)])
 def test_parse_budget(value, want):
-    assert parse_vram_budget(value) == want
+    """One parser (options.vram_budget_bytes): the option's check and the budget read the same values the same."""
+    from h3_blackwell.runtime.options import vram_budget_bytes
+
+    assert parse_vram_budget(value) == want == vram_budget_bytes(value)
+    assert RuntimeOptions(vram_budget="auto" if value is None else value).vram_budget is not None
+    assert parse_vram_budget(repr(7_817_936 / 1e9)) == 7_817_936  # a byte count printed in GB reads back whole
 
 
 @pytest.mark.parametrize("bad", ["0", "-1", "abc", "nan", "inf", "", "8 TB", "1e999"])

@@ -16,6 +16,7 @@ import torch
 
 from h3_blackwell.runtime.fc2 import ext
 from h3_blackwell.runtime.fc2.dispatcher import Fc2Dispatcher
+from h3_blackwell.runtime.fc2.guard import Fc2Operands
 from h3_blackwell.runtime.fc2.lt_plans import LtPlanLayer
 from h3_blackwell.runtime.fc2.table import Fc2Table, GB10_CANONICAL
 
@@ -59,8 +60,8 @@ def test_extension_compiles_links_imports_and_reports_versions(tmp_path):
                           plan_layer=LtPlanLayer(str(tmp_path), st))
         x = torch.empty((37824, 7168), dtype=torch.uint8)
         w = torch.empty((5376, 7168), dtype=torch.uint8)
-        d(x, w, m_logical=37810, producer="swiglu_nvfp4",
-          fallback=lambda ops: torch.zeros(ops.m_logical, 5376, dtype=torch.bfloat16))
+        d(Fc2Operands(x, w, m_logical=37810), lambda ops: torch.zeros(ops.m_logical, 5376, dtype=torch.bfloat16),
+          producer="swiglu_nvfp4")
         [reason] = d.total["reasons"]
         assert reason.startswith("no_device:")
     again = ext.load(str(tmp_path))
@@ -93,8 +94,8 @@ def test_failed_build_falls_back_with_a_clear_message_and_is_remembered(tmp_path
     d = Fc2Dispatcher(o, table=Fc2Table([GB10_CANONICAL]), plan_layer=LtPlanLayer(o, again))
     x = torch.empty((37824, 7168), dtype=torch.uint8)
     w = torch.empty((5376, 7168), dtype=torch.uint8)
-    y = d(x, w, m_logical=37810, producer="swiglu_nvfp4",
-          fallback=lambda ops: torch.zeros(ops.m_logical, 5376, dtype=torch.bfloat16))
+    y = d(Fc2Operands(x, w, m_logical=37810), lambda ops: torch.zeros(ops.m_logical, 5376, dtype=torch.bfloat16),
+          producer="swiglu_nvfp4")
     assert y.shape == (37810, 5376)
     [reason] = d.total["reasons"]
     assert reason.startswith("extension: an earlier build")

@@ -15,7 +15,7 @@ import torch
 
 from h3_blackwell.runtime.fc2.dispatcher import Fc2Dispatcher
 
-from h3_blackwell.runtime.fc2.guard import Fc2Call, Fc2Environment, match
+from h3_blackwell.runtime.fc2.guard import Fc2Call, Fc2Environment, Fc2Operands, match
 
 from h3_blackwell.runtime.fc2.lt_plans import CompatCache, PlanError
 
@@ -105,7 +105,8 @@ class Fallback:
 def dispatch(d: Fc2Dispatcher, fb=None, *, m_logical=M, producer=PRODUCER_SWIGLU_NVFP4, operands=None, **kw):
     fb = fb or Fallback()
     ops = operands or nvfp4_operands()
-    y = d(ops.pop("x"), ops.pop("w"), m_logical=m_logical, producer=producer, fallback=fb, **ops, **kw)
+    operand_kw = {f: kw.pop(f) for f in ("bias",) if f in kw}
+    y = d(Fc2Operands(**ops, **operand_kw, m_logical=m_logical), fb, producer=producer, **kw)
     return y, fb
 
 
@@ -552,13 +553,13 @@ def test_tune_cli_without_gpu_is_a_clean_error(capsys):
 def test_tune_subprocess_reports_the_childs_refusal(tmp_path):
     """The sweep's child process (runtime side, not the CLI) gets its arguments and answers through its files:
     without a GPU it refuses with one line, which the parent's TuneCrash carries."""
-    from h3_blackwell.runtime.fc2.tune import TuneCrash, tune_subprocess
+    from h3_blackwell.runtime.fc2.tune import TuneCrash, TuneProblem, tune_subprocess
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     with pytest.raises(TuneCrash) as ei:
-        tune_subprocess(dtype="bf16", m_logical=30, m_padded=32, n=16, k=64, cache_dir=str(tmp_path), trace=False,
-                        timeout=120, say=lambda s: None)
+        tune_subprocess(TuneProblem("bf16", 30, 32, 16, 64), cache_dir=str(tmp_path), trace=False, timeout=120,
+                        say=lambda s: None)
     assert ei.value.returncode == 2 and "needs a CUDA device" in str(ei.value)
 
 
@@ -629,10 +630,10 @@ class _FakeLtModule:
 
 
 def test_tuner_keeps_only_byte_identical_configs_and_writes_an_entry(tmp_path):
-    from h3_blackwell.runtime.fc2.tune import tune
+    from h3_blackwell.runtime.fc2.tune import TuneProblem, TuneSweep, tune
 
-    res = tune(dtype="bf16", m_logical=30, m_padded=32, n=16, k=64, device="cpu", cache_dir=cache(tmp_path),
-               module=_FakeLtModule(), rounds=4, seeds=2, say=lambda s: None, command="test")
+    res = tune(TuneProblem("bf16", 30, 32, 16, 64), TuneSweep(rounds=4, seeds=2), device="cpu",
+               cache_dir=cache(tmp_path), module=_FakeLtModule(), say=lambda s: None, command="test")
     ev = res["evidence"]
     assert ev["sweep"]["configurations_checked"] == 8  # 1 from the heuristic + 2 ids x 2 tiles x 2 stages, deduped
     assert ev["sweep"]["legal"] == 6 and ev["sweep"]["refused_by_stage"] == {"check": 2}
@@ -649,10 +650,10 @@ def test_tuner_keeps_only_byte_identical_configs_and_writes_an_entry(tmp_path):
 
 
 def test_tuner_writes_nothing_when_no_config_is_exact(tmp_path):
-    from h3_blackwell.runtime.fc2.tune import tune
+    from h3_blackwell.runtime.fc2.tune import TuneProblem, TuneSweep, tune
 
-    res = tune(dtype="bf16", m_logical=30, m_padded=32, n=16, k=64, device="cpu", cache_dir=cache(tmp_path),
-               module=_FakeLtModule(exact_exists=False), rounds=2, seeds=2, say=lambda s: None)
+    res = tune(TuneProblem("bf16", 30, 32, 16, 64), TuneSweep(rounds=2, seeds=2), device="cpu",
+               cache_dir=cache(tmp_path), module=_FakeLtModule(exact_exists=False), say=lambda s: None)
     assert res["entry"] is None and res["evidence"]["sweep"]["exact_seed0"] == 0
     assert res["evidence"]["inexact_examples"]
 
@@ -660,17 +661,17 @@ def test_tuner_writes_nothing_when_no_config_is_exact(tmp_path):
 def test_tuner_says_when_only_workspace_stands_in_the_way(tmp_path):
     """fp8 on the H200: every configuration AlgoCheck accepts needs a few bytes of workspace. With a zero limit
     the tuner finds nothing and says how much workspace would do; with that much, the entry records it."""
-    from h3_blackwell.runtime.fc2.tune import tune
+    from h3_blackwell.runtime.fc2.tune import TuneProblem, TuneSweep, tune
 
     said: list[str] = []
-    kw = dict(dtype="bf16", m_logical=30, m_padded=32, n=16, k=64, device="cpu", cache_dir=cache(tmp_path), rounds=2,
-              seeds=2)
-    res = tune(**kw, module=_FakeLtModule(needs_workspace=4), say=said.append)
+    kw = dict(sweep=TuneSweep(rounds=2, seeds=2), device="cpu", cache_dir=cache(tmp_path))
+    res = tune(TuneProblem("bf16", 30, 32, 16, 64), **kw, module=_FakeLtModule(needs_workspace=4), say=said.append)
     assert res["entry"] is None and res["evidence"]["sweep"]["legal"] == 0
     assert res["evidence"]["sweep"]["least_workspace_refused"] == 4
     assert res["evidence"]["sweep"]["refused_by_stage"] == {"check": 2, "workspace": 6}
     assert any("at least 4 bytes" in s and "--workspace-mb" in s for s in said), said
-    res = tune(**kw, module=_FakeLtModule(needs_workspace=4), say=lambda s: None, workspace_limit=1 << 20)
+    res = tune(TuneProblem("bf16", 30, 32, 16, 64, workspace_limit=1 << 20), **kw,
+               module=_FakeLtModule(needs_workspace=4), say=lambda s: None)
     entry = Fc2Entry.from_json(res["entry"])
     assert entry.workspace_bytes == 4 and (entry.algo.id, entry.algo.tile, entry.algo.stages) == (1, 10, 20)
 

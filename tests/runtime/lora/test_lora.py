@@ -443,7 +443,10 @@ def test_sync_restores_the_stack_each_runtime_owns(files, d32):
     L.apply_loras(d32, [(pa, 0.5, "merge")])  # e.g. the CLI
     view = L.with_lora(d32, str(pb), 0.2, "side")
     assert [s.path for s in view.lora_stack] == [str(pa), str(pb)]
-    view.model
+    assert len(L.lora_report(d32)["loras"]) == 1  # a view changes nothing until it is synced
+    view.model, view.ops  # reading is not syncing
+    assert len(L.lora_report(d32)["loras"]) == 1
+    view.sync()
     assert len(L.lora_report(d32)["loras"]) == 2 and len(d32.lora_stack) == 1
     L.sync_loras(d32)
     assert [e["file"] for e in L.lora_report(d32)["loras"]] == ["comfy.safetensors"]
@@ -567,7 +570,7 @@ def test_fc2_guard_refuses_while_a_side_lora_is_on_fc2(files, fp4, tmp_path):
     (blocks x steps) with the reason 'lora: LoRA side-path active on fc2', falls back, and the run report's
     counters show it; merged or removed, the refusal is no longer the LoRA's."""
     path, truth = files["comfy"]
-    ops = fp4.ops
+    ops = fp4.ops.base
     d = _dispatcher(tmp_path)
     fp4.fc2, ops.fc2_dispatcher = d, d
     try:
@@ -624,11 +627,11 @@ def test_lora_node_stacks_and_syncs_the_resident_model(fake_folder_paths, files,
     (two,) = node.apply(one, "diffusers.safetensors", 0.25, "side")
     assert [s.mode for s in two.lora_stack] == ["merge", "side"] and two.config is d32.config
     assert [e["file"] for e in L.lora_report(d32)["loras"]] == ["comfy.safetensors", "diffusers.safetensors"]
-    one.model  # another graph's output is used: the resident model now carries only its LoRA ...
+    one.sync()  # another graph's output is used: the resident model now carries only its LoRA ...
     res = sample(two, torch.randn(1, 5, 5120), None, torch.zeros(1, 24, 2, 4, 4), torch.zeros(1, 32, 2, 4), seed=1,
                  steps=1)  # ... and the sampler, given the chained output, gets both again
     assert res.report["backends"]["lora"]["choice"] == "merge+side" and "H3 model" in two.describe()
-    one.model  # the first node's output is used again: the resident model carries only its LoRA
+    one.sync()  # the first node's output is used again: the resident model carries only its LoRA
     assert [e["file"] for e in L.lora_report(d32)["loras"]] == ["comfy.safetensors"]
     assert not any(L.side_active(m) for m in d32.model.modules())
     with pytest.raises(H3NodeError, match="H3 LoRA: .*not found in loras"):

@@ -1,6 +1,7 @@
 """The NVFP4 block stack against an explicit W4A4 reference block written here, and against the dense
 reference model; NVFP4 files load without re-quantization."""
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -88,18 +89,18 @@ def test_fc2_gets_producer_bytes_padded_to_16_rows():
     calls = []
 
     class FakeDispatcher:
-        def __call__(self, x, w, *, m_logical, fallback, **kw):
-            calls.append((tuple(x.shape), m_logical, kw["producer"], kw["lora_active"]))
+        def __call__(self, ops, fallback, **kw):
+            calls.append((tuple(ops.x.shape), ops.m_logical, kw["producer"], kw["lora_active"]))
             return fallback(None)
 
-    rt.ops.fc2_dispatcher = FakeDispatcher()
+    rt.ops.base.fc2_dispatcher = FakeDispatcher()
     g = torch.Generator().manual_seed(2)
     out_fake = m(torch.randn(1, 24, 2, 6, 8, generator=g), torch.randn(1, 32, 2, 5, generator=g),
                  torch.randn(1, 7, 5120, generator=g), 0.5, ops=rt.ops)
     s = 7 + 2 * 5 + 2 * 3 * 4
     assert len(calls) == len(m.blocks)
     assert all(c == ((48, TINY.ffn_hidden_size // 2), s, "swiglu_nvfp4", False) for c in calls), calls[0]
-    rt.ops.fc2_dispatcher = None
+    rt.ops.base.fc2_dispatcher = None
     g = torch.Generator().manual_seed(2)
     out_plain = m(torch.randn(1, 24, 2, 6, 8, generator=g), torch.randn(1, 32, 2, 5, generator=g),
                   torch.randn(1, 7, 5120, generator=g), 0.5, ops=rt.ops)
@@ -114,11 +115,11 @@ def test_qkv_producers_pad_rows_zero_tail():
     x, w = torch.randn(50, 64, generator=g), torch.randn(64, generator=g)
     sc, sh = torch.randn(1, 64, generator=g), torch.randn(1, 64, generator=g)
     segs = [(0, 50, 0)]
-    a1 = qk.rms_modulate_quantize(x, w, sc, sh, segs, 1e-6)
-    a128 = qk.rms_modulate_quantize(x, w, sc, sh, segs, 1e-6, pad_rows=128)
+    a1 = qk.rms_modulate_quantize(x, w, qk.Modulation(sc, sh, segs), 1e-6)
+    a128 = qk.rms_modulate_quantize(x, w, qk.Modulation(sc, sh, segs), 1e-6, pad_rows=128)
     assert a128.packed.shape[0] == 128 and torch.equal(a128.packed[:50], a1.packed) and not a128.packed[50:].any()
-    o1, r1 = f8.rms_modulate_fp8(x, w, sc, sh, segs, 1e-6)
-    o128, r128 = f8.rms_modulate_fp8(x, w, sc, sh, segs, 1e-6, pad_rows=128)
+    o1, r1 = f8.rms_modulate_fp8(x, w, f8.Modulation(sc, sh, segs), 1e-6)
+    o128, r128 = f8.rms_modulate_fp8(x, w, f8.Modulation(sc, sh, segs), 1e-6, pad_rows=128)
     assert o128.shape == (128, 64) and r128.shape == (128,)
     assert torch.equal(o128[:50].view(torch.uint8), o1.view(torch.uint8)) and torch.equal(r128[:50], r1)
     assert not o128[50:].view(torch.uint8).any() and torch.equal(r128[50:], torch.ones(78))
@@ -143,3 +144,31 @@ def test_w4a8_ops_block_close_to_nvfp4_ops_and_dense():
     e8 = float((w4a8.model(*args, ops=w4a8.ops)[0] - dv).norm() / dv.norm())
     e4 = float((w4a4.model(*args, ops=w4a4.ops)[0] - dv).norm() / dv.norm())
     assert 0 < e8 < e4 < 0.2, (e8, e4)  # both quantize the weights the same way; e4m3 activations are finer
+
+
+def test_every_block_ops_meets_the_interface_and_wrappers_do_not_pass_writes_on():
+    """BlockOps is a declared interface (runtime.ops.interface): the plain ops and both wrappers meet it, a
+    capability is read as a declared attribute, and a wrapper refuses a write that is not its own (the state
+    belongs to ``ops.base``, or to a declared setter) instead of passing it to what it wraps."""
+    from h3_blackwell.runtime.lora.ops import LoraOps
+    from h3_blackwell.runtime.ops.block_ops import Nvfp4Ops, W4A8Ops
+    from h3_blackwell.runtime.ops.interface import BlockOps
+    from h3_blackwell.runtime.ops.reference import ReferenceOps
+    from h3_blackwell.runtime.ops.stream_ops import StreamOps
+
+    base = Nvfp4Ops(TINY, None)
+    wrapped = LoraOps(StreamOps(base, None, ffn_chunk_rows=32), {})
+    for ops in (ReferenceOps(TINY), W4A8Ops(TINY, None), base, StreamOps(base, None), wrapped):
+        assert isinstance(ops, BlockOps), type(ops).__name__
+    assert wrapped.base is base and wrapped.name == "nvfp4" and wrapped.takes_amax_reduce
+    assert wrapped.ffn_chunk_rows == 32 and base.ffn_chunk_rows is None  # the streaming wrapper's own
+    assert not ReferenceOps(TINY).takes_amax_reduce and ReferenceOps(TINY).fc2_dispatcher is None
+    with pytest.raises(AttributeError, match="does not pass writes on"):
+        wrapped.fc2_dispatcher = object()
+    with pytest.raises(AttributeError, match="does not pass writes on"):
+        wrapped.ffn_chunk_rows = 8
+    assert base.fc2_dispatcher is None and wrapped.ffn_chunk_rows == 32  # nothing was written anywhere
+    wrapped.set_ffn_chunk_rows(8)  # the declared setter reaches the ops that own the state
+    assert wrapped.ffn_chunk_rows == 8 and base.ffn_chunk_rows is None
+    wrapped.base.fc2_dispatcher = "d"
+    assert wrapped.fc2_dispatcher == "d"

@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from h3_blackwell.runtime.ops.elementwise import gate_add_, norm_rope_  # noqa: E402
+from h3_blackwell.runtime.ops.elementwise import NormRopeLaunch, gate_add_, norm_rope_  # noqa: E402
 from h3_blackwell.runtime.ops.operand_checks import check_segments  # noqa: E402
 from h3_blackwell.runtime.ops.reference import gate_add_reference, norm_rope_qkv_reference  # noqa: E402
 
@@ -77,7 +77,7 @@ def test_norm_rope_kernel_matches_reference(dtype, s, h, d, r, hpp):
     qkv, qw, kw, cos, sin = _inputs(s, h, d, r, dtype, seed=s + r)
     ref = norm_rope_qkv_reference(qkv, qw, kw, cos, sin, 1e-5, r)
     before = qkv.clone()
-    out = norm_rope_(qkv, qw, kw, cos, sin, 1e-5, r, block_s=8, heads_per_program=hpp)
+    out = norm_rope_(qkv, qw, kw, cos, sin, 1e-5, r, launch=NormRopeLaunch(block_s=8, heads_per_program=hpp))
     assert out is qkv
     _assert_within_one_rounding(qkv, ref, dtype)
     hd = h * d

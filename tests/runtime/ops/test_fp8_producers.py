@@ -122,10 +122,10 @@ def test_rms_modulate_fp8_bit_exact(s, k, dtype, scheme):
     shift_rows[2] *= 1e4  # very different magnitudes per segment
     scale_rows[2] *= 50
     segs = [(0, 1, 2), (1, 2, 3), (2, s, 0)] if s in (37, 9) else SEGS[s]
-    args = (x, weight, scale_rows, shift_rows, segs, 1e-5)
+    args = (x, weight, f8.Modulation(scale_rows, shift_rows, segs), 1e-5)
     ref = f8.rms_modulate_fp8(*args, backend="reference")
     _same(f8.rms_modulate_fp8(*args, backend="triton", scheme=scheme), ref)
-    h = R.rms_modulate_reference(*args)
+    h = R.rms_modulate_reference(x, weight, scale_rows, shift_rows, segs, 1e-5)
     _check_definition(h, *ref)
     if len(segs) > 1 and segs[1] == (1, 2, 3):
         assert ref[1][1].item() == 1.0 and (ref[0][1].view(torch.uint8) == 0).all()
@@ -331,11 +331,11 @@ def test_w4a8_no_less_accurate_than_w4a4_and_fc2_lt_not_applicable():
     calls = []
 
     class Dispatcher:
-        def __call__(self, *a, fallback, **kw):
+        def __call__(self, ops, fallback, **kw):
             calls.append(1)
             return fallback(None)
 
-    w4a4.ops.fc2_dispatcher = Dispatcher()  # W4A4 goes through it; W4A8 has none to call
+    w4a4.ops.base.fc2_dispatcher = Dispatcher()  # W4A4 goes through it; W4A8 has none to call
     args = (*_inputs(None, 1), 0.6)
     dv, da = dense(*args)
     errs = {}
@@ -454,7 +454,7 @@ def test_precision_option_reaches_the_w4a8_linears_and_the_silu():
     real = lin_mod.scaled_mm_rowwise
     for mode in ("exact", "fast"):
         rt = load_model(None, RuntimeOptions(**CPU, gemm="fp8", precision=mode), tiny_seed=1)
-        assert rt.ops.silu == mode and rt.ops.fast_accum == (mode == "fast")
+        assert rt.ops.base.silu == mode and rt.ops.base.fast_accum == (mode == "fast")
         seen = []
 
         def spy(*a, fast_accum=False, **kw):

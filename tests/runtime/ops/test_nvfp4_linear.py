@@ -166,8 +166,8 @@ def test_from_comfy_quant_calibrated_scale_pre_quant_scale_and_bias():
     sd = cq.to_comfy_quant(w, "blocks.0.attn.out_proj", input_scale=ins, pre_quant_scale=pqs)
     sd["blocks.0.attn.out_proj.bias"] = _rand((n,), seed=7, dtype=torch.float32)
     q = cq.from_comfy_quant_tensors(sd, "blocks.0.attn.out_proj", shape=(n, k))
-    lin = L.Nvfp4Linear(q.weight, bias=sd["blocks.0.attn.out_proj.bias"], input_scale=q.input_scale,
-                        pre_quant_scale=q.pre_quant_scale, backend="reference", act_scale="calibrated",
+    lin = L.Nvfp4Linear(q.weight, stored=L.StoredParts(sd["blocks.0.attn.out_proj.bias"], q.input_scale,
+                                                       q.pre_quant_scale), backend="reference", act_scale="calibrated",
                         out_dtype=torch.float32)
     assert torch.equal(lin.packed, w.packed) and lin.act_scale_reason.startswith("calibrated")
     x = _rand((2, 5, k), seed=8)  # any leading dims
@@ -194,7 +194,7 @@ def test_validation_messages():
     with pytest.raises(TypeError, match="needs an NVFP4Tensor"):
         L.Nvfp4Linear(torch.randn(4, 4), backend="reference")
     with pytest.raises(ValueError, match=r"bias must be \[16\]"):
-        L.Nvfp4Linear(lin.weight, bias=torch.zeros(3), backend="reference")
+        L.Nvfp4Linear(lin.weight, stored=L.StoredParts(bias=torch.zeros(3)), backend="reference")
     assert "backend=reference" in repr(lin)
 
 

@@ -67,7 +67,7 @@ def test_rms_modulate_quantize_bit_exact(s, k, dtype, calibrated):
     scale_rows = _rand((6, k), tdt, seed=4, scale=0.3)
     shift_rows = _rand((6, k), tdt, seed=5, scale=0.3)
     g = torch.tensor(0.004, device=DEV) if calibrated else None
-    args = (x, weight, scale_rows, shift_rows, SEGS[s], 1e-5, g)
+    args = (x, weight, qk.Modulation(scale_rows, shift_rows, SEGS[s]), 1e-5, g)
     ref = qk.rms_modulate_quantize(*args, backend="reference")
     _same(qk.rms_modulate_quantize(*args, backend="triton"), ref)
     h = R.rms_modulate_reference(x, weight, scale_rows, shift_rows, SEGS[s], 1e-5)
@@ -147,11 +147,11 @@ def test_segments_and_inputs_are_validated():
     x = _rand((10, 32), torch.bfloat16, seed=1)
     tab = _rand((2, 32), torch.bfloat16, seed=2)
     with pytest.raises(ValueError, match="without gaps"):
-        qk.rms_modulate_quantize(x, None, tab, tab, [(0, 4, 0), (5, 10, 1)], 1e-5)
+        qk.rms_modulate_quantize(x, None, qk.Modulation(tab, tab, [(0, 4, 0), (5, 10, 1)]), 1e-5)
     with pytest.raises(ValueError, match="gate_rows has 2 rows"):
-        qk.rms_modulate_quantize(x, None, tab, tab, [(0, 10, 2)], 1e-5)
+        qk.rms_modulate_quantize(x, None, qk.Modulation(tab, tab, [(0, 10, 2)]), 1e-5)
     with pytest.raises(ValueError, match=r"must be \[rows, K=32\]"):
-        qk.rms_modulate_quantize(x, None, tab[:, :16], tab, [(0, 10, 0)], 1e-5)
+        qk.rms_modulate_quantize(x, None, qk.Modulation(tab[:, :16], tab, [(0, 10, 0)]), 1e-5)
     with pytest.raises(ValueError, match="odd width"):
         qk.swiglu_quantize(x[:, :31])
     with pytest.raises(ValueError, match="backend='fast'"):

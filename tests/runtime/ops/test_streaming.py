@@ -19,7 +19,7 @@ from h3_blackwell.runtime.lora import apply as L
 from h3_blackwell.runtime.model.config import TINY
 from h3_blackwell.runtime.model.layout import latent_shapes
 from h3_blackwell.runtime.model.tiny import tiny_state_dict
-from h3_blackwell.runtime.ops.streaming import StreamOps
+from h3_blackwell.runtime.ops.stream_ops import StreamOps
 from h3_blackwell.runtime.parallel.group import ParallelContext
 from fixtures.reports import report_hashes
 from tests.fixtures.tiny_lora import save_tiny_lora, tiny_lora_truth
@@ -191,7 +191,7 @@ def test_ffn_row_chunks_equal_one_pass_where_row_local(stack):
         plan = rt.model.plan(text, VSHAPE, ASHAPE, [0.7])
         want = rt.model.evaluate(plan, 0, video, audio, rt.ops)
         for rows in (128, 64):
-            rt.ops.ffn_chunk_rows = rows
+            rt.ops.set_ffn_chunk_rows(rows)
             got = rt.model.evaluate(plan, 0, video, audio, rt.ops)
             errs = [rel(got[i], want[i]) for i in (0, 1)]
             assert max(errs) <= CHUNK_TOL[stack], (rows, errs)

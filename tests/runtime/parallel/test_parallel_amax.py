@@ -14,8 +14,9 @@ from h3_blackwell.runtime.model.config import TINY
 from h3_blackwell.runtime.ops import nvfp4, nvfp4_producers, reference
 from h3_blackwell.runtime.ops.block_ops import Nvfp4Ops, W4A8Ops
 from h3_blackwell.runtime.ops.linear import Nvfp4Linear
+from h3_blackwell.runtime.ops.nvfp4_producers import Modulation
 from h3_blackwell.runtime.ops.reference import ReferenceOps
-from h3_blackwell.runtime.ops.streaming import StreamOps
+from h3_blackwell.runtime.ops.stream_ops import StreamOps
 from h3_blackwell.runtime.parallel import AmaxAllReduce, CommStats, RowShard, launch
 from h3_blackwell.runtime.parallel.evaluate import numerics, sharded_ops
 
@@ -53,9 +54,10 @@ def _producers_on_ranks(ctx):
     cases = {
         "quantize": (nvfp4_producers.quantize(x), lambda r: nvfp4_producers.quantize(x[a:b], amax_reduce=r)),
         "rms_modulate_quantize": (
-            nvfp4_producers.rms_modulate_quantize(x, w, scale, shift, SEGS, eps),
-            lambda r: nvfp4_producers.rms_modulate_quantize(x[a:b], w, scale, shift, shard.local_segments(SEGS),
-                                                            eps, amax_reduce=r)),
+            nvfp4_producers.rms_modulate_quantize(x, w, Modulation(scale, shift, SEGS), eps),
+            lambda r: nvfp4_producers.rms_modulate_quantize(x[a:b], w,
+                                                            Modulation(scale, shift, shard.local_segments(SEGS)), eps,
+                                                            amax_reduce=r)),
         "swiglu_quantize": (nvfp4_producers.swiglu_quantize(h, pad_rows=16),
                             lambda r: nvfp4_producers.swiglu_quantize(h[a:b], pad_rows=16, amax_reduce=r)),
     }
@@ -102,10 +104,10 @@ def test_amax_reduce_hook_on_both_producer_backends(backend):
         "quantize": (nvfp4_producers.quantize(x), nvfp4.amax(x), lo,
                      lambda r: nvfp4_producers.quantize(x[lo], amax_reduce=r, backend=backend)),
         "rms_modulate_quantize": (
-            nvfp4_producers.rms_modulate_quantize(x, w, scale, shift, SEGS, TINY.eps),
+            nvfp4_producers.rms_modulate_quantize(x, w, Modulation(scale, shift, SEGS), TINY.eps),
             nvfp4.amax(reference.rms_modulate_reference(x, w, scale, shift, SEGS, TINY.eps)), lo,
-            lambda r: nvfp4_producers.rms_modulate_quantize(x[lo], w, scale, shift, segs, TINY.eps, amax_reduce=r,
-                                                            backend=backend)),
+            lambda r: nvfp4_producers.rms_modulate_quantize(x[lo], w, Modulation(scale, shift, segs), TINY.eps,
+                                                            amax_reduce=r, backend=backend)),
         "swiglu_quantize": (nvfp4_producers.swiglu_quantize(h, pad_rows=16), nvfp4.amax(reference.swiglu_reference(h)),
                             hi, lambda r: nvfp4_producers.swiglu_quantize(h[hi], pad_rows=16, amax_reduce=r,
                                                                           backend=backend)),
@@ -182,13 +184,15 @@ def test_sharded_ops_binds_the_reduction_on_a_copy_through_the_wrappers():
     base = Nvfp4Ops(TINY, None)
     wrapped = LoraOps(StreamOps(base, None), {})
     out = sharded_ops(wrapped, "ulysses", red)
-    assert out.amax_reduce is red and out.inner.inner._attention == "ulysses"
-    assert base.amax_reduce is None and wrapped.amax_reduce is None  # the load's ops keep the local amax
+    assert out.base.amax_reduce is red and out.inner.inner._attention == "ulysses"
+    assert base.amax_reduce is None and wrapped.base.amax_reduce is None  # the load's ops keep the local amax
     # a world of one binds nothing: the plain path's ops, attention aside
     assert sharded_ops(base, "ulysses", None).amax_reduce is None
     # row-local stacks have no dynamic per-tensor scale: nothing to bind
     for ops in (ReferenceOps(TINY), W4A8Ops(TINY, None)):
-        assert not hasattr(sharded_ops(ops, "ulysses", red), "amax_reduce")
+        assert not ops.takes_amax_reduce and sharded_ops(ops, "ulysses", red).base.amax_reduce is None
+        with pytest.raises(TypeError, match="take no dynamic amax"):
+            ops.set_amax_reduce(red)
     assert numerics(base).startswith("W4A4 with a dynamic activation scale: each per-tensor amax is all-reduced")
     assert numerics(W4A8Ops(TINY, None)).startswith("row-local")
 

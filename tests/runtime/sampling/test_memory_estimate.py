@@ -18,6 +18,7 @@ from fixtures.cli_contract import check_refusal, leftovers, marked, refused_inpr
 from h3_blackwell.runtime import conditioning_from_payload
 from h3_blackwell.runtime.model.cond_rows import keyframe_specs
 from h3_blackwell.runtime.model.layout import build_layout
+from h3_blackwell.runtime import budget
 from h3_blackwell.runtime.sampling import request
 
 GB = 1e9
@@ -47,7 +48,7 @@ def small_host(monkeypatch):
     """A host with 2 GB available, and a model load that fails the test: the refusal must come first."""
     import h3_blackwell.runtime.load as load_mod
 
-    monkeypatch.setattr(request, "host_available_bytes", lambda: int(2 * GB))
+    monkeypatch.setattr(budget, "host_available_bytes", lambda: int(2 * GB))
 
     def no_load(*a, **k):
         raise AssertionError("the model was loaded before the memory check")
@@ -124,7 +125,7 @@ def test_the_tensor_job_refuses_them_too(monkeypatch):
     from h3_blackwell.runtime import H3Error, RuntimeOptions, SampleInputs, SamplingSettings, load_model, tensor_job
 
     rt = load_model(None, RuntimeOptions(device="cpu", quantize=False))
-    monkeypatch.setattr(request, "host_available_bytes", lambda: int(2 * GB))
+    monkeypatch.setattr(budget, "host_available_bytes", lambda: int(2 * GB))
     kf = torch.randn(1, 24, 1, 4, 4)
     cond = conditioning_from_payload({"keyframes": [{"resolved_frame_index": 0, "latent": "k"}] * 20000}, {"k": kf})
     with pytest.raises(H3Error, match=r"80,020 packed rows.*needs ~"):
@@ -138,7 +139,7 @@ def test_the_tensor_job_refuses_them_too(monkeypatch):
 def test_a_few_keyframes_still_pass(inputs, tmp_path, monkeypatch):
     from h3_blackwell.runtime import JobFiles, SamplingSettings, make_job
 
-    monkeypatch.setattr(request, "host_available_bytes", lambda: int(2 * GB))
+    monkeypatch.setattr(budget, "host_available_bytes", lambda: int(2 * GB))
     job = make_job(None, sampling=SamplingSettings(seed=0, steps=1),
                    files=JobFiles(inputs=str(inputs), payload=str(_payload(tmp_path, 10))))
     assert len(job.inputs.conditioning.keyframes) == 10
