@@ -612,11 +612,12 @@ def test_sampler_node_refuses_nonfinite_conditioning():
     text = torch.randn(1, 4, 5120)
     text[0, 1, 3] = float("nan")
     with pytest.raises(H3Error) as e:
-        NODES["H3B_Sampler"]().sample(rt, [[text, {}]], latent, 1, 1, "euler", "simple", 12.0, 3.0, 1.0)
+        NODES["H3B_Sampler"]().sample(rt, [[text, {}]], latent, seed=1, steps=1, sampler="euler", scheduler="simple", shift_video=12.0, shift_audio=3.0, denoise=1.0)
     msg = str(e.value)
     assert "H3 Sampler" in msg and "text_states" in msg and "1 NaN" in msg, msg
     with pytest.raises(H3Error, match="seed=-1"):
-        NODES["H3B_Sampler"]().sample(rt, [[text.nan_to_num(), {}]], latent, -1, 1, "euler", "simple", 12.0, 3.0, 1.0)
+        NODES["H3B_Sampler"]().sample(rt, [[text.nan_to_num(), {}]], latent,
+                                      seed=-1, steps=1, sampler="euler", scheduler="simple", shift_video=12.0, shift_audio=3.0, denoise=1.0)
 
 
 def test_help_documents_every_option_with_its_default(capsys):
