@@ -23,20 +23,27 @@ reference is the ``token_aug = 0`` algorithm in fp32).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.metadata
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
 
 from ..errors import H3Error
-from .sparse_routing import (BLOCK, DEFAULT_EXTRA_TOKENS, DEFAULT_MIN_TOKENS, DEFAULT_START_PERCENT, DEFAULT_TAU,
-                             SparseRouting, SparseSchedule, routing_for_segments)
+from ..options import SparseSettings
+from .reference import modulated, qk_norm_rope
+from .sparse_methods import (PRODUCER_CHUNK, KernelArgs, VsaPlan, core_sinks, pad_rows, pooled_stats, rope_freqs,
+                             sol_reference, vsa_plan)
+from .sparse_routing import BLOCK, DEFAULT_EXTRA_TOKENS, SparseRouting, percent_to_sigma, routing_for_segments
 
 __all__ = [
     "SparseUnavailable",
     "SolAttention",
+    "SparseBlockCall",
+    "SparseSettings",
     "SparseStepAttention",
     "bind_sparse",
     "choose_sparse",
@@ -47,8 +54,8 @@ __all__ = [
     "stride_rules_hold",
 ]
 
+log = logging.getLogger("h3_blackwell")
 HEAD_DIM = 128                # the only head_dim the fused kernel takes
-_LOG2E = 1.4426950408889634
 # the fused kernel's dense query rows vs sol_attention_reference on random N(0,1) bf16 q/k/v
 PROBE_TOLERANCE = (0.1, "int8 q and k inside the kernel (comfy-kitchen: 'expect cos ~0.999', i.e. rel-L2 up to "
                         "~0.045); a broken kernel gives ~1")
@@ -62,68 +69,18 @@ class SparseUnavailable(H3Error):
 # reference
 # ---------------------------------------------------------------------------------------------
 
-def _block_sums(x: torch.Tensor, n: int) -> torch.Tensor:
-    """[T, H, D] -> [n, H, D]: sums over 64-row blocks (the last one ragged)."""
-    t = x.shape[0]
-    pad = n * BLOCK - t
-    if pad:
-        x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
-    return x.view(n, BLOCK, *x.shape[1:]).sum(1)
-
-
-def _block_stats(q, k, v, n, rows_per_block, log2s):
-    """Block summaries of fp32 [T, H, D] inputs: centroids, centred pooled keys, summed values, k_mu, thr/tau."""
-    lens = rows_per_block.view(n, 1, 1)
-    kc = _block_sums(k, n) / lens
-    k_mu = kc.mean(0, keepdim=True)                              # mean over blocks (not over tokens)
-    kcc = kc - k_mu
-    cen = _block_sums(q, n) / lens
-    var = (cen.pow(2) * kcc.pow(2).mean(0, keepdim=True)).sum(-1)   # [n, H]
-    spread = torch.sqrt(var * log2s * log2s + 1e-6)
-    return cen, kcc, _block_sums(v, n), k_mu, spread
-
-
 def sol_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, routing: SparseRouting, *,
                             scale: Optional[float] = None, query_blocks: int = 16) -> torch.Tensor:
-    """Sol-Attn (token_aug = 0) in fp32 for ``[S, H, D]`` (or ``[1, S, H, D]``) q, k, v of any strides.
-
-    Returns ``[S, H*D]`` fp32, head-major columns. ``query_blocks`` query blocks are computed at a time
-    (memory ``O(query_blocks * 64 * S * H)``). The algorithm is the module docstring's.
-    """
+    """Sol-Attn (token_aug = 0) in fp32 for ``[S, H, D]`` (or ``[1, S, H, D]``) q, k, v of any strides, with the
+    routing's tau, sinks and dense query rows (``sparse_methods.sol_reference``). Returns ``[S, H*D]`` fp32."""
     if q.dim() == 4:
         q, k, v = q[0], k[0], v[0]
     t, h, d = q.shape
     if k.shape != q.shape or v.shape != q.shape or t != routing.seq_len:
         raise H3Error(f"q, k, v must be [S, H, D] alike with S = routing.seq_len = {routing.seq_len}; found "
                       f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    n = routing.n_blocks
-    scale = d ** -0.5 if scale is None else float(scale)
-    log2s = scale * _LOG2E
-    qf, kf, vf = q.float(), k.float(), v.float()
-    rows = torch.full((n,), float(BLOCK), device=q.device)
-    rows[-1] = float(t - (n - 1) * BLOCK)
-    cen, kcc, vsum, k_mu, spread = _block_stats(qf, kf, vf, n, rows, log2s)
-    m = torch.einsum("ihd,jhd->hij", cen, kcc) * log2s              # [H, nq, nk] block scores
-    exact = (m > (routing.tau * spread).t().unsqueeze(-1)) | routing.forced_exact().to(q.device)
-    kh = (kf - k_mu).permute(1, 2, 0)                              # [H, D, T]: k - k_mu
-    vh = vf.permute(1, 0, 2)                                         # [H, T, D]
-    vc = vsum.permute(1, 0, 2)                                       # [H, n, D]
-    out = torch.empty(t, h, d, device=q.device)
-    key_block = torch.arange(t, device=q.device) // BLOCK
-    for i0 in range(0, n, query_blocks):
-        i1 = min(n, i0 + query_blocks)
-        r0, r1 = i0 * BLOCK, min(i1 * BLOCK, t)
-        qb = torch.arange(r0, r1, device=q.device) // BLOCK - i0     # query block of each row, local
-        ex_rows = exact[:, i0:i1][:, qb]                             # [H, r, n]
-        s_tok = torch.matmul(qf[r0:r1].permute(1, 0, 2), kh) * log2s  # [H, r, T]
-        s_tok = s_tok.masked_fill(~ex_rows[..., key_block], float("-inf"))
-        s_blk = m[:, i0:i1][:, qb].masked_fill(ex_rows, float("-inf"))  # [H, r, n]
-        top = torch.maximum(s_tok.amax(-1, keepdim=True), s_blk.amax(-1, keepdim=True))
-        p_tok, p_blk = torch.exp2(s_tok - top), torch.exp2(s_blk - top)
-        num = torch.matmul(p_tok, vh) + torch.matmul(p_blk, vc)
-        den = p_tok.sum(-1) + (p_blk * rows).sum(-1)
-        out[r0:r1] = (num / den.unsqueeze(-1)).permute(1, 0, 2)
-    return out.reshape(t, h * d)
+    args = KernelArgs(routing.tau, sink=routing.sink_blocks, sink_q=routing.dense_q_blocks)
+    return sol_reference(q, k, v, args, scale=scale, query_blocks=query_blocks).reshape(t, h * d)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,6 +196,17 @@ class SolAttention:
                                sink_q=list(routing.dense_q_blocks), token_aug=routing.token_aug)
         return out.view(s, heads * head_dim)
 
+    def chunked(self, produce, n: int, heads: int, freqs: torch.Tensor, norm_weights, state, args: KernelArgs,
+                eps: float):
+        """comfy-kitchen's chunked producer, called as core's H3 block path calls it: ``produce()`` yields the
+        pre-norm qkv chunks ([<=4096, 3*H*128] bf16) of ``n`` rows; the kernel applies q/k RMSNorm (``norm_weights``,
+        ``eps``) and RoPE (``freqs`` [1, n, 1, 48, 2, 2]). ``state``: this block's (kmean, vscale) from its last
+        sparse call, or None (cold). -> (out [1, n, H, 128] bf16, the next state)."""
+        km, vs = (None, None) if state is None else state
+        out, km, vs = self.ck.sol_attn_chunked(produce, n, heads, freqs, norm_weights, kmean=km, vscale=vs,
+                                               rope_eps=eps, **args.kernel_kwargs())
+        return out, (km, vs)
+
 
 # ---------------------------------------------------------------------------------------------
 # the step-aware backend the block stack calls
@@ -253,77 +221,174 @@ def reference_kernel(qkv: torch.Tensor, heads: int, head_dim: int, routing: Spar
 
 
 @dataclass
-class SparseStepAttention:
-    """``attention(qkv [S, 3*H*D]) -> [S, H*D]`` for the block stack: ``kernel`` with the run's routing on the
-    steps the schedule makes sparse, ``dense`` on the others. LOSSY on sparse steps. Bound once per load.
+class SparseBlockCall:
+    """One DiT block's inputs to the sparse path: its BlockOps (``ops.qkv`` produces the pre-norm qkv rows), index,
+    the residual ``x`` [S, hidden], the attention modulation (shift, scale) and segments, the RoPE tables."""
 
-    Per run: ``begin_run(segments, shift_video, tau)`` builds the routing from the packed layout and the schedule
-    from the video shift; per step: ``begin_step(i, sigma)`` with the MODEL sigma decides sparse or dense (the
-    context the sampler sets; nothing is re-derived per call). ``summary()`` is the report's block.
+    ops: Any
+    index: int
+    x: torch.Tensor
+    shift: torch.Tensor
+    scale: torch.Tensor
+    segments: Any
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+@dataclass
+class SparseStepAttention:
+    """Core's block-sparse attention (sol-attn, sla, vsa; ``SparseSettings``) for the block stack. LOSSY on its
+    sparse calls. Bound once per load.
+
+    Per run: ``begin_run(segments, grid, shift_video, settings)`` takes the packed layout (segments, the target
+    video grid (T, H/2, W/2)), freezes the sigma window (the settings' frozen sigmas, else from the percents at
+    the run's video shift) and clears the carried statistics; per step: ``begin_step(i, sigma)`` with the MODEL
+    sigma; per block: ``takes(index, x)`` says whether the block runs sparse (window, min_tokens, dense_blocks,
+    bf16 on CUDA as core), then ``block_attention(blk, call)`` -> [S, H*D]. Any other attention call
+    (``__call__(qkv)``: dense blocks and steps, the tower, the refiner) runs ``dense``. ``kernel``: comfy-kitchen's
+    kernels (SolAttention) or None (the eager reference, on the CPU). ``summary()`` is the report's block.
     """
 
-    kernel: Any                   # SolAttention or reference_kernel: (qkv, heads, head_dim, routing) -> [S, H*D]
-    dense: Any                    # the dense backend, bound: qkv -> [S, H*D]
+    kernel: Any
+    dense: Any
     heads: int
     head_dim: int
-    tau: float = DEFAULT_TAU
-    token_aug: int = DEFAULT_EXTRA_TOKENS
-    start_percent: float = DEFAULT_START_PERCENT
-    min_tokens: int = DEFAULT_MIN_TOKENS
+    settings: SparseSettings = SparseSettings()
     kernel_name: str = ""
     dense_name: str = ""
-    routing: Optional[SparseRouting] = None
-    schedule: Optional[SparseSchedule] = None
+    run_settings: Optional[SparseSettings] = None
+    segments: list = field(default_factory=list)
+    grid: tuple = (0, 0, 0)
+    window: tuple = (0.0, 0.0)
+    sinks: tuple = ((0, 0), (0, 0))
     sparse_now: bool = False
+    pooled: dict = field(default_factory=dict)
+    plans: dict = field(default_factory=dict)
     steps: list = field(default_factory=list)
     calls: dict = field(default_factory=lambda: {"sparse": 0, "dense": 0})
+    notes: list = field(default_factory=list)
 
-    def begin_run(self, segments: Sequence[tuple[int, int, str]], shift_video: float,
-                  tau: Optional[float] = None) -> None:
-        """Routing and schedule of one sampling run (``tau``: this run's, default the bound one)."""
-        self.routing = routing_for_segments(segments, tau=self.tau if tau is None else float(tau),
-                                            token_aug=self.token_aug)
-        self.schedule = SparseSchedule(float(shift_video), self.start_percent, 1.0, self.min_tokens)
-        self.steps = []
+    @property
+    def seq_len(self) -> int:
+        return self.segments[-1][1] if self.segments else 0
+
+    def begin_run(self, segments: Sequence[tuple[int, int, str]], grid: tuple[int, int, int], shift_video: float,
+                  settings: Optional[SparseSettings] = None) -> None:
+        s = (settings or self.settings).check()
+        hi = percent_to_sigma(s.start_percent, shift_video) if s.sigma_start is None else float(s.sigma_start)
+        lo = percent_to_sigma(s.end_percent, shift_video) if s.sigma_end is None else float(s.sigma_end)
+        self.run_settings, self.segments, self.grid, self.window = s, list(segments), tuple(grid), (lo, hi)
+        self.sinks = core_sinks(self.segments, self.seq_len, s.sinks)
+        self.pooled, self.plans, self.steps, self.notes = {}, {}, [], []
         self.calls = {"sparse": 0, "dense": 0}
         self.sparse_now = False
 
     def begin_step(self, step: int, sigma: float) -> None:
-        if self.routing is None:
-            raise H3Error("sparse attention: begin_run(segments, shift) must come before begin_step (no routing yet)")
-        reason = self.schedule.dense_reason(sigma, self.routing.seq_len)
+        if self.run_settings is None:
+            raise H3Error("sparse attention: begin_run(segments, grid, shift) must come before begin_step")
+        lo, hi = self.window
+        reason = None
+        if sigma > hi or sigma < lo:
+            reason = f"sigma {sigma:.6g} outside the sparse window [{lo:.6g}, {hi:.6g}]"
+        elif self.seq_len < self.run_settings.min_tokens:
+            reason = f"{self.seq_len} rows < min_tokens {self.run_settings.min_tokens}"
         self.sparse_now = reason is None
         self.steps.append({"step": step, "sigma": float(sigma), "sparse": self.sparse_now,
                            **({} if reason is None else {"dense_because": reason})})
 
     def end_run(self) -> None:
-        """Back to dense until the next begin_run (a forward outside a sampling run stays exact-path dense)."""
+        """Back to dense until the next begin_run (a forward outside a sampling run stays dense)."""
         self.sparse_now = False
 
+    def takes(self, index: int, x: torch.Tensor) -> bool:
+        """Whether block ``index`` runs sparse on ``x`` [S, hidden] now (core's ``h3_eligible``)."""
+        s = self.run_settings
+        if not self.sparse_now or x.shape[0] != self.seq_len or index in s.dense_blocks:
+            return False
+        return x.device.type == "cpu" or x.dtype == torch.bfloat16
+
+    def _plan(self, device) -> VsaPlan:
+        key = str(device)
+        if key not in self.plans:
+            self.plans[key] = vsa_plan(self.segments, self.grid, device)
+        return self.plans[key]
+
+    def _inputs(self, blk, c: SparseBlockCall):
+        """(produce, n, cos, sin, kernel args, VSA plan or None) of one block call (core's H3 block path)."""
+        s, x, rows = self.run_settings, c.x, c.x.shape[0]
+        if not s.vsa:
+            def produce():
+                for a in range(0, rows, PRODUCER_CHUNK):
+                    b = min(rows, a + PRODUCER_CHUNK)
+                    yield c.ops.qkv(c.index, blk, x[a:b], c.shift, c.scale, _clip(c.segments, a, b))
+
+            args = KernelArgs(s.tau, s.topk_ratio, *self.sinks, token_aug=s.token_aug)
+            return produce, rows, c.cos, c.sin, args, None
+        plan = self._plan(x.device)
+        qkv = pad_rows(c.ops.qkv(c.index, blk, x, c.shift, c.scale, c.segments), plan)
+        gate = blk.attn.to_gate_compress
+        if gate is None:
+            self._note("VSA: the model has no to_gate_compress layers; running the fine stage without the coarse "
+                       "branch")
+        else:
+            h = modulated(x, blk.norm1, c.shift, c.scale, c.segments)
+            gate = pad_rows(gate(h), plan).view(1, plan.n, self.heads, self.head_dim)
+        args = KernelArgs(s.tau, s.topk_ratio, (0, plan.n_prefix), (0, plan.n_prefix), tail=False,
+                          block_len=plan.block_len, coarse_gate=gate)
+        return (lambda: (qkv[a:a + PRODUCER_CHUNK] for a in range(0, plan.n, PRODUCER_CHUNK)), plan.n,
+                pad_rows(c.cos, plan), pad_rows(c.sin, plan), args, plan)
+
+    def block_attention(self, blk, c: SparseBlockCall) -> torch.Tensor:
+        """The sparse attention of one block -> [S, H*D] in x's dtype (before out_proj)."""
+        produce, n, cos, sin, args, plan = self._inputs(blk, c)
+        key = (c.index, n)
+        qw, kw = blk.attn.q_norm.weight, blk.attn.k_norm.weight
+        eps = blk.attn.q_norm.eps
+        if self.kernel is None:
+            q, k, v = qk_norm_rope(torch.cat(list(produce())), qw, kw, cos, sin, self.heads, self.head_dim, eps)
+            gate = None if args.coarse_gate is None else args.coarse_gate[0]
+            out = sol_reference(q, k, v, dataclasses.replace(args, coarse_gate=gate))
+            state = pooled_stats(k, v, args.block_len)
+        else:
+            out, state = self.kernel.chunked(produce, n, self.heads, rope_freqs(cos, sin), (qw, kw),
+                                             self.pooled.get(key), args, eps)
+        self.pooled[key] = state
+        self.calls["sparse"] += 1
+        out = out.reshape(n, self.heads * self.head_dim)
+        return (out if plan is None else out[plan.inv]).to(c.x.dtype)
+
+    def _note(self, message: str) -> None:
+        if message not in self.notes:
+            self.notes.append(message)
+            log.warning(message)
+
     def __call__(self, qkv: torch.Tensor) -> torch.Tensor:
-        if self.sparse_now and qkv.shape[0] == self.routing.seq_len:
-            self.calls["sparse"] += 1
-            return self.kernel(qkv, self.heads, self.head_dim, self.routing)
         self.calls["dense"] += 1
         return self.dense(qkv)
 
     def summary(self) -> dict:
-        """Report fields: what ran, the routing, the schedule switch, which steps were sparse, calls, copies."""
-        r, sch = self.routing, self.schedule
-        out = {"lossy": True, "kernel": self.kernel_name, "dense_backend": self.dense_name,
-               "tau": self.tau if r is None else r.tau, "extra_tokens": self.token_aug,
-               "start_percent": self.start_percent, "min_tokens": self.min_tokens,
-               "sparse_steps": [s["step"] for s in self.steps if s["sparse"]],
-               "dense_steps": [s["step"] for s in self.steps if not s["sparse"]], "calls": dict(self.calls)}
-        if sch is not None:
-            out["sparse_at_or_below_sigma"] = sch.sigma_start
-        if r is not None:
-            out.update(sink_blocks=list(r.sink_blocks), dense_query_blocks=list(r.dense_q_blocks),
-                       sink_rows=list(r.sink_rows()), dense_query_rows=list(r.dense_rows()))
+        """Report fields: what ran, the settings, the window, which steps were sparse, calls, copies, notes."""
+        s = self.run_settings or self.settings
+        (s0, s1), (q0, q1) = self.sinks
+        out = {"lossy": True, "kernel": self.kernel_name, "dense_backend": self.dense_name, "method": s.method,
+               "tau": s.tau, "keep_percent": s.keep_percent if s.method != "sol-attn" else None,
+               "extra_tokens": s.token_aug, "start_percent": s.start_percent, "end_percent": s.end_percent,
+               "min_tokens": s.min_tokens, "dense_blocks": list(s.dense_blocks), "sink_conditioning": s.sinks,
+               "sparse_steps": [x["step"] for x in self.steps if x["sparse"]],
+               "dense_steps": [x["step"] for x in self.steps if not x["sparse"]], "calls": dict(self.calls),
+               "sparse_at_or_below_sigma": self.window[1], "sparse_at_or_above_sigma": self.window[0],
+               "sink_blocks": [s0, s1], "dense_query_blocks": [q0, q1],
+               "sink_rows": [s0 * BLOCK, min(s1 * BLOCK, self.seq_len)],
+               "dense_query_rows": [q0 * BLOCK, min(q1 * BLOCK, self.seq_len)], "notes": list(self.notes)}
         copies = getattr(self.kernel, "copies", None)
         if copies is not None:
             out["qkv_copies"] = dict(copies)
         return out
+
+
+def _clip(segments, start: int, stop: int) -> list:
+    """The modulation segments [(a, b, row)] overlapping rows [start, stop), re-based to the slice."""
+    return [(max(a, start) - start, min(b, stop) - start, r) for a, b, r in segments if a < stop and b > start]
 
 
 def sparse_check(device: torch.device | str, *, head_dim: int = HEAD_DIM, dtype: torch.dtype = torch.bfloat16,
@@ -355,29 +420,15 @@ def choose_sparse(device: torch.device | str, *, head_dim: int = HEAD_DIM, dtype
     return "sparse", why
 
 
-@dataclass(frozen=True)
-class SparseSettings:
-    """What the load binds the sparse backend with (the plan's ``sparse_settings``): the routing threshold
-    ``tau``, the extra tokens per routed block, the dense fraction of the schedule and the fewest rows that go
-    sparse."""
-
-    tau: float = DEFAULT_TAU
-    extra_tokens: int = DEFAULT_EXTRA_TOKENS
-    start_percent: float = DEFAULT_START_PERCENT
-    min_tokens: int = DEFAULT_MIN_TOKENS
-
-
 def bind_sparse(device: torch.device | str, dtype: torch.dtype, heads: int, head_dim: int, dense, dense_name: str,
                 settings: SparseSettings = SparseSettings()) -> SparseStepAttention:
-    """The sparse backend bound once at load: comfy-kitchen's kernel on CUDA (reference on the CPU) plus the
-    bound ``dense`` backend for the dense steps."""
+    """The sparse backend bound once at load: comfy-kitchen's kernels on CUDA (the eager reference on the CPU)
+    plus the bound ``dense`` backend for every dense call."""
     device = torch.device(device)
     if device.type == "cpu":
-        kernel, name = reference_kernel, "fp32 reference (sol_attention_reference)"
+        kernel, name = None, "fp32 reference (sparse_methods.sol_reference)"
     else:
         kernel = SolAttention.resolve(device, head_dim, dtype)
-        name = f"comfy-kitchen {kernel.version} sol_attn"
-    return SparseStepAttention(kernel, dense, heads, head_dim, tau=float(settings.tau),
-                               token_aug=int(settings.extra_tokens), start_percent=float(settings.start_percent),
-                               min_tokens=int(settings.min_tokens), kernel_name=name,
+        name = f"comfy-kitchen {kernel.version} sol_attn_chunked"
+    return SparseStepAttention(kernel, dense, heads, head_dim, settings.check(), kernel_name=name,
                                dense_name=dense_name)
