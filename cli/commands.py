@@ -42,7 +42,10 @@ def _generate_options(a) -> dict:
     return dict(device=a.device, dtype=a.dtype, attention=a.attention, gemm=a.gemm, act_format=a.act_format,
                 act_scale=a.act_scale, precision=a.precision, fc2=a.fc2, quantize=False if a.dense else None,
                 sparse_tau=a.sparse_tau, sparse_start=a.sparse_start, sparse_extra_tokens=a.sparse_extra_tokens,
-                sparse_min_tokens=a.sparse_min_tokens, first_block_cache=a.first_block_cache,
+                sparse_min_tokens=a.sparse_min_tokens, sparse_method=a.sparse_method,
+                sparse_keep_percent=a.sparse_keep_percent, sparse_end=a.sparse_end,
+                sparse_dense_blocks=a.sparse_dense_blocks, sparse_sinks=a.sparse_sinks,
+                first_block_cache=a.first_block_cache,
                 vram_budget=a.vram_budget, cpu_threads=a.cpu_threads)
 
 

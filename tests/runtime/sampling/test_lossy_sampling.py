@@ -142,3 +142,16 @@ def test_cli_flags(tmp_path, capsys):
     assert cli.main(["generate", "--output", str(tmp_path / "bad"), "--sparse-tau", "-1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: option sparse_tau=-1.0")
+
+
+def test_cli_sparse_method_flags(tmp_path):
+    """--sparse-method / --sparse-keep-percent / --dense-blocks reach the run (the report's settings) and VSA on a
+    checkpoint without to_gate_compress runs the fine stage with the warning in the report."""
+    out = tmp_path / "v"
+    assert cli.main(["generate", "--output", str(out), "--steps", "3", "--dense", "--attention", "sparse",
+                     "--sparse-method", "vsa", "--sparse-keep-percent", "30", "--dense-blocks", "1",
+                     "--sparse-min-tokens", "0", "--width", "256", "--height", "192", "--frames", "39"]) == 0
+    rep = json.loads((out / "report.json").read_text())["sparse_attention"]
+    assert (rep["method"], rep["keep_percent"], rep["extra_tokens"], rep["dense_blocks"]) == ("vsa", 30.0, 0, [1])
+    assert rep["sparse_steps"] == [1, 2] and rep["calls"]["sparse"] == 2 * 2          # blocks 0 and 2, 2 steps
+    assert "to_gate_compress" in rep["notes"][0]
