@@ -314,7 +314,8 @@ class SparseStepAttention:
         return self.plans[key]
 
     def _inputs(self, blk, c: SparseBlockCall):
-        """(produce, n, cos, sin, kernel args, VSA plan or None) of one block call (core's H3 block path)."""
+        """(produce, n, cos, sin, kernel args, VSA plan or None) of one block call (core's H3 block path):
+        ``produce()`` yields the pre-norm qkv in 4096-row chunks, the GEMM shapes core's producer runs."""
         s, x, rows = self.run_settings, c.x, c.x.shape[0]
         if not s.vsa:
             def produce():
@@ -325,18 +326,30 @@ class SparseStepAttention:
             args = KernelArgs(s.tau, s.topk_ratio, *self.sinks, token_aug=s.token_aug)
             return produce, rows, c.cos, c.sin, args, None
         plan = self._plan(x.device)
-        qkv = pad_rows(c.ops.qkv(c.index, blk, x, c.shift, c.scale, c.segments), plan)
-        gate = blk.attn.to_gate_compress
-        if gate is None:
+        gate_proj = blk.attn.to_gate_compress
+        if gate_proj is None:
             self._note("VSA: the model has no to_gate_compress layers; running the fine stage without the coarse "
                        "branch")
-        else:
-            h = modulated(x, blk.norm1, c.shift, c.scale, c.segments)
-            gate = pad_rows(gate(h), plan).view(1, plan.n, self.heads, self.head_dim)
+        gate = None if gate_proj is None else x.new_empty(plan.n, self.heads * self.head_dim)
+        src_host = plan.src.cpu()
+        row_mod = torch.empty(rows, dtype=torch.int64)
+        for a, b, r in c.segments:
+            row_mod[a:b] = r
+
+        def produce():  # core's order of work: the padded rows' chunks, pad rows zero in qkv and the gate
+            for a in range(0, plan.n, PRODUCER_CHUNK):
+                idx, live = plan.src[a:a + PRODUCER_CHUNK], plan.live[a:a + PRODUCER_CHUNK].unsqueeze(1)
+                xc, segs = x[idx.clamp_min(0)], _runs(row_mod[src_host[a:a + PRODUCER_CHUNK].clamp_min(0)])
+                if gate is not None:
+                    hc = modulated(xc, blk.norm1, c.shift, c.scale, segs)
+                    gate[a:a + xc.shape[0]] = gate_proj(torch.where(live, hc, torch.zeros_like(hc)))
+                y = c.ops.qkv(c.index, blk, xc, c.shift, c.scale, segs)
+                yield torch.where(live, y, torch.zeros_like(y))
+
         args = KernelArgs(s.tau, s.topk_ratio, (0, plan.n_prefix), (0, plan.n_prefix), tail=False,
-                          block_len=plan.block_len, coarse_gate=gate)
-        return (lambda: (qkv[a:a + PRODUCER_CHUNK] for a in range(0, plan.n, PRODUCER_CHUNK)), plan.n,
-                pad_rows(c.cos, plan), pad_rows(c.sin, plan), args, plan)
+                          block_len=plan.block_len,
+                          coarse_gate=None if gate is None else gate.view(1, plan.n, self.heads, self.head_dim))
+        return produce, plan.n, pad_rows(c.cos, plan), pad_rows(c.sin, plan), args, plan
 
     def block_attention(self, blk, c: SparseBlockCall) -> torch.Tensor:
         """The sparse attention of one block -> [S, H*D] in x's dtype (before out_proj)."""
@@ -384,6 +397,13 @@ class SparseStepAttention:
         if copies is not None:
             out["qkv_copies"] = dict(copies)
         return out
+
+
+def _runs(rows: torch.Tensor) -> list:
+    """Per-row modulation rows [m] (host int64) -> segments [(start, stop, row)] of equal consecutive rows."""
+    values, counts = torch.unique_consecutive(rows, return_counts=True)
+    ends = counts.cumsum(0).tolist()
+    return [(e - n, e, int(v)) for v, n, e in zip(values.tolist(), counts.tolist(), ends)]
 
 
 def _clip(segments, start: int, stop: int) -> list:

@@ -215,3 +215,89 @@ def test_vsa_block_path(gate, caplog):
     assert torch.allclose(out, want, rtol=0, atol=1e-5)                 # fp32; qkv gathered vs projected padded
     assert (att.summary()["notes"] != []) is (not gate)                 # the fine-stage-only warning
     assert att.summary()["extra_tokens"] == 0                           # VSA forces 0
+
+
+# -- against core's own code (its nodes_sparse_attention.py read by commit, cached outside git) ------------------
+
+def test_sinks_and_vsa_plan_equal_cores_own_code():
+    """core's SparseAttnPatch.sinks / vsa_plan / vsa_rope_freqs on the CPU against ours, t2va and fl2va layouts."""
+    from fixtures.core_src import CoreLayout, load_core_sparse, missing_reason
+    from h3_blackwell.runtime.model.layout import KeyframeSpec
+
+    core = load_core_sparse()
+    if core is None:
+        pytest.skip(missing_reason())
+    for lay in (build_layout(**LAY), build_layout(text_len=37, latent_t=7, lat_h=10, lat_w=14, audio_t=50,
+                                                  keyframes=(KeyframeSpec(0), KeyframeSpec(21)))):
+        cl = CoreLayout(lay)
+        for mode in ("exact_kv", "exact_kv_and_rows", "off"):
+            patch = core.SparseAttnPatch(1.3, 0.0, False, 1.0, 0.0, 0, set(), mode, 0, False)
+            assert patch.sinks({"minimax_h3_layout": cl}, lay.seq_len) == SM.core_sinks(lay.segments, lay.seq_len,
+                                                                                          mode)
+        theirs = patch.vsa_plan(cl, "cpu")
+        ours = SM.vsa_plan(lay.segments, (lay.latent_t, lay.lat_h // 2, lay.lat_w // 2), "cpu")
+        assert (theirs["n"], theirs["n_prefix"]) == (ours.n, ours.n_prefix)
+        for k in ("src", "inv", "block_len"):
+            assert torch.equal(theirs[k], getattr(ours, k)), k
+        ang = _rand(lay.seq_len, 48, seed=9)
+        cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+        freqs = SM.rope_freqs(cos, sin)
+        padded = patch.vsa_rope_freqs(freqs, theirs)
+        assert torch.equal(padded, SM.rope_freqs(SM.pad_rows(cos, ours), SM.pad_rows(sin, ours)))
+
+
+class RecordingKitchen:
+    """comfy-kitchen's sol_attn_chunked as a recorder (the CPU has no kernel): what each call was handed; the
+    statistics it returns are a function of the chunks, so equal inputs give equal carried state."""
+
+    def __init__(self):
+        self.calls = []
+
+    def sol_attn_is_available(self, device=None):
+        return True
+
+    def sol_attn_chunked(self, chunks, n, h, freqs, norm_w, kmean=None, vscale=None, **kw):
+        rows = [c.clone() for c in (chunks() if callable(chunks) else chunks)]
+        state = [None if t is None else t.clone() for t in (kmean, vscale)]   # core reuses its buffers (copy_)
+        self.calls.append(dict(chunks=rows, n=n, h=h, freqs=freqs, norm_w=norm_w, kmean=state[0], vscale=state[1],
+                               kw={k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}))
+        k = sum(float(c.float().sum()) for c in rows)
+        return torch.zeros(1, n, h, 128, dtype=torch.bfloat16), torch.full((h, 128), k), torch.full((h, 128), -k)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b
+
+
+@pytest.mark.parametrize("method", ["sol-attn", "sla", "vsa", "vsa_no_gate"])
+def test_kernel_is_called_with_cores_arguments(method):
+    """Core's own h3_sparse_attention and ours on one real-size layout (tests/fixtures/sparse_parity.py) on the CPU,
+    comfy-kitchen replaced by a recorder on both sides: each call hands the kernel the same qkv chunks (bytes),
+    rope table, norm weights and keywords (tau, topk_ratio, token_aug, sinks, tail, block_len, coarse gate,
+    rope_eps), and the same carried statistics: cold on the first call, then what the previous call returned."""
+    from fixtures.core_src import load_core_sparse, missing_reason
+    from fixtures.sparse_parity import CALLS, run_both
+
+    if load_core_sparse() is None:
+        pytest.skip(missing_reason())
+    ck = RecordingKitchen()
+    same_chunks = run_both(method, dev="cpu", kitchen=ck)[4]
+    assert same_chunks == [True] * CALLS                                # the GPU test's own check agrees
+    core_calls, our_calls = ck.calls[0::2], ck.calls[1::2]             # the calls alternate: core, ours
+    assert len(core_calls) == len(our_calls) == CALLS
+    for i, (c, o) in enumerate(zip(core_calls, our_calls)):
+        assert (c["n"], c["h"]) == (o["n"], o["h"]) and _same(c["freqs"], o["freqs"]), i
+        assert _same(c["norm_w"], o["norm_w"]) and _same(c["kw"], o["kw"]), (i, sorted(c["kw"]), sorted(o["kw"]))
+        assert _same(c["chunks"], o["chunks"]), i
+        assert ("coarse_gate" in c["kw"]) is (method == "vsa") and c["kw"].get("tail", True) is ("vsa" not in method)
+        assert (c["kmean"] is None) is (o["kmean"] is None) is (i == 0)
+        if i:
+            assert _same((c["kmean"], c["vscale"]), (o["kmean"], o["vscale"]))
+            k = torch.tensor(sum(float(x.float().sum()) for x in core_calls[i - 1]["chunks"]), dtype=torch.float32)
+            assert c["kmean"][0, 0] == k                       # the previous call's statistics, carried
