@@ -20,7 +20,7 @@ import logging
 import os
 
 from ..runtime import CHOICES, FC2_MODES, SPARSE_METHODS, H3Error, RuntimeOptions, open_model
-from ._common import CATEGORY, comfy_module, file_stamp, node_error, optional_comfy_module
+from ._common import CATEGORY, comfy_module, file_stamp, keyword_inputs, node_error, optional_comfy_module
 from .core_model import RuntimeHandle, UnavailableModel
 
 TINY_CHOICE = "embedded tiny (seed 0)"
@@ -154,8 +154,10 @@ class H3ModelLoader:
         }}
 
     def load(self, model: str, gemm: str, attention: str, fc2_lt: str, adaln_cache: bool, vram_budget: str = "auto",
-             sparse_method: str = SPARSE_METHODS[0], sparse_keep_percent: float = SPARSE_KEEP_PERCENT,
-             dense_blocks: str = ""):
+             **sparse_widgets):
+        """ComfyUI's FUNCTION; ``sparse_widgets``: the optional sparse_method, sparse_keep_percent, dense_blocks."""
+        w = keyword_inputs(self, sparse_widgets)
+        sparse_method, sparse_keep_percent, dense_blocks = w["sparse_method"], w["sparse_keep_percent"], w["dense_blocks"]
         if fc2_lt not in FC2_CHOICES:
             raise node_error(self.TITLE, f"fc2_lt={fc2_lt!r}: expected one of {', '.join(FC2_CHOICES)}")
         if not isinstance(model, str) or not model:

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops.reference import exact_attention, rms_norm
-from ..ops.sparse_attention import SparseBlockCall
+from ..ops.sparse_step import SparseBlockCall
 from .config import H3Config
 
 
