@@ -222,6 +222,10 @@ def _generate_parser(sub) -> None:
     g.add_argument("--steps", type=int, help="sampling steps, >= 1 (default: 8 small models, 20 full)")
     g.add_argument("--seed", type=int, default=440420, help="noise seed, 0 .. 2**64-1 (ComfyUI's range)")
     g.add_argument("--sampler", default="res_multistep", choices=["euler", "res_multistep"], help="sampler")
+    g.add_argument("--preset", default=None, choices=["fasth3"],
+                   help="a distilled checkpoint's settings, for the flags not given: fasth3 = 4 steps, euler, shifts "
+                        "12 / 3, --attention sparse --sparse-method vsa --sparse-keep-percent 10 (FastH3, trained "
+                        "with VSA)")
     g.add_argument("--scheduler", default="simple", choices=["simple"], help="sigma schedule")
     g.add_argument("--denoise", type=float, default=1.0, help="fraction of the schedule to run, in (0, 1]")
     g.add_argument("--runs", type=int, default=1, help="measured resident runs (the report gives their median)")

@@ -435,3 +435,26 @@ class Measure:
 
     runs: int = 1
     warmup: int = 0
+
+
+@dataclass(frozen=True)
+class Preset:
+    """What a distilled checkpoint was trained to run with (the CLI's ``--preset``; the FastH3 workflow): its step
+    count, sampler, flow shifts and the sparse attention it was trained against (attention=sparse with these
+    settings; None: dense)."""
+
+    name: str
+    steps: int
+    sampler: str
+    shift_video: float
+    shift_audio: float
+    sparse: SparseSettings | None = None
+
+
+# FastH3 (FastVideo's 4-step DMD2 student of H3, trained with VSA at 0.9 sparsity on 64-row tiles): 4 steps on the
+# uniform grid at the base shifts 12 / 3, core's vsa method at 10 % kept with the checkpoint's to_gate_compress;
+# the rest of core's node defaults (start 0.2: the first step dense)
+PRESETS: dict[str, Preset] = {
+    "fasth3": Preset("fasth3", 4, "euler", 12.0, 3.0, SparseSettings("vsa", keep_percent=10.0)),
+}
+

@@ -155,3 +155,22 @@ def test_cli_sparse_method_flags(tmp_path):
     assert (rep["method"], rep["keep_percent"], rep["extra_tokens"], rep["dense_blocks"]) == ("vsa", 30.0, 0, [1])
     assert rep["sparse_steps"] == [1, 2] and rep["calls"]["sparse"] == 2 * 2          # blocks 0 and 2, 2 steps
     assert "to_gate_compress" in rep["notes"][0]
+
+
+def test_cli_fasth3_preset(tmp_path):
+    """--preset fasth3: 4 steps, euler, shifts 12 / 3, attention sparse with vsa at 10 %; a flag given wins."""
+    out = tmp_path / "f"
+    assert cli.main(["generate", "--output", str(out), "--dense", "--preset", "fasth3", "--sparse-min-tokens", "0",
+                     "--width", "256", "--height", "192", "--frames", "39", "--sparse-keep-percent", "25"]) == 0
+    rep = json.loads((out / "report.json").read_text())
+    sa, wl = rep["sparse_attention"], rep["workload"]
+    assert (sa["method"], sa["keep_percent"]) == ("vsa", 25.0) and len(sa["sparse_steps"] + sa["dense_steps"]) == 4
+    assert (wl["steps"], wl["sampler"]) == (4, "euler"), wl
+    assert wl["shifts"] == [12.0, 3.0], wl
+    from h3_blackwell.cli.commands import apply_preset
+    from h3_blackwell.cli.parser import build_parser
+
+    argv = ["generate", "--output", str(out), "--preset", "fasth3", "--steps", "6", "--attention", "sdpa"]
+    a = build_parser().parse_args(argv)
+    assert apply_preset(a, argv) == (12.0, 3.0)                    # the shifts go into SamplingSettings
+    assert (a.steps, a.sampler, a.attention, a.sparse_method) == (6, "euler", "sdpa", None)   # given flags win
