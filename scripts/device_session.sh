@@ -213,6 +213,8 @@ N)  # core's sparse methods (issue 38), part 2: the bench (sage2 for the dense s
   kitchen_unpack
   python3 -c "import sageattention" 2>/dev/null || sage_unpack
   phase "sparse-methods bench ${SPARSE_ARGS:-}"
+  # --merge keeps the rows of the tree's bench/results/sparse-methods.json (an earlier lease's other job)
+  case " ${SPARSE_ARGS:-} " in *" --merge "*) cp bench/results/sparse-methods.json "$OUT/" 2>>"$LOG" ;; esac
   timeout "$(( 590 - SECONDS ))" python3 bench/sparse_methods.py --out "$OUT/sparse-methods.json" ${SPARSE_ARGS:-} \
     2>&1 | grep -v "to_gate_compress" | tail -14 >> "$LOG"
   ;;
