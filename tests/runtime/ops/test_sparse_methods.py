@@ -13,6 +13,7 @@ from h3_blackwell.runtime.model.config import TINY
 from h3_blackwell.runtime.model.layout import build_layout
 from h3_blackwell.runtime.ops import sparse_attention as SA
 from h3_blackwell.runtime.ops import sparse_methods as SM
+from h3_blackwell.runtime.ops import sparse_step as SS
 from h3_blackwell.runtime.ops.reference import ReferenceOps, modulated, qk_norm_rope
 from h3_blackwell.runtime.options import SparseSettings, parse_dense_blocks
 
@@ -146,7 +147,7 @@ LAY = dict(text_len=70, latent_t=5, lat_h=12, lat_w=6, audio_t=20)   # 70 text +
 
 @pytest.mark.parametrize("method", ["sol-attn", "sla"])
 def test_block_path_equals_the_reference_with_core_sinks(method, monkeypatch):
-    monkeypatch.setattr(SA, "PRODUCER_CHUNK", 64)               # several qkv chunks at this size
+    monkeypatch.setattr(SS, "PRODUCER_CHUNK", 64)               # several qkv chunks at this size
     cfg, blk = _block(False)
     lay = build_layout(**LAY)
     att = _attention(cfg, SparseSettings(method, tau=0.5, keep_percent=30, min_tokens=0), lay)
