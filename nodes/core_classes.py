@@ -4,6 +4,9 @@ This module subclasses core's classes at import, so it is imported only inside a
 (``comfy.model_base.MiniMaxH3``): the loader imports it when it makes the MODEL output, and an ImportError here
 means that support is missing (the MODEL output is then ``core_model.UnavailableModel``).
 
+- ``H3CoreDiffusionModel`` is ``core_model.H3DiffusionModel`` and an instance of core's ``MiniMaxH3Model`` (none of
+  its weights built), so nodes that patch core's H3 blocks (core's Model Sparse Attention) record on it what
+  ``core_patches`` reads.
 - ``H3CoreModel`` is core's ``model_base.MiniMaxH3`` (its ``extra_conds``, audio carry in ``process_latent_in`` /
   ``_out``, inpainting, ``ModelSamplingAV``) whose diffusion model is ``core_model.H3DiffusionModel`` and that has
   no weights of its own. Its ``state_dict`` names every weight as core would (meta tensors), so core's LoRA loaders

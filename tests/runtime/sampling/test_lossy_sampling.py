@@ -94,6 +94,9 @@ def test_sparse_backend_registered_and_reported(rt_sparse):
     assert ch["attention"]["choice"] == "sparse" and "LOSSY" in ch["attention"]["reason"]
     assert ch["attention_dense"]["choice"] == "reference" and ch["sparse"]["choice"] == "sol-attn (tau 1.3)"
     assert rt_sparse.sparse is not None and rt_sparse.sparse.kernel is None  # the eager reference
+    # the blocks consult the bound sparse attention; a copy with another attention (the Fun tower's dense ops,
+    # a forward outside a run) never does
+    assert rt_sparse.ops.sparse is rt_sparse.sparse and rt_sparse.ops.with_attention(lambda qkv: qkv).sparse is None
 
 
 def test_sparse_runs_on_the_schedule_and_changes_only_sparse_steps(rt_sparse, rt_reference):
