@@ -67,7 +67,7 @@ class SparseStepAttention:
     sinks: tuple = ((0, 0), (0, 0))
     sparse_now: bool = False
     pooled: dict = field(default_factory=dict)
-    plans: dict = field(default_factory=dict)
+    cache: dict = field(default_factory=dict)  # per run: VSA plans per device, chunk segments, rope tables
     steps: list = field(default_factory=list)
     calls: dict = field(default_factory=lambda: {"sparse": 0, "dense": 0})
     notes: list = field(default_factory=list)
@@ -83,7 +83,7 @@ class SparseStepAttention:
         lo = percent_to_sigma(s.end_percent, shift_video) if s.sigma_end is None else float(s.sigma_end)
         self.run_settings, self.segments, self.grid, self.window = s, list(segments), tuple(grid), (lo, hi)
         self.sinks = core_sinks(self.segments, self.seq_len, s.sinks)
-        self.pooled, self.plans, self.steps, self.notes = {}, {}, [], []
+        self.pooled, self.cache, self.steps, self.notes = {}, {}, [], []
         self.calls = {"sparse": 0, "dense": 0}
         self.sparse_now = False
 
@@ -113,12 +113,12 @@ class SparseStepAttention:
 
     def _plan(self, device) -> VsaPlan:
         key = str(device)
-        if key not in self.plans:
-            self.plans[key] = vsa_plan(self.segments, self.grid, device)
-        return self.plans[key]
+        if key not in self.cache:
+            self.cache[key] = vsa_plan(self.segments, self.grid, device)
+        return self.cache[key]
 
     def _inputs(self, blk, c: SparseBlockCall):
-        """(produce, n, cos, sin, kernel args, VSA plan or None) of one block call (core's H3 block path):
+        """(produce, n, kernel args, VSA plan or None) of one block call (core's H3 block path):
         ``produce()`` yields the pre-norm qkv in 4096-row chunks, the GEMM shapes core's producer runs."""
         s, x, rows = self.run_settings, c.x, c.x.shape[0]
         if not s.vsa:
@@ -128,22 +128,19 @@ class SparseStepAttention:
                     yield c.ops.qkv(c.index, blk, x[a:b], c.shift, c.scale, _clip(c.segments, a, b))
 
             args = KernelArgs(s.tau, s.topk_ratio, *self.sinks, token_aug=s.token_aug)
-            return produce, rows, c.cos, c.sin, args, None
+            return produce, rows, args, None
         plan = self._plan(x.device)
         gate_proj = blk.attn.to_gate_compress
         if gate_proj is None:
             self._note("VSA: the model has no to_gate_compress layers; running the fine stage without the coarse "
                        "branch")
         gate = None if gate_proj is None else x.new_empty(plan.n, self.heads * self.head_dim)
-        src_host = plan.src.cpu()
-        row_mod = torch.empty(rows, dtype=torch.int64)
-        for a, b, r in c.segments:
-            row_mod[a:b] = r
+        chunk_segs = self._chunk_segments(plan, c.segments)
 
         def produce():  # core's order of work: the padded rows' chunks, pad rows zero in qkv and the gate
-            for a in range(0, plan.n, PRODUCER_CHUNK):
+            for a, segs in zip(range(0, plan.n, PRODUCER_CHUNK), chunk_segs):
                 idx, live = plan.src[a:a + PRODUCER_CHUNK], plan.live[a:a + PRODUCER_CHUNK].unsqueeze(1)
-                xc, segs = x[idx.clamp_min(0)], _runs(row_mod[src_host[a:a + PRODUCER_CHUNK].clamp_min(0)])
+                xc = x[idx.clamp_min(0)]
                 if gate is not None:
                     hc = modulated(xc, blk.norm1, c.shift, c.scale, segs)
                     gate[a:a + xc.shape[0]] = gate_proj(torch.where(live, hc, torch.zeros_like(hc)))
@@ -153,11 +150,32 @@ class SparseStepAttention:
         args = KernelArgs(s.tau, s.topk_ratio, (0, plan.n_prefix), (0, plan.n_prefix), tail=False,
                           block_len=plan.block_len,
                           coarse_gate=None if gate is None else gate.view(1, plan.n, self.heads, self.head_dim))
-        return produce, plan.n, pad_rows(c.cos, plan), pad_rows(c.sin, plan), args, plan
+        return produce, plan.n, args, plan
+
+    def _chunk_segments(self, plan: VsaPlan, segments) -> list:
+        """The modulation segments of each padded 4096-row chunk (host arithmetic, once per run and segments)."""
+        key = ("segments", tuple(segments))
+        if key not in self.cache:
+            src = plan.src.cpu().clamp_min(0)  # one host copy per run and layout
+            row_mod = torch.empty(self.seq_len, dtype=torch.int64)
+            for a, b, r in segments:
+                row_mod[a:b] = r
+            self.cache[key] = [_runs(row_mod[src[a:a + PRODUCER_CHUNK]]) for a in range(0, plan.n, PRODUCER_CHUNK)]
+        return self.cache[key]
+
+    def _tables(self, c: SparseBlockCall, plan: Optional[VsaPlan]):
+        """(cos, sin, the kernel's rope table) in the call's row order, kept while the call's tables are the same
+        objects (every block of a step)."""
+        hit = self.cache.get("rope")
+        if hit is None or hit[0] is not c.cos or hit[1] is not c.sin:
+            cos, sin = (c.cos, c.sin) if plan is None else (pad_rows(c.cos, plan), pad_rows(c.sin, plan))
+            hit = self.cache["rope"] = (c.cos, c.sin, cos, sin, rope_freqs(cos, sin))
+        return hit[2:]
 
     def block_attention(self, blk, c: SparseBlockCall) -> torch.Tensor:
         """The sparse attention of one block -> [S, H*D] in x's dtype (before out_proj)."""
-        produce, n, cos, sin, args, plan = self._inputs(blk, c)
+        produce, n, args, plan = self._inputs(blk, c)
+        cos, sin, freqs = self._tables(c, plan)
         key = (c.index, n)
         qw, kw = blk.attn.q_norm.weight, blk.attn.k_norm.weight
         eps = blk.attn.q_norm.eps
@@ -167,7 +185,7 @@ class SparseStepAttention:
             out = sol_reference(q, k, v, dataclasses.replace(args, coarse_gate=gate))
             state = pooled_stats(k, v, args.block_len)
         else:
-            out, state = self.kernel.chunked(produce, n, self.heads, rope_freqs(cos, sin), (qw, kw),
+            out, state = self.kernel.chunked(produce, n, self.heads, freqs, (qw, kw),
                                              self.pooled.get(key), args, eps)
         self.pooled[key] = state
         self.calls["sparse"] += 1
