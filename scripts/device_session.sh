@@ -100,9 +100,10 @@ R)  # a refactor's check: the canonical job at BASE_TREE (a copy of the earlier 
   ;;
 G)  # the drop-in (core MODEL), control and low-VRAM (streaming) GPU tests + the Blackwell guards
   sage_unpack
-  for t in core_model control streaming blackwell_guards; do
+  ls .whl/comfy_kitchen-*-cuda-cp312.tar.gz >/dev/null 2>&1 && kitchen_unpack  # the control test's sparse case
+  for t in core_model_gpu control_gpu streaming_gpu blackwell_guards; do
     phase "gpu-tests $t"
-    timeout 200 python3 -m pytest -q -m gpu "tests/gpu/test_${t}_gpu.py" -rfs 2>&1 | tail -8 >> "$LOG"
+    timeout 200 python3 -m pytest -q -m gpu "tests/gpu/test_${t}.py" -rfs 2>&1 | tail -8 >> "$LOG"
   done
   ;;
 A)
