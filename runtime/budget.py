@@ -16,7 +16,12 @@ The decision, in order (each step only when the one before does not fit):
    are spread evenly over the stack so each streamed block's copy hides behind the compute before it;
 3. chunk the FFN over rows (fc1 -> SwiGLU -> fc2 -> gate/add per row chunk; halving down to
    ``MIN_CHUNK_ROWS``), only where every op of the FFN is row-local so the bytes cannot change;
-4. otherwise refuse, naming the smallest budget that works (every block streamed, the smallest chunking).
+4. chunk the attention half too, over query rows of the same size (``DiTBlock._attend_in_row_chunks``: K and V of
+   every row kept, the QKV projection run again per chunk for its Q, attention of the chunk over all of K and V,
+   out_proj and the gated residual per chunk), where the activations are row-local and the attention has a row
+   form (not the sparse backend); the bytes equal the unchunked run's where the kernel is row-exact
+   (``runtime.ops.attention.row_exactness``);
+5. otherwise refuse, naming the smallest budget that works (every block streamed, the smallest chunking).
 
 CPU: with ``auto`` nothing streams (device memory is host memory); an explicit budget runs the same decision
 and the streaming loop with host-to-host copies (an emulation, for tests). An integrated GPU (GB10,
@@ -36,7 +41,7 @@ embedding and its modulation rows of every step), so the blocks that stream make
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import torch
@@ -45,6 +50,7 @@ from .errors import H3Error
 from .model.config import QUANT_LINEARS, H3Config
 from .model.h3 import H3Model
 from .ops import nvfp4
+from .ops.attention import row_exactness
 from .options import vram_budget_bytes
 from .plan import Choice
 from .sampling.request import RequestError, host_available_bytes, latent_rows, resolve_request
@@ -213,6 +219,17 @@ class ModelMemory:
     ffn_row_local: bool
     ffn_row_local_why: str
     adaln_on_host: bool = True
+    sparse: bool = False  # the sparse backend runs attention (``attention`` is then its dense steps' backend)
+
+    @property
+    def attn_rows(self) -> tuple[bool, str]:
+        """Whether the attention half may run in query-row chunks -> (may, why): row-local activations and an
+        attention with a row form; the why says whether the kernel is row-exact."""
+        if not self.ffn_row_local:
+            return False, f"attention unchunked: {self.ffn_row_local_why}"
+        if self.sparse:
+            return False, "attention unchunked: the sparse backend pools over query blocks and carries state per call"
+        return True, row_exactness(self.attention)[1]
 
     @classmethod
     def build(cls, cfg: H3Config, dtype: torch.dtype, act_format: str, gemm: str = "fp8", attention: str = "sage2",
@@ -250,8 +267,9 @@ class ModelMemory:
         quantized to one byte a weight at most ("fp8") or dense, AdaLN where the options keep it, and the
         attention the options name."""
         form = choices["form"]
-        return cls.build(cfg, dtype, form, "fp8" if form != "dense" else "dense", choices["attention"], "fused",
-                         choices["adaln_on_host"])
+        mm = cls.build(cfg, dtype, form, "fp8" if form != "dense" else "dense", choices["attention"], "fused",
+                       choices["adaln_on_host"])
+        return replace(mm, sparse=choices["attention"] == "sparse")
 
     @classmethod
     def from_plan(cls, plan) -> "ModelMemory":
@@ -262,8 +280,9 @@ class ModelMemory:
             keys = set(ck.keys())
             calibrated = all(f"blocks.{j}.{n}.input_scale" in keys for j in range(plan.config.num_layers)
                              for n in ("mlp.fc1", "mlp.fc2"))
-        return cls.build(plan.config, plan.dtype, plan.act_format, plan.gemm, plan.dense_attention,
-                         plan.v_handling, plan.adaln_on_host, calibrated)
+        mm = cls.build(plan.config, plan.dtype, plan.act_format, plan.gemm, plan.dense_attention,
+                       plan.v_handling, plan.adaln_on_host, calibrated)
+        return replace(mm, sparse=plan.attention == "sparse")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,24 +308,28 @@ def _swiglu_out(mm: ModelMemory, rows: int) -> int:
     return 2 * rows * f * mm.dtype_bytes
 
 
-def _attention_operands(mm: ModelMemory, rows: int) -> int:
-    """What the attention backend allocates beside the qkv buffer and its output."""
+def _attention_operands(mm: ModelMemory, rows: int, kv_rows: int | None = None) -> int:
+    """What the attention backend allocates beside its q, k, v and its output, for ``rows`` query rows over
+    ``kv_rows`` keys (default: the same rows)."""
     c = mm.cfg
-    s_i = rows * c.inner_dim
+    kv_rows = rows if kv_rows is None else kv_rows
+    per_row = c.inner_dim
     a = mm.attention
     if a in ("sage2", "sage1", "sparse"):
         # int8 q and k, fp8 v (fused operands) or the library wrapper's own copies at the compute dtype
-        return 3 * s_i * (1 if mm.v_handling == "fused" else 1 + mm.dtype_bytes) + 8 * rows * c.num_heads
+        return (rows + 2 * kv_rows) * per_row * (1 if mm.v_handling == "fused" else 1 + mm.dtype_bytes) \
+            + 8 * kv_rows * c.num_heads
     if a.startswith("sdpa"):
-        return s_i * mm.dtype_bytes + 4 * rows * c.num_heads  # the [H, S, D] -> [S, H*D] copy, logsumexp
+        return rows * per_row * mm.dtype_bytes + 4 * rows * c.num_heads  # the [H, S, D] -> [S, H*D] copy, logsumexp
     # exact attention: fp32 q, k, v and a score chunk of at most 1 GiB, alive together with its softmax input
     # (measured on the CPU: two chunks at the peak)
-    return 3 * s_i * 4 + 2 * min(4 * c.num_heads * rows * rows, 1 << 30)
+    return (rows + 2 * kv_rows) * per_row * 4 + 2 * min(4 * c.num_heads * rows * kv_rows, 1 << 30)
 
 
-def activation_phases(mm: ModelMemory, wl: Workload, chunk_rows: int | None = None) -> dict[str, int]:
+def activation_phases(mm: ModelMemory, wl: Workload, chunk_rows: int | None = None,
+                      attn_rows: int | None = None) -> dict[str, int]:
     """Bytes live at the peak of each phase of one evaluation, weights excluded. chunk_rows: the FFN's rows
-    per chunk (None: all rows at once)."""
+    per chunk (None: all rows at once); attn_rows: the attention half's query rows per chunk (None: unchunked)."""
     c, e, s = mm.cfg, mm.dtype_bytes, wl.rows
     h, inner, ffn = c.hidden_size, c.inner_dim, c.ffn_hidden_size
     rc = s if chunk_rows is None else min(chunk_rows, s)
@@ -314,11 +337,18 @@ def activation_phases(mm: ModelMemory, wl: Workload, chunk_rows: int | None = No
     qkv = s * 3 * inner * e
     o = s * inner * e
     sv = wl.video_rows
+    if attn_rows is not None and attn_rows < s:
+        ra = attn_rows
+        kv = s * 2 * inner * e  # K and V of every row, kept through the chunks
+        attention = {"qkv": x + kv + _act_in(mm, ra, h) + ra * 3 * inner * e,
+                     "attention": x + kv + ra * 3 * inner * e + _attention_operands(mm, ra, s) + ra * inner * e,
+                     "out_proj": x + kv + ra * inner * e + _act_in(mm, ra, inner) + ra * h * e}
+    else:
+        attention = {"qkv": x + _act_in(mm, s, h) + qkv, "attention": x + qkv + _attention_operands(mm, s) + o,
+                     "out_proj": x + o + _act_in(mm, s, inner) + s * h * e}
     return {
         "pack": x + sv * h * 4 + sv * c.video_patch_dim * 4,
-        "qkv": x + _act_in(mm, s, h) + qkv,
-        "attention": x + qkv + _attention_operands(mm, s) + o,
-        "out_proj": x + o + _act_in(mm, s, inner) + s * h * e,
+        **attention,
         "fc1": x + _act_in(mm, rc, h) + rc * 2 * ffn * e,
         "fc2": x + rc * 2 * ffn * e + _swiglu_out(mm, rc) + rc * h * e,
         "head": x + sv * h * (2 * e + 4),
@@ -425,11 +455,11 @@ class Estimate:
 
 
 def estimate(mm: ModelMemory, wl: Workload, resident: int, slots: int, chunk_rows: int | None,
-             device_kind: str = "cuda", tower_streams: bool = False) -> Estimate:
+             device_kind: str = "cuda", tower_streams: bool = False, attn_rows: int | None = None) -> Estimate:
     """Peak device bytes of a run with ``resident`` blocks resident (the others streamed through ``slots``
     buffers) and the FFN chunked to ``chunk_rows`` rows (None: unchunked); ``tower_streams``: the control tower's
-    blocks stream too (``tower_bytes``)."""
-    phases = activation_phases(mm, wl, chunk_rows)
+    blocks stream too (``tower_bytes``); ``attn_rows``: the attention half in query-row chunks of that many rows."""
+    phases = activation_phases(mm, wl, chunk_rows, attn_rows)
     phase = max(phases, key=phases.get)
     streamed = mm.cfg.num_layers - resident
     return Estimate(mm.other_bytes + resident * mm.block_bytes, (slots if streamed else 0) * mm.block_bytes,
@@ -489,6 +519,8 @@ class MemoryPlan:
     tower_streams: bool = False  # the control tower's blocks stream from pinned host memory (Workload.tower)
     tower_host_bytes: int = 0  # host memory the streamed control blocks take (pinned on CUDA)
     outside_bytes: int = 0  # taken off a given budget: what the model holds beside the estimate (``Outside``)
+    attn_chunk_rows: int | None = None  # the attention half in query-row chunks of this many rows (None: unchunked)
+    attn_rows_why: str = ""  # whether those chunks are row-exact, and why (``ModelMemory.attn_rows``)
 
     @property
     def streams(self) -> bool:
@@ -516,6 +548,8 @@ class MemoryPlan:
                          f"{min(self.slots, self.workload.tower.blocks)} device buffers of their own")
         parts.append("FFN unchunked" if self.ffn_chunk_rows is None
                      else f"FFN in row chunks of {self.ffn_chunk_rows:,} ({self.row_local})")
+        if self.attn_chunk_rows is not None:
+            parts.append(f"attention in query-row chunks of {self.attn_chunk_rows:,} ({self.attn_rows_why})")
         parts.append(f"{self.estimate.describe()} for {self.workload.describe()}")
         if self.smallest_budget_bytes is not None:
             parts.append(f"smallest budget that runs: {gb(self.smallest_budget_bytes)}"
@@ -527,7 +561,8 @@ class MemoryPlan:
                 "outside_bytes": self.outside_bytes,
                 "resident_blocks": list(self.resident), "streamed_blocks": list(self.streamed),
                 "stream_buffers": self.slots if self.streamed else 0, "block_bytes": self.block_bytes,
-                "ffn_chunk_rows": self.ffn_chunk_rows, "estimate": self.estimate.as_dict(),
+                "ffn_chunk_rows": self.ffn_chunk_rows, "attn_chunk_rows": self.attn_chunk_rows,
+                "estimate": self.estimate.as_dict(),
                 "workload": {"rows": self.workload.rows, "steps": self.workload.steps},
                 "pinned_host_bytes": 0 if self.emulated else self.host_bytes,
                 "host_bytes_streamed_weights": self.host_bytes, "adaln_host_bytes": self.adaln_host_bytes,
@@ -572,6 +607,7 @@ class _Shape:
     chunk: int | None = None
     tower_streams: bool = False
     streams: bool = False
+    attn: int | None = None  # the attention half's query rows per chunk (None: unchunked)
 
 
 def _plan(mm: ModelMemory, wl: Workload, dev: DeviceMemory, budget: tuple[int | None, str], shape: _Shape,
@@ -579,19 +615,27 @@ def _plan(mm: ModelMemory, wl: Workload, dev: DeviceMemory, budget: tuple[int | 
     n = mm.cfg.num_layers
     res = spread(n, shape.resident)
     streamed = tuple(j for j in range(n) if j not in set(res))
-    est = estimate(mm, wl, shape.resident, SLOTS, shape.chunk, dev.kind, shape.tower_streams)
+    est = estimate(mm, wl, shape.resident, SLOTS, shape.chunk, dev.kind, shape.tower_streams, shape.attn)
     tower_host = wl.tower.blocks * tower_block_bytes(mm, wl.tower) if shape.tower_streams else 0
     emulated = shape.streams and dev.kind == "cpu"
     return MemoryPlan(budget[0], budget[1], res, streamed, SLOTS, shape.chunk, est, wl, mm.block_bytes,
                       len(streamed) * mm.block_bytes, mm.adaln_host_bytes, smallest, dev.kind, emulated,
                       row_local=mm.ffn_row_local_why, tower_streams=shape.tower_streams, tower_host_bytes=tower_host,
-                      outside_bytes=outside_bytes)
+                      outside_bytes=outside_bytes, attn_chunk_rows=shape.attn,
+                      attn_rows_why=mm.attn_rows[1] if shape.attn is not None else "")
+
+
+def chunkings(mm: ModelMemory, wl: Workload, device_kind: str = "cuda") -> list[tuple[int | None, int | None]]:
+    """The (FFN rows, attention query rows) per chunk ``decide`` tries, in order: unchunked, the FFN alone in halving
+    chunks, then the FFN and the attention half in chunks of the same rows (only as far as this model allows)."""
+    chunks = chunk_options(wl.rows, device_kind) if mm.ffn_row_local else []
+    return [(None, None)] + [(c, None) for c in chunks] + ([(c, c) for c in chunks] if mm.attn_rows[0] else [])
 
 
 def smallest_budget(mm: ModelMemory, wl: Workload, device_kind: str = "cuda") -> int:
-    """Every block streamed (the control tower's too) and the smallest chunking this model's FFN allows."""
-    chunks = chunk_options(wl.rows, device_kind) if mm.ffn_row_local else []
-    return estimate(mm, wl, 0, SLOTS, chunks[-1] if chunks else None, device_kind, wl.tower is not None).total
+    """Every block streamed (the control tower's too) and the smallest chunking this model allows."""
+    ffn, attn = chunkings(mm, wl, device_kind)[-1]
+    return estimate(mm, wl, 0, SLOTS, ffn, device_kind, wl.tower is not None, attn).total
 
 
 @dataclass(frozen=True)
@@ -630,24 +674,24 @@ def decide(mm: ModelMemory, wl: Workload, dev: DeviceMemory, requested: int | No
         return _plan(mm, wl, dev, (budget, text), _Shape(n), outside_bytes=extra)
     smallest = smallest_budget(mm, wl, dev.kind) + extra
     ts = wl.tower is not None  # past "everything resident", the control tower streams first (it runs 5 or 10 blocks)
-    chunks = [None] + (chunk_options(wl.rows, dev.kind) if mm.ffn_row_local else [])
-    for chunk in chunks:
-        if (chunk is not None or ts) and estimate(mm, wl, n, SLOTS, chunk, dev.kind, ts).total <= budget:
-            p = _plan(mm, wl, dev, (budget, text), _Shape(n, chunk, ts, True), smallest, extra)
+    options = chunkings(mm, wl, dev.kind)
+    for chunk, attn in options:
+        if (chunk is not None or ts) and estimate(mm, wl, n, SLOTS, chunk, dev.kind, ts, attn).total <= budget:
+            p = _plan(mm, wl, dev, (budget, text), _Shape(n, chunk, ts, True, attn), smallest, extra)
             _check_host(p, host_free, held.host_bytes, unchanged)
             return p
-        base = estimate(mm, wl, 0, SLOTS, chunk, dev.kind, ts).total
+        base = estimate(mm, wl, 0, SLOTS, chunk, dev.kind, ts, attn).total
         if base > budget:
             continue
         resident = min(n - 1, (budget - base) // mm.block_bytes) if mm.block_bytes else n
-        p = _plan(mm, wl, dev, (budget, text), _Shape(int(resident), chunk, ts, True), smallest, extra)
+        p = _plan(mm, wl, dev, (budget, text), _Shape(int(resident), chunk, ts, True, attn), smallest, extra)
         _check_host(p, host_free, held.host_bytes, unchanged)
         return p
     what = "auto (the free device memory less the margin)" if requested is None else "the budget"
     raise BudgetError(
         f"{text}: too small for {wl.describe()}: even with every block streamed and the smallest activation "
         f"chunking the run needs {gb(smallest - extra)} "
-        f"({estimate(mm, wl, 0, SLOTS, chunks[-1], dev.kind, ts).describe()})"
+        f"({estimate(mm, wl, 0, SLOTS, options[-1][0], dev.kind, ts, options[-1][1]).describe()})"
         f"{f', and {gb(extra)} more is held beside it' if extra else ''}; {what} must be at least {gb(smallest)}: set "
         f"--vram-budget / H3_VRAM_BUDGET to {budget_arg(smallest)} or more"
         f"{''.join(f', {o.advice}' for o in outside if o.nbytes and o.advice)}, or lower the width, height or frames "
@@ -722,6 +766,6 @@ def plan_memory(plan, workload: Workload | None = None, dev: DeviceMemory | None
     return mp
 
 
-__all__ = ["BudgetError", "DeviceMemory", "Estimate", "Held", "MemoryAsk", "MemoryPlan", "ModelMemory", "TowerSize",
+__all__ = ["BudgetError", "chunkings", "DeviceMemory", "Estimate", "Held", "MemoryAsk", "MemoryPlan", "ModelMemory", "TowerSize",
            "Workload", "check_request", "decide", "estimate", "parse_vram_budget",
            "plan_memory", "smallest_budget", "tower_block_bytes", "tower_bytes"]

@@ -49,7 +49,7 @@ from .model.h3 import H3Model
 from .model.tiny import tiny_state_dict
 from .offload import Parked, park, unpark, why_not_offload
 from .ops import registry
-from .ops.attention import AttentionFn
+from .ops.attention import AttentionFn, bind_attention_qkv
 from .ops.interface import BlockOps
 from .ops.block_ops import build_ops
 from .ops.gemm_backends import Scratch
@@ -337,6 +337,7 @@ class H3Runtime:
         if tower_st is not None and not new.tower_streams:
             tower_st.restream(())
         self.ops.set_ffn_chunk_rows(new.ffn_chunk_rows)
+        self.ops.set_attn_chunk_rows(new.attn_chunk_rows)
         plan.memory = new
         plan.choices["memory"] = new.choice()
         self.backends["memory"] = plan.choices["memory"].as_dict()
@@ -415,6 +416,10 @@ def load_model(path: str | Path | None = None, options: RuntimeOptions | None = 
         backends["fc2_lt"] = fc2_report
     dense, sparse = bind_attention(plan)
     base = build_ops(plan, sparse or dense, fc2)
+    if sparse is None:  # the dense backend's row form, for the memory plan's query-row chunks
+        base.attention_rows_fn = bind_attention_qkv(plan.dense_attention, plan.config.head_dim, device=plan.device,
+                                                    v_handling=plan.v_handling)
+    base.set_attn_chunk_rows(plan.memory.attn_chunk_rows)
     ops = StreamOps(base, streamer, plan.memory.ffn_chunk_rows)
     rt = H3Runtime(model, plan, ops, backends, fc2=fc2, sparse=sparse, streamer=streamer,
                    attention=None if base.attends_exactly else dense)

@@ -265,10 +265,11 @@ def test_blocks_stream_to_make_room_for_the_tower(w4a8):
     assert "the control tower's 10 blocks stream" in with_tower.choice().reason
     assert with_tower.report()["control_tower_streams"] is True
     with pytest.raises(BudgetError, match=r"control tower of 10 blocks.*control tower weights") as e:
-        decide(w4a8, wl, H200, 8 * 10 ** 9, host_free=HOST)
+        decide(w4a8, wl, H200, 5 * 10 ** 9, host_free=HOST)
     least = smallest_budget(w4a8, wl)
     assert budget_arg(least) in str(e.value) and least > smallest_budget(w4a8, CANONICAL)
-    assert least == estimate(w4a8, wl, 0, SLOTS, chunk_options(wl.rows)[-1], "cuda", True).total
+    smallest_chunk = chunk_options(wl.rows)[-1]  # the FFN and the attention half in chunks of these rows
+    assert least == estimate(w4a8, wl, 0, SLOTS, smallest_chunk, "cuda", True, smallest_chunk).total
     # the streamed tower's pinned host bytes are checked with the blocks' before anything loads
     assert fits.tower_host_bytes == 10 * w4a8.block_bytes and fits.report()["control_tower_host_bytes"] > 0
     with pytest.raises(BudgetError, match="the control tower's 10 blocks"):
