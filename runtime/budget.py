@@ -527,6 +527,13 @@ class MemoryPlan:
         return bool(self.streamed)
 
     @property
+    def host_bytes_planned(self) -> int:
+        """Host memory the plan keeps for the model beside the device's: the streamed blocks (pinned on CUDA), the
+        streamed control tower and the full-form AdaLN weights it keeps in host memory (the process's other host
+        memory, torch and the run's tensors, comes on top)."""
+        return self.host_bytes + self.tower_host_bytes + self.adaln_host_bytes
+
+    @property
     def copy_bytes_per_step(self) -> int:
         return len(self.streamed) * self.block_bytes
 
@@ -551,6 +558,8 @@ class MemoryPlan:
         if self.attn_chunk_rows is not None:
             parts.append(f"attention in query-row chunks of {self.attn_chunk_rows:,} ({self.attn_rows_why})")
         parts.append(f"{self.estimate.describe()} for {self.workload.describe()}")
+        parts.append(f"host: {gb(self.host_bytes_planned)} ({gb(self.host_bytes)} streamed blocks, "
+                     f"{gb(self.adaln_host_bytes)} AdaLN weights)")
         if self.smallest_budget_bytes is not None:
             parts.append(f"smallest budget that runs: {gb(self.smallest_budget_bytes)}"
                          + (f" (with the {gb(self.outside_bytes)} held beside it)" if self.outside_bytes else ""))
@@ -566,6 +575,7 @@ class MemoryPlan:
                 "workload": {"rows": self.workload.rows, "steps": self.workload.steps},
                 "pinned_host_bytes": 0 if self.emulated else self.host_bytes,
                 "host_bytes_streamed_weights": self.host_bytes, "adaln_host_bytes": self.adaln_host_bytes,
+                "host_bytes_planned": self.host_bytes_planned,
                 "smallest_budget_bytes": self.smallest_budget_bytes,
                 "copy_bytes_per_step_planned": self.copy_bytes_per_step,
                 "control_tower_streams": self.tower_streams, "control_tower_host_bytes": self.tower_host_bytes,

@@ -30,14 +30,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.attention
 
 from ..errors import describe
 from . import blackwell_attention, flash_attention, sage
-from .interface import AttentionFn
+from .interface import AttentionFn, RowsAttentionFn
 
 __all__ = [
     "BACKENDS",
@@ -330,19 +330,12 @@ def backend_table(device: "torch.device | str", *, head_dim: int = 128, dtype: t
 # rank's heads); declared with the BlockOps interface (runtime.ops.interface)
 
 
-# RowsAttentionFn: q [Sq, H*D], k, v [Sk, H*D] (any row stride, unit column stride) -> [Sq, H*D] in q's dtype:
-# attention of the query rows given over all the keys (the memory plan's query-row chunks, ``attn_chunk_rows``)
-RowsAttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-# Backends whose output row i depends only on query row i and the whole of K and V, so attention over query-row chunks
-# (full K and V, chunk boundaries on multiples of ROW_CHUNK_MULTIPLE) gives the unchunked bits. The fp32 reference
-# and SDPA's math kernel: one softmax per query row (tests/runtime/ops/test_attention_rows.py, bit for bit on the
-# CPU). Sage1 / Sage2: q quantized per block of at most 128 rows from the first row given (per-warp scales inside
-# 64- or 128-row blocks), K's smoothing mean and V's fp8 scales over all of K and V, one thread block per query block
-# over every key block: on 128-row boundaries every operand quantizes as in the unchunked call
-# (tests/gpu/test_attention_rows_gpu.py checks it on the device). The fused SDPA kernels (flash, cuDNN, efficient)
-# and FA3 pick tile or split-KV sizes from the query length, fa3_fp8 takes one q descale per head over the rows
-# given, sage3 / fa4 were never checked: exact to their rounding only (rel-L2 in the GPU test).
+# RowsAttentionFn (runtime.ops.interface): a query-row chunk over all of K and V (the plan's ``attn_chunk_rows``).
+# Row-exact backends give the unchunked bits: output row i depends only on query row i and all of K and V. The fp32
+# reference and SDPA's math kernel (one softmax per row; tests/runtime/ops/test_attention_rows.py); Sage1/Sage2: q
+# quantized per block of <= 128 rows from the first row given, K's mean and V's scales over all of K and V, so on
+# 128-row boundaries every operand is the unchunked call's (a GPU test to confirm). Fused SDPA kernels and FA3 pick
+# tiles or splits from the query length, fa3_fp8 one q descale per head over the rows given: rounding-equal only.
 ROW_EXACT = ("reference", "sdpa_math", "sage2", "sage1")
 ROW_CHUNK_MULTIPLE = 128
 
@@ -357,8 +350,7 @@ def row_exactness(backend: str) -> tuple[bool, str]:
 
 
 def _nhd(t: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """[S, H*D] (unit column stride) -> a [1, S, H, D] view."""
-    return t.unflatten(1, (-1, head_dim)).unsqueeze(0)
+    return t.unflatten(1, (-1, head_dim)).unsqueeze(0)  # [S, H*D] (unit column stride) -> a [1, S, H, D] view
 
 
 def bind_attention_qkv(backend: str, head_dim: int, *, device: "torch.device | str | None" = None,
@@ -395,13 +387,10 @@ def bind_attention_qkv(backend: str, head_dim: int, *, device: "torch.device | s
 
 def bind_attention(backend: str, head_dim: int, *, device: "torch.device | str | None" = None,
                    v_handling: str = "none", scale: Optional[float] = None) -> AttentionFn:
-    """Resolve ``backend`` once (module, kernel, V handling, softmax scale) into ``fn(qkv [S, 3*H*D]) -> [S, H*D]``
-    in qkv's dtype, reading q, k and v as strided views of the buffer (sage1 alone gets a private copy of K).
-    H is the buffer's width over ``3*head_dim``, so one bound function serves every head count (sequence
-    parallelism hands it a rank's heads). ``device``: where Sage2 runs (its kernel is per architecture; default
-    the current CUDA device). ``v_handling``: "fused" (Sage2's sm_90 kernel with V's fp8 operands built from the
-    strided view), else the library's own wrapper. Nothing is re-validated per call: the load plan checked the
-    backend, the dtype and the head size."""
+    """Resolve ``backend`` once into ``fn(qkv [S, 3*H*D]) -> [S, H*D]`` in qkv's dtype, reading q, k and v as strided
+    views of the buffer (sage1 alone gets a private copy of K); H = width / (3*head_dim), any head count (a rank's
+    heads). ``device``: where Sage2 runs (default the current CUDA device); ``v_handling``: "fused" (Sage2's sm_90
+    kernel, V's fp8 operands from the strided view), else the library's wrapper. Nothing is re-validated per call."""
     three = bind_attention_qkv(backend, head_dim, device=device, v_handling=v_handling, scale=scale)
 
     def attend(qkv):

@@ -1,0 +1,326 @@
+#!/usr/bin/env python3
+"""The jobs users run against ComfyUI core's own stack on the same card (issue 37) -> bench/results/user-jobs.json.
+
+    python3 bench/user_jobs.py [--jobs turbo8,clip10s,turbo8_sparse] [--caps resident,16,8] [--rows turbo8:8,...]
+                               [--stacks ours,core] [--merge] [--out FILE] [--workdir DIR] [--lora-rank R]
+                               [--comfyui .core_peer] [--tiny]
+
+Rows are (job, cap); each stack of each row runs in a child process of its own, so a hard cap
+(``torch.cuda.set_per_process_memory_fraction`` with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``) and the
+peak host RSS (the kernel's high-water mark of that process) belong to that run alone. The JSON is rewritten after
+every row; ``--merge`` keeps the rows of an existing file that this call does not run (several short device calls
+build one file). Jobs: bench/jobs.py.
+
+ours: random weights at H3's full shapes written once to an NVFP4 checkpoint in --workdir (``quantize``'s streaming
+writer, one tensor at a time), and a turbo-style LoRA of --lora-rank there; each run loads the file as a user does
+(``open_model`` -> plan -> streaming load), applies the LoRA in our default mode, samples the job (first and last
+keyframes as core's payload gives them) with the budget ``cap - 0.5 GB`` (auto when resident), and records the
+step and job seconds, peaks, host RSS and latent hashes.
+
+core: ComfyUI core's modules in one process (bench/_core_model.py: core's H3 model code from the folder
+scripts/pack_core_peer.sh packs, its fp8 weights, sage attention, wrapped in core's ModelPatcher and loaded with
+``load_models_gpu`` under ``--reserve-vram``): a real ComfyUI server needs its requirements carried as wheels (over
+the carry limit with torch's), hence the in-process form. Core's weights are built in memory by core's own loader
+(its file would be a second ~40 GB file on a 64 GB disk). A job core cannot run is recorded with its error.
+
+--tiny: the embedded tiny config on the CPU, the whole flow end to end (our stack; core's where its modules import).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _h3bench import ROOT, RandomSource, bench_command, err_text, versions, write_json  # noqa: E402
+import jobs as J  # noqa: E402
+
+from h3_blackwell.runtime import (RuntimeOptions, SampleInputs, SamplingSettings, open_model, run,  # noqa: E402
+                                  tensor_job)
+from h3_blackwell.runtime.model.conditioning import H3Conditioning, Keyframe  # noqa: E402
+from h3_blackwell.runtime.model.config import FULL, TINY  # noqa: E402
+from h3_blackwell.runtime.model.layout import latent_shapes  # noqa: E402
+from h3_blackwell.runtime.sampling.report import host_peak_rss_bytes  # noqa: E402
+
+MARGIN_GB = 0.5  # our budget under a cap: the cap less this (the allocator's fragmentation, CUDA's small tensors)
+DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16"}
+
+
+def parse_rows(a) -> list[tuple[str, int | None]]:
+    """--rows job:cap,... or the product of --jobs and --caps -> [(job, cap_gb or None)]."""
+    def cap(text):
+        return None if text in ("resident", "none", "") else int(text)
+
+    if a.rows:
+        out = [(r.split(":")[0], cap(r.split(":")[1] if ":" in r else "resident")) for r in a.rows.split(",")]
+    else:
+        out = [(j, cap(c)) for j in a.jobs.split(",") for c in a.caps.split(",")]
+    bad = [j for j, _ in out if j not in J.JOBS]
+    if bad:
+        raise SystemExit(f"error: unknown job(s) {bad}: expected {', '.join(J.JOBS)}")
+    return out
+
+
+def job_of(name: str, a) -> J.Job:
+    job = J.JOBS[name](a.lora_rank) if name != "canonical" else J.JOBS[name]()
+    return J.tiny(job) if a.tiny else job
+
+
+# ---------------------------------------------------------------------------------------------
+# files: the checkpoint and the LoRA, written once per workdir
+# ---------------------------------------------------------------------------------------------
+
+def write_checkpoint(path: Path, cfg, device: str) -> Path:
+    """Random H3 weights of ``cfg`` (bench/_h3bench.RandomSource) streamed into an NVFP4 checkpoint at ``path``."""
+    from h3_blackwell.runtime.io.convert import quantize_state_dict_streaming
+
+    if path.is_file():
+        return path
+    src = RandomSource(cfg, 0, torch.bfloat16)
+    shapes = {k: (src.shape(k), DTYPE_NAMES[src._meta[k].dtype]) for k in src.keys()}
+    stream = ((k, src.tensor(k, device).to("cpu")) for k in src.keys())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    quantize_state_dict_streaming(stream, path, device, shapes=shapes, metadata={})
+    return path
+
+
+def write_lora(path: Path, cfg, rank: int) -> Path:
+    """A turbo-style LoRA of ``rank`` on every block linear and AdaLN (tests/fixtures/tiny_lora: fused qkv as the
+    turbo files ship it), ComfyUI names."""
+    sys.path.insert(0, str(ROOT))
+    from tests.fixtures.tiny_lora import save_tiny_lora, tiny_lora_truth
+
+    if not path.is_file():
+        save_tiny_lora(path, tiny_lora_truth(cfg, seed=7, rank=rank, alpha=float(rank), refiner=False,
+                                             extras=False), "comfy")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# one stack, one row (in a child process)
+# ---------------------------------------------------------------------------------------------
+
+def apply_cap(cap_gb: int | None, device: torch.device) -> None:
+    if cap_gb is not None and device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gb * 1e9 / total), device)
+
+
+def inputs_for(job: J.Job, cfg) -> SampleInputs:
+    """Random text states, zero latents, and for fl2va the first and last frames as keyframes (random latents of
+    one latent frame each, core's ``minimax_keyframes``)."""
+    g = torch.Generator().manual_seed(job.seed)
+    vs, as_ = latent_shapes(job.width, job.height, job.frames, cfg.video_channels, cfg.audio_channels)
+    text = torch.randn(1, job.text_tokens, cfg.text_dim, generator=g)
+    kfs = tuple(Keyframe(f if f >= 0 else job.frames + f, latent=torch.randn(1, vs[1], 1, vs[3], vs[4], generator=g))
+                for f in job.keyframes)
+    cond = H3Conditioning(keyframes=kfs, seed=job.seed) if kfs else None
+    return SampleInputs(text, None, torch.zeros(vs), torch.zeros(as_), cond)
+
+
+def tiny_budget(rt, job: J.Job, inputs: SampleInputs, cap_gb: int) -> int:
+    """The tiny model's stand-in for a cap: the smallest budget its plan accepts for the job (8 GB: every block
+    streamed, activations chunked) or 1.5x that (16 GB)."""
+    from h3_blackwell.runtime.budget import ModelMemory, Workload, smallest_budget
+
+    wl = Workload.from_shapes(inputs.video.shape, inputs.audio.shape, job.text_tokens, job.steps, inputs.conditioning)
+    least = smallest_budget(ModelMemory.from_plan(rt.plan), wl, "cpu")
+    return int(least * (1.0 if cap_gb <= 8 else 1.5)) + 1
+
+
+def run_ours(job: J.Job, cap_gb: int | None, files: dict, tiny: bool) -> dict:
+    from h3_blackwell.runtime.lora.apply import apply_loras
+
+    device = torch.device("cpu" if tiny or not torch.cuda.is_available() else "cuda")
+    apply_cap(cap_gb, device)
+    budget = "auto" if cap_gb is None or tiny else repr(cap_gb - MARGIN_GB)
+    kw = {} if job.sparse is None else dict(attention="sparse", sparse_tau=job.sparse.tau,
+                                            sparse_start=job.sparse.start_percent,
+                                            sparse_min_tokens=job.sparse.min_tokens,
+                                            sparse_extra_tokens=job.sparse.extra_tokens)
+    opts = RuntimeOptions.from_env(device=str(device), vram_budget=budget, **kw)
+    t0 = time.perf_counter()
+    rt = open_model(files["checkpoint"], opts).load()
+    if job.lora_rank is not None:
+        apply_loras(rt, [(files["lora"], 1.0, job.lora_mode)])
+    inputs = inputs_for(job, rt.config)
+    if tiny and cap_gb is not None:  # the CPU emulates streaming under an explicit budget: 8 -> the smallest the
+        rt.plan.options.vram_budget = repr(tiny_budget(rt, job, inputs, cap_gb) / 1e9)  # plan accepts, 16 -> 1.5x
+    res = run(tensor_job(rt, inputs,
+                         SamplingSettings(seed=job.seed, steps=job.steps, sampler=job.sampler)))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    rep = res.report
+    steps = [s["seconds"] for r in rep["per_step_seconds"] for s in r]
+    return {"step_seconds": statistics.median(steps), "job_seconds": time.perf_counter() - t0,
+            "sampling_seconds": rep["median_sampling_seconds"],
+            "peak_allocated_bytes": max(rep["peak_allocated_bytes"] or [0]) or None,
+            "peak_reserved_bytes": max(rep["peak_reserved_bytes"] or [0]) or None,
+            "host_peak_rss_bytes": host_peak_rss_bytes(),
+            "latent_checksums": {k: rep["latent_checksums"][k] for k in ("video_sha256", "audio_sha256")},
+            "memory": {k: (rep.get("memory") or {}).get(k) for k in
+                       ("budget", "streamed_blocks", "ffn_chunk_rows", "attn_chunk_rows", "host_bytes_planned",
+                        "copy_exposed_ms_per_step")},
+            "attention": rep["backends"].get("attention"), "device": rep["device"]}
+
+
+def run_core(job: J.Job, cap_gb: int | None, files: dict, tiny: bool) -> dict:
+    """ComfyUI core's stack in this process (module docstring); raises what core raises."""
+    import _core_model as C
+
+    if job.sparse is not None:
+        raise RuntimeError("missing feature: core's sparse-attention node (comfy_extras/nodes_sparse_attention.py, "
+                           "h3-comfyui-facts.md §11.2) is not in the carried ComfyUI snapshot")
+    folder = Path(files["comfyui"])
+    C.carried_paths(folder, Path(tempfile.gettempdir()) / "h3_core_site")
+    device = torch.device("cpu" if tiny or not torch.cuda.is_available() else "cuda")
+    if cap_gb is not None and device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        sys.argv = ["main.py", "--reserve-vram", f"{max(0.0, total / 1e9 - cap_gb):.2f}"]
+    apply_cap(cap_gb, device)
+    mm, ops_mod, flags, bound = C.import_core("sage" if device.type == "cuda" else "pytorch", device.type == "cpu",
+                                              folder)
+    return core_sample(mm, ops_mod, job, device, TINY if tiny else FULL)
+
+
+def core_sample(mm, ops_mod, job: J.Job, device, cfg) -> dict:
+    """core's model (fp8 block linears) under core's ModelPatcher and load_models_gpu, one forward per step at the
+    job's sigmas (the simple schedule at shift 12), timed with the load."""
+    import _core_model as C
+    import comfy.model_management as M
+    import comfy.model_patcher
+
+    t0 = time.perf_counter()
+    compute = torch.bfloat16 if device.type == "cuda" else torch.float32
+    ops, _ = C.pick_ops(ops_mod, "fp8", compute, device)
+    model = C.build_core(mm, ops, cfg, "fp8", compute, M.unet_offload_device(), job.seed)
+    patcher = comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=M.unet_offload_device())
+    M.load_models_gpu([patcher])
+    text = torch.randn(1, job.text_tokens, cfg.text_dim, generator=torch.Generator().manual_seed(job.seed))
+    vs, as_ = latent_shapes(job.width, job.height, job.frames, cfg.video_channels, cfg.audio_channels)
+    sigmas = [1.0 - i / job.steps for i in range(job.steps)]
+    times = []
+    out = None
+    for s in sigmas:
+        args, kwargs, _ = C.forward_inputs(mm, model, text, vs, as_, s, compute, device, job.seed)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            out = model(*args, **kwargs)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    from h3_blackwell.runtime import latent_sha256
+
+    vid, aud = (out[0], out[1]) if isinstance(out, (list, tuple)) else (out, out)
+    cuda = device.type == "cuda"
+    return {"step_seconds": statistics.median(times), "job_seconds": time.perf_counter() - t0,
+            "peak_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+            "peak_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None,
+            "host_peak_rss_bytes": host_peak_rss_bytes(),
+            "latent_checksums": {"video_sha256": latent_sha256(vid), "audio_sha256": latent_sha256(aud)},
+            "note": "one core forward per step at the step's sigma (core's sampler arithmetic left out)"}
+
+
+def child(a) -> int:
+    """--child STACK: one stack of one row; writes {result} or {error} to --child-out."""
+    job = job_of(a.rows.split(":")[0], a)
+    cap = parse_rows(a)[0][1]
+    files = json.loads(a.child_files)
+    try:
+        res = (run_ours if a.child == "ours" else run_core)(job, cap, files, a.tiny)
+    except BaseException as e:  # noqa: BLE001 - a refusal, an OOM or a missing feature is the row's finding
+        res = {"error": err_text(e), "traceback": traceback.format_exc()[-2000:],
+               "host_peak_rss_bytes": host_peak_rss_bytes()}
+    Path(a.child_out).write_text(json.dumps(res))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# the parent: rows, merge, JSON
+# ---------------------------------------------------------------------------------------------
+
+def run_stack(stack: str, job: str, cap, files: dict, a) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    cmd = [sys.executable, __file__, "--child", stack, "--rows", f"{job}:{cap or 'resident'}", "--child-out", out,
+           "--child-files", json.dumps(files), "--lora-rank", str(a.lora_rank)] + (["--tiny"] if a.tiny else [])
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    p = subprocess.run(cmd, env=env, timeout=a.timeout)
+    try:
+        return json.loads(Path(out).read_text()) if Path(out).stat().st_size else {"error": f"child exit {p.returncode}"}
+    finally:
+        Path(out).unlink(missing_ok=True)
+
+
+def make_row(job: str, cap, files: dict, a) -> dict:
+    row = {"job": job, "cap_gb": cap, "definition": job_of(job, a).as_dict(),
+           "lora_rank_source": J.TURBO_LORA_RANK_SOURCE}
+    for stack in ("ours", "core"):
+        row[stack] = run_stack(stack, job, cap, files, a) if stack in a.stacks.split(",") else \
+            {"error": "not run in this call (--stacks)"}
+    o, c = row["ours"], row["core"]
+    row["speedup"] = (c["job_seconds"] / o["job_seconds"]) if "error" not in o and "error" not in c else None
+    row["card"] = o.get("device")
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--jobs", default=",".join(J.USER_JOBS))
+    ap.add_argument("--caps", default="resident,16,8")
+    ap.add_argument("--rows", default="", help="job:cap,... (cap resident|16|8): overrides --jobs/--caps")
+    ap.add_argument("--stacks", default="ours,core")
+    ap.add_argument("--merge", action="store_true", help="keep the rows of --out this call does not run")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--workdir", default=os.environ.get("H3_USER_JOBS_DIR", "/tmp/h3_user_jobs"))
+    ap.add_argument("--lora-rank", type=int, default=J.TURBO_LORA_RANK)
+    ap.add_argument("--comfyui", default=str(ROOT / ".core_peer"), help="the folder scripts/pack_core_peer.sh fills")
+    ap.add_argument("--tiny", action="store_true", help="the tiny config on the CPU: the whole flow, end to end")
+    ap.add_argument("--timeout", type=int, default=3600, help="seconds per stack and row")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--child-files", default="{}", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.child:
+        return child(a)
+    return parent(a, argv)
+
+
+def parent(a, argv) -> int:
+    rows = parse_rows(a)
+    name = "user-jobs" + ("-tiny" if a.tiny else "")
+    out = Path(a.out or ROOT / "bench" / "results" / f"{name}.json")
+    old = json.loads(out.read_text()) if a.merge and out.is_file() else {}
+    work = Path(a.workdir) / ("tiny" if a.tiny else "full")
+    cfg = TINY if a.tiny else FULL
+    dev = "cuda" if torch.cuda.is_available() and not a.tiny else "cpu"
+    t0 = time.perf_counter()
+    files = {"checkpoint": str(write_checkpoint(work / "h3_random_nvfp4.safetensors", cfg, dev)),
+             "lora": str(write_lora(work / f"turbo_rank{a.lora_rank if not a.tiny else 4}.safetensors", cfg,
+                                    a.lora_rank if not a.tiny else 4)),
+             "comfyui": a.comfyui}
+    res = {"name": name, "command": bench_command(argv), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+           "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "versions": versions(),
+           "files_seconds": time.perf_counter() - t0, "core_stack": "in-process (bench/user_jobs.py docstring)",
+           "rows": [r for r in old.get("rows", []) if (r["job"], r["cap_gb"]) not in set(rows)]}
+    for job, cap in rows:
+        print(f"[user_jobs] {job} cap={cap or 'resident'}", flush=True)
+        res["rows"].append(make_row(job, cap, files, a))
+        write_json(res, out)
+    print(json.dumps([{k: r.get(k) for k in ("job", "cap_gb", "speedup")} for r in res["rows"]]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
