@@ -14,8 +14,9 @@ build one file). Jobs: bench/jobs.py.
 ours: random weights at H3's full shapes written once to an NVFP4 checkpoint in --workdir (``quantize``'s streaming
 writer, one tensor at a time), and a turbo-style LoRA of --lora-rank there; each run loads the file as a user does
 (``open_model`` -> plan -> streaming load), applies the LoRA in our default mode, samples the job (first and last
-keyframes as core's payload gives them) with the budget ``cap - 0.5 GB`` (auto when resident), and records the
-step and job seconds, peaks, host RSS and latent hashes.
+keyframes as core's payload gives them) with the budget ``cap - 0.5 GB`` (auto when resident) and, under a cap, the
+host budget of a 32 GB machine less 4 GB for the process (the full-form AdaLN weights then stay in the checkpoint
+file: runtime.io.adaln_file), and records the step and job seconds, peaks, host RSS and latent hashes.
 
 core: ComfyUI core's modules in one process (bench/_core_model.py: core's H3 model code from the folder
 scripts/pack_core_peer.sh packs, its fp8 weights, sage attention, wrapped in core's ModelPatcher and loaded with
@@ -54,6 +55,8 @@ from h3_blackwell.runtime.model.layout import latent_shapes  # noqa: E402
 from h3_blackwell.runtime.sampling.report import host_peak_rss_bytes  # noqa: E402
 
 MARGIN_GB = 0.5  # our budget under a cap: the cap less this (the allocator's fragmentation, CUDA's small tensors)
+HOST_GB = 32  # a capped row stands for a consumer card in a machine with this much host memory
+HOST_MARGIN_GB = 4  # of which the process itself (torch, CUDA's context, the run's host tensors) keeps about this
 DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16"}
 
 
@@ -149,6 +152,8 @@ def run_ours(job: J.Job, cap_gb: int | None, files: dict, tiny: bool) -> dict:
                                             sparse_start=job.sparse.start_percent,
                                             sparse_min_tokens=job.sparse.min_tokens,
                                             sparse_extra_tokens=job.sparse.extra_tokens)
+    if cap_gb is not None and not tiny:  # the 32 GB machine: AdaLN stays in the file where it does not fit beside
+        kw["host_budget"] = repr(HOST_GB - HOST_MARGIN_GB)  # the streamed blocks (runtime.budget._check_host)
     opts = RuntimeOptions.from_env(device=str(device), vram_budget=budget, **kw)
     t0 = time.perf_counter()
     rt = open_model(files["checkpoint"], opts).load()
@@ -171,7 +176,7 @@ def run_ours(job: J.Job, cap_gb: int | None, files: dict, tiny: bool) -> dict:
             "latent_checksums": {k: rep["latent_checksums"][k] for k in ("video_sha256", "audio_sha256")},
             "memory": {k: (rep.get("memory") or {}).get(k) for k in
                        ("budget", "streamed_blocks", "ffn_chunk_rows", "attn_chunk_rows", "host_bytes_planned",
-                        "copy_exposed_ms_per_step")},
+                        "adaln_from_file", "host_limit_bytes", "copy_exposed_ms_per_step")},
             "attention": rep["backends"].get("attention"), "device": rep["device"]}
 
 

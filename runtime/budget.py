@@ -52,7 +52,7 @@ from .model.h3 import H3Model
 from .ops import nvfp4
 from .ops.attention import row_exactness
 from .options import vram_budget_bytes
-from .plan import Choice
+from .plan import ADALN_FROM_FILE, Choice
 from .sampling.request import RequestError, host_available_bytes, latent_rows, resolve_request
 
 GB = 1e9
@@ -220,6 +220,8 @@ class ModelMemory:
     ffn_row_local_why: str
     adaln_on_host: bool = True
     sparse: bool = False  # the sparse backend runs attention (``attention`` is then its dense steps' backend)
+    adaln_file: bool = False  # the AdaLN weights can stay in the checkpoint file (a file source, AdaLN off the device)
+    adaln_block_bytes: int = 0  # one block's AdaLN weight and bias: what a run reading them from the file holds
 
     @property
     def attn_rows(self) -> tuple[bool, str]:
@@ -282,7 +284,10 @@ class ModelMemory:
                              for n in ("mlp.fc1", "mlp.fc2"))
         mm = cls.build(plan.config, plan.dtype, plan.act_format, plan.gemm, plan.dense_attention,
                        plan.v_handling, plan.adaln_on_host, calibrated)
-        return replace(mm, sparse=plan.attention == "sparse")
+        per_block = mm.adaln_host_bytes // max(1, plan.config.num_layers)
+        return replace(mm, sparse=plan.attention == "sparse", adaln_block_bytes=per_block,
+                       adaln_file=plan.adaln_on_host and hasattr(ck, "headers"),
+                       adaln_host_bytes=0 if plan.adaln_from_file else mm.adaln_host_bytes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -521,6 +526,8 @@ class MemoryPlan:
     outside_bytes: int = 0  # taken off a given budget: what the model holds beside the estimate (``Outside``)
     attn_chunk_rows: int | None = None  # the attention half in query-row chunks of this many rows (None: unchunked)
     attn_rows_why: str = ""  # whether those chunks are row-exact, and why (``ModelMemory.attn_rows``)
+    adaln_from_file: bool = False  # AdaLN left in the checkpoint file: each run reads it block by block
+    host_limit_bytes: int | None = None  # the host memory the plan fitted its host figure into (None: not checked)
 
     @property
     def streams(self) -> bool:
@@ -533,6 +540,13 @@ class MemoryPlan:
         memory, torch and the run's tensors, comes on top)."""
         return self.host_bytes + self.tower_host_bytes + self.adaln_host_bytes
 
+    def host_text(self) -> str:
+        """The plan's host figure, as the choice states it beside the device's."""
+        adaln = "AdaLN read from the checkpoint file block by block each run" if self.adaln_from_file else \
+            f"{gb(self.adaln_host_bytes)} AdaLN weights"
+        limit = "" if self.host_limit_bytes is None else f" of {gb(self.host_limit_bytes)} host memory"
+        return f"host: {gb(self.host_bytes_planned)}{limit} ({gb(self.host_bytes)} streamed blocks, {adaln})"
+
     @property
     def copy_bytes_per_step(self) -> int:
         return len(self.streamed) * self.block_bytes
@@ -540,7 +554,8 @@ class MemoryPlan:
     def choice(self) -> Choice:
         n = len(self.resident) + len(self.streamed)
         if self.note and not self.streamed and self.ffn_chunk_rows is None:
-            return Choice("all resident", f"{self.note}; {self.estimate.describe()} for {self.workload.describe()}")
+            return Choice("all resident", f"{self.note}; {self.estimate.describe()} for {self.workload.describe()}"
+                          + (f"; {self.host_text()}" if self.adaln_from_file else ""))
         what = "all resident" if not self.streamed else f"{len(self.resident)} resident, {len(self.streamed)} streamed"
         if self.tower_streams:
             what += ", control tower streamed"
@@ -558,8 +573,7 @@ class MemoryPlan:
         if self.attn_chunk_rows is not None:
             parts.append(f"attention in query-row chunks of {self.attn_chunk_rows:,} ({self.attn_rows_why})")
         parts.append(f"{self.estimate.describe()} for {self.workload.describe()}")
-        parts.append(f"host: {gb(self.host_bytes_planned)} ({gb(self.host_bytes)} streamed blocks, "
-                     f"{gb(self.adaln_host_bytes)} AdaLN weights)")
+        parts.append(self.host_text())
         if self.smallest_budget_bytes is not None:
             parts.append(f"smallest budget that runs: {gb(self.smallest_budget_bytes)}"
                          + (f" (with the {gb(self.outside_bytes)} held beside it)" if self.outside_bytes else ""))
@@ -575,7 +589,8 @@ class MemoryPlan:
                 "workload": {"rows": self.workload.rows, "steps": self.workload.steps},
                 "pinned_host_bytes": 0 if self.emulated else self.host_bytes,
                 "host_bytes_streamed_weights": self.host_bytes, "adaln_host_bytes": self.adaln_host_bytes,
-                "host_bytes_planned": self.host_bytes_planned,
+                "host_bytes_planned": self.host_bytes_planned, "adaln_from_file": self.adaln_from_file,
+                "host_limit_bytes": self.host_limit_bytes,
                 "smallest_budget_bytes": self.smallest_budget_bytes,
                 "copy_bytes_per_step_planned": self.copy_bytes_per_step,
                 "control_tower_streams": self.tower_streams, "control_tower_host_bytes": self.tower_host_bytes,
@@ -676,26 +691,29 @@ def decide(mm: ModelMemory, wl: Workload, dev: DeviceMemory, requested: int | No
     if dev.kind == "cpu" and requested is None:
         p = _plan(mm, wl, dev, (None, "auto on the CPU"), _Shape(n))
         p.note = "cpu: device memory is host memory, nothing streams (an explicit budget emulates streaming)"
+        _check_host(p, mm, host_free, held.host_bytes, unchanged)
         return p
     budget, text = _resolve_budget(requested, dev, held.device_bytes, outside)
     extra = sum(o.nbytes for o in outside) if requested is not None else 0
     full = estimate(mm, wl, n, SLOTS, None, dev.kind)
     if full.total <= budget:
-        return _plan(mm, wl, dev, (budget, text), _Shape(n), outside_bytes=extra)
+        p = _plan(mm, wl, dev, (budget, text), _Shape(n), outside_bytes=extra)
+        _check_host(p, mm, host_free, held.host_bytes, unchanged)
+        return p
     smallest = smallest_budget(mm, wl, dev.kind) + extra
     ts = wl.tower is not None  # past "everything resident", the control tower streams first (it runs 5 or 10 blocks)
     options = chunkings(mm, wl, dev.kind)
     for chunk, attn in options:
         if (chunk is not None or ts) and estimate(mm, wl, n, SLOTS, chunk, dev.kind, ts, attn).total <= budget:
             p = _plan(mm, wl, dev, (budget, text), _Shape(n, chunk, ts, True, attn), smallest, extra)
-            _check_host(p, host_free, held.host_bytes, unchanged)
+            _check_host(p, mm, host_free, held.host_bytes, unchanged)
             return p
         base = estimate(mm, wl, 0, SLOTS, chunk, dev.kind, ts, attn).total
         if base > budget:
             continue
         resident = min(n - 1, (budget - base) // mm.block_bytes) if mm.block_bytes else n
         p = _plan(mm, wl, dev, (budget, text), _Shape(int(resident), chunk, ts, True, attn), smallest, extra)
-        _check_host(p, host_free, held.host_bytes, unchanged)
+        _check_host(p, mm, host_free, held.host_bytes, unchanged)
         return p
     what = "auto (the free device memory less the margin)" if requested is None else "the budget"
     raise BudgetError(
@@ -747,20 +765,30 @@ def budget_arg(nbytes: int) -> str:
     return f"{math.ceil(nbytes / GB * 10 ** digits) / 10 ** digits:.{digits}f}"
 
 
-def _check_host(p: MemoryPlan, host_free: int | None, host_held_bytes: int,
+def _check_host(p: MemoryPlan, mm: ModelMemory, host_free: int | None, host_held_bytes: int,
                 unchanged: str = "nothing was loaded") -> None:
+    """The plan's host figure against the host memory (``host_free``: the host budget, else what is available):
+    the streamed blocks (and tower) and the full-form AdaLN weights kept there. Where they do not fit and the
+    AdaLN weights can stay in the checkpoint file (``ModelMemory.adaln_file``), they do: each run then reads them
+    one block at a time (``adaln_block_bytes`` in host memory at once). Raises BudgetError where the streamed
+    weights alone do not fit."""
     need = p.host_bytes + p.tower_host_bytes - host_held_bytes
-    if need <= 0:
+    adaln = p.adaln_host_bytes if host_held_bytes == 0 else 0  # loaded alongside, before the blocks
+    if need + adaln <= 0:
         return
     free = host_available_bytes() if host_free is None else host_free
-    adaln = p.adaln_host_bytes if host_held_bytes == 0 else 0  # loaded alongside, before the blocks
+    p.host_limit_bytes = free
+    if need + adaln <= free:
+        return
+    if adaln and mm.adaln_file and need + mm.adaln_block_bytes <= free:
+        p.adaln_from_file, p.adaln_host_bytes = True, 0
+        return
     avail = free - adaln
-    if need > avail:
-        extra = f" after the {gb(adaln)} of AdaLN weights kept there" if adaln else ""
-        tower = f" and the control tower's {p.workload.tower.blocks} blocks" if p.tower_host_bytes else ""
-        raise BudgetError(f"{p.budget_text}: needs {need / GB:.1f} GB of host memory for the streamed weights "
-                          f"({len(p.streamed)} blocks{tower}), {max(0, avail) / GB:.1f} GB free{extra}; raise the "
-                          f"budget so fewer blocks stream, or free host memory ({unchanged})")
+    extra = f" after the {gb(adaln)} of AdaLN weights kept there" if adaln else ""
+    tower = f" and the control tower's {p.workload.tower.blocks} blocks" if p.tower_host_bytes else ""
+    raise BudgetError(f"{p.budget_text}: needs {need / GB:.1f} GB of host memory for the streamed weights "
+                      f"({len(p.streamed)} blocks{tower}), {max(0, avail) / GB:.1f} GB free{extra}; raise the "
+                      f"budget so fewer blocks stream, or free host memory ({unchanged})")
 
 
 def plan_memory(plan, workload: Workload | None = None, dev: DeviceMemory | None = None,
@@ -770,10 +798,25 @@ def plan_memory(plan, workload: Workload | None = None, dev: DeviceMemory | None
     wl = workload or Workload.for_request(plan.config)
     dev = dev or DeviceMemory.probe(plan.device)
     mm = ModelMemory.from_plan(plan)
+    if host_free is None:
+        host_free = host_budget_bytes(plan.options)
     mp = decide(mm, wl, dev, parse_vram_budget(plan.vram_budget), host_free)
     plan.memory = mp
     plan.choices["memory"] = mp.choice()
+    if mp.adaln_from_file:
+        plan.choices["adaln"] = Choice(ADALN_FROM_FILE, (
+            f"modulation rows precomputed per run from the AdaLN weights read block by block from the checkpoint "
+            f"file ({gb(mm.adaln_block_bytes)} in host memory at a time): the {gb(mm.adaln_host_bytes)} of them do "
+            f"not fit beside the streamed blocks in {gb(mp.host_limit_bytes)} of host memory"))
     return mp
+
+
+def host_budget_bytes(options) -> int | None:
+    """The host memory a load plans within: ``host_budget`` (GB) where given, else None (what is available)."""
+    try:
+        return vram_budget_bytes(options.host_budget, "host_budget")
+    except ValueError as e:
+        raise BudgetError(str(e).removeprefix("option ")) from None
 
 
 __all__ = ["BudgetError", "chunkings", "DeviceMemory", "Estimate", "Held", "MemoryAsk", "MemoryPlan", "ModelMemory", "TowerSize",

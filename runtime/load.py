@@ -37,8 +37,9 @@ from typing import Callable
 import torch
 
 from .budget import (DeviceMemory, Held, MemoryAsk, MemoryPlan, ModelMemory, Outside, TowerSize, Workload,
-                     check_request, decide, parse_vram_budget, plan_memory)
+                     check_request, decide, host_budget_bytes, parse_vram_budget, plan_memory)
 from .errors import CheckpointError
+from .io.adaln_file import ADALN_KEY, AdalnFromFile
 from .io.checkpoint import dequantize_layer
 from .io.comfy_quant import from_comfy_quant_tensors
 from .io.finite import check_finite
@@ -175,7 +176,7 @@ class _Loader:
         if not getattr(self.src, "verified", False):  # a checkpoint checked before the load is not checked again
             check_names_and_shapes(want, self.src, self.quant, label, self.plan.config.num_layers)
         keys = list(want)
-        adaln_host = self.plan.adaln_on_host
+        adaln_host, adaln_file = self.plan.adaln_on_host, self.plan.adaln_from_file
         for i, k in enumerate(keys):
             if self.progress:
                 self.progress(i, len(keys), k)
@@ -183,13 +184,16 @@ class _Loader:
             layer = k[:-7] if k.endswith(".weight") else None
             if self.plan.quantize and layer is not None and QUANT_LINEARS.match(layer):
                 self._linear(layer, tuple(p.shape))
+            elif adaln_file and ADALN_KEY.match(k):
+                continue  # left in the checkpoint file: each run reads it (runtime.io.adaln_file)
             elif adaln_host and k.startswith("blocks.") and ".adaln_proj." in k:
                 self._to_host(k, p)
             else:
                 self._tensor(k, p)
             if self.adopt is not None and layer is not None and QUANT_LINEARS.match(layer):
                 self.adopt(layer, self.model.get_submodule(layer))
-        left = [n for n, t in list(self.model.named_parameters()) + list(self.model.named_buffers()) if t.is_meta]
+        left = [n for n, t in list(self.model.named_parameters()) + list(self.model.named_buffers())
+                if t.is_meta and not (adaln_file and ADALN_KEY.match(n))]
         if left:
             raise CheckpointError(f"{label}: no tensor for {left[:5]}")
 
@@ -326,7 +330,8 @@ class H3Runtime:
                    Outside(side_device_bytes(self.model, self.device), "the LoRA side paths hold",
                            "or apply the LoRAs in merge mode (no device bytes beside the weights)"))
         host_held = st.host_bytes + (0 if tower_st is None else tower_st.host_bytes)
-        new = decide(mm, wl, dev, parse_vram_budget(plan.vram_budget), held=Held(held, host_held), outside=outside,
+        new = decide(mm, wl, dev, parse_vram_budget(plan.vram_budget), host_budget_bytes(plan.options),
+                     held=Held(held, host_held), outside=outside,
                      unchanged="nothing moved: the model stays loaded as it was")
         if tower_st is not None and new.tower_streams:  # the tower's blocks move too: device -> host first,
             tower_st.restream(range(len(control.places)))  # so that the base's moves find the room
@@ -410,6 +415,8 @@ def load_model(path: str | Path | None = None, options: RuntimeOptions | None = 
     streamer = BlockStreamer(model.blocks, plan.memory.streamed, plan.device, plan.memory.slots)
     stream_load(model, src, plan, progress, streamer.adopt)
     streamer.finish()
+    if plan.adaln_from_file:
+        model.adaln_source = AdalnFromFile(plan.checkpoint, model)
     model.eval().requires_grad_(False)
     fc2, fc2_report = _prepare_fc2(plan)
     if fc2_report is not None:

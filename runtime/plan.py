@@ -37,6 +37,7 @@ from .options import RuntimeOptions
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FC2_NOT_APPLICABLE = "not applicable (act_format fp8)"
+ADALN_FROM_FILE = "rows per run from the file"
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,14 @@ class LoadPlan:
 
     @property
     def adaln_on_host(self) -> bool:
-        return self.choices["adaln"].choice == "rows per run"
+        """Full-form AdaLN off the device: in host memory, or left in the checkpoint file (``adaln_from_file``)."""
+        return self.choices["adaln"].choice in ("rows per run", ADALN_FROM_FILE)
+
+    @property
+    def adaln_from_file(self) -> bool:
+        """The memory plan left the full-form AdaLN weights in the checkpoint file: each run reads them block by
+        block to compute its modulation rows (``runtime.io.adaln_file``), so host memory never holds them all."""
+        return self.choices["adaln"].choice == ADALN_FROM_FILE
 
     @property
     def act_scale(self) -> str:
@@ -287,7 +295,7 @@ def _precision(options: RuntimeOptions, device: torch.device, act_format: str) -
 def _adaln(options: RuntimeOptions, device: torch.device, cfg: H3Config) -> Choice:
     if cfg.curve_form:
         return Choice("resident", "curve form: the AdaLN tables are small")
-    if options.adaln_cache and device.type == "cuda":
+    if options.adaln_cache and (device.type == "cuda" or options.host_budget != "auto"):
         return Choice("rows per run", "modulation rows precomputed per run; full-form AdaLN weights stream into "
                                       "pinned host memory, never onto the device")
     return Choice("resident", "adaln_cache off or not CUDA: AdaLN weights stay with the model")
