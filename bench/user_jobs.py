@@ -180,61 +180,116 @@ def run_ours(job: J.Job, cap_gb: int | None, files: dict, tiny: bool) -> dict:
             "attention": rep["backends"].get("attention"), "device": rep["device"]}
 
 
-def run_core(job: J.Job, cap_gb: int | None, files: dict, tiny: bool) -> dict:
-    """ComfyUI core's stack in this process (module docstring); raises what core raises."""
+def import_core_stack(folder: Path, device: torch.device, cap_gb: int | None):
+    """core's modules with core's CLI flags (``--reserve-vram`` so core sees a card of the cap's size, ``--cpu`` on
+    the CPU, the attention flag) from ``folder``: a ComfyUI checkout (the vendored one) or the folder
+    scripts/pack_core_peer.sh fills. -> (model module, comfy.ops)."""
     import _core_model as C
 
-    if job.sparse is not None:
-        raise RuntimeError("missing feature: core's sparse-attention node (comfy_extras/nodes_sparse_attention.py, "
-                           "h3-comfyui-facts.md §11.2) is not in the carried ComfyUI snapshot")
-    folder = Path(files["comfyui"])
-    C.carried_paths(folder, Path(tempfile.gettempdir()) / "h3_core_site")
-    device = torch.device("cpu" if tiny or not torch.cuda.is_available() else "cuda")
+    if (folder / "comfy" / "ldm" / "minimax" / "model.py").is_file():
+        sys.path.insert(0, str(folder))
+    else:
+        C.carried_paths(folder, Path(tempfile.gettempdir()) / "h3_core_site")
+    flags = []
     if cap_gb is not None and device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
-        sys.argv = ["main.py", "--reserve-vram", f"{max(0.0, total / 1e9 - cap_gb):.2f}"]
+        flags = ["--reserve-vram", f"{max(0.0, total / 1e9 - cap_gb):.2f}"]
+    attention = "sage" if device.type == "cuda" else "pytorch"
+    saved = sys.argv
+    sys.argv = ["main.py", *flags]  # import_core adds the attention flag (and --cpu) to what main.py would parse
+    try:
+        mm, ops_mod, _, _ = C.import_core(attention, device.type == "cpu", folder)
+    finally:
+        sys.argv = saved
+    return mm, ops_mod
+
+
+def run_core(job: J.Job, cap_gb: int | None, files: dict, tiny: bool) -> dict:
+    """ComfyUI core's stack in this process (module docstring); raises what core raises."""
+    if job.sparse is not None:
+        raise RuntimeError("missing feature: core's sparse-attention node (comfy_extras/nodes_sparse_attention.py, "
+                           "h3-comfyui-facts.md §11.2) is not in the carried ComfyUI snapshot (0f1fa67a)")
+    device = torch.device("cpu" if tiny or not torch.cuda.is_available() else "cuda")
     apply_cap(cap_gb, device)
-    mm, ops_mod, flags, bound = C.import_core("sage" if device.type == "cuda" else "pytorch", device.type == "cpu",
-                                              folder)
-    return core_sample(mm, ops_mod, job, device, TINY if tiny else FULL)
+    mm, ops_mod = import_core_stack(Path(files["comfyui"]), device, cap_gb)
+    return core_sample(mm, ops_mod, job, device, TINY if tiny else FULL, files)
 
 
-def core_sample(mm, ops_mod, job: J.Job, device, cfg) -> dict:
-    """core's model (fp8 block linears) under core's ModelPatcher and load_models_gpu, one forward per step at the
-    job's sigmas (the simple schedule at shift 12), timed with the load."""
+def core_payload(mm, job: J.Job, inputs: SampleInputs, context, device, compute) -> dict:
+    """``minimax_payload`` as core's ``MiniMaxH3.extra_conds`` builds it: keyframes (and their cond latents), seed,
+    audio scale, the packed layout built once per run."""
+    kfs = [{"resolved_frame_index": kf.resolved_frame_index, "latent": kf.latent.to(device, torch.float32)}
+           for kf in (inputs.conditioning.keyframes if inputs.conditioning is not None else ())]
+    vs = inputs.video.shape
+    payload = {"seed": job.seed, "audio_scale": 1.0}
+    if kfs:
+        payload.update(keyframes=kfs, cond_video_latents=[k["latent"] for k in kfs], cond_audio_latents=[])
+    payload["layout"] = mm.PackedLayout(context.shape[1], vs[2], (vs[3] + 1) // 2 * 2, (vs[4] + 1) // 2 * 2,
+                                        inputs.audio.shape[-1], keyframes=kfs or None)
+    return payload
+
+
+def core_lora(patcher, job: J.Job, files: dict) -> dict | None:
+    """The turbo LoRA as core's LoraLoaderModelOnly puts it on the model: ``comfy.lora.load_lora`` over the LoRA
+    file with core's key map for H3 (``<name>`` and ``diffusion_model.<name>`` of each weight), then
+    ``ModelPatcher.add_patches`` at strength 1 (applied when the weights load). -> what was patched."""
+    if job.lora_rank is None:
+        return None
+    import comfy.lora
+    import comfy.utils
+
+    sd = comfy.utils.load_torch_file(files["lora"], safe_load=True)
+    keys = {}
+    for k in patcher.model.state_dict():
+        if k.endswith(".weight"):
+            keys[k[:-len(".weight")]] = k
+            keys[f"diffusion_model.{k[:-len('.weight')]}"] = k
+    patches = comfy.lora.load_lora(sd, keys)
+    done = patcher.add_patches(patches, 1.0)
+    return {"patched_weights": len(done), "lora_keys": len(sd)}
+
+
+def core_sample(mm, ops_mod, job: J.Job, device, cfg, files: dict) -> dict:
+    """core's model (fp8 block linears) wrapped in core's ModelPatcher and loaded by ``load_models_gpu`` (dynamic
+    VRAM under the reserve), then ``job.steps`` Euler steps, one core forward each (the text refined once per run,
+    the layout built once, as core's sampler does; core's sampler arithmetic is these few elementwise ops)."""
     import _core_model as C
     import comfy.model_management as M
     import comfy.model_patcher
+    from h3_blackwell.runtime import latent_sha256
 
     t0 = time.perf_counter()
     compute = torch.bfloat16 if device.type == "cuda" else torch.float32
     ops, _ = C.pick_ops(ops_mod, "fp8", compute, device)
     model = C.build_core(mm, ops, cfg, "fp8", compute, M.unet_offload_device(), job.seed)
     patcher = comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=M.unet_offload_device())
+    lora = core_lora(patcher, job, files)
     M.load_models_gpu([patcher])
-    text = torch.randn(1, job.text_tokens, cfg.text_dim, generator=torch.Generator().manual_seed(job.seed))
-    vs, as_ = latent_shapes(job.width, job.height, job.frames, cfg.video_channels, cfg.audio_channels)
-    sigmas = [1.0 - i / job.steps for i in range(job.steps)]
-    times = []
-    out = None
-    for s in sigmas:
-        args, kwargs, _ = C.forward_inputs(mm, model, text, vs, as_, s, compute, device, job.seed)
-        t = time.perf_counter()
-        with torch.inference_mode():
-            out = model(*args, **kwargs)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    from h3_blackwell.runtime import latent_sha256
-
-    vid, aud = (out[0], out[1]) if isinstance(out, (list, tuple)) else (out, out)
+    inputs = inputs_for(job, cfg)
+    with torch.inference_mode():
+        context = model.preprocess_text_embeds(inputs.text.to(device, compute))
+        payload = core_payload(mm, job, inputs, context, device, compute)
+        g = torch.Generator().manual_seed(job.seed)
+        x = [torch.randn(inputs.video.shape, generator=g).to(device), torch.randn(inputs.audio.shape, generator=g).to(device)]
+        sigmas = [1.0 - i / job.steps for i in range(job.steps)] + [0.0]
+        times = []
+        for s, nxt in zip(sigmas[:-1], sigmas[1:]):
+            t = time.perf_counter()
+            ts = torch.tensor([s * 1000.0], dtype=torch.float32, device=device)
+            out = model([v.to(compute) for v in x], ts, context, transformer_options={}, minimax_payload=payload)
+            x = [v + (nxt - s) * o.float() for v, o in zip(x, out)]
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
     cuda = device.type == "cuda"
     return {"step_seconds": statistics.median(times), "job_seconds": time.perf_counter() - t0,
             "peak_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
             "peak_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None,
             "host_peak_rss_bytes": host_peak_rss_bytes(),
-            "latent_checksums": {"video_sha256": latent_sha256(vid), "audio_sha256": latent_sha256(aud)},
-            "note": "one core forward per step at the step's sigma (core's sampler arithmetic left out)"}
+            "latent_checksums": {"video_sha256": latent_sha256(x[0]), "audio_sha256": latent_sha256(x[1])},
+            "weights": "fp8 (float8_e4m3fn, per-tensor scale) block linears, the rest bf16, built by core's loader",
+            "loaded_by": "comfy.model_patcher.ModelPatcher + comfy.model_management.load_models_gpu", "lora": lora,
+            "note": "Euler over linear sigmas, one core forward per step; weights built in memory (no file)"}
 
 
 def child(a) -> int:
@@ -258,7 +313,8 @@ def child(a) -> int:
 def run_stack(stack: str, job: str, cap, files: dict, a) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
-    cmd = [sys.executable, __file__, "--child", stack, "--rows", f"{job}:{cap or 'resident'}", "--child-out", out,
+    py = a.core_python if stack == "core" and a.core_python else sys.executable
+    cmd = [py, __file__, "--child", stack, "--rows", f"{job}:{cap or 'resident'}", "--child-out", out,
            "--child-files", json.dumps(files), "--lora-rank", str(a.lora_rank)] + (["--tiny"] if a.tiny else [])
     env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     p = subprocess.run(cmd, env=env, timeout=a.timeout)
@@ -291,6 +347,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", default=os.environ.get("H3_USER_JOBS_DIR", "/tmp/h3_user_jobs"))
     ap.add_argument("--lora-rank", type=int, default=J.TURBO_LORA_RANK)
     ap.add_argument("--comfyui", default=str(ROOT / ".core_peer"), help="the folder scripts/pack_core_peer.sh fills")
+    ap.add_argument("--core-python", default="", help="the python core's child runs with (one with ComfyUI's "
+                    "requirements, e.g. .comfyui/venv/bin/python here); default this one")
     ap.add_argument("--tiny", action="store_true", help="the tiny config on the CPU: the whole flow, end to end")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per stack and row")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)

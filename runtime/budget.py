@@ -283,11 +283,15 @@ class ModelMemory:
             calibrated = all(f"blocks.{j}.{n}.input_scale" in keys for j in range(plan.config.num_layers)
                              for n in ("mlp.fc1", "mlp.fc2"))
         mm = cls.build(plan.config, plan.dtype, plan.act_format, plan.gemm, plan.dense_attention,
-                       plan.v_handling, plan.adaln_on_host, calibrated)
-        per_block = mm.adaln_host_bytes // max(1, plan.config.num_layers)
-        return replace(mm, sparse=plan.attention == "sparse", adaln_block_bytes=per_block,
-                       adaln_file=plan.adaln_on_host and hasattr(ck, "headers"),
+                       plan.v_handling, plan.adaln_on_host, calibrated).with_source(ck)
+        return replace(mm, sparse=plan.attention == "sparse",
                        adaln_host_bytes=0 if plan.adaln_from_file else mm.adaln_host_bytes)
+
+    def with_source(self, source) -> "ModelMemory":
+        """The same, knowing where the weights come from: a checkpoint file (its ``headers``) can keep the AdaLN
+        weights a run reads block by block (``adaln_file``; ``runtime.io.adaln_file``)."""
+        return replace(self, adaln_file=self.adaln_on_host and hasattr(source, "headers"),
+                       adaln_block_bytes=self.adaln_host_bytes // max(1, self.cfg.num_layers))
 
 
 # ---------------------------------------------------------------------------------------------

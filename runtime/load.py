@@ -292,6 +292,7 @@ class H3Runtime:
         what it holds on the device and in host memory counts as available to it)."""
         held = Held(self.device_bytes() if self.parked is None else 0,
                     0 if self.streamer is None else self.streamer.host_bytes)
+        host_free = host_budget_bytes(self.plan.options) if host_free is None else host_free
         return check_request(ModelMemory.from_plan(self.plan), wl, dev or DeviceMemory.probe(self.device),
                              self.plan.vram_budget, ask, held, host_free)
 

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -37,3 +39,25 @@ def test_tiny_rows_merge_and_table(tmp_path):
     assert subprocess.run(gen + ["--check"], timeout=60).returncode == 0
     missing = subprocess.run(gen[:2] + ["--json", str(tmp_path / "none.json"), "--readme", str(readme)], timeout=60)
     assert missing.returncode == 2
+
+
+@pytest.mark.comfyui
+def test_tiny_row_runs_core_stack_from_the_vendored_comfyui(tmp_path):
+    """Core's side of a row with the vendored ComfyUI's modules on the CPU (its own venv): core's model with fp8
+    block linears under ModelPatcher / load_models_gpu, the turbo LoRA patched in as LoraLoaderModelOnly does; the
+    sparse job is recorded with core's missing feature, not dropped."""
+    from tests.comfyui.server import comfyui_paths
+
+    src, py = comfyui_paths()
+    out = tmp_path / "uj.json"
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "user_jobs.py"), "--tiny", "--rows",
+                        "turbo8:resident,turbo8_sparse:resident", "--out", str(out), "--workdir", str(tmp_path / "w"),
+                        "--comfyui", str(src), "--core-python", str(py)],
+                       capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = {r["job"]: r for r in json.loads(out.read_text())["rows"]}
+    core = rows["turbo8"]["core"]
+    assert "error" not in core, core.get("traceback", core)
+    assert core["lora"]["patched_weights"] > 0 and "load_models_gpu" in core["loaded_by"]
+    assert rows["turbo8"]["speedup"] == core["job_seconds"] / rows["turbo8"]["ours"]["job_seconds"]
+    assert "missing feature" in rows["turbo8_sparse"]["core"]["error"] and rows["turbo8_sparse"]["speedup"] is None
