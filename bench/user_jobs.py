@@ -39,6 +39,7 @@ import sys
 import tempfile
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -49,6 +50,7 @@ import jobs as J  # noqa: E402
 
 from h3_blackwell.runtime import (RuntimeOptions, SampleInputs, SamplingSettings, open_model, run,  # noqa: E402
                                   tensor_job)
+from h3_blackwell.runtime.budget import Workload  # noqa: E402
 from h3_blackwell.runtime.model.conditioning import H3Conditioning, Keyframe  # noqa: E402
 from h3_blackwell.runtime.model.config import FULL, TINY  # noqa: E402
 from h3_blackwell.runtime.model.layout import latent_shapes  # noqa: E402
@@ -77,7 +79,15 @@ def parse_rows(a) -> list[tuple[str, int | None]]:
 
 def job_of(name: str, a) -> J.Job:
     job = J.JOBS[name](a.lora_rank) if name != "canonical" else J.JOBS[name]()
-    return J.tiny(job) if a.tiny else job
+    job = J.tiny(job) if a.tiny else job
+    return replace(job, steps=a.steps) if a.steps else job
+
+
+def config_of(a):
+    """The model: the tiny config (--tiny), else H3's full shapes with --blocks blocks (a device smoke run)."""
+    if a.tiny:
+        return TINY
+    return FULL.replace(num_layers=a.blocks) if a.blocks else FULL
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,7 +145,7 @@ def inputs_for(job: J.Job, cfg) -> SampleInputs:
 def tiny_budget(rt, job: J.Job, inputs: SampleInputs, cap_gb: int) -> int:
     """The tiny model's stand-in for a cap: the smallest budget its plan accepts for the job (8 GB: every block
     streamed, activations chunked) or 1.5x that (16 GB)."""
-    from h3_blackwell.runtime.budget import ModelMemory, Workload, smallest_budget
+    from h3_blackwell.runtime.budget import ModelMemory, smallest_budget
 
     wl = Workload.from_shapes(inputs.video.shape, inputs.audio.shape, job.text_tokens, job.steps, inputs.conditioning)
     least = smallest_budget(ModelMemory.from_plan(rt.plan), wl, "cpu")
@@ -156,10 +166,12 @@ def run_ours(job: J.Job, cap_gb: int | None, files: dict, tiny: bool) -> dict:
         kw["host_budget"] = repr(HOST_GB - HOST_MARGIN_GB)  # the streamed blocks (runtime.budget._check_host)
     opts = RuntimeOptions.from_env(device=str(device), vram_budget=budget, **kw)
     t0 = time.perf_counter()
-    rt = open_model(files["checkpoint"], opts).load()
+    spec = open_model(files["checkpoint"], opts)
+    inputs = inputs_for(job, spec.config)
+    wl = Workload.from_shapes(inputs.video.shape, inputs.audio.shape, job.text_tokens, job.steps, inputs.conditioning)
+    rt = spec.load(workload=wl)  # planned for this job (the run plans again at its start, as every run does)
     if job.lora_rank is not None:
         apply_loras(rt, [(files["lora"], 1.0, job.lora_mode)])
-    inputs = inputs_for(job, rt.config)
     if tiny and cap_gb is not None:  # the CPU emulates streaming under an explicit budget: 8 -> the smallest the
         rt.plan.options.vram_budget = repr(tiny_budget(rt, job, inputs, cap_gb) / 1e9)  # plan accepts, 16 -> 1.5x
     res = run(tensor_job(rt, inputs,
@@ -212,7 +224,7 @@ def run_core(job: J.Job, cap_gb: int | None, files: dict, tiny: bool) -> dict:
     device = torch.device("cpu" if tiny or not torch.cuda.is_available() else "cuda")
     apply_cap(cap_gb, device)
     mm, ops_mod = import_core_stack(Path(files["comfyui"]), device, cap_gb)
-    return core_sample(mm, ops_mod, job, device, TINY if tiny else FULL, files)
+    return core_sample(mm, ops_mod, job, device, files["config"], files)
 
 
 def core_payload(mm, job: J.Job, inputs: SampleInputs, context, device, compute) -> dict:
@@ -270,7 +282,7 @@ def core_sample(mm, ops_mod, job: J.Job, device, cfg, files: dict) -> dict:
         context = model.preprocess_text_embeds(inputs.text.to(device, compute))
         payload = core_payload(mm, job, inputs, context, device, compute)
         g = torch.Generator().manual_seed(job.seed)
-        x = [torch.randn(inputs.video.shape, generator=g).to(device), torch.randn(inputs.audio.shape, generator=g).to(device)]
+        x = [torch.randn(t.shape, generator=g).to(device) for t in (inputs.video, inputs.audio)]
         sigmas = [1.0 - i / job.steps for i in range(job.steps)] + [0.0]
         times = []
         for s, nxt in zip(sigmas[:-1], sigmas[1:]):
@@ -297,6 +309,7 @@ def child(a) -> int:
     job = job_of(a.rows.split(":")[0], a)
     cap = parse_rows(a)[0][1]
     files = json.loads(a.child_files)
+    files["config"] = config_of(a)
     try:
         res = (run_ours if a.child == "ours" else run_core)(job, cap, files, a.tiny)
     except BaseException as e:  # noqa: BLE001 - a refusal, an OOM or a missing feature is the row's finding
@@ -315,11 +328,14 @@ def run_stack(stack: str, job: str, cap, files: dict, a) -> dict:
         out = f.name
     py = a.core_python if stack == "core" and a.core_python else sys.executable
     cmd = [py, __file__, "--child", stack, "--rows", f"{job}:{cap or 'resident'}", "--child-out", out,
-           "--child-files", json.dumps(files), "--lora-rank", str(a.lora_rank)] + (["--tiny"] if a.tiny else [])
+           "--child-files", json.dumps(files), "--lora-rank", str(a.lora_rank), "--steps", str(a.steps),
+           "--blocks", str(a.blocks)] + (["--tiny"] if a.tiny else [])
     env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     p = subprocess.run(cmd, env=env, timeout=a.timeout)
     try:
-        return json.loads(Path(out).read_text()) if Path(out).stat().st_size else {"error": f"child exit {p.returncode}"}
+        if not Path(out).stat().st_size:
+            return {"error": f"the {stack} child exited with status {p.returncode} and wrote nothing (killed?)"}
+        return json.loads(Path(out).read_text())
     finally:
         Path(out).unlink(missing_ok=True)
 
@@ -349,6 +365,9 @@ def main(argv=None) -> int:
     ap.add_argument("--comfyui", default=str(ROOT / ".core_peer"), help="the folder scripts/pack_core_peer.sh fills")
     ap.add_argument("--core-python", default="", help="the python core's child runs with (one with ComfyUI's "
                     "requirements, e.g. .comfyui/venv/bin/python here); default this one")
+    ap.add_argument("--blocks", type=int, default=0, help="a device smoke run: H3's full widths with this many "
+                    "blocks (0: all 50)")
+    ap.add_argument("--steps", type=int, default=0, help="steps of every job (0: the job's own)")
     ap.add_argument("--tiny", action="store_true", help="the tiny config on the CPU: the whole flow, end to end")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per stack and row")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -362,18 +381,20 @@ def main(argv=None) -> int:
 
 def parent(a, argv) -> int:
     rows = parse_rows(a)
-    name = "user-jobs" + ("-tiny" if a.tiny else "")
+    name = "user-jobs" + ("-tiny" if a.tiny else f"-smoke-{a.blocks}blocks" if a.blocks else "")
     out = Path(a.out or ROOT / "bench" / "results" / f"{name}.json")
     old = json.loads(out.read_text()) if a.merge and out.is_file() else {}
     work = Path(a.workdir) / ("tiny" if a.tiny else "full")
-    cfg = TINY if a.tiny else FULL
+    cfg = config_of(a)
     dev = "cuda" if torch.cuda.is_available() and not a.tiny else "cpu"
     t0 = time.perf_counter()
-    files = {"checkpoint": str(write_checkpoint(work / "h3_random_nvfp4.safetensors", cfg, dev)),
+    files = {"checkpoint": str(write_checkpoint(work / f"h3_random_{cfg.num_layers}blocks_nvfp4.safetensors", cfg,
+                                                dev)),
              "lora": str(write_lora(work / f"turbo_rank{a.lora_rank if not a.tiny else 4}.safetensors", cfg,
                                     a.lora_rank if not a.tiny else 4)),
              "comfyui": a.comfyui}
-    res = {"name": name, "command": bench_command(argv), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+    res = {"name": name, "command": bench_command(argv), "blocks": cfg.num_layers,
+           "date": datetime.datetime.now().isoformat(timespec="seconds"),
            "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "versions": versions(),
            "files_seconds": time.perf_counter() - t0, "core_stack": "in-process (bench/user_jobs.py docstring)",
            "rows": [r for r in old.get("rows", []) if (r["job"], r["cap_gb"]) not in set(rows)]}

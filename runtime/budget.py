@@ -823,6 +823,6 @@ def host_budget_bytes(options) -> int | None:
         raise BudgetError(str(e).removeprefix("option ")) from None
 
 
-__all__ = ["BudgetError", "chunkings", "DeviceMemory", "Estimate", "Held", "MemoryAsk", "MemoryPlan", "ModelMemory", "TowerSize",
-           "Workload", "check_request", "decide", "estimate", "parse_vram_budget",
+__all__ = ["BudgetError", "DeviceMemory", "Estimate", "Held", "MemoryAsk", "MemoryPlan", "ModelMemory", "TowerSize",
+           "Workload", "check_request", "chunkings", "decide", "estimate", "parse_vram_budget",
            "plan_memory", "smallest_budget", "tower_block_bytes", "tower_bytes"]
