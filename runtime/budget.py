@@ -221,6 +221,7 @@ class ModelMemory:
     adaln_on_host: bool = True
     sparse: bool = False  # the sparse backend runs attention (``attention`` is then its dense steps' backend)
     adaln_file: bool = False  # the AdaLN weights can stay in the checkpoint file (a file source, AdaLN off the device)
+    refiner_bytes: int = 0  # the token refiner's weights (in other_bytes): in host memory whenever blocks stream
     adaln_block_bytes: int = 0  # one block's AdaLN weight and bias: what a run reading them from the file holds
 
     @property
@@ -244,9 +245,10 @@ class ModelMemory:
         block = block_linear_bytes(cfg, quantized, e)
         with torch.device("meta"):
             meta = H3Model(cfg, dtype)
-        other = adaln = 0
+        other = adaln = refiner = 0
         for name, t in list(meta.named_parameters()) + list(meta.named_buffers()):
             nbytes = t.numel() * t.element_size()
+            refiner += nbytes if name.startswith("token_refiner.") else 0
             layer = name.rsplit(".", 1)[0]
             if QUANT_LINEARS.match(layer) and name.endswith(".weight"):
                 continue  # the streamable part of a block linear: counted in block_bytes
@@ -261,7 +263,8 @@ class ModelMemory:
                                      "rows, so a row chunk would quantize differently")
         else:
             row_local, why = True, "row-local (per-row activation scales; GEMM rows independent)"
-        return cls(cfg, e, act_format, gemm, attention, v_handling, block, other, adaln, row_local, why, adaln_on_host)
+        return cls(cfg, e, act_format, gemm, attention, v_handling, block, other, adaln, row_local, why, adaln_on_host,
+                   refiner_bytes=refiner)
 
     @classmethod
     def for_options(cls, cfg: H3Config, choices: dict, dtype: torch.dtype) -> "ModelMemory":
@@ -469,9 +472,13 @@ def estimate(mm: ModelMemory, wl: Workload, resident: int, slots: int, chunk_row
     buffers) and the FFN chunked to ``chunk_rows`` rows (None: unchunked); ``tower_streams``: the control tower's
     blocks stream too (``tower_bytes``); ``attn_rows``: the attention half in query-row chunks of that many rows."""
     phases = activation_phases(mm, wl, chunk_rows, attn_rows)
-    phase = max(phases, key=phases.get)
     streamed = mm.cfg.num_layers - resident
-    return Estimate(mm.other_bytes + resident * mm.block_bytes, (slots if streamed else 0) * mm.block_bytes,
+    refiner_off = mm.refiner_bytes if streamed else 0  # in host memory, on the device for the run's one refine
+    if refiner_off:
+        phases["refine"] = refiner_off + wl.rows * mm.cfg.hidden_size * mm.dtype_bytes
+    phase = max(phases, key=phases.get)
+    return Estimate(mm.other_bytes - refiner_off + resident * mm.block_bytes,
+                    (slots if streamed else 0) * mm.block_bytes,
                     scratch_bytes(mm, wl), run_bytes(mm, wl), phases[phase], phase,
                     WORKSPACE_BYTES if device_kind == "cuda" else 0, *tower_bytes(mm, wl, tower_streams))
 
@@ -538,6 +545,12 @@ class MemoryPlan:
         return bool(self.streamed)
 
     @property
+    def refiner_on_host(self) -> bool:
+        """The token refiner's weights stay in host memory and come to the device for each run's one refine call
+        (``H3Model.refiner_on_host``): whenever blocks stream (``estimate`` counts it so)."""
+        return bool(self.streamed)
+
+    @property
     def host_bytes_planned(self) -> int:
         """Host memory the plan keeps for the model beside the device's: the streamed blocks (pinned on CUDA), the
         streamed control tower and the full-form AdaLN weights it keeps in host memory (the process's other host
@@ -569,6 +582,8 @@ class MemoryPlan:
                          f"memory through {self.slots} device buffers of {gb(self.block_bytes)} "
                          f"({gb(self.copy_bytes_per_step)} copied per step"
                          + (", emulated with host copies on the CPU" if self.emulated else "") + ")")
+        if self.streamed:
+            parts.append("the token refiner in host memory, on the device for each run's refine")
         if self.tower_streams:
             parts.append(f"the control tower's {self.workload.tower.blocks} blocks stream through "
                          f"{min(self.slots, self.workload.tower.blocks)} device buffers of their own")
@@ -587,6 +602,7 @@ class MemoryPlan:
         return {"vram_budget_bytes": self.budget_bytes, "budget": self.budget_text,
                 "outside_bytes": self.outside_bytes,
                 "resident_blocks": list(self.resident), "streamed_blocks": list(self.streamed),
+                "refiner_on_host": self.refiner_on_host,
                 "stream_buffers": self.slots if self.streamed else 0, "block_bytes": self.block_bytes,
                 "ffn_chunk_rows": self.ffn_chunk_rows, "attn_chunk_rows": self.attn_chunk_rows,
                 "estimate": self.estimate.as_dict(),

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.nn as nn
 
 from .budget import (DeviceMemory, Held, MemoryAsk, MemoryPlan, ModelMemory, Outside, TowerSize, Workload,
                      check_request, decide, host_budget_bytes, parse_vram_budget, plan_memory)
@@ -324,7 +325,7 @@ class H3Runtime:
         tower_st = getattr(control, "streamer", None)
         # an offloaded runtime holds nothing on the device: it is planned from there and comes back as planned
         held = (0 if self.parked is not None else mm.other_bytes + len(old.resident) * mm.block_bytes
-                + st.device_bytes) + (control.device_bytes(self.device) if hasattr(control, "device_bytes") else 0)
+                + st.device_bytes - (mm.refiner_bytes if self.model.refiner_on_host else 0)) + (control.device_bytes(self.device) if hasattr(control, "device_bytes") else 0)
         idle = sum(t.device_bytes(self.device) for t in list(getattr(plan, "towers", ())) if t is not control)
         outside = (Outside(idle, "a loaded Fun ControlNet tower this run does not use holds",
                            "or drop that tower (its memory goes once nothing refers to it)"),
@@ -340,6 +341,7 @@ class H3Runtime:
             self.parked.streamed = frozenset(new.streamed)
             self.onload()
         st.restream(new.streamed)
+        place_refiner(self.model, new.refiner_on_host)
         if tower_st is not None and not new.tower_streams:
             tower_st.restream(())
         self.ops.set_ffn_chunk_rows(new.ffn_chunk_rows)
@@ -383,6 +385,28 @@ def _prepare_fc2(plan: LoadPlan) -> tuple[object | None, dict | None]:
     return fc2, {"choice": plan.choices["fc2_lt"].choice, "reason": reason}
 
 
+def place_refiner(model: H3Model, on_host: bool) -> None:
+    """Keep the token refiner's weights in host memory (pinned on CUDA; a separate copy on the CPU, so the emulation
+    runs the same path) or on the model's device, as the memory plan says (``MemoryPlan.refiner_on_host``): it runs
+    once per sampling run (``H3Model.refine_text`` brings its weights over for that call)."""
+    if model.refiner_on_host == on_host:
+        return
+    dev = model.device
+    for mod in model.token_refiner.modules():
+        for table in ("_parameters", "_buffers"):
+            for name, t in list(getattr(mod, table).items()):
+                if t is None:
+                    continue
+                if on_host:
+                    moved = torch.empty(tuple(t.shape), dtype=t.dtype, pin_memory=dev.type == "cuda")
+                    moved.copy_(t)
+                else:
+                    moved = t.to(dev)
+                getattr(mod, table)[name] = nn.Parameter(moved, requires_grad=False) if table == "_parameters" \
+                    else moved
+    model.refiner_on_host = on_host
+
+
 def bind_attention(plan: LoadPlan) -> tuple[AttentionFn, SparseStepAttention | None]:
     """The plan's attention bound once (``ops.registry.bind``) -> (the dense function, the sparse backend around
     it or None). attention=sparse: the kernel plus the dense function for its dense steps."""
@@ -416,6 +440,7 @@ def load_model(path: str | Path | None = None, options: RuntimeOptions | None = 
     streamer = BlockStreamer(model.blocks, plan.memory.streamed, plan.device, plan.memory.slots)
     stream_load(model, src, plan, progress, streamer.adopt)
     streamer.finish()
+    place_refiner(model, plan.memory.refiner_on_host)
     if plan.adaln_from_file:
         model.adaln_source = AdalnFromFile(plan.checkpoint, model)
     model.eval().requires_grad_(False)

@@ -158,7 +158,8 @@ def _group_updates(specs: list[LoraSpec], matches: list[LoraMatch], mods: dict, 
             continue
         diffs_merged, off_device = 0, set()
         for u in m.updates:
-            if sp.mode == "side" and u.kind == LOWRANK and module_device(mods[u.module]) != model_device:
+            if sp.mode == "side" and u.kind == LOWRANK and ".adaln_proj." in u.module \
+                    and module_device(mods[u.module]) != model_device:
                 off_device.add(u.module)  # computed outside its module (offloaded AdaLN): no hook would run
             if sp.mode == "side" and u.kind == LOWRANK and u.module not in off_device:
                 sides.setdefault(u.module, []).append((sp.strength, u, m.file.name))

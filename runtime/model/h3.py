@@ -193,6 +193,7 @@ class H3Model(nn.Module):
     (``runtime.io.adaln_file.AdalnFromFile``: ``read(j, device) -> (weight, bias)``), else None."""
 
     adaln_source = None
+    refiner_on_host = False  # the memory plan keeps the token refiner's weights in host memory (runtime.budget)
 
     def __init__(self, cfg: H3Config, dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
@@ -231,7 +232,13 @@ class H3Model(nn.Module):
                              f"(Qwen3-VL hidden states [1, L, {self.cfg.text_dim}])")
         if x.shape[0] == 0:
             return x.new_zeros(0, self.cfg.hidden_size, dtype=self.dtype)
-        return self.token_refiner(self.condition_proj(x.to(self.dtype)))
+        h = self.condition_proj(x.to(self.dtype))
+        if not self.refiner_on_host:
+            return self.token_refiner(h)
+        # its weights in host memory between runs: on the device for this one call (the same math)
+        on_device = {n: t.to(self.device, non_blocking=True)
+                     for n, t in list(self.token_refiner.named_parameters()) + list(self.token_refiner.named_buffers())}
+        return torch.func.functional_call(self.token_refiner, on_device, (h,))
 
     def time_embedding(self, t_values) -> torch.Tensor:
         """Distinct t values -> t_emb [M, time_embed_dim]: time embedder (cast to the compute dtype, as core) or

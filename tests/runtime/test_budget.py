@@ -103,9 +103,9 @@ def test_integrated_device_keeps_every_block_resident(w4a8):
 
 def test_budget_too_small_names_the_smallest_that_works(w4a8):
     least = smallest_budget(w4a8, CANONICAL)
-    assert 4e9 < least < 8e9
+    assert 3e9 < least < 8e9  # 3.45 GB: every block streamed, the refiner in host memory, rows in chunks of 2,048
     with pytest.raises(BudgetError) as e:
-        decide(w4a8, CANONICAL, H200, int(4e9), host_free=HOST)
+        decide(w4a8, CANONICAL, H200, int(3e9), host_free=HOST)
     msg = str(e.value)
     assert "too small" in msg and f"at least {least / 1e9:.2f} GB" in msg and budget_arg(least) in msg
     p = decide(w4a8, CANONICAL, H200, least, host_free=HOST)  # the smallest is accepted ...

@@ -86,7 +86,8 @@ W4A8 = ModelMemory.build(FULL, torch.bfloat16, "fp8", "fp8", "sage2", "fused", T
 
 def test_clip10s_fits_an_8gb_budget_only_with_query_row_chunks():
     """clip10s (243 frames, 73,486 rows) at H3's full shapes: with every block streamed and the FFN chunked the
-    attention half alone needs more than 7.5 GB; in query-row chunks the plan fits it, every block streamed."""
+    attention half alone needs more than 7.5 GB; in query-row chunks the plan fits it, streaming (nearly) every
+    block, with the token refiner in host memory."""
     wl = _clip(243)
     assert wl.rows == 73_486
     ffn_only = estimate(W4A8, wl, 0, 2, 2048, "cuda")
@@ -94,15 +95,17 @@ def test_clip10s_fits_an_8gb_budget_only_with_query_row_chunks():
     p = decide(W4A8, wl, H100, CAP8, host_free=64 * 10 ** 9)
     assert p.attn_chunk_rows is not None and p.attn_chunk_rows % 128 == 0 and p.estimate.total <= CAP8
     assert "query-row chunks" in p.choice().reason and p.report()["attn_chunk_rows"] == p.attn_chunk_rows
-    assert len(p.streamed) == FULL.num_layers
+    assert len(p.streamed) >= FULL.num_layers - 5 and p.refiner_on_host
+    least = smallest_budget(W4A8, wl)  # every block streamed, the smallest chunks: well below the cap
+    assert least < CAP8 - 1e9
 
 
 def test_clip20s_needs_more_than_8gb_with_bf16_k_and_v():
-    """20 s (481 frames, 144,840 rows): K and V of every row in bf16 (4.15 GB) and x (1.56 GB) alone leave no room
-    under 7.5 GB; the plan's smallest budget for it is stated (what a K/V kept in Sage's int8/fp8 operands, or
-    head-grouped attention calls, would have to remove)."""
+    """20 s (481 frames, 144,840 rows): K and V of every row in bf16 (4.15 GB), the residual x (1.56 GB) and Sage's
+    int8/fp8 copies of K and V (2.08 GB) leave no room under 7.5 GB; the plan's smallest budget for it is stated
+    (K and V held once in Sage's operands instead of bf16 would remove about 4 GB: not built)."""
     wl = _clip(481)
     least = smallest_budget(W4A8, wl)
     kv = wl.rows * 2 * FULL.inner_dim * 2
     assert least > CAP8 and kv > 4e9
-    assert 10e9 < least < 12e9  # 11.35 GB at this commit's estimate
+    assert 9e9 < least < 11e9  # 9.81 GB at this commit's estimate
