@@ -43,7 +43,7 @@ def _generate_options(a) -> dict:
                 act_scale=a.act_scale, precision=a.precision, fc2=a.fc2, quantize=False if a.dense else None,
                 sparse_tau=a.sparse_tau, sparse_start=a.sparse_start, sparse_extra_tokens=a.sparse_extra_tokens,
                 sparse_min_tokens=a.sparse_min_tokens, first_block_cache=a.first_block_cache,
-                vram_budget=a.vram_budget, cpu_threads=a.cpu_threads)
+                vram_budget=a.vram_budget, host_budget=a.host_budget, cpu_threads=a.cpu_threads)
 
 
 def generate_job(a):

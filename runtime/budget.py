@@ -819,7 +819,7 @@ def plan_memory(plan, workload: Workload | None = None, dev: DeviceMemory | None
     dev = dev or DeviceMemory.probe(plan.device)
     mm = ModelMemory.from_plan(plan)
     if host_free is None:
-        host_free = host_budget_bytes(plan.options)
+        host_free = host_budget_bytes(plan.host_budget)
     mp = decide(mm, wl, dev, parse_vram_budget(plan.vram_budget), host_free)
     plan.memory = mp
     plan.choices["memory"] = mp.choice()
@@ -831,10 +831,11 @@ def plan_memory(plan, workload: Workload | None = None, dev: DeviceMemory | None
     return mp
 
 
-def host_budget_bytes(options) -> int | None:
-    """The host memory a load plans within: ``host_budget`` (GB) where given, else None (what is available)."""
+def host_budget_bytes(text) -> int | None:
+    """The host memory a load plans within: the ``host_budget`` option's text (GB) where given, else None (what is
+    available)."""
     try:
-        return vram_budget_bytes(options.host_budget, "host_budget")
+        return vram_budget_bytes(text, "host_budget")
     except ValueError as e:
         raise BudgetError(str(e).removeprefix("option ")) from None
 

@@ -293,7 +293,7 @@ class H3Runtime:
         what it holds on the device and in host memory counts as available to it)."""
         held = Held(self.device_bytes() if self.parked is None else 0,
                     0 if self.streamer is None else self.streamer.host_bytes)
-        host_free = host_budget_bytes(self.plan.options) if host_free is None else host_free
+        host_free = host_budget_bytes(self.plan.host_budget) if host_free is None else host_free
         return check_request(ModelMemory.from_plan(self.plan), wl, dev or DeviceMemory.probe(self.device),
                              self.plan.vram_budget, ask, held, host_free)
 
@@ -332,7 +332,7 @@ class H3Runtime:
                    Outside(side_device_bytes(self.model, self.device), "the LoRA side paths hold",
                            "or apply the LoRAs in merge mode (no device bytes beside the weights)"))
         host_held = st.host_bytes + (0 if tower_st is None else tower_st.host_bytes)
-        new = decide(mm, wl, dev, parse_vram_budget(plan.vram_budget), host_budget_bytes(plan.options),
+        new = decide(mm, wl, dev, parse_vram_budget(plan.vram_budget), host_budget_bytes(plan.host_budget),
                      held=Held(held, host_held), outside=outside,
                      unchanged="nothing moved: the model stays loaded as it was")
         if tower_st is not None and new.tower_streams:  # the tower's blocks move too: device -> host first,
@@ -344,6 +344,7 @@ class H3Runtime:
         place_refiner(self.model, new.refiner_on_host)
         if tower_st is not None and not new.tower_streams:
             tower_st.restream(())
+        new.adaln_from_file = new.adaln_from_file or plan.adaln_from_file  # decided at load: the weights stay there
         self.ops.set_ffn_chunk_rows(new.ffn_chunk_rows)
         self.ops.set_attn_chunk_rows(new.attn_chunk_rows)
         plan.memory = new

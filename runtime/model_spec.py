@@ -50,7 +50,7 @@ class ModelSpec:
         from the options, ``ModelMemory.for_options``); dev / host_free: simulated (tests), default measured."""
         choices = memory_choices(self.options, self.config, self.device)
         mm = ModelMemory.for_options(self.config, choices, self.dtype).with_source(self.source)
-        host_free = host_budget_bytes(self.options) if host_free is None else host_free
+        host_free = host_budget_bytes(choices["host_budget"]) if host_free is None else host_free
         return check_request(mm, wl, dev or DeviceMemory.probe(self.device), choices["vram_budget"], ask,
                              host_free=host_free)
 

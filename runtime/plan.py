@@ -161,6 +161,11 @@ class LoadPlan:
         return self.options.vram_budget
 
     @property
+    def host_budget(self) -> str:
+        """The host memory the model may keep ("auto" or GB; runtime.budget parses it)."""
+        return self.options.host_budget
+
+    @property
     def first_block_cache(self) -> float | None:
         """The First-Block Cache threshold a run uses when it gives none (None: off)."""
         return self.options.first_block_cache
@@ -223,7 +228,8 @@ def memory_choices(options: RuntimeOptions, cfg: H3Config, device: torch.device)
         a = "sage2" if device.type == "cuda" else "reference"
     elif not (a in ("sage2", "sage1", "sparse", "reference") or a.startswith("sdpa")):
         a = "sdpa"
-    return {"form": form, "adaln_on_host": adaln_on_host, "attention": a, "vram_budget": options.vram_budget}
+    return {"form": form, "adaln_on_host": adaln_on_host, "attention": a, "vram_budget": options.vram_budget,
+            "host_budget": options.host_budget}
 
 
 def resolve_dtype(options: RuntimeOptions, device: torch.device) -> torch.dtype:
