@@ -33,6 +33,7 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -222,9 +223,48 @@ def run_core(job: J.Job, cap_gb: int | None, files: dict, tiny: bool) -> dict:
         raise RuntimeError("missing feature: core's sparse-attention node (comfy_extras/nodes_sparse_attention.py, "
                            "h3-comfyui-facts.md §11.2) is not in the carried ComfyUI snapshot (0f1fa67a)")
     device = torch.device("cpu" if tiny or not torch.cuda.is_available() else "cuda")
-    apply_cap(cap_gb, device)
     mm, ops_mod = import_core_stack(Path(files["comfyui"]), device, cap_gb)
-    return core_sample(mm, ops_mod, job, device, files["config"], files)
+    dynamic = core_dynamic_vram(device)  # before any CUDA allocation, as main.py does
+    apply_cap(cap_gb, device)
+    res = core_sample(mm, ops_mod, job, device, files["config"], files)
+    res["dynamic_vram"] = dynamic
+    return res
+
+
+def core_dynamic_vram(device: torch.device) -> str:
+    """core's DynamicVRAM (comfy-aimdo) switched on as main.py does where core would use it (CUDA, no --cpu /
+    --highvram / --gpu-only / --novram): ``comfy_aimdo.control.init`` with --reserve-vram as headroom, then
+    ``init_devices``, ``CoreModelPatcher = ModelPatcherDynamic`` and ``aimdo_enabled``. -> "on", or "off: why"
+    (core then runs its legacy ModelPatcher, as main.py falls back)."""
+    import comfy.cli_args as cli
+    import comfy.memory_management
+    import comfy.model_management as M
+    import comfy.model_patcher
+
+    args = cli.args
+    if device.type != "cuda" or not cli.enables_dynamic_vram():
+        return "off: core enables DynamicVRAM only on CUDA without --cpu/--highvram/--gpu-only/--novram"
+    headroom = None if args.reserve_vram is None else int(args.reserve_vram * 1024 ** 3)
+    try:
+        import comfy_aimdo.control as aimdo
+
+        for kw in ({"simple_vram_headroom": headroom, "nvml_pressure": True}, {"simple_vram_headroom": headroom}, {}):
+            try:
+                aimdo.init(**kw)
+                break
+            except TypeError:  # an older comfy-aimdo protocol
+                continue
+        try:
+            ok = aimdo.init_devices((d.index, int(args.vram_headroom * 1024 ** 3)) for d in M.get_all_torch_devices())
+        except TypeError:
+            ok = aimdo.init_devices(d.index for d in M.get_all_torch_devices())
+    except Exception as e:  # noqa: BLE001 - core falls back to its legacy ModelPatcher, and says so
+        return f"off: comfy-aimdo failed ({type(e).__name__}: {e})"[:300]
+    if not ok:
+        return "off: comfy_aimdo.control.init_devices found no working install"
+    comfy.model_patcher.CoreModelPatcher = comfy.model_patcher.ModelPatcherDynamic
+    comfy.memory_management.aimdo_enabled = True
+    return "on"
 
 
 def core_payload(mm, job: J.Job, inputs: SampleInputs, context, device, compute) -> dict:
@@ -274,7 +314,7 @@ def core_sample(mm, ops_mod, job: J.Job, device, cfg, files: dict) -> dict:
     compute = torch.bfloat16 if device.type == "cuda" else torch.float32
     ops, _ = C.pick_ops(ops_mod, "fp8", compute, device)
     model = C.build_core(mm, ops, cfg, "fp8", compute, M.unet_offload_device(), job.seed)
-    patcher = comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=M.unet_offload_device())
+    patcher = comfy.model_patcher.CoreModelPatcher(model, load_device=device, offload_device=M.unet_offload_device())
     lora = core_lora(patcher, job, files)
     M.load_models_gpu([patcher])
     inputs = inputs_for(job, cfg)
@@ -284,7 +324,7 @@ def core_sample(mm, ops_mod, job: J.Job, device, cfg, files: dict) -> dict:
         g = torch.Generator().manual_seed(job.seed)
         x = [torch.randn(t.shape, generator=g).to(device) for t in (inputs.video, inputs.audio)]
         sigmas = [1.0 - i / job.steps for i in range(job.steps)] + [0.0]
-        times = []
+        times, used = [], 0
         for s, nxt in zip(sigmas[:-1], sigmas[1:]):
             t = time.perf_counter()
             ts = torch.tensor([s * 1000.0], dtype=torch.float32, device=device)
@@ -292,11 +332,14 @@ def core_sample(mm, ops_mod, job: J.Job, device, cfg, files: dict) -> dict:
             x = [v + (nxt - s) * o.float() for v, o in zip(x, out)]
             if device.type == "cuda":
                 torch.cuda.synchronize()
+                free, total = torch.cuda.mem_get_info(device)
+                used = max(used, int(total - free))
             times.append(time.perf_counter() - t)
     cuda = device.type == "cuda"
     return {"step_seconds": statistics.median(times), "job_seconds": time.perf_counter() - t0,
             "peak_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
             "peak_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None,
+            "device_used_after_steps_max_bytes": used if cuda else None,  # the driver's view: aimdo's own memory too
             "host_peak_rss_bytes": host_peak_rss_bytes(),
             "latent_checksums": {"video_sha256": latent_sha256(x[0]), "audio_sha256": latent_sha256(x[1])},
             "weights": "fp8 (float8_e4m3fn, per-tensor scale) block linears, the rest bf16, built by core's loader",
@@ -305,7 +348,15 @@ def core_sample(mm, ops_mod, job: J.Job, device, cfg, files: dict) -> dict:
 
 
 def child(a) -> int:
-    """--child STACK: one stack of one row; writes {result} or {error} to --child-out."""
+    """--child STACK: one stack of one row; writes {result} or {error} to --child-out. --child files: the checkpoint
+    and the LoRA (a process of its own, so the parent never holds device memory the rows would then lack)."""
+    if a.child == "files":
+        files = json.loads(a.child_files)
+        lrank = 4 if a.tiny else a.lora_rank
+        write_checkpoint(Path(files["checkpoint"]), config_of(a), "cpu" if a.tiny or not torch.cuda.is_available()
+                         else "cuda")
+        write_lora(Path(files["lora"]), config_of(a), lrank)
+        return 0
     job = job_of(a.rows.split(":")[0], a)
     cap = parse_rows(a)[0][1]
     files = json.loads(a.child_files)
@@ -331,7 +382,18 @@ def run_stack(stack: str, job: str, cap, files: dict, a) -> dict:
            "--child-files", json.dumps(files), "--lora-rank", str(a.lora_rank), "--steps", str(a.steps),
            "--blocks", str(a.blocks)] + (["--tiny"] if a.tiny else [])
     env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-    p = subprocess.run(cmd, env=env, timeout=a.timeout)
+    p = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        p.wait(timeout=a.timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+        Path(out).unlink(missing_ok=True)
+        return {"error": f"the {stack} child ran past --timeout {a.timeout} s and was killed"}
+    finally:  # a parent stopped (SIGTERM from the device's timeout, Ctrl-C) takes its child with it
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
     try:
         if not Path(out).stat().st_size:
             return {"error": f"the {stack} child exited with status {p.returncode} and wrote nothing (killed?)"}
@@ -380,27 +442,33 @@ def main(argv=None) -> int:
 
 
 def parent(a, argv) -> int:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through run_stack, which ends the child
     rows = parse_rows(a)
     name = "user-jobs" + ("-tiny" if a.tiny else f"-smoke-{a.blocks}blocks" if a.blocks else "")
     out = Path(a.out or ROOT / "bench" / "results" / f"{name}.json")
     old = json.loads(out.read_text()) if a.merge and out.is_file() else {}
     work = Path(a.workdir) / ("tiny" if a.tiny else "full")
     cfg = config_of(a)
-    dev = "cuda" if torch.cuda.is_available() and not a.tiny else "cpu"
     t0 = time.perf_counter()
-    files = {"checkpoint": str(write_checkpoint(work / f"h3_random_{cfg.num_layers}blocks_nvfp4.safetensors", cfg,
-                                                dev)),
-             "lora": str(write_lora(work / f"turbo_rank{a.lora_rank if not a.tiny else 4}.safetensors", cfg,
-                                    a.lora_rank if not a.tiny else 4)),
-             "comfyui": a.comfyui}
+    files = {"checkpoint": str(work / f"h3_random_{cfg.num_layers}blocks_nvfp4.safetensors"),
+             "lora": str(work / f"turbo_rank{a.lora_rank if not a.tiny else 4}.safetensors"), "comfyui": a.comfyui}
+    if not (Path(files["checkpoint"]).is_file() and Path(files["lora"]).is_file()):
+        print(f"[user_jobs] writing the random checkpoint and LoRA into {work}", flush=True)
+        subprocess.run([sys.executable, __file__, "--child", "files", "--child-files", json.dumps(files),
+                        "--lora-rank", str(a.lora_rank), "--blocks", str(a.blocks)] + (["--tiny"] if a.tiny else []),
+                       check=True, timeout=a.timeout)
     res = {"name": name, "command": bench_command(argv), "blocks": cfg.num_layers,
            "date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "versions": versions(),
+           "device": old.get("device"), "versions": versions(),  # the parent never touches the GPU: rows name it
            "files_seconds": time.perf_counter() - t0, "core_stack": "in-process (bench/user_jobs.py docstring)",
            "rows": [r for r in old.get("rows", []) if (r["job"], r["cap_gb"]) not in set(rows)]}
     for job, cap in rows:
         print(f"[user_jobs] {job} cap={cap or 'resident'}", flush=True)
-        res["rows"].append(make_row(job, cap, files, a))
+        row = make_row(job, cap, files, a)
+        res["rows"].append(row)
+        res["device"] = res["device"] or row["card"]
+        if row["card"] is not None and row["card"] == res["device"]:
+            row.pop("card")  # a row names its card only where it differs from ``device`` (the issue's schema)
         write_json(res, out)
     print(json.dumps([{k: r.get(k) for k in ("job", "cap_gb", "speedup")} for r in res["rows"]]))
     return 0
