@@ -49,8 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _h3bench import ROOT, RandomSource, bench_command, err_text, versions, write_json  # noqa: E402
 import jobs as J  # noqa: E402
 
-from h3_blackwell.runtime import (RuntimeOptions, SampleInputs, SamplingSettings, open_model, run,  # noqa: E402
-                                  tensor_job)
+from h3_blackwell.runtime import (Measure, RuntimeOptions, SampleInputs, SamplingSettings, open_model,  # noqa: E402
+                                  run, tensor_job)
 from h3_blackwell.runtime.budget import Workload  # noqa: E402
 from h3_blackwell.runtime.model.conditioning import H3Conditioning, Keyframe  # noqa: E402
 from h3_blackwell.runtime.model.config import FULL, TINY  # noqa: E402
@@ -175,8 +175,8 @@ def run_ours(job: J.Job, cap_gb: int | None, files: dict, tiny: bool) -> dict:
         apply_loras(rt, [(files["lora"], 1.0, job.lora_mode)])
     if tiny and cap_gb is not None:  # the CPU emulates streaming under an explicit budget: 8 -> the smallest the
         rt.plan.options.vram_budget = repr(tiny_budget(rt, job, inputs, cap_gb) / 1e9)  # plan accepts, 16 -> 1.5x
-    res = run(tensor_job(rt, inputs,
-                         SamplingSettings(seed=job.seed, steps=job.steps, sampler=job.sampler)))
+    res = run(tensor_job(rt, inputs, SamplingSettings(seed=job.seed, steps=job.steps, sampler=job.sampler),
+                         measure=Measure(files.get("runs", 1), 0)))
     if device.type == "cuda":
         torch.cuda.synchronize()
     rep = res.report
@@ -186,7 +186,9 @@ def run_ours(job: J.Job, cap_gb: int | None, files: dict, tiny: bool) -> dict:
             "peak_allocated_bytes": max(rep["peak_allocated_bytes"] or [0]) or None,
             "peak_reserved_bytes": max(rep["peak_reserved_bytes"] or [0]) or None,
             "host_peak_rss_bytes": host_peak_rss_bytes(),
-            "latent_checksums": {k: rep["latent_checksums"][k] for k in ("video_sha256", "audio_sha256")},
+            "latent_checksums": {k: rep["latent_checksums"][k] for k in ("video_sha256", "audio_sha256",
+                                                                          "exact_across_measured_runs")},
+            "measured_runs": len(rep["sampling_seconds"]),
             "memory": {k: (rep.get("memory") or {}).get(k) for k in
                        ("budget", "streamed_blocks", "ffn_chunk_rows", "attn_chunk_rows", "host_bytes_planned",
                         "adaln_from_file", "host_limit_bytes", "copy_exposed_ms_per_step")},
@@ -360,7 +362,7 @@ def child(a) -> int:
     job = job_of(a.rows.split(":")[0], a)
     cap = parse_rows(a)[0][1]
     files = json.loads(a.child_files)
-    files["config"] = config_of(a)
+    files["config"], files["runs"] = config_of(a), a.runs
     try:
         res = (run_ours if a.child == "ours" else run_core)(job, cap, files, a.tiny)
     except BaseException as e:  # noqa: BLE001 - a refusal, an OOM or a missing feature is the row's finding
@@ -380,7 +382,7 @@ def run_stack(stack: str, job: str, cap, files: dict, a) -> dict:
     py = a.core_python if stack == "core" and a.core_python else sys.executable
     cmd = [py, __file__, "--child", stack, "--rows", f"{job}:{cap or 'resident'}", "--child-out", out,
            "--child-files", json.dumps(files), "--lora-rank", str(a.lora_rank), "--steps", str(a.steps),
-           "--blocks", str(a.blocks)] + (["--tiny"] if a.tiny else [])
+           "--blocks", str(a.blocks), "--runs", str(a.runs)] + (["--tiny"] if a.tiny else [])
     env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     p = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:
@@ -414,6 +416,16 @@ def make_row(job: str, cap, files: dict, a) -> dict:
     return row
 
 
+def compare_to_resident(rows: list) -> None:
+    """Each capped row of ours: ``hashes_equal_resident`` against the resident row of the same job (where both ran)."""
+    key = ("video_sha256", "audio_sha256")
+    resident = {r["job"]: r["ours"].get("latent_checksums") for r in rows if r["cap_gb"] is None}
+    for r in rows:
+        want, got = resident.get(r["job"]), r["ours"].get("latent_checksums")
+        if r["cap_gb"] is not None and want and got:
+            r["ours"]["hashes_equal_resident"] = all(want[k] == got[k] for k in key)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--jobs", default=",".join(J.USER_JOBS))
@@ -430,6 +442,7 @@ def main(argv=None) -> int:
     ap.add_argument("--blocks", type=int, default=0, help="a device smoke run: H3's full widths with this many "
                     "blocks (0: all 50)")
     ap.add_argument("--steps", type=int, default=0, help="steps of every job (0: the job's own)")
+    ap.add_argument("--runs", type=int, default=1, help="our measured runs per row (2+: hashes compared across them)")
     ap.add_argument("--tiny", action="store_true", help="the tiny config on the CPU: the whole flow, end to end")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per stack and row")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -466,6 +479,7 @@ def parent(a, argv) -> int:
         print(f"[user_jobs] {job} cap={cap or 'resident'}", flush=True)
         row = make_row(job, cap, files, a)
         res["rows"].append(row)
+        compare_to_resident(res["rows"])
         res["device"] = res["device"] or row["card"]
         if row["card"] is not None and row["card"] == res["device"]:
             row.pop("card")  # a row names its card only where it differs from ``device`` (the issue's schema)

@@ -29,6 +29,7 @@ def test_tiny_rows_merge_and_table(tmp_path):
     assert "error" not in resident and "error" not in capped, (resident, capped)
     assert capped["memory"]["streamed_blocks"] and not resident["memory"]["streamed_blocks"]
     assert capped["latent_checksums"] == resident["latent_checksums"]  # streaming changes no byte
+    assert capped["hashes_equal_resident"] is True
     assert resident["host_peak_rss_bytes"] > 10 ** 8 and rows[("turbo8", 8)]["lora_rank_source"]
     readme = tmp_path / "README.md"
     readme.write_text("# x\n")
