@@ -803,9 +803,14 @@ def _check_host(p: MemoryPlan, mm: ModelMemory, host_free: int | None, host_held
     if adaln and mm.adaln_file and need + mm.adaln_block_bytes <= free:
         p.adaln_from_file, p.adaln_host_bytes = True, 0
         return
+    tower = f" and the control tower's {p.workload.tower.blocks} blocks" if p.tower_host_bytes else ""
+    if adaln and mm.adaln_file:  # even with the AdaLN weights read from the file, one block at a time
+        raise BudgetError(f"{p.budget_text}: needs {(need + mm.adaln_block_bytes) / GB:.2f} GB of host memory (the "
+                          f"streamed weights of {len(p.streamed)} blocks{tower}, and one block's AdaLN weights read "
+                          f"from the checkpoint file), {free / GB:.2f} GB given; raise the host budget or the device "
+                          f"budget so fewer blocks stream ({unchanged})")
     avail = free - adaln
     extra = f" after the {gb(adaln)} of AdaLN weights kept there" if adaln else ""
-    tower = f" and the control tower's {p.workload.tower.blocks} blocks" if p.tower_host_bytes else ""
     raise BudgetError(f"{p.budget_text}: needs {need / GB:.1f} GB of host memory for the streamed weights "
                       f"({len(p.streamed)} blocks{tower}), {max(0, avail) / GB:.1f} GB free{extra}; raise the "
                       f"budget so fewer blocks stream, or free host memory ({unchanged})")
