@@ -191,7 +191,9 @@ def run_ours(job: J.Job, cap_gb: int | None, files: dict, tiny: bool) -> dict:
             "measured_runs": len(rep["sampling_seconds"]),
             "memory": {k: (rep.get("memory") or {}).get(k) for k in
                        ("budget", "streamed_blocks", "ffn_chunk_rows", "attn_chunk_rows", "host_bytes_planned",
-                        "adaln_from_file", "host_limit_bytes", "copy_exposed_ms_per_step")},
+                        "adaln_from_file", "host_limit_bytes", "refiner_on_host", "copy_exposed_ms_per_step",
+                        "estimate")},
+            "memory_choice": rep["backends"].get("memory"),
             "attention": rep["backends"].get("attention"), "device": rep["device"]}
 
 
