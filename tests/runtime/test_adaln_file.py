@@ -104,3 +104,33 @@ def test_the_token_refiner_waits_in_host_memory_while_blocks_stream(files):
     assert got[1] == want[1] and got[0] == want[0]
     streamed.plan.options.vram_budget = "auto"
     assert _run(streamed) == want and not streamed.model.refiner_on_host
+
+
+def test_every_memory_path_at_once_gives_the_resident_latents(tmp_path):
+    """W4A8 at its smallest budget with a host budget that leaves AdaLN in the file: every block streamed, the
+    refiner in host memory, the FFN and the attention half in row chunks, AdaLN read per run: the resident bytes
+    (the CPU's reference attention and per-row activations are row-exact)."""
+    from h3_blackwell.runtime.budget import smallest_budget
+    from h3_blackwell.runtime.model.config import H3Config
+
+    cfg = H3Config(hidden_size=256, num_layers=4, num_refiner_layers=1, num_heads=2, head_dim=128,
+                   ffn_hidden_size=512, time_embed_hidden_size=256, time_embed_dim=128)
+    vs, as_ = latent_shapes(256, 192, 22)
+    wl = Workload.from_shapes(vs, as_, 16, 2)
+    ck = save_tiny(tmp_path / "mid.safetensors", cfg, 11)
+    w4a8 = dict(device="cpu", gemm="fp8", act_format="fp8")
+
+    def run(rt):
+        text = torch.randn(1, 16, cfg.text_dim, generator=torch.Generator().manual_seed(5))
+        return sample(rt, text, None, torch.zeros(vs), torch.zeros(as_), seed=3, steps=2)
+
+    want = report_hashes(run(load_model(ck, RuntimeOptions(**w4a8), workload=wl)))
+    adaln = 6 * 3 * cfg.hidden_size * cfg.time_embed_dim * 4 * cfg.num_layers  # fp32 on the CPU
+    rt = load_model(ck, RuntimeOptions(**w4a8, host_budget=repr(adaln * 0.6 / 1e9)), workload=wl)
+    assert rt.plan.adaln_from_file
+    rt.plan.options.vram_budget = repr(smallest_budget(ModelMemory.from_plan(rt.plan), wl, "cpu") / 1e9)
+    got = run(rt)
+    mem = got.report["memory"]
+    assert mem["streamed_blocks"] == [0, 1, 2, 3] and mem["attn_chunk_rows"] and mem["ffn_chunk_rows"]
+    assert mem["adaln_from_file"] and mem["refiner_on_host"] and rt.model.refiner_on_host
+    assert report_hashes(got) == want
