@@ -230,7 +230,7 @@ def run_core(job: J.Job, cap_gb: int | None, files: dict, tiny: bool) -> dict:
     mm, ops_mod = import_core_stack(Path(files["comfyui"]), device, cap_gb)
     dynamic = core_dynamic_vram(device)  # before any CUDA allocation, as main.py does
     apply_cap(cap_gb, device)
-    res = core_sample(mm, ops_mod, job, device, files["config"], files)
+    res = core_sample(mm, ops_mod, job, device, files["config"], files, cap_gb is None)
     res["dynamic_vram"] = dynamic
     return res
 
@@ -305,7 +305,7 @@ def core_lora(patcher, job: J.Job, files: dict) -> dict | None:
     return {"patched_weights": len(done), "lora_keys": len(sd)}
 
 
-def core_sample(mm, ops_mod, job: J.Job, device, cfg, files: dict) -> dict:
+def core_sample(mm, ops_mod, job: J.Job, device, cfg, files: dict, resident: bool = True) -> dict:
     """core's model (fp8 block linears) wrapped in core's ModelPatcher and loaded by ``load_models_gpu`` (dynamic
     VRAM under the reserve), then ``job.steps`` Euler steps, one core forward each (the text refined once per run,
     the layout built once, as core's sampler does; core's sampler arithmetic is these few elementwise ops)."""
@@ -317,7 +317,9 @@ def core_sample(mm, ops_mod, job: J.Job, device, cfg, files: dict) -> dict:
     t0 = time.perf_counter()
     compute = torch.bfloat16 if device.type == "cuda" else torch.float32
     ops, _ = C.pick_ops(ops_mod, "fp8", compute, device)
-    model = C.build_core(mm, ops, cfg, "fp8", compute, M.unet_offload_device(), job.seed)
+    # built where core's loader would put it: on the card when it holds the model (resident), else in host memory
+    build_on = device if resident else M.unet_offload_device()
+    model = C.build_core(mm, ops, cfg, "fp8", compute, build_on, job.seed)
     patcher = comfy.model_patcher.CoreModelPatcher(model, load_device=device, offload_device=M.unet_offload_device())
     lora = core_lora(patcher, job, files)
     M.load_models_gpu([patcher])
