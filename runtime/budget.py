@@ -794,7 +794,7 @@ def _check_host(p: MemoryPlan, mm: ModelMemory, host_free: int | None, host_held
     weights alone do not fit."""
     need = p.host_bytes + p.tower_host_bytes - host_held_bytes
     adaln = p.adaln_host_bytes if host_held_bytes == 0 else 0  # loaded alongside, before the blocks
-    if need + adaln <= 0:
+    if need + adaln <= 0 or (need <= 0 and not mm.adaln_file):  # nothing streams and nothing can move: unchecked
         return
     free = host_available_bytes() if host_free is None else host_free
     p.host_limit_bytes = free
