@@ -22,8 +22,8 @@
 #                                       at this tree in one lease (a refactor's hashes and step time)
 #   bash scripts/device_session.sh G    the drop-in (core MODEL), control, low-VRAM and Blackwell-guard GPU tests
 #   bash scripts/device_session.sh U    issue 37: rows of bench/user_jobs.py (UJ_ARGS, e.g. "--rows turbo8:8"),
-#                                       merged into bench/results/user-jobs.json (copied to $OUT); first the GPU
-#                                       test of attention over query-row chunks. Carry third_party/sage2-sm90 and
+#                                       merged into UJ_OUT (default bench/results/user-jobs.json; copied to $OUT);
+#                                       with UJ_TESTS=1 first the GPU tests of query-row chunks and the memory paths. Carry third_party/sage2-sm90 and
 #                                       .core_peer (scripts/pack_core_peer.sh), or for turbo8_sparse rows .whl
 #                                       (scripts/kitchen_carry.sh: our sparse kernel; core's sparse node is absent)
 # R, G and U unpack a carried SageAttention2 build (third_party/sage2-sm90/*.part-*) where there is one.
@@ -101,13 +101,17 @@ R)  # a refactor's check: the canonical job at BASE_TREE (a copy of the earlier 
 U)  # the jobs users run against core's stack (issue 37); one checkpoint write per fresh machine (/tmp/h3_user_jobs)
   sage_unpack
   if ls .whl/comfy_kitchen-*-cuda-cp312.tar.gz >/dev/null 2>&1; then kitchen_unpack; fi
-  phase gpu-test-attention-rows
-  timeout 120 python3 -m pytest -q -s -m gpu tests/gpu/test_attention_rows_gpu.py 2>&1 | grep -E "chunk|passed|failed|skipped" \
-    | tail -12 >> "$LOG"
+  if [ "${UJ_TESTS:-0}" = 1 ]; then  # once per code change: the GPU tests of query-row chunks and the memory paths
+    phase gpu-tests-attention-rows-and-memory
+    timeout 240 python3 -m pytest -q -s -m gpu tests/gpu/test_attention_rows_gpu.py \
+      tests/gpu/test_user_jobs_memory_gpu.py 2>&1 | grep -E "chunk|smallest|row-exact|passed|failed|skipped|Error" \
+      | tail -16 >> "$LOG"
+  fi
   phase "user-jobs ${UJ_ARGS:-}"
-  timeout $(( 590 - SECONDS )) python3 bench/user_jobs.py --merge --out bench/results/user-jobs.json \
-    --workdir /tmp/h3_user_jobs ${UJ_ARGS:-} 2>&1 | tail -20 >> "$LOG"
-  cp bench/results/user-jobs.json "$OUT/" 2>>"$LOG"
+  UJ_OUT="${UJ_OUT:-bench/results/user-jobs.json}"  # merged into (copy the returned file back before the next call)
+  timeout $(( 590 - SECONDS )) python3 bench/user_jobs.py --merge --out "$UJ_OUT" --workdir /tmp/h3_user_jobs \
+    ${UJ_ARGS:-} 2>&1 | tail -20 >> "$LOG"
+  cp "$UJ_OUT" "$OUT/" 2>>"$LOG"
   ;;
 G)  # the drop-in (core MODEL), control and low-VRAM (streaming) GPU tests + the Blackwell guards
   sage_unpack
