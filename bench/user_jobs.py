@@ -3,7 +3,7 @@
 
     python3 bench/user_jobs.py [--jobs turbo8,clip10s,turbo8_sparse] [--caps resident,16,8] [--rows turbo8:8,...]
                                [--stacks ours,core] [--merge] [--out FILE] [--workdir DIR] [--lora-rank R]
-                               [--comfyui .core_peer] [--tiny]
+                               [--comfyui .core_peer] [--core-python PY] [--runs N] [--blocks N --steps N] [--tiny]
 
 Rows are (job, cap); each stack of each row runs in a child process of its own, so a hard cap
 (``torch.cuda.set_per_process_memory_fraction`` with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``) and the
@@ -19,10 +19,12 @@ host budget of a 32 GB machine less 4 GB for the process (the full-form AdaLN we
 file: runtime.io.adaln_file), and records the step and job seconds, peaks, host RSS and latent hashes.
 
 core: ComfyUI core's modules in one process (bench/_core_model.py: core's H3 model code from the folder
-scripts/pack_core_peer.sh packs, its fp8 weights, sage attention, wrapped in core's ModelPatcher and loaded with
-``load_models_gpu`` under ``--reserve-vram``): a real ComfyUI server needs its requirements carried as wheels (over
-the carry limit with torch's), hence the in-process form. Core's weights are built in memory by core's own loader
-(its file would be a second ~40 GB file on a 64 GB disk). A job core cannot run is recorded with its error.
+scripts/pack_core_peer.sh packs, its fp8 weights, sage attention, DynamicVRAM switched on as main.py does where core
+uses it, wrapped in core's ModelPatcher and loaded with ``load_models_gpu`` under ``--reserve-vram``, the LoRA through
+``comfy.lora``): a real ComfyUI server needs its requirements carried as wheels (over the carry limit beside the
+SageAttention2 build and core's comfy-kitchen), hence the in-process form. Core's weights are built in memory by
+core's own loader (its file would be a second ~50 GB file beside our ~39 GB one on a 64 GB disk), on the card for a
+resident row, in host memory under a cap. A job core cannot run is recorded with its error.
 
 --tiny: the embedded tiny config on the CPU, the whole flow end to end (our stack; core's where its modules import).
 """
