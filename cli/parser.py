@@ -240,6 +240,10 @@ def _generate_parser(sub) -> None:
                         "H3_VRAM_BUDGET): the free device memory less a margin. Blocks that do not fit stream from "
                         "pinned host memory while the others compute; the plan prints its decision and estimate and "
                         "refuses a budget too small, naming the smallest that works")
+    g.add_argument("--host-budget", default=None, metavar="GB|auto",
+                   help="host memory the model may keep in GB, or auto (default, or H3_HOST_BUDGET): the available "
+                        "host memory. Where the streamed blocks and the full-form AdaLN weights do not fit it, AdaLN "
+                        "stays in the checkpoint file and each run reads it block by block")
     _backend_args(g)
     _lossy_args(g)
     g.add_argument("--dense", action="store_true", help="keep dense linears (no NVFP4; the reference stack)")

@@ -16,7 +16,12 @@ The decision, in order (each step only when the one before does not fit):
    are spread evenly over the stack so each streamed block's copy hides behind the compute before it;
 3. chunk the FFN over rows (fc1 -> SwiGLU -> fc2 -> gate/add per row chunk; halving down to
    ``MIN_CHUNK_ROWS``), only where every op of the FFN is row-local so the bytes cannot change;
-4. otherwise refuse, naming the smallest budget that works (every block streamed, the smallest chunking).
+4. chunk the attention half too, over query rows of the same size (``DiTBlock._attend_in_row_chunks``: K and V of
+   every row kept, the QKV projection run again per chunk for its Q, attention of the chunk over all of K and V,
+   out_proj and the gated residual per chunk), where the activations are row-local and the attention has a row
+   form (not the sparse backend); the bytes equal the unchunked run's where the kernel is row-exact
+   (``runtime.ops.attention.row_exactness``);
+5. otherwise refuse, naming the smallest budget that works (every block streamed, the smallest chunking).
 
 CPU: with ``auto`` nothing streams (device memory is host memory); an explicit budget runs the same decision
 and the streaming loop with host-to-host copies (an emulation, for tests). An integrated GPU (GB10,
@@ -36,7 +41,7 @@ embedding and its modulation rows of every step), so the blocks that stream make
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import torch
@@ -45,8 +50,9 @@ from .errors import H3Error
 from .model.config import QUANT_LINEARS, H3Config
 from .model.h3 import H3Model
 from .ops import nvfp4
+from .ops.attention import row_exactness
 from .options import vram_budget_bytes
-from .plan import Choice
+from .plan import ADALN_FROM_FILE, Choice
 from .sampling.request import RequestError, host_available_bytes, latent_rows, resolve_request
 
 GB = 1e9
@@ -213,6 +219,20 @@ class ModelMemory:
     ffn_row_local: bool
     ffn_row_local_why: str
     adaln_on_host: bool = True
+    sparse: bool = False  # the sparse backend runs attention (``attention`` is then its dense steps' backend)
+    adaln_file: bool = False  # the AdaLN weights can stay in the checkpoint file (a file source, AdaLN off the device)
+    refiner_bytes: int = 0  # the token refiner's weights (in other_bytes): in host memory whenever blocks stream
+    adaln_block_bytes: int = 0  # one block's AdaLN weight and bias: what a run reading them from the file holds
+
+    @property
+    def attn_rows(self) -> tuple[bool, str]:
+        """Whether the attention half may run in query-row chunks -> (may, why): row-local activations and an
+        attention with a row form; the why says whether the kernel is row-exact."""
+        if not self.ffn_row_local:
+            return False, f"attention unchunked: {self.ffn_row_local_why}"
+        if self.sparse:
+            return False, "attention unchunked: the sparse backend pools over query blocks and carries state per call"
+        return True, row_exactness(self.attention)[1]
 
     @classmethod
     def build(cls, cfg: H3Config, dtype: torch.dtype, act_format: str, gemm: str = "fp8", attention: str = "sage2",
@@ -225,9 +245,10 @@ class ModelMemory:
         block = block_linear_bytes(cfg, quantized, e)
         with torch.device("meta"):
             meta = H3Model(cfg, dtype)
-        other = adaln = 0
+        other = adaln = refiner = 0
         for name, t in list(meta.named_parameters()) + list(meta.named_buffers()):
             nbytes = t.numel() * t.element_size()
+            refiner += nbytes if name.startswith("token_refiner.") else 0
             layer = name.rsplit(".", 1)[0]
             if QUANT_LINEARS.match(layer) and name.endswith(".weight"):
                 continue  # the streamable part of a block linear: counted in block_bytes
@@ -242,7 +263,8 @@ class ModelMemory:
                                      "rows, so a row chunk would quantize differently")
         else:
             row_local, why = True, "row-local (per-row activation scales; GEMM rows independent)"
-        return cls(cfg, e, act_format, gemm, attention, v_handling, block, other, adaln, row_local, why, adaln_on_host)
+        return cls(cfg, e, act_format, gemm, attention, v_handling, block, other, adaln, row_local, why, adaln_on_host,
+                   refiner_bytes=refiner)
 
     @classmethod
     def for_options(cls, cfg: H3Config, choices: dict, dtype: torch.dtype) -> "ModelMemory":
@@ -250,8 +272,9 @@ class ModelMemory:
         quantized to one byte a weight at most ("fp8") or dense, AdaLN where the options keep it, and the
         attention the options name."""
         form = choices["form"]
-        return cls.build(cfg, dtype, form, "fp8" if form != "dense" else "dense", choices["attention"], "fused",
-                         choices["adaln_on_host"])
+        mm = cls.build(cfg, dtype, form, "fp8" if form != "dense" else "dense", choices["attention"], "fused",
+                       choices["adaln_on_host"])
+        return replace(mm, sparse=choices["attention"] == "sparse")
 
     @classmethod
     def from_plan(cls, plan) -> "ModelMemory":
@@ -262,8 +285,16 @@ class ModelMemory:
             keys = set(ck.keys())
             calibrated = all(f"blocks.{j}.{n}.input_scale" in keys for j in range(plan.config.num_layers)
                              for n in ("mlp.fc1", "mlp.fc2"))
-        return cls.build(plan.config, plan.dtype, plan.act_format, plan.gemm, plan.dense_attention,
-                         plan.v_handling, plan.adaln_on_host, calibrated)
+        mm = cls.build(plan.config, plan.dtype, plan.act_format, plan.gemm, plan.dense_attention,
+                       plan.v_handling, plan.adaln_on_host, calibrated).with_source(ck)
+        return replace(mm, sparse=plan.attention == "sparse",
+                       adaln_host_bytes=0 if plan.adaln_from_file else mm.adaln_host_bytes)
+
+    def with_source(self, source) -> "ModelMemory":
+        """The same, knowing where the weights come from: a checkpoint file (its ``headers``) can keep the AdaLN
+        weights a run reads block by block (``adaln_file``; ``runtime.io.adaln_file``)."""
+        return replace(self, adaln_file=self.adaln_on_host and hasattr(source, "headers"),
+                       adaln_block_bytes=self.adaln_host_bytes // max(1, self.cfg.num_layers))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,24 +320,28 @@ def _swiglu_out(mm: ModelMemory, rows: int) -> int:
     return 2 * rows * f * mm.dtype_bytes
 
 
-def _attention_operands(mm: ModelMemory, rows: int) -> int:
-    """What the attention backend allocates beside the qkv buffer and its output."""
+def _attention_operands(mm: ModelMemory, rows: int, kv_rows: int | None = None) -> int:
+    """What the attention backend allocates beside its q, k, v and its output, for ``rows`` query rows over
+    ``kv_rows`` keys (default: the same rows)."""
     c = mm.cfg
-    s_i = rows * c.inner_dim
+    kv_rows = rows if kv_rows is None else kv_rows
+    per_row = c.inner_dim
     a = mm.attention
     if a in ("sage2", "sage1", "sparse"):
         # int8 q and k, fp8 v (fused operands) or the library wrapper's own copies at the compute dtype
-        return 3 * s_i * (1 if mm.v_handling == "fused" else 1 + mm.dtype_bytes) + 8 * rows * c.num_heads
+        return (rows + 2 * kv_rows) * per_row * (1 if mm.v_handling == "fused" else 1 + mm.dtype_bytes) \
+            + 8 * kv_rows * c.num_heads
     if a.startswith("sdpa"):
-        return s_i * mm.dtype_bytes + 4 * rows * c.num_heads  # the [H, S, D] -> [S, H*D] copy, logsumexp
+        return rows * per_row * mm.dtype_bytes + 4 * rows * c.num_heads  # the [H, S, D] -> [S, H*D] copy, logsumexp
     # exact attention: fp32 q, k, v and a score chunk of at most 1 GiB, alive together with its softmax input
     # (measured on the CPU: two chunks at the peak)
-    return 3 * s_i * 4 + 2 * min(4 * c.num_heads * rows * rows, 1 << 30)
+    return (rows + 2 * kv_rows) * per_row * 4 + 2 * min(4 * c.num_heads * rows * kv_rows, 1 << 30)
 
 
-def activation_phases(mm: ModelMemory, wl: Workload, chunk_rows: int | None = None) -> dict[str, int]:
+def activation_phases(mm: ModelMemory, wl: Workload, chunk_rows: int | None = None,
+                      attn_rows: int | None = None) -> dict[str, int]:
     """Bytes live at the peak of each phase of one evaluation, weights excluded. chunk_rows: the FFN's rows
-    per chunk (None: all rows at once)."""
+    per chunk (None: all rows at once); attn_rows: the attention half's query rows per chunk (None: unchunked)."""
     c, e, s = mm.cfg, mm.dtype_bytes, wl.rows
     h, inner, ffn = c.hidden_size, c.inner_dim, c.ffn_hidden_size
     rc = s if chunk_rows is None else min(chunk_rows, s)
@@ -314,11 +349,18 @@ def activation_phases(mm: ModelMemory, wl: Workload, chunk_rows: int | None = No
     qkv = s * 3 * inner * e
     o = s * inner * e
     sv = wl.video_rows
+    if attn_rows is not None and attn_rows < s:
+        ra = attn_rows
+        kv = s * 2 * inner * e  # K and V of every row, kept through the chunks
+        attention = {"qkv": x + kv + _act_in(mm, ra, h) + ra * 3 * inner * e,
+                     "attention": x + kv + ra * 3 * inner * e + _attention_operands(mm, ra, s) + ra * inner * e,
+                     "out_proj": x + kv + ra * inner * e + _act_in(mm, ra, inner) + ra * h * e}
+    else:
+        attention = {"qkv": x + _act_in(mm, s, h) + qkv, "attention": x + qkv + _attention_operands(mm, s) + o,
+                     "out_proj": x + o + _act_in(mm, s, inner) + s * h * e}
     return {
         "pack": x + sv * h * 4 + sv * c.video_patch_dim * 4,
-        "qkv": x + _act_in(mm, s, h) + qkv,
-        "attention": x + qkv + _attention_operands(mm, s) + o,
-        "out_proj": x + o + _act_in(mm, s, inner) + s * h * e,
+        **attention,
         "fc1": x + _act_in(mm, rc, h) + rc * 2 * ffn * e,
         "fc2": x + rc * 2 * ffn * e + _swiglu_out(mm, rc) + rc * h * e,
         "head": x + sv * h * (2 * e + 4),
@@ -425,14 +467,18 @@ class Estimate:
 
 
 def estimate(mm: ModelMemory, wl: Workload, resident: int, slots: int, chunk_rows: int | None,
-             device_kind: str = "cuda", tower_streams: bool = False) -> Estimate:
+             device_kind: str = "cuda", tower_streams: bool = False, attn_rows: int | None = None) -> Estimate:
     """Peak device bytes of a run with ``resident`` blocks resident (the others streamed through ``slots``
     buffers) and the FFN chunked to ``chunk_rows`` rows (None: unchunked); ``tower_streams``: the control tower's
-    blocks stream too (``tower_bytes``)."""
-    phases = activation_phases(mm, wl, chunk_rows)
-    phase = max(phases, key=phases.get)
+    blocks stream too (``tower_bytes``); ``attn_rows``: the attention half in query-row chunks of that many rows."""
+    phases = activation_phases(mm, wl, chunk_rows, attn_rows)
     streamed = mm.cfg.num_layers - resident
-    return Estimate(mm.other_bytes + resident * mm.block_bytes, (slots if streamed else 0) * mm.block_bytes,
+    refiner_off = mm.refiner_bytes if streamed else 0  # in host memory, on the device for the run's one refine
+    if refiner_off:
+        phases["refine"] = refiner_off + wl.rows * mm.cfg.hidden_size * mm.dtype_bytes
+    phase = max(phases, key=phases.get)
+    return Estimate(mm.other_bytes - refiner_off + resident * mm.block_bytes,
+                    (slots if streamed else 0) * mm.block_bytes,
                     scratch_bytes(mm, wl), run_bytes(mm, wl), phases[phase], phase,
                     WORKSPACE_BYTES if device_kind == "cuda" else 0, *tower_bytes(mm, wl, tower_streams))
 
@@ -489,10 +535,34 @@ class MemoryPlan:
     tower_streams: bool = False  # the control tower's blocks stream from pinned host memory (Workload.tower)
     tower_host_bytes: int = 0  # host memory the streamed control blocks take (pinned on CUDA)
     outside_bytes: int = 0  # taken off a given budget: what the model holds beside the estimate (``Outside``)
+    attn_chunk_rows: int | None = None  # the attention half in query-row chunks of this many rows (None: unchunked)
+    attn_rows_why: str = ""  # whether those chunks are row-exact, and why (``ModelMemory.attn_rows``)
+    adaln_from_file: bool = False  # AdaLN left in the checkpoint file: each run reads it block by block
+    host_limit_bytes: int | None = None  # the host memory the plan fitted its host figure into (None: not checked)
 
     @property
     def streams(self) -> bool:
         return bool(self.streamed)
+
+    @property
+    def refiner_on_host(self) -> bool:
+        """The token refiner's weights stay in host memory and come to the device for each run's one refine call
+        (``H3Model.refiner_on_host``): whenever blocks stream (``estimate`` counts it so)."""
+        return bool(self.streamed)
+
+    @property
+    def host_bytes_planned(self) -> int:
+        """Host memory the plan keeps for the model beside the device's: the streamed blocks (pinned on CUDA), the
+        streamed control tower and the full-form AdaLN weights it keeps in host memory (the process's other host
+        memory, torch and the run's tensors, comes on top)."""
+        return self.host_bytes + self.tower_host_bytes + self.adaln_host_bytes
+
+    def host_text(self) -> str:
+        """The plan's host figure, as the choice states it beside the device's."""
+        adaln = "AdaLN read from the checkpoint file block by block each run" if self.adaln_from_file else \
+            f"{gb(self.adaln_host_bytes)} AdaLN weights"
+        limit = "" if self.host_limit_bytes is None else f" of {gb(self.host_limit_bytes)} host memory"
+        return f"host: {gb(self.host_bytes_planned)}{limit} ({gb(self.host_bytes)} streamed blocks, {adaln})"
 
     @property
     def copy_bytes_per_step(self) -> int:
@@ -501,7 +571,8 @@ class MemoryPlan:
     def choice(self) -> Choice:
         n = len(self.resident) + len(self.streamed)
         if self.note and not self.streamed and self.ffn_chunk_rows is None:
-            return Choice("all resident", f"{self.note}; {self.estimate.describe()} for {self.workload.describe()}")
+            return Choice("all resident", f"{self.note}; {self.estimate.describe()} for {self.workload.describe()}"
+                          + (f"; {self.host_text()}" if self.adaln_from_file else ""))
         what = "all resident" if not self.streamed else f"{len(self.resident)} resident, {len(self.streamed)} streamed"
         if self.tower_streams:
             what += ", control tower streamed"
@@ -511,12 +582,17 @@ class MemoryPlan:
                          f"memory through {self.slots} device buffers of {gb(self.block_bytes)} "
                          f"({gb(self.copy_bytes_per_step)} copied per step"
                          + (", emulated with host copies on the CPU" if self.emulated else "") + ")")
+        if self.streamed:
+            parts.append("the token refiner in host memory, on the device for each run's refine")
         if self.tower_streams:
             parts.append(f"the control tower's {self.workload.tower.blocks} blocks stream through "
                          f"{min(self.slots, self.workload.tower.blocks)} device buffers of their own")
         parts.append("FFN unchunked" if self.ffn_chunk_rows is None
                      else f"FFN in row chunks of {self.ffn_chunk_rows:,} ({self.row_local})")
+        if self.attn_chunk_rows is not None:
+            parts.append(f"attention in query-row chunks of {self.attn_chunk_rows:,} ({self.attn_rows_why})")
         parts.append(f"{self.estimate.describe()} for {self.workload.describe()}")
+        parts.append(self.host_text())
         if self.smallest_budget_bytes is not None:
             parts.append(f"smallest budget that runs: {gb(self.smallest_budget_bytes)}"
                          + (f" (with the {gb(self.outside_bytes)} held beside it)" if self.outside_bytes else ""))
@@ -526,11 +602,15 @@ class MemoryPlan:
         return {"vram_budget_bytes": self.budget_bytes, "budget": self.budget_text,
                 "outside_bytes": self.outside_bytes,
                 "resident_blocks": list(self.resident), "streamed_blocks": list(self.streamed),
+                "refiner_on_host": self.refiner_on_host,
                 "stream_buffers": self.slots if self.streamed else 0, "block_bytes": self.block_bytes,
-                "ffn_chunk_rows": self.ffn_chunk_rows, "estimate": self.estimate.as_dict(),
+                "ffn_chunk_rows": self.ffn_chunk_rows, "attn_chunk_rows": self.attn_chunk_rows,
+                "estimate": self.estimate.as_dict(),
                 "workload": {"rows": self.workload.rows, "steps": self.workload.steps},
                 "pinned_host_bytes": 0 if self.emulated else self.host_bytes,
                 "host_bytes_streamed_weights": self.host_bytes, "adaln_host_bytes": self.adaln_host_bytes,
+                "host_bytes_planned": self.host_bytes_planned, "adaln_from_file": self.adaln_from_file,
+                "host_limit_bytes": self.host_limit_bytes,
                 "smallest_budget_bytes": self.smallest_budget_bytes,
                 "copy_bytes_per_step_planned": self.copy_bytes_per_step,
                 "control_tower_streams": self.tower_streams, "control_tower_host_bytes": self.tower_host_bytes,
@@ -572,6 +652,7 @@ class _Shape:
     chunk: int | None = None
     tower_streams: bool = False
     streams: bool = False
+    attn: int | None = None  # the attention half's query rows per chunk (None: unchunked)
 
 
 def _plan(mm: ModelMemory, wl: Workload, dev: DeviceMemory, budget: tuple[int | None, str], shape: _Shape,
@@ -579,19 +660,27 @@ def _plan(mm: ModelMemory, wl: Workload, dev: DeviceMemory, budget: tuple[int | 
     n = mm.cfg.num_layers
     res = spread(n, shape.resident)
     streamed = tuple(j for j in range(n) if j not in set(res))
-    est = estimate(mm, wl, shape.resident, SLOTS, shape.chunk, dev.kind, shape.tower_streams)
+    est = estimate(mm, wl, shape.resident, SLOTS, shape.chunk, dev.kind, shape.tower_streams, shape.attn)
     tower_host = wl.tower.blocks * tower_block_bytes(mm, wl.tower) if shape.tower_streams else 0
     emulated = shape.streams and dev.kind == "cpu"
     return MemoryPlan(budget[0], budget[1], res, streamed, SLOTS, shape.chunk, est, wl, mm.block_bytes,
                       len(streamed) * mm.block_bytes, mm.adaln_host_bytes, smallest, dev.kind, emulated,
                       row_local=mm.ffn_row_local_why, tower_streams=shape.tower_streams, tower_host_bytes=tower_host,
-                      outside_bytes=outside_bytes)
+                      outside_bytes=outside_bytes, attn_chunk_rows=shape.attn,
+                      attn_rows_why=mm.attn_rows[1] if shape.attn is not None else "")
+
+
+def chunkings(mm: ModelMemory, wl: Workload, device_kind: str = "cuda") -> list[tuple[int | None, int | None]]:
+    """The (FFN rows, attention query rows) per chunk ``decide`` tries, in order: unchunked, the FFN alone in halving
+    chunks, then the FFN and the attention half in chunks of the same rows (only as far as this model allows)."""
+    chunks = chunk_options(wl.rows, device_kind) if mm.ffn_row_local else []
+    return [(None, None)] + [(c, None) for c in chunks] + ([(c, c) for c in chunks] if mm.attn_rows[0] else [])
 
 
 def smallest_budget(mm: ModelMemory, wl: Workload, device_kind: str = "cuda") -> int:
-    """Every block streamed (the control tower's too) and the smallest chunking this model's FFN allows."""
-    chunks = chunk_options(wl.rows, device_kind) if mm.ffn_row_local else []
-    return estimate(mm, wl, 0, SLOTS, chunks[-1] if chunks else None, device_kind, wl.tower is not None).total
+    """Every block streamed (the control tower's too) and the smallest chunking this model allows."""
+    ffn, attn = chunkings(mm, wl, device_kind)[-1]
+    return estimate(mm, wl, 0, SLOTS, ffn, device_kind, wl.tower is not None, attn).total
 
 
 @dataclass(frozen=True)
@@ -622,32 +711,35 @@ def decide(mm: ModelMemory, wl: Workload, dev: DeviceMemory, requested: int | No
     if dev.kind == "cpu" and requested is None:
         p = _plan(mm, wl, dev, (None, "auto on the CPU"), _Shape(n))
         p.note = "cpu: device memory is host memory, nothing streams (an explicit budget emulates streaming)"
+        _check_host(p, mm, host_free, held.host_bytes, unchanged)
         return p
     budget, text = _resolve_budget(requested, dev, held.device_bytes, outside)
     extra = sum(o.nbytes for o in outside) if requested is not None else 0
     full = estimate(mm, wl, n, SLOTS, None, dev.kind)
     if full.total <= budget:
-        return _plan(mm, wl, dev, (budget, text), _Shape(n), outside_bytes=extra)
+        p = _plan(mm, wl, dev, (budget, text), _Shape(n), outside_bytes=extra)
+        _check_host(p, mm, host_free, held.host_bytes, unchanged)
+        return p
     smallest = smallest_budget(mm, wl, dev.kind) + extra
     ts = wl.tower is not None  # past "everything resident", the control tower streams first (it runs 5 or 10 blocks)
-    chunks = [None] + (chunk_options(wl.rows, dev.kind) if mm.ffn_row_local else [])
-    for chunk in chunks:
-        if (chunk is not None or ts) and estimate(mm, wl, n, SLOTS, chunk, dev.kind, ts).total <= budget:
-            p = _plan(mm, wl, dev, (budget, text), _Shape(n, chunk, ts, True), smallest, extra)
-            _check_host(p, host_free, held.host_bytes, unchanged)
+    options = chunkings(mm, wl, dev.kind)
+    for chunk, attn in options:
+        if (chunk is not None or ts) and estimate(mm, wl, n, SLOTS, chunk, dev.kind, ts, attn).total <= budget:
+            p = _plan(mm, wl, dev, (budget, text), _Shape(n, chunk, ts, True, attn), smallest, extra)
+            _check_host(p, mm, host_free, held.host_bytes, unchanged)
             return p
-        base = estimate(mm, wl, 0, SLOTS, chunk, dev.kind, ts).total
+        base = estimate(mm, wl, 0, SLOTS, chunk, dev.kind, ts, attn).total
         if base > budget:
             continue
         resident = min(n - 1, (budget - base) // mm.block_bytes) if mm.block_bytes else n
-        p = _plan(mm, wl, dev, (budget, text), _Shape(int(resident), chunk, ts, True), smallest, extra)
-        _check_host(p, host_free, held.host_bytes, unchanged)
+        p = _plan(mm, wl, dev, (budget, text), _Shape(int(resident), chunk, ts, True, attn), smallest, extra)
+        _check_host(p, mm, host_free, held.host_bytes, unchanged)
         return p
     what = "auto (the free device memory less the margin)" if requested is None else "the budget"
     raise BudgetError(
         f"{text}: too small for {wl.describe()}: even with every block streamed and the smallest activation "
         f"chunking the run needs {gb(smallest - extra)} "
-        f"({estimate(mm, wl, 0, SLOTS, chunks[-1], dev.kind, ts).describe()})"
+        f"({estimate(mm, wl, 0, SLOTS, options[-1][0], dev.kind, ts, options[-1][1]).describe()})"
         f"{f', and {gb(extra)} more is held beside it' if extra else ''}; {what} must be at least {gb(smallest)}: set "
         f"--vram-budget / H3_VRAM_BUDGET to {budget_arg(smallest)} or more"
         f"{''.join(f', {o.advice}' for o in outside if o.nbytes and o.advice)}, or lower the width, height or frames "
@@ -693,20 +785,35 @@ def budget_arg(nbytes: int) -> str:
     return f"{math.ceil(nbytes / GB * 10 ** digits) / 10 ** digits:.{digits}f}"
 
 
-def _check_host(p: MemoryPlan, host_free: int | None, host_held_bytes: int,
+def _check_host(p: MemoryPlan, mm: ModelMemory, host_free: int | None, host_held_bytes: int,
                 unchanged: str = "nothing was loaded") -> None:
+    """The plan's host figure against the host memory (``host_free``: the host budget, else what is available):
+    the streamed blocks (and tower) and the full-form AdaLN weights kept there. Where they do not fit and the
+    AdaLN weights can stay in the checkpoint file (``ModelMemory.adaln_file``), they do: each run then reads them
+    one block at a time (``adaln_block_bytes`` in host memory at once). Raises BudgetError where the streamed
+    weights alone do not fit."""
     need = p.host_bytes + p.tower_host_bytes - host_held_bytes
-    if need <= 0:
+    adaln = p.adaln_host_bytes if host_held_bytes == 0 else 0  # loaded alongside, before the blocks
+    if need + adaln <= 0 or (need <= 0 and not mm.adaln_file):  # nothing streams and nothing can move: unchecked
         return
     free = host_available_bytes() if host_free is None else host_free
-    adaln = p.adaln_host_bytes if host_held_bytes == 0 else 0  # loaded alongside, before the blocks
+    p.host_limit_bytes = free
+    if need + adaln <= free:
+        return
+    if adaln and mm.adaln_file and need + mm.adaln_block_bytes <= free:
+        p.adaln_from_file, p.adaln_host_bytes = True, 0
+        return
+    tower = f" and the control tower's {p.workload.tower.blocks} blocks" if p.tower_host_bytes else ""
+    if adaln and mm.adaln_file:  # even with the AdaLN weights read from the file, one block at a time
+        raise BudgetError(f"{p.budget_text}: needs {(need + mm.adaln_block_bytes) / GB:.2f} GB of host memory (the "
+                          f"streamed weights of {len(p.streamed)} blocks{tower}, and one block's AdaLN weights read "
+                          f"from the checkpoint file), {free / GB:.2f} GB given; raise the host budget or the device "
+                          f"budget so fewer blocks stream ({unchanged})")
     avail = free - adaln
-    if need > avail:
-        extra = f" after the {gb(adaln)} of AdaLN weights kept there" if adaln else ""
-        tower = f" and the control tower's {p.workload.tower.blocks} blocks" if p.tower_host_bytes else ""
-        raise BudgetError(f"{p.budget_text}: needs {need / GB:.1f} GB of host memory for the streamed weights "
-                          f"({len(p.streamed)} blocks{tower}), {max(0, avail) / GB:.1f} GB free{extra}; raise the "
-                          f"budget so fewer blocks stream, or free host memory ({unchanged})")
+    extra = f" after the {gb(adaln)} of AdaLN weights kept there" if adaln else ""
+    raise BudgetError(f"{p.budget_text}: needs {need / GB:.1f} GB of host memory for the streamed weights "
+                      f"({len(p.streamed)} blocks{tower}), {max(0, avail) / GB:.1f} GB free{extra}; raise the "
+                      f"budget so fewer blocks stream, or free host memory ({unchanged})")
 
 
 def plan_memory(plan, workload: Workload | None = None, dev: DeviceMemory | None = None,
@@ -716,12 +823,28 @@ def plan_memory(plan, workload: Workload | None = None, dev: DeviceMemory | None
     wl = workload or Workload.for_request(plan.config)
     dev = dev or DeviceMemory.probe(plan.device)
     mm = ModelMemory.from_plan(plan)
+    if host_free is None:
+        host_free = host_budget_bytes(plan.host_budget)
     mp = decide(mm, wl, dev, parse_vram_budget(plan.vram_budget), host_free)
     plan.memory = mp
     plan.choices["memory"] = mp.choice()
+    if mp.adaln_from_file:
+        plan.choices["adaln"] = Choice(ADALN_FROM_FILE, (
+            f"modulation rows precomputed per run from the AdaLN weights read block by block from the checkpoint "
+            f"file ({gb(mm.adaln_block_bytes)} in host memory at a time): the {gb(mm.adaln_host_bytes)} of them do "
+            f"not fit beside the streamed blocks in {gb(mp.host_limit_bytes)} of host memory"))
     return mp
 
 
+def host_budget_bytes(text) -> int | None:
+    """The host memory a load plans within: the ``host_budget`` option's text (GB) where given, else None (what is
+    available)."""
+    try:
+        return vram_budget_bytes(text, "host_budget")
+    except ValueError as e:
+        raise BudgetError(str(e).removeprefix("option ")) from None
+
+
 __all__ = ["BudgetError", "DeviceMemory", "Estimate", "Held", "MemoryAsk", "MemoryPlan", "ModelMemory", "TowerSize",
-           "Workload", "check_request", "decide", "estimate", "parse_vram_budget",
+           "Workload", "check_request", "chunkings", "decide", "estimate", "parse_vram_budget",
            "plan_memory", "smallest_budget", "tower_block_bytes", "tower_bytes"]

@@ -35,10 +35,12 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.nn as nn
 
 from .budget import (DeviceMemory, Held, MemoryAsk, MemoryPlan, ModelMemory, Outside, TowerSize, Workload,
-                     check_request, decide, parse_vram_budget, plan_memory)
+                     check_request, decide, host_budget_bytes, parse_vram_budget, plan_memory)
 from .errors import CheckpointError
+from .io.adaln_file import ADALN_KEY, AdalnFromFile
 from .io.checkpoint import dequantize_layer
 from .io.comfy_quant import from_comfy_quant_tensors
 from .io.finite import check_finite
@@ -49,7 +51,7 @@ from .model.h3 import H3Model
 from .model.tiny import tiny_state_dict
 from .offload import Parked, park, unpark, why_not_offload
 from .ops import registry
-from .ops.attention import AttentionFn
+from .ops.attention import AttentionFn, bind_attention_qkv
 from .ops.interface import BlockOps
 from .ops.block_ops import build_ops
 from .ops.gemm_backends import Scratch
@@ -175,7 +177,7 @@ class _Loader:
         if not getattr(self.src, "verified", False):  # a checkpoint checked before the load is not checked again
             check_names_and_shapes(want, self.src, self.quant, label, self.plan.config.num_layers)
         keys = list(want)
-        adaln_host = self.plan.adaln_on_host
+        adaln_host, adaln_file = self.plan.adaln_on_host, self.plan.adaln_from_file
         for i, k in enumerate(keys):
             if self.progress:
                 self.progress(i, len(keys), k)
@@ -183,13 +185,16 @@ class _Loader:
             layer = k[:-7] if k.endswith(".weight") else None
             if self.plan.quantize and layer is not None and QUANT_LINEARS.match(layer):
                 self._linear(layer, tuple(p.shape))
+            elif adaln_file and ADALN_KEY.match(k):
+                continue  # left in the checkpoint file: each run reads it (runtime.io.adaln_file)
             elif adaln_host and k.startswith("blocks.") and ".adaln_proj." in k:
                 self._to_host(k, p)
             else:
                 self._tensor(k, p)
             if self.adopt is not None and layer is not None and QUANT_LINEARS.match(layer):
                 self.adopt(layer, self.model.get_submodule(layer))
-        left = [n for n, t in list(self.model.named_parameters()) + list(self.model.named_buffers()) if t.is_meta]
+        left = [n for n, t in list(self.model.named_parameters()) + list(self.model.named_buffers())
+                if t.is_meta and not (adaln_file and ADALN_KEY.match(n))]
         if left:
             raise CheckpointError(f"{label}: no tensor for {left[:5]}")
 
@@ -288,6 +293,7 @@ class H3Runtime:
         what it holds on the device and in host memory counts as available to it)."""
         held = Held(self.device_bytes() if self.parked is None else 0,
                     0 if self.streamer is None else self.streamer.host_bytes)
+        host_free = host_budget_bytes(self.plan.host_budget) if host_free is None else host_free
         return check_request(ModelMemory.from_plan(self.plan), wl, dev or DeviceMemory.probe(self.device),
                              self.plan.vram_budget, ask, held, host_free)
 
@@ -319,14 +325,15 @@ class H3Runtime:
         tower_st = getattr(control, "streamer", None)
         # an offloaded runtime holds nothing on the device: it is planned from there and comes back as planned
         held = (0 if self.parked is not None else mm.other_bytes + len(old.resident) * mm.block_bytes
-                + st.device_bytes) + (control.device_bytes(self.device) if hasattr(control, "device_bytes") else 0)
+                + st.device_bytes - (mm.refiner_bytes if self.model.refiner_on_host else 0)) + (control.device_bytes(self.device) if hasattr(control, "device_bytes") else 0)
         idle = sum(t.device_bytes(self.device) for t in list(getattr(plan, "towers", ())) if t is not control)
         outside = (Outside(idle, "a loaded Fun ControlNet tower this run does not use holds",
                            "or drop that tower (its memory goes once nothing refers to it)"),
                    Outside(side_device_bytes(self.model, self.device), "the LoRA side paths hold",
                            "or apply the LoRAs in merge mode (no device bytes beside the weights)"))
         host_held = st.host_bytes + (0 if tower_st is None else tower_st.host_bytes)
-        new = decide(mm, wl, dev, parse_vram_budget(plan.vram_budget), held=Held(held, host_held), outside=outside,
+        new = decide(mm, wl, dev, parse_vram_budget(plan.vram_budget), host_budget_bytes(plan.host_budget),
+                     held=Held(held, host_held), outside=outside,
                      unchanged="nothing moved: the model stays loaded as it was")
         if tower_st is not None and new.tower_streams:  # the tower's blocks move too: device -> host first,
             tower_st.restream(range(len(control.places)))  # so that the base's moves find the room
@@ -334,9 +341,12 @@ class H3Runtime:
             self.parked.streamed = frozenset(new.streamed)
             self.onload()
         st.restream(new.streamed)
+        place_refiner(self.model, new.refiner_on_host)
         if tower_st is not None and not new.tower_streams:
             tower_st.restream(())
+        new.adaln_from_file = new.adaln_from_file or plan.adaln_from_file  # decided at load: the weights stay there
         self.ops.set_ffn_chunk_rows(new.ffn_chunk_rows)
+        self.ops.set_attn_chunk_rows(new.attn_chunk_rows)
         plan.memory = new
         plan.choices["memory"] = new.choice()
         self.backends["memory"] = plan.choices["memory"].as_dict()
@@ -376,6 +386,28 @@ def _prepare_fc2(plan: LoadPlan) -> tuple[object | None, dict | None]:
     return fc2, {"choice": plan.choices["fc2_lt"].choice, "reason": reason}
 
 
+def place_refiner(model: H3Model, on_host: bool) -> None:
+    """Keep the token refiner's weights in host memory (pinned on CUDA; a separate copy on the CPU, so the emulation
+    runs the same path) or on the model's device, as the memory plan says (``MemoryPlan.refiner_on_host``): it runs
+    once per sampling run (``H3Model.refine_text`` brings its weights over for that call)."""
+    if model.refiner_on_host == on_host:
+        return
+    dev = model.device
+    for mod in model.token_refiner.modules():
+        for table in ("_parameters", "_buffers"):
+            for name, t in list(getattr(mod, table).items()):
+                if t is None:
+                    continue
+                if on_host:
+                    moved = torch.empty(tuple(t.shape), dtype=t.dtype, pin_memory=dev.type == "cuda")
+                    moved.copy_(t)
+                else:
+                    moved = t.to(dev)
+                getattr(mod, table)[name] = nn.Parameter(moved, requires_grad=False) if table == "_parameters" \
+                    else moved
+    model.refiner_on_host = on_host
+
+
 def bind_attention(plan: LoadPlan) -> tuple[AttentionFn, SparseStepAttention | None]:
     """The plan's attention bound once (``ops.registry.bind``) -> (the dense function, the sparse backend around
     it or None). attention=sparse: the kernel plus the dense function for its dense steps."""
@@ -409,6 +441,9 @@ def load_model(path: str | Path | None = None, options: RuntimeOptions | None = 
     streamer = BlockStreamer(model.blocks, plan.memory.streamed, plan.device, plan.memory.slots)
     stream_load(model, src, plan, progress, streamer.adopt)
     streamer.finish()
+    place_refiner(model, plan.memory.refiner_on_host)
+    if plan.adaln_from_file:
+        model.adaln_source = AdalnFromFile(plan.checkpoint, model)
     model.eval().requires_grad_(False)
     fc2, fc2_report = _prepare_fc2(plan)
     if fc2_report is not None:
@@ -416,6 +451,10 @@ def load_model(path: str | Path | None = None, options: RuntimeOptions | None = 
     dense, sparse = bind_attention(plan)
     base = build_ops(plan, sparse or dense, fc2)
     base.sparse = sparse  # the blocks ask it which of them run sparse now
+    if sparse is None:  # the dense backend's row form, for the memory plan's query-row chunks
+        base.attention_rows_fn = bind_attention_qkv(plan.dense_attention, plan.config.head_dim, device=plan.device,
+                                                    v_handling=plan.v_handling)
+    base.set_attn_chunk_rows(plan.memory.attn_chunk_rows)
     ops = StreamOps(base, streamer, plan.memory.ffn_chunk_rows)
     rt = H3Runtime(model, plan, ops, backends, fc2=fc2, sparse=sparse, streamer=streamer,
                    attention=None if base.attends_exactly else dense)

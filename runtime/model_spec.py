@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .budget import DeviceMemory, MemoryAsk, MemoryPlan, ModelMemory, Workload, check_request
+from .budget import DeviceMemory, MemoryAsk, MemoryPlan, ModelMemory, Workload, check_request, host_budget_bytes
 from .io.checkpoint import Checkpoint, open_checkpoint
 from .io.verify import check_checkpoint
 from .load import H3Runtime, load_model
@@ -49,7 +49,8 @@ class ModelSpec:
         """The request-time memory check of ``wl`` before the load (``budget.check_request``; the model's memory
         from the options, ``ModelMemory.for_options``); dev / host_free: simulated (tests), default measured."""
         choices = memory_choices(self.options, self.config, self.device)
-        mm = ModelMemory.for_options(self.config, choices, self.dtype)
+        mm = ModelMemory.for_options(self.config, choices, self.dtype).with_source(self.source)
+        host_free = host_budget_bytes(choices["host_budget"]) if host_free is None else host_free
         return check_request(mm, wl, dev or DeviceMemory.probe(self.device), choices["vram_budget"], ask,
                              host_free=host_free)
 

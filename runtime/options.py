@@ -67,6 +67,7 @@ _ENV = {
     "producer_tiles": ("H3_PRODUCER_TILES", str),
     "cache_dir": ("H3_CACHE_DIR", str),
     "vram_budget": ("H3_VRAM_BUDGET", str),
+    "host_budget": ("H3_HOST_BUDGET", str),
 }
 
 # seed / earlier names this runtime accepts but does not act on -> why
@@ -119,7 +120,7 @@ def _precision_from_aliases(env: Mapping[str, str]) -> str | None:
 _BUDGET = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(?:gb?)?\s*$", re.IGNORECASE)
 
 
-def vram_budget_bytes(value) -> int | None:
+def vram_budget_bytes(value, name: str = "vram_budget") -> int | None:
     """The one parser of ``vram_budget``: ``auto`` (or None) -> None; a number of GB (``8``, ``7.5``, ``12GB``,
     ``12 g``; 1 GB = 1e9 bytes) -> bytes. ValueError for anything else (zero, negative, not finite, not a
     number); ``runtime.budget.parse_vram_budget`` raises it as a BudgetError."""
@@ -131,7 +132,7 @@ def vram_budget_bytes(value) -> int | None:
     m = _BUDGET.match(text)
     v = float(m.group(1)) if m else float("nan")
     if not math.isfinite(v) or v <= 0:
-        raise ValueError(f"option vram_budget={value!r}: expected auto or a positive number of GB (e.g. 8 or 7.5; "
+        raise ValueError(f"option {name}={value!r}: expected auto or a positive number of GB (e.g. 8 or 7.5; "
                          "1 GB = 1e9 bytes)")
     return round(v * 1e9)  # the nearest byte: a value printed from a byte count (repr(n / 1e9)) reads back as n
 
@@ -254,6 +255,10 @@ class RuntimeOptions:
     cache_dir:  where the FC2 extension build and its tables live
     vram_budget: device-memory budget of a run: auto (the free device memory less a margin) or a number of GB
                 (1 GB = 1e9 bytes); blocks beyond it stream from pinned host memory (runtime.budget)
+    host_budget: host memory the model may keep: auto (the available host memory) or a number of GB; where the
+                streamed blocks and the full-form AdaLN weights do not fit it, AdaLN stays in the checkpoint file and
+                each run reads it block by block (runtime.budget); an explicit value also keeps AdaLN off the model
+                on the CPU (adaln_cache)
     cpu_threads: torch's intra-op threads for a run on the CPU in a process of its own (the CLI; ComfyUI keeps its
                 own): auto (see ``cpu_thread_count``) or a number; H3_CPU_THREADS, else OMP_NUM_THREADS
     ignored:    {variable: why} for accepted names that change nothing here (never reported as configuration)
@@ -283,6 +288,7 @@ class RuntimeOptions:
     sparse_sinks: str = SPARSE_SINKS[0]
     first_block_cache: float | None = None
     vram_budget: str = "auto"
+    host_budget: str = "auto"
     cpu_threads: str = "auto"
     ignored: dict = field(default_factory=dict)
 
@@ -302,6 +308,7 @@ class RuntimeOptions:
     def _check_budget(self):
         """vram_budget: auto or a positive number of GB (``vram_budget_bytes``, the one parser)."""
         vram_budget_bytes(self.vram_budget)
+        vram_budget_bytes(self.host_budget, "host_budget")
 
     def _check_lossy(self):
         """The sparse attention and step-reuse numbers: finite and in range."""

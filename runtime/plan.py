@@ -36,6 +36,7 @@ from .options import RuntimeOptions, SparseSettings
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FC2_NOT_APPLICABLE = "not applicable (act_format fp8)"
+ADALN_FROM_FILE = "rows per run from the file"
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,14 @@ class LoadPlan:
 
     @property
     def adaln_on_host(self) -> bool:
-        return self.choices["adaln"].choice == "rows per run"
+        """Full-form AdaLN off the device: in host memory, or left in the checkpoint file (``adaln_from_file``)."""
+        return self.choices["adaln"].choice in ("rows per run", ADALN_FROM_FILE)
+
+    @property
+    def adaln_from_file(self) -> bool:
+        """The memory plan left the full-form AdaLN weights in the checkpoint file: each run reads them block by
+        block to compute its modulation rows (``runtime.io.adaln_file``), so host memory never holds them all."""
+        return self.choices["adaln"].choice == ADALN_FROM_FILE
 
     @property
     def act_scale(self) -> str:
@@ -148,6 +156,11 @@ class LoadPlan:
     def vram_budget(self) -> str:
         """The device-memory budget asked for ("" none, "auto" or GB; runtime.budget parses it)."""
         return self.options.vram_budget
+
+    @property
+    def host_budget(self) -> str:
+        """The host memory the model may keep ("auto" or GB; runtime.budget parses it)."""
+        return self.options.host_budget
 
     @property
     def first_block_cache(self) -> float | None:
@@ -212,7 +225,8 @@ def memory_choices(options: RuntimeOptions, cfg: H3Config, device: torch.device)
         a = "sage2" if device.type == "cuda" else "reference"
     elif not (a in ("sage2", "sage1", "sparse", "reference") or a.startswith("sdpa")):
         a = "sdpa"
-    return {"form": form, "adaln_on_host": adaln_on_host, "attention": a, "vram_budget": options.vram_budget}
+    return {"form": form, "adaln_on_host": adaln_on_host, "attention": a, "vram_budget": options.vram_budget,
+            "host_budget": options.host_budget}
 
 
 def resolve_dtype(options: RuntimeOptions, device: torch.device) -> torch.dtype:
@@ -284,7 +298,7 @@ def _precision(options: RuntimeOptions, device: torch.device, act_format: str) -
 def _adaln(options: RuntimeOptions, device: torch.device, cfg: H3Config) -> Choice:
     if cfg.curve_form:
         return Choice("resident", "curve form: the AdaLN tables are small")
-    if options.adaln_cache and device.type == "cuda":
+    if options.adaln_cache and (device.type == "cuda" or options.host_budget != "auto"):
         return Choice("rows per run", "modulation rows precomputed per run; full-form AdaLN weights stream into "
                                       "pinned host memory, never onto the device")
     return Choice("resident", "adaln_cache off or not CUDA: AdaLN weights stay with the model")

@@ -26,7 +26,12 @@
 #   bash scripts/device_session.sh R    the canonical job at BASE_TREE (default third_party/head: `git archive REV`) and
 #                                       at this tree in one lease (a refactor's hashes and step time)
 #   bash scripts/device_session.sh G    the drop-in (core MODEL), control, low-VRAM and Blackwell-guard GPU tests
-# R and G unpack a carried SageAttention2 build (third_party/sage2-sm90/*.part-*) where there is one.
+#   bash scripts/device_session.sh U    issue 37: rows of bench/user_jobs.py (UJ_ARGS, e.g. "--rows turbo8:8"),
+#                                       merged into UJ_OUT (default bench/results/user-jobs.json; copied to $OUT);
+#                                       with UJ_TESTS=1 first the GPU tests of query-row chunks and the memory paths. Carry third_party/sage2-sm90 and
+#                                       .core_peer (scripts/pack_core_peer.sh), or for turbo8_sparse rows .whl
+#                                       (scripts/kitchen_carry.sh: our sparse kernel; core's sparse node is absent)
+# R, G and U unpack a carried SageAttention2 build (third_party/sage2-sm90/*.part-*) where there is one.
 # (Sessions C, D, E and G of 2026-11-29 were earlier versions of F and H; their results are in bench/results.)
 # Carry .sage (SageAttention source) and .whl (diffusers + deps, sageattention 1.0.6). Logs and JSONs go to
 # $OUT (at most 8 files come back).
@@ -97,6 +102,21 @@ R)  # a refactor's check: the canonical job at BASE_TREE (a copy of the earlier 
   phase "canonical at this tree"
   timeout 280 python3 bench/canonical.py --runs 1 --warmup 1 --skip profile,accuracy,peer \
     --out "$OUT/canonical-h200-structure.json" 2>&1 | tail -6 >> "$LOG"
+  ;;
+U)  # the jobs users run against core's stack (issue 37); one checkpoint write per fresh machine (/tmp/h3_user_jobs)
+  sage_unpack
+  if ls .whl/comfy_kitchen-*-cuda-cp312.tar.gz >/dev/null 2>&1; then kitchen_unpack; fi
+  if [ "${UJ_TESTS:-0}" = 1 ]; then  # once per code change: the GPU tests of query-row chunks and the memory paths
+    phase gpu-tests-attention-rows-and-memory
+    timeout 240 python3 -m pytest -q -s -m gpu tests/gpu/test_attention_rows_gpu.py \
+      tests/gpu/test_user_jobs_memory_gpu.py 2>&1 | grep -E "chunk|smallest|row-exact|passed|failed|skipped|Error" \
+      | tail -16 >> "$LOG"
+  fi
+  phase "user-jobs ${UJ_ARGS:-}"
+  UJ_OUT="${UJ_OUT:-bench/results/user-jobs.json}"  # merged into (copy the returned file back before the next call)
+  timeout $(( 590 - SECONDS )) python3 bench/user_jobs.py --merge --out "$UJ_OUT" --workdir /tmp/h3_user_jobs \
+    ${UJ_ARGS:-} 2>&1 | tail -20 >> "$LOG"
+  cp "$UJ_OUT" "$OUT/" 2>>"$LOG"
   ;;
 G)  # the drop-in (core MODEL), control and low-VRAM (streaming) GPU tests + the Blackwell guards
   sage_unpack

@@ -36,7 +36,9 @@ if [[ ! -f "$COMFY/comfy/ldm/minimax/model.py" ]]; then
   echo "error: $COMFY has no comfy/ldm/minimax/model.py (need a ComfyUI checkout with core H3)" >&2
   exit 2
 fi
-grep -qx '/.core_peer/' "$REPO/.git/info/exclude" 2>/dev/null || echo '/.core_peer/' >> "$REPO/.git/info/exclude"
+EXCLUDE="$(cd "$REPO" && realpath -m "$(git rev-parse --git-path info/exclude)")"  # a worktree's .git is a file
+mkdir -p "$(dirname "$EXCLUDE")"
+grep -qx '/.core_peer/' "$EXCLUDE" 2>/dev/null || echo '/.core_peer/' >> "$EXCLUDE"
 COMMIT="${COMFY_COMMIT:-$(git -C "$COMFY" rev-parse HEAD 2>/dev/null || echo unknown)}"
 
 rm -rf "$OUT"
@@ -81,6 +83,16 @@ for quant in (None, {"mixed_ops": True}):
         v, a = m([torch.randn(1, 24, 3, 4, 6), torch.randn(1, 32, 2, 5)], torch.tensor([500.0]), ctx,
                  minimax_payload={"layout": mm.PackedLayout(5, 3, 4, 6, 5)})
     assert torch.isfinite(v).all() and torch.isfinite(a).all(), "tiny forward not finite"
+# core's model management and LoRA path as bench/user_jobs.py drives them (ModelPatcher, load_models_gpu,
+# comfy.lora.load_lora + add_patches), so what they import inside functions is listed too
+import comfy.lora, comfy.model_management, comfy.model_patcher, comfy.utils
+patcher = comfy.model_patcher.ModelPatcher(m, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
+lin = "blocks.0.attn.out_proj"
+w = m.get_submodule(lin).weight
+lora = {f"{lin}.lora_A.weight": torch.randn(2, w.shape[1]), f"{lin}.lora_B.weight": torch.randn(w.shape[0], 2),
+        f"{lin}.alpha": torch.tensor(2.0)}
+patcher.add_patches(comfy.lora.load_lora(lora, {lin: f"{lin}.weight"}), 1.0)
+comfy.model_management.load_models_gpu([patcher])
 
 files, third = [], {}
 for name, mod in sorted(sys.modules.items()):

@@ -68,7 +68,8 @@ import torch
 
 from ..ops.linear import Nvfp4Linear
 from .key_forms import LOWRANK, LoraError, LoraMatch, match_lora, read_lora_file
-from .merge import STATE_ATTR, LoraState, lora_state, merge_dense, merge_nvfp4, merged_weight, restore_all
+from .merge import (STATE_ATTR, LoraState, lora_state, merge_dense, merge_from_file, merge_nvfp4, merged_weight,
+                    restore_all)
 from .ops import BLOCK_LINEAR, LoraOps
 from .pdd import PddBank, install_bank, split_bank
 from .side import LoraSide, install_side, lora_side, module_device, side_active
@@ -157,7 +158,8 @@ def _group_updates(specs: list[LoraSpec], matches: list[LoraMatch], mods: dict, 
             continue
         diffs_merged, off_device = 0, set()
         for u in m.updates:
-            if sp.mode == "side" and u.kind == LOWRANK and module_device(mods[u.module]) != model_device:
+            if sp.mode == "side" and u.kind == LOWRANK and ".adaln_proj." in u.module \
+                    and module_device(mods[u.module]) != model_device:
                 off_device.add(u.module)  # computed outside its module (offloaded AdaLN): no hook would run
             if sp.mode == "side" and u.kind == LOWRANK and u.module not in off_device:
                 sides.setdefault(u.module, []).append((sp.strength, u, m.file.name))
@@ -246,6 +248,8 @@ def _apply(rt, specs: list[LoraSpec]) -> dict:
             module = mods[mname]
             if pname == "weight" and isinstance(module, nv_cls):
                 merge_nvfp4(st, mname, module, entries, source, report)
+            elif getattr(module, pname).is_meta and model.adaln_source is not None:  # AdaLN left in the file
+                merge_from_file(model.adaln_source, f"{mname}.{pname}", entries, model_device, report)
             else:
                 merge_dense(st, f"{mname}.{pname}", getattr(module, pname), entries, source, report, model_device)
         _install_sides(rt, st, sides, mods, nv_cls, report)

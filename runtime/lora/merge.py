@@ -107,6 +107,8 @@ def restore_all(rt, st: LoraState, source: SourceWeights) -> None:
         restore_bank(rt, st.bank)
         st.bank = None
     model = rt.model
+    if model.adaln_source is not None:  # merges into AdaLN weights left in the checkpoint file: nothing was written
+        model.adaln_source.merges.clear()
     mods = dict(model.named_modules())
     for name, (module, prev) in list(st.sides.items()):
         uninstall_side(module, prev)
@@ -180,6 +182,14 @@ def merge_nvfp4(st: LoraState, name: str, module, entries, source: SourceWeights
     module.global_scale.copy_(q.global_scale)
     report["merged_nvfp4"].append(name)
     report["base_weights"][origin] = report["base_weights"].get(origin, 0) + 1
+
+
+def merge_from_file(src, tname: str, entries, device: torch.device, report: dict) -> None:
+    """Merge into a weight the model left in its checkpoint file (``runtime.io.adaln_file``): the reader applies the
+    same merged weight ``merge_dense`` would write (float64 on the model's device, one rounding to the weight's dtype)
+    each time it reads the weight; removal just forgets it."""
+    src.merges[tname] = lambda w: merged_weight(w, entries, device).to(w.dtype)
+    report["merged_dense"].append(tname)
 
 
 def merge_dense(st: LoraState, tname: str, p: torch.Tensor, entries, source: SourceWeights, report: dict,

@@ -101,13 +101,17 @@ class DiTBlock(nn.Module):
         sparse = ops.sparse  # block-sparse attention (runtime.ops.sparse_attention) where this block runs it now
         if sparse is not None and sparse.takes(index, x):
             o = sparse.block_attention(self, SparseBlockCall(ops, index, x, shift_msa, scale_msa, segments, cos, sin))
+        elif ops.attn_chunk_rows and ops.attn_chunk_rows < x.shape[0]:  # query-row chunks when the budget asks
+            self._attend_in_row_chunks(x, (shift_msa, scale_msa, gate_msa), segments, (cos, sin), ops, index)
+            o = None  # the chunks applied out_proj and the gated residual themselves
         else:
             qkv = ops.qkv(index, self, x, shift_msa, scale_msa, segments)
             qkv = ops.norm_rope_(self, qkv, cos, sin)
             o = ops.attention(qkv)
             del qkv
-        ops.gate_add_(x, ops.out_proj(index, self, o), gate_msa, segments)
-        del o
+        if o is not None:
+            ops.gate_add_(x, ops.out_proj(index, self, o), gate_msa, segments)
+            del o
         rows = ops.ffn_chunk_rows or max(1, x.shape[0])  # row chunks when the memory budget asks
         for a in range(0, x.shape[0], rows):  # every FFN op is row-local: the same math per row (the GEMMs' M differs, so fp32 sums may reassociate)
             xs, sg = (x, segments) if rows >= x.shape[0] else (x[a:a + rows], clip_segments(segments, a, a + rows))
@@ -117,3 +121,40 @@ class DiTBlock(nn.Module):
             ops.gate_add_(xs, m, gate_mlp, sg)
             del m
         return x
+
+    def _attend_in_row_chunks(self, x, msa, segments, rope, ops, index: int) -> None:
+        """The attention half of the block over query rows of ``ops.attn_chunk_rows``, never holding the whole qkv
+        buffer: pass 1 runs the QKV projection and norm+RoPE chunk by chunk and keeps K and V of every row
+        ([S, 2*H*D]); pass 2 runs them again per chunk for its Q, attends over all of K and V
+        (``ops.attention_rows``), and applies out_proj and the gated residual to the chunk's rows of x (in place:
+        later chunks read only their own, not yet updated, rows). Every op is row-local (the plan chunks only where
+        the activation scales are per row), so each row's bytes are the unchunked run's wherever the attention
+        kernel is row-exact (``runtime.ops.attention.row_exactness``). msa: (shift, scale, gate); rope: (cos, sin)."""
+        shift, scale, gate = msa
+        cos, sin = rope
+        s, rows = x.shape[0], ops.attn_chunk_rows
+        spans = [(a, min(s, a + rows)) for a in range(0, s, rows)]
+        kv = None
+        for pass_ in (1, 2):
+            for a, b in spans:
+                sg = clip_segments(segments, a, b)
+                q, k, v = _qkv_rows(ops.norm_rope_(self, ops.qkv(index, self, x[a:b], shift, scale, sg),
+                                                   cos[a:b], sin[a:b]), b - a)
+                if pass_ == 1:
+                    kv = x.new_empty(s, 2 * k.shape[1], dtype=k.dtype) if kv is None else kv
+                    kv[a:b, :k.shape[1]] = k
+                    kv[a:b, k.shape[1]:] = v
+                    continue
+                del k, v
+                o = ops.attention_rows(q, kv[:, :q.shape[1]], kv[:, q.shape[1]:])
+                del q
+                ops.gate_add_(x[a:b], ops.out_proj(index, self, o), gate, sg)
+                del o
+
+
+def _qkv_rows(normed, rows: int):
+    """What ``ops.norm_rope_`` returned (the normed qkv buffer [rows, 3*H*D], or the reference's (q, k, v) [rows, H,
+    D]) -> q, k, v as [rows, H*D]."""
+    if isinstance(normed, tuple):
+        return tuple(t.reshape(rows, -1) for t in normed)
+    return normed.unflatten(1, (3, -1)).unbind(1)

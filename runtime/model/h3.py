@@ -148,7 +148,7 @@ class StepMods:
         return len(self.model.blocks)
 
     def __getitem__(self, j: int) -> torch.Tensor:
-        return self.model._block_mods(self.model.blocks[j], [self.t_emb])[0]
+        return self.model._block_mods(j, [self.t_emb])[0]
 
     def __iter__(self):
         return (self[j] for j in range(len(self)))
@@ -188,7 +188,12 @@ class RunPlan:
 
 
 class H3Model(nn.Module):
-    """MiniMax H3 DiT (batch 1). ``forward`` is one evaluation; ``plan`` + ``evaluate`` serve a sampling run."""
+    """MiniMax H3 DiT (batch 1). ``forward`` is one evaluation; ``plan`` + ``evaluate`` serve a sampling run.
+    ``adaln_source``: where the blocks' AdaLN weights are read from when the load left them in the checkpoint file
+    (``runtime.io.adaln_file.AdalnFromFile``: ``read(j, device) -> (weight, bias)``), else None."""
+
+    adaln_source = None
+    refiner_on_host = False  # the memory plan keeps the token refiner's weights in host memory (runtime.budget)
 
     def __init__(self, cfg: H3Config, dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
@@ -227,7 +232,13 @@ class H3Model(nn.Module):
                              f"(Qwen3-VL hidden states [1, L, {self.cfg.text_dim}])")
         if x.shape[0] == 0:
             return x.new_zeros(0, self.cfg.hidden_size, dtype=self.dtype)
-        return self.token_refiner(self.condition_proj(x.to(self.dtype)))
+        h = self.condition_proj(x.to(self.dtype))
+        if not self.refiner_on_host:
+            return self.token_refiner(h)
+        # its weights in host memory between runs: on the device for this one call (the same math)
+        on_device = {n: t.to(self.device, non_blocking=True)
+                     for n, t in list(self.token_refiner.named_parameters()) + list(self.token_refiner.named_buffers())}
+        return torch.func.functional_call(self.token_refiner, on_device, (h,))
 
     def time_embedding(self, t_values) -> torch.Tensor:
         """Distinct t values -> t_emb [M, time_embed_dim]: time embedder (cast to the compute dtype, as core) or
@@ -298,16 +309,21 @@ class H3Model(nn.Module):
             return
         # modulation rows of every (step, block), block-major so an offloaded AdaLN weight crosses to the
         # device once per run
-        per_block = [self._block_mods(b, t_embs) for b in self.blocks]
+        per_block = [self._block_mods(j, t_embs) for j in range(len(self.blocks))]
         p.mods = [[per_block[j][i] for j in range(len(self.blocks))] for i in range(len(p.sigmas))]
 
-    def _block_mods(self, blk, t_embs):
+    def _block_mods(self, j: int, t_embs):
+        """Block j's modulation rows for each t_emb: from its AdaLN module where the weights live on the device,
+        else from the weights brought over once (host memory, or the checkpoint file: ``adaln_source``)."""
+        blk = self.blocks[j]
         lin = blk.adaln_proj.linear
-        if lin.weight.device == self.device:
+        if self.adaln_source is not None and lin.weight.is_meta:  # left in the file (runtime.io.adaln_file)
+            w, b = self.adaln_source.read(j, self.device)
+        elif lin.weight.device == self.device:
             return [blk.adaln_proj(t) for t in t_embs]
-        # AdaLN weights kept in host memory (offload_adaln): bring this block's weight over once
-        w = lin.weight.to(self.device, non_blocking=True)
-        b = lin.bias.to(self.device, non_blocking=True)
+        else:  # AdaLN weights kept in host memory (offload_adaln): bring this block's weight over once
+            w = lin.weight.to(self.device, non_blocking=True)
+            b = lin.bias.to(self.device, non_blocking=True)
         ap = blk.adaln_proj
         out = []
         for t in t_embs:

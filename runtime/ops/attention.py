@@ -37,7 +37,7 @@ import torch.nn.attention
 
 from ..errors import describe
 from . import blackwell_attention, flash_attention, sage
-from .interface import AttentionFn
+from .interface import AttentionFn, RowsAttentionFn
 
 __all__ = [
     "BACKENDS",
@@ -50,6 +50,9 @@ __all__ = [
     "choose_attention_backend",
     "qkv_views",
     "rel_l2",
+    "RowsAttentionFn",
+    "bind_attention_qkv",
+    "row_exactness",
 ]
 
 BACKENDS = ("sage2", "fa3_fp8", "fa3", "sage3", "fa4", "sage1", "sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math", "reference")
@@ -327,36 +330,47 @@ def backend_table(device: "torch.device | str", *, head_dim: int = 128, dtype: t
 # rank's heads); declared with the BlockOps interface (runtime.ops.interface)
 
 
-def bind_attention(backend: str, head_dim: int, *, device: "torch.device | str | None" = None,
-                   v_handling: str = "none", scale: Optional[float] = None) -> AttentionFn:
-    """Resolve ``backend`` once (module, kernel, V handling, softmax scale) into ``fn(qkv [S, 3*H*D]) -> [S, H*D]``
-    in qkv's dtype, reading q, k and v as strided views of the buffer (sage1 alone gets a private copy of K).
-    H is the buffer's width over ``3*head_dim``, so one bound function serves every head count (sequence
-    parallelism hands it a rank's heads). ``device``: where Sage2 runs (its kernel is per architecture; default
-    the current CUDA device). ``v_handling``: "fused" (Sage2's sm_90 kernel with V's fp8 operands built from the
-    strided view), else the library's own wrapper. Nothing is re-validated per call: the load plan checked the
-    backend, the dtype and the head size."""
+# RowsAttentionFn (runtime.ops.interface): a query-row chunk over all of K and V (the plan's ``attn_chunk_rows``).
+# Row-exact backends give the unchunked bits: output row i depends only on query row i and all of K and V. The fp32
+# reference and SDPA's math kernel (one softmax per row; tests/runtime/ops/test_attention_rows.py); Sage1/Sage2: q
+# quantized per block of <= 128 rows from the first row given, K's mean and V's scales over all of K and V, so on
+# 128-row boundaries every operand is the unchunked call's (a GPU test to confirm). Fused SDPA kernels and FA3 pick
+# tiles or splits from the query length, fa3_fp8 one q descale per head over the rows given: rounding-equal only.
+ROW_EXACT = ("reference", "sdpa_math", "sage2", "sage1")
+ROW_CHUNK_MULTIPLE = 128
+
+
+def row_exactness(backend: str) -> tuple[bool, str]:
+    """Whether attention over query-row chunks equals the unchunked call bit for bit on ``backend`` -> (exact, why)."""
+    if backend in ROW_EXACT:
+        return True, (f"{backend}: row-exact, each output row depends only on its query row and all of K and V "
+                      f"(chunks on {ROW_CHUNK_MULTIPLE}-row boundaries)")
+    return False, (f"{backend}: not row-exact (its tile, split or scale choices may depend on the query rows "
+                   f"given), equal to the unchunked run to its rounding")
+
+
+def _nhd(t: torch.Tensor, head_dim: int) -> torch.Tensor:
+    return t.unflatten(1, (-1, head_dim)).unsqueeze(0)  # [S, H*D] (unit column stride) -> a [1, S, H, D] view
+
+
+def bind_attention_qkv(backend: str, head_dim: int, *, device: "torch.device | str | None" = None,
+                       v_handling: str = "none", scale: Optional[float] = None) -> RowsAttentionFn:
+    """Resolve ``backend`` once (module, kernel, V handling, softmax scale) into ``fn(q, k, v) -> [Sq, H*D]`` over
+    ``[rows, H*D]`` views (q may hold fewer rows than k and v: a query-row chunk); see :func:`bind_attention`."""
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r}: expected one of {', '.join(BACKENDS)}")
     sm_scale = head_dim ** -0.5 if scale is None else float(scale)
-
-    def views(qkv):
-        t = qkv.unflatten(1, (3, -1, head_dim))  # [S, 3, H, D] view
-        return t[:, 0].unsqueeze(0), t[:, 1].unsqueeze(0), t[:, 2].unsqueeze(0)
-
     if backend == "reference":
-        return lambda qkv: exact_attention_reference(*views(qkv), scale=sm_scale).to(qkv.dtype)
+        return lambda q, k, v: exact_attention_reference(_nhd(q, head_dim), _nhd(k, head_dim), _nhd(v, head_dim),
+                                                         scale=sm_scale).to(q.dtype)
     if backend.startswith("sdpa"):
         kernel = None if backend == "sdpa" else getattr(torch.nn.attention.SDPBackend, _SDPA_KERNELS[backend])
 
-        def sdpa(qkv):
-            qh, kh, vh = (t.transpose(1, 2) for t in views(qkv))
-            if kernel is None:
+        def sdpa(q, k, v):
+            qh, kh, vh = (_nhd(t, head_dim).transpose(1, 2) for t in (q, k, v))
+            with contextlib.nullcontext() if kernel is None else torch.nn.attention.sdpa_kernel([kernel]):
                 o = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, scale=sm_scale)
-            else:
-                with torch.nn.attention.sdpa_kernel([kernel]):
-                    o = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, scale=sm_scale)
-            return o.transpose(1, 2).reshape(qkv.shape[0], -1)
+            return o.transpose(1, 2).reshape(q.shape[0], -1)
         return sdpa
     if backend == "sage1":
         fn = sage.bind_sage1(sm_scale)
@@ -368,4 +382,18 @@ def bind_attention(backend: str, head_dim: int, *, device: "torch.device | str |
     else:
         dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
         fn = sage.bind_sage2(dev, sm_scale, "fused" if v_handling == "fused" else "library")
-    return lambda qkv: fn(*views(qkv)).reshape(qkv.shape[0], -1)
+    return lambda q, k, v: fn(_nhd(q, head_dim), _nhd(k, head_dim), _nhd(v, head_dim)).reshape(q.shape[0], -1)
+
+
+def bind_attention(backend: str, head_dim: int, *, device: "torch.device | str | None" = None,
+                   v_handling: str = "none", scale: Optional[float] = None) -> AttentionFn:
+    """Resolve ``backend`` once into ``fn(qkv [S, 3*H*D]) -> [S, H*D]`` in qkv's dtype, reading q, k and v as strided
+    views of the buffer (sage1 alone gets a private copy of K); H = width / (3*head_dim), any head count (a rank's
+    heads). ``device``: where Sage2 runs (default the current CUDA device); ``v_handling``: "fused" (Sage2's sm_90
+    kernel, V's fp8 operands from the strided view), else the library's wrapper. Nothing is re-validated per call."""
+    three = bind_attention_qkv(backend, head_dim, device=device, v_handling=v_handling, scale=scale)
+
+    def attend(qkv):
+        q, k, v = qkv.unflatten(1, (3, -1)).unbind(1)  # [S, H*D] column thirds, views
+        return three(q, k, v)
+    return attend

@@ -13,6 +13,8 @@ import torch
 
 # qkv [S, 3*H*D] -> [S, H*D] in qkv's dtype (H = qkv.shape[1] // (3*D): any head count, e.g. a rank's heads)
 AttentionFn = Callable[[torch.Tensor], torch.Tensor]
+# q [Sq, H*D], k, v [S, H*D] -> [Sq, H*D]: attention of a query-row chunk over all keys (runtime.ops.attention)
+RowsAttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @runtime_checkable
@@ -22,7 +24,7 @@ class BlockOps(Protocol):
     name: "reference" | "nvfp4" | "w4a8"; attends_exactly: exact reference attention (the oracle);
     base: the plain ops at the bottom of any wrapper chain (self for a plain one; tests and load-time
     binding write there, never through a wrapper); ffn_chunk_rows: the memory plan's FFN rows per chunk (None:
-    all rows at once); fc2_dispatcher: the guarded FC2 path (None: the fallback GEMM); fc2_direct_calls: FC2
+    all rows at once); attn_chunk_rows: its query rows per attention chunk (None: all); fc2_dispatcher: the guarded FC2 path (None: the fallback GEMM); fc2_direct_calls: FC2
     GEMMs run without a dispatcher; act_scale: the activation-scale policy of NVFP4 activations (None: not
     NVFP4); takes_amax_reduce: its producers take a dynamic amax that ``set_amax_reduce`` can route; sparse: the
     block-sparse attention bound at load (attention=sparse; None otherwise and on every ``with_attention`` copy,
@@ -37,6 +39,8 @@ class BlockOps(Protocol):
     @property
     def ffn_chunk_rows(self) -> int | None: ...
     @property
+    def attn_chunk_rows(self) -> int | None: ...
+    @property
     def fc2_dispatcher(self) -> Any: ...
     @property
     def fc2_direct_calls(self) -> int: ...
@@ -49,6 +53,8 @@ class BlockOps(Protocol):
 
     def with_attention(self, fn: AttentionFn) -> "BlockOps": ...
     def set_ffn_chunk_rows(self, rows: int | None) -> None: ...
+    def set_attn_chunk_rows(self, rows: int | None) -> None: ...
+    def attention_rows(self, q, k, v) -> torch.Tensor: ...
     def set_amax_reduce(self, fn: Callable[[torch.Tensor], torch.Tensor] | None) -> None: ...
     def qkv(self, i, blk, x, shift, scale, segs) -> torch.Tensor: ...
     def norm_rope_(self, blk, qkv, cos, sin): ...
@@ -66,6 +72,8 @@ class OpsState:
 
     name = "plain"
     ffn_chunk_rows: int | None = None
+    attn_chunk_rows: int | None = None
+    attention_rows_fn: "RowsAttentionFn | None" = None  # bound by the load for the dense backend (None: no row form)
     fc2_dispatcher: Any = None
     fc2_direct_calls = 0
     act_scale: str | None = None
@@ -79,6 +87,17 @@ class OpsState:
 
     def set_ffn_chunk_rows(self, rows: int | None) -> None:
         self.ffn_chunk_rows = rows
+
+    def set_attn_chunk_rows(self, rows: int | None) -> None:
+        self.attn_chunk_rows = rows
+
+    def attention_rows(self, q, k, v) -> torch.Tensor:
+        """Attention of the query rows q [Sq, H*D] over all of k, v [S, H*D] -> [Sq, H*D] (the query-row chunks of
+        ``DiTBlock.forward``), through the row form of the bound dense backend."""
+        if self.attention_rows_fn is None:
+            raise RuntimeError(f"{self.name} ops have no row form of their attention (a sparse or sequence-parallel "
+                               "attention): the memory plan must not chunk attention over query rows here")
+        return self.attention_rows_fn(q, k, v)
 
     def set_amax_reduce(self, fn: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
         """Route every dynamic amax through ``fn`` (sequence parallelism: the all-reduce over the ranks)."""

@@ -106,7 +106,17 @@ class ReferenceOps(OpsState):
         (normed qkv buffer [S, 3*H*D] -> [S, H*D]); everything else unchanged."""
         out = copy.copy(self)
         out._attention, out.sparse = fn, None
+        out.attention_rows_fn = None  # the dense backend's row form does not compute fn: no query-row chunks
+        out.attn_chunk_rows = None
         return out
+
+    def attention_rows(self, q, k, v):
+        """Attention of the query rows q [Sq, H*D] over all of k, v [S, H*D] (``OpsState.attention_rows``); the exact
+        reference when no backend is bound."""
+        if self._attention is None:
+            d = self.cfg.head_dim
+            return exact_attention(*(t.unflatten(1, (-1, d)) for t in (q, k, v)))
+        return super().attention_rows(q, k, v)
 
     def qkv(self, i, blk, x, shift, scale, segs):
         return blk.attn.qkv_proj(modulate_(blk.norm1(x), shift, scale, segs))

@@ -124,6 +124,18 @@ def _fc2_status(rt) -> dict:
     return out
 
 
+def host_peak_rss_bytes() -> int | None:
+    """This process's peak resident host memory so far (the kernel's high-water mark: ``ru_maxrss``, KiB on Linux,
+    bytes on macOS); None where the platform keeps none. Everything the process held counts: the load, pinned
+    streamed blocks, AdaLN weights kept in host memory, the run's host tensors."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) if platform.system() == "Darwin" else int(peak) * 1024
+
+
 def build_report(rt, workload: dict, measured: list, warmup_runs: int, video: torch.Tensor,
                  audio: torch.Tensor, fc2_required: int) -> dict:
     """The seed-schema report for ``measured`` runs (RunRecord list, warm-ups excluded)."""
@@ -160,6 +172,7 @@ def build_report(rt, workload: dict, measured: list, warmup_runs: int, video: to
         "peak_allocated_bytes": [r.peak_allocated_bytes for r in measured] if peaks else None,
         "peak_reserved_bytes": [r.peak_reserved_bytes for r in measured] if peaks else None,
         **({} if peaks else {"peak_bytes_reason": NO_PEAKS}),
+        "host_peak_rss_bytes": host_peak_rss_bytes(),
         "latents_finite": not bad,
         **({"nonfinite": bad[0]} if bad else {}),
         "latent_checksums": {

@@ -13,7 +13,7 @@ import torch
 from h3_blackwell.cli import main as cli
 from h3_blackwell.runtime import RuntimeOptions, load_model
 from fixtures.sampling import sample
-from h3_blackwell.runtime.budget import ModelMemory, Workload, estimate, smallest_budget
+from h3_blackwell.runtime.budget import ModelMemory, Workload, chunkings, estimate, smallest_budget
 from h3_blackwell.runtime.load import StateDictSource
 from h3_blackwell.runtime.lora import apply as L
 from h3_blackwell.runtime.model.config import TINY
@@ -49,8 +49,12 @@ def _load(kw, budget_bytes=None, src=None, steps=STEPS):
 
 
 def _all_streamed_budget(kw, src=None, steps=STEPS):
+    """Every block streamed, the FFN in its smallest row chunks, the attention half unchunked (the budget's
+    query-row chunks come only below it; test_attention_rows.py covers them)."""
     rt = _load(kw, src=src, steps=steps)
-    return smallest_budget(ModelMemory.from_plan(rt.plan), _workload(steps), "cpu")
+    mm, wl = ModelMemory.from_plan(rt.plan), _workload(steps)
+    ffn = [c for c, attn in chunkings(mm, wl, "cpu") if attn is None][-1]
+    return estimate(mm, wl, 0, 2, ffn, "cpu").total
 
 
 @pytest.mark.parametrize("stack", sorted(STACKS))
@@ -267,10 +271,11 @@ def test_a_budget_too_small_beside_side_paths_names_one_that_runs(lora_file):
     from h3_blackwell.runtime.lora.merge import side_device_bytes
 
     kw = STACKS["w4a8"]
-    least = _all_streamed_budget(kw)
+    least = smallest_budget(ModelMemory.from_plan(_load(kw).plan), _workload(), "cpu")
     rt = _load(kw)
     L.apply_loras(rt, [(str(lora_file), 0.7, "side")])
-    want = report_hashes(sample(rt, *_inputs(), seed=2, steps=STEPS))
+    resident = sample(rt, *_inputs(), seed=2, steps=STEPS)
+    want = report_hashes(resident)
     side = side_device_bytes(rt.model, rt.device)
     rt.plan.options.vram_budget = _gb(least)  # enough without the side paths, too little beside them
     with pytest.raises(BudgetError) as e:
@@ -281,7 +286,13 @@ def test_a_budget_too_small_beside_side_paths_names_one_that_runs(lora_file):
     assert named >= least + side
     rt.plan.options.vram_budget = repr(named / 1e9)
     got = sample(rt, *_inputs(), seed=2, steps=STEPS)
-    assert report_hashes(got) == want and got.report["memory"]["outside_bytes"] == side
+    assert got.report["memory"]["outside_bytes"] == side
+    if got.report["memory"]["attn_chunk_rows"] is None:
+        assert report_hashes(got) == want
+    else:  # the smallest budget chunks the attention half: the side paths' low-rank GEMMs then run on fewer rows,
+        # which the CPU's matmul may sum in another order (fp32 reassociation, rel-L2 ~1e-7 seen) -> 1e-5
+        for a, b in ((got.video, resident.video), (got.audio, resident.audio)):
+            assert float((a.double() - b.double()).norm() / b.double().norm()) <= 1e-5
 
 
 def test_a_page_locked_host_buffer_is_unregistered_once_when_released_or_dropped(monkeypatch):

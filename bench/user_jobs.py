@@ -1,0 +1,498 @@
+#!/usr/bin/env python3
+"""The jobs users run against ComfyUI core's own stack on the same card (issue 37) -> bench/results/user-jobs.json.
+
+    python3 bench/user_jobs.py [--jobs turbo8,clip10s,turbo8_sparse] [--caps resident,16,8] [--rows turbo8:8,...]
+                               [--stacks ours,core] [--merge] [--out FILE] [--workdir DIR] [--lora-rank R]
+                               [--comfyui .core_peer] [--core-python PY] [--runs N] [--blocks N --steps N] [--tiny]
+
+Rows are (job, cap); each stack of each row runs in a child process of its own, so a hard cap
+(``torch.cuda.set_per_process_memory_fraction`` with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``) and the
+peak host RSS (the kernel's high-water mark of that process) belong to that run alone. The JSON is rewritten after
+every row; ``--merge`` keeps the rows of an existing file that this call does not run (several short device calls
+build one file). Jobs: bench/jobs.py.
+
+ours: random weights at H3's full shapes written once to an NVFP4 checkpoint in --workdir (``quantize``'s streaming
+writer, one tensor at a time), and a turbo-style LoRA of --lora-rank there; each run loads the file as a user does
+(``open_model`` -> plan -> streaming load), applies the LoRA in our default mode, samples the job (first and last
+keyframes as core's payload gives them) with the budget ``cap - 0.5 GB`` (auto when resident) and, under a cap, the
+host budget of a 32 GB machine less 4 GB for the process (the full-form AdaLN weights then stay in the checkpoint
+file: runtime.io.adaln_file), and records the step and job seconds, peaks, host RSS and latent hashes.
+
+core: ComfyUI core's modules in one process (bench/_core_model.py: core's H3 model code from the folder
+scripts/pack_core_peer.sh packs, its fp8 weights, sage attention, DynamicVRAM switched on as main.py does where core
+uses it, wrapped in core's ModelPatcher and loaded with ``load_models_gpu`` under ``--reserve-vram``, the LoRA through
+``comfy.lora``): a real ComfyUI server needs its requirements carried as wheels (over the carry limit beside the
+SageAttention2 build and core's comfy-kitchen), hence the in-process form. Core's weights are built in memory by
+core's own loader (its file would be a second ~50 GB file beside our ~39 GB one on a 64 GB disk), on the card for a
+resident row, in host memory under a cap. A job core cannot run is recorded with its error.
+
+--tiny: the embedded tiny config on the CPU, the whole flow end to end (our stack; core's where its modules import).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _h3bench import ROOT, RandomSource, bench_command, err_text, versions, write_json  # noqa: E402
+import jobs as J  # noqa: E402
+
+from h3_blackwell.runtime import (Measure, RuntimeOptions, SampleInputs, SamplingSettings, open_model,  # noqa: E402
+                                  run, tensor_job)
+from h3_blackwell.runtime.budget import Workload  # noqa: E402
+from h3_blackwell.runtime.model.conditioning import H3Conditioning, Keyframe  # noqa: E402
+from h3_blackwell.runtime.model.config import FULL, TINY  # noqa: E402
+from h3_blackwell.runtime.model.layout import latent_shapes  # noqa: E402
+from h3_blackwell.runtime.sampling.report import host_peak_rss_bytes  # noqa: E402
+
+MARGIN_GB = 0.5  # our budget under a cap: the cap less this (the allocator's fragmentation, CUDA's small tensors)
+HOST_GB = 32  # a capped row stands for a consumer card in a machine with this much host memory
+HOST_MARGIN_GB = 4  # of which the process itself (torch, CUDA's context, the run's host tensors) keeps about this
+DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16"}
+
+
+def parse_rows(a) -> list[tuple[str, int | None]]:
+    """--rows job:cap,... or the product of --jobs and --caps -> [(job, cap_gb or None)]."""
+    def cap(text):
+        return None if text in ("resident", "none", "") else int(text)
+
+    if a.rows:
+        out = [(r.split(":")[0], cap(r.split(":")[1] if ":" in r else "resident")) for r in a.rows.split(",")]
+    else:
+        out = [(j, cap(c)) for j in a.jobs.split(",") for c in a.caps.split(",")]
+    bad = [j for j, _ in out if j not in J.JOBS]
+    if bad:
+        raise SystemExit(f"error: unknown job(s) {bad}: expected {', '.join(J.JOBS)}")
+    return out
+
+
+def job_of(name: str, a) -> J.Job:
+    job = J.JOBS[name](a.lora_rank) if name != "canonical" else J.JOBS[name]()
+    job = J.tiny(job) if a.tiny else job
+    return replace(job, steps=a.steps) if a.steps else job
+
+
+def config_of(a):
+    """The model: the tiny config (--tiny), else H3's full shapes with --blocks blocks (a device smoke run)."""
+    if a.tiny:
+        return TINY
+    return FULL.replace(num_layers=a.blocks) if a.blocks else FULL
+
+
+# ---------------------------------------------------------------------------------------------
+# files: the checkpoint and the LoRA, written once per workdir
+# ---------------------------------------------------------------------------------------------
+
+def write_checkpoint(path: Path, cfg, device: str) -> Path:
+    """Random H3 weights of ``cfg`` (bench/_h3bench.RandomSource) streamed into an NVFP4 checkpoint at ``path``."""
+    from h3_blackwell.runtime.io.convert import quantize_state_dict_streaming
+
+    if path.is_file():
+        return path
+    src = RandomSource(cfg, 0, torch.bfloat16)
+    shapes = {k: (src.shape(k), DTYPE_NAMES[src._meta[k].dtype]) for k in src.keys()}
+    stream = ((k, src.tensor(k, device).to("cpu")) for k in src.keys())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    quantize_state_dict_streaming(stream, path, device, shapes=shapes, metadata={})
+    return path
+
+
+def write_lora(path: Path, cfg, rank: int) -> Path:
+    """A turbo-style LoRA of ``rank`` on every block linear and AdaLN (tests/fixtures/tiny_lora: fused qkv as the
+    turbo files ship it), ComfyUI names."""
+    sys.path.insert(0, str(ROOT))
+    from tests.fixtures.tiny_lora import save_tiny_lora, tiny_lora_truth
+
+    if not path.is_file():
+        save_tiny_lora(path, tiny_lora_truth(cfg, seed=7, rank=rank, alpha=float(rank), refiner=False,
+                                             extras=False), "comfy")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# one stack, one row (in a child process)
+# ---------------------------------------------------------------------------------------------
+
+def apply_cap(cap_gb: int | None, device: torch.device) -> None:
+    if cap_gb is not None and device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gb * 1e9 / total), device)
+
+
+def inputs_for(job: J.Job, cfg) -> SampleInputs:
+    """Random text states, zero latents, and for fl2va the first and last frames as keyframes (random latents of
+    one latent frame each, core's ``minimax_keyframes``)."""
+    g = torch.Generator().manual_seed(job.seed)
+    vs, as_ = latent_shapes(job.width, job.height, job.frames, cfg.video_channels, cfg.audio_channels)
+    text = torch.randn(1, job.text_tokens, cfg.text_dim, generator=g)
+    kfs = tuple(Keyframe(f if f >= 0 else job.frames + f, latent=torch.randn(1, vs[1], 1, vs[3], vs[4], generator=g))
+                for f in job.keyframes)
+    cond = H3Conditioning(keyframes=kfs, seed=job.seed) if kfs else None
+    return SampleInputs(text, None, torch.zeros(vs), torch.zeros(as_), cond)
+
+
+def tiny_budget(rt, job: J.Job, inputs: SampleInputs, cap_gb: int) -> int:
+    """The tiny model's stand-in for a cap: the smallest budget its plan accepts for the job (8 GB: every block
+    streamed, activations chunked) or 1.5x that (16 GB)."""
+    from h3_blackwell.runtime.budget import ModelMemory, smallest_budget
+
+    wl = Workload.from_shapes(inputs.video.shape, inputs.audio.shape, job.text_tokens, job.steps, inputs.conditioning)
+    least = smallest_budget(ModelMemory.from_plan(rt.plan), wl, "cpu")
+    return int(least * (1.0 if cap_gb <= 8 else 1.5)) + 1
+
+
+def run_ours(job: J.Job, cap_gb: int | None, files: dict, tiny: bool) -> dict:
+    from h3_blackwell.runtime.lora.apply import apply_loras
+
+    device = torch.device("cpu" if tiny or not torch.cuda.is_available() else "cuda")
+    apply_cap(cap_gb, device)
+    budget = "auto" if cap_gb is None or tiny else repr(cap_gb - MARGIN_GB)
+    kw = {} if job.sparse is None else dict(attention="sparse", sparse_tau=job.sparse.tau,
+                                            sparse_start=job.sparse.start_percent,
+                                            sparse_min_tokens=job.sparse.min_tokens,
+                                            sparse_extra_tokens=job.sparse.extra_tokens)
+    if cap_gb is not None and not tiny:  # the 32 GB machine: AdaLN stays in the file where it does not fit beside
+        kw["host_budget"] = repr(HOST_GB - HOST_MARGIN_GB)  # the streamed blocks (runtime.budget._check_host)
+    opts = RuntimeOptions.from_env(device=str(device), vram_budget=budget, **kw)
+    t0 = time.perf_counter()
+    spec = open_model(files["checkpoint"], opts)
+    inputs = inputs_for(job, spec.config)
+    wl = Workload.from_shapes(inputs.video.shape, inputs.audio.shape, job.text_tokens, job.steps, inputs.conditioning)
+    rt = spec.load(workload=wl)  # planned for this job (the run plans again at its start, as every run does)
+    if job.lora_rank is not None:
+        apply_loras(rt, [(files["lora"], 1.0, job.lora_mode)])
+    if tiny and cap_gb is not None:  # the CPU emulates streaming under an explicit budget: 8 -> the smallest the
+        rt.plan.options.vram_budget = repr(tiny_budget(rt, job, inputs, cap_gb) / 1e9)  # plan accepts, 16 -> 1.5x
+    res = run(tensor_job(rt, inputs, SamplingSettings(seed=job.seed, steps=job.steps, sampler=job.sampler),
+                         measure=Measure(files.get("runs", 1), 0)))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    rep = res.report
+    steps = [s["seconds"] for r in rep["per_step_seconds"] for s in r]
+    return {"step_seconds": statistics.median(steps), "job_seconds": time.perf_counter() - t0,
+            "sampling_seconds": rep["median_sampling_seconds"],
+            "peak_allocated_bytes": max(rep["peak_allocated_bytes"] or [0]) or None,
+            "peak_reserved_bytes": max(rep["peak_reserved_bytes"] or [0]) or None,
+            "host_peak_rss_bytes": host_peak_rss_bytes(),
+            "latent_checksums": {k: rep["latent_checksums"][k] for k in ("video_sha256", "audio_sha256",
+                                                                          "exact_across_measured_runs")},
+            "measured_runs": len(rep["sampling_seconds"]),
+            "memory": {k: (rep.get("memory") or {}).get(k) for k in
+                       ("budget", "streamed_blocks", "ffn_chunk_rows", "attn_chunk_rows", "host_bytes_planned",
+                        "adaln_from_file", "host_limit_bytes", "refiner_on_host", "copy_exposed_ms_per_step",
+                        "estimate")},
+            "memory_choice": rep["backends"].get("memory"),
+            "attention": rep["backends"].get("attention"), "device": rep["device"]}
+
+
+def import_core_stack(folder: Path, device: torch.device, cap_gb: int | None):
+    """core's modules with core's CLI flags (``--reserve-vram`` so core sees a card of the cap's size, ``--cpu`` on
+    the CPU, the attention flag) from ``folder``: a ComfyUI checkout (the vendored one) or the folder
+    scripts/pack_core_peer.sh fills. -> (model module, comfy.ops)."""
+    import _core_model as C
+
+    if (folder / "comfy" / "ldm" / "minimax" / "model.py").is_file():
+        sys.path.insert(0, str(folder))
+    else:
+        C.carried_paths(folder, Path(tempfile.gettempdir()) / "h3_core_site")
+    flags = []
+    if cap_gb is not None and device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        flags = ["--reserve-vram", f"{max(0.0, total / 1e9 - cap_gb):.2f}"]
+    attention = "sage" if device.type == "cuda" else "pytorch"
+    saved = sys.argv
+    sys.argv = ["main.py", *flags]  # import_core adds the attention flag (and --cpu) to what main.py would parse
+    try:
+        mm, ops_mod, _, _ = C.import_core(attention, device.type == "cpu", folder)
+    finally:
+        sys.argv = saved
+    return mm, ops_mod
+
+
+def run_core(job: J.Job, cap_gb: int | None, files: dict, tiny: bool) -> dict:
+    """ComfyUI core's stack in this process (module docstring); raises what core raises."""
+    if job.sparse is not None:
+        raise RuntimeError("missing feature: core's sparse-attention node (comfy_extras/nodes_sparse_attention.py, "
+                           "h3-comfyui-facts.md §11.2) is not in the carried ComfyUI snapshot (0f1fa67a)")
+    device = torch.device("cpu" if tiny or not torch.cuda.is_available() else "cuda")
+    mm, ops_mod = import_core_stack(Path(files["comfyui"]), device, cap_gb)
+    dynamic = core_dynamic_vram(device)  # before any CUDA allocation, as main.py does
+    apply_cap(cap_gb, device)
+    res = core_sample(mm, ops_mod, job, device, files["config"], files, cap_gb is None)
+    res["dynamic_vram"] = dynamic
+    return res
+
+
+def core_dynamic_vram(device: torch.device) -> str:
+    """core's DynamicVRAM (comfy-aimdo) switched on as main.py does where core would use it (CUDA, no --cpu /
+    --highvram / --gpu-only / --novram): ``comfy_aimdo.control.init`` with --reserve-vram as headroom, then
+    ``init_devices``, ``CoreModelPatcher = ModelPatcherDynamic`` and ``aimdo_enabled``. -> "on", or "off: why"
+    (core then runs its legacy ModelPatcher, as main.py falls back)."""
+    import comfy.cli_args as cli
+    import comfy.memory_management
+    import comfy.model_management as M
+    import comfy.model_patcher
+
+    args = cli.args
+    if device.type != "cuda" or not cli.enables_dynamic_vram():
+        return "off: core enables DynamicVRAM only on CUDA without --cpu/--highvram/--gpu-only/--novram"
+    headroom = None if args.reserve_vram is None else int(args.reserve_vram * 1024 ** 3)
+    try:
+        import comfy_aimdo.control as aimdo
+
+        for kw in ({"simple_vram_headroom": headroom, "nvml_pressure": True}, {"simple_vram_headroom": headroom}, {}):
+            try:
+                aimdo.init(**kw)
+                break
+            except TypeError:  # an older comfy-aimdo protocol
+                continue
+        try:
+            ok = aimdo.init_devices((d.index, int(args.vram_headroom * 1024 ** 3)) for d in M.get_all_torch_devices())
+        except TypeError:
+            ok = aimdo.init_devices(d.index for d in M.get_all_torch_devices())
+    except Exception as e:  # noqa: BLE001 - core falls back to its legacy ModelPatcher, and says so
+        return f"off: comfy-aimdo failed ({type(e).__name__}: {e})"[:300]
+    if not ok:
+        return "off: comfy_aimdo.control.init_devices found no working install"
+    comfy.model_patcher.CoreModelPatcher = comfy.model_patcher.ModelPatcherDynamic
+    comfy.memory_management.aimdo_enabled = True
+    return "on"
+
+
+def core_payload(mm, job: J.Job, inputs: SampleInputs, context, device, compute) -> dict:
+    """``minimax_payload`` as core's ``MiniMaxH3.extra_conds`` builds it: keyframes (and their cond latents), seed,
+    audio scale, the packed layout built once per run."""
+    kfs = [{"resolved_frame_index": kf.resolved_frame_index, "latent": kf.latent.to(device, torch.float32)}
+           for kf in (inputs.conditioning.keyframes if inputs.conditioning is not None else ())]
+    vs = inputs.video.shape
+    payload = {"seed": job.seed, "audio_scale": 1.0}
+    if kfs:
+        payload.update(keyframes=kfs, cond_video_latents=[k["latent"] for k in kfs], cond_audio_latents=[])
+    payload["layout"] = mm.PackedLayout(context.shape[1], vs[2], (vs[3] + 1) // 2 * 2, (vs[4] + 1) // 2 * 2,
+                                        inputs.audio.shape[-1], keyframes=kfs or None)
+    return payload
+
+
+def core_lora(patcher, job: J.Job, files: dict) -> dict | None:
+    """The turbo LoRA as core's LoraLoaderModelOnly puts it on the model: ``comfy.lora.load_lora`` over the LoRA
+    file with core's key map for H3 (``<name>`` and ``diffusion_model.<name>`` of each weight), then
+    ``ModelPatcher.add_patches`` at strength 1 (applied when the weights load). -> what was patched."""
+    if job.lora_rank is None:
+        return None
+    import comfy.lora
+    import comfy.utils
+
+    sd = comfy.utils.load_torch_file(files["lora"], safe_load=True)
+    keys = {}
+    for k in patcher.model.state_dict():
+        if k.endswith(".weight"):
+            keys[k[:-len(".weight")]] = k
+            keys[f"diffusion_model.{k[:-len('.weight')]}"] = k
+    patches = comfy.lora.load_lora(sd, keys)
+    done = patcher.add_patches(patches, 1.0)
+    return {"patched_weights": len(done), "lora_keys": len(sd)}
+
+
+def core_sample(mm, ops_mod, job: J.Job, device, cfg, files: dict, resident: bool = True) -> dict:
+    """core's model (fp8 block linears) wrapped in core's ModelPatcher and loaded by ``load_models_gpu`` (dynamic
+    VRAM under the reserve), then ``job.steps`` Euler steps, one core forward each (the text refined once per run,
+    the layout built once, as core's sampler does; core's sampler arithmetic is these few elementwise ops)."""
+    import _core_model as C
+    import comfy.model_management as M
+    import comfy.model_patcher
+    from h3_blackwell.runtime import latent_sha256
+
+    t0 = time.perf_counter()
+    compute = torch.bfloat16 if device.type == "cuda" else torch.float32
+    ops, _ = C.pick_ops(ops_mod, "fp8", compute, device)
+    # built where core's loader would put it: on the card when it holds the model (resident), else in host memory
+    build_on = device if resident else M.unet_offload_device()
+    model = C.build_core(mm, ops, cfg, "fp8", compute, build_on, job.seed)
+    patcher = comfy.model_patcher.CoreModelPatcher(model, load_device=device, offload_device=M.unet_offload_device())
+    lora = core_lora(patcher, job, files)
+    M.load_models_gpu([patcher])
+    inputs = inputs_for(job, cfg)
+    with torch.inference_mode():
+        context = model.preprocess_text_embeds(inputs.text.to(device, compute))
+        payload = core_payload(mm, job, inputs, context, device, compute)
+        g = torch.Generator().manual_seed(job.seed)
+        x = [torch.randn(t.shape, generator=g).to(device) for t in (inputs.video, inputs.audio)]
+        sigmas = [1.0 - i / job.steps for i in range(job.steps)] + [0.0]
+        times, used = [], 0
+        for s, nxt in zip(sigmas[:-1], sigmas[1:]):
+            t = time.perf_counter()
+            ts = torch.tensor([s * 1000.0], dtype=torch.float32, device=device)
+            out = model([v.to(compute) for v in x], ts, context, transformer_options={}, minimax_payload=payload)
+            x = [v + (nxt - s) * o.float() for v, o in zip(x, out)]
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                free, total = torch.cuda.mem_get_info(device)
+                used = max(used, int(total - free))
+            times.append(time.perf_counter() - t)
+    cuda = device.type == "cuda"
+    return {"step_seconds": statistics.median(times), "job_seconds": time.perf_counter() - t0,
+            "peak_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+            "peak_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None,
+            "device_used_after_steps_max_bytes": used if cuda else None,  # the driver's view: aimdo's own memory too
+            "host_peak_rss_bytes": host_peak_rss_bytes(),
+            "latent_checksums": {"video_sha256": latent_sha256(x[0]), "audio_sha256": latent_sha256(x[1])},
+            "weights": "fp8 (float8_e4m3fn, per-tensor scale) block linears, the rest bf16, built by core's loader",
+            "loaded_by": "comfy.model_patcher.ModelPatcher + comfy.model_management.load_models_gpu", "lora": lora,
+            "note": "Euler over linear sigmas, one core forward per step; weights built in memory (no file)"}
+
+
+def child(a) -> int:
+    """--child STACK: one stack of one row; writes {result} or {error} to --child-out. --child files: the checkpoint
+    and the LoRA (a process of its own, so the parent never holds device memory the rows would then lack)."""
+    if a.child == "files":
+        files = json.loads(a.child_files)
+        lrank = 4 if a.tiny else a.lora_rank
+        write_checkpoint(Path(files["checkpoint"]), config_of(a), "cpu" if a.tiny or not torch.cuda.is_available()
+                         else "cuda")
+        write_lora(Path(files["lora"]), config_of(a), lrank)
+        return 0
+    job = job_of(a.rows.split(":")[0], a)
+    cap = parse_rows(a)[0][1]
+    files = json.loads(a.child_files)
+    files["config"], files["runs"] = config_of(a), a.runs
+    try:
+        res = (run_ours if a.child == "ours" else run_core)(job, cap, files, a.tiny)
+    except BaseException as e:  # noqa: BLE001 - a refusal, an OOM or a missing feature is the row's finding
+        res = {"error": err_text(e), "traceback": traceback.format_exc()[-2000:],
+               "host_peak_rss_bytes": host_peak_rss_bytes()}
+    Path(a.child_out).write_text(json.dumps(res))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# the parent: rows, merge, JSON
+# ---------------------------------------------------------------------------------------------
+
+def run_stack(stack: str, job: str, cap, files: dict, a) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    py = a.core_python if stack == "core" and a.core_python else sys.executable
+    cmd = [py, __file__, "--child", stack, "--rows", f"{job}:{cap or 'resident'}", "--child-out", out,
+           "--child-files", json.dumps(files), "--lora-rank", str(a.lora_rank), "--steps", str(a.steps),
+           "--blocks", str(a.blocks), "--runs", str(a.runs)] + (["--tiny"] if a.tiny else [])
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    p = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        p.wait(timeout=a.timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+        Path(out).unlink(missing_ok=True)
+        return {"error": f"the {stack} child ran past --timeout {a.timeout} s and was killed"}
+    finally:  # a parent stopped (SIGTERM from the device's timeout, Ctrl-C) takes its child with it
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    try:
+        if not Path(out).stat().st_size:
+            return {"error": f"the {stack} child exited with status {p.returncode} and wrote nothing (killed?)"}
+        return json.loads(Path(out).read_text())
+    finally:
+        Path(out).unlink(missing_ok=True)
+
+
+def make_row(job: str, cap, files: dict, a) -> dict:
+    row = {"job": job, "cap_gb": cap, "definition": job_of(job, a).as_dict(),
+           "lora_rank_source": J.TURBO_LORA_RANK_SOURCE}
+    for stack in ("ours", "core"):
+        row[stack] = run_stack(stack, job, cap, files, a) if stack in a.stacks.split(",") else \
+            {"error": "not run in this call (--stacks)"}
+    o, c = row["ours"], row["core"]
+    row["speedup"] = (c["job_seconds"] / o["job_seconds"]) if "error" not in o and "error" not in c else None
+    row["card"] = o.get("device")
+    return row
+
+
+def compare_to_resident(rows: list) -> None:
+    """Each capped row of ours: ``hashes_equal_resident`` against the resident row of the same job (where both ran)."""
+    key = ("video_sha256", "audio_sha256")
+    resident = {r["job"]: r["ours"].get("latent_checksums") for r in rows if r["cap_gb"] is None}
+    for r in rows:
+        want, got = resident.get(r["job"]), r["ours"].get("latent_checksums")
+        if r["cap_gb"] is not None and want and got:
+            r["ours"]["hashes_equal_resident"] = all(want[k] == got[k] for k in key)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--jobs", default=",".join(J.USER_JOBS))
+    ap.add_argument("--caps", default="resident,16,8")
+    ap.add_argument("--rows", default="", help="job:cap,... (cap resident|16|8): overrides --jobs/--caps")
+    ap.add_argument("--stacks", default="ours,core")
+    ap.add_argument("--merge", action="store_true", help="keep the rows of --out this call does not run")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--workdir", default=os.environ.get("H3_USER_JOBS_DIR", "/tmp/h3_user_jobs"))
+    ap.add_argument("--lora-rank", type=int, default=J.TURBO_LORA_RANK)
+    ap.add_argument("--comfyui", default=str(ROOT / ".core_peer"), help="the folder scripts/pack_core_peer.sh fills")
+    ap.add_argument("--core-python", default="", help="the python core's child runs with (one with ComfyUI's "
+                    "requirements, e.g. .comfyui/venv/bin/python here); default this one")
+    ap.add_argument("--blocks", type=int, default=0, help="a device smoke run: H3's full widths with this many "
+                    "blocks (0: all 50)")
+    ap.add_argument("--steps", type=int, default=0, help="steps of every job (0: the job's own)")
+    ap.add_argument("--runs", type=int, default=1, help="our measured runs per row (2+: hashes compared across them)")
+    ap.add_argument("--tiny", action="store_true", help="the tiny config on the CPU: the whole flow, end to end")
+    ap.add_argument("--timeout", type=int, default=3600, help="seconds per stack and row")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--child-files", default="{}", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.child:
+        return child(a)
+    return parent(a, argv)
+
+
+def parent(a, argv) -> int:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through run_stack, which ends the child
+    rows = parse_rows(a)
+    name = "user-jobs" + ("-tiny" if a.tiny else f"-smoke-{a.blocks}blocks" if a.blocks else "")
+    out = Path(a.out or ROOT / "bench" / "results" / f"{name}.json")
+    old = json.loads(out.read_text()) if a.merge and out.is_file() else {}
+    work = Path(a.workdir) / ("tiny" if a.tiny else "full")
+    cfg = config_of(a)
+    t0 = time.perf_counter()
+    files = {"checkpoint": str(work / f"h3_random_{cfg.num_layers}blocks_nvfp4.safetensors"),
+             "lora": str(work / f"turbo_rank{a.lora_rank if not a.tiny else 4}.safetensors"), "comfyui": a.comfyui}
+    if not (Path(files["checkpoint"]).is_file() and Path(files["lora"]).is_file()):
+        print(f"[user_jobs] writing the random checkpoint and LoRA into {work}", flush=True)
+        subprocess.run([sys.executable, __file__, "--child", "files", "--child-files", json.dumps(files),
+                        "--lora-rank", str(a.lora_rank), "--blocks", str(a.blocks)] + (["--tiny"] if a.tiny else []),
+                       check=True, timeout=a.timeout)
+    res = {"name": name, "command": bench_command(argv), "blocks": cfg.num_layers,
+           "date": datetime.datetime.now().isoformat(timespec="seconds"),
+           "device": old.get("device"), "versions": versions(),  # the parent never touches the GPU: rows name it
+           "files_seconds": time.perf_counter() - t0, "core_stack": "in-process (bench/user_jobs.py docstring)",
+           "rows": [r for r in old.get("rows", []) if (r["job"], r["cap_gb"]) not in set(rows)]}
+    for job, cap in rows:
+        print(f"[user_jobs] {job} cap={cap or 'resident'}", flush=True)
+        row = make_row(job, cap, files, a)
+        res["rows"].append(row)
+        compare_to_resident(res["rows"])
+        res["device"] = res["device"] or row["card"]
+        if row["card"] is not None and row["card"] == res["device"]:
+            row.pop("card")  # a row names its card only where it differs from ``device`` (the issue's schema)
+        write_json(res, out)
+    print(json.dumps([{k: r.get(k) for k in ("job", "cap_gb", "speedup")} for r in res["rows"]]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

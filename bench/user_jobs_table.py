@@ -1,0 +1,73 @@
+#!/usr/bin/env python3
+"""The README's results table against ComfyUI core, generated from bench/results/user-jobs.json (issue 37).
+
+    python3 bench/user_jobs_table.py [--json bench/results/user-jobs.json] [--readme README.md] [--check]
+
+Writes the section between ``<!-- user-jobs:begin -->`` and ``<!-- user-jobs:end -->`` of the README (appended under
+"## Results against ComfyUI core" when the markers are absent): one line per row of the JSON, its date and card.
+Nothing is written without the JSON (no placeholder numbers); --check exits 1 when the README is not current.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BEGIN, END = "<!-- user-jobs:begin -->", "<!-- user-jobs:end -->"
+
+
+def _cell(side: dict, key: str, scale: float = 1.0, fmt: str = "{:.2f}") -> str:
+    if "error" in side:
+        return "error"
+    v = side.get(key)
+    return "-" if v is None else fmt.format(v / scale)
+
+
+def table(res: dict) -> str:
+    """The markdown section for one results file."""
+    lines = [f"Measured {res['date'][:10]} on {res['device']} (`{res['command']}`; core: {res['core_stack']}).", "",
+             "| job | cap | ours s/step | ours job s | ours peak reserved GB | ours host RSS GB | core s/step | "
+             "core job s | speedup | core error |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        o, c = r["ours"], r["core"]
+        cap = "resident" if r["cap_gb"] is None else f"{r['cap_gb']} GB"
+        sp = "-" if r.get("speedup") is None else f"{r['speedup']:.2f}x"
+        err = c.get("error", "")[:80].replace("|", "/")
+        lines.append(f"| {r['job']} | {cap} | {_cell(o, 'step_seconds')} | {_cell(o, 'job_seconds', fmt='{:.1f}')} | "
+                     f"{_cell(o, 'peak_reserved_bytes', 1e9)} | {_cell(o, 'host_peak_rss_bytes', 1e9)} | "
+                     f"{_cell(c, 'step_seconds')} | {_cell(c, 'job_seconds', fmt='{:.1f}')} | {sp} | {err} |")
+    return "\n".join(lines)
+
+
+def render(readme: str, section: str) -> str:
+    body = f"{BEGIN}\n{section}\n{END}"
+    if BEGIN in readme and END in readme:
+        head, rest = readme.split(BEGIN, 1)
+        return head + body + rest.split(END, 1)[1]
+    return readme.rstrip("\n") + "\n\n## Results against ComfyUI core\n\n" + body + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "user-jobs.json"))
+    ap.add_argument("--readme", default=str(ROOT / "README.md"))
+    ap.add_argument("--check", action="store_true")
+    a = ap.parse_args(argv)
+    src = Path(a.json)
+    if not src.is_file():
+        print(f"error: {src} not found: run bench/user_jobs.py on the GPU first (no table without measurements)",
+              file=sys.stderr)
+        return 2
+    readme = Path(a.readme).read_text()
+    new = render(readme, table(json.loads(src.read_text())))
+    if a.check:
+        return 0 if new == readme else 1
+    Path(a.readme).write_text(new)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

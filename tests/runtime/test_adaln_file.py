@@ -1,0 +1,136 @@
+"""Full-form AdaLN weights left in the checkpoint file when the host memory cannot keep them (issue 37): the plan's
+host figure, the load that leaves them there, the runs that read them block by block (the same latents as AdaLN kept
+in host memory, LoRA merges included), and the plan numbers of a 32 GB machine with an 8 GB card at H3's shapes."""
+
+import pytest
+import torch
+
+from h3_blackwell.runtime import RuntimeOptions, load_model, save_tiny
+from h3_blackwell.runtime.budget import BudgetError, DeviceMemory, ModelMemory, Workload, decide
+from h3_blackwell.runtime.lora.apply import apply_loras
+from h3_blackwell.runtime.model.config import FULL
+from h3_blackwell.runtime.model.layout import latent_shapes
+from fixtures.reports import report_hashes
+from fixtures.sampling import sample
+from tests.fixtures.tiny_lora import save_tiny_lora, tiny_lora_truth
+
+VS, AS = latent_shapes(128, 96, 22)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("adaln_file")
+    truth = tiny_lora_truth(seed=3, rank=3, refiner=False, extras=False)
+    return save_tiny(d / "tiny.safetensors"), save_tiny_lora(d / "lora.safetensors", truth, "comfy")
+
+
+def _load(ck, host_budget):
+    return load_model(ck, RuntimeOptions(device="cpu", host_budget=host_budget),
+                      workload=Workload.from_shapes(VS, AS, 32, 2))
+
+
+def _run(rt):
+    text = torch.randn(1, 32, 5120, generator=torch.Generator().manual_seed(1))
+    return report_hashes(sample(rt, text, None, torch.zeros(VS), torch.zeros(AS), seed=2, steps=2))
+
+
+def test_adaln_read_from_the_file_gives_the_host_memory_latents(files):
+    ck, lora = files
+    kept, left = _load(ck, "1000"), _load(ck, "0.001")  # 1 TB of host memory, then 1 MB
+    assert kept.plan.choices["adaln"].choice == "rows per run" and not kept.plan.memory.adaln_from_file
+    assert left.plan.adaln_from_file and left.plan.memory.report()["adaln_from_file"]
+    assert "read from the checkpoint file" in left.plan.choices["memory"].reason
+    assert all(b.adaln_proj.linear.weight.is_meta for b in left.model.blocks)  # nothing of it in host memory
+    for rt in (kept, left):
+        rt.hashes = [_run(rt)]
+        apply_loras(rt, [(str(lora), 0.8, "merge")])
+        rt.hashes.append(_run(rt))
+        apply_loras(rt, [])
+        rt.hashes.append(_run(rt))
+    assert kept.hashes == left.hashes
+    assert kept.hashes[0] != kept.hashes[1] and kept.hashes[0] == kept.hashes[2]  # the merge changed the AdaLN rows
+    assert left.model.adaln_source.reads >= 3 * 2 * left.config.num_layers  # read again on every run
+    assert not left.model.adaln_source.merges
+
+
+H100 = DeviceMemory("cuda", "NVIDIA H100 80GB HBM3", 80 * 10 ** 9, 79 * 10 ** 9)
+
+
+def _clip10s():
+    vs, as_ = latent_shapes(1344, 768, 243, FULL.video_channels, FULL.audio_channels)
+    return Workload.from_shapes(vs, as_, 100, 8)
+
+
+def test_a_32gb_machine_with_an_8gb_card_at_full_shapes():
+    """At the 8 GB cap every block streams (10.8 GB pinned) and the 26 GB of AdaLN do not fit beside them in 32 GB:
+    they stay in the file, and the plan's host figure is the streamed blocks alone. A 128 GB machine keeps them."""
+    mm = ModelMemory.build(FULL, torch.bfloat16, "fp8", "fp8", "sage2", "fused", True)
+    from dataclasses import replace
+
+    mm = replace(mm, adaln_file=True, adaln_block_bytes=mm.adaln_host_bytes // FULL.num_layers)
+    assert mm.adaln_host_bytes > 25e9
+    small = decide(mm, _clip10s(), H100, int(7.5e9), host_free=32 * 10 ** 9)
+    assert small.adaln_from_file and small.host_bytes_planned == small.host_bytes < 12e9
+    assert "AdaLN read from the checkpoint file" in small.choice().reason
+    big = decide(mm, _clip10s(), H100, int(7.5e9), host_free=128 * 10 ** 9)
+    assert not big.adaln_from_file and big.host_bytes_planned > 35e9
+    with pytest.raises(BudgetError, match="one block's AdaLN weights read from the checkpoint file"):
+        decide(mm, _clip10s(), H100, int(7.5e9), host_free=8 * 10 ** 9)  # the streamed blocks alone need 10.8 GB
+    no_file = replace(mm, adaln_file=False)  # an in-memory source cannot leave AdaLN anywhere
+    with pytest.raises(BudgetError, match="AdaLN weights kept there"):
+        decide(no_file, _clip10s(), H100, int(7.5e9), host_free=32 * 10 ** 9)
+
+
+def test_the_token_refiner_waits_in_host_memory_while_blocks_stream(files):
+    """Blocks stream: the refiner's weights move to host memory (a copy on the CPU) and come to the device for each
+    run's refine (functional_call over the same modules): the same latents, LoRA side paths on it included; a budget
+    where everything fits brings it back."""
+    from h3_blackwell.runtime.budget import smallest_budget
+
+    ck, lora = files
+    resident = _load(ck, "auto")
+    apply_loras(resident, [(str(lora), 0.8, "side")])
+    want = _run(resident)
+    streamed = _load(ck, "auto")
+    from h3_blackwell.runtime.lora.merge import side_device_bytes
+
+    least = smallest_budget(ModelMemory.from_plan(streamed.plan), Workload.from_shapes(VS, AS, 32, 2), "cpu")
+    before = streamed.model.token_refiner.blocks[0].attn.qkv_proj.weight
+    apply_loras(streamed, [(str(lora), 0.8, "side")])
+    streamed.plan.options.vram_budget = repr((least + side_device_bytes(streamed.model, "cpu")) / 1e9)
+    got = _run(streamed)
+    assert streamed.plan.memory.streamed and streamed.model.refiner_on_host
+    assert streamed.model.token_refiner.blocks[0].attn.qkv_proj.weight is not before  # moved: a copy
+    assert got[1] == want[1] and got[0] == want[0]
+    streamed.plan.options.vram_budget = "auto"
+    assert _run(streamed) == want and not streamed.model.refiner_on_host
+
+
+def test_every_memory_path_at_once_gives_the_resident_latents(tmp_path):
+    """W4A8 at its smallest budget with a host budget that leaves AdaLN in the file: every block streamed, the
+    refiner in host memory, the FFN and the attention half in row chunks, AdaLN read per run: the resident bytes
+    (the CPU's reference attention and per-row activations are row-exact)."""
+    from h3_blackwell.runtime.budget import smallest_budget
+    from h3_blackwell.runtime.model.config import H3Config
+
+    cfg = H3Config(hidden_size=256, num_layers=4, num_refiner_layers=1, num_heads=2, head_dim=128,
+                   ffn_hidden_size=512, time_embed_hidden_size=256, time_embed_dim=128)
+    vs, as_ = latent_shapes(256, 192, 22)
+    wl = Workload.from_shapes(vs, as_, 16, 2)
+    ck = save_tiny(tmp_path / "mid.safetensors", cfg, 11)
+    w4a8 = dict(device="cpu", gemm="fp8", act_format="fp8")
+
+    def run(rt):
+        text = torch.randn(1, 16, cfg.text_dim, generator=torch.Generator().manual_seed(5))
+        return sample(rt, text, None, torch.zeros(vs), torch.zeros(as_), seed=3, steps=2)
+
+    want = report_hashes(run(load_model(ck, RuntimeOptions(**w4a8), workload=wl)))
+    adaln = 6 * 3 * cfg.hidden_size * cfg.time_embed_dim * 4 * cfg.num_layers  # fp32 on the CPU
+    rt = load_model(ck, RuntimeOptions(**w4a8, host_budget=repr(adaln * 0.6 / 1e9)), workload=wl)
+    assert rt.plan.adaln_from_file
+    rt.plan.options.vram_budget = repr(smallest_budget(ModelMemory.from_plan(rt.plan), wl, "cpu") / 1e9)
+    got = run(rt)
+    mem = got.report["memory"]
+    assert mem["streamed_blocks"] == [0, 1, 2, 3] and mem["attn_chunk_rows"] and mem["ffn_chunk_rows"]
+    assert mem["adaln_from_file"] and mem["refiner_on_host"] and rt.model.refiner_on_host
+    assert report_hashes(got) == want

@@ -1,0 +1,64 @@
+"""bench/user_jobs.py end to end on the CPU (--tiny): a resident and a capped row of our stack, each in its own child
+process, the JSON merged across calls, the README table generated from it; and the run report's host RSS peak."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench(*args):
+    return subprocess.run([sys.executable, str(ROOT / "bench" / "user_jobs.py"), "--tiny", "--stacks", "ours", *args],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+
+
+def test_tiny_rows_merge_and_table(tmp_path):
+    out, work = tmp_path / "uj.json", tmp_path / "work"
+    p = _bench("--rows", "turbo8:resident", "--out", str(out), "--workdir", str(work))
+    assert p.returncode == 0, p.stderr[-2000:]
+    p = _bench("--rows", "turbo8:8", "--out", str(out), "--workdir", str(work), "--merge")
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads(out.read_text())
+    rows = {(r["job"], r["cap_gb"]): r for r in res["rows"]}
+    assert set(rows) == {("turbo8", None), ("turbo8", 8)}
+    resident, capped = rows[("turbo8", None)]["ours"], rows[("turbo8", 8)]["ours"]
+    assert "error" not in resident and "error" not in capped, (resident, capped)
+    assert capped["memory"]["streamed_blocks"] and not resident["memory"]["streamed_blocks"]
+    assert capped["latent_checksums"] == resident["latent_checksums"]  # streaming changes no byte
+    assert capped["hashes_equal_resident"] is True
+    assert resident["host_peak_rss_bytes"] > 10 ** 8 and rows[("turbo8", 8)]["lora_rank_source"]
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n")
+    gen = [sys.executable, str(ROOT / "bench" / "user_jobs_table.py"), "--json", str(out), "--readme", str(readme)]
+    assert subprocess.run(gen, timeout=60).returncode == 0
+    text = readme.read_text()
+    assert "| turbo8 | 8 GB |" in text and res["date"][:10] in text
+    assert subprocess.run(gen + ["--check"], timeout=60).returncode == 0
+    missing = subprocess.run(gen[:2] + ["--json", str(tmp_path / "none.json"), "--readme", str(readme)], timeout=60)
+    assert missing.returncode == 2
+
+
+@pytest.mark.comfyui
+def test_tiny_row_runs_core_stack_from_the_vendored_comfyui(tmp_path):
+    """Core's side of a row with the vendored ComfyUI's modules on the CPU (its own venv): core's model with fp8
+    block linears under ModelPatcher / load_models_gpu, the turbo LoRA patched in as LoraLoaderModelOnly does; the
+    sparse job is recorded with core's missing feature, not dropped."""
+    from tests.comfyui.server import comfyui_paths
+
+    src, py = comfyui_paths()
+    out = tmp_path / "uj.json"
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "user_jobs.py"), "--tiny", "--rows",
+                        "turbo8:resident,turbo8_sparse:resident", "--out", str(out), "--workdir", str(tmp_path / "w"),
+                        "--comfyui", str(src), "--core-python", str(py)],
+                       capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = {r["job"]: r for r in json.loads(out.read_text())["rows"]}
+    core = rows["turbo8"]["core"]
+    assert "error" not in core, core.get("traceback", core)
+    assert core["lora"]["patched_weights"] > 0 and "load_models_gpu" in core["loaded_by"]
+    assert rows["turbo8"]["speedup"] == core["job_seconds"] / rows["turbo8"]["ours"]["job_seconds"]
+    assert "missing feature" in rows["turbo8_sparse"]["core"]["error"] and rows["turbo8_sparse"]["speedup"] is None
