@@ -21,7 +21,7 @@ import torch
 
 from ..runtime import (SEED_RANGE, Canvas, H3Error, JobFiles, Launch, Measure, SamplingSettings, check_int,
                        check_output_file, cpu_thread_count, forward_job, latent_rows, make_job, nonfinite_message,
-                       open_pipeline, prompt_job, quantize_checkpoint, resolve_device, run, run_forward,
+                       folder_transformer, open_pipeline, prompt_job, quantize_checkpoint, resolve_device, run, run_forward,
                        runtime_options, save_tensors, save_tiny, summary, write_dir, write_file, write_mp4,
                        write_preview_webp)
 from .progress import WARN_AFTER_S, Progress, clock
@@ -163,6 +163,8 @@ def cmd_generate_prompt(a) -> int:
     components and their fit with the model, the prompt's length, the images), then encode -> sample -> decode,
     each stage's models freed before the next; the output folder gets every file together or nothing."""
     _check_prompt_flags(a)
+    if a.model is None and Path(a.pipeline).is_dir():  # the folder's own transformer weights, read by our loader
+        a.model = folder_transformer(a.pipeline)
     job = generate_job(a)
     folder = open_pipeline(a.pipeline, job.config)
     req = folder.request(a.prompt, a.first_frame, a.last_frame)

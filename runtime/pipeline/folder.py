@@ -23,7 +23,7 @@ from ..errors import H3Error
 from ..model.conditioning import H3Conditioning, Keyframe
 from ..model.config import H3Config
 
-__all__ = ["PipelineFolder", "PromptRequest", "Decoded", "open_pipeline"]
+__all__ = ["PipelineFolder", "PromptRequest", "Decoded", "open_pipeline", "folder_transformer"]
 
 COMPONENTS = ("tokenizer", "processor", "text_encoder", "vae", "audio_vae")
 TEXT_LAYER = 50  # MiniMaxH3ModularPipeline.text_encoder_layer
@@ -98,18 +98,20 @@ class PipelineFolder:
         """Text states [1, L, text_dim] fp32, token tags [L] and the keyframe conditioning (None for t2va) of ``req``
         on a canvas ``size`` = (width, height, pixel frames): diffusers' resize, text encoder and keyframe VAE
         encoder blocks, the conditioner then the VAE loaded, used and freed in turn."""
-        from diffusers.modular_pipelines.minimax_h3.encoders import MiniMaxH3KeyframeVaeEncoderStep
-        from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import (
-            MiniMaxH3AutoBeforeEncodeStep, MiniMaxH3AutoTextEncoderStep)
+        from diffusers.modular_pipelines.minimax_h3.before_encoder import MiniMaxH3ResizeStep
+        from diffusers.modular_pipelines.minimax_h3.encoders import (MiniMaxH3FL2VATextEncoderStep,
+                                                                     MiniMaxH3KeyframeVaeEncoderStep,
+                                                                     MiniMaxH3TextEncoderStep)
 
         width, height, frames = size
         images, keyframes, anchors = req.images, [], ()
         if images:
-            pre = self._stage(MiniMaxH3AutoBeforeEncodeStep(), torch.device("cpu"))
+            pre = self._stage(MiniMaxH3ResizeStep(), torch.device("cpu"))
             out = pre(**images, height=height, width=width, output=["keyframes", "keyframe_anchors"])
             keyframes, anchors = out["keyframes"], out["keyframe_anchors"]
-        pipe = self._stage(MiniMaxH3AutoTextEncoderStep(), device)
-        out = pipe(prompt=req.prompt, keyframes=keyframes or None, **images,
+        step = MiniMaxH3FL2VATextEncoderStep() if keyframes else MiniMaxH3TextEncoderStep()
+        pipe = self._stage(step, device)
+        out = pipe(prompt=req.prompt, **({"keyframes": keyframes} if keyframes else {}),
                    output=["prompt_embeds", "text_token_tags"])
         text, tags = out["prompt_embeds"].float().cpu(), out["text_token_tags"].long().cpu()
         _free(pipe)
@@ -181,3 +183,13 @@ def open_pipeline(folder, cfg: H3Config) -> PipelineFolder:
         raise PipelineError(f"--pipeline {path}: the conditioner has {layers} decoder layers; H3 reads the hidden "
                             f"state after layer {TEXT_LAYER}, so it needs more than {TEXT_LAYER}")
     return PipelineFolder(path, int(text.get("max_position_embeddings", 0)), int(avae.get("sampling_rate", 32000)))
+
+
+def folder_transformer(folder) -> str | None:
+    """The folder's own transformer weights (``transformer/diffusion_pytorch_model.safetensors`` or its sharded
+    index), which our loader reads in diffusers' naming; None when the folder has none."""
+    base = Path(folder) / "transformer"
+    for name in ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.safetensors.index.json"):
+        if (base / name).is_file():
+            return str(base / name)
+    return None
