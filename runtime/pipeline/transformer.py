@@ -27,6 +27,7 @@ schedule is still exact (planned alone). PDD head banks need the sampler's next 
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +39,10 @@ from ..model_spec import open_model
 from ..sampling.model_call import CallOptions, ModelCall
 from .rows import CallLayout, audio_shift, read_layout
 
-__all__ = ["DiffusersTransformer", "DiffusersConfig"]
+__all__ = ["DiffusersTransformer", "DiffusersConfig", "LAYOUT"]
+
+# the packed sequence's description, passed by name (diffusers' ``denoiser_input_fields``)
+LAYOUT = ("token_tags", "position_ids", "video_indices", "audio_indices", "text_indices")
 
 
 @dataclass(frozen=True)
@@ -106,20 +110,27 @@ class DiffusersTransformer:
     @torch.no_grad()
     def forward(self, hidden_states: torch.Tensor, audio_hidden_states: torch.Tensor,
                 encoder_hidden_states: torch.Tensor, timestep: torch.Tensor, timestep_indices: torch.Tensor,
-                token_tags: torch.Tensor, position_ids: torch.Tensor, video_indices: torch.Tensor,
-                audio_indices: torch.Tensor, text_indices: torch.Tensor, attention_kwargs: dict | None = None,
-                return_dict: bool = False):
+                **layout):
         """One step of the pipeline -> (video velocity [1, Nv, C*4], audio velocity [1, Na, Ca]) in
-        ``hidden_states``' dtype and device: the network's output (diffusers' sign), zeros on keyframe rows."""
-        if attention_kwargs:
-            raise H3Error(f"attention_kwargs {sorted(attention_kwargs)}: this transformer takes none (its attention "
-                          "is the load option `attention`)")
-        if return_dict:
+        ``hidden_states``' dtype and device: the network's output (diffusers' sign), zeros on keyframe rows.
+        ``layout``: the five LAYOUT tensors by name, ``attention_kwargs`` (None or empty) and ``return_dict``
+        (False); the declared signature (``inspect.signature``, which the pipeline reads) names them all."""
+        extra = sorted(set(layout) - set(LAYOUT) - {"attention_kwargs", "return_dict"})
+        missing = [n for n in LAYOUT if n not in layout]
+        if extra or missing:
+            raise H3Error(f"the H3 pipeline's call passes {', '.join(LAYOUT)} by name; found "
+                          f"{'unknown ' + ', '.join(extra) if extra else ''}{' and ' if extra and missing else ''}"
+                          f"{'no ' + ', '.join(missing) if missing else ''}")
+        if layout.get("attention_kwargs"):
+            raise H3Error(f"attention_kwargs {sorted(layout['attention_kwargs'])}: this transformer takes none (its "
+                          "attention is the load option `attention`)")
+        if layout.get("return_dict"):
             raise H3Error("return_dict=True: this transformer returns the (video, audio) tuple the H3 pipeline asks "
                           "for with return_dict=False")
         if hidden_states.shape[0] != 1 or audio_hidden_states.shape[0] != 1:
             raise H3Error(f"one clip per call; got hidden_states {list(hidden_states.shape)}")
-        seen = self._layout(token_tags, position_ids, video_indices, audio_indices, text_indices)
+        token_tags, audio_indices = layout["token_tags"], layout["audio_indices"]
+        seen = self._layout(*(layout[n] for n in LAYOUT))
         lay = seen.layout
         row_t = timestep.float().cpu()[timestep_indices.cpu()]
         t_video, t_audio = float(row_t[-1]), float(row_t[int(audio_indices[-1])])
@@ -182,3 +193,17 @@ class DiffusersTransformer:
         self._run_key, self._sigmas = key, [sigma]
 
     _run_key: tuple | None = None
+
+
+def _declared_signature() -> inspect.Signature:
+    """forward's signature as diffusers' denoise loop reads it: the step's tensors, then the layout tensors,
+    ``attention_kwargs`` and ``return_dict`` by name (the loop passes exactly the layout names listed here)."""
+    P = inspect.Parameter
+    names = ["hidden_states", "audio_hidden_states", "encoder_hidden_states", "timestep", "timestep_indices"]
+    params = [P("self", P.POSITIONAL_OR_KEYWORD)] + [P(n, P.POSITIONAL_OR_KEYWORD) for n in names]
+    params += [P(n, P.KEYWORD_ONLY) for n in LAYOUT]
+    params += [P("attention_kwargs", P.KEYWORD_ONLY, default=None), P("return_dict", P.KEYWORD_ONLY, default=False)]
+    return inspect.Signature(params)
+
+
+DiffusersTransformer.forward.__signature__ = _declared_signature()

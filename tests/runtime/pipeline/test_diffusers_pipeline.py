@@ -10,6 +10,7 @@ sides, so the measured gap is ~1e-7, and 1e-3 is the issue's bound).
 
 from __future__ import annotations
 
+import inspect
 import json
 import shutil
 
@@ -33,6 +34,7 @@ from h3_blackwell.cli.main import main  # noqa: E402
 from h3_blackwell.runtime import DiffusersTransformer, folder_transformer  # noqa: E402
 from h3_blackwell.runtime.model.layout import time_shift_sigma  # noqa: E402
 from h3_blackwell.runtime.pipeline.rows import read_layout  # noqa: E402
+from h3_blackwell.runtime.pipeline.transformer import LAYOUT  # noqa: E402
 from h3_blackwell.runtime.pipeline.tiny import TinyPipeline, save_tiny_pipeline  # noqa: E402
 
 PROMPT = "a red fox runs through fresh snow, wind in the pines"
@@ -113,6 +115,13 @@ def test_pipeline_with_our_transformer_equals_stock(pipe, ours, task):
     if task == "fl2va":  # the keyframes reach the model: not the t2va result
         tv, _ = _latents(pipe, stock)
         assert rel_l2(ov, tv) > 1e-3
+
+
+def test_transformer_interface(ours):
+    """What diffusers' loop reads: config.patch_size and the layout names in forward's signature."""
+    params = inspect.signature(ours.forward).parameters
+    assert set(LAYOUT) <= set(params) and "self" not in params
+    assert tuple(ours.config.patch_size) == (1, 2, 2)
 
 
 def test_transformer_refuses_what_it_cannot_honour(ours, pipe):
