@@ -11,7 +11,7 @@ diffusers naming (``transformer/diffusion_pytorch_model.safetensors``), which ou
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,7 +20,7 @@ from ..io.keys import comfy_to_diffusers_state_dict
 from ..model.config import H3Config
 from ..model.tiny import tiny_state_dict
 
-__all__ = ["TinyPipeline", "save_tiny_pipeline", "TINY_PIPELINE_DIT"]
+__all__ = ["TinyPipeline", "save_tiny_pipeline", "tiny_components", "TINY_PIPELINE_DIT"]
 
 # the tiny transformer of the folder: every structural feature of H3, at widths a CPU runs in seconds
 TINY_PIPELINE_DIT = H3Config(hidden_size=64, num_layers=2, num_refiner_layers=1, num_heads=2, head_dim=32,
@@ -128,13 +128,11 @@ def _randomize(module: torch.nn.Module, g: torch.Generator) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * p[0].numel() ** -0.5)
 
 
-def save_tiny_pipeline(folder: str | Path, tiny: TinyPipeline = TinyPipeline()) -> Path:
-    """Write the tiny pipeline into ``folder`` (created): every component ``MiniMaxH3ModularPipeline`` loads, in
-    diffusers' layout (``modular_model_index.json`` and one sub-folder per component). -> the folder."""
+def tiny_components(tiny: TinyPipeline = TinyPipeline(), transformer: bool = True) -> dict:
+    """The pipeline's components by name (``update_components``' keywords): the tokenizer, processor, conditioner,
+    VAEs, schedulers and, with ``transformer``, the stock transformer with our tiny weights of ``tiny.dit``."""
     from diffusers import MiniMaxH3Scheduler
-    from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3Blocks
 
-    folder = Path(folder)
     torch.manual_seed(tiny.seed)  # transformers / diffusers initialise some buffers from the global generator
     g = torch.Generator("cpu").manual_seed(tiny.seed)
     tok = _byte_tokenizer()
@@ -142,14 +140,21 @@ def save_tiny_pipeline(folder: str | Path, tiny: TinyPipeline = TinyPipeline()) 
     vae, audio_vae = _vaes(tiny, g)
     for m in (encoder, vae, audio_vae):
         _randomize(m, g)
+    parts = dict(text_encoder=encoder, tokenizer=tok, processor=_processor(tok), vae=vae, audio_vae=audio_vae,
+                 scheduler=MiniMaxH3Scheduler(shift=tiny.dit.shift_video),
+                 audio_scheduler=MiniMaxH3Scheduler(shift=tiny.dit.shift_audio))
+    if transformer:
+        parts["transformer"] = _transformer(tiny.dit, tiny.seed)
+    return parts
+
+
+def save_tiny_pipeline(folder: str | Path, tiny: TinyPipeline = TinyPipeline()) -> Path:
+    """Write the tiny pipeline into ``folder`` (created): every component ``MiniMaxH3ModularPipeline`` loads, in
+    diffusers' layout (``modular_model_index.json`` and one sub-folder per component). -> the folder."""
+    from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3Blocks
+
+    folder = Path(folder)
     pipe = MiniMaxH3Blocks().init_pipeline()
-    pipe.update_components(text_encoder=encoder, tokenizer=tok, processor=_processor(tok), vae=vae,
-                           audio_vae=audio_vae, scheduler=MiniMaxH3Scheduler(shift=tiny.dit.shift_video),
-                           audio_scheduler=MiniMaxH3Scheduler(shift=tiny.dit.shift_audio),
-                           transformer=_transformer(tiny.dit, tiny.seed))
+    pipe.update_components(**tiny_components(tiny))
     pipe.save_pretrained(str(folder), overwrite_modular_index=True)
     return folder
-
-
-def with_seed(tiny: TinyPipeline, seed: int) -> TinyPipeline:
-    return replace(tiny, seed=int(seed))
