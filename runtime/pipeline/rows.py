@@ -3,17 +3,20 @@
 
 diffusers hands the transformer rows, not latents: ``hidden_states`` [1, Nv, C*4] (the video rows, keyframe rows
 first), ``audio_hidden_states`` [1, Na, Ca] (channel-major stereo rows), the text states, and the layout that says
-where each row sits in the packed sequence ``[text | keyframes | target audio | target video]``: ``token_tags`` [S]
+where each row sits in the packed sequence ``[text | conditioning | target audio | target video]``: ``token_tags`` [S]
 (0 video, 1 text, 2 audio), ``position_ids`` [S, 3] (t, h, w), ``video_indices`` / ``audio_indices`` /
 ``text_indices``, and the timesteps (``timestep`` the distinct t = 1 - sigma values, ``timestep_indices`` [S] each
-row's). Our model builds the same layout from latent shapes and keyframe frame indices, so this reads those back:
-the target video rows are the last contiguous run of ``video_indices`` (T frames of rows, T from the distinct time
-coordinates, the patch grid from the distinct h / w), the target audio rows the run before them, and every earlier
-video row a keyframe block of one frame, anchored at the pixel frame its time coordinate names.
+row's). Our model builds the same layout from latent shapes and its conditioning, so this reads those back: the
+target video rows are the last contiguous run of ``video_indices`` (T frames of rows, T from the distinct time
+coordinates, the patch grid from the distinct h / w), the target audio rows the rows before them from the targets'
+time origin on. Conditioning rows ahead of targets whose origin is the text length are keyframes (fl2va: blocks of
+one target frame, each anchored at the pixel frame its time coordinate names); an origin past it means references
+(ref2va: a video run with one time an image, with several a video, an audio run at the same time right before it
+its soundtrack, an audio run alone an audio reference).
 
-The reading is then proved, not trusted: :meth:`CallLayout.check` builds our layout (``runtime.model.layout``) and
-timesteps (``step_times``) for it and compares every row's position, modality tag and timestep with diffusers'. A
-layout this module cannot express (``ref2va``'s reference blocks) is refused there with what differed.
+The reading is then proved, not trusted: :meth:`CallLayout.check` builds our layout (``runtime.model.layout``) for it
+and compares every row's position and modality tag with diffusers', and :meth:`CallLayout.check_times` every row's
+timestep at each step. A layout this module cannot express is refused there with what differed.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import H3Error
-from ..model.conditioning import FRAME_PER_TOKEN, FRAME_RESCALE
-from ..model.layout import KeyframeSpec, build_layout, step_times, time_shift_sigma
+from ..model.conditioning import FRAME_PER_TOKEN, FRAME_RESCALE, Ref
+from ..model.layout import TAG_AUDIO, TAG_VIDEO, KeyframeSpec, build_layout, step_times, time_shift_sigma
 
 __all__ = ["CallLayout", "read_layout"]
 
@@ -48,6 +51,7 @@ class CallLayout:
     cond_rows: int
     cond_audio_rows: int
     tags: torch.Tensor  # [L] the text rows' tags (1 text, 0 a vision block's rows)
+    refs: tuple = ()  # the reference blocks (ref2va): Refs with their geometry, no latents
 
     @property
     def rows_per_frame(self) -> int:
@@ -61,12 +65,13 @@ class CallLayout:
     def ours(self):
         """Our PackedLayout for this geometry (built once)."""
         return build_layout(self.text_len, self.latent_t, self.lat_h, self.lat_w, self.audio_t,
-                            [KeyframeSpec(f) for f in self.keyframes])
+                            [KeyframeSpec(f) for f in self.keyframes], self.refs)
 
     @property
     def signature(self) -> tuple:
         """The layout as a value (two pipeline runs of one request have equal signatures)."""
-        return (self.text_len, self.latent_t, self.lat_h, self.lat_w, self.audio_t, self.keyframes,
+        refs = tuple((r.kind, r.latent_t, r.latent_h, r.latent_w, r.ref_audio_t) for r in self.refs)
+        return (self.text_len, self.latent_t, self.lat_h, self.lat_w, self.audio_t, self.keyframes, refs,
                 tuple(self.tags.tolist()))
 
     def check(self, token_tags: torch.Tensor, position_ids: torch.Tensor) -> None:
@@ -107,6 +112,7 @@ class CallLayout:
 
     def _what(self) -> str:
         kf = f", keyframes at pixel frames {list(self.keyframes)}" if self.keyframes else ""
+        kf += f", references {[r.kind for r in self.refs]}" if self.refs else ""
         return (f"{self.text_len} text rows, a {self.latent_t}x{self.lat_h}x{self.lat_w} video latent and "
                 f"{self.audio_t} audio frames{kf}")
 
@@ -120,8 +126,49 @@ def _last_run(indices: torch.Tensor, stop: int) -> int:
     return k
 
 
+def _grid(pos: torch.Tensor) -> tuple[int, int, int]:
+    """(distinct t, distinct h, distinct w) of a block of video rows' positions [n, 3]."""
+    return tuple(int(torch.unique(pos[:, k]).numel()) for k in range(3))
+
+
+def _runs(tags: torch.Tensor, start: int, stop: int) -> list[tuple[int, int, int]]:
+    """[(start, stop, tag)] maximal runs of equal modality tag in rows [start, stop)."""
+    runs, a = [], start
+    for i in range(start + 1, stop + 1):
+        if i == stop or int(tags[i]) != int(tags[a]):
+            runs.append((a, i, int(tags[a])))
+            a = i
+    return runs
+
+
+def _refs(tags, pos, start: int, stop: int) -> tuple[Ref, ...]:
+    """The reference blocks (ref2va, packed order) in rows [start, stop): a video run with one time is an image, with
+    several a video, the audio run right before it at the same time its soundtrack; an audio run alone an audio
+    reference. Their latents are the caller's (these carry the geometry only)."""
+    refs, runs, k = [], _runs(tags, start, stop), 0
+    while k < len(runs):
+        a, b, tag = runs[k]
+        if tag == TAG_AUDIO:
+            nxt = runs[k + 1] if k + 1 < len(runs) else None
+            if nxt is not None and nxt[2] == TAG_VIDEO and float(pos[nxt[0], 0]) == float(pos[a, 0]):
+                t, hp, wp = _grid(pos[nxt[0]:nxt[1]])
+                refs.append(Ref("video_audio", latent_t=t, latent_h=2 * hp, latent_w=2 * wp, ref_audio_t=(b - a) // 2))
+                k += 2
+                continue
+            refs.append(Ref("audio", ref_audio_t=(b - a) // 2))
+        elif tag == TAG_VIDEO:
+            t, hp, wp = _grid(pos[a:b])
+            refs.append(Ref("image" if t == 1 else "video", latent_t=t, latent_h=2 * hp, latent_w=2 * wp))
+        else:
+            raise H3Error(f"rows {a}..{b}: modality tag {tag} between the text and the target rows; expected video "
+                          "(0) or audio (2) conditioning rows")
+        k += 1
+    return tuple(refs)
+
+
 def read_layout(token_tags, position_ids, video_indices, audio_indices, text_indices) -> CallLayout:
-    """The CallLayout behind diffusers' layout tensors (any device; read on the CPU)."""
+    """The CallLayout behind diffusers' layout tensors (any device; read on the CPU). Keyframes (fl2va) leave the
+    targets' time origin at the text length; references (ref2va) move it past their spans."""
     tags, pos = token_tags.cpu(), position_ids.double().cpu()
     vidx, aidx, tidx = video_indices.cpu(), audio_indices.cpu(), text_indices.cpu()
     s = tags.numel()
@@ -130,28 +177,31 @@ def read_layout(token_tags, position_ids, video_indices, audio_indices, text_ind
         raise H3Error("diffusers' video_indices do not end with the target video rows (the last rows of the "
                       "packed sequence); not an H3 layout")
     vstart = s - n_target
-    n_audio = _last_run(aidx, vstart)
+    run = _last_run(aidx, vstart)  # target audio, and an audio reference's rows when one is packed last
+    origin = float(pos[vstart, 0])
+    n_audio = int((pos[vstart - run:vstart, 0] >= origin).sum()) if run else 0
     if n_audio == 0 or n_audio % 2:
         raise H3Error(f"expected an even run of target audio rows right before the video rows; found {n_audio}")
-    tp = pos[vstart:]
-    t = int(torch.unique(tp[:, 0]).numel())
-    hp, wp = (int(torch.unique(tp[:, k]).numel()) for k in (1, 2))
+    t, hp, wp = _grid(pos[vstart:])
     if t * hp * wp != n_target:
         raise H3Error(f"the {n_target} target video rows are not a T x H/2 x W/2 grid (found {t} times, {hp} rows, "
                       f"{wp} columns)")
-    text_len = tidx.numel()
+    text_len, astart = tidx.numel(), vstart - n_audio
     n_cond = vidx.numel() - n_target
-    rpf = hp * wp
-    frames = sum(FRAME_PER_TOKEN[k % 5] for k in range(t))
-    keyframes = []
-    for k in range(n_cond // rpf if n_cond % rpf == 0 else 0):
-        at = float(pos[int(vidx[k * rpf]), 0]) - text_len
-        keyframes.append(min(max(int(round(at / FRAME_RESCALE)), 0), frames - 1))
-    if len(keyframes) * rpf != n_cond:
-        raise H3Error(f"{n_cond} conditioning video rows are not whole frames of the target's {rpf}-row grid: "
-                      "reference blocks (ref2va) are not taken by this transformer")
+    refs, keyframes = (), []
+    if origin != float(text_len):  # the references' spans moved the targets' time origin
+        refs = _refs(tags, pos, text_len, astart)
+    else:
+        rpf = hp * wp
+        frames = sum(FRAME_PER_TOKEN[k % 5] for k in range(t))
+        for k in range(n_cond // rpf if n_cond % rpf == 0 else 0):
+            at = float(pos[int(vidx[k * rpf]), 0]) - text_len
+            keyframes.append(min(max(int(round(at / FRAME_RESCALE)), 0), frames - 1))
+        if len(keyframes) * rpf != n_cond or aidx.numel() != n_audio:
+            raise H3Error(f"{n_cond} conditioning video rows and {aidx.numel() - n_audio} audio rows ahead of "
+                          "targets at the text's time: expected keyframes, whole frames of the target's grid")
     return CallLayout(text_len, t, 2 * hp, 2 * wp, n_audio // 2, tuple(keyframes), n_cond,
-                      aidx.numel() - n_audio, tags[tidx].long().clone())
+                      aidx.numel() - n_audio, tags[tidx].long().clone(), refs)
 
 
 def audio_shift(sigma_v: float, t_audio: float, shifts: tuple[float, float]) -> tuple[float, float]:

@@ -39,6 +39,11 @@ class TinyPipeline:
     max_tokens: int = 256
     vae_width: int = 8
     audio_width: int = 8
+    # the canvas rules (the release: 768 short edge, 768 x 1344 pixels, image references at a 2048 short edge): the
+    # default canvas and every ref2va reference's are this small
+    canvas_short_edge: int = 64
+    canvas_max_pixels: int = 64 * 128
+    reference_short_edge: int = 64
     seed: int = 0
 
 
@@ -155,6 +160,7 @@ def save_tiny_pipeline(folder: str | Path, tiny: TinyPipeline = TinyPipeline()) 
 
     folder = Path(folder)
     pipe = MiniMaxH3Blocks().init_pipeline()
-    pipe.update_components(**tiny_components(tiny))
+    pipe.update_components(**tiny_components(tiny), reference_image_short_edge=tiny.reference_short_edge,
+                           canvas_short_edge=tiny.canvas_short_edge, canvas_max_pixels=tiny.canvas_max_pixels)
     pipe.save_pretrained(str(folder), overwrite_modular_index=True)
     return folder

@@ -14,9 +14,10 @@ object, ``ModelCall``: the same plan, memory fit, counters and checks as ``gener
     out = pipe(prompt="...", output=["videos", "audio"])
 
 What a call maps (``runtime.pipeline.rows``): the rows back to latents (video [1, C, T, H, W], audio [1, Ca, 2, Ta]),
-the keyframe rows (fl2va; the pipeline has noised them, so the conditioning is marked ``augmented``), the text tags,
-and the video sigma 1 - t; the layout and every row's timestep are checked against ours on the first call of a
-layout and at each step. The keyframe rows get no velocity (zeros): the pipeline only steps the generated rows.
+the conditioning rows to keyframes (fl2va) or references (ref2va: pass it as ``transformer_ref`` too; the pipeline
+noises their visual rows, so the conditioning is marked ``augmented``), the text tags, and the video sigma 1 - t;
+the layout is checked against ours on the first call of a layout and every row's timestep at each step. The
+conditioning rows get no velocity (zeros): the pipeline only steps the generated rows.
 
 Schedule: diffusers' call carries one step's timesteps, not the run's schedule, and our plan precomputes the
 modulation rows of every step of a run (full-form AdaLN weights stay in host memory). A call is planned alone the
@@ -27,6 +28,7 @@ schedule is still exact (planned alone). PDD head banks need the sampler's next 
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass
 
@@ -65,7 +67,7 @@ class _Seen:
     key: tuple
     layout: CallLayout
     tags: torch.Tensor
-    cond_rows: torch.Tensor | None = None
+    cond_rows: tuple | None = None  # the (video, audio) condition rows cond was made from
     cond: H3Conditioning | None = None
 
 
@@ -138,7 +140,7 @@ class DiffusersTransformer:
         shifts = audio_shift(sigma, t_audio, (self.rt.config.shift_video, self.rt.config.shift_audio))
         lay.check_times(row_t, sigma, shifts)
         self._follow_run(lay.signature, sigma)
-        cond = self._keyframes(seen, hidden_states[0, :lay.cond_rows])
+        cond = self._conditioning(seen, hidden_states[0, :lay.cond_rows], audio_hidden_states[0, :lay.cond_audio_rows])
         video = unpatchify_video(hidden_states[0, lay.cond_rows:].float(), lay.latent_t, lay.lat_h, lay.lat_w,
                                  self.config.in_channels)
         audio = unpack_audio(audio_hidden_states[0, lay.cond_audio_rows:].float())
@@ -162,19 +164,15 @@ class DiffusersTransformer:
         self._seen = _Seen(key, lay, lay.tags)
         return self._seen
 
-    def _keyframes(self, seen: _Seen, rows: torch.Tensor) -> H3Conditioning | None:
-        """The keyframe conditioning of these rows (one frame each, noised by the pipeline), the same object while
-        the rows do not change (the pipeline never writes them)."""
+    def _conditioning(self, seen: _Seen, video_rows: torch.Tensor, audio_rows: torch.Tensor):
+        """The keyframe (fl2va) or reference (ref2va) conditioning of these rows, noised by the pipeline; the same
+        object while the rows do not change (the pipeline never writes them)."""
         lay = seen.layout
-        if not lay.keyframes:
+        if not lay.keyframes and not lay.refs:
             return None
-        rows = rows.float().cpu()
-        if seen.cond is None or not torch.equal(seen.cond_rows, rows):
-            n = lay.rows_per_frame
-            kfs = tuple(Keyframe(f, latent=unpatchify_video(rows[k * n:(k + 1) * n], 1, lay.lat_h, lay.lat_w,
-                                                            self.config.in_channels))
-                        for k, f in enumerate(lay.keyframes))
-            seen.cond_rows, seen.cond = rows, H3Conditioning(keyframes=kfs, augmented=True)
+        rows = (video_rows.float().cpu(), audio_rows.float().cpu())
+        if seen.cond is None or not all(torch.equal(a, b) for a, b in zip(seen.cond_rows, rows)):
+            seen.cond_rows, seen.cond = rows, _rows_conditioning(lay, *rows, self.config.in_channels)
         return seen.cond
 
     def _follow_run(self, key: tuple, sigma: float) -> None:
@@ -207,3 +205,25 @@ def _declared_signature() -> inspect.Signature:
 
 
 DiffusersTransformer.forward.__signature__ = _declared_signature()
+
+
+def _rows_conditioning(lay: CallLayout, video: torch.Tensor, audio: torch.Tensor, channels: int) -> H3Conditioning:
+    """Condition rows (video [n, C*4], audio [m, Ca], packed order) -> keyframes or references with their latents,
+    marked ``augmented`` (the pipeline noised the visual ones; the audio ones run clean, as ours do)."""
+    if lay.keyframes:
+        n = lay.rows_per_frame
+        kfs = tuple(Keyframe(f, latent=unpatchify_video(video[k * n:(k + 1) * n], 1, lay.lat_h, lay.lat_w, channels))
+                    for k, f in enumerate(lay.keyframes))
+        return H3Conditioning(keyframes=kfs, augmented=True)
+    refs, v, a = [], 0, 0
+    for r in lay.refs:
+        latent = audio_latent = None
+        if r.kind != "audio":
+            n = r.latent_t * (r.latent_h // 2) * (r.latent_w // 2)
+            latent = unpatchify_video(video[v:v + n], r.latent_t, r.latent_h, r.latent_w, channels)
+            v += n
+        if r.ref_audio_t:
+            audio_latent = unpack_audio(audio[a:a + 2 * r.ref_audio_t])
+            a += 2 * r.ref_audio_t
+        refs.append(dataclasses.replace(r, latent=latent, audio_latent=audio_latent))
+    return H3Conditioning(refs=tuple(refs), augmented=True)

@@ -117,6 +117,36 @@ def test_pipeline_with_our_transformer_equals_stock(pipe, ours, task):
         assert rel_l2(ov, tv) > 1e-3
 
 
+def test_pipeline_ref2va_with_our_transformer_equals_stock(pipe, ours):
+    """ref2va (the `transformer_ref` partition; here the same weights): an image, a video with its soundtrack and an
+    audio-only reference, read back from the rows as our references."""
+    from diffusers.modular_pipelines.minimax_h3.references import (MiniMaxH3AudioReference, MiniMaxH3ImageReference,
+                                                                   MiniMaxH3VideoReference)
+
+    g = np.random.default_rng(9)
+    refs = [MiniMaxH3ImageReference(image=_image(6, 64, 48)),
+            MiniMaxH3VideoReference(frames=g.integers(0, 256, (24, 64, 96, 3), dtype=np.uint8), fps=24.0,
+                                    audio=0.1 * torch.randn(2, 32000, generator=torch.Generator().manual_seed(1)),
+                                    sample_rate=32000),
+            MiniMaxH3AudioReference(audio=0.1 * torch.randn(2, 16000, generator=torch.Generator().manual_seed(2)),
+                                    sample_rate=32000)]
+
+    def latents(transformer):
+        pipe.update_components(transformer_ref=transformer)
+        out = pipe(prompt=PROMPT, references=refs, height=64, width=96, num_frames=124, num_inference_steps=3,
+                   generator=torch.Generator().manual_seed(3), output=["latents", "audio_latents"])
+        return out["latents"], out["audio_latents"]
+
+    try:
+        sv, sa = latents(pipe.transformer)
+        ov, oa = latents(ours)
+    finally:
+        pipe.update_components(transformer_ref=None)
+    assert rel_l2(ov, sv) <= 1e-5, rel_l2(ov, sv)
+    assert rel_l2(oa, sa) <= 1e-5, rel_l2(oa, sa)
+    assert [r.kind for r in ours._seen.layout.refs] == ["image", "video_audio", "audio"]
+
+
 def test_transformer_interface(ours):
     """What diffusers' loop reads: config.patch_size and the layout names in forward's signature."""
     params = inspect.signature(ours.forward).parameters
