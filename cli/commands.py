@@ -166,7 +166,7 @@ def cmd_generate_prompt(a) -> int:
     if a.model is None and Path(a.pipeline).is_dir():  # the folder's own transformer weights, read by our loader
         a.model = folder_transformer(a.pipeline)
     job = generate_job(a)
-    folder = open_pipeline(a.pipeline, job.config)
+    folder = open_pipeline(a.pipeline, job.config, job.model.options.vram_budget)
     req = folder.request(a.prompt, a.first_frame, a.last_frame)
     device = job.model.device
     _stage(f"encoding the prompt{' and keyframes' if req.images else ''} with {a.pipeline}'s conditioner")
@@ -184,7 +184,7 @@ def cmd_generate_prompt(a) -> int:
     report["pipeline"] = {"folder": str(a.pipeline), "prompt_tokens": int(text.shape[1]),
                           "keyframes": [k.resolved_frame_index for k in cond.keyframes] if cond is not None else [],
                           "decoded_video": list(dec.video.shape), "decoded_audio": list(dec.audio.shape),
-                          "sample_rate": dec.rate}
+                          "sample_rate": dec.rate, "stage_devices": dict(folder.stages)}
     _stage("writing video.mp4")
     write_dir(job.output, {
         "latents.safetensors": lambda p: save_tensors(p, {"video": video, "audio": audio}),

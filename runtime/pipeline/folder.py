@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import gc
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from ..budget import DeviceMemory
 from ..errors import H3Error
 from ..model.conditioning import H3Conditioning, Keyframe
 from ..model.config import H3Config
+from ..options import vram_budget_bytes
 
 __all__ = ["PipelineFolder", "PromptRequest", "Decoded", "open_pipeline", "folder_transformer"]
 
@@ -67,12 +69,26 @@ def _json(path: Path, what: str) -> dict:
 
 @dataclass
 class PipelineFolder:
-    """A checked pipeline folder: its path, the conditioner's token limit and the audio VAE's sample rate."""
+    """A checked pipeline folder: its path, the conditioner's token limit and the audio VAE's sample rate; the
+    device budget of its stages (``budget``: bytes, None for the device's free memory) and where each ran."""
 
     path: Path
     max_tokens: int
     rate: int
-    dtype: torch.dtype = torch.float32
+    budget: int | None = None
+    stages: dict = field(default_factory=dict)
+
+    def _device(self, names: tuple, device: torch.device, what: str) -> torch.device:
+        """Where a stage of components ``names`` runs: ``device``, or the CPU where their weights (at the load
+        dtype, with a quarter more for activations) exceed the device budget, so the budget holds for the whole
+        command; recorded in ``stages``."""
+        if device.type == "cuda":
+            need = 1.25 * sum(f.stat().st_size for n in names for f in (self.path / n).glob("*.safetensors"))
+            free = self.budget if self.budget is not None else DeviceMemory.probe(device).free_bytes
+            if need > free:
+                device = torch.device("cpu")
+        self.stages[what] = str(device)
+        return device
 
     def request(self, prompt: str, first_frame=None, last_frame=None) -> PromptRequest:
         """The prompt checked against the conditioner's limit (tokenized with its tokenizer) and the images read;
@@ -89,9 +105,10 @@ class PipelineFolder:
         return PromptRequest(prompt, _image(first_frame, "--first-frame"), _image(last_frame, "--last-frame"))
 
     def _stage(self, blocks, device: torch.device):
-        """diffusers' ``blocks`` as a pipeline over this folder, its components loaded onto ``device``."""
+        """diffusers' ``blocks`` as a pipeline over this folder, its components loaded onto ``device`` (bf16 on a
+        GPU, fp32 on the CPU; diffusers keeps the modules it must in fp32)."""
         pipe = blocks.init_pipeline(str(self.path))
-        pipe.load_components(torch_dtype=self.dtype)
+        pipe.load_components(torch_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
         return pipe.to(device)
 
     def encode(self, req: PromptRequest, size: tuple[int, int, int], device: torch.device, seed: int):
@@ -110,14 +127,14 @@ class PipelineFolder:
             out = pre(**images, height=height, width=width, output=["keyframes", "keyframe_anchors"])
             keyframes, anchors = out["keyframes"], out["keyframe_anchors"]
         step = MiniMaxH3FL2VATextEncoderStep() if keyframes else MiniMaxH3TextEncoderStep()
-        pipe = self._stage(step, device)
+        pipe = self._stage(step, self._device(("text_encoder",), device, "encode"))
         out = pipe(prompt=req.prompt, **({"keyframes": keyframes} if keyframes else {}),
                    output=["prompt_embeds", "text_token_tags"])
         text, tags = out["prompt_embeds"].float().cpu(), out["text_token_tags"].long().cpu()
         _free(pipe)
         if not keyframes:
             return text, tags, None
-        pipe = self._stage(MiniMaxH3KeyframeVaeEncoderStep(), device)
+        pipe = self._stage(MiniMaxH3KeyframeVaeEncoderStep(), self._device(("vae",), device, "keyframes"))
         latents = pipe(keyframes=keyframes, output="condition_latents")
         _free(pipe)
         kfs = tuple(Keyframe(0 if a == "first" else frames - 1, latent=z.float().cpu()) for a, z in zip(anchors, latents))
@@ -128,6 +145,10 @@ class PipelineFolder:
         loaded, used, freed) -> the decoded arrays."""
         from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import MiniMaxH3DecodeStep
 
+        gc.collect()  # the sampling run's model is gone: its cached device memory goes back before the VAEs load
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        device = self._device(("vae", "audio_vae"), device, "decode")
         pipe = self._stage(MiniMaxH3DecodeStep(), device)
         out = pipe(latents=video.to(device), audio_latents=audio[0].permute(1, 0, 2).contiguous().to(device),
                    output_type="pt", output=["videos", "audio", "sampling_rate"])
@@ -158,8 +179,9 @@ def _image(path, flag: str):
                             f"({type(e).__name__}: {e})") from None
 
 
-def open_pipeline(folder, cfg: H3Config) -> PipelineFolder:
-    """Check ``folder`` from its JSON files (module docstring) against the DiT's config -> a PipelineFolder."""
+def open_pipeline(folder, cfg: H3Config, vram_budget="auto") -> PipelineFolder:
+    """Check ``folder`` from its JSON files (module docstring) against the DiT's config -> a PipelineFolder whose
+    stages keep to the device budget ``vram_budget`` (the option's form: auto, the device's free memory, or GB)."""
     path = Path(folder)
     if not path.is_dir():
         raise PipelineError(f"--pipeline: expected a diffusers MiniMax H3 folder; {path} is not a folder")
@@ -182,7 +204,8 @@ def open_pipeline(folder, cfg: H3Config) -> PipelineFolder:
     if layers <= TEXT_LAYER:
         raise PipelineError(f"--pipeline {path}: the conditioner has {layers} decoder layers; H3 reads the hidden "
                             f"state after layer {TEXT_LAYER}, so it needs more than {TEXT_LAYER}")
-    return PipelineFolder(path, int(text.get("max_position_embeddings", 0)), int(avae.get("sampling_rate", 32000)))
+    return PipelineFolder(path, int(text.get("max_position_embeddings", 0)), int(avae.get("sampling_rate", 32000)),
+                          vram_budget_bytes(vram_budget))
 
 
 def folder_transformer(folder) -> str | None:

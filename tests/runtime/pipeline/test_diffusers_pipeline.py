@@ -213,6 +213,18 @@ def _check_mp4(path, video, audio, rate):
     assert (got.mean((2, 3)) - video.mean((2, 3))).abs().max() < 0.03
 
 
+def test_stages_keep_to_the_device_budget(folder):
+    """A stage whose weights exceed the device budget runs on the CPU (decided from the files; no device needed)."""
+    from h3_blackwell.runtime import open_pipeline
+    from h3_blackwell.runtime.pipeline.tiny import TINY_PIPELINE_DIT
+
+    small = open_pipeline(folder, TINY_PIPELINE_DIT, "0.000001")  # 1 kB
+    assert small._device(("text_encoder",), torch.device("cuda"), "encode").type == "cpu"
+    roomy = open_pipeline(folder, TINY_PIPELINE_DIT, "10")
+    assert roomy._device(("text_encoder",), torch.device("cuda"), "encode").type == "cuda"
+    assert small.stages == {"encode": "cpu"} and roomy.stages == {"encode": "cuda"}
+
+
 # -- bad input: one error line, nothing written ---------------------------------------------------------------------
 
 def _args(folder, out, *extra):
