@@ -2,7 +2,7 @@
 """The canonical workload through diffusers' MiniMax H3 pipeline with our transformer, against ``generate``'s step
 time on the same model in the same process.
 
-    python3 bench/diffusers_pipeline.py [--steps 12] [--attention auto] [--out bench/results/diffusers-pipeline-<card>.json]
+    python3 bench/diffusers_pipeline.py [--steps 12] [--attention auto] [--out-dir bench/results]   # -> diffusers-pipeline-<card>.json
     python3 bench/diffusers_pipeline.py --tiny      # the tiny DiT on the CPU: the same stages in seconds
 
 1. One resident model: the full-size H3 (50 blocks) with random weights (``bench/_h3bench.RandomSource``), loaded
@@ -102,11 +102,14 @@ def main(argv=None) -> int:
     ap.add_argument("--attention", default="auto")
     ap.add_argument("--generate-runs", type=int, default=1)
     ap.add_argument("--tiny", action="store_true", help="the tiny DiT at 96x64 on the CPU (checks the stages)")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="the JSON (default OUT_DIR/diffusers-pipeline-<card>.json)")
+    ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     a = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and not a.tiny
-    card = torch.cuda.get_device_name().split()[-1].lower() if cuda else "cpu-tiny"
-    out = Path(a.out or ROOT / "bench" / "results" / f"diffusers-pipeline-{card}.json")
+    name = torch.cuda.get_device_name() if cuda else ""
+    card = next((k.lower() for k in ("GB10", "B200", "H200", "H100", "A100") if k in name),
+                name.replace(" ", "-").lower()) if cuda else "cpu-tiny"
+    out = Path(a.out or Path(a.out_dir) / f"diffusers-pipeline-{card}.json")
     cfg, size = (FULL, (1344, 768, 124)) if not a.tiny else (TINY_PIPELINE_DIT, (96, 64, 124))
     res = {"name": "diffusers-pipeline", "command": bench_command(argv),
            "date": datetime.datetime.now().isoformat(timespec="seconds"),
