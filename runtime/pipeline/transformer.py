@@ -85,6 +85,7 @@ class DiffusersTransformer:
         self.config = DiffusersConfig(tuple(cfg.patch_size), cfg.video_channels, cfg.audio_channels, cfg.text_dim,
                                       cfg.hidden_size, cfg.num_layers)
         self._seen: _Seen | None = None
+        self._run_key: tuple | None = None  # the layout signature of the run being served
         self._sigmas: list[float] = []  # the video sigmas of the run being served, in call order
         self._previous: tuple | None = None  # (layout key, sigmas) of the last finished run
 
@@ -189,8 +190,6 @@ class DiffusersTransformer:
         schedule = prev[1] + [0.0] if prev is not None and prev[0] == key and prev[1][0] == sigma else None
         self.call.begin_run(schedule, pin_schedule=False, round_trip=False)
         self._run_key, self._sigmas = key, [sigma]
-
-    _run_key: tuple | None = None
 
 
 def _declared_signature() -> inspect.Signature:
