@@ -117,6 +117,28 @@ def test_pipeline_with_our_transformer_equals_stock(pipe, ours, task):
         assert rel_l2(ov, tv) > 1e-3
 
 
+def test_other_shapes_and_seed(tmp_path):
+    """Another folder: 64-wide heads with 48 rotated channels, three blocks, a 52-layer conditioner of width 48, a
+    portrait canvas of 141 frames and a last frame only; our loader reads its diffusers-named transformer as is."""
+    from h3_blackwell.runtime.model.config import H3Config
+
+    cfg = H3Config(hidden_size=80, num_layers=3, num_refiner_layers=2, num_heads=2, head_dim=64, ffn_hidden_size=128,
+                   text_dim=48, time_embed_hidden_size=64, time_embed_dim=40, rope_inv_freq_len=8)
+    folder = save_tiny_pipeline(tmp_path / "wide", TinyPipeline(dit=cfg, seed=11, conditioner_layers=52, vae_width=4))
+    p = ModularPipeline.from_pretrained(str(folder))
+    p.load_components(torch_dtype=torch.float32)
+    ours = DiffusersTransformer.from_file(folder_transformer(folder), dense=True, device="cpu", dtype="float32")
+    assert ours.rt.config == cfg
+    res = []
+    for transformer in (p.transformer, ours):
+        p.update_components(transformer=transformer)
+        out = p(prompt="wide heads", height=96, width=64, num_frames=141, num_inference_steps=3,
+                last_image=_image(3, 70, 40), generator=torch.Generator().manual_seed(5),
+                output=["latents", "audio_latents"])
+        res.append((out["latents"], out["audio_latents"]))
+    assert rel_l2(res[1][0], res[0][0]) <= 1e-5 and rel_l2(res[1][1], res[0][1]) <= 1e-5
+
+
 def test_pipeline_ref2va_with_our_transformer_equals_stock(pipe, ours):
     """ref2va (the `transformer_ref` partition; here the same weights): an image, a video with its soundtrack and an
     audio-only reference, read back from the rows as our references."""
