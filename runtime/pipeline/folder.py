@@ -13,6 +13,7 @@ checks the prompt against the conditioner's limit and reads the keyframe images,
 from __future__ import annotations
 
 import gc
+import importlib.util
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -182,6 +183,10 @@ def _image(path, flag: str):
 def open_pipeline(folder, cfg: H3Config, vram_budget="auto") -> PipelineFolder:
     """Check ``folder`` from its JSON files (module docstring) against the DiT's config -> a PipelineFolder whose
     stages keep to the device budget ``vram_budget`` (the option's form: auto, the device's free memory, or GB)."""
+    missing_pkgs = [m for m in ("diffusers", "transformers", "torchvision", "av") if importlib.util.find_spec(m) is None]
+    if missing_pkgs:
+        raise PipelineError(f"--pipeline needs {', '.join(missing_pkgs)} (not installed): pip install "
+                            "'h3-blackwell[pipeline]' (torchvision: the build matching your torch)")
     path = Path(folder)
     if not path.is_dir():
         raise PipelineError(f"--pipeline: expected a diffusers MiniMax H3 folder; {path} is not a folder")
