@@ -12,6 +12,7 @@ the target-audio rows, which the routing keeps dense (only the kernel's int8 q/k
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import sys
 from pathlib import Path
@@ -132,16 +133,13 @@ def _forward_pair(rt, text, vshape, ashape, sigma: float, final_video, final_aud
     with torch.no_grad():
         plan = m.plan(text, vshape, ashape, [sigma])
         outs = {}
+        lay = plan.layout
         for mode, start in (("sparse", 0.0), ("dense", 1.0)):
-            keep = sp.start_percent
-            sp.start_percent = start
-            try:
-                sp.begin_run(plan.layout.segments, shift)
-                sp.begin_step(0, sigma)
-                outs[mode] = m.evaluate(plan, 0, v, a, rt.ops)
-                sp.end_run()
-            finally:
-                sp.start_percent = keep
+            sp.begin_run(lay.segments, (lay.latent_t, lay.lat_h // 2, lay.lat_w // 2), shift,
+                         dataclasses.replace(sp.settings, start_percent=start))
+            sp.begin_step(0, sigma)
+            outs[mode] = m.evaluate(plan, 0, v, a, rt.ops)
+            sp.end_run()
     return {"sigma": sigma, "video_rel_l2": _rel(outs["sparse"][0], outs["dense"][0]),
             "audio_rel_l2": _rel(outs["sparse"][1], outs["dense"][1])}
 
@@ -154,13 +152,11 @@ def canonical_sparse(rt, sparse_result, text, vshape, ashape, steps: int, sample
     saves progress after each section."""
     out = {"quality_note": RANDOM_WEIGHTS_NOTE, "sparse_attention": sparse_result.report.get("sparse_attention")}
     sp = rt.sparse
-    keep = sp.start_percent
-    sp.start_percent = 1.0  # every step dense: the dense backend the sparse run uses on its dense steps
-    try:
-        dense = run(tensor_job(rt, SampleInputs(text, None, torch.zeros(vshape), torch.zeros(ashape)),
-                               measure=Measure(dense_runs, 0), **sample_kw))
-    finally:
-        sp.start_percent = keep
+    keep = sp.settings.start_percent
+    # every step dense: the dense backend the sparse run uses on its dense steps
+    never = LossySettings(sparse=dataclasses.replace(sp.settings, start_percent=1.0))
+    dense = run(tensor_job(rt, SampleInputs(text, None, torch.zeros(vshape), torch.zeros(ashape)),
+                           measure=Measure(dense_runs, 0), lossy=never, **sample_kw))
     out["dense_median_step_seconds"] = _median_step(dense.report)
     out["dense_run"] = {"backend": sp.dense_name, "per_step_seconds": dense.report["per_step_seconds"],
                         "latent_checksums": dense.report["latent_checksums"],
@@ -170,7 +166,7 @@ def canonical_sparse(rt, sparse_result, text, vshape, ashape, steps: int, sample
     write(out)
     shift = sample_kw["sampling"].shift_video or rt.config.shift_video
     sig = [float(model_sigma(s)) for s in get_sigmas("simple", steps, shift)[:-1]]
-    schedule = SR.SparseSchedule(shift, keep, 1.0, sp.min_tokens)
+    schedule = SR.SparseSchedule(shift, keep, 1.0, sp.settings.min_tokens)
     seq_len = sparse_result.report["workload"]["packed_tokens"]
     sparse_steps = [i for i, on in enumerate(schedule.sparse_steps(sig, seq_len)) if on]
     picks = {"early": sparse_steps[0], "middle": sparse_steps[len(sparse_steps) // 2], "late": sparse_steps[-1]} \

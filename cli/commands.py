@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from ..runtime import (SEED_RANGE, Canvas, H3Error, JobFiles, Launch, Measure, SamplingSettings, check_int,
-                       check_output_file, cpu_thread_count, forward_job, latent_rows, make_job, nonfinite_message,
-                       folder_transformer, open_pipeline, prompt_job, quantize_checkpoint, resolve_device, run, run_forward,
-                       runtime_options, save_tensors, save_tiny, summary, write_dir, write_file, write_mp4,
+from ..runtime import (PRESETS, SEED_RANGE, Canvas, H3Error, JobFiles, Launch, Measure, SamplingSettings, check_int,
+                       check_output_file, cpu_thread_count, folder_transformer, forward_job, latent_rows, make_job,
+                       nonfinite_message, open_pipeline, prompt_job, quantize_checkpoint, resolve_device, run,
+                       run_forward, runtime_options, save_tensors, save_tiny, summary, write_dir, write_file, write_mp4,
                        write_preview_webp)
 from .progress import WARN_AFTER_S, Progress, clock
 
@@ -43,13 +43,37 @@ def _generate_options(a) -> dict:
     return dict(device=a.device, dtype=a.dtype, attention=a.attention, gemm=a.gemm, act_format=a.act_format,
                 act_scale=a.act_scale, precision=a.precision, fc2=a.fc2, quantize=False if a.dense else None,
                 sparse_tau=a.sparse_tau, sparse_start=a.sparse_start, sparse_extra_tokens=a.sparse_extra_tokens,
-                sparse_min_tokens=a.sparse_min_tokens, first_block_cache=a.first_block_cache,
+                sparse_min_tokens=a.sparse_min_tokens, sparse_method=a.sparse_method,
+                sparse_keep_percent=a.sparse_keep_percent, sparse_end=a.sparse_end,
+                sparse_dense_blocks=a.sparse_dense_blocks, sparse_sinks=a.sparse_sinks,
+                first_block_cache=a.first_block_cache,
                 vram_budget=a.vram_budget, cpu_threads=a.cpu_threads)
 
 
-def generate_job(a):
-    """The runtime's validated job for generate's flags (no weight is read)."""
-    job = make_job(a.model, sampling=SamplingSettings(a.seed, a.steps, a.sampler, a.scheduler, a.denoise),
+def apply_preset(a, argv) -> tuple[float | None, float | None]:
+    """``--preset``: the preset's settings into the flags not given on the command line (``argv``) -> the preset's
+    (video, audio) shifts, or (None, None)."""
+    if not getattr(a, "preset", None):
+        return None, None
+    p = PRESETS[a.preset]
+    given = {x.split("=", 1)[0] for x in argv if x.startswith("--")}
+    for flag, name, value in (("--steps", "steps", p.steps), ("--sampler", "sampler", p.sampler),
+                              ("--attention", "attention", "sparse" if p.sparse else None)):
+        if flag not in given and value is not None:
+            setattr(a, name, value)
+    if p.sparse is not None and a.attention == "sparse":
+        for flag, name, value in (("--sparse-method", "sparse_method", p.sparse.method),
+                                  ("--sparse-keep-percent", "sparse_keep_percent", p.sparse.keep_percent)):
+            if flag not in given:
+                setattr(a, name, value)
+    return p.shift_video, p.shift_audio
+
+
+def generate_job(a, argv=()):
+    """The runtime's validated job for generate's flags (no weight is read); ``argv``: the command line (what
+    ``--preset`` leaves alone)."""
+    shifts = apply_preset(a, list(argv))
+    job = make_job(a.model, sampling=SamplingSettings(a.seed, a.steps, a.sampler, a.scheduler, a.denoise, *shifts),
                    files=JobFiles(a.text_states, a.text_tokens, a.inputs, a.payload, a.control, tuple(a.lora or ())),
                    canvas=Canvas(a.width, a.height, a.frames, a.snap), options=_generate_options(a),
                    measure=Measure(a.runs, a.warmup), tiny_seed=a.tiny_seed,
@@ -118,7 +142,7 @@ def warn_if_hours(job) -> float | None:
 def cmd_generate(a) -> int:
     if a.pipeline is not None or a.prompt is not None or a.first_frame is not None or a.last_frame is not None:
         return cmd_generate_prompt(a)
-    job = generate_job(a)  # every input validated before the (possibly long) model load
+    job = generate_job(a, a.argv)  # every input validated before the (possibly long) model load
     cpu_threads(job)
     warn_if_hours(job)
     res = run(job)
@@ -165,7 +189,7 @@ def cmd_generate_prompt(a) -> int:
     _check_prompt_flags(a)
     if a.model is None and Path(a.pipeline).is_dir():  # the folder's own transformer weights, read by our loader
         a.model = folder_transformer(a.pipeline)
-    job = generate_job(a)
+    job = generate_job(a, getattr(a, "argv", ()))
     folder = open_pipeline(a.pipeline, job.config, job.model.options.vram_budget)
     req = folder.request(a.prompt, a.first_frame, a.last_frame)
     device = job.model.device

@@ -98,6 +98,7 @@ def _dispatch(argv: list[str]) -> int:
     if argv and argv[0] == "generate":  # its flags check values against the runtime's choices: import it here,
         _import_commands()               # under the interrupt handler, not inside argparse
     a = build_parser().parse_args(argv)
+    a.argv = list(argv)  # the flags as given (generate's --preset fills only the ones not given)
     return getattr(_import_commands(), a.fn)(a)
 
 

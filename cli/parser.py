@@ -105,9 +105,10 @@ class OptionChoices:
         self.name = name
 
     def values(self) -> tuple:
-        from ..runtime import CHOICES, FC2_MODES, SPARSE_EXTRA_TOKENS_CHOICES
+        from ..runtime import CHOICES, FC2_MODES, SPARSE_EXTRA_TOKENS_CHOICES, SPARSE_METHODS, SPARSE_SINKS
 
-        extra = {"fc2": tuple(FC2_MODES), "sparse_extra_tokens": SPARSE_EXTRA_TOKENS_CHOICES}
+        extra = {"fc2": tuple(FC2_MODES), "sparse_extra_tokens": SPARSE_EXTRA_TOKENS_CHOICES,
+                 "sparse_method": SPARSE_METHODS, "sparse_sinks": SPARSE_SINKS}
         return extra[self.name] if self.name in extra else CHOICES[self.name]
 
     def __iter__(self):
@@ -168,9 +169,21 @@ def _lossy_args(g) -> None:
                                                       "sparse starts (default %(runtime_default)s)"),
             ("--sparse-min-tokens", "sparse_min_tokens", int, "sequences shorter than this stay dense with "
                                                               "--attention sparse (default %(runtime_default)s, "
-                                                              "core's)")):
-        action = g.add_argument(flag, type=kind, default=None, help=help)
+                                                              "core's)"),
+            ("--sparse-keep-percent", "sparse_keep_percent", float, "LOSSY, sla / vsa: percent of key blocks each "
+                                                                    "query block keeps (default "
+                                                                    "%(runtime_default)s, core's; FastH3: 10)"),
+            ("--sparse-end", "sparse_end", float, "LOSSY: fraction of the timestep range after which attention "
+                                                  "is dense again (default %(runtime_default)s)"),
+            ("--dense-blocks", "sparse_dense_blocks", str, "blocks that always run dense with --attention sparse, "
+                                                           "e.g. '0, 1, 47-49' (default: none, core's)")):
+        action = g.add_argument(flag, dest=name, type=kind, default=None, help=help)
         action.runtime_default = OptionDefault(name)
+    _runtime_arg(g, "--sparse-method", "sparse_method", "LOSSY, --attention sparse: core's Model Sparse "
+                 "Attention method: %(choices)s (default %(runtime_default)s; sla for SLA LoRAs, vsa for FastH3)",
+                 "METHOD")
+    _runtime_arg(g, "--sparse-sinks", "sparse_sinks", "LOSSY: core's sink_conditioning: %(choices)s (default "
+                 "%(runtime_default)s)", "MODE")
     _runtime_arg(g, "--sparse-extra-tokens", "sparse_extra_tokens", "LOSSY: exact extra tokens per 64-row query "
                  "block: %(choices)s (default %(runtime_default)s, core's)", "N", type=int)
     g.add_argument("--first-block-cache", type=float, default=None, metavar="THRESHOLD",
@@ -215,6 +228,10 @@ def _generate_parser(sub) -> None:
     g.add_argument("--steps", type=int, help="sampling steps, >= 1 (default: 8 small models, 20 full)")
     g.add_argument("--seed", type=int, default=440420, help="noise seed, 0 .. 2**64-1 (ComfyUI's range)")
     g.add_argument("--sampler", default="res_multistep", choices=["euler", "res_multistep"], help="sampler")
+    g.add_argument("--preset", default=None, choices=["fasth3"],
+                   help="a distilled checkpoint's settings, for the flags not given: fasth3 = 4 steps, euler, shifts "
+                        "12 / 3, --attention sparse --sparse-method vsa --sparse-keep-percent 10 (FastH3, trained "
+                        "with VSA)")
     g.add_argument("--scheduler", default="simple", choices=["simple"], help="sigma schedule")
     g.add_argument("--denoise", type=float, default=1.0, help="fraction of the schedule to run, in (0, 1]")
     g.add_argument("--runs", type=int, default=1, help="measured resident runs (the report gives their median)")

@@ -4,6 +4,9 @@ This module subclasses core's classes at import, so it is imported only inside a
 (``comfy.model_base.MiniMaxH3``): the loader imports it when it makes the MODEL output, and an ImportError here
 means that support is missing (the MODEL output is then ``core_model.UnavailableModel``).
 
+- ``H3CoreDiffusionModel`` is ``core_model.H3DiffusionModel`` and an instance of core's ``MiniMaxH3Model`` (none of
+  its weights built), so nodes that patch core's H3 blocks (core's Model Sparse Attention) record on it what
+  ``core_patches`` reads.
 - ``H3CoreModel`` is core's ``model_base.MiniMaxH3`` (its ``extra_conds``, audio carry in ``process_latent_in`` /
   ``_out``, inpainting, ``ModelSamplingAV``) whose diffusion model is ``core_model.H3DiffusionModel`` and that has
   no weights of its own. Its ``state_dict`` names every weight as core would (meta tensors), so core's LoRA loaders
@@ -20,6 +23,7 @@ means that support is missing (the MODEL output is then ``core_model.Unavailable
 from __future__ import annotations
 
 import torch
+from comfy.ldm.minimax.model import MiniMaxH3Model
 from comfy.model_base import MiniMaxH3
 from comfy.model_management import unet_offload_device
 from comfy.model_patcher import ModelPatcher
@@ -34,12 +38,18 @@ from .core_patches import TITLE, fun_patch_models
 CALLBACK_KEY = "h3_blackwell"
 
 
+class H3CoreDiffusionModel(H3DiffusionModel, MiniMaxH3Model):
+    """``H3DiffusionModel`` that is also an instance of core's ``MiniMaxH3Model`` (none of its weights are built):
+    nodes that patch core's H3 blocks find one (core's Model Sparse Attention installs its H3 block patches and
+    accepts vsa only then); ``core_patches`` reads what they record and the runtime runs it."""
+
+
 class H3CoreModel(MiniMaxH3):
     """core's MiniMaxH3 whose diffusion model is this pack's runtime (module docstring)."""
 
     def __init__(self, model_config, handle: RuntimeHandle, device=None):
         super().__init__(model_config, device=device)
-        self.diffusion_model = H3DiffusionModel(handle)
+        self.diffusion_model = H3CoreDiffusionModel(handle)
         self.h3_handle = handle
 
     def process_latent_out(self, latent):

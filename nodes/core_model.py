@@ -39,7 +39,8 @@ from ..runtime import (CallOptions, ControlHint, H3Conditioning, H3Error, LossyS
 from ._common import H3NodeError, node_error, optional_comfy_module
 from .conditioning import PAYLOAD_SOURCES, with_source
 from .control import PatchSource, prepare_hint
-from .core_patches import LORA_MODE, TITLE, check_patcher, check_transformer_options, lora_specs
+from .core_patches import (LORA_MODE, SPARSE_NODE, TITLE, check_patcher, check_transformer_options,
+                           core_sparse_settings, lora_specs, patcher_transformer_options)
 
 log = logging.getLogger("h3_blackwell")
 
@@ -125,6 +126,7 @@ class RuntimeHandle(ResidentModel):
         self.outputs: list = []  # latent_fingerprints of what core's process_latent_out handed out in the last run
         self.sampling, self._late_outputs = False, 0
         self.lossy = LossySettings()
+        self.sparse_node: dict | None = None  # core's Model Sparse Attention of the last run: its settings, what ran
         self.controlled: dict = {}  # (patch, cond, target) ids -> (patch, cond, cond with the control hint), per run
 
     def record_output(self, latent) -> None:
@@ -169,12 +171,29 @@ class RuntimeHandle(ResidentModel):
         except H3Error as e:
             raise node_error(TITLE, f"LoRA from the MODEL's patches (LoraLoaderModelOnly / LoraLoader): {e}") from e
         self.call.end_run()
-        self.lossy = LossySettings(to.get(SPARSE_TAU_KEY), to.get(FIRST_BLOCK_CACHE_KEY))
+        self.lossy = LossySettings(to.get(SPARSE_TAU_KEY), to.get(FIRST_BLOCK_CACHE_KEY),
+                                   self._core_sparse(rt, patcher_transformer_options(patcher)))
         self.pending, self.conds, self.controlled, self.outputs = True, [], {}, []
         self.sampling, self._late_outputs = True, 0
         if fun is None:
             self.towers, self.controlled = {}, {}  # a run without core's Fun ControlNet: its tower's memory goes
         self.measure()  # and side-path LoRAs hold device bytes of their own
+
+    def _core_sparse(self, rt, options):
+        """core's Model Sparse Attention on this MODEL -> the run's sparse settings, or None. As in core, the sparse
+        path needs bf16 on CUDA: on the CPU the node's settings are recorded and dense runs (unless the loader chose
+        attention=sparse, whose eager reference then runs them). On CUDA the kernels are bound at load, so a MODEL
+        loaded without attention=sparse is refused here, in one line."""
+        settings = core_sparse_settings(options)
+        self.sparse_node = None if settings is None else {**dataclasses.asdict(settings), "ran": "sparse"}
+        if settings is None or rt.sparse is not None:
+            return settings
+        if rt.device.type == "cpu":
+            self.sparse_node["ran"] = "dense: the sparse path is not eligible on the CPU (core's rule: bf16 on CUDA)"
+            return None
+        raise node_error(TITLE, f"{SPARSE_NODE} on the H3 MODEL needs H3 NVFP4 Model Loader with attention=sparse "
+                                f"(its kernels are bound at load; this model was loaded with attention="
+                                f"{rt.plan.attention}); set the loader's attention to sparse, or remove the node")
 
     def end_sampling(self) -> None:
         self.pending, self.sampling, self._late_outputs = False, False, 1
@@ -252,13 +271,23 @@ def _guarded(fn):
             mm.load_models_gpu(loaded)
 
 
+@dataclasses.dataclass(frozen=True)
+class _AttnView:
+    to_gate_compress: object
+
+
+@dataclasses.dataclass(frozen=True)
+class _BlockView:
+    attn: _AttnView
+
+
 class H3DiffusionModel(torch.nn.Module):
     """core's ``diffusion_model`` slot over the runtime (module docstring). Holds no parameters."""
 
     patch_size = (1, 2, 2)
 
     def __init__(self, handle: RuntimeHandle):
-        super().__init__()
+        torch.nn.Module.__init__(self)  # explicitly: core_classes' subclass also derives from core's MiniMaxH3Model
         self.handle = handle
         cfg = handle.config
         self.hidden_size, self.latents_dim, self.audio_latents_dim = (cfg.hidden_size, cfg.video_channels,
@@ -268,6 +297,13 @@ class H3DiffusionModel(torch.nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.handle.dtype
+
+    @property
+    def blocks(self) -> tuple:
+        """What nodes that patch core's H3 blocks read of them (core's Model Sparse Attention: one block patch per
+        block, and whether ``blocks[0].attn.to_gate_compress`` exists); the weights live in the runtime."""
+        gate = True if self.handle.config.gate_compress else None
+        return tuple(_BlockView(_AttnView(gate)) for _ in range(self.handle.config.num_layers))
 
     def preprocess_text_embeds(self, text_states: torch.Tensor) -> torch.Tensor:
         """core refines the text once in ``extra_conds``; the runtime refines it once per run in its plan (through
@@ -395,4 +431,6 @@ def run_report(model, latent_video, latent_audio, title: str) -> dict:
         rep = handle.call.report(latent_video, latent_audio, {"host": "comfyui core sampler"})
     except H3Error as e:
         raise node_error(title, str(e)) from e
+    if handle.sparse_node is not None:
+        rep["core_sparse_node"] = dict(handle.sparse_node)
     return rep

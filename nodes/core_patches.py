@@ -16,6 +16,14 @@
   still runs around the call (it prepares core's own hint latent), and the block patches, which only core's
   model code calls, are not called. Two Fun ControlNets on one MODEL, or a Fun block patch chained onto
   another pack's, are refused.
+- **Core's Model Sparse Attention** (``BlockSparseAttention``): it records an ``optimized_attention_override``
+  closure over its ``SparseAttnPatch`` (tau, topk_ratio, vsa, the sigma window frozen at apply, min_tokens,
+  dense_blocks, sink_conditioning, extra_tokens) and, on an H3 diffusion model, one block patch per block.
+  ``core_sparse_patch`` recognises exactly that; its settings (``core_sparse_settings``) become the run's sparse
+  settings in this pack's runtime (the closures, which only core's model code calls, are not called: the
+  node is neither ignored nor applied twice). Applied before core's Fun ControlNet, the two compose (the Fun
+  block patch chains the sparse one; the tower stays dense); applied after it, core's mainline node replaces the
+  Fun block patches and core would drop the control silently: refused, saying to apply it first.
 - **Refusals**: a patch that would change what the network computes and that the runtime cannot honour
   (``patches_replace`` entries, ``patches``, an attention override, a diffusion-model wrapper, object patches
   other than ``model_sampling``, weight hooks, a ControlNet) raises ONE H3NodeError naming the entry, where it
@@ -31,6 +39,7 @@ import tempfile
 
 import torch
 
+from ..runtime import SparseSettings
 from ._common import node_error, optional_comfy_module
 
 TITLE = "H3 MODEL"
@@ -55,6 +64,64 @@ _CORE_ROUTE = ("Load the same checkpoint with core's UNETLoader for that graph, 
 
 
 FUN_PATCH, FUN_BLOCK = "MiniMaxH3FunControlPatch", "MiniMaxH3FunControlBlockPatch"  # core's class names
+SPARSE_PATCH, SPARSE_NODE = "SparseAttnPatch", "Model Sparse Attention (BlockSparseAttention)"
+
+
+def _closure_value(fn, name: str):
+    """The value the closure ``fn`` holds under the free variable ``name``, or None."""
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
+    for var, cell in zip(getattr(code, "co_freevars", ()), cells):
+        if var == name:
+            try:
+                return cell.cell_contents
+            except ValueError:
+                return None
+    return None
+
+
+def _sparse_owner(fn):
+    """The SparseAttnPatch a core sparse closure (its attention override or an H3 block patch) was made for."""
+    patch = _closure_value(fn, "patch")
+    return patch if type(patch).__name__ == SPARSE_PATCH else None
+
+
+def core_sparse_patch(options: dict):
+    """Core's Model Sparse Attention recorded in ``transformer_options`` -> its SparseAttnPatch, or None. Refuses
+    an override it put on top of another pack's (core would fall back to that one on dense calls)."""
+    options = options or {}
+    override = options.get("optimized_attention_override")
+    patch = _sparse_owner(override) if override is not None else None
+    dit = (options.get("patches_replace") or {}).get("dit") or {}
+    for entry in dit.values():
+        owner = _sparse_owner(entry) or _sparse_owner(getattr(entry, "previous", None))
+        if owner is not None and patch is None:
+            patch = owner
+        if owner is not None and owner is not patch:
+            _refuse(f"two {SPARSE_NODE} nodes on one MODEL", "Apply one Model Sparse Attention node.")
+    if patch is not None and _closure_value(override, "previous") is not None:
+        _refuse(f"{SPARSE_NODE} on top of another attention override", "Remove the other attention node.")
+    return patch
+
+
+def core_sparse_settings(options: dict):
+    """The runtime's SparseSettings of core's Model Sparse Attention in ``options`` (its values as the node froze
+    them: the sigma window, VSA's extra_tokens 0), or None."""
+    p = core_sparse_patch(options)
+    if p is None:
+        return None
+    method = "vsa" if p.vsa else ("sla" if p.topk_ratio > 0 else "sol-attn")
+    keep = float(p.topk_ratio) * 100.0 if p.topk_ratio > 0 else SparseSettings.keep_percent
+    try:
+        return SparseSettings(method, float(p.tau), keep, dense_blocks=tuple(sorted(int(b) for b in p.dense_blocks)),
+                              min_tokens=int(p.min_tokens), extra_tokens=int(p.extra_tokens),
+                              sinks=str(p.sink_conditioning), sigma_start=float(p.sigma_start),
+                              sigma_end=float(p.sigma_end)).check()
+    except ValueError as e:
+        raise node_error(TITLE, f"{SPARSE_NODE}: {e}") from e
+
+
+def _is_sparse_entry(group, entry, patch) -> bool:
+    return patch is not None and group == "dit" and _sparse_owner(entry) is patch
 
 
 def _fun_owner(fn):
@@ -82,10 +149,14 @@ def fun_control_patch(options: dict):
     dit = (options.get("patches_replace") or {}).get("dit") or {}
     for layer in layers:
         entry = dit.get(("double_block", layer))
+        if _sparse_owner(entry) is not None:
+            _refuse(f"{SPARSE_NODE} was applied after MiniMaxH3FunControlNetApply: core's sparse node replaces the "
+                    f"Fun ControlNet's block patches (block {layer}), so the control would be dropped silently",
+                    "Apply Model Sparse Attention before the Fun ControlNet (the control tower runs dense either way).")
         if type(entry).__name__ != FUN_BLOCK or entry.control_patch is not patch:
             _refuse(f"the Fun ControlNet's block {layer} has no matching patches_replace['dit'][('double_block', "
                     f"{layer})] entry (found {type(entry).__name__})", _CORE_ROUTE + ".")
-        if entry.previous is not None:
+        if entry.previous is not None and _sparse_owner(entry.previous) is None:
             _refuse(f"the Fun ControlNet's block {layer} patch chains onto another block patch "
                     f"({type(entry.previous).__name__})", _CORE_ROUTE + ".")
     return patch
@@ -103,10 +174,11 @@ def check_transformer_options(options: dict):
     (``fun_control_patch``), or None."""
     options = options or {}
     fun = fun_control_patch(options)
+    sparse = core_sparse_patch(options)
     replace = options.get("patches_replace") or {}
     for group, entries in replace.items():
         for key, entry in (entries or {}).items():
-            if _is_fun_entry(group, entry, fun):
+            if _is_fun_entry(group, entry, fun) or _is_sparse_entry(group, entry, sparse):
                 continue
             _refuse(f"a block replacement patches_replace[{group!r}][{key!r}] (added by a MODEL patch node such as "
                     "another pack's block patch)", _CORE_ROUTE + ".")
@@ -114,7 +186,7 @@ def check_transformer_options(options: dict):
         if fns:
             _refuse(f"a model patch patches[{name!r}] (added by a MODEL patch node, e.g. an attention or block "
                     "patch)", _CORE_ROUTE + ".")
-    if options.get("optimized_attention_override") is not None:
+    if options.get("optimized_attention_override") is not None and sparse is None:
         _refuse("an attention override (optimized_attention_override, set by an attention node of another pack)",
                 "The loader's attention widget picks this pack's attention backends (sage2, sdpa, sparse, ...); "
                 "remove the override node, or use core's UNETLoader for it.")

@@ -19,8 +19,8 @@ import importlib
 import logging
 import os
 
-from ..runtime import CHOICES, FC2_MODES, H3Error, RuntimeOptions, open_model
-from ._common import CATEGORY, comfy_module, file_stamp, node_error, optional_comfy_module
+from ..runtime import CHOICES, FC2_MODES, SPARSE_METHODS, H3Error, RuntimeOptions, open_model
+from ._common import CATEGORY, comfy_module, file_stamp, keyword_inputs, node_error, optional_comfy_module
 from .core_model import RuntimeHandle, UnavailableModel
 
 TINY_CHOICE = "embedded tiny (seed 0)"
@@ -29,6 +29,7 @@ TINY_CHOICE = "embedded tiny (seed 0)"
 # with a deprecation note.
 GEMM_CHOICES = list(CHOICES["gemm"])
 ATTENTION_CHOICES = list(CHOICES["attention"])
+SPARSE_KEEP_PERCENT = RuntimeOptions.sparse_keep_percent
 FC2_CHOICES = list(FC2_MODES)
 
 # The model this node keeps resident: the inputs that determine it, its one owner (RuntimeHandle) and its MODEL
@@ -141,9 +142,22 @@ class H3ModelLoader:
                 "sampling starts less a margin, so the text encoder and VAE ComfyUI holds keep their room. Blocks "
                 "that do not fit stream from pinned host memory while the others compute (same latents); a budget "
                 "too small is refused naming the smallest that works")}),
+            "sparse_method": (list(SPARSE_METHODS), {"default": SPARSE_METHODS[0], "tooltip": (
+                "LOSSY, attention=sparse only: ComfyUI core's Model Sparse Attention method: sol-attn (training-free "
+                "threshold), sla (top-k, for SLA LoRAs), vsa (video cubes + the checkpoint's to_gate_compress, for "
+                "FastH3)")}),
+            "sparse_keep_percent": ("FLOAT", {"default": SPARSE_KEEP_PERCENT, "min": 0.5, "max": 95.0, "step": 0.5,
+                                              "tooltip": "sla / vsa: percent of key blocks each query block keeps "
+                                                         "(FastH3 was trained at 10)"}),
+            "dense_blocks": ("STRING", {"default": "", "tooltip": "blocks that always run dense with attention=sparse, "
+                                                                  "e.g. '0, 1, 47-49'"}),
         }}
 
-    def load(self, model: str, gemm: str, attention: str, fc2_lt: str, adaln_cache: bool, vram_budget: str = "auto"):
+    def load(self, model: str, gemm: str, attention: str, fc2_lt: str, adaln_cache: bool, vram_budget: str = "auto",
+             **sparse_widgets):
+        """ComfyUI's FUNCTION; ``sparse_widgets``: the optional sparse_method, sparse_keep_percent, dense_blocks."""
+        w = keyword_inputs(self, sparse_widgets)
+        sparse_method, sparse_keep_percent, dense_blocks = w["sparse_method"], w["sparse_keep_percent"], w["dense_blocks"]
         if fc2_lt not in FC2_CHOICES:
             raise node_error(self.TITLE, f"fc2_lt={fc2_lt!r}: expected one of {', '.join(FC2_CHOICES)}")
         if not isinstance(model, str) or not model:
@@ -165,7 +179,10 @@ class H3ModelLoader:
             stamp = (st.st_size, st.st_mtime_ns)
         try:
             options = RuntimeOptions.from_env(gemm=gemm, attention=attention, fc2=fc2_lt, adaln_cache=bool(adaln_cache),
-                                              vram_budget=str(vram_budget).strip() or "auto")
+                                              vram_budget=str(vram_budget).strip() or "auto",
+                                              sparse_method=sparse_method or None,
+                                              sparse_keep_percent=None if sparse_keep_percent is None
+                                              else float(sparse_keep_percent), sparse_dense_blocks=dense_blocks or "")
         except ValueError as e:
             raise node_error(self.TITLE, str(e)) from e
         key = (model, path, stamp, tuple(sorted(options.to_dict().items())))

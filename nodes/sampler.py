@@ -9,8 +9,10 @@ one message on this node.
 
 from __future__ import annotations
 
-from ..runtime import (ConditioningError, H3Error, Hooks, Interrupted, LossySettings, RuntimeOptions, SampleInputs,
-                       SamplingSettings, latent_to_rgb, nonfinite_message, tensor_job)
+import dataclasses
+
+from ..runtime import (SPARSE_METHODS, ConditioningError, H3Error, Hooks, Interrupted, LossySettings, RuntimeOptions,
+                       SampleInputs, SamplingSettings, latent_to_rgb, nonfinite_message, tensor_job)
 from ..runtime import run as run_job
 from ._common import CATEGORY, intermediate_device, keyword_inputs, node_error, optional_comfy_module
 from .conditioning import read_conditioning, with_source
@@ -18,6 +20,7 @@ from .latents import batch_index_of, pixel_frames, read_latent, read_noise_mask,
 
 SAMPLERS = ["euler", "res_multistep"]
 SPARSE_TAU = RuntimeOptions.sparse_tau  # core's default, written once in runtime/options.py
+SPARSE_KEEP_PERCENT = RuntimeOptions.sparse_keep_percent
 SCHEDULERS = ["simple"]
 
 
@@ -142,6 +145,11 @@ class H3Sampler:
             "first_block_cache": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1.0, "step": 0.01, "tooltip": (
                 "LOSSY step reuse (First-Block Cache): skip blocks 1.. when the first block's change is within this "
                 "relative L1 of the last computed step's; 0 = off (peers use 0.05-0.1)")}),
+            "sparse_method": (["loader"] + list(SPARSE_METHODS), {"default": "loader", "tooltip": (
+                "LOSSY, only when the loader's attention is sparse: this run's method (loader = the loader's); sla "
+                "with SLA LoRAs, vsa with FastH3")}),
+            "sparse_keep_percent": ("FLOAT", {"default": SPARSE_KEEP_PERCENT, "min": 0.5, "max": 95.0, "step": 0.5,
+                                              "tooltip": "sla / vsa (this run's method): percent of key blocks kept"}),
         }}
 
     def sample(self, model, positive, latent, **widgets):
@@ -174,7 +182,8 @@ class H3Sampler:
         settings = SamplingSettings(int(seed), int(steps), sampler, scheduler, float(denoise), float(shift_video),
                                     float(shift_audio), batch_index)
         lossy = LossySettings(float(sparse_tau) if getattr(model, "sparse", None) is not None else None,
-                              float(first_block_cache) if first_block_cache > 0 else None)
+                              float(first_block_cache) if first_block_cache > 0 else None,
+                              _run_sparse(model, w["sparse_method"], sparse_tau, w["sparse_keep_percent"]))
         job = _job(model, SampleInputs(text, tags, video, audio, payload), settings, self.TITLE, lossy=lossy,
                    hooks=Hooks(preview=preview, interrupt=interrupt),
                    progress=None if progress is None else (lambda: progress),
@@ -188,3 +197,13 @@ class H3Sampler:
         if res.report.get("latents_finite") is False:
             raise node_error(self.TITLE, nonfinite_message(res.report["nonfinite"]))
         return (sampled_latent(res.video, res.audio, latent), res.report)
+
+
+def _run_sparse(model, method, tau, keep_percent):
+    """This run's sparse settings from the sampler's widgets: None (the loader's) unless a method is chosen here
+    on a model loaded with attention=sparse (elsewhere the loader's attention runs and the widgets do nothing)."""
+    sparse = getattr(model, "sparse", None)
+    if sparse is None or method in (None, "", "loader"):
+        return None
+    keep = SPARSE_KEEP_PERCENT if keep_percent is None else float(keep_percent)
+    return dataclasses.replace(sparse.settings, method=method, tau=float(tau), keep_percent=keep)

@@ -19,7 +19,8 @@ from .model_spec import ModelSpec, open_model, runtime_options
 from .forward import ForwardJob, forward_job, run_forward
 # a resident model and sampling
 from .model.config import H3Config
-from .options import (CHOICES, FC2_MODES, SPARSE_EXTRA_TOKENS_CHOICES, LossySettings, Measure, RuntimeOptions,
+from .options import (CHOICES, FC2_MODES, SPARSE_EXTRA_TOKENS_CHOICES, SPARSE_METHODS, SPARSE_SINKS,
+                      SparseSettings, parse_dense_blocks, LossySettings, PRESETS, Measure, RuntimeOptions,
                       SamplingSettings, cpu_thread_count)
 from .plan import resolve_device
 from .load import H3Runtime, load_model
@@ -63,6 +64,7 @@ __all__ = [
     "forward_job", "run_forward",
     # a resident model, its options and sampling
     "load_model", "sample", "Runtime", "RuntimeOptions", "CHOICES", "FC2_MODES", "SPARSE_EXTRA_TOKENS_CHOICES",
+    "SPARSE_METHODS", "SPARSE_SINKS", "SparseSettings", "parse_dense_blocks", "PRESETS",
     "resolve_device", "ModelCall", "CallOptions", "weight_shapes", "ResidentModel",
     # a run's settings as values, passed whole from the request to the plan to the loop
     "SamplingSettings", "LossySettings", "Measure", "SampleInputs", "Hooks", "JobFiles", "Canvas", "Launch",

@@ -415,6 +415,7 @@ def load_model(path: str | Path | None = None, options: RuntimeOptions | None = 
         backends["fc2_lt"] = fc2_report
     dense, sparse = bind_attention(plan)
     base = build_ops(plan, sparse or dense, fc2)
+    base.sparse = sparse  # the blocks ask it which of them run sparse now
     ops = StreamOps(base, streamer, plan.memory.ffn_chunk_rows)
     rt = H3Runtime(model, plan, ops, backends, fc2=fc2, sparse=sparse, streamer=streamer,
                    attention=None if base.attends_exactly else dense)

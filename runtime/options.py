@@ -38,6 +38,10 @@ SPARSE_START = 0.2             # dense before this fraction of the timestep rang
 SPARSE_EXTRA_TOKENS = 256      # exact extra tokens per 64-row query block (comfy-kitchen's token_aug)
 SPARSE_EXTRA_TOKENS_CHOICES = (0, 64, 128, 192, 256)
 SPARSE_MIN_TOKENS = 12288      # shorter sequences stay dense
+SPARSE_METHODS = ("sol-attn", "sla", "vsa")   # core's "method" choices: tau threshold, SLA top-k, VSA cubes + gate
+SPARSE_KEEP_PERCENT = 10.0     # sla / vsa: percent of key blocks each query block keeps (FastH3 trained at 10)
+SPARSE_END = 1.0               # sparse until this fraction of the timestep range
+SPARSE_SINKS = ("exact_kv_and_rows", "exact_kv", "off")  # core's sink_conditioning (the first is its default)
 
 # the user-facing FC2 switch (CLI --fc2, the loader's fc2_lt widget) -> (fc2_lt, fc2_lt_strict); the first is the
 # default
@@ -131,6 +135,84 @@ def vram_budget_bytes(value) -> int | None:
                          "1 GB = 1e9 bytes)")
     return round(v * 1e9)  # the nearest byte: a value printed from a byte count (repr(n / 1e9)) reads back as n
 
+def parse_dense_blocks(text: str) -> tuple[int, ...]:
+    """core's dense_blocks text: '0, 1, 47-49' -> (0, 1, 47, 48, 49) (sorted; ranges either way round)."""
+    blocks = set()
+    for part in re.findall(r"\d+\s*-\s*\d+|\d+", text or ""):
+        if "-" in part:
+            a, b = (int(x) for x in part.split("-"))
+            blocks.update(range(min(a, b), max(a, b) + 1))
+        else:
+            blocks.add(int(part))
+    return tuple(sorted(blocks))
+
+
+@dataclass(frozen=True)
+class SparseSettings:
+    """ComfyUI core's "Model Sparse Attention" (``BlockSparseAttention``) settings, one value for a run.
+
+    method: sol-attn (threshold ``tau``) | sla (SLA top-k: ``keep_percent`` of the key blocks) | vsa (top-k over
+    4x4x4 video cubes plus the checkpoint's ``to_gate_compress`` coarse branch); start_percent / end_percent: the
+    window of the schedule that runs sparse (``sigma_start`` / ``sigma_end``: that window frozen to sigmas when
+    the settings were applied, as core's node does; None: from the percents and the run's video shift);
+    dense_blocks: block indices that always run dense; min_tokens: shorter sequences stay dense; extra_tokens:
+    comfy-kitchen's token_aug (VSA: 0, see ``token_aug``); sinks: core's sink_conditioning.
+    """
+
+    method: str = SPARSE_METHODS[0]
+    tau: float = SPARSE_TAU
+    keep_percent: float = SPARSE_KEEP_PERCENT
+    start_percent: float = SPARSE_START
+    end_percent: float = SPARSE_END
+    dense_blocks: tuple[int, ...] = ()
+    min_tokens: int = SPARSE_MIN_TOKENS
+    extra_tokens: int = SPARSE_EXTRA_TOKENS
+    sinks: str = SPARSE_SINKS[0]
+    sigma_start: float | None = None
+    sigma_end: float | None = None
+
+    @property
+    def vsa(self) -> bool:
+        return self.method == "vsa"
+
+    @property
+    def topk_ratio(self) -> float:
+        """The kernel's top-k fraction: 0 for sol-attn (tau threshold), keep_percent / 100 for sla and vsa."""
+        return 0.0 if self.method == "sol-attn" else self.keep_percent / 100.0
+
+    @property
+    def token_aug(self) -> int:
+        """The kernel's extra tokens: VSA forces 0 (its weights were trained against their own sparse pattern)."""
+        return 0 if self.vsa else self.extra_tokens
+
+    def check(self) -> "SparseSettings":
+        """Every field in core's ranges, else ValueError naming it (what was expected, what was found)."""
+        bad = None
+        if self.method not in SPARSE_METHODS:
+            bad = f"method={self.method!r}: expected one of {', '.join(SPARSE_METHODS)}"
+        elif not (0.0 <= self.tau and math.isfinite(self.tau)):
+            bad = f"tau={self.tau!r}: expected a finite number >= 0 (core: {SPARSE_TAU}, its widget 0..4)"
+        elif not 0.5 <= self.keep_percent <= 95.0:
+            bad = f"keep_percent={self.keep_percent!r}: expected 0.5..95 (core: {SPARSE_KEEP_PERCENT})"
+        elif not (0.0 <= self.start_percent <= 1.0 and 0.0 <= self.end_percent <= 1.0):
+            bad = f"start/end_percent={self.start_percent!r}/{self.end_percent!r}: expected fractions in [0, 1]"
+        elif self.extra_tokens not in SPARSE_EXTRA_TOKENS_CHOICES:
+            bad = (f"extra_tokens={self.extra_tokens!r}: expected one of "
+                   f"{', '.join(map(str, SPARSE_EXTRA_TOKENS_CHOICES))}")
+        elif self.sinks not in SPARSE_SINKS:
+            bad = f"sinks={self.sinks!r}: expected one of {', '.join(SPARSE_SINKS)}"
+        elif self.min_tokens < 0 or any(b < 0 for b in self.dense_blocks):
+            bad = f"min_tokens={self.min_tokens!r} / dense_blocks={self.dense_blocks!r}: expected numbers >= 0"
+        if bad:
+            raise ValueError(f"sparse attention setting {bad}")
+        return self
+
+    def describe(self) -> str:
+        """One line for plans and reports."""
+        how = f"tau {self.tau}" if self.method == "sol-attn" else f"keep {self.keep_percent:g}%"
+        return f"{self.method} ({how})"
+
+
 @dataclass
 class RuntimeOptions:
     """What the user asked for (the plan resolves it for the device and says why).
@@ -150,6 +232,9 @@ class RuntimeOptions:
     sparse_extra_tokens: exact extra tokens per 64-row query block (comfy-kitchen token_aug: 0, 64, ..., 256;
                 core's default 256)
     sparse_min_tokens: sequences shorter than this stay dense (core's min_tokens)
+    sparse_method / sparse_keep_percent / sparse_end / sparse_dense_blocks / sparse_sinks: core's node's method
+                (sol-attn | sla | vsa), keep percent (sla, vsa), end_percent, dense_blocks ("0, 1, 47-49") and
+                sink_conditioning (``SparseSettings``)
     first_block_cache: LOSSY step reuse (First-Block Cache) threshold on the first block's relative L1 change;
                 None = off; 0 = on but never reuses (exactly the uncached latents); peers use ~0.05-0.1
     gemm:       auto | native (Blackwell FP4) | fp8 (NVFP4 weights expanded to e4m3) | bf16 | emulated
@@ -191,6 +276,11 @@ class RuntimeOptions:
     sparse_start: float = SPARSE_START
     sparse_extra_tokens: int = SPARSE_EXTRA_TOKENS
     sparse_min_tokens: int = SPARSE_MIN_TOKENS
+    sparse_method: str = SPARSE_METHODS[0]
+    sparse_keep_percent: float = SPARSE_KEEP_PERCENT
+    sparse_end: float = SPARSE_END
+    sparse_dense_blocks: str = ""
+    sparse_sinks: str = SPARSE_SINKS[0]
     first_block_cache: float | None = None
     vram_budget: str = "auto"
     cpu_threads: str = "auto"
@@ -227,6 +317,7 @@ class RuntimeOptions:
         if self.sparse_min_tokens < 0:
             raise ValueError(f"option sparse_min_tokens={self.sparse_min_tokens!r}: expected >= 0 "
                              f"(core: {SPARSE_MIN_TOKENS})")
+        self.sparse_settings().check()
         fbc = self.first_block_cache
         if fbc is not None and not (0.0 <= fbc < float("inf")):
             raise ValueError(f"option first_block_cache={fbc!r}: expected None (off) or a finite number >= 0")
@@ -254,6 +345,12 @@ class RuntimeOptions:
         kw["ignored"] = {var: why for var, why in IGNORED_ENV.items() if var in env}
         kw.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**kw)
+
+    def sparse_settings(self) -> "SparseSettings":
+        """The sparse attention settings these options ask for (attention=sparse; a run may bring its own)."""
+        return SparseSettings(self.sparse_method, self.sparse_tau, self.sparse_keep_percent, self.sparse_start,
+                              self.sparse_end, parse_dense_blocks(self.sparse_dense_blocks), self.sparse_min_tokens,
+                              self.sparse_extra_tokens, self.sparse_sinks)
 
     # the two halves of `precision`, as the stack takes them
     @property
@@ -322,11 +419,13 @@ class SamplingSettings:
 @dataclass(frozen=True)
 class LossySettings:
     """One run's LOSSY speed settings (None: the load options'): the sparse routing threshold (attention=sparse
-    only) and the First-Block Cache threshold. Installed once per run on the model call
-    (``runtime.sampling.lossy``); the blocks never see them."""
+    only), the First-Block Cache threshold, and ``sparse``: the whole sparse attention settings of this run
+    (method, window, blocks, sinks; e.g. from core's Model Sparse Attention node), which replace the load's (and
+    ``sparse_tau``). Installed once per run on the model call (``runtime.sampling.lossy``)."""
 
     sparse_tau: float | None = None
     first_block_cache: float | None = None
+    sparse: SparseSettings | None = None
 
 
 @dataclass(frozen=True)
@@ -336,3 +435,26 @@ class Measure:
 
     runs: int = 1
     warmup: int = 0
+
+
+@dataclass(frozen=True)
+class Preset:
+    """What a distilled checkpoint was trained to run with (the CLI's ``--preset``; the FastH3 workflow): its step
+    count, sampler, flow shifts and the sparse attention it was trained against (attention=sparse with these
+    settings; None: dense)."""
+
+    name: str
+    steps: int
+    sampler: str
+    shift_video: float
+    shift_audio: float
+    sparse: SparseSettings | None = None
+
+
+# FastH3 (FastVideo's 4-step DMD2 student of H3, trained with VSA at 0.9 sparsity on 64-row tiles): 4 steps on the
+# uniform grid at the base shifts 12 / 3, core's vsa method at 10 % kept with the checkpoint's to_gate_compress;
+# the rest of core's node defaults (start 0.2: the first step dense)
+PRESETS: dict[str, Preset] = {
+    "fasth3": Preset("fasth3", 4, "euler", 12.0, 3.0, SparseSettings("vsa", keep_percent=10.0)),
+}
+

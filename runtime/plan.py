@@ -32,8 +32,7 @@ from .io.checkpoint import Checkpoint, open_checkpoint
 from .model.config import QUANT_LINEARS, TINY, H3Config
 from .ops.producer_tiles import BUILTIN as BUILTIN_TILES, ProducerTiles
 from .ops.registry import capability_table, resolve
-from .ops.sparse_attention import SparseSettings
-from .options import RuntimeOptions
+from .options import RuntimeOptions, SparseSettings
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FC2_NOT_APPLICABLE = "not applicable (act_format fp8)"
@@ -143,9 +142,7 @@ class LoadPlan:
 
     def sparse_settings(self) -> SparseSettings:
         """attention=sparse: the settings ``ops.sparse_attention.bind_sparse`` takes."""
-        o = self.options
-        return SparseSettings(tau=o.sparse_tau, extra_tokens=o.sparse_extra_tokens, start_percent=o.sparse_start,
-                              min_tokens=o.sparse_min_tokens)
+        return self.options.sparse_settings()
 
     @property
     def vram_budget(self) -> str:
@@ -298,10 +295,11 @@ def _sparse(options: RuntimeOptions, device: torch.device, cfg: H3Config, ch: di
     dense, dense_why = resolve("attention", device, "auto", head_dim=cfg.head_dim)
     ch["attention_dense"] = Choice(dense, "the sparse backend's dense steps (before sparse_start) and short "
                                           f"sequences: {dense_why}")
-    ch["sparse"] = Choice(f"tau {options.sparse_tau}", (
-        f"LOSSY: sparse from {options.sparse_start:.0%} of the schedule and from {options.sparse_min_tokens} rows, "
-        f"{options.sparse_extra_tokens} extra tokens per query block; conditioning rows exact for every query, "
-        "target-audio query rows dense"))
+    s = options.sparse_settings()
+    ch["sparse"] = Choice(s.describe(), (
+        f"LOSSY: sparse from {s.start_percent:.0%} to {s.end_percent:.0%} of the schedule and from {s.min_tokens} "
+        f"rows, {s.token_aug} extra tokens per query block, dense blocks {list(s.dense_blocks) or 'none'}, sinks "
+        f"{s.sinks}"))
     return dense
 
 

@@ -16,6 +16,11 @@
 #   bash scripts/device_session.sh S    comfy-kitchen from .whl (scripts/kitchen_carry.sh) + sparse GPU tests + the sparse
 #                                       rows of attention-h200.json (merged) + sage2 build; then Z on the warm machine:
 #   bash scripts/device_session.sh Z    the LOSSY sparse canonical (canonical-h200-sparse.json: dense, quality, FBCache)
+#   bash scripts/device_session.sh M    comfy-kitchen + sage2 (carried or built) + the sparse-method GPU tests (ours vs
+#                                       core's own nodes_sparse_attention.py: carry .core_cache) and the older sparse
+#                                       GPU tests; then N on the warm machine:
+#   bash scripts/device_session.sh N    bench/sparse_methods.py: canonical + turbo8 x dense, sol-attn, sla, vsa
+#                                       (-> $OUT/sparse-methods.json; SPARSE_ARGS passes e.g. --jobs canonical)
 #   bash scripts/device_session.sh T    every GPU test (sage2 built alongside the non-attention ones) + the tiny
 #                                       model generated twice on CUDA with the defaults
 #   bash scripts/device_session.sh R    the canonical job at BASE_TREE (default third_party/head: `git archive REV`) and
@@ -215,8 +220,25 @@ Z)  # sparse attention (issue 17), part 2: the sparse canonical (sage2 for the d
   sage_build_start; sage_build_wait
   canonical_sparse
   ;;
+M)  # core's sparse methods (issue 38), part 1: GPU tests (sage2 carried, or built while they run)
+  kitchen_unpack
+  if ls third_party/sage2-sm90/*.part-* >/dev/null 2>&1; then sage_unpack; else sage_build_start; fi
+  phase sparse-methods-gpu-tests
+  timeout 240 python3 -m pytest -q -s -m gpu tests/gpu/test_sparse_methods_gpu.py tests/gpu/test_sparse_attention_gpu.py \
+    -rs 2>&1 | grep -E "rel_l2|passed|failed|skipped|Error|assert" | tail -20 >> "$LOG"
+  [ -n "${SAGE:-}" ] && sage_build_wait
+  ;;
+N)  # core's sparse methods (issue 38), part 2: the bench (sage2 for the dense steps; a no-op where M ran here)
+  kitchen_unpack
+  python3 -c "import sageattention" 2>/dev/null || sage_unpack
+  phase "sparse-methods bench ${SPARSE_ARGS:-}"
+  # --merge keeps the rows of the tree's bench/results/sparse-methods.json (an earlier lease's other job)
+  case " ${SPARSE_ARGS:-} " in *" --merge "*) cp bench/results/sparse-methods.json "$OUT/" 2>>"$LOG" ;; esac
+  timeout "$(( 590 - SECONDS ))" python3 bench/sparse_methods.py --out "$OUT/sparse-methods.json" ${SPARSE_ARGS:-} \
+    2>&1 | grep -v "to_gate_compress" | tail -14 >> "$LOG"
+  ;;
 *)
-  echo "usage: $0 A|B|F|H|L|S|T|V|Z" >&2; exit 2
+  echo "usage: $0 A|B|F|G|H|L|M|N|R|S|T|V|Z" >&2; exit 2
   ;;
 esac
 phase done

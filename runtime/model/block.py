@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops.reference import exact_attention, rms_norm
+from ..ops.sparse_step import SparseBlockCall
 from .config import H3Config
 
 
@@ -39,9 +40,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.eps, dtype=dtype, device=device)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.eps, dtype=dtype, device=device)
         self.out_proj = nn.Linear(inner, cfg.hidden_size, bias=False, dtype=dtype, device=device)
-        if gate_compress:
-            # VSA gate; unused by the dense forward (kept so such checkpoints load)
-            self.to_gate_compress = nn.Linear(cfg.hidden_size, inner, bias=False, dtype=dtype, device=device)
+        # VSA's coarse-branch gate (FastH3 checkpoints); unused by the dense forward, read by the sparse path
+        self.to_gate_compress = (nn.Linear(cfg.hidden_size, inner, bias=False, dtype=dtype, device=device)
+                                 if gate_compress else None)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """The token refiner's attention: q/k RMSNorm, no RoPE, exact attention. (DiT blocks run theirs
@@ -97,10 +98,14 @@ class DiTBlock(nn.Module):
         [(start, stop, mod_row)]; cos/sin [S, rope_dim] fp32; ops: the BlockOps resolved at load
         (runtime.ops.reference.ReferenceOps, or runtime.ops.block_ops for the quantized ones); index: this block's number."""
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mod.chunk(6, dim=-1)
-        qkv = ops.qkv(index, self, x, shift_msa, scale_msa, segments)
-        qkv = ops.norm_rope_(self, qkv, cos, sin)
-        o = ops.attention(qkv)
-        del qkv
+        sparse = ops.sparse  # block-sparse attention (runtime.ops.sparse_attention) where this block runs it now
+        if sparse is not None and sparse.takes(index, x):
+            o = sparse.block_attention(self, SparseBlockCall(ops, index, x, shift_msa, scale_msa, segments, cos, sin))
+        else:
+            qkv = ops.qkv(index, self, x, shift_msa, scale_msa, segments)
+            qkv = ops.norm_rope_(self, qkv, cos, sin)
+            o = ops.attention(qkv)
+            del qkv
         ops.gate_add_(x, ops.out_proj(index, self, o), gate_msa, segments)
         del o
         rows = ops.ffn_chunk_rows or max(1, x.shape[0])  # row chunks when the memory budget asks

@@ -77,7 +77,7 @@ class _QuantizedOps(OpsState):
     def with_attention(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "_QuantizedOps":
         """A copy of these ops whose attention is ``fn`` (qkv [S, 3*H*D] -> [S, H*D]); everything else shared."""
         out = copy.copy(self)
-        out._attention = fn
+        out._attention, out.sparse = fn, None
         return out
 
     def attention(self, qkv):

@@ -24,7 +24,9 @@ class BlockOps(Protocol):
     binding write there, never through a wrapper); ffn_chunk_rows: the memory plan's FFN rows per chunk (None:
     all rows at once); fc2_dispatcher: the guarded FC2 path (None: the fallback GEMM); fc2_direct_calls: FC2
     GEMMs run without a dispatcher; act_scale: the activation-scale policy of NVFP4 activations (None: not
-    NVFP4); takes_amax_reduce: its producers take a dynamic amax that ``set_amax_reduce`` can route."""
+    NVFP4); takes_amax_reduce: its producers take a dynamic amax that ``set_amax_reduce`` can route; sparse: the
+    block-sparse attention bound at load (attention=sparse; None otherwise and on every ``with_attention`` copy,
+    whose attention is the one given)."""
 
     @property
     def name(self) -> str: ...
@@ -42,6 +44,8 @@ class BlockOps(Protocol):
     def act_scale(self) -> str | None: ...
     @property
     def takes_amax_reduce(self) -> bool: ...
+    @property
+    def sparse(self) -> Any: ...
 
     def with_attention(self, fn: AttentionFn) -> "BlockOps": ...
     def set_ffn_chunk_rows(self, rows: int | None) -> None: ...
@@ -66,6 +70,7 @@ class OpsState:
     fc2_direct_calls = 0
     act_scale: str | None = None
     takes_amax_reduce = False
+    sparse: Any = None  # the block-sparse attention (ops.sparse_attention.SparseStepAttention) the blocks consult
     amax_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property

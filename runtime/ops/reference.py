@@ -105,7 +105,7 @@ class ReferenceOps(OpsState):
         """New ops of the same kind (a copy: a subclass keeps its linears) whose attention is the bound ``fn``
         (normed qkv buffer [S, 3*H*D] -> [S, H*D]); everything else unchanged."""
         out = copy.copy(self)
-        out._attention = fn
+        out._attention, out.sparse = fn, None
         return out
 
     def qkv(self, i, blk, x, shift, scale, segs):

@@ -1,24 +1,15 @@
-"""Training-free sparse attention (Sol-Attn, comfy-kitchen's ``sol_attn``) over the packed H3 sequence. LOSSY.
+"""comfy-kitchen's sparse attention kernels for the packed H3 sequence (an OPTIONAL dependency, imported lazily:
+CUDA sm_80+, bf16, head_dim 128) and the ``sparse`` attention backend bound at load. LOSSY.
 
-What it computes (per head, on 64-row blocks of the packed sequence; :func:`sol_attention_reference`):
-
-- key block ``j`` is summarised by its mean key ``kc_j`` (centred by the mean over blocks ``k_mu``) and the
-  SUM of its values ``vc_j``; query block ``i`` by its mean query ``c_i``.
-- block score ``m_ij = c_i . (kc_j - k_mu) * scale * log2(e)``; threshold
-  ``thr_i = tau * sqrt(sum_d c_id^2 * var_j(kc_jd) * (scale * log2 e)^2 + 1e-6)``.
-- key block ``j`` is EXACT for query block ``i`` when ``m_ij > thr_i``, ``|i - j| <= 1``, ``j`` is a sink
-  block, or ``i`` is a dense query block. Every row of query block ``i`` then attends the exact blocks'
-  tokens (logits ``q_t . (k - k_mu)``) and one pooled term per other block (logit ``m_ij``, weight = the
-  block's row count, value ``vc_j / rows``), all in one base-2 softmax.
-
-Which blocks are sinks and dense, and which steps run sparse: ``ops.sparse_routing``.
-
-The fused kernel is comfy-kitchen's ``sol_attn`` (an OPTIONAL dependency, imported lazily): CUDA sm_80+
-(sm_90 included), bf16/fp16, head_dim 128. It reads q, k, v as ``[1, S, H, 128]`` strided views of the
-packed qkv buffer when its stride rules hold (last dim contiguous, 16-byte aligned base, strides of the
-other dims multiples of 8 elements); otherwise the views are copied and :class:`SolAttention` counts the
-copies. Its int8 internals and its ``token_aug`` extra tokens are not modelled by the reference (the
-reference is the ``token_aug = 0`` algorithm in fp32).
+- ``SolAttention``: the kernels bound once. ``chunked`` is what the blocks run (core's H3 path: pre-norm qkv
+  chunks into ``sol_attn_chunked``, q/k RMSNorm and RoPE inside, the pooled statistics carried per block);
+  ``__call__`` feeds ``sol_attn`` strided q/k/v views of a normed qkv buffer (the load-time probe; views that
+  break the kernel's stride rules are copied and counted).
+- ``sol_attention_reference``: the tau selection with a routing's sinks (``ops.sparse_routing``) on the eager
+  reference of every method (``ops.sparse_methods``: sol-attn, sla, vsa; the kernel's int8 arithmetic and
+  ``token_aug`` not modelled).
+- ``bind_sparse``: the step-aware backend (``ops.sparse_step.SparseStepAttention``) with the kernels on CUDA, the
+  eager reference on the CPU; ``sparse_check`` / ``choose_sparse``: whether it can run here, and why not.
 """
 
 from __future__ import annotations
@@ -26,17 +17,21 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 
 from ..errors import H3Error
-from .sparse_routing import (BLOCK, DEFAULT_EXTRA_TOKENS, DEFAULT_MIN_TOKENS, DEFAULT_START_PERCENT, DEFAULT_TAU,
-                             SparseRouting, SparseSchedule, routing_for_segments)
+from ..options import SparseSettings
+from .sparse_methods import KernelArgs, sol_reference
+from .sparse_routing import DEFAULT_EXTRA_TOKENS, SparseRouting, routing_for_segments
+from .sparse_step import SparseBlockCall, SparseStepAttention
 
 __all__ = [
     "SparseUnavailable",
     "SolAttention",
+    "SparseBlockCall",
+    "SparseSettings",
     "SparseStepAttention",
     "bind_sparse",
     "choose_sparse",
@@ -48,7 +43,6 @@ __all__ = [
 ]
 
 HEAD_DIM = 128                # the only head_dim the fused kernel takes
-_LOG2E = 1.4426950408889634
 # the fused kernel's dense query rows vs sol_attention_reference on random N(0,1) bf16 q/k/v
 PROBE_TOLERANCE = (0.1, "int8 q and k inside the kernel (comfy-kitchen: 'expect cos ~0.999', i.e. rel-L2 up to "
                         "~0.045); a broken kernel gives ~1")
@@ -62,68 +56,18 @@ class SparseUnavailable(H3Error):
 # reference
 # ---------------------------------------------------------------------------------------------
 
-def _block_sums(x: torch.Tensor, n: int) -> torch.Tensor:
-    """[T, H, D] -> [n, H, D]: sums over 64-row blocks (the last one ragged)."""
-    t = x.shape[0]
-    pad = n * BLOCK - t
-    if pad:
-        x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
-    return x.view(n, BLOCK, *x.shape[1:]).sum(1)
-
-
-def _block_stats(q, k, v, n, rows_per_block, log2s):
-    """Block summaries of fp32 [T, H, D] inputs: centroids, centred pooled keys, summed values, k_mu, thr/tau."""
-    lens = rows_per_block.view(n, 1, 1)
-    kc = _block_sums(k, n) / lens
-    k_mu = kc.mean(0, keepdim=True)                              # mean over blocks (not over tokens)
-    kcc = kc - k_mu
-    cen = _block_sums(q, n) / lens
-    var = (cen.pow(2) * kcc.pow(2).mean(0, keepdim=True)).sum(-1)   # [n, H]
-    spread = torch.sqrt(var * log2s * log2s + 1e-6)
-    return cen, kcc, _block_sums(v, n), k_mu, spread
-
-
 def sol_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, routing: SparseRouting, *,
                             scale: Optional[float] = None, query_blocks: int = 16) -> torch.Tensor:
-    """Sol-Attn (token_aug = 0) in fp32 for ``[S, H, D]`` (or ``[1, S, H, D]``) q, k, v of any strides.
-
-    Returns ``[S, H*D]`` fp32, head-major columns. ``query_blocks`` query blocks are computed at a time
-    (memory ``O(query_blocks * 64 * S * H)``). The algorithm is the module docstring's.
-    """
+    """Sol-Attn (token_aug = 0) in fp32 for ``[S, H, D]`` (or ``[1, S, H, D]``) q, k, v of any strides, with the
+    routing's tau, sinks and dense query rows (``sparse_methods.sol_reference``). Returns ``[S, H*D]`` fp32."""
     if q.dim() == 4:
         q, k, v = q[0], k[0], v[0]
     t, h, d = q.shape
     if k.shape != q.shape or v.shape != q.shape or t != routing.seq_len:
         raise H3Error(f"q, k, v must be [S, H, D] alike with S = routing.seq_len = {routing.seq_len}; found "
                       f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    n = routing.n_blocks
-    scale = d ** -0.5 if scale is None else float(scale)
-    log2s = scale * _LOG2E
-    qf, kf, vf = q.float(), k.float(), v.float()
-    rows = torch.full((n,), float(BLOCK), device=q.device)
-    rows[-1] = float(t - (n - 1) * BLOCK)
-    cen, kcc, vsum, k_mu, spread = _block_stats(qf, kf, vf, n, rows, log2s)
-    m = torch.einsum("ihd,jhd->hij", cen, kcc) * log2s              # [H, nq, nk] block scores
-    exact = (m > (routing.tau * spread).t().unsqueeze(-1)) | routing.forced_exact().to(q.device)
-    kh = (kf - k_mu).permute(1, 2, 0)                              # [H, D, T]: k - k_mu
-    vh = vf.permute(1, 0, 2)                                         # [H, T, D]
-    vc = vsum.permute(1, 0, 2)                                       # [H, n, D]
-    out = torch.empty(t, h, d, device=q.device)
-    key_block = torch.arange(t, device=q.device) // BLOCK
-    for i0 in range(0, n, query_blocks):
-        i1 = min(n, i0 + query_blocks)
-        r0, r1 = i0 * BLOCK, min(i1 * BLOCK, t)
-        qb = torch.arange(r0, r1, device=q.device) // BLOCK - i0     # query block of each row, local
-        ex_rows = exact[:, i0:i1][:, qb]                             # [H, r, n]
-        s_tok = torch.matmul(qf[r0:r1].permute(1, 0, 2), kh) * log2s  # [H, r, T]
-        s_tok = s_tok.masked_fill(~ex_rows[..., key_block], float("-inf"))
-        s_blk = m[:, i0:i1][:, qb].masked_fill(ex_rows, float("-inf"))  # [H, r, n]
-        top = torch.maximum(s_tok.amax(-1, keepdim=True), s_blk.amax(-1, keepdim=True))
-        p_tok, p_blk = torch.exp2(s_tok - top), torch.exp2(s_blk - top)
-        num = torch.matmul(p_tok, vh) + torch.matmul(p_blk, vc)
-        den = p_tok.sum(-1) + (p_blk * rows).sum(-1)
-        out[r0:r1] = (num / den.unsqueeze(-1)).permute(1, 0, 2)
-    return out.reshape(t, h * d)
+    args = KernelArgs(routing.tau, sink=routing.sink_blocks, sink_q=routing.dense_q_blocks)
+    return sol_reference(q, k, v, args, scale=scale, query_blocks=query_blocks).reshape(t, h * d)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,6 +183,17 @@ class SolAttention:
                                sink_q=list(routing.dense_q_blocks), token_aug=routing.token_aug)
         return out.view(s, heads * head_dim)
 
+    def chunked(self, produce, n: int, heads: int, freqs: torch.Tensor, norm_weights, state, args: KernelArgs,
+                eps: float):
+        """comfy-kitchen's chunked producer, called as core's H3 block path calls it: ``produce()`` yields the
+        pre-norm qkv chunks ([<=4096, 3*H*128] bf16) of ``n`` rows; the kernel applies q/k RMSNorm (``norm_weights``,
+        ``eps``) and RoPE (``freqs`` [1, n, 1, 48, 2, 2]). ``state``: this block's (kmean, vscale) from its last
+        sparse call, or None (cold). -> (out [1, n, H, 128] bf16, the next state)."""
+        km, vs = (None, None) if state is None else state
+        out, km, vs = self.ck.sol_attn_chunked(produce, n, heads, freqs, norm_weights, kmean=km, vscale=vs,
+                                               rope_eps=eps, **args.kernel_kwargs())
+        return out, (km, vs)
+
 
 # ---------------------------------------------------------------------------------------------
 # the step-aware backend the block stack calls
@@ -250,80 +205,6 @@ def reference_kernel(qkv: torch.Tensor, heads: int, head_dim: int, routing: Spar
     the sparse backend on the CPU, where every op runs its reference."""
     q, k, v = qkv.unflatten(1, (3, heads, head_dim)).unbind(1)
     return sol_attention_reference(q, k, v, routing, scale=scale).to(qkv.dtype)
-
-
-@dataclass
-class SparseStepAttention:
-    """``attention(qkv [S, 3*H*D]) -> [S, H*D]`` for the block stack: ``kernel`` with the run's routing on the
-    steps the schedule makes sparse, ``dense`` on the others. LOSSY on sparse steps. Bound once per load.
-
-    Per run: ``begin_run(segments, shift_video, tau)`` builds the routing from the packed layout and the schedule
-    from the video shift; per step: ``begin_step(i, sigma)`` with the MODEL sigma decides sparse or dense (the
-    context the sampler sets; nothing is re-derived per call). ``summary()`` is the report's block.
-    """
-
-    kernel: Any                   # SolAttention or reference_kernel: (qkv, heads, head_dim, routing) -> [S, H*D]
-    dense: Any                    # the dense backend, bound: qkv -> [S, H*D]
-    heads: int
-    head_dim: int
-    tau: float = DEFAULT_TAU
-    token_aug: int = DEFAULT_EXTRA_TOKENS
-    start_percent: float = DEFAULT_START_PERCENT
-    min_tokens: int = DEFAULT_MIN_TOKENS
-    kernel_name: str = ""
-    dense_name: str = ""
-    routing: Optional[SparseRouting] = None
-    schedule: Optional[SparseSchedule] = None
-    sparse_now: bool = False
-    steps: list = field(default_factory=list)
-    calls: dict = field(default_factory=lambda: {"sparse": 0, "dense": 0})
-
-    def begin_run(self, segments: Sequence[tuple[int, int, str]], shift_video: float,
-                  tau: Optional[float] = None) -> None:
-        """Routing and schedule of one sampling run (``tau``: this run's, default the bound one)."""
-        self.routing = routing_for_segments(segments, tau=self.tau if tau is None else float(tau),
-                                            token_aug=self.token_aug)
-        self.schedule = SparseSchedule(float(shift_video), self.start_percent, 1.0, self.min_tokens)
-        self.steps = []
-        self.calls = {"sparse": 0, "dense": 0}
-        self.sparse_now = False
-
-    def begin_step(self, step: int, sigma: float) -> None:
-        if self.routing is None:
-            raise H3Error("sparse attention: begin_run(segments, shift) must come before begin_step (no routing yet)")
-        reason = self.schedule.dense_reason(sigma, self.routing.seq_len)
-        self.sparse_now = reason is None
-        self.steps.append({"step": step, "sigma": float(sigma), "sparse": self.sparse_now,
-                           **({} if reason is None else {"dense_because": reason})})
-
-    def end_run(self) -> None:
-        """Back to dense until the next begin_run (a forward outside a sampling run stays exact-path dense)."""
-        self.sparse_now = False
-
-    def __call__(self, qkv: torch.Tensor) -> torch.Tensor:
-        if self.sparse_now and qkv.shape[0] == self.routing.seq_len:
-            self.calls["sparse"] += 1
-            return self.kernel(qkv, self.heads, self.head_dim, self.routing)
-        self.calls["dense"] += 1
-        return self.dense(qkv)
-
-    def summary(self) -> dict:
-        """Report fields: what ran, the routing, the schedule switch, which steps were sparse, calls, copies."""
-        r, sch = self.routing, self.schedule
-        out = {"lossy": True, "kernel": self.kernel_name, "dense_backend": self.dense_name,
-               "tau": self.tau if r is None else r.tau, "extra_tokens": self.token_aug,
-               "start_percent": self.start_percent, "min_tokens": self.min_tokens,
-               "sparse_steps": [s["step"] for s in self.steps if s["sparse"]],
-               "dense_steps": [s["step"] for s in self.steps if not s["sparse"]], "calls": dict(self.calls)}
-        if sch is not None:
-            out["sparse_at_or_below_sigma"] = sch.sigma_start
-        if r is not None:
-            out.update(sink_blocks=list(r.sink_blocks), dense_query_blocks=list(r.dense_q_blocks),
-                       sink_rows=list(r.sink_rows()), dense_query_rows=list(r.dense_rows()))
-        copies = getattr(self.kernel, "copies", None)
-        if copies is not None:
-            out["qkv_copies"] = dict(copies)
-        return out
 
 
 def sparse_check(device: torch.device | str, *, head_dim: int = HEAD_DIM, dtype: torch.dtype = torch.bfloat16,
@@ -355,29 +236,15 @@ def choose_sparse(device: torch.device | str, *, head_dim: int = HEAD_DIM, dtype
     return "sparse", why
 
 
-@dataclass(frozen=True)
-class SparseSettings:
-    """What the load binds the sparse backend with (the plan's ``sparse_settings``): the routing threshold
-    ``tau``, the extra tokens per routed block, the dense fraction of the schedule and the fewest rows that go
-    sparse."""
-
-    tau: float = DEFAULT_TAU
-    extra_tokens: int = DEFAULT_EXTRA_TOKENS
-    start_percent: float = DEFAULT_START_PERCENT
-    min_tokens: int = DEFAULT_MIN_TOKENS
-
-
 def bind_sparse(device: torch.device | str, dtype: torch.dtype, heads: int, head_dim: int, dense, dense_name: str,
                 settings: SparseSettings = SparseSettings()) -> SparseStepAttention:
-    """The sparse backend bound once at load: comfy-kitchen's kernel on CUDA (reference on the CPU) plus the
-    bound ``dense`` backend for the dense steps."""
+    """The sparse backend bound once at load: comfy-kitchen's kernels on CUDA (the eager reference on the CPU)
+    plus the bound ``dense`` backend for every dense call."""
     device = torch.device(device)
     if device.type == "cpu":
-        kernel, name = reference_kernel, "fp32 reference (sol_attention_reference)"
+        kernel, name = None, "fp32 reference (sparse_methods.sol_reference)"
     else:
         kernel = SolAttention.resolve(device, head_dim, dtype)
-        name = f"comfy-kitchen {kernel.version} sol_attn"
-    return SparseStepAttention(kernel, dense, heads, head_dim, tau=float(settings.tau),
-                               token_aug=int(settings.extra_tokens), start_percent=float(settings.start_percent),
-                               min_tokens=int(settings.min_tokens), kernel_name=name,
+        name = f"comfy-kitchen {kernel.version} sol_attn_chunked"
+    return SparseStepAttention(kernel, dense, heads, head_dim, settings.check(), kernel_name=name,
                                dense_name=dense_name)

@@ -51,7 +51,7 @@ class _FromInner:
 # The BlockOps members (runtime.ops.interface) a wrapper takes from the ops it wraps unless its class overrides them:
 # the declared state and the block's operations. Everything else is neither read nor written through a wrapper.
 DELEGATED = ("name", "attends_exactly", "base", "ffn_chunk_rows", "fc2_dispatcher", "fc2_direct_calls", "act_scale",
-             "takes_amax_reduce", "status", "qkv", "norm_rope_", "attention", "out_proj", "gate_add_", "fc1", "fc2")
+             "takes_amax_reduce", "sparse", "status", "qkv", "norm_rope_", "attention", "out_proj", "gate_add_", "fc1", "fc2")
 for _member in DELEGATED:
     setattr(OpsWrapper, _member, _FromInner(_member))
 del _member

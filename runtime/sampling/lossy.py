@@ -14,11 +14,12 @@ Neither works with sequence parallelism yet (a rank sees its rows only); that is
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
 from ..errors import H3Error
-from ..options import LossySettings
+from ..options import LossySettings, SparseSettings
 from .step_cache import FirstBlockCache
 
 
@@ -30,11 +31,11 @@ def tower_ops(rt):
 
 @dataclass
 class LossyRun:
-    """sparse: the runtime's SparseStepAttention or None; cache: a FirstBlockCache or None; tau: this call's."""
+    """sparse: the runtime's SparseStepAttention or None; cache: a FirstBlockCache or None; settings: this run's sparse settings."""
 
     sparse: object | None
     cache: FirstBlockCache | None
-    tau: Optional[float] = None
+    settings: Optional[SparseSettings] = None  # this run's sparse settings (None: the load's)
     cache_runs: list = field(default_factory=list)
     step: int = 0  # the run's current step (the model call's index in the run): the cache's step
 
@@ -43,19 +44,25 @@ class LossyRun:
         """The context of one sampling run, or None when no lossy option is on."""
         sparse_tau = settings.sparse_tau
         threshold = rt.plan.first_block_cache if settings.first_block_cache is None else settings.first_block_cache
-        if sparse_tau is not None and rt.sparse is None:
-            raise H3Error(f"sparse_tau={sparse_tau} was given but the model was loaded with attention="
-                          f"{rt.plan.attention}; load it with attention=sparse (or drop sparse_tau)")
+        given = "sparse settings" if settings.sparse is not None else f"sparse_tau={sparse_tau}"
+        if (sparse_tau is not None or settings.sparse is not None) and rt.sparse is None:
+            raise H3Error(f"{given} were given but the model was loaded with attention={rt.plan.attention}; load "
+                          "it with attention=sparse (the sparse kernels are bound at load), or drop them")
         if rt.sparse is None and threshold is None:
             return None
         if parallel is not None:
             raise H3Error("sparse attention and the First-Block Cache do not run under sequence parallelism yet; "
                           "load with another attention backend and leave first_block_cache off, or run on one GPU")
-        return cls(rt.sparse, None if threshold is None else FirstBlockCache(threshold), sparse_tau)
+        run = settings.sparse
+        if run is None and sparse_tau is not None:
+            run = dataclasses.replace(rt.sparse.settings, tau=float(sparse_tau))
+        return cls(rt.sparse, None if threshold is None else FirstBlockCache(threshold), run)
 
     def begin_run(self, plan, shift_video: float) -> None:
         if self.sparse is not None:
-            self.sparse.begin_run(plan.layout.segments, shift_video, self.tau)
+            lay = plan.layout
+            self.sparse.begin_run(lay.segments, (lay.latent_t, lay.lat_h // 2, lay.lat_w // 2), shift_video,
+                                  self.settings)
         if self.cache is not None:
             self.cache.reset()
 

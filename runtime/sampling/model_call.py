@@ -118,12 +118,18 @@ class _Run:
 @dataclass(frozen=True)
 class CallOptions:
     """What a call takes besides its tensors (core's ``transformer_options`` and payload): the (video, audio) flow
-    shifts (None: the model's), the audio carry's scale (1: no carry; ``schedule.audio_scale``), and the sigma
-    a Fun ControlNet's window is tested on (core's ``transformer_options["sigmas"][0]``; None: the call's)."""
+    shifts (None: the model's), the audio carry's scale (1: no carry; ``schedule.audio_scale``), the sigma
+    a Fun ControlNet's window is tested on (core's ``transformer_options["sigmas"][0]``; None: the call's), and
+    the video sigma the audio carry computes with, a 0-d fp32 tensor on the model's device (None: the call's
+    sigma). A sampler that derives the model sigma from its own schedule on the device (``model_sigma`` of a
+    device tensor; CUDA divides by a scalar as a multiply by its reciprocal, so the value can differ by an ulp
+    from the host's, which keys the plan) passes that tensor here: the carry then uses the device's value and
+    the plan the host's, as the runtime's sampler has always done."""
 
     shifts: tuple | None = None
     audio_scale: float = 1.0
     window_sigma: float | None = None
+    carry_sigma: torch.Tensor | None = None
 
 
 def _peaks(device) -> tuple[int | None, int | None]:
@@ -169,7 +175,7 @@ class ModelCall:
     def _start_clock(self) -> None:
         """Zero the run's FC2 counters, peak memory and clock (again after ``prepare`` built the plan)."""
         rt, run = self.rt, self.run
-        run.direct0 = getattr(rt.ops, "fc2_direct_calls", 0)
+        run.direct0 = rt.ops.fc2_direct_calls
         if rt.fc2 is not None:
             rt.fc2.begin_run()
         if rt.device.type == "cuda":
@@ -198,7 +204,7 @@ class ModelCall:
         run.peaks = _peaks(rt.device)
         counts = rt.fc2.end_run() if rt.fc2 is not None else {"attempts": 0, "successes": 0, "fallbacks": 0}
         run.fc2 = {k: counts[k] for k in ("attempts", "successes", "fallbacks")}
-        run.fc2["direct_calls"] = getattr(rt.ops, "fc2_direct_calls", 0) - run.direct0
+        run.fc2["direct_calls"] = rt.ops.fc2_direct_calls - run.direct0
         if run.lossy is not None:
             run.lossy.end_run(True)
         # the plans (modulation rows of every scheduled sigma) are freed as the run ends; the report keeps a summary
@@ -246,7 +252,8 @@ class ModelCall:
         if lossy is not None:
             lossy.begin_step(run.calls, float(sm))
         self._mark_start()
-        out = self._evaluate(plan, i, video, audio, sm, options.audio_scale, shifts)
+        s_dev = options.carry_sigma if options.carry_sigma is not None else sm
+        out = self._evaluate(plan, i, video, audio, s_dev, options.audio_scale, shifts)
         if plan.control is not None and plan.control.active[i]:
             run.control = plan.control
             run.control_calls += 1
@@ -257,8 +264,8 @@ class ModelCall:
         return out[0].float().to(video.device), out[1].float().to(video.device)
 
     def _evaluate(self, plan, i: int, video, audio, sm, scale: float, shifts):
-        """The network at step i of ``plan`` on the model's device, the audio carried in and out when ``scale``
-        != 1 -> (video velocity, carried audio velocity)."""
+        """The network at step i of ``plan`` on the model's device, the audio carried in and out at video sigma
+        ``sm`` (0-d fp32) when ``scale`` != 1 -> (video velocity, carried audio velocity)."""
         dev = self.rt.device
         xv = video.to(dev, torch.float32)
         y = audio.to(dev, torch.float32)

@@ -171,7 +171,10 @@ def _steps(call: ModelCall, inputs: SampleInputs, sampler: str, start: _Start, c
             raise Interrupted(f"interrupted before step {i + 1} of {steps}")
         s = on_dev[i]
         xv_in, y_in = inpaint.model_input(s, xv, y, shifts, scale) if inpaint is not None else (xv, y)
-        vv, vy = call(xv_in, y_in, model_sigma(sigmas[i]), inputs.text, inputs.tags, start.cond, options, control)
+        # the plan is keyed by the host's model sigma, the audio carry computes with the device's (CallOptions)
+        step_options = dataclasses.replace(options, carry_sigma=model_sigma(s)) if start.scale != 1.0 else options
+        vv, vy = call(xv_in, y_in, model_sigma(sigmas[i]), inputs.text, inputs.tags, start.cond, step_options,
+                      control)
         den = [xv_in - vv * s, y_in - vy * s]
         if inpaint is not None:
             den = list(inpaint.denoised(*den))

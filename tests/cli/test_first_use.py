@@ -171,43 +171,39 @@ def test_a_fast_step_says_nothing_about_its_blocks(monkeypatch, capsys):
     assert capsys.readouterr().err == ""
 
 
+class Recorder:
+    """A progress object with ``block``: the steps and the (step, block, blocks) triples it was given."""
+
+    def __init__(self):
+        self.steps, self.seen = [], []
+
+    def __call__(self, done, total):
+        self.steps.append(done)
+
+    def block(self, step, done, total):
+        self.seen.append((step, done, total))
+
+
 def test_the_runtime_reports_every_block_of_every_step():
-    seen, steps = [], []
-
-    class Recorder:
-        def __call__(self, done, total):
-            steps.append(done)
-
-        def block(self, step, done, total):
-            seen.append((step, done, total))
-
     rt = load_model(None, RuntimeOptions(device="cpu"))
     n = rt.config.num_layers
     rec = Recorder()
     sample(rt, SampleInputs(torch.randn(1, 8, rt.config.text_dim), None, torch.zeros(1, 24, 2, 4, 4),
                             torch.zeros(1, 32, 2, 5)),
            SamplingSettings(seed=1, steps=2), hooks=Hooks(progress=rec, block=rec.block))
-    assert steps == [1, 2]
-    assert seen == [(i, j, n) for i in range(2) for j in range(1, n + 1)]
+    assert rec.steps == [1, 2]
+    assert rec.seen == [(i, j, n) for i in range(2) for j in range(1, n + 1)]
 
 
 def test_a_job_hands_its_progress_blocks_to_the_sampler():
     """run(job): a progress object with ``block`` (the CLI's Progress) gets every block; a plain step callback
     (the nodes') gets the steps only."""
-    seen, steps = [], []
-
-    class Recorder:
-        def __call__(self, done, total):
-            steps.append(done)
-
-        def block(self, step, done, total):
-            seen.append((step, done, total))
-
+    rec = Recorder()
     job = make_job(None, sampling=SamplingSettings(seed=1, steps=2), options={"device": "cpu"},
-                   launch=Launch(progress=Recorder))
+                   launch=Launch(progress=lambda: rec))
     run(job)
     n = job.config.num_layers
-    assert steps == [1, 2] and seen == [(i, j, n) for i in range(2) for j in range(1, n + 1)]
+    assert rec.steps == [1, 2] and rec.seen == [(i, j, n) for i in range(2) for j in range(1, n + 1)]
     plain = []
     run(make_job(None, sampling=SamplingSettings(seed=1, steps=2), options={"device": "cpu"},
                  launch=Launch(progress=lambda: (lambda done, total: plain.append(done)))))

@@ -13,7 +13,8 @@ API (no pytest needed here; ``tests/comfyui/conftest.py`` wraps it in fixtures):
 
 ``make_base_dir(tmp)`` lays out a base directory OUTSIDE the repository: ``custom_nodes/h3-blackwell`` (a symlink
 to this checkout, the folder name the README uses), ``custom_nodes/h3b_test_probe`` (tests/comfyui/probe_nodes.py:
-nodes that save a LATENT to a file and make test inputs), and ``models/``, ``input/``, ``output/``.
+nodes that save a LATENT to a file and make test inputs), core's newer ``nodes_sparse_attention.py`` where it is cached
+(tests/fixtures/core_src.py; never in git), and ``models/``, ``input/``, ``output/``.
 """
 
 from __future__ import annotations
@@ -72,6 +73,11 @@ def make_base_dir(base: Path, pack: Path = REPO) -> Path:
     probe = base / "custom_nodes" / PROBE_DIR_NAME
     probe.mkdir()
     shutil.copy(Path(__file__).with_name("probe_nodes.py"), probe / "__init__.py")
+    from fixtures.core_src import core_file  # tests/ is on the path (tests/conftest.py)
+
+    sparse = core_file()
+    if sparse is not None:  # core's Model Sparse Attention (newer than the vendored core), as a custom node file
+        shutil.copy(sparse, base / "custom_nodes" / "core_nodes_sparse_attention.py")
     return base
 
 

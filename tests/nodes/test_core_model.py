@@ -264,6 +264,13 @@ def _fake_core(monkeypatch):
     utils = types.ModuleType("comfy.utils")
     wa = types.ModuleType("comfy.weight_adapter")
     ext = types.ModuleType("comfy.patcher_extension")
+    ldm = types.ModuleType("comfy.ldm.minimax.model")
+
+    class MiniMaxH3Model(torch.nn.Module):  # core's DiT class (its construction builds the weights; never called)
+        def __init__(self, *args, **kwargs):
+            raise AssertionError("core's MiniMaxH3Model.__init__ must not run for the H3 MODEL")
+
+    ldm.MiniMaxH3Model = MiniMaxH3Model
 
     class MiniMaxH3(torch.nn.Module):
         def __init__(self, model_config, model_type=None, device=None):
@@ -368,10 +375,11 @@ def _fake_core(monkeypatch):
     wa.LoRAAdapter = LoRAAdapter
     mods = {"comfy": comfy, "comfy.model_base": mb, "comfy.model_patcher": mp, "comfy.supported_models": sm,
             "comfy.model_management": mm, "comfy.utils": utils, "comfy.weight_adapter": wa,
-            "comfy.patcher_extension": ext}
+            "comfy.patcher_extension": ext, "comfy.ldm": types.ModuleType("comfy.ldm"),
+            "comfy.ldm.minimax": types.ModuleType("comfy.ldm.minimax"), "comfy.ldm.minimax.model": ldm}
     for k, v in mods.items():
         monkeypatch.setitem(sys.modules, k, v)
-        if "." in k:
+        if k.count(".") == 1:
             setattr(comfy, k.split(".", 1)[1], v)
     # core_classes subclasses core's classes at import: imported afresh over these stand-ins, dropped afterwards
     monkeypatch.setitem(sys.modules, CORE_CLASSES, None)
@@ -1045,3 +1053,89 @@ def test_a_dropped_fun_tower_is_freed(runtimes):
     handle.begin_sampling(_patcher())
     gc.collect()
     assert len(rt.plan.towers) == 0 and handle.size == rt.device_bytes()
+
+
+# ---------------------------------------------------------------------------------------------
+# core's Model Sparse Attention on the H3 MODEL (the stand-in: tests/fixtures/core_sparse.py)
+# ---------------------------------------------------------------------------------------------
+
+def _core_h3_class():
+    return sys.modules["comfy.ldm.minimax.model"].MiniMaxH3Model
+
+
+def test_core_sparse_node_on_the_cpu_records_its_settings_and_runs_dense(core):
+    """On the CPU the sparse path is not eligible (core: bf16 on CUDA), so dense runs, as in core; the MODEL records
+    the node's settings (its window frozen at apply) and the run report says what ran. The node finds core's H3
+    class (its block patches are installed) and vsa is accepted."""
+    from fixtures import core_sparse
+
+    _, rt = core
+    patcher = make_core_model(rt)
+    assert isinstance(patcher.model.diffusion_model, _core_h3_class())
+    plain = _run(patcher, _t2va(rt))
+    for method in ("sla", "vsa"):
+        m, patch = core_sparse.apply(patcher, _core_h3_class(), method=method, keep_percent=12.5,
+                                     dense_blocks="0, 2", start_percent=0.3)
+        dit = m.model_options["transformer_options"]["patches_replace"]["dit"]
+        assert sorted(dit) == [("double_block", i) for i in range(rt.config.num_layers)]
+        out = _run(m, _t2va(rt))
+        assert torch.equal(out[0], plain[0]) and torch.equal(out[1], plain[1])       # dense, exactly
+        node = m.model.h3_handle.sparse_node
+        assert (node["method"], node["keep_percent"], node["dense_blocks"]) == (method, 12.5, (0, 2))
+        assert node["sigma_start"] == patch.sigma_start and node["extra_tokens"] == (0 if method == "vsa" else 256)
+        assert node["ran"].startswith("dense") and "CPU" in node["ran"]
+    rep = cm.run_report(m, out[0], out[1], "t")
+    assert rep["core_sparse_node"]["method"] == "vsa"
+
+
+def test_core_sparse_node_runs_the_runtime_sparse_path_with_its_settings(tmp_path, monkeypatch):
+    """A MODEL loaded with attention=sparse: the node's settings (not the loader's) are the run's: method, frozen
+    window, dense blocks; neither ignored nor applied twice (one sparse call per sparse block, by the runtime)."""
+    from fixtures import core_sparse
+
+    _fake_core(monkeypatch)
+    path = save_tiny(tmp_path / "s.safetensors", TINY, seed=2, dtype=torch.float32)
+    rt = load_model(str(path), RuntimeOptions.from_env(**{**DENSE, "attention": "sparse", "sparse_min_tokens": 0}))
+    patcher = make_core_model(rt)
+    m, patch = core_sparse.apply(patcher, _core_h3_class(), method="sla", keep_percent=20.0, dense_blocks="1",
+                                 min_tokens=0, start_percent=0.1)
+    _run(m, _t2va(rt))
+    sa = rt.sparse.summary()
+    assert (sa["method"], sa["keep_percent"], sa["dense_blocks"]) == ("sla", 20.0, [1])
+    assert sa["sparse_at_or_below_sigma"] == patch.sigma_start and sa["calls"]["sparse"] == 2   # blocks 0, 2; 1 call
+    assert m.model.h3_handle.sparse_node["ran"] == "sparse"
+
+
+def test_core_sparse_node_refusals_and_order_with_the_fun_controlnet(core, monkeypatch):
+    """Refused in one line: on CUDA without attention=sparse at load; after core's Fun ControlNet (mainline
+    overwrites its block patches: core would drop the control silently); over another attention override. Applied
+    before the Fun ControlNet (whose block patch chains it), the two compose."""
+    from fixtures import core_sparse
+
+    _, rt = core
+    patcher = make_core_model(rt)
+    m, patch = core_sparse.apply(patcher, _core_h3_class(), method="sol-attn")
+    to = m.model_options["transformer_options"]
+    assert cp.check_transformer_options(to) is None and cp.core_sparse_settings(to).sigma_start == patch.sigma_start
+    handle = m.model.h3_handle
+    fake_gpu = types.SimpleNamespace(device=torch.device("cuda"), sparse=None, plan=types.SimpleNamespace(
+        attention="sage2"))
+    with pytest.raises(H3NodeError, match="needs H3 NVFP4 Model Loader with attention=sparse"):
+        handle._core_sparse(fake_gpu, to)
+    other = {"optimized_attention_override": core_sparse.make_attention_override(patch, lambda *a: None)}
+    with pytest.raises(H3NodeError, match="another attention override"):
+        cp.check_transformer_options(other)
+    fun = MiniMaxH3FunControlPatch(types.SimpleNamespace(injection_layers=[0, 2]), {"strength": 1.0, "sigma_start": 1.0,
+                                                                                    "sigma_end": 0.0, "hint": None},
+                                   (1, 24, 7, 4, 6))
+    after = _fun_options(fun, [0, 2], 0.8)
+    patcher.model_options = {"transformer_options": after}
+    m2, _ = core_sparse.apply(patcher, _core_h3_class())
+    with pytest.raises(H3NodeError, match="applied after MiniMaxH3FunControlNetApply"):
+        cp.check_transformer_options(m2.model_options["transformer_options"])
+    before = dict(to)
+    dit = dict(before["patches_replace"]["dit"])
+    for p in (0, 2):                                       # core's Fun apply chains the block patch it replaces
+        dit[("double_block", p)] = MiniMaxH3FunControlBlockPatch(fun, p, previous=dit[("double_block", p)])
+    before.update(patches_replace={"dit": dit}, wrappers=after["wrappers"])
+    assert cp.check_transformer_options(before) is fun and cp.core_sparse_patch(before) is patch

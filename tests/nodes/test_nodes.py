@@ -90,7 +90,7 @@ def test_keyword_inputs_are_checked_against_input_types(tiny):
         H3Sampler().sample(tiny, core_conditioning(), core_empty_latent(64, 64, 5), **SAMPLE_ARGS, cfg=2.0)
     got = keyword_inputs(H3Sampler(), {**SAMPLE_ARGS, "sparse_tau": None, "first_block_cache": 0.25})
     assert got == {**SAMPLE_ARGS, "sparse_tau": H3Sampler.INPUT_TYPES()["optional"]["sparse_tau"][1]["default"],
-                   "first_block_cache": 0.25}
+                   "first_block_cache": 0.25, "sparse_method": "loader", "sparse_keep_percent": 10.0}
     with pytest.raises(H3NodeError, match=r"unknown \['strenght'\]"):
         H3FunControlNetApply().apply(tiny, object(), 1.0, 0.0, 1.0, strenght=2.0)
 

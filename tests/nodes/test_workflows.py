@@ -156,7 +156,8 @@ def _strip(prompt):
 
 
 UI_GRAPHS = ["h3_t2va_nvfp4", "h3_fl2va_nvfp4", "h3_ref2va_nvfp4", "h3_fl2va_control_nvfp4",
-             "h3_t2va_ksampler", "h3_fl2va_ksampler", "h3_ref2va_ksampler", "h3_smoke_tiny"]
+             "h3_t2va_ksampler", "h3_fl2va_ksampler", "h3_ref2va_ksampler", "h3_smoke_tiny", "h3_t2va_fasth3",
+             "h3_fl2va_sla_lora"]
 
 
 def test_every_workflow_is_checked():
@@ -403,3 +404,16 @@ def test_fl2va_control_workflow_shape():
     for nid, node in plain.items():  # everything else is the fl2va workflow
         if node["class_type"] != "H3B_Sampler" and not node["class_type"].startswith(("H3B_Diag", "SaveVideo")):
             assert prompt[nid]["inputs"] == node["inputs"], nid
+
+
+def test_fasth3_and_sla_workflows_select_their_method():
+    """FastH3 runs core's vsa at 10 % in 4 steps at shifts 12 / 3; the SLA LoRA graph runs sla with the LoRA."""
+    fast = _load("h3_t2va_fasth3.api.json")
+    loader = next(n["inputs"] for n in fast.values() if n["class_type"] == "H3B_ModelLoader")
+    sampler = next(n["inputs"] for n in fast.values() if n["class_type"] == "H3B_Sampler")
+    assert (loader["attention"], loader["sparse_method"], loader["sparse_keep_percent"]) == ("sparse", "vsa", 10.0)
+    assert (sampler["steps"], sampler["shift_video"], sampler["shift_audio"]) == (4, 12.0, 3.0)
+    sla = _load("h3_fl2va_sla_lora.api.json")
+    loader = next(n["inputs"] for n in sla.values() if n["class_type"] == "H3B_ModelLoader")
+    assert (loader["attention"], loader["sparse_method"]) == ("sparse", "sla")
+    assert any(n["class_type"] == "H3B_LoRA" for n in sla.values())

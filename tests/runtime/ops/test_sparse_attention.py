@@ -192,41 +192,10 @@ def test_load_time_probe_accepts_a_correct_kernel_and_refuses_a_broken_one():
         SA.SolAttention(types.SimpleNamespace(sol_attn=broken), "broken").probe("cpu", seq_len=512)
 
 
-def test_step_attention_switches_at_the_schedule_and_reports_it():
-    seen = []
-    heads, hd = 2, 16
-    kernel = lambda qkv, h, d, routing: seen.append(("sparse", routing)) or SA.reference_kernel(qkv, h, d, routing)  # noqa: E731
-    dense = lambda qkv: seen.append(("dense", None)) or qkv[:, : heads * hd].clone()  # noqa: E731
-    att = SA.SparseStepAttention(kernel, dense, heads, hd, tau=1.0, token_aug=0, min_tokens=0,
-                                 kernel_name="reference", dense_name="stand-in")
-    segs = _t2va()
-    att.begin_run(segs, shift_video=12.0)
-    qkv = _qkv(att.routing.seq_len, heads, hd, seed=11)
-    sig = [12 * t / (1 + 11 * t) for t in (1 - i / 4 for i in range(4))]      # 4 steps: 1.0, .97, .92, .8
-    for i, s in enumerate(sig):
-        att.begin_step(i, s)
-        out = att(qkv)
-        if i == 0:
-            assert torch.equal(out, qkv[:, : heads * hd])
-        else:
-            assert torch.equal(out, SA.reference_kernel(qkv, heads, hd, att.routing))
-    assert [k for k, _ in seen] == ["dense", "sparse", "sparse", "sparse"]
-    assert seen[1][1] == SR.routing_for_segments(segs, tau=1.0, token_aug=0)
-    rep = att.summary()
-    assert rep["lossy"] and rep["sparse_steps"] == [1, 2, 3] and rep["dense_steps"] == [0]
-    assert rep["calls"] == {"sparse": 3, "dense": 1} and rep["sink_blocks"] == list(att.routing.sink_blocks)
-    assert rep["sparse_at_or_below_sigma"] == pytest.approx(9.6 / 9.8)
-    att.begin_run(segs, shift_video=12.0, tau=2.0)                            # a run's own tau
-    assert att.routing.tau == 2.0 and att.steps == [] and att.calls == {"sparse": 0, "dense": 0}
-    att.end_run()
-    assert torch.equal(att(qkv), qkv[:, : heads * hd])                         # outside a run: dense
-    with pytest.raises(SA.H3Error, match="begin_run"):
-        SA.SparseStepAttention(kernel, dense, heads, hd).begin_step(0, 0.5)
-
-
 def test_sparse_backend_check_and_choice():
     ok, why = SA.sparse_check("cpu")
     assert ok and "LOSSY" in why and "reference" in why
     assert SA.choose_sparse("cpu")[0] == "sparse"
     att = SA.bind_sparse("cpu", torch.float32, 2, 16, dense=lambda qkv: qkv, dense_name="reference")
-    assert att.kernel is SA.reference_kernel and (att.tau, att.token_aug) == (SR.DEFAULT_TAU, SR.DEFAULT_EXTRA_TOKENS)
+    assert att.kernel is None and (att.settings.tau, att.settings.token_aug) == (SR.DEFAULT_TAU,
+                                                                                SR.DEFAULT_EXTRA_TOKENS)

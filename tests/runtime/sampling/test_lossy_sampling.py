@@ -2,6 +2,7 @@
 model's block stack, sparse attention as a registered backend (its reference kernel on the CPU) with core's
 schedule switch, the report blocks, the CLI flags and the refusals."""
 
+import dataclasses
 import json
 import math
 
@@ -91,8 +92,11 @@ BIG = dict(width=256, height=192, frames=39)
 def test_sparse_backend_registered_and_reported(rt_sparse):
     ch = rt_sparse.plan.report()
     assert ch["attention"]["choice"] == "sparse" and "LOSSY" in ch["attention"]["reason"]
-    assert ch["attention_dense"]["choice"] == "reference" and ch["sparse"]["choice"] == "tau 1.3"
-    assert rt_sparse.sparse is not None and rt_sparse.sparse.kernel is SA.reference_kernel
+    assert ch["attention_dense"]["choice"] == "reference" and ch["sparse"]["choice"] == "sol-attn (tau 1.3)"
+    assert rt_sparse.sparse is not None and rt_sparse.sparse.kernel is None  # the eager reference
+    # the blocks consult the bound sparse attention; a copy with another attention (the Fun tower's dense ops,
+    # a forward outside a run) never does
+    assert rt_sparse.ops.sparse is rt_sparse.sparse and rt_sparse.ops.with_attention(lambda qkv: qkv).sparse is None
 
 
 def test_sparse_runs_on_the_schedule_and_changes_only_sparse_steps(rt_sparse, rt_reference):
@@ -107,11 +111,8 @@ def test_sparse_runs_on_the_schedule_and_changes_only_sparse_steps(rt_sparse, rt
     rel = float((sparse.video - dense.video).norm() / dense.video.norm())
     # never sparse (start at 100 %): every step runs the dense backend (fp32 exact attention on the qkv buffer), so
     # the reference run up to fp32 summation order (the reference stack's attention is torch SDPA on q, k, v)
-    rt_sparse.sparse.start_percent = 1.0
-    try:
-        never = sample(rt_sparse, *_inputs(**BIG), seed=1, steps=4)
-    finally:
-        rt_sparse.sparse.start_percent = 0.2
+    never = sample(rt_sparse, *_inputs(**BIG), seed=1, steps=4,
+                   sparse=dataclasses.replace(rt_sparse.sparse.settings, start_percent=1.0))
     assert never.report["sparse_attention"]["sparse_steps"] == []
     rel_never = float((never.video - dense.video).norm() / dense.video.norm())
     assert rel_never < 1e-5 and 100 * rel_never < rel < 0.5, (rel_never, rel)   # lossy, but the same picture
@@ -144,3 +145,35 @@ def test_cli_flags(tmp_path, capsys):
     assert cli.main(["generate", "--output", str(tmp_path / "bad"), "--sparse-tau", "-1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: option sparse_tau=-1.0")
+
+
+def test_cli_sparse_method_flags(tmp_path):
+    """--sparse-method / --sparse-keep-percent / --dense-blocks reach the run (the report's settings) and VSA on a
+    checkpoint without to_gate_compress runs the fine stage with the warning in the report."""
+    out = tmp_path / "v"
+    assert cli.main(["generate", "--output", str(out), "--steps", "3", "--dense", "--attention", "sparse",
+                     "--sparse-method", "vsa", "--sparse-keep-percent", "30", "--dense-blocks", "1",
+                     "--sparse-min-tokens", "0", "--width", "256", "--height", "192", "--frames", "39"]) == 0
+    rep = json.loads((out / "report.json").read_text())["sparse_attention"]
+    assert (rep["method"], rep["keep_percent"], rep["extra_tokens"], rep["dense_blocks"]) == ("vsa", 30.0, 0, [1])
+    assert rep["sparse_steps"] == [1, 2] and rep["calls"]["sparse"] == 2 * 2          # blocks 0 and 2, 2 steps
+    assert "to_gate_compress" in rep["notes"][0]
+
+
+def test_cli_fasth3_preset(tmp_path):
+    """--preset fasth3: 4 steps, euler, shifts 12 / 3, attention sparse with vsa at 10 %; a flag given wins."""
+    out = tmp_path / "f"
+    assert cli.main(["generate", "--output", str(out), "--dense", "--preset", "fasth3", "--sparse-min-tokens", "0",
+                     "--width", "256", "--height", "192", "--frames", "39", "--sparse-keep-percent", "25"]) == 0
+    rep = json.loads((out / "report.json").read_text())
+    sa, wl = rep["sparse_attention"], rep["workload"]
+    assert (sa["method"], sa["keep_percent"]) == ("vsa", 25.0) and len(sa["sparse_steps"] + sa["dense_steps"]) == 4
+    assert (wl["steps"], wl["sampler"]) == (4, "euler"), wl
+    assert wl["shifts"] == [12.0, 3.0], wl
+    from h3_blackwell.cli.commands import apply_preset
+    from h3_blackwell.cli.parser import build_parser
+
+    argv = ["generate", "--output", str(out), "--preset", "fasth3", "--steps", "6", "--attention", "sdpa"]
+    a = build_parser().parse_args(argv)
+    assert apply_preset(a, argv) == (12.0, 3.0)                    # the shifts go into SamplingSettings
+    assert (a.steps, a.sampler, a.attention, a.sparse_method) == (6, "euler", "sdpa", None)   # given flags win

@@ -164,3 +164,31 @@ def test_fc2_consistency_rules():
     assert fc2_consistency({**disp, "strict": True}, 600, [run(600, 590, 10)])[0] is False
     assert fc2_consistency({"lt_path": "none (fallback GEMM)"}, 600, [run(0, 0, 0)])[0] is True
     assert fc2_consistency(disp, 600, [])[0] is False  # no measured run proves nothing
+
+
+def test_call_carries_audio_at_carry_sigma(rt):
+    """CallOptions.carry_sigma: the plan is keyed by the call's sigma, the audio carry computes with carry_sigma
+    (the runtime's sampler passes the schedule's model sigma computed on the model's device, where CUDA's
+    scalar division may round an ulp away from the host's). Same value: the same bytes as the default; another
+    value: only the carry moves (the video velocity is the plan's, unchanged)."""
+    from h3_blackwell.runtime.sampling.model_call import CallOptions, ModelCall
+    from h3_blackwell.runtime.sampling.schedule import audio_scale, model_sigma
+
+    text, tags, video, audio = _inputs(seed=3)
+    g = torch.Generator().manual_seed(4)
+    video, audio = torch.randn(video.shape, generator=g), torch.randn(audio.shape, generator=g)
+    sm = model_sigma(torch.tensor(0.7))
+    opts = CallOptions((12.0, 3.0), audio_scale(12.0, 3.0))
+
+    def call(options):
+        c = ModelCall(rt)
+        c.begin_run()
+        return c(video, audio, sm, text, tags, None, options)
+
+    base = call(opts)
+    same = call(CallOptions(opts.shifts, opts.audio_scale, carry_sigma=sm.clone()))
+    assert torch.equal(base[0], same[0]) and torch.equal(base[1], same[1])
+    moved = call(CallOptions(opts.shifts, opts.audio_scale, carry_sigma=torch.nextafter(sm, torch.tensor(1.0))))
+    # one ulp of sigma moves the carried audio's velocity by rounding-sized amounts, not more
+    assert not torch.equal(base[1], moved[1])
+    assert float((base[1] - moved[1]).abs().max()) < 1e-3
