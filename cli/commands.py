@@ -216,9 +216,11 @@ def cmd_generate_prompt(a) -> int:
                                                       metadata={"sample_rate": str(dec.rate), "fps": "24"}),
         "video.mp4": lambda p: write_mp4(p, dec),
         "report.json": lambda p: p.write_text(json.dumps(report, indent=2)),
-    })
+        **({"preview.webp": lambda p: write_preview_webp(video, p)} if a.preview else {}),
+    }, replaces=("preview.webp",))
     print(summary(report))
-    print(f"wrote {Path(a.output) / 'video.mp4'}, decoded.safetensors, latents.safetensors and report.json")
+    print(f"wrote {Path(a.output) / 'video.mp4'}, decoded.safetensors, latents.safetensors and report.json"
+          + (" and preview.webp" if a.preview else ""))
     return 0
 
 
