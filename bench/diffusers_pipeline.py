@@ -43,6 +43,7 @@ from h3_blackwell.runtime.pipeline.tiny import TINY_PIPELINE_DIT, TinyPipeline, 
 PROMPT = ("A red fox trots along a snowy ridge at dawn, wind lifting powder off the pines, a distant owl calls. "
           * 2)[:100]
 SEED = 440420
+last: tuple | None = None  # the last pipeline request's (video, audio) latents on the CPU
 
 
 class Clocked:
@@ -77,11 +78,25 @@ def pipeline_run(pipe, clocked: Clocked, size: tuple, steps: int) -> dict:
     call = clocked.inner.call
     marks = call.run.marks if call.run is not None else []
     model = [a.elapsed_time(b) / 1e3 for a, b in marks] if torch.cuda.is_available() else [b - a for a, b in marks]
+    global last
+    last = (out["latents"].float().cpu(), out["audio_latents"].float().cpu())
     return {"step_wall_seconds": wall, "model_call_seconds": model,
             "median_step_wall_seconds": statistics.median(wall), "median_model_call_seconds": statistics.median(model),
             "mean_step_wall_seconds": statistics.mean(wall),
             "video_latent_shape": list(out["latents"].shape), "audio_latent_shape": list(out["audio_latents"].shape),
             "latents_finite": bool(torch.isfinite(out["latents"]).all() and torch.isfinite(out["audio_latents"]).all())}
+
+
+def model_report(transformer: DiffusersTransformer, latents) -> dict:
+    """The run report of the transformer's last run (ModelCall's: what ran, FC2 dispatches, peak memory), for the
+    pipeline's final latents (video [1, C, T, H, W]; audio [2, Ca, Ta] -> ours [1, Ca, 2, Ta])."""
+    call = transformer.call
+    call.end_run()
+    video, audio = latents
+    rep = call.report(video, audio.permute(1, 0, 2)[None].contiguous())
+    keep = ("configuration", "backends", "fc2_dispatch", "peak_allocated_bytes", "peak_reserved_bytes",
+            "latents_finite", "per_step_seconds")
+    return {k: rep[k] for k in keep if k in rep}
 
 
 def make_pipeline(dit_config):
@@ -130,7 +145,7 @@ def main(argv=None) -> int:
     res["pipeline_warmup"] = pipeline_run(pipe, ours, size, a.steps)
     res["pipeline"] = pipeline_run(pipe, ours, size, a.steps)
     res["pipeline"]["planned_from_previous_run"] = ours.inner.call.run.schedule is not None
-    ours.inner.call.end_run()
+    res["pipeline"]["model_report"] = model_report(ours.inner, last)
     write_json(res, out)
 
     text, tags = encode(pipe)
