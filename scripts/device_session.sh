@@ -120,6 +120,9 @@ P)
     phase diffusers-pipeline-bench
     timeout "${PIPE_TIMEOUT:-$(( 585 - SECONDS ))}" python3 bench/diffusers_pipeline.py \
       --out-dir "$OUT" ${PIPE_ARGS:-} 2>&1 | tail -6 >> "$LOG"
+    phase diffusers-pipeline-gpu-test
+    timeout 120 python3 -m pytest -q -s -m gpu tests/gpu/test_diffusers_pipeline_gpu.py -p no:cacheprovider 2>&1 \
+      | grep -E "rel-L2|passed|failed|Error" | tail -6 >> "$LOG"
   else
     echo "diffusers-pipeline bench waits for the other carry (wheels or sage2)" >> "$LOG"
   fi
