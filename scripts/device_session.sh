@@ -28,9 +28,10 @@
 #   bash scripts/device_session.sh G    the drop-in (core MODEL), control, low-VRAM and Blackwell-guard GPU tests
 #   bash scripts/device_session.sh P    diffusers' H3 pipeline with our transformer vs generate (issue 39,
 #                                       bench/diffusers_pipeline.py): installs carried .whl/pipeline wheels
-#                                       (scripts/pipeline_carry.sh) into /tmp/site and unpacks a carried sage2 build,
-#                                       whichever this call carries, then runs the bench once both are there (two
-#                                       calls on one warm machine: the wheels and sage2 together exceed the carry)
+#                                       (scripts/pipeline_carry.sh) into /tmp/site and unpacks a carried sage2 build
+#                                       (or builds .sage), whichever this call carries, then runs the bench and its GPU
+#                                       test once both are there (two calls on one warm machine where the wheels and
+#                                       sage2 together exceed the carry)
 # R and G unpack a carried SageAttention2 build (third_party/sage2-sm90/*.part-*) where there is one.
 # (Sessions C, D, E and G of 2026-11-29 were earlier versions of F and H; their results are in bench/results.)
 # Carry .sage (SageAttention source) and .whl (diffusers + deps, sageattention 1.0.6). Logs and JSONs go to
@@ -115,7 +116,11 @@ P)
     phase pipeline-wheels
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/pipeline/*.whl >> "$LOG" 2>&1
   fi
-  ls third_party/sage2-sm90/*.part-* >/dev/null 2>&1 && sage_unpack
+  if ls third_party/sage2-sm90/*.part-* >/dev/null 2>&1; then
+    sage_unpack
+  elif [ -d .sage ] && ! python3 -c "import sageattention" >/dev/null 2>&1; then
+    sage_build_start; sage_build_wait
+  fi
   if python3 -c "import diffusers, transformers, torchvision, sageattention" >> "$LOG" 2>&1; then
     phase diffusers-pipeline-bench
     timeout "${PIPE_TIMEOUT:-$(( 585 - SECONDS ))}" python3 bench/diffusers_pipeline.py \

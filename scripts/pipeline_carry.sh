@@ -2,7 +2,8 @@
 # The wheels bench/diffusers_pipeline.py needs on a GPU machine without network, for its Python and torch:
 # diffusers, transformers (the Qwen3-VL conditioner), accelerate, the torchvision of that torch (transformers'
 # Qwen3-VL processor needs it) and their dependencies, into .whl/pipeline/ (ignored by git; ~55 MB: carry it alone).
-#   bash scripts/pipeline_carry.sh [PYTHON_VERSION TORCHVISION_VERSION]   # default 3.12 0.26.0 (torch 2.11, cu130)
+#   [DROP="numpy pillow"] bash scripts/pipeline_carry.sh [PYTHON_VERSION TORCHVISION_VERSION]
+#   # default 3.12 0.26.0: the device's Python and torch 2.11.0+cu130 (bench/results/canonical-h100-structure.json)
 # On the device: bash scripts/device_session.sh P (installs them into /tmp/site, then runs the bench).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,5 +15,6 @@ PIP=(python3 -m pip download -q -d "$DEST" --only-binary=:all: --python-version 
 [ -x .venv/bin/python ] && PIP[0]=.venv/bin/python
 "${PIP[@]}" "diffusers==0.42.1" "transformers==5.25.0"   # with their dependencies (no torch among them)
 "${PIP[@]}" --no-deps accelerate psutil "torchvision==$TV"  # these two would pull a torch: the device has its own
-rm -f "$DEST"/numpy-*.whl                                      # the device's torch brings numpy
+for pkg in ${DROP:-numpy}; do rm -f "$DEST/$pkg"-*.whl; done   # the device's torch brings numpy; DROP="numpy pillow"
+                                                             # where the device has Pillow too (7 MB less)
 du -sh "$DEST"
