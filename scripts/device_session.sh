@@ -114,7 +114,8 @@ G)  # the drop-in (core MODEL), control and low-VRAM (streaming) GPU tests + the
 P)
   if ls .whl/pipeline/*.whl >/dev/null 2>&1; then
     phase pipeline-wheels
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/pipeline/*.whl >> "$LOG" 2>&1
+    python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/pipeline/*.whl \
+      >> "$LOG" 2>&1
   fi
   if ls third_party/sage2-sm90/*.part-* >/dev/null 2>&1; then
     sage_unpack
