@@ -20,9 +20,10 @@ from pathlib import Path
 import torch
 
 from ..runtime import (PRESETS, SEED_RANGE, Canvas, H3Error, JobFiles, Launch, Measure, SamplingSettings, check_int,
-                       check_output_file, cpu_thread_count, forward_job, latent_rows, make_job, nonfinite_message,
-                       quantize_checkpoint, resolve_device, run, run_forward, runtime_options, save_tensors, save_tiny,
-                       summary, write_dir, write_file, write_preview_webp)
+                       check_output_file, cpu_thread_count, folder_transformer, forward_job, latent_rows, make_job,
+                       nonfinite_message, open_pipeline, prompt_job, quantize_checkpoint, resolve_device, run,
+                       run_forward, runtime_options, save_tensors, save_tiny, summary, write_dir, write_file, write_mp4,
+                       write_preview_webp)
 from .progress import WARN_AFTER_S, Progress, clock
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -139,6 +140,8 @@ def warn_if_hours(job) -> float | None:
 
 
 def cmd_generate(a) -> int:
+    if a.pipeline is not None or a.prompt is not None or a.first_frame is not None or a.last_frame is not None:
+        return cmd_generate_prompt(a)
     job = generate_job(a, a.argv)  # every input validated before the (possibly long) model load
     cpu_threads(job)
     warn_if_hours(job)
@@ -159,6 +162,65 @@ def cmd_generate(a) -> int:
     print(summary(report))
     print(f"wrote {shown / 'latents.safetensors'} and {shown / 'report.json'}"
           + (f" and {shown / 'preview.webp'}" if a.preview else ""))
+    return 0
+
+
+def _check_prompt_flags(a) -> None:
+    if a.pipeline is None or a.prompt is None:
+        raise H3Error("generate --prompt: expected --pipeline DIR and --prompt TEXT together (--first-frame / "
+                      "--last-frame need both); found " + ("--prompt" if a.pipeline is None else "--pipeline")
+                      + " without the other")
+    other = [f for f, v in (("--text-states", a.text_states), ("--inputs", a.inputs), ("--payload", a.payload),
+                            ("--control", a.control)) if v is not None]
+    if other:
+        raise H3Error(f"generate --prompt: the conditioner makes the text states and keyframes; drop {', '.join(other)}")
+    if a.sequence_parallel not in (None, 1):
+        raise H3Error("generate --prompt runs in this process; drop --sequence-parallel")
+
+
+def _stage(what: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {what}", file=sys.stderr, flush=True)
+
+
+def cmd_generate_prompt(a) -> int:
+    """generate --pipeline DIR --prompt TEXT: every input checked first (the model, sizes, output, the folder's
+    components and their fit with the model, the prompt's length, the images), then encode -> sample -> decode,
+    each stage's models freed before the next; the output folder gets every file together or nothing."""
+    _check_prompt_flags(a)
+    if a.model is None and Path(a.pipeline).is_dir():  # the folder's own transformer weights, read by our loader
+        a.model = folder_transformer(a.pipeline)
+    job = generate_job(a, getattr(a, "argv", ()))
+    folder = open_pipeline(a.pipeline, job.config, job.model.options.vram_budget)
+    req = folder.request(a.prompt, a.first_frame, a.last_frame)
+    device = job.model.device
+    _stage(f"encoding the prompt{' and keyframes' if req.images else ''} with {a.pipeline}'s conditioner")
+    text, tags, cond = folder.encode(req, job.canvas, device, job.sampling.seed)
+    job = prompt_job(job, text, tags, cond)
+    cpu_threads(job)
+    _stage(f"sampling {text.shape[1]} text tokens, {job.canvas[0]}x{job.canvas[1]}, {job.canvas[2]} frames")
+    res = run(job)
+    video, audio, report = res.video, res.audio, res.report
+    if not report["latents_finite"]:
+        raise H3Error(nonfinite_message(report["nonfinite"]) + "; nothing was written")
+    _stage("decoding with the pipeline's VAEs")
+    dec = folder.decode(video, audio, device)
+    report["command"] = " ".join(["h3-blackwell"] + sys.argv[1:]) if sys.argv else "h3-blackwell generate"
+    report["pipeline"] = {"folder": str(a.pipeline), "prompt_tokens": int(text.shape[1]),
+                          "keyframes": [k.resolved_frame_index for k in cond.keyframes] if cond is not None else [],
+                          "decoded_video": list(dec.video.shape), "decoded_audio": list(dec.audio.shape),
+                          "sample_rate": dec.rate, "stage_devices": dict(folder.stages)}
+    _stage("writing video.mp4")
+    write_dir(job.output, {
+        "latents.safetensors": lambda p: save_tensors(p, {"video": video, "audio": audio}),
+        "decoded.safetensors": lambda p: save_tensors(p, {"video": dec.video, "audio": dec.audio},
+                                                      metadata={"sample_rate": str(dec.rate), "fps": "24"}),
+        "video.mp4": lambda p: write_mp4(p, dec),
+        "report.json": lambda p: p.write_text(json.dumps(report, indent=2)),
+        **({"preview.webp": lambda p: write_preview_webp(video, p)} if a.preview else {}),
+    }, replaces=("preview.webp",))
+    print(summary(report))
+    print(f"wrote {Path(a.output) / 'video.mp4'}, decoded.safetensors, latents.safetensors and report.json"
+          + (" and preview.webp" if a.preview else ""))
     return 0
 
 

@@ -213,6 +213,12 @@ def _generate_inputs_args(g) -> None:
     g.add_argument("--frames", type=int, help="pixel frames on the 17k+5 grid: 5, 22, 39, ... (default: 22 small "
                                               "models, 124 full)")
     g.add_argument("--snap", action="store_true", help="snap --frames up to the 17k+5 grid")
+    g.add_argument("--pipeline", metavar="DIR", help="a local diffusers MiniMax H3 folder: its conditioner encodes "
+                   "--prompt, its VAEs decode; the output gets video.mp4 and decoded.safetensors too (needs --prompt); "
+                   "without --model, its transformer/ weights run on our runtime")
+    g.add_argument("--prompt", help="the prompt, encoded by --pipeline's Qwen3-VL conditioner")
+    g.add_argument("--first-frame", metavar="IMG", help="an image the video starts from (fl2va; needs --prompt)")
+    g.add_argument("--last-frame", metavar="IMG", help="an image the video ends on (fl2va; needs --prompt)")
 
 
 def _generate_parser(sub) -> None:

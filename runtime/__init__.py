@@ -50,6 +50,10 @@ from .ops.sparse_routing import percent_to_sigma
 from .model.tiny import save_tiny
 from .io.convert import quantize_checkpoint
 from .fc2 import tune as fc2_tune
+# diffusers' H3 pipeline: our transformer in it, and its conditioner / VAEs around our sampling (generate --prompt)
+from .pipeline.transformer import DiffusersTransformer
+from .pipeline.folder import Decoded, PipelineFolder, PromptRequest, folder_transformer, open_pipeline
+from .pipeline.generate import prompt_job, write_mp4
 
 # The public API (README "Public API"): what a node pack or a script needs. The other names imported above stay
 # importable for the tests and the benches (types such as Job, H3Runtime, SampleResult; the error subclasses,
@@ -79,4 +83,6 @@ __all__ = [
     "save_tiny", "quantize_checkpoint", "fc2_tune", "SEED_RANGE", "check_int",
     # CPU runs: torch's thread count for a job's size (packed rows)
     "cpu_thread_count", "latent_rows",
+    # diffusers' H3 pipeline: our transformer inside it; generate --prompt (its conditioner, VAEs, an mp4)
+    "DiffusersTransformer", "open_pipeline", "folder_transformer", "PipelineFolder", "PromptRequest", "Decoded", "prompt_job", "write_mp4",
 ]

@@ -31,7 +31,13 @@
 #                                       with UJ_TESTS=1 first the GPU tests of query-row chunks and the memory paths. Carry third_party/sage2-sm90 and
 #                                       .core_peer (scripts/pack_core_peer.sh), or for turbo8_sparse rows .whl
 #                                       (scripts/kitchen_carry.sh: our sparse kernel; core's sparse node is absent)
-# R, G and U unpack a carried SageAttention2 build (third_party/sage2-sm90/*.part-*) where there is one.
+#   bash scripts/device_session.sh P    diffusers' H3 pipeline with our transformer vs generate (issue 39,
+#                                       bench/diffusers_pipeline.py): installs carried .whl/pipeline wheels
+#                                       (scripts/pipeline_carry.sh) into /tmp/site and unpacks a carried sage2 build
+#                                       (or builds .sage), whichever this call carries, then runs the bench and its GPU
+#                                       test once both are there (two calls on one warm machine where the wheels and
+#                                       sage2 together exceed the carry)
+# R, G, U and P unpack a carried SageAttention2 build (third_party/sage2-sm90/*.part-*) where there is one.
 # (Sessions C, D, E and G of 2026-11-29 were earlier versions of F and H; their results are in bench/results.)
 # Carry .sage (SageAttention source) and .whl (diffusers + deps, sageattention 1.0.6). Logs and JSONs go to
 # $OUT (at most 8 files come back).
@@ -125,6 +131,28 @@ G)  # the drop-in (core MODEL), control and low-VRAM (streaming) GPU tests + the
     phase "gpu-tests $t"
     timeout 200 python3 -m pytest -q -m gpu "tests/gpu/test_${t}.py" -rfs 2>&1 | tail -8 >> "$LOG"
   done
+  ;;
+P)
+  if ls .whl/pipeline/*.whl >/dev/null 2>&1; then
+    phase pipeline-wheels
+    python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/pipeline/*.whl \
+      >> "$LOG" 2>&1
+  fi
+  if ls third_party/sage2-sm90/*.part-* >/dev/null 2>&1; then
+    sage_unpack
+  elif [ -d .sage ] && ! python3 -c "import sageattention" >/dev/null 2>&1; then
+    sage_build_start; sage_build_wait
+  fi
+  if python3 -c "import diffusers, transformers, torchvision, sageattention" >> "$LOG" 2>&1; then
+    phase diffusers-pipeline-bench
+    timeout "${PIPE_TIMEOUT:-$(( 585 - SECONDS ))}" python3 bench/diffusers_pipeline.py \
+      --out-dir "$OUT" ${PIPE_ARGS:-} 2>&1 | tail -6 >> "$LOG"
+    phase diffusers-pipeline-gpu-test
+    timeout 120 python3 -m pytest -q -s -m gpu tests/gpu/test_diffusers_pipeline_gpu.py -p no:cacheprovider 2>&1 \
+      | grep -E "rel-L2|passed|failed|Error" | tail -6 >> "$LOG"
+  else
+    echo "diffusers-pipeline bench waits for the other carry (wheels or sage2)" >> "$LOG"
+  fi
   ;;
 A)
   sage_build_start

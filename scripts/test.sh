@@ -3,6 +3,9 @@
 # triton for TRITON_INTERPRET, CUDA 13 headers for the extension compile check), then runs pytest.
 # GPU-marked tests skip without CUDA. Extra arguments go to pytest.
 set -euo pipefail
+# torch 2.14.1: the test extra's torchvision 0.29.1 (transformers' Qwen3-VL processor, for the diffusers pipeline
+# tests) needs it; both are PyPI's CUDA builds, which run on the CPU (../shared/vendor/VENDOR.md)
+export H3_TORCH="${H3_TORCH:-torch==2.14.1}"
 source "$(dirname "$0")/_env.sh"
 h3_install test,cuda-headers
 # the vendored ComfyUI and its venv for the tests marked `comfyui` (they skip, saying why, without ../shared)

@@ -6,6 +6,7 @@
   noise = ``torch.randn(rows.shape, generator=torch.Generator("cpu").manual_seed(seed))`` (float32), the
   generator restarted for every latent. Audio condition latents likewise (channel-major rows [2*ta, Ca]) with
   ``audio_cond_noise_aug`` and ``seed + 1``. The noise is drawn on the CPU, so it is the same on every device.
+  A conditioning marked ``augmented`` (its latents noised already: diffusers' pipeline) gets no noise here.
 - mask rows: the pooled denoise mask's value for every target row (one per 2x2 patch, rows t, h, w; one per
   stereo audio frame, channel-major).
 """
@@ -35,10 +36,9 @@ def _augment(rows: torch.Tensor, aug: float, seed: int) -> torch.Tensor:
 def condition_rows(cond: H3Conditioning) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(visual rows [Nv, C*4], audio rows [Na, Ca]) float32 on the CPU in packing order, noise-augmented as core;
     None where there are none."""
-    vis = [_augment(patchify_video(z.float()), cond.visual_cond_noise_aug, cond.seed)
-           for z in cond.cond_video_latents]
-    aud = [_augment(pack_audio(z.float()), cond.audio_cond_noise_aug, cond.seed + 1)
-           for z in cond.cond_audio_latents]
+    vis_aug, aud_aug = (1.0, 1.0) if cond.augmented else (cond.visual_cond_noise_aug, cond.audio_cond_noise_aug)
+    vis = [_augment(patchify_video(z.float()), vis_aug, cond.seed) for z in cond.cond_video_latents]
+    aud = [_augment(pack_audio(z.float()), aud_aug, cond.seed + 1) for z in cond.cond_audio_latents]
     return (torch.cat(vis) if vis else None), (torch.cat(aud) if aud else None)
 
 

@@ -164,6 +164,9 @@ class H3Conditioning:
     # picture_index of each text-encoder-only reference image (core's MiniMaxH3TextEncoderOnlyReference: Qwen sees
     # it as a <Picture i>, the DiT does not; None where the payload gave no index). Nothing of the DiT reads them.
     text_only_pictures: tuple = ()
+    # True: the condition latents already carry their noise augmentation (diffusers' H3 pipeline noises its keyframes
+    # itself, from the request's generator): their rows are packed as given, and still run at max(t, aug)
+    augmented: bool = False
 
     # -- fit with the target ---------------------------------------------------------------------
     def check_target(self, video_shape, audio_shape, video_channels: int, audio_channels: int) -> "H3Conditioning":

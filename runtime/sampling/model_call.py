@@ -91,6 +91,7 @@ class _Plan:
 class _Run:
     schedule: list | None
     pin_schedule: bool = True  # the plans' conditioning carries the schedule as sample_sigmas (core's hosts)
+    round_trip: bool = True  # the network sees the schedule's sigmas through core's sigma * 1000 / 1000 (fp32)
     plans: list = field(default_factory=list)
     lossy: LossyRun | None = None
     lossy_plan: object = None
@@ -156,15 +157,19 @@ class ModelCall:
         self.on_block: Callable[[int, int, int], None] | None = None
 
     # -- run boundaries ------------------------------------------------------------------------
-    def begin_run(self, schedule=None, lossy: LossySettings | None = None, pin_schedule: bool = True) -> None:
+    def begin_run(self, schedule=None, lossy: LossySettings | None = None, pin_schedule: bool = True,
+                  round_trip: bool = True) -> None:
         """Start a sampling run. schedule: the host's sigmas [N + 1] (trailing 0) or None; lossy: this run's
         LOSSY settings, installed once for the run (None: the load options'); pin_schedule: give the plans'
         conditioning the schedule as its sample_sigmas (core's rule; the runtime's sampler passes the
-        conditioning it planned with)."""
+        conditioning it planned with); round_trip: the calls' sigmas are the schedule's through core's
+        ``timestep = sigma * 1000`` and back (``schedule.model_sigma``; core's samplers and ours), or, False, the
+        schedule's own fp32 values (a host that hands the network its sigma as is: diffusers' pipeline)."""
         if self.run is not None:
             self.end_run()
         sched = None if schedule is None else [float(s) for s in torch.as_tensor(schedule).flatten().float()]
-        self.run = _Run(sched, pin_schedule=pin_schedule, lossy_settings=lossy or LossySettings())
+        self.run = _Run(sched, pin_schedule=pin_schedule, round_trip=round_trip,
+                        lossy_settings=lossy or LossySettings())
         self._start_clock()
 
     def _start_clock(self) -> None:
@@ -298,7 +303,8 @@ class ModelCall:
             if p.matches(text, tags, shapes, cond, shifts, control):
                 return p
         sched = run.schedule
-        sigmas = [float(model_sigma(torch.tensor(s))) for s in sched[:-1]] if sched else []
+        seen = model_sigma if run.round_trip else (lambda s: s.float().clamp(min=1e-6))
+        sigmas = [float(seen(torch.tensor(s))) for s in sched[:-1]] if sched else []
         c = cond if cond is not None else H3Conditioning()
         if sched and run.pin_schedule:
             c = dataclasses.replace(c, sample_sigmas=torch.tensor(sched, dtype=torch.float32))
