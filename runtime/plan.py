@@ -306,7 +306,8 @@ def _adaln(options: RuntimeOptions, device: torch.device, cfg: H3Config) -> Choi
 
 def _sparse(options: RuntimeOptions, device: torch.device, cfg: H3Config, ch: dict) -> str:
     """attention=sparse: the dense backend of its dense steps and the sparse settings -> the dense backend."""
-    dense, dense_why = resolve("attention", device, "auto", head_dim=cfg.head_dim)
+    dense, dense_why = resolve("attention", device, "auto", head_dim=cfg.head_dim,
+                               dtype=resolve_dtype(options, device))
     ch["attention_dense"] = Choice(dense, "the sparse backend's dense steps (before sparse_start) and short "
                                           f"sequences: {dense_why}")
     s = options.sparse_settings()

@@ -88,7 +88,7 @@ _BY_NAME = {(b.op, b.name): b for backends in REGISTRY.values() for b in backend
 def _choose_attention(device, requested, head_dim=128, dtype=torch.bfloat16, **_):
     if requested == "sparse":  # lossy: refused with the reason where it cannot run, never swapped for another
         return sparse_attention.choose_sparse(device, head_dim=head_dim, dtype=dtype)
-    return attention.choose_attention_backend(device, requested, head_dim=head_dim)
+    return attention.choose_attention_backend(device, requested, head_dim=head_dim, dtype=dtype)
 
 
 def _choose_gemm(device, requested, k_dims=(), **_):

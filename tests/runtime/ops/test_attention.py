@@ -569,3 +569,23 @@ def test_probe_runs_the_bound_function(clean_sage):
     assert bound == [(("sage2", 128), {"device": dev, "v_handling": "fused"})]
     assert [c["fn"] for c in calls] == ["per_warp_int8", "sm90_kernel"]
     assert A._probe("sage2", dev, 128, torch.bfloat16) == (ok, why) and len(bound) == 1
+
+
+def test_auto_attention_is_chosen_for_the_compute_dtype(monkeypatch):
+    """The load plan's dtype reaches the attention chooser: an fp32 stack on CUDA (``dense=True, dtype=float32``)
+    is never handed Sage's fp16/bf16-only kernels (their checks refuse fp32, with the reason)."""
+    from h3_blackwell.runtime.ops import attention as att, registry, sage
+
+    seen = []
+    real = att.choose_attention_backend
+
+    def spy(device, requested="auto", **kw):
+        seen.append(kw.get("dtype"))
+        return real(device, requested, **kw)
+
+    monkeypatch.setattr(att, "choose_attention_backend", spy)
+    registry.resolve("attention", "cpu", "auto", head_dim=128, dtype=torch.float32)
+    assert seen == [torch.float32]
+    monkeypatch.setattr(sage, "capability", lambda device: (9, 0))
+    ok, why = att._available("sage2", torch.device("cuda", 0), 128, torch.float32, probe=False)
+    assert not ok and "fp16/bf16" in why
