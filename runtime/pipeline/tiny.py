@@ -20,7 +20,7 @@ from ..io.keys import comfy_to_diffusers_state_dict
 from ..model.config import H3Config
 from ..model.tiny import tiny_state_dict
 
-__all__ = ["TinyPipeline", "save_tiny_pipeline", "tiny_components", "TINY_PIPELINE_DIT"]
+__all__ = ["TinyPipeline", "save_tiny_pipeline", "tiny_components", "TINY_PIPELINE_DIT", "diffusers_kwargs"]
 
 # the tiny transformer of the folder: every structural feature of H3, at widths a CPU runs in seconds
 TINY_PIPELINE_DIT = H3Config(hidden_size=64, num_layers=2, num_refiner_layers=1, num_heads=2, head_dim=32,
@@ -109,15 +109,19 @@ def _vaes(tp: TinyPipeline, g: torch.Generator):
     return vae.eval(), audio.eval()
 
 
+def diffusers_kwargs(cfg: H3Config) -> dict:
+    """``MiniMaxH3Transformer3DModel``'s constructor arguments for an H3 of ``cfg`` (its config names)."""
+    return dict(num_attention_heads=cfg.num_heads, attention_head_dim=cfg.head_dim, hidden_size=cfg.hidden_size,
+                num_layers=cfg.num_layers, num_refiner_layers=cfg.num_refiner_layers, ffn_dim=cfg.ffn_hidden_size,
+                in_channels=cfg.video_channels, audio_in_channels=cfg.audio_channels, text_dim=cfg.text_dim,
+                freq_dim=cfg.timestep_input_dim, time_embed_hidden_dim=cfg.time_embed_hidden_size,
+                time_embed_dim=cfg.time_embed_dim, rope_freq_dim=cfg.rope_inv_freq_len)
+
+
 def _transformer(cfg: H3Config, seed: int):
     from diffusers import MiniMaxH3Transformer3DModel
 
-    m = MiniMaxH3Transformer3DModel(
-        num_attention_heads=cfg.num_heads, attention_head_dim=cfg.head_dim, hidden_size=cfg.hidden_size,
-        num_layers=cfg.num_layers, num_refiner_layers=cfg.num_refiner_layers, ffn_dim=cfg.ffn_hidden_size,
-        in_channels=cfg.video_channels, audio_in_channels=cfg.audio_channels, text_dim=cfg.text_dim,
-        freq_dim=cfg.timestep_input_dim, time_embed_hidden_dim=cfg.time_embed_hidden_size,
-        time_embed_dim=cfg.time_embed_dim, rope_freq_dim=cfg.rope_inv_freq_len)
+    m = MiniMaxH3Transformer3DModel(**diffusers_kwargs(cfg))
     m.load_state_dict(comfy_to_diffusers_state_dict(tiny_state_dict(cfg, seed=seed)), strict=False)
     return m.eval()
 

@@ -15,6 +15,7 @@ from h3_blackwell.runtime.io.payload import conditioning_from_payload
 from h3_blackwell.runtime.model.config import H3Config
 from h3_blackwell.runtime.model.layout import pad_video, patchify_video, unpatchify_video
 from h3_blackwell.runtime.model.tiny import tiny_model, tiny_state_dict
+from h3_blackwell.runtime.pipeline.tiny import diffusers_kwargs
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers import MiniMaxH3Transformer3DModel  # noqa: E402
@@ -46,12 +47,7 @@ def rel_l2(a, b):
 
 
 def diffusers_model(cfg, sd):
-    m = MiniMaxH3Transformer3DModel(
-        num_attention_heads=cfg.num_heads, attention_head_dim=cfg.head_dim, hidden_size=cfg.hidden_size,
-        num_layers=cfg.num_layers, num_refiner_layers=cfg.num_refiner_layers, ffn_dim=cfg.ffn_hidden_size,
-        in_channels=cfg.video_channels, audio_in_channels=cfg.audio_channels, text_dim=cfg.text_dim,
-        freq_dim=cfg.timestep_input_dim, time_embed_hidden_dim=cfg.time_embed_hidden_size,
-        time_embed_dim=cfg.time_embed_dim, rope_freq_dim=cfg.rope_inv_freq_len)
+    m = MiniMaxH3Transformer3DModel(**diffusers_kwargs(cfg))
     missing, unexpected = m.load_state_dict(comfy_to_diffusers_state_dict(sd), strict=False)
     assert not unexpected, unexpected
     assert all("rope" in k for k in missing), missing

@@ -11,6 +11,7 @@ from h3_blackwell.runtime.budget import DeviceMemory, ModelMemory, Workload, dec
 from h3_blackwell.runtime.model.config import FULL
 from h3_blackwell.runtime.model.layout import latent_shapes
 from h3_blackwell.runtime.ops.attention import ROW_EXACT, bind_attention, bind_attention_qkv, row_exactness
+from fixtures.chunks import chunked_evaluations
 
 S, H, D = 700, 4, 128  # not a multiple of 128: the last chunk is partial, as at 73,486 rows
 
@@ -58,16 +59,10 @@ def test_block_attention_half_in_row_chunks_equals_one_pass(kw):
     vshape, ashape = latent_shapes(128, 96, 22)
     rt = load_model(None, RuntimeOptions(device="cpu", **kw), workload=Workload.from_shapes(vshape, ashape, 32, 2))
     text = torch.randn(1, 32, 5120, generator=torch.Generator().manual_seed(1))
-    g = torch.Generator().manual_seed(3)
-    video, audio = torch.randn(vshape, generator=g), torch.randn(ashape, generator=g)
-    with torch.no_grad():
-        plan = rt.model.plan(text, vshape, ashape, [0.7])
-        want = rt.model.evaluate(plan, 0, video, audio, rt.ops)
-        for rows in (128, 64):
-            rt.ops.set_attn_chunk_rows(rows)
-            got = rt.model.evaluate(plan, 0, video, audio, rt.ops)
-            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), rows
-    assert not torch.equal(want[0], rt.model.evaluate(plan, 0, video * 1.01, audio, rt.ops)[0])
+    want, chunked, moved = chunked_evaluations(rt, text, (vshape, ashape), rt.ops.set_attn_chunk_rows)
+    for rows, got, _ in chunked:
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), rows
+    assert not torch.equal(want[0], moved[0])
 
 
 H100 = DeviceMemory("cuda", "NVIDIA H100 80GB HBM3", 80 * 10 ** 9, 79 * 10 ** 9)

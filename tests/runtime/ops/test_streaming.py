@@ -12,6 +12,7 @@ import torch
 
 from h3_blackwell.cli import main as cli
 from h3_blackwell.runtime import RuntimeOptions, load_model
+from fixtures.chunks import chunked_evaluations
 from fixtures.sampling import sample
 from h3_blackwell.runtime.budget import ModelMemory, Workload, chunkings, estimate, smallest_budget
 from h3_blackwell.runtime.load import StateDictSource
@@ -188,19 +189,13 @@ def test_ffn_row_chunks_equal_one_pass_where_row_local(stack):
     rt = _load(STACKS[stack])
     assert ModelMemory.from_plan(rt.plan).ffn_row_local
     text, _, _, _ = _inputs()
-    g = torch.Generator().manual_seed(3)
-    video, audio = torch.randn(VSHAPE, generator=g), torch.randn(ASHAPE, generator=g)
     rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())  # noqa: E731
-    with torch.no_grad():
-        plan = rt.model.plan(text, VSHAPE, ASHAPE, [0.7])
-        want = rt.model.evaluate(plan, 0, video, audio, rt.ops)
-        for rows in (128, 64):
-            rt.ops.set_ffn_chunk_rows(rows)
-            got = rt.model.evaluate(plan, 0, video, audio, rt.ops)
-            errs = [rel(got[i], want[i]) for i in (0, 1)]
-            assert max(errs) <= CHUNK_TOL[stack], (rows, errs)
-            again = rt.model.evaluate(plan, 0, video, audio, rt.ops)  # the same chunking: the same bytes
-            assert torch.equal(again[0], got[0]) and torch.equal(again[1], got[1]), rows
+    want, chunked, moved = chunked_evaluations(rt, text, (VSHAPE, ASHAPE), rt.ops.set_ffn_chunk_rows)
+    for rows, got, again in chunked:
+        errs = [rel(got[i], want[i]) for i in (0, 1)]
+        assert max(errs) <= CHUNK_TOL[stack], (rows, errs)
+        assert torch.equal(again[0], got[0]) and torch.equal(again[1], got[1]), rows  # same chunking, same bytes
+    assert rel(moved[0], want[0]) > CHUNK_TOL[stack]
 
 
 def test_w4a4_dynamic_scale_is_not_chunked():
