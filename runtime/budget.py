@@ -362,16 +362,19 @@ def sparse_rows(mm: ModelMemory, wl: Workload) -> int:
     return video + wl.rows - wl.video_rows + (BLOCK - 1) * wl.prefix_segments
 
 
-def sparse_held_bytes(mm: ModelMemory, wl: Workload, conditionings: int = 1) -> int:
+def sparse_held_bytes(mm: ModelMemory, wl: Workload, conditionings: int = 2) -> int:
     """What a sparse run keeps through a step beside the blocks' activations: the rotary tables in the call's row
     order (split-half cos/sin padded for VSA, the kernel's rotation table [n, R/2, 2, 2] fp32 and comfy-kitchen's
-    packed copy of it [n, R, 2] fp32) and the pooled statistics carried per block and conditioning
-    ((kmean, vscale) fp32 [H, 128] each)."""
+    packed copy of it [n, R, 2] fp32; one conditioning's at a time) and, per conditioning (CFG's two at most), the
+    pooled statistics carried per block ((kmean, vscale) fp32 [H, 128] each) and VSA's tile order (int64 padded
+    row -> row and back)."""
     if not mm.sparse:
         return 0
     c, n = mm.cfg, sparse_rows(mm, wl)
-    tables = n * c.rope_dim * 8 * 2 + (2 * n * c.rope_dim * 4 if mm.sparse_method == "vsa" else 0)
-    return tables + conditionings * c.num_layers * 2 * c.inner_dim * 4
+    vsa = mm.sparse_method == "vsa"
+    tables = n * c.rope_dim * 8 * 2 + (2 * n * c.rope_dim * 4 if vsa else 0)
+    per_conditioning = c.num_layers * 2 * c.inner_dim * 4 + ((n + wl.rows) * 8 if vsa else 0)
+    return tables + conditionings * per_conditioning
 
 
 def sparse_workspace(mm: ModelMemory, n: int) -> int:

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from fixtures.sparse_parity import LAYOUT, METHODS, _setup
+from fixtures.sparse_parity import METHODS, _setup
 from h3_blackwell.runtime.budget import ModelMemory, Workload, sparse_held_bytes, sparse_phases, sparse_rows, \
     sparse_workspace
 from h3_blackwell.runtime.ops import sparse_attention as SA
