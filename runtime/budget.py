@@ -35,7 +35,11 @@ fixed allowance for library workspaces. A run with a Fun ControlNet (``Workload.
 file's header) adds the tower: its weights (its block linears in the base's form, on the device or, past
 "everything resident", streamed through two buffers of its own; full-form AdaLN in host memory like the
 base's), and what it holds through an evaluation (its stream ``c``, the skip residual, the control rows'
-embedding and its modulation rows of every step), so the blocks that stream make room for it.
+embedding and its modulation rows of every step), so the blocks that stream make room for it. A sparse run
+(``attention=sparse``) adds the phases of its sparse calls for the method it runs (``sparse_phases``: one producer
+chunk, comfy-kitchen's workspace and output, VSA's padded tiles and its ``to_gate_compress`` buffer; the eager
+reference's copies on the CPU) beside the dense ones its dense steps and ``dense_blocks`` still run, and holds its
+call-order rotary tables and per-conditioning statistics (``sparse_held_bytes``).
 """
 
 from __future__ import annotations

@@ -336,7 +336,8 @@ class ModelCall:
         rows = latent_rows(shapes[0], shapes[1], text.shape[1], cond)
         if rows <= self.run.fitted_rows:
             return
-        self.rt.fit_memory(shapes[0], shapes[1], text.shape[1], steps, cond, control=control)
+        self.rt.fit_memory(shapes[0], shapes[1], text.shape[1], steps, cond, control=control,
+                           sparse=self.run.lossy_settings.sparse)
         self.run.fitted_rows = rows
 
     def _step(self, p: _Plan, sigma: float, window_sigma: float):

@@ -117,3 +117,20 @@ def test_modelled_bytes_bound_one_cpu_sparse_call(method, gate):
     wl = Workload(s, 90, 1, 0, video_grid=(5, 6, 3), prefix_segments=2)
     modelled = sparse_phases(mm, wl, "cpu")["sparse_reference"] - x.numel() * 4 + sparse_held_bytes(mm, wl)
     assert LOOSEST * modelled <= m.peak <= modelled, (m.peak, modelled)
+
+
+def test_a_runs_own_method_is_what_fit_memory_counts():
+    """A sampler (or core's node) may run another method than the load's: fit_memory counts the run's (the tiny
+    model on the CPU under an explicit budget, sol-attn loaded, a VSA run: its padded tiles make the estimate grow)."""
+    from h3_blackwell.runtime import RuntimeOptions, load_model
+    from h3_blackwell.runtime.model.layout import latent_shapes
+
+    rt = load_model(None, RuntimeOptions(device="cpu", dtype="float32", quantize=False, attention="sparse",
+                                         vram_budget="2"), tiny_seed=0)
+    v, a = latent_shapes(256, 192, 39)
+    totals = []
+    for s in (None, SparseSettings("vsa")):
+        rt.fit_memory(v, a, 9, 4, sparse=s)
+        totals.append(rt.plan.memory.estimate)
+    assert totals[0].peak_phase == totals[1].peak_phase == "sparse_reference"
+    assert totals[1].activations > totals[0].activations
