@@ -417,7 +417,10 @@ def sparse_phases(mm: ModelMemory, wl: Workload, device_kind: str = "cuda") -> d
         work = 2 * n * 3 * inner * e + 2 * n * inner * (4 + e) + 4 * n * inner * 4 + 3 * c.num_heads * r * n * 4
         return {"sparse_reference": x + gate + work + (2 * rc * h * (e + 4) if vsa else 0)}
     ws = sparse_workspace(mm, n)
-    chunk = rc * h * e + rc * h * (e + 4) + max(_act_in(mm, rc, h) + y, 3 * y) if vsa else _act_in(mm, rc, h) + y
+    producer = _act_in(mm, rc, h) + y
+    if mm.act_format == "dense":  # an unfused RMSNorm: its fp32 copy, the normed rows and their weighted copy
+        producer = max(producer, rc * h * (12 + e))
+    chunk = rc * h * e + rc * h * (e + 4) + max(producer, 3 * y) if vsa else producer
     out = n * inner * e
     phases = {"sparse_produce": x + gate + ws + chunk,
               "sparse_kernel": x + gate + ws + out + (SPARSE_TOPK_BYTES if mm.sparse_method != "sol-attn" else 0)}
