@@ -46,7 +46,9 @@ class SparseStepAttention:
 
     Per run: ``begin_run(segments, grid, shift_video, settings)`` takes the packed layout (segments, the target
     video grid (T, H/2, W/2)), freezes the sigma window (the settings' frozen sigmas, else from the percents at
-    the run's video shift) and clears the carried statistics; per step: ``begin_step(i, sigma)`` with the MODEL
+    the run's video shift) and clears the carried statistics; per conditioning (CFG's two alternate):
+    ``begin_branch(key, segments, grid)`` switches to that conditioning's layout and statistics; per evaluation
+    (each step, each conditioning): ``begin_step(i, sigma)`` with the MODEL
     sigma; per block: ``takes(index, x)`` says whether the block runs sparse (window, min_tokens, dense_blocks,
     bf16 on CUDA as core), then ``block_attention(blk, call)`` -> [S, H*D]. Any other attention call
     (``__call__(qkv)``: dense blocks and steps, the tower, the refiner) runs ``dense``. ``kernel``: comfy-kitchen's
