@@ -35,7 +35,11 @@ fixed allowance for library workspaces. A run with a Fun ControlNet (``Workload.
 file's header) adds the tower: its weights (its block linears in the base's form, on the device or, past
 "everything resident", streamed through two buffers of its own; full-form AdaLN in host memory like the
 base's), and what it holds through an evaluation (its stream ``c``, the skip residual, the control rows'
-embedding and its modulation rows of every step), so the blocks that stream make room for it.
+embedding and its modulation rows of every step), so the blocks that stream make room for it. A sparse run
+(``attention=sparse``) adds the phases of its sparse calls for the method it runs (``sparse_phases``: one producer
+chunk, comfy-kitchen's workspace and output, VSA's padded tiles and its ``to_gate_compress`` buffer; the eager
+reference's copies on the CPU) beside the dense ones its dense steps and ``dense_blocks`` still run, and holds its
+call-order rotary tables and per-conditioning statistics (``sparse_held_bytes``).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from .model.config import QUANT_LINEARS, H3Config
 from .model.h3 import H3Model
 from .ops import nvfp4
 from .ops.attention import row_exactness
+from .ops.sparse_methods import BLOCK, PRODUCER_CHUNK, VSA_CUBE
 from .options import vram_budget_bytes
 from .plan import ADALN_FROM_FILE, Choice
 from .sampling.request import RequestError, host_available_bytes, latent_rows, resolve_request
@@ -145,6 +150,8 @@ class Workload:
     latent_bytes: int
     t_values: int = 2
     tower: TowerSize | None = None
+    video_grid: tuple = ()  # (T, H/2, W/2) of the target video: VSA's cube padding (``sparse_rows``)
+    prefix_segments: int = 2  # non-video segments at most (text, audio, each condition's): VSA pads each to 64 rows
 
     @classmethod
     def from_shapes(cls, video_shape, audio_shape, text_tokens: int, steps: int, cond=None,
@@ -155,8 +162,9 @@ class Workload:
         t, h, w = video_shape[2], -(-video_shape[3] // 2), -(-video_shape[4] // 2)
         numel = math.prod(video_shape) + math.prod(audio_shape)
         extra = 0 if cond is None else 2 * (bool(getattr(cond, "keyframes", None)) + bool(getattr(cond, "refs", None)))
+        items = 0 if cond is None else len(getattr(cond, "keyframes", None) or ()) + len(getattr(cond, "refs", None) or ())
         return cls(latent_rows(video_shape, audio_shape, text_tokens, cond), t * h * w, steps, 4 * numel, 2 + extra,
-                   tower)
+                   tower, (t, h, w), 2 + 2 * items)
 
     @classmethod
     def for_request(cls, cfg: H3Config, width=None, height=None, frames=None, steps=None,
@@ -223,6 +231,7 @@ class ModelMemory:
     adaln_file: bool = False  # the AdaLN weights can stay in the checkpoint file (a file source, AdaLN off the device)
     refiner_bytes: int = 0  # the token refiner's weights (in other_bytes): in host memory whenever blocks stream
     adaln_block_bytes: int = 0  # one block's AdaLN weight and bias: what a run reading them from the file holds
+    sparse_method: str = ""  # with ``sparse``: sol-attn | sla | vsa (``sparse_phases``)
 
     @property
     def attn_rows(self) -> tuple[bool, str]:
@@ -274,7 +283,7 @@ class ModelMemory:
         form = choices["form"]
         mm = cls.build(cfg, dtype, form, "fp8" if form != "dense" else "dense", choices["attention"], "fused",
                        choices["adaln_on_host"])
-        return replace(mm, sparse=choices["attention"] == "sparse")
+        return replace(mm, sparse=choices["attention"] == "sparse", sparse_method=choices.get("sparse_method", ""))
 
     @classmethod
     def from_plan(cls, plan) -> "ModelMemory":
@@ -288,6 +297,7 @@ class ModelMemory:
         mm = cls.build(plan.config, plan.dtype, plan.act_format, plan.gemm, plan.dense_attention,
                        plan.v_handling, plan.adaln_on_host, calibrated).with_source(ck)
         return replace(mm, sparse=plan.attention == "sparse",
+                       sparse_method=plan.sparse_settings().method if plan.attention == "sparse" else "",
                        adaln_host_bytes=0 if plan.adaln_from_file else mm.adaln_host_bytes)
 
     def with_source(self, source) -> "ModelMemory":
@@ -338,10 +348,93 @@ def _attention_operands(mm: ModelMemory, rows: int, kv_rows: int | None = None) 
     return (rows + 2 * kv_rows) * per_row * 4 + 2 * min(4 * c.num_heads * rows * kv_rows, 1 << 30)
 
 
+# the sparse path (runtime.ops.sparse_step; comfy-kitchen's sol_attn_chunked on CUDA, the eager reference on the CPU)
+SPARSE_TOPK_BYTES = 3 * (64 << 20)  # sla / vsa: the threshold's head slices of <= 64 MiB scores, topk's values and
+#                                     indices beside them (comfy-kitchen's _SOL_TOPK_SLICE_BYTES)
+
+
+def sparse_rows(mm: ModelMemory, wl: Workload) -> int:
+    """The rows one sparse call runs on: the packed rows, or VSA's padded tiles (``sparse_methods.vsa_plan``):
+    each non-video segment padded to 64 rows and the video grid padded to multiples of 4 per axis. Without
+    ``wl.video_grid`` the padding's bound over every grid of ``video_rows`` rows: 16 x (video_rows + 3)."""
+    if mm.sparse_method != "vsa":
+        return wl.rows
+    if wl.video_grid:
+        video = math.prod(-(-g // c) * c for g, c in zip(wl.video_grid, VSA_CUBE))
+    else:
+        video = 16 * (wl.video_rows + 3)
+    return video + wl.rows - wl.video_rows + (BLOCK - 1) * wl.prefix_segments
+
+
+def sparse_held_bytes(mm: ModelMemory, wl: Workload, conditionings: int = 2) -> int:
+    """What a sparse run keeps through a step beside the blocks' activations: the rotary tables in the call's row
+    order (split-half cos/sin padded for VSA, the kernel's rotation table [n, R/2, 2, 2] fp32 and comfy-kitchen's
+    packed copy of it [n, R, 2] fp32; one conditioning's at a time) and, per conditioning (CFG's two at most), the
+    pooled statistics carried per block ((kmean, vscale) fp32 [H, 128] each) and VSA's tile order (int64 padded
+    row -> row and back)."""
+    if not mm.sparse:
+        return 0
+    c, n = mm.cfg, sparse_rows(mm, wl)
+    vsa = mm.sparse_method == "vsa"
+    tables = n * c.rope_dim * 8 * 2 + (2 * n * c.rope_dim * 4 if vsa else 0)
+    per_conditioning = c.num_layers * 2 * c.inner_dim * 4 + ((n + wl.rows) * 8 if vsa else 0)
+    return tables + conditionings * per_conditioning
+
+
+def sparse_workspace(mm: ModelMemory, n: int) -> int:
+    """comfy-kitchen's ``sol_attn_chunked`` workspace for ``n`` rows (modelled; a GPU test compares it with the
+    library's own plan, ``_C.sol_attn_plan(...)["total"]``): int8 q, k and v of every row (the producer
+    quantizes each chunk into them; the bf16 q/k/v are never whole) and per 64-row block and head its pooled
+    sums (q means and k sums fp32, v sums bf16, int8 centroids and their scale), with one spare block."""
+    c = mm.cfg
+    blocks = -(-n // BLOCK) + 1
+    return 3 * n * c.inner_dim + blocks * c.num_heads * (c.head_dim * (4 + 4 + 2 + 1) + 4)
+
+
+def sparse_phases(mm: ModelMemory, wl: Workload, device_kind: str = "cuda") -> dict[str, int]:
+    """Bytes live at the peak of each phase of one sparse block call (``SparseStepAttention.block_attention``),
+    weights excluded, on the method's rows ``n`` (``sparse_rows``): the residual ``x``, VSA's gate buffer
+    (``to_gate_compress`` of every padded row, [n, H*D] at the compute dtype, alive through the call), and
+
+    - produce: one 4096-row chunk's work (sol-attn / sla: the qkv GEMM's input and output; vsa: the gathered
+      rows, their modulated copy (the gate's input), the qkv output, its zeros and the masked copy) beside the
+      kernel's workspace (``sparse_workspace``);
+    - kernel: the workspace, the output [n, H*D] and sla/vsa's top-k scratch;
+    - gather (vsa): the output in padded order and gathered back to the packed rows.
+
+    On the CPU the eager reference runs instead: every chunk and their concatenation, q/k (fp32 math, then the
+    compute dtype), fp32 copies of q, k, v and centred k, the fp32 output and one chunk of 16 query blocks'
+    scores (scores, masked scores and their powers, fp32)."""
+    c, e, s = mm.cfg, mm.dtype_bytes, wl.rows
+    h, inner, n = c.hidden_size, c.inner_dim, sparse_rows(mm, wl)
+    x = s * h * e
+    vsa = mm.sparse_method == "vsa"
+    gate = n * inner * e if vsa and c.gate_compress else 0
+    rc = min(PRODUCER_CHUNK, n)
+    y = rc * 3 * inner * e
+    if device_kind == "cpu":
+        r = min(16 * BLOCK, n)
+        work = 2 * n * 3 * inner * e + 2 * n * inner * (4 + e) + 4 * n * inner * 4 + 3 * c.num_heads * r * n * 4
+        return {"sparse_reference": x + gate + work + (2 * rc * h * (e + 4) if vsa else 0)}
+    ws = sparse_workspace(mm, n)
+    producer = _act_in(mm, rc, h) + y
+    if mm.act_format == "dense":  # an unfused RMSNorm: its fp32 copy, the normed rows and their weighted copy
+        producer = max(producer, rc * h * (12 + e))
+    chunk = rc * h * e + rc * h * (e + 4) + max(producer, 3 * y) if vsa else producer
+    out = n * inner * e
+    phases = {"sparse_produce": x + gate + ws + chunk,
+              "sparse_kernel": x + gate + ws + out + (SPARSE_TOPK_BYTES if mm.sparse_method != "sol-attn" else 0)}
+    if vsa:
+        phases["sparse_gather"] = x + gate + out + s * inner * e
+    return phases
+
+
 def activation_phases(mm: ModelMemory, wl: Workload, chunk_rows: int | None = None,
-                      attn_rows: int | None = None) -> dict[str, int]:
+                      attn_rows: int | None = None, device_kind: str = "cuda") -> dict[str, int]:
     """Bytes live at the peak of each phase of one evaluation, weights excluded. chunk_rows: the FFN's rows
-    per chunk (None: all rows at once); attn_rows: the attention half's query rows per chunk (None: unchunked)."""
+    per chunk (None: all rows at once); attn_rows: the attention half's query rows per chunk (None: unchunked).
+    A sparse run adds its sparse calls' phases (``sparse_phases``) beside the dense ones, which its dense steps
+    (before ``start_percent``, under ``min_tokens``) and ``dense_blocks`` still run."""
     c, e, s = mm.cfg, mm.dtype_bytes, wl.rows
     h, inner, ffn = c.hidden_size, c.inner_dim, c.ffn_hidden_size
     rc = s if chunk_rows is None else min(chunk_rows, s)
@@ -364,6 +457,7 @@ def activation_phases(mm: ModelMemory, wl: Workload, chunk_rows: int | None = No
         "fc1": x + _act_in(mm, rc, h) + rc * 2 * ffn * e,
         "fc2": x + rc * 2 * ffn * e + _swiglu_out(mm, rc) + rc * h * e,
         "head": x + sv * h * (2 * e + 4),
+        **(sparse_phases(mm, wl, device_kind) if mm.sparse else {}),
     }
 
 
@@ -373,7 +467,7 @@ def run_bytes(mm: ModelMemory, wl: Workload) -> int:
     c = mm.cfg
     mods = wl.steps * c.num_layers * 3 * wl.t_values * 6 * c.hidden_size * mm.dtype_bytes
     rope = 2 * wl.rows * c.rope_dim * 4
-    return mods + rope + 10 * wl.latent_bytes
+    return mods + rope + 10 * wl.latent_bytes + sparse_held_bytes(mm, wl)
 
 
 def scratch_bytes(mm: ModelMemory, wl: Workload) -> int:
@@ -471,7 +565,7 @@ def estimate(mm: ModelMemory, wl: Workload, resident: int, slots: int, chunk_row
     """Peak device bytes of a run with ``resident`` blocks resident (the others streamed through ``slots``
     buffers) and the FFN chunked to ``chunk_rows`` rows (None: unchunked); ``tower_streams``: the control tower's
     blocks stream too (``tower_bytes``); ``attn_rows``: the attention half in query-row chunks of that many rows."""
-    phases = activation_phases(mm, wl, chunk_rows, attn_rows)
+    phases = activation_phases(mm, wl, chunk_rows, attn_rows, device_kind)
     streamed = mm.cfg.num_layers - resident
     refiner_off = mm.refiner_bytes if streamed else 0  # in host memory, on the device for the run's one refine
     if refiner_off:

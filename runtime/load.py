@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -304,15 +304,16 @@ class H3Runtime:
         return "\n".join(lines)
 
     def fit_memory(self, video_shape, audio_shape, text_tokens: int, steps: int, cond=None,
-                   device_memory: DeviceMemory | None = None, control=None) -> dict:
+                   device_memory: DeviceMemory | None = None, control=None, sparse=None) -> dict:
         """Plan the device-memory budget again for a sampling run of these latent shapes (``sample`` calls it when
         sampling starts, so ``auto`` sees the memory ComfyUI's text encoder and VAE hold then), move blocks
         between the device and host memory if the decision changed, and return the ``memory`` choice.
         control: the run's loaded Fun ControlNet tower (``FunControl``) or None: its device bytes are already
         held (``auto`` counts them as available again) and are planned like the load's. A tower loaded onto this
         plan that the run leaves out keeps its device bytes, and LoRA side paths hold theirs: both come off a given
-        budget. An offloaded runtime (``offload``) is planned as holding nothing and comes back as planned. Raises
-        BudgetError (nothing moved) when the budget cannot run this request."""
+        budget. An offloaded runtime (``offload``) is planned as holding nothing and comes back as planned. sparse:
+        the run's own SparseSettings (a sampler's or core's node's method; None: the load's), whose sparse path is
+        counted. Raises BudgetError (nothing moved) when the budget cannot run this request."""
         plan, st = self.plan, self.streamer
         if plan.memory is None or st is None:
             self.onload()
@@ -320,6 +321,8 @@ class H3Runtime:
         wl = Workload.from_shapes(video_shape, audio_shape, text_tokens, steps, cond, TowerSize.of(control))
         dev = device_memory or DeviceMemory.probe(self.device)
         mm = ModelMemory.from_plan(plan)
+        if sparse is not None and mm.sparse:
+            mm = replace(mm, sparse_method=sparse.method)
         old = plan.memory
         # a loaded tower (FunControl) holds device bytes and, streamed, host bytes; a tower's source none yet
         tower_st = getattr(control, "streamer", None)

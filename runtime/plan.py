@@ -226,7 +226,8 @@ def memory_choices(options: RuntimeOptions, cfg: H3Config, device: torch.device)
     elif not (a in ("sage2", "sage1", "sparse", "reference") or a.startswith("sdpa")):
         a = "sdpa"
     return {"form": form, "adaln_on_host": adaln_on_host, "attention": a, "vram_budget": options.vram_budget,
-            "host_budget": options.host_budget}
+            "host_budget": options.host_budget,
+            "sparse_method": options.sparse_settings().method if a == "sparse" else ""}
 
 
 def resolve_dtype(options: RuntimeOptions, device: torch.device) -> torch.dtype:

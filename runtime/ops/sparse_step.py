@@ -46,7 +46,9 @@ class SparseStepAttention:
 
     Per run: ``begin_run(segments, grid, shift_video, settings)`` takes the packed layout (segments, the target
     video grid (T, H/2, W/2)), freezes the sigma window (the settings' frozen sigmas, else from the percents at
-    the run's video shift) and clears the carried statistics; per step: ``begin_step(i, sigma)`` with the MODEL
+    the run's video shift) and clears the carried statistics; per conditioning (CFG's two alternate):
+    ``begin_branch(key, segments, grid)`` switches to that conditioning's layout and statistics; per evaluation
+    (each step, each conditioning): ``begin_step(i, sigma)`` with the MODEL
     sigma; per block: ``takes(index, x)`` says whether the block runs sparse (window, min_tokens, dense_blocks,
     bf16 on CUDA as core), then ``block_attention(blk, call)`` -> [S, H*D]. Any other attention call
     (``__call__(qkv)``: dense blocks and steps, the tower, the refiner) runs ``dense``. ``kernel``: comfy-kitchen's
@@ -71,6 +73,8 @@ class SparseStepAttention:
     steps: list = field(default_factory=list)
     calls: dict = field(default_factory=lambda: {"sparse": 0, "dense": 0})
     notes: list = field(default_factory=list)
+    branch: Any = 0  # the conditioning the calls now belong to (``begin_branch``)
+    branches: dict = field(default_factory=dict)  # the other conditionings' (segments, grid, sinks, pooled, cache)
 
     @property
     def seq_len(self) -> int:
@@ -86,6 +90,25 @@ class SparseStepAttention:
         self.pooled, self.cache, self.steps, self.notes = {}, {}, [], []
         self.calls = {"sparse": 0, "dense": 0}
         self.sparse_now = False
+        self.branch, self.branches = 0, {}
+
+    def begin_branch(self, key, segments: Sequence[tuple[int, int, str]], grid: tuple[int, int, int]) -> None:
+        """The next calls belong to conditioning ``key`` (a CFG run alternates its conditionings every step; the
+        run's first is branch 0): its own layout, sinks and VSA tiling, and its own carried pooled statistics, as
+        core keys them per (block, rows, uuids). The window and settings stay the run's. The rope tables of the
+        branch left are dropped (rebuilt at its next call, as at every step)."""
+        if self.run_settings is None:
+            raise H3Error("sparse attention: begin_run(segments, grid, shift) must come before begin_branch")
+        if key == self.branch:
+            return
+        self.cache.pop("rope", None)
+        self.branches[self.branch] = (self.segments, self.grid, self.sinks, self.pooled, self.cache)
+        hit = self.branches.pop(key, None)
+        if hit is None:
+            segs = list(segments)
+            hit = (segs, tuple(grid), core_sinks(segs, segs[-1][1], self.run_settings.sinks), {}, {})
+        self.segments, self.grid, self.sinks, self.pooled, self.cache = hit
+        self.branch = key
 
     def begin_step(self, step: int, sigma: float) -> None:
         if self.run_settings is None:
@@ -97,7 +120,7 @@ class SparseStepAttention:
         elif self.seq_len < self.run_settings.min_tokens:
             reason = f"{self.seq_len} rows < min_tokens {self.run_settings.min_tokens}"
         self.sparse_now = reason is None
-        self.steps.append({"step": step, "sigma": float(sigma), "sparse": self.sparse_now,
+        self.steps.append({"step": step, "sigma": float(sigma), "sparse": self.sparse_now, "branch": self.branch,
                            **({} if reason is None else {"dense_because": reason})})
 
     def end_run(self) -> None:
@@ -209,6 +232,7 @@ class SparseStepAttention:
                "tau": s.tau, "keep_percent": s.keep_percent if s.method != "sol-attn" else None,
                "extra_tokens": s.token_aug, "start_percent": s.start_percent, "end_percent": s.end_percent,
                "min_tokens": s.min_tokens, "dense_blocks": list(s.dense_blocks), "sink_conditioning": s.sinks,
+               "conditionings": 1 + len(self.branches),
                "sparse_steps": [x["step"] for x in self.steps if x["sparse"]],
                "dense_steps": [x["step"] for x in self.steps if not x["sparse"]], "calls": dict(self.calls),
                "sparse_at_or_below_sigma": self.window[1], "sparse_at_or_above_sigma": self.window[0],

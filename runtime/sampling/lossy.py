@@ -60,11 +60,22 @@ class LossyRun:
 
     def begin_run(self, plan, shift_video: float) -> None:
         if self.sparse is not None:
-            lay = plan.layout
-            self.sparse.begin_run(lay.segments, (lay.latent_t, lay.lat_h // 2, lay.lat_w // 2), shift_video,
-                                  self.settings)
+            self.sparse.begin_run(plan.layout.segments, _grid(plan.layout), shift_video, self.settings)
         if self.cache is not None:
             self.cache.reset()
+
+    def branch(self, key, plan) -> None:
+        """The next evaluation is conditioning ``key``'s (the run's first: 0), on ``plan``: sparse attention
+        carries its statistics per conditioning (``SparseStepAttention.begin_branch``). The First-Block Cache
+        follows one conditioning: a second one is refused (its cached residual would mix the branches)."""
+        if key != 0 and self.cache is not None:
+            raise H3Error("the First-Block Cache follows one conditioning per sampling run (expected: every "
+                          "evaluation with the run's first conditioning; found: a second one, as CFG > 1 with a "
+                          "negative prompt or a changed conditioning brings). Sample with cfg 1 (BasicGuider), or "
+                          "leave first_block_cache off for CFG runs (sparse attention alone runs with CFG: it keeps "
+                          "its statistics per conditioning, as core does)")
+        if self.sparse is not None:
+            self.sparse.begin_branch(key, plan.layout.segments, _grid(plan.layout))
 
     def install(self, plan) -> None:
         """Install the cache on a plan of this run (its blocks then consult it at every step)."""
@@ -100,3 +111,8 @@ class LossyRun:
                                                 "block's residual change differs from the last computed step's "
                                                 "by relative L1 < threshold"}
         return out
+
+
+def _grid(lay) -> tuple[int, int, int]:
+    """The target video's token grid (T, H/2, W/2) of a packed layout (VSA's tiling)."""
+    return lay.latent_t, lay.lat_h // 2, lay.lat_w // 2

@@ -15,7 +15,8 @@ scheduled sigma then costs only the block stack; a call at another sigma (a samp
 plans that one sigma. A call whose text, shapes, conditioning or shifts differ (a second conditioning: CFG)
 gets its own plan. Sparse attention and the First-Block Cache (``runtime.sampling.lossy``, installed once per
 run from its ``LossySettings``) follow the calls: the sparse window from each call's sigma, the cache's steps
-are the calls of the run; both need one conditioning per run. ``report(video, audio)`` gives the run's report
+are the calls of the run. Sparse attention carries its pooled statistics per conditioning (CFG's two alternate,
+each with its own, as core keys them per uuids); the First-Block Cache needs one conditioning per run. ``report(video, audio)`` gives the run's report
 (the latent hashes are those of the final latents the host hands in).
 
 The runtime's own sampler (``runtime.sampling.sampler.sample``) steps through this same object, so the
@@ -335,7 +336,8 @@ class ModelCall:
         rows = latent_rows(shapes[0], shapes[1], text.shape[1], cond)
         if rows <= self.run.fitted_rows:
             return
-        self.rt.fit_memory(shapes[0], shapes[1], text.shape[1], steps, cond, control=control)
+        self.rt.fit_memory(shapes[0], shapes[1], text.shape[1], steps, cond, control=control,
+                           sparse=self.run.lossy_settings.sparse)
         self.run.fitted_rows = rows
 
     def _step(self, p: _Plan, sigma: float, window_sigma: float):
@@ -357,7 +359,8 @@ class ModelCall:
         return p.extra[key], 0
 
     def _lossy(self, p: _Plan, plan) -> LossyRun | None:
-        """The run's sparse attention / First-Block Cache context, bound to the run's one conditioning."""
+        """The run's sparse attention / First-Block Cache context, switched to this conditioning (the run's first
+        is branch 0; sparse attention keeps its carried statistics per conditioning, the cache refuses a second)."""
         run, rt = self.run, self.rt
         if run.lossy is None:
             run.lossy = LossyRun.for_run(rt, run.lossy_settings, self.parallel)
@@ -368,10 +371,7 @@ class ModelCall:
             for q in [p.plan, *p.extra.values()]:
                 if q is not None:
                     run.lossy.install(q)
-        elif run.lossy_plan is not p:
-            raise H3Error("sparse attention / the First-Block Cache follow one conditioning per sampling run; this "
-                          "run evaluates a second one (CFG with a negative prompt, or a changed conditioning). "
-                          "Sample with cfg 1 (BasicGuider), or load without attention=sparse and first_block_cache")
+        run.lossy.branch(0 if run.lossy_plan is p else id(p), plan)
         return run.lossy
 
     # -- timing ----------------------------------------------------------------------------------
