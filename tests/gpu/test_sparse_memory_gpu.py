@@ -9,21 +9,13 @@ import dataclasses
 import pytest
 import torch
 
-from fixtures.sparse_parity import METHODS, _setup
+from fixtures.sparse_parity import METHODS, _setup, require_kitchen_gpu
 from h3_blackwell.runtime.budget import ModelMemory, Workload, sparse_held_bytes, sparse_phases, sparse_rows, \
     sparse_workspace
 from h3_blackwell.runtime.ops import sparse_attention as SA
 from h3_blackwell.runtime.ops.reference import ReferenceOps
 
 pytestmark = pytest.mark.gpu
-
-
-def _ready():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    ck = pytest.importorskip("comfy_kitchen")
-    if not (hasattr(ck, "sol_attn_chunked") and ck.sol_attn_is_available(torch.device("cuda"))):
-        pytest.skip("comfy-kitchen has no sol_attn_chunked kernel for this GPU (needs >= 0.2.40, sm_80+)")
 
 
 def _model(cfg, lay, method):
@@ -35,12 +27,18 @@ def _model(cfg, lay, method):
     return mm, wl
 
 
+def _case(method):
+    """The parity block of ``method`` on the GPU -> (settings, (cfg, block, layout, cos, sin), (model memory,
+    workload)); skips without CUDA and comfy-kitchen's kernel."""
+    require_kitchen_gpu()
+    settings, gate = METHODS[method]
+    setup = _setup(gate)
+    return settings, setup, _model(setup[0], setup[2], settings.method)
+
+
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_one_sparse_call_allocates_at_most_the_modelled_bytes(method):
-    _ready()
-    settings, gate = METHODS[method]
-    cfg, blk, lay, cos, sin = _setup(gate)
-    mm, wl = _model(cfg, lay, settings.method)
+    settings, (cfg, blk, lay, cos, sin), (mm, wl) = _case(method)
     att = SA.SparseStepAttention(SA.SolAttention.resolve("cuda"), lambda qkv: None, cfg.num_heads, cfg.head_dim,
                                  settings)
     att.begin_run(lay.segments, (lay.latent_t, lay.lat_h // 2, lay.lat_w // 2), 12.0)
@@ -67,12 +65,9 @@ def test_one_sparse_call_allocates_at_most_the_modelled_bytes(method):
 
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_modelled_workspace_covers_comfy_kitchens_plan(method):
-    _ready()
     from comfy_kitchen.backends.cuda import _C
 
-    settings, gate = METHODS[method]
-    cfg, _, lay, _, _ = _setup(gate)
-    mm, wl = _model(cfg, lay, settings.method)
+    settings, (cfg, _, _, _, _), (mm, wl) = _case(method)
     n = sparse_rows(mm, wl)
     total = _C.sol_attn_plan(1, n, cfg.num_heads, token_aug=settings.token_aug)["total"]
     print({"method": method, "plan_total": total, "modelled": sparse_workspace(mm, n)})

@@ -13,18 +13,14 @@ import pytest
 import torch
 
 from fixtures.core_src import core_file, missing_reason
-from fixtures.sparse_parity import METHODS, compare
+from fixtures.sparse_parity import METHODS, compare, require_kitchen_gpu
 
 pytestmark = pytest.mark.gpu
 TOL = 1e-3
 
 
 def _ready():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    ck = pytest.importorskip("comfy_kitchen")
-    if not (hasattr(ck, "sol_attn_chunked") and ck.sol_attn_is_available(torch.device("cuda"))):
-        pytest.skip("comfy-kitchen has no sol_attn_chunked kernel for this GPU (needs >= 0.2.40, sm_80+)")
+    require_kitchen_gpu()
     if core_file() is None:
         pytest.skip(missing_reason())
 
