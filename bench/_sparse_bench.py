@@ -135,7 +135,7 @@ def _forward_pair(rt, text, vshape, ashape, sigma: float, final_video, final_aud
         outs = {}
         lay = plan.layout
         for mode, start in (("sparse", 0.0), ("dense", 1.0)):
-            sp.begin_run(lay.segments, (lay.latent_t, lay.lat_h // 2, lay.lat_w // 2), shift,
+            sp.begin_run(lay.segments, lay.token_grid, shift,
                          dataclasses.replace(sp.settings, start_percent=start))
             sp.begin_step(0, sigma)
             outs[mode] = m.evaluate(plan, 0, v, a, rt.ops)

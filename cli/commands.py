@@ -148,21 +148,34 @@ def cmd_generate(a) -> int:
     res = run(job)
     if res is None:  # a torchrun rank other than 0: rank 0 writes
         return 0
-    video, audio, report = res.video, res.audio, res.report
-    if not report["latents_finite"]:
-        raise H3Error(nonfinite_message(report["nonfinite"]) + "; nothing was written")
-    out = job.output
-    report["command"] = " ".join(["h3-blackwell"] + sys.argv[1:]) if sys.argv else "h3-blackwell generate"
-    write_dir(out, {
-        "latents.safetensors": lambda p: save_tensors(p, {"video": video, "audio": audio}),
-        "report.json": lambda p: p.write_text(json.dumps(report, indent=2)),
-        **({"preview.webp": lambda p: write_preview_webp(video, p)} if a.preview else {}),
-    }, replaces=("preview.webp",))  # an earlier run's preview never stays beside this run's latents
+    video, audio, report = _finite(res)
+    _write_run(a, job, (video, audio), report)
     shown = Path(a.output)
-    print(summary(report))
     print(f"wrote {shown / 'latents.safetensors'} and {shown / 'report.json'}"
           + (f" and {shown / 'preview.webp'}" if a.preview else ""))
     return 0
+
+
+def _finite(res):
+    """A run's (video, audio, report); H3Error (nothing is written) when its latents are not finite."""
+    if not res.report["latents_finite"]:
+        raise H3Error(nonfinite_message(res.report["nonfinite"]) + "; nothing was written")
+    return res.video, res.audio, res.report
+
+
+def _write_run(a, job, latents, report: dict, extra: dict | None = None) -> None:
+    """A run's files into the output folder together (``write_dir``): latents.safetensors, the ``extra`` files
+    ({name: writer}), report.json with the command line and, with --preview, preview.webp (an earlier run's preview
+    never stays beside this run's latents); then the report's summary."""
+    video, audio = latents
+    report["command"] = " ".join(["h3-blackwell"] + sys.argv[1:]) if sys.argv else "h3-blackwell generate"
+    write_dir(job.output, {
+        "latents.safetensors": lambda p: save_tensors(p, {"video": video, "audio": audio}),
+        **(extra or {}),
+        "report.json": lambda p: p.write_text(json.dumps(report, indent=2)),
+        **({"preview.webp": lambda p: write_preview_webp(video, p)} if a.preview else {}),
+    }, replaces=("preview.webp",))
+    print(summary(report))
 
 
 def _check_prompt_flags(a) -> None:
@@ -198,27 +211,18 @@ def cmd_generate_prompt(a) -> int:
     job = prompt_job(job, text, tags, cond)
     cpu_threads(job)
     _stage(f"sampling {text.shape[1]} text tokens, {job.canvas[0]}x{job.canvas[1]}, {job.canvas[2]} frames")
-    res = run(job)
-    video, audio, report = res.video, res.audio, res.report
-    if not report["latents_finite"]:
-        raise H3Error(nonfinite_message(report["nonfinite"]) + "; nothing was written")
+    video, audio, report = _finite(run(job))
     _stage("decoding with the pipeline's VAEs")
     dec = folder.decode(video, audio, device)
-    report["command"] = " ".join(["h3-blackwell"] + sys.argv[1:]) if sys.argv else "h3-blackwell generate"
     report["pipeline"] = {"folder": str(a.pipeline), "prompt_tokens": int(text.shape[1]),
                           "keyframes": [k.resolved_frame_index for k in cond.keyframes] if cond is not None else [],
                           "decoded_video": list(dec.video.shape), "decoded_audio": list(dec.audio.shape),
                           "sample_rate": dec.rate, "stage_devices": dict(folder.stages)}
     _stage("writing video.mp4")
-    write_dir(job.output, {
-        "latents.safetensors": lambda p: save_tensors(p, {"video": video, "audio": audio}),
+    _write_run(a, job, (video, audio), report, {
         "decoded.safetensors": lambda p: save_tensors(p, {"video": dec.video, "audio": dec.audio},
                                                       metadata={"sample_rate": str(dec.rate), "fps": "24"}),
-        "video.mp4": lambda p: write_mp4(p, dec),
-        "report.json": lambda p: p.write_text(json.dumps(report, indent=2)),
-        **({"preview.webp": lambda p: write_preview_webp(video, p)} if a.preview else {}),
-    }, replaces=("preview.webp",))
-    print(summary(report))
+        "video.mp4": lambda p: write_mp4(p, dec)})
     print(f"wrote {Path(a.output) / 'video.mp4'}, decoded.safetensors, latents.safetensors and report.json"
           + (" and preview.webp" if a.preview else ""))
     return 0

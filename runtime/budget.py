@@ -76,11 +76,11 @@ class BudgetError(H3Error):
     """A device-memory budget that cannot run the job (too small, not enough host memory, a bad value)."""
 
 
-def parse_vram_budget(value) -> int | None:
+def parse_vram_budget(value, option: str = "vram_budget") -> int | None:
     """``options.vram_budget_bytes`` (the one parser: ``auto`` -> None, a number of GB -> bytes) raising
-    BudgetError for a bad value."""
+    BudgetError for a bad value of ``option`` (vram_budget, host_budget)."""
     try:
-        return vram_budget_bytes(value)
+        return vram_budget_bytes(value, option)
     except ValueError as e:
         raise BudgetError(str(e).removeprefix("option ")) from None
 
@@ -933,10 +933,7 @@ def plan_memory(plan, workload: Workload | None = None, dev: DeviceMemory | None
 def host_budget_bytes(text) -> int | None:
     """The host memory a load plans within: the ``host_budget`` option's text (GB) where given, else None (what is
     available)."""
-    try:
-        return vram_budget_bytes(text, "host_budget")
-    except ValueError as e:
-        raise BudgetError(str(e).removeprefix("option ")) from None
+    return parse_vram_budget(text, "host_budget")
 
 
 __all__ = ["BudgetError", "DeviceMemory", "Estimate", "Held", "MemoryAsk", "MemoryPlan", "ModelMemory", "TowerSize",

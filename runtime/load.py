@@ -327,8 +327,10 @@ class H3Runtime:
         # a loaded tower (FunControl) holds device bytes and, streamed, host bytes; a tower's source none yet
         tower_st = getattr(control, "streamer", None)
         # an offloaded runtime holds nothing on the device: it is planned from there and comes back as planned
+        refiner_away = mm.refiner_bytes if self.model.refiner_on_host else 0  # counted in other_bytes, not held now
         held = (0 if self.parked is not None else mm.other_bytes + len(old.resident) * mm.block_bytes
-                + st.device_bytes - (mm.refiner_bytes if self.model.refiner_on_host else 0)) + (control.device_bytes(self.device) if hasattr(control, "device_bytes") else 0)
+                + st.device_bytes - refiner_away) + (control.device_bytes(self.device) if hasattr(control, "device_bytes")
+                                                     else 0)
         idle = sum(t.device_bytes(self.device) for t in list(getattr(plan, "towers", ())) if t is not control)
         outside = (Outside(idle, "a loaded Fun ControlNet tower this run does not use holds",
                            "or drop that tower (its memory goes once nothing refers to it)"),

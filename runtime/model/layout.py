@@ -178,8 +178,13 @@ class PackedLayout:
         return self.segments[-1][1]
 
     @property
+    def token_grid(self) -> tuple[int, int, int]:
+        """The target video's token grid (T, H/2, W/2): one row per 2x2 patch of each latent frame."""
+        return self.latent_t, self.lat_h // 2, self.lat_w // 2
+
+    @property
     def rows_per_frame(self) -> int:
-        return (self.lat_h // 2) * (self.lat_w // 2)
+        return self.token_grid[1] * self.token_grid[2]
 
     def segment(self, kind: str) -> tuple[int, int]:
         """(start, stop) of the first segment of ``kind`` (text, audio and video occur once)."""

@@ -60,7 +60,7 @@ class LossyRun:
 
     def begin_run(self, plan, shift_video: float) -> None:
         if self.sparse is not None:
-            self.sparse.begin_run(plan.layout.segments, _grid(plan.layout), shift_video, self.settings)
+            self.sparse.begin_run(plan.layout.segments, plan.layout.token_grid, shift_video, self.settings)
         if self.cache is not None:
             self.cache.reset()
 
@@ -75,7 +75,7 @@ class LossyRun:
                           "leave first_block_cache off for CFG runs (sparse attention alone runs with CFG: it keeps "
                           "its statistics per conditioning, as core does)")
         if self.sparse is not None:
-            self.sparse.begin_branch(key, plan.layout.segments, _grid(plan.layout))
+            self.sparse.begin_branch(key, plan.layout.segments, plan.layout.token_grid)
 
     def install(self, plan) -> None:
         """Install the cache on a plan of this run (its blocks then consult it at every step)."""
@@ -111,8 +111,3 @@ class LossyRun:
                                                 "block's residual change differs from the last computed step's "
                                                 "by relative L1 < threshold"}
         return out
-
-
-def _grid(lay) -> tuple[int, int, int]:
-    """The target video's token grid (T, H/2, W/2) of a packed layout (VSA's tiling)."""
-    return lay.latent_t, lay.lat_h // 2, lay.lat_w // 2

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 def _model(cfg, lay, method):
     mm = ModelMemory.build(cfg, torch.bfloat16, "dense", "dense", "sage2")
     mm = dataclasses.replace(mm, sparse=True, sparse_method=method)
-    grid = (lay.latent_t, lay.lat_h // 2, lay.lat_w // 2)
+    grid = lay.token_grid
     wl = Workload(lay.seq_len, grid[0] * grid[1] * grid[2], 1, 0, video_grid=grid,
                   prefix_segments=sum(kind != "video" for _, _, kind in lay.segments))
     return mm, wl
@@ -41,7 +41,7 @@ def test_one_sparse_call_allocates_at_most_the_modelled_bytes(method):
     settings, (cfg, blk, lay, cos, sin), (mm, wl) = _case(method)
     att = SA.SparseStepAttention(SA.SolAttention.resolve("cuda"), lambda qkv: None, cfg.num_heads, cfg.head_dim,
                                  settings)
-    att.begin_run(lay.segments, (lay.latent_t, lay.lat_h // 2, lay.lat_w // 2), 12.0)
+    att.begin_run(lay.segments, lay.token_grid, 12.0)
     att.begin_step(1, 0.5)
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(lay.seq_len, cfg.hidden_size, generator=g, device="cuda").to(torch.bfloat16)

@@ -108,7 +108,7 @@ def test_modelled_bytes_bound_one_cpu_sparse_call(method, gate):
     cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
     att = SA.SparseStepAttention(None, None, cfg.num_heads, cfg.head_dim,
                                  SparseSettings(method, keep_percent=30, min_tokens=0))
-    att.begin_run(lay.segments, (lay.latent_t, lay.lat_h // 2, lay.lat_w // 2), 12.0)
+    att.begin_run(lay.segments, lay.token_grid, 12.0)
     att.begin_step(1, 0.5)
     call = SA.SparseBlockCall(ReferenceOps(cfg), 0, x, shift, scale, [(0, s // 2, 0), (s // 2, s, 1)], cos, sin)
     with torch.no_grad(), LiveBytes(exclude=[x, shift, scale, cos, sin, *blk.parameters()]) as m:

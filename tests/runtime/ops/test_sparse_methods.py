@@ -138,7 +138,7 @@ def _call(cfg, lay, seed=1):
 def _attention(cfg, settings, lay, shift_video=12.0):
     att = SA.SparseStepAttention(None, lambda qkv: qkv[:, : cfg.num_heads * cfg.head_dim].clone(), cfg.num_heads,
                                  cfg.head_dim, settings)
-    att.begin_run(lay.segments, (lay.latent_t, lay.lat_h // 2, lay.lat_w // 2), shift_video)
+    att.begin_run(lay.segments, lay.token_grid, shift_video)
     return att
 
 
@@ -236,7 +236,7 @@ def test_sinks_and_vsa_plan_equal_cores_own_code():
             assert patch.sinks({"minimax_h3_layout": cl}, lay.seq_len) == SM.core_sinks(lay.segments, lay.seq_len,
                                                                                           mode)
         theirs = patch.vsa_plan(cl, "cpu")
-        ours = SM.vsa_plan(lay.segments, (lay.latent_t, lay.lat_h // 2, lay.lat_w // 2), "cpu")
+        ours = SM.vsa_plan(lay.segments, lay.token_grid, "cpu")
         assert (theirs["n"], theirs["n_prefix"]) == (ours.n, ours.n_prefix)
         for k in ("src", "inv", "block_len"):
             assert torch.equal(theirs[k], getattr(ours, k)), k
