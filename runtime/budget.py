@@ -232,6 +232,7 @@ class ModelMemory:
     refiner_bytes: int = 0  # the token refiner's weights (in other_bytes): in host memory whenever blocks stream
     adaln_block_bytes: int = 0  # one block's AdaLN weight and bias: what a run reading them from the file holds
     sparse_method: str = ""  # with ``sparse``: sol-attn | sla | vsa (``sparse_phases``)
+    sparse_token_aug: int = 0  # with ``sparse``: the kernel's extra tokens (``SparseSettings.token_aug``)
 
     @property
     def attn_rows(self) -> tuple[bool, str]:
@@ -283,7 +284,8 @@ class ModelMemory:
         form = choices["form"]
         mm = cls.build(cfg, dtype, form, "fp8" if form != "dense" else "dense", choices["attention"], "fused",
                        choices["adaln_on_host"])
-        return replace(mm, sparse=choices["attention"] == "sparse", sparse_method=choices.get("sparse_method", ""))
+        return replace(mm, sparse=choices["attention"] == "sparse", sparse_method=choices.get("sparse_method", ""),
+                       sparse_token_aug=choices.get("sparse_token_aug", 0))
 
     @classmethod
     def from_plan(cls, plan) -> "ModelMemory":
@@ -296,8 +298,9 @@ class ModelMemory:
                              for n in ("mlp.fc1", "mlp.fc2"))
         mm = cls.build(plan.config, plan.dtype, plan.act_format, plan.gemm, plan.dense_attention,
                        plan.v_handling, plan.adaln_on_host, calibrated).with_source(ck)
-        return replace(mm, sparse=plan.attention == "sparse",
-                       sparse_method=plan.sparse_settings().method if plan.attention == "sparse" else "",
+        sparse = plan.sparse_settings() if plan.attention == "sparse" else None
+        return replace(mm, sparse=sparse is not None, sparse_method=sparse.method if sparse else "",
+                       sparse_token_aug=sparse.token_aug if sparse else 0,
                        adaln_host_bytes=0 if plan.adaln_from_file else mm.adaln_host_bytes)
 
     def with_source(self, source) -> "ModelMemory":
@@ -381,14 +384,47 @@ def sparse_held_bytes(mm: ModelMemory, wl: Workload, conditionings: int = 2) -> 
     return tables + conditionings * per_conditioning
 
 
+def sol_workspace_bytes(heads: int, n: int, token_aug: int = 0, head_dim: int = 128) -> int:
+    """comfy-kitchen's Sol-Attn workspace (``_C.sol_attn_plan(1, n, heads, token_aug)["total"]``, the layout of
+    its 0.2.40 kernels; a GPU test compares the two) for one sequence of ``n`` rows: each slot rounded up to 16
+    bytes. With T blocks of 64 rows (Tp = 64 T rows), P = T rounded up to 64 (route reads pooled keys in groups
+    of 64 blocks), per head:
+
+    - the int8 operands: q of every row with an fp32 scale per row, k and v^T padded to Tp (k with two fp32 sums
+      per row);
+    - pooled keys (int8, fp32 scale, P of them), pooled v (bf16, P), per query block a threshold, its routed key
+      block ids (uint16, T x T: the one quadratic slot), their count, an int8 centroid and scale, the route's
+      hand-over (o bf16, m and l fp32), v's absmax, fp32 query-block means (P), and the preprocess scratch
+      (fp32 P x 128 per head plus two fp32 head vectors);
+    - with ``token_aug`` > 0 (extra tokens): v by row (int8, Tp), per query block a reference and candidate bits,
+      per group of 2 query blocks a centroid, reference, bits, ``token_aug`` token ids, a count and a
+      128-bin histogram, the tile lists of 64-group CTAs and the split partials (o bf16, m, l; up to 8 splits)."""
+    def a16(b):
+        return -(-b // 16) * 16
+
+    hd, t = head_dim, -(-n // BLOCK)
+    tp, pad, words = t * BLOCK, -(-t // 64) * 64, -(-t // 32)
+    slots = [n * hd, n * 4, tp * hd, tp * 8, hd * tp, hd * 4, pad * hd, pad * 4, hd * pad * 2, t * 4, t * t * 2,
+             t * 4, t * hd, t * 4, t * hd * 2, t * 4, t * 4, hd * 4, pad * hd * 4]
+    if token_aug:
+        groups = -(-t // 2)
+        ctas = -(-groups // BLOCK)
+        splits = max(1, min(8, -(-512 // ctas)))
+        parts = splits * groups
+        slots += [tp * hd, t * 4, t * words * 4, groups * hd, groups * 4, groups * 4, groups * words * 4,
+                  groups * token_aug * 4, groups * 4, groups * 128 * 4]
+        slots = [s * heads for s in slots] + [ctas * heads * t * 2, ctas * heads * 4]
+        slots += [heads * parts * hd * 2, heads * parts * 4, heads * parts * 4]
+    else:
+        slots = [s * heads for s in slots]
+    slots.append((heads * pad * hd + 2 * heads * hd) * 4)
+    return sum(a16(s) for s in slots)
+
+
 def sparse_workspace(mm: ModelMemory, n: int) -> int:
-    """comfy-kitchen's ``sol_attn_chunked`` workspace for ``n`` rows (modelled; a GPU test compares it with the
-    library's own plan, ``_C.sol_attn_plan(...)["total"]``): int8 q, k and v of every row (the producer
-    quantizes each chunk into them; the bf16 q/k/v are never whole) and per 64-row block and head its pooled
-    sums (q means and k sums fp32, v sums bf16, int8 centroids and their scale), with one spare block."""
-    c = mm.cfg
-    blocks = -(-n // BLOCK) + 1
-    return 3 * n * c.inner_dim + blocks * c.num_heads * (c.head_dim * (4 + 4 + 2 + 1) + 4)
+    """comfy-kitchen's ``sol_attn_chunked`` workspace for ``n`` rows at the method's extra tokens
+    (``sol_workspace_bytes``): the producer quantizes each qkv chunk into it; the bf16 q/k/v are never whole."""
+    return sol_workspace_bytes(mm.cfg.num_heads, n, mm.sparse_token_aug, mm.cfg.head_dim)
 
 
 def sparse_phases(mm: ModelMemory, wl: Workload, device_kind: str = "cuda") -> dict[str, int]:

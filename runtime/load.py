@@ -322,7 +322,7 @@ class H3Runtime:
         dev = device_memory or DeviceMemory.probe(self.device)
         mm = ModelMemory.from_plan(plan)
         if sparse is not None and mm.sparse:
-            mm = replace(mm, sparse_method=sparse.method)
+            mm = replace(mm, sparse_method=sparse.method, sparse_token_aug=sparse.token_aug)
         old = plan.memory
         # a loaded tower (FunControl) holds device bytes and, streamed, host bytes; a tower's source none yet
         tower_st = getattr(control, "streamer", None)

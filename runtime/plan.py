@@ -227,7 +227,8 @@ def memory_choices(options: RuntimeOptions, cfg: H3Config, device: torch.device)
         a = "sdpa"
     return {"form": form, "adaln_on_host": adaln_on_host, "attention": a, "vram_budget": options.vram_budget,
             "host_budget": options.host_budget,
-            "sparse_method": options.sparse_settings().method if a == "sparse" else ""}
+            "sparse_method": options.sparse_settings().method if a == "sparse" else "",
+            "sparse_token_aug": options.sparse_settings().token_aug if a == "sparse" else 0}
 
 
 def resolve_dtype(options: RuntimeOptions, device: torch.device) -> torch.dtype:

@@ -20,7 +20,9 @@
 #                                       core's own nodes_sparse_attention.py: carry .core_cache) and the older sparse
 #                                       GPU tests; then N on the warm machine:
 #   bash scripts/device_session.sh N    bench/sparse_methods.py: canonical + turbo8 x dense, sol-attn, sla, vsa
-#                                       (-> $OUT/sparse-methods.json; SPARSE_ARGS passes e.g. --jobs canonical)
+#                                       (-> $OUT/sparse-methods.json; SPARSE_ARGS passes e.g. --jobs canonical;
+#                                       SPARSE_TESTS=1 first records comfy-kitchen's workspace plans
+#                                       (scripts/sol_plans.py) and runs the sparse memory GPU test)
 #   bash scripts/device_session.sh T    every GPU test (sage2 built alongside the non-attention ones) + the tiny
 #                                       model generated twice on CUDA with the defaults
 #   bash scripts/device_session.sh R    the canonical job at BASE_TREE (default third_party/head: `git archive REV`) and
@@ -261,6 +263,13 @@ M)  # core's sparse methods (issue 38), part 1: GPU tests (sage2 carried, or bui
 N)  # core's sparse methods (issue 38), part 2: the bench (sage2 for the dense steps; a no-op where M ran here)
   kitchen_unpack
   python3 -c "import sageattention" 2>/dev/null || sage_unpack
+  if [ "${SPARSE_TESTS:-0}" = 1 ]; then  # the sparse working set against comfy-kitchen's plan (the memory model)
+    phase sol-plans
+    python3 scripts/sol_plans.py > "$OUT/sol-plans.json" 2>> "$LOG"
+    phase sparse-memory-gpu-test
+    timeout 150 python3 -m pytest -q -s -m gpu tests/gpu/test_sparse_memory_gpu.py -rs 2>&1 \
+      | grep -E "modelled|bytes|passed|failed|skipped|Error|assert" | tail -12 >> "$LOG"
+  fi
   phase "sparse-methods bench ${SPARSE_ARGS:-}"
   # --merge keeps the rows of the tree's bench/results/sparse-methods.json (an earlier lease's other job)
   case " ${SPARSE_ARGS:-} " in *" --merge "*) cp bench/results/sparse-methods.json "$OUT/" 2>>"$LOG" ;; esac

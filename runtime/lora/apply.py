@@ -359,6 +359,20 @@ class LoraView:
         return getattr(self._base, name)
 
 
+# The rest of the ``runtime.interface.Runtime`` protocol, found on the class: isinstance(view, Runtime) looks each
+# member up statically from Python 3.12 on (inspect.getattr_static), past ``__getattr__``.
+RUNTIME_MEMBERS = ("config", "device", "dtype", "plan", "backends", "describe", "device_bytes", "fit_memory",
+                   "offload", "onload", "check_memory")
+
+
+def _delegated(name: str) -> property:
+    return property(lambda self: getattr(self._base, name), doc=f"The base runtime's ``{name}``.")
+
+
+for _name in RUNTIME_MEMBERS:
+    setattr(LoraView, _name, _delegated(_name))
+
+
 def with_lora(rt, path: str, strength: float = 1.0, mode: str = "merge") -> LoraView:
     """``rt`` plus one more LoRA on top of its stack (a LoraView; nothing is applied until ``sync``)."""
     return LoraView(rt, tuple(rt.lora_stack) + (LoraSpec(path, strength, mode),))

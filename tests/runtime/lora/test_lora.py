@@ -454,6 +454,27 @@ def test_sync_restores_the_stack_each_runtime_owns(files, d32):
     assert rep is L.lora_report(d32)
 
 
+def test_a_view_is_a_runtime_as_python_3_12_checks_it(files, d32):
+    """isinstance(view, Runtime) finds every protocol member on the LoraView class itself: from Python 3.12 the
+    check looks members up statically (inspect.getattr_static), past __getattr__, so a view passed to
+    tensor_job (the sampler nodes, bench/sparse_methods.py) was refused there. Checked statically here on every
+    Python; the values are the base runtime's."""
+    import inspect
+    import typing
+
+    from h3_blackwell.runtime.interface import Runtime
+    from h3_blackwell.runtime.job import _check_model
+
+    view = L.with_lora(d32, str(files["comfy"][0]), 0.5)
+    members = getattr(Runtime, "__protocol_attrs__", None) or typing._get_protocol_attrs(Runtime)
+    for name in sorted(members):
+        inspect.getattr_static(view, name)  # raises AttributeError where only __getattr__ would find it
+    assert isinstance(view, Runtime)
+    _check_model(view)
+    assert view.config is d32.config and view.device == d32.device and view.describe() == d32.describe()
+    assert view.device_bytes() == d32.device_bytes() and view.backends == d32.backends
+
+
 # ---------------------------------------------------------------------------------------------
 # errors: one clear message, nothing changed
 # ---------------------------------------------------------------------------------------------
