@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -55,6 +55,8 @@ from .model.config import QUANT_LINEARS, H3Config
 from .model.h3 import H3Model
 from .ops import nvfp4
 from .ops.attention import row_exactness
+from .ops.rows_kv import Bf16KV
+from .ops.sage_kv import SageKV
 from .ops.sparse_methods import BLOCK, PRODUCER_CHUNK, VSA_CUBE
 from .options import vram_budget_bytes
 from .plan import ADALN_FROM_FILE, Choice
@@ -243,6 +245,12 @@ class ModelMemory:
         if self.sparse:
             return False, "attention unchunked: the sparse backend pools over query blocks and carries state per call"
         return True, row_exactness(self.attention)[1]
+
+    @property
+    def attn_kv_sage(self) -> bool:
+        """Whether query-row chunks may hold K and V as Sage2's sm_90 operands (``ops.sage_kv``): Sage2 on its
+        sm_90 stages (v_handling "fused") and chunks allowed at all."""
+        return self.attention == "sage2" and self.v_handling == "fused" and self.attn_rows[0]
 
     @classmethod
     def build(cls, cfg: H3Config, dtype: torch.dtype, act_format: str, gemm: str = "fp8", attention: str = "sage2",
@@ -466,9 +474,13 @@ def sparse_phases(mm: ModelMemory, wl: Workload, device_kind: str = "cuda") -> d
 
 
 def activation_phases(mm: ModelMemory, wl: Workload, chunk_rows: int | None = None,
-                      attn_rows: int | None = None, device_kind: str = "cuda") -> dict[str, int]:
+                      attn_rows: int | None = None, device_kind: str = "cuda", kv_form: str = "bf16"
+                      ) -> dict[str, int]:
     """Bytes live at the peak of each phase of one evaluation, weights excluded. chunk_rows: the FFN's rows
-    per chunk (None: all rows at once); attn_rows: the attention half's query rows per chunk (None: unchunked).
+    per chunk (None: all rows at once); attn_rows: the attention half's query rows per chunk (None: unchunked),
+    holding K and V in ``kv_form`` (``runtime.ops.rows_kv``: "bf16" at the compute dtype, beside the backend's
+    per-call operands; "sage": once as Sage2's operands, ``SageKV.nbytes``, with the store pass's temporaries, and
+    the head's video rows in chunks of the same rows beside its fp32 output).
     A sparse run adds its sparse calls' phases (``sparse_phases``) beside the dense ones, which its dense steps
     (before ``start_percent``, under ``min_tokens``) and ``dense_blocks`` still run."""
     c, e, s = mm.cfg, mm.dtype_bytes, wl.rows
@@ -478,9 +490,19 @@ def activation_phases(mm: ModelMemory, wl: Workload, chunk_rows: int | None = No
     qkv = s * 3 * inner * e
     o = s * inner * e
     sv = wl.video_rows
-    if attn_rows is not None and attn_rows < s:
+    rh = sv  # the head's video rows at once: all, or in the Sage form's query-row chunks (``H3Model.evaluate``)
+    if attn_rows is not None and attn_rows < s and kv_form == "sage":
+        rh = attn_rows
         ra = attn_rows
-        kv = s * 2 * inner * e  # K and V of every row, kept through the chunks
+        kv = SageKV.nbytes(s, c.num_heads, c.head_dim, e)
+        chunk = ra * 3 * inner * e  # one chunk's qkv buffer (Q, K and V are views of it)
+        attention = {"qkv": x + kv + _act_in(mm, ra, h) + chunk,
+                     "kv_store": x + kv + chunk + ra * inner * SageKV.STORE_TEMP_BYTES,
+                     "attention": x + kv + chunk + ra * inner * (1 + e) + 4 * c.num_heads * -(-ra // 16),
+                     "out_proj": x + kv + ra * inner * e + _act_in(mm, ra, inner) + ra * h * e}
+    elif attn_rows is not None and attn_rows < s:
+        ra = attn_rows
+        kv = Bf16KV.nbytes(s, c.num_heads, c.head_dim, e)  # K and V of every row, kept through the chunks
         attention = {"qkv": x + kv + _act_in(mm, ra, h) + ra * 3 * inner * e,
                      "attention": x + kv + ra * 3 * inner * e + _attention_operands(mm, ra, s) + ra * inner * e,
                      "out_proj": x + kv + ra * inner * e + _act_in(mm, ra, inner) + ra * h * e}
@@ -492,7 +514,7 @@ def activation_phases(mm: ModelMemory, wl: Workload, chunk_rows: int | None = No
         **attention,
         "fc1": x + _act_in(mm, rc, h) + rc * 2 * ffn * e,
         "fc2": x + rc * 2 * ffn * e + _swiglu_out(mm, rc) + rc * h * e,
-        "head": x + sv * h * (2 * e + 4),
+        "head": x + min(rh, sv) * h * (2 * e + 4) + (2 * sv * c.video_patch_dim * 4 if rh < sv else 0),
         **(sparse_phases(mm, wl, device_kind) if mm.sparse else {}),
     }
 
@@ -596,12 +618,22 @@ class Estimate:
                 f"+ {gb(self.run)} run tensors + {gb(self.scratch + self.workspace)} scratch{tower}")
 
 
-def estimate(mm: ModelMemory, wl: Workload, resident: int, slots: int, chunk_rows: int | None,
-             device_kind: str = "cuda", tower_streams: bool = False, attn_rows: int | None = None) -> Estimate:
+class Chunking(NamedTuple):
+    """Activation chunking: the FFN's rows per chunk (None: all at once), the attention half's query rows per
+    chunk (None: unchunked) and how those chunks hold K and V (``runtime.ops.rows_kv``)."""
+
+    ffn: int | None = None
+    attn: int | None = None
+    kv_form: str = "bf16"
+
+
+def estimate(mm: ModelMemory, wl: Workload, resident: int, slots: int, chunks: "Chunking | int | None",
+             device_kind: str = "cuda", tower_streams: bool = False) -> Estimate:
     """Peak device bytes of a run with ``resident`` blocks resident (the others streamed through ``slots``
-    buffers) and the FFN chunked to ``chunk_rows`` rows (None: unchunked); ``tower_streams``: the control tower's
-    blocks stream too (``tower_bytes``); ``attn_rows``: the attention half in query-row chunks of that many rows."""
-    phases = activation_phases(mm, wl, chunk_rows, attn_rows, device_kind)
+    buffers) and the activations chunked as ``chunks`` (a ``Chunking``; an int or None: the FFN's rows per chunk
+    alone); ``tower_streams``: the control tower's blocks stream too (``tower_bytes``)."""
+    ch = chunks if isinstance(chunks, Chunking) else Chunking(chunks)
+    phases = activation_phases(mm, wl, ch.ffn, ch.attn, device_kind, ch.kv_form)
     streamed = mm.cfg.num_layers - resident
     refiner_off = mm.refiner_bytes if streamed else 0  # in host memory, on the device for the run's one refine
     if refiner_off:
@@ -667,6 +699,7 @@ class MemoryPlan:
     outside_bytes: int = 0  # taken off a given budget: what the model holds beside the estimate (``Outside``)
     attn_chunk_rows: int | None = None  # the attention half in query-row chunks of this many rows (None: unchunked)
     attn_rows_why: str = ""  # whether those chunks are row-exact, and why (``ModelMemory.attn_rows``)
+    attn_kv_form: str = "bf16"  # how those chunks hold K and V (``runtime.ops.rows_kv``)
     adaln_from_file: bool = False  # AdaLN left in the checkpoint file: each run reads it block by block
     host_limit_bytes: int | None = None  # the host memory the plan fitted its host figure into (None: not checked)
 
@@ -735,6 +768,7 @@ class MemoryPlan:
                 "refiner_on_host": self.refiner_on_host,
                 "stream_buffers": self.slots if self.streamed else 0, "block_bytes": self.block_bytes,
                 "ffn_chunk_rows": self.ffn_chunk_rows, "attn_chunk_rows": self.attn_chunk_rows,
+                "attn_kv_form": self.attn_kv_form if self.attn_chunk_rows is not None else None,
                 "estimate": self.estimate.as_dict(),
                 "workload": {"rows": self.workload.rows, "steps": self.workload.steps},
                 "pinned_host_bytes": 0 if self.emulated else self.host_bytes,
@@ -783,6 +817,7 @@ class _Shape:
     tower_streams: bool = False
     streams: bool = False
     attn: int | None = None  # the attention half's query rows per chunk (None: unchunked)
+    kv_form: str = "bf16"  # how those chunks hold K and V (``runtime.ops.rows_kv``)
 
 
 def _plan(mm: ModelMemory, wl: Workload, dev: DeviceMemory, budget: tuple[int | None, str], shape: _Shape,
@@ -790,27 +825,42 @@ def _plan(mm: ModelMemory, wl: Workload, dev: DeviceMemory, budget: tuple[int | 
     n = mm.cfg.num_layers
     res = spread(n, shape.resident)
     streamed = tuple(j for j in range(n) if j not in set(res))
-    est = estimate(mm, wl, shape.resident, SLOTS, shape.chunk, dev.kind, shape.tower_streams, shape.attn)
+    est = estimate(mm, wl, shape.resident, SLOTS, Chunking(shape.chunk, shape.attn, shape.kv_form), dev.kind,
+                   shape.tower_streams)
     tower_host = wl.tower.blocks * tower_block_bytes(mm, wl.tower) if shape.tower_streams else 0
     emulated = shape.streams and dev.kind == "cpu"
     return MemoryPlan(budget[0], budget[1], res, streamed, SLOTS, shape.chunk, est, wl, mm.block_bytes,
                       len(streamed) * mm.block_bytes, mm.adaln_host_bytes, smallest, dev.kind, emulated,
                       row_local=mm.ffn_row_local_why, tower_streams=shape.tower_streams, tower_host_bytes=tower_host,
                       outside_bytes=outside_bytes, attn_chunk_rows=shape.attn,
-                      attn_rows_why=mm.attn_rows[1] if shape.attn is not None else "")
+                      attn_rows_why=_attn_rows_why(mm, shape) if shape.attn is not None else "",
+                      attn_kv_form=shape.kv_form)
 
 
-def chunkings(mm: ModelMemory, wl: Workload, device_kind: str = "cuda") -> list[tuple[int | None, int | None]]:
-    """The (FFN rows, attention query rows) per chunk ``decide`` tries, in order: unchunked, the FFN alone in halving
-    chunks, then the FFN and the attention half in chunks of the same rows (only as far as this model allows)."""
+def _attn_rows_why(mm: ModelMemory, shape: _Shape) -> str:
+    if shape.kv_form == "sage":
+        return ("K and V held once as Sage2's int8/fp8 operands; not row-exact against one Sage2 call: K's mean "
+                "comes from fp32 chunk sums, so a mean element may round to its bf16 neighbour (ops.sage_kv)")
+    return mm.attn_rows[1]
+
+
+def chunkings(mm: ModelMemory, wl: Workload, device_kind: str = "cuda") -> list[Chunking]:
+    """The (FFN rows, attention query rows, K/V form) per chunk ``decide`` tries, in order: unchunked, the FFN alone
+    in halving chunks, then the FFN and the attention half in chunks of the same rows (only as far as this model
+    allows) holding K and V at the compute dtype, then holding them as Sage2's operands (on CUDA where Sage2 runs
+    its sm_90 stages: ``ModelMemory.attn_kv_sage``)."""
     chunks = chunk_options(wl.rows, device_kind) if mm.ffn_row_local else []
-    return [(None, None)] + [(c, None) for c in chunks] + ([(c, c) for c in chunks] if mm.attn_rows[0] else [])
+    out = [Chunking()] + [Chunking(c) for c in chunks]
+    if mm.attn_rows[0]:
+        out += [Chunking(c, c) for c in chunks]
+    if mm.attn_kv_sage and device_kind == "cuda":
+        out += [Chunking(c, c, "sage") for c in chunks]
+    return out
 
 
 def smallest_budget(mm: ModelMemory, wl: Workload, device_kind: str = "cuda") -> int:
     """Every block streamed (the control tower's too) and the smallest chunking this model allows."""
-    ffn, attn = chunkings(mm, wl, device_kind)[-1]
-    return estimate(mm, wl, 0, SLOTS, ffn, device_kind, wl.tower is not None, attn).total
+    return estimate(mm, wl, 0, SLOTS, chunkings(mm, wl, device_kind)[-1], device_kind, wl.tower is not None).total
 
 
 @dataclass(frozen=True)
@@ -853,23 +903,24 @@ def decide(mm: ModelMemory, wl: Workload, dev: DeviceMemory, requested: int | No
     smallest = smallest_budget(mm, wl, dev.kind) + extra
     ts = wl.tower is not None  # past "everything resident", the control tower streams first (it runs 5 or 10 blocks)
     options = chunkings(mm, wl, dev.kind)
-    for chunk, attn in options:
-        if (chunk is not None or ts) and estimate(mm, wl, n, SLOTS, chunk, dev.kind, ts, attn).total <= budget:
-            p = _plan(mm, wl, dev, (budget, text), _Shape(n, chunk, ts, True, attn), smallest, extra)
+    for ch in options:
+        chunk, attn, kv = ch
+        if (chunk is not None or ts) and estimate(mm, wl, n, SLOTS, ch, dev.kind, ts).total <= budget:
+            p = _plan(mm, wl, dev, (budget, text), _Shape(n, chunk, ts, True, attn, kv), smallest, extra)
             _check_host(p, mm, host_free, held.host_bytes, unchanged)
             return p
-        base = estimate(mm, wl, 0, SLOTS, chunk, dev.kind, ts, attn).total
+        base = estimate(mm, wl, 0, SLOTS, ch, dev.kind, ts).total
         if base > budget:
             continue
         resident = min(n - 1, (budget - base) // mm.block_bytes) if mm.block_bytes else n
-        p = _plan(mm, wl, dev, (budget, text), _Shape(int(resident), chunk, ts, True, attn), smallest, extra)
+        p = _plan(mm, wl, dev, (budget, text), _Shape(int(resident), chunk, ts, True, attn, kv), smallest, extra)
         _check_host(p, mm, host_free, held.host_bytes, unchanged)
         return p
     what = "auto (the free device memory less the margin)" if requested is None else "the budget"
     raise BudgetError(
         f"{text}: too small for {wl.describe()}: even with every block streamed and the smallest activation "
         f"chunking the run needs {gb(smallest - extra)} "
-        f"({estimate(mm, wl, 0, SLOTS, options[-1][0], dev.kind, ts, options[-1][1]).describe()})"
+        f"({estimate(mm, wl, 0, SLOTS, options[-1], dev.kind, ts).describe()})"
         f"{f', and {gb(extra)} more is held beside it' if extra else ''}; {what} must be at least {gb(smallest)}: set "
         f"--vram-budget / H3_VRAM_BUDGET to {budget_arg(smallest)} or more"
         f"{''.join(f', {o.advice}' for o in outside if o.nbytes and o.advice)}, or lower the width, height or frames "

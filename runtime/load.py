@@ -56,6 +56,7 @@ from .ops.interface import BlockOps
 from .ops.block_ops import build_ops
 from .ops.gemm_backends import Scratch
 from .ops.linear import Nvfp4Linear, StoredParts
+from .ops.sage import bind_sage_kv
 from .ops.sparse_attention import SparseStepAttention
 from .ops.stream_ops import StreamOps
 from .ops.streaming import BlockStreamer, module_device_bytes
@@ -351,7 +352,7 @@ class H3Runtime:
             tower_st.restream(())
         new.adaln_from_file = new.adaln_from_file or plan.adaln_from_file  # decided at load: the weights stay there
         self.ops.set_ffn_chunk_rows(new.ffn_chunk_rows)
-        self.ops.set_attn_chunk_rows(new.attn_chunk_rows)
+        self.ops.set_attn_chunk_rows(new.attn_chunk_rows, new.attn_kv_form)
         plan.memory = new
         plan.choices["memory"] = new.choice()
         self.backends["memory"] = plan.choices["memory"].as_dict()
@@ -459,7 +460,8 @@ def load_model(path: str | Path | None = None, options: RuntimeOptions | None = 
     if sparse is None:  # the dense backend's row form, for the memory plan's query-row chunks
         base.attention_rows_fn = bind_attention_qkv(plan.dense_attention, plan.config.head_dim, device=plan.device,
                                                     v_handling=plan.v_handling)
-    base.set_attn_chunk_rows(plan.memory.attn_chunk_rows)
+        base.sage_kv_kernels = bind_sage_kv(plan.dense_attention, plan.v_handling)
+    base.set_attn_chunk_rows(plan.memory.attn_chunk_rows, plan.memory.attn_kv_form)
     ops = StreamOps(base, streamer, plan.memory.ffn_chunk_rows)
     rt = H3Runtime(model, plan, ops, backends, fc2=fc2, sparse=sparse, streamer=streamer,
                    attention=None if base.attends_exactly else dense)

@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops.reference import exact_attention, rms_norm
+from ..ops.rows_kv import rows_kv
 from ..ops.sparse_step import SparseBlockCall
 from .config import H3Config
 
@@ -124,32 +125,37 @@ class DiTBlock(nn.Module):
 
     def _attend_in_row_chunks(self, x, msa, segments, rope, ops, index: int) -> None:
         """The attention half of the block over query rows of ``ops.attn_chunk_rows``, never holding the whole qkv
-        buffer: pass 1 runs the QKV projection and norm+RoPE chunk by chunk and keeps K and V of every row
-        ([S, 2*H*D]); pass 2 runs them again per chunk for its Q, attends over all of K and V
-        (``ops.attention_rows``), and applies out_proj and the gated residual to the chunk's rows of x (in place:
-        later chunks read only their own, not yet updated, rows). Every op is row-local (the plan chunks only where
-        the activation scales are per row), so each row's bytes are the unchunked run's wherever the attention
-        kernel is row-exact (``runtime.ops.attention.row_exactness``). msa: (shift, scale, gate); rope: (cos, sin)."""
+        buffer. The QKV projection and norm+RoPE run chunk by chunk in each pass: first the passes of the holder of
+        K and V (``runtime.ops.rows_kv``, in ``ops.attn_kv_form``: at the compute dtype, one pass storing them; or as
+        Sage2's operands, one pass for their statistics and one storing them), then one more for each chunk's Q,
+        which attends over all of K and V; out_proj and the gated residual apply to the chunk's rows of x (in
+        place: later chunks read only their own, not yet updated, rows). Every op is row-local (the plan chunks
+        only where the activation scales are per row), so each row's bytes are the unchunked run's wherever the
+        K/V form and the kernel are row-exact (``runtime.ops.attention.row_exactness``; the Sage form is not:
+        ``runtime.ops.sage_kv``). msa: (shift, scale, gate); rope: (cos, sin)."""
         shift, scale, gate = msa
         cos, sin = rope
         s, rows = x.shape[0], ops.attn_chunk_rows
         spans = [(a, min(s, a + rows)) for a in range(0, s, rows)]
-        kv = None
-        for pass_ in (1, 2):
+
+        def qkv_rows(a, b):
+            qkv = ops.qkv(index, self, x[a:b], shift, scale, clip_segments(segments, a, b))
+            return _qkv_rows(ops.norm_rope_(self, qkv, cos[a:b], sin[a:b]), b - a)
+
+        held = rows_kv(ops, s, self.attn.heads, self.attn.head_dim, x.dtype, x.device)
+        for pass_ in held.passes:
             for a, b in spans:
-                sg = clip_segments(segments, a, b)
-                q, k, v = _qkv_rows(ops.norm_rope_(self, ops.qkv(index, self, x[a:b], shift, scale, sg),
-                                                   cos[a:b], sin[a:b]), b - a)
-                if pass_ == 1:
-                    kv = x.new_empty(s, 2 * k.shape[1], dtype=k.dtype) if kv is None else kv
-                    kv[a:b, :k.shape[1]] = k
-                    kv[a:b, k.shape[1]:] = v
-                    continue
-                del k, v
-                o = ops.attention_rows(q, kv[:, :q.shape[1]], kv[:, q.shape[1]:])
-                del q
-                ops.gate_add_(x[a:b], ops.out_proj(index, self, o), gate, sg)
-                del o
+                _, k, v = qkv_rows(a, b)
+                held.observe(k, v) if pass_ == "observe" else held.store(a, k, v)
+                del _, k, v  # before the next chunk's qkv: one chunk buffer at a time
+            if pass_ == "observe":
+                held.seal()
+        for a, b in spans:
+            q = qkv_rows(a, b)[0]
+            o = held.attend(q)
+            del q
+            ops.gate_add_(x[a:b], ops.out_proj(index, self, o), gate, clip_segments(segments, a, b))
+            del o
 
 
 def _qkv_rows(normed, rows: int):

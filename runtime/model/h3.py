@@ -398,19 +398,26 @@ class H3Model(nn.Module):
             return blocks(x, 0, n)
         return cache.run(i, x, lambda x: blocks(x, 0, 1), lambda x: blocks(x, 1, n))
 
-    def head(self, x: torch.Tensor, plan: RunPlan, i: int):
+    def head(self, x: torch.Tensor, plan: RunPlan, i: int, rows: int | None = None):
         """Final layer on the target segments -> negated (video [1,C,T,H,W], audio [1,Ca,2,Ta]) in fp32, scaled by
-        the pooled denoise masks when the plan has them (core scales the velocity of masked rows)."""
+        the pooled denoise masks when the plan has them (core scales the velocity of masked rows). rows: the video
+        rows' norm, modulation and fp32 projection in chunks of that many rows (the memory plan's last tier: see
+        ``evaluate``); None: all at once."""
         lay, st = plan.layout, plan.times[i]
         shift, scale = plan.final_mod[i]
         vw, vb, aw, ab = plan.heads[i]
 
-        def mod(kind, row):
-            a, b = lay.segment(kind)
-            return (self.final_layer.norm(x[a:b]) * (1.0 + scale[row]) + shift[row]).float()
+        def head_rows(a, b, row, w, bias):
+            return F.linear((self.final_layer.norm(x[a:b]) * (1.0 + scale[row]) + shift[row]).float(), w, bias)
 
-        v = F.linear(mod("video", st.video_t_index), vw, vb)
-        a = F.linear(mod("audio", st.audio_t_index), aw, ab)
+        va, vz = lay.segment("video")
+        if rows is None or rows >= vz - va:
+            v = head_rows(va, vz, st.video_t_index, vw, vb)
+        else:
+            v = torch.empty(vz - va, vw.shape[0], dtype=torch.float32, device=x.device)
+            for r in range(va, vz, rows):
+                v[r - va:min(vz, r + rows) - va] = head_rows(r, min(vz, r + rows), st.video_t_index, vw, vb)
+        a = head_rows(*lay.segment("audio"), st.audio_t_index, aw, ab)
         h, w = plan.orig_hw
         video = -unpatchify_video(v, lay.latent_t, lay.lat_h, lay.lat_w, self.cfg.video_channels)[..., :h, :w]
         audio = -unpack_audio(a)
@@ -423,9 +430,10 @@ class H3Model(nn.Module):
     def evaluate(self, plan: RunPlan, i: int, video: torch.Tensor, audio: torch.Tensor, ops=None):
         """Model output at step i of a plan: negated velocity (video, audio), fp32, no audio carry. ops: the
         BlockOps to run the blocks with (default: the exact reference)."""
-        x = self.pack(plan, video, audio)
-        x = self.run_blocks(x, plan, i, ops if ops is not None else ReferenceOps(self.cfg))
-        return self.head(x, plan, i)
+        ops = ops if ops is not None else ReferenceOps(self.cfg)
+        x = self.run_blocks(self.pack(plan, video, audio), plan, i, ops)
+        # where the plan holds K and V in Sage's operands (its last tier) the head runs in row chunks too
+        return self.head(x, plan, i, ops.attn_chunk_rows if ops.attn_kv_form == "sage" else None)
 
     @torch.no_grad()
     def forward(self, video, audio, text_states, sigma: float, token_tags=None, shifts=None,

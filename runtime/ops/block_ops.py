@@ -78,8 +78,7 @@ class _QuantizedOps(OpsState):
         """A copy of these ops whose attention is ``fn`` (qkv [S, 3*H*D] -> [S, H*D]); everything else shared."""
         out = copy.copy(self)
         out._attention, out.sparse = fn, None
-        out.attention_rows_fn = None  # the dense backend's row form does not compute fn: no query-row chunks
-        out.attn_chunk_rows = None
+        out.clear_row_forms()  # the dense backend's row form does not compute fn: no query-row chunks
         return out
 
     def attention(self, qkv):

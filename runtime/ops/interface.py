@@ -13,6 +13,7 @@ import torch
 
 # qkv [S, 3*H*D] -> [S, H*D] in qkv's dtype (H = qkv.shape[1] // (3*D): any head count, e.g. a rank's heads)
 AttentionFn = Callable[[torch.Tensor], torch.Tensor]
+KV_FORMS = ("bf16", "sage")  # how query-row chunks hold K and V (runtime.ops.rows_kv)
 # q [Sq, H*D], k, v [S, H*D] -> [Sq, H*D]: attention of a query-row chunk over all keys (runtime.ops.attention)
 RowsAttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -24,7 +25,8 @@ class BlockOps(Protocol):
     name: "reference" | "nvfp4" | "w4a8"; attends_exactly: exact reference attention (the oracle);
     base: the plain ops at the bottom of any wrapper chain (self for a plain one; tests and load-time
     binding write there, never through a wrapper); ffn_chunk_rows: the memory plan's FFN rows per chunk (None:
-    all rows at once); attn_chunk_rows: its query rows per attention chunk (None: all); fc2_dispatcher: the guarded FC2 path (None: the fallback GEMM); fc2_direct_calls: FC2
+    all rows at once); attn_chunk_rows: its query rows per attention chunk (None: all); attn_kv_form: how those chunks
+    hold K and V ("bf16" | "sage", ``runtime.ops.rows_kv``); fc2_dispatcher: the guarded FC2 path (None: the fallback GEMM); fc2_direct_calls: FC2
     GEMMs run without a dispatcher; act_scale: the activation-scale policy of NVFP4 activations (None: not
     NVFP4); takes_amax_reduce: its producers take a dynamic amax that ``set_amax_reduce`` can route; sparse: the
     block-sparse attention bound at load (attention=sparse; None otherwise and on every ``with_attention`` copy,
@@ -41,6 +43,8 @@ class BlockOps(Protocol):
     @property
     def attn_chunk_rows(self) -> int | None: ...
     @property
+    def attn_kv_form(self) -> str: ...
+    @property
     def fc2_dispatcher(self) -> Any: ...
     @property
     def fc2_direct_calls(self) -> int: ...
@@ -53,8 +57,10 @@ class BlockOps(Protocol):
 
     def with_attention(self, fn: AttentionFn) -> "BlockOps": ...
     def set_ffn_chunk_rows(self, rows: int | None) -> None: ...
-    def set_attn_chunk_rows(self, rows: int | None) -> None: ...
+    def set_attn_chunk_rows(self, rows: int | None, kv_form: str = "bf16") -> None: ...
     def attention_rows(self, q, k, v) -> torch.Tensor: ...
+    @property
+    def sage_kv_kernels(self) -> Any: ...
     def set_amax_reduce(self, fn: Callable[[torch.Tensor], torch.Tensor] | None) -> None: ...
     def qkv(self, i, blk, x, shift, scale, segs) -> torch.Tensor: ...
     def norm_rope_(self, blk, qkv, cos, sin): ...
@@ -74,6 +80,8 @@ class OpsState:
     ffn_chunk_rows: int | None = None
     attn_chunk_rows: int | None = None
     attention_rows_fn: "RowsAttentionFn | None" = None  # bound by the load for the dense backend (None: no row form)
+    attn_kv_form = "bf16"
+    sage_kv_kernels: "SageKVKernels | None" = None  # bound by the load where Sage2's sm_90 stages run ("sage" form)
     fc2_dispatcher: Any = None
     fc2_direct_calls = 0
     act_scale: str | None = None
@@ -88,8 +96,20 @@ class OpsState:
     def set_ffn_chunk_rows(self, rows: int | None) -> None:
         self.ffn_chunk_rows = rows
 
-    def set_attn_chunk_rows(self, rows: int | None) -> None:
-        self.attn_chunk_rows = rows
+    def set_attn_chunk_rows(self, rows: int | None, kv_form: str = "bf16") -> None:
+        """Query-row chunks of ``rows`` (None: unchunked) holding K and V in ``kv_form`` (``runtime.ops.rows_kv``);
+        the "sage" form only where the load bound Sage2's sm_90 kernels (``sage_kv_kernels``)."""
+        if kv_form not in KV_FORMS:
+            raise ValueError(f"kv_form {kv_form!r}: expected one of {', '.join(KV_FORMS)}")
+        if kv_form == "sage" and rows is not None and self.sage_kv_kernels is None:
+            raise RuntimeError(f"{self.name} ops have no Sage2 sm_90 kernels bound for K and V in Sage's operands: "
+                               "the memory plan must hold them at the compute dtype here")
+        self.attn_chunk_rows, self.attn_kv_form = rows, kv_form
+
+    def clear_row_forms(self) -> None:
+        """No row form of the attention (a copy whose attention is another function): no query-row chunks."""
+        self.attention_rows_fn = self.sage_kv_kernels = self.attn_chunk_rows = None
+        self.attn_kv_form = "bf16"
 
     def attention_rows(self, q, k, v) -> torch.Tensor:
         """Attention of the query rows q [Sq, H*D] over all of k, v [S, H*D] -> [Sq, H*D] (the query-row chunks of

@@ -106,8 +106,7 @@ class ReferenceOps(OpsState):
         (normed qkv buffer [S, 3*H*D] -> [S, H*D]); everything else unchanged."""
         out = copy.copy(self)
         out._attention, out.sparse = fn, None
-        out.attention_rows_fn = None  # the dense backend's row form does not compute fn: no query-row chunks
-        out.attn_chunk_rows = None
+        out.clear_row_forms()  # the dense backend's row form does not compute fn: no query-row chunks
         return out
 
     def attention_rows(self, q, k, v):

@@ -40,6 +40,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .fp8_producers import sage_v_fp8
+from .sage_kv import SageKVKernels, sm90_kernels
 
 SAGE2_SM90_FN = "sageattn_qk_int8_pv_fp8_cuda_sm90"
 SAGE2_V_ROWS = 128  # the sm_90 wrapper pads V's sequence dimension to a multiple of this
@@ -252,6 +253,16 @@ def bind_sage2(device: torch.device, scale: float, v_handling: str = "library") 
         return lambda q, k, v: _sm90_stages(core, q, k, lambda: sage_v_fp8(v), scale)
     fn = getattr(mod, fn_name)
     return lambda q, k, v: fn(q, k, v, tensor_layout="NHD", is_causal=False, sm_scale=scale, smooth_k=True, **kwargs)
+
+
+def bind_sage_kv(attention: str, v_handling: str) -> SageKVKernels | None:
+    """Sage2's sm_90 kernels for K and V held in Sage's operands (``ops.sage_kv``; the memory plan's "sage" K/V
+    form), where the dense attention is Sage2 on its sm_90 stages (``v_handling`` resolved to "fused" by
+    :func:`v_handling_status`); None elsewhere."""
+    if attention != "sage2" or v_handling != "fused":
+        return None
+    mod, _ = sage2_module()
+    return None if mod is None else sm90_kernels(mod)
 
 
 def bind_sage1(scale: float) -> NhdAttention:

@@ -34,8 +34,8 @@ class OpsWrapper:
     def set_ffn_chunk_rows(self, rows: int | None) -> None:
         self.inner.set_ffn_chunk_rows(rows)
 
-    def set_attn_chunk_rows(self, rows: int | None) -> None:
-        self.inner.set_attn_chunk_rows(rows)
+    def set_attn_chunk_rows(self, rows: int | None, kv_form: str = "bf16") -> None:
+        self.inner.set_attn_chunk_rows(rows, kv_form)
 
     def set_amax_reduce(self, fn: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
         self.inner.set_amax_reduce(fn)
@@ -53,7 +53,8 @@ class _FromInner:
 
 # The BlockOps members (runtime.ops.interface) a wrapper takes from the ops it wraps unless its class overrides them:
 # the declared state and the block's operations. Everything else is neither read nor written through a wrapper.
-DELEGATED = ("name", "attends_exactly", "base", "ffn_chunk_rows", "attn_chunk_rows", "attention_rows", "fc2_dispatcher",
+DELEGATED = ("name", "attends_exactly", "base", "ffn_chunk_rows", "attn_chunk_rows", "attn_kv_form", "attention_rows",
+             "sage_kv_kernels", "fc2_dispatcher",
              "fc2_direct_calls", "act_scale", "takes_amax_reduce", "sparse", "status", "qkv", "norm_rope_", "attention",
              "out_proj", "gate_add_", "fc1", "fc2")
 for _member in DELEGATED:

@@ -35,3 +35,45 @@ def test_row_chunks_on_the_device(backend):
             assert torch.equal(got, whole), (backend, c, err)
         else:
             assert err <= TOLERANCE[backend][0], (backend, c, err)
+
+
+def test_sage_kv_form_on_the_device():
+    """K and V held once as Sage2's sm_90 operands (ops.sage_kv.SageKV with sageattention's own quantizers and
+    kernel), stored and attended in 1,024-row chunks over 9,000 rows:
+    - against one library call (bind_attention sage2) on the same bf16 q, k, v: rel-L2 <= 5e-3 (the same
+      quantization; only K's mean may round to a neighbouring bf16 value, moving K's int8 codes by a step);
+    - against the emulated kernels (the PyTorch reference: dequantized operands, fp32 softmax): rel-L2 <= 3e-2
+      (the kernel also quantizes P to e4m3 before P.V; the emulation keeps it fp32), V's codes byte-equal;
+    - query chunks over the held operands equal one call over them (each output row sees its own query row)."""
+    from h3_blackwell.runtime.ops.sage import bind_sage_kv, v_handling_status
+    from h3_blackwell.runtime.ops.sage_kv import EMULATED, SageKV
+
+    dev = torch.device("cuda")
+    if choose_attention_backend(dev, "sage2", head_dim=D)[0] != "sage2" or \
+            v_handling_status("fused", dev, D)[0] != "fused":
+        pytest.skip("Sage2's sm_90 stages are not available here")
+    kernels = bind_sage_kv("sage2", "fused")
+    assert kernels is not None and kernels.name == "sm90"
+    g = torch.Generator(dev).manual_seed(5)
+    qkv = torch.randn(S, 3 * H * D, device=dev, generator=g)
+    qkv[:, H * D:2 * H * D] += 2.0 * torch.randn(1, H * D, device=dev, generator=g)   # K's channel offsets
+    qkv = qkv.bfloat16()
+    q, k, v = qkv.unflatten(1, (3, -1)).unbind(1)
+    spans = [(a, min(S, a + 1024)) for a in range(0, S, 1024)]
+    held = {}
+    for name, kern in (("sm90", kernels), ("emulated", EMULATED)):
+        kv = SageKV(S, H, D, torch.bfloat16, dev, kern, D ** -0.5)
+        for a, b in spans:
+            kv.observe(k[a:b], v[a:b])
+        kv.seal()
+        for a, b in spans:
+            kv.store(a, k[a:b], v[a:b])
+        held[name] = kv
+    got = torch.cat([held["sm90"].attend(q[a:b]) for a, b in spans])
+    assert torch.equal(got, held["sm90"].attend(q))
+    library = bind_attention("sage2", D, device=dev, v_handling="fused")(qkv)
+    emulated = torch.cat([held["emulated"].attend(q[a:b]) for a, b in spans])
+    errs = {"vs_library": rel_l2(got.float(), library.float()), "vs_emulated": rel_l2(got.float(), emulated.float())}
+    print({"sage_kv": errs})
+    assert torch.equal(held["sm90"].v_codes.view(torch.uint8), held["emulated"].v_codes.view(torch.uint8))
+    assert errs["vs_library"] <= 5e-3 and errs["vs_emulated"] <= 3e-2, errs

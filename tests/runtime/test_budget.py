@@ -7,7 +7,7 @@ import torch
 
 from h3_blackwell.cli import main as cli
 from h3_blackwell.runtime import RuntimeOptions, load_model
-from h3_blackwell.runtime.budget import (GB, SLOTS, BudgetError, DeviceMemory, Held, ModelMemory, Workload, budget_arg,
+from h3_blackwell.runtime.budget import (GB, SLOTS, BudgetError, Chunking, DeviceMemory, Held, ModelMemory, Workload, budget_arg,
                                          chunk_options, decide, estimate, parse_vram_budget, smallest_budget)
 from h3_blackwell.runtime.model.config import FULL
 from h3_blackwell.runtime.model.h3 import H3Model
@@ -268,8 +268,9 @@ def test_blocks_stream_to_make_room_for_the_tower(w4a8):
         decide(w4a8, wl, H200, 5 * 10 ** 9, host_free=HOST)
     least = smallest_budget(w4a8, wl)
     assert budget_arg(least) in str(e.value) and least > smallest_budget(w4a8, CANONICAL)
-    smallest_chunk = chunk_options(wl.rows)[-1]  # the FFN and the attention half in chunks of these rows
-    assert least == estimate(w4a8, wl, 0, SLOTS, smallest_chunk, "cuda", True, smallest_chunk).total
+    smallest_chunk = chunk_options(wl.rows)[-1]  # the FFN and the attention half in chunks of these rows,
+    # K and V held as Sage2's operands (Sage2 on its sm_90 stages)
+    assert least == estimate(w4a8, wl, 0, SLOTS, Chunking(smallest_chunk, smallest_chunk, "sage"), "cuda", True).total
     # the streamed tower's pinned host bytes are checked with the blocks' before anything loads
     assert fits.tower_host_bytes == 10 * w4a8.block_bytes and fits.report()["control_tower_host_bytes"] > 0
     with pytest.raises(BudgetError, match="the control tower's 10 blocks"):

@@ -54,7 +54,7 @@ def _all_streamed_budget(kw, src=None, steps=STEPS):
     query-row chunks come only below it; test_attention_rows.py covers them)."""
     rt = _load(kw, src=src, steps=steps)
     mm, wl = ModelMemory.from_plan(rt.plan), _workload(steps)
-    ffn = [c for c, attn in chunkings(mm, wl, "cpu") if attn is None][-1]
+    ffn = [c for c, attn, _ in chunkings(mm, wl, "cpu") if attn is None][-1]
     return estimate(mm, wl, 0, 2, ffn, "cpu").total
 
 
