@@ -18,7 +18,7 @@ def _bench(*args):
 
 def test_tiny_rows_merge_and_table(tmp_path):
     out, work = tmp_path / "uj.json", tmp_path / "work"
-    p = _bench("--rows", "turbo8:resident", "--out", str(out), "--workdir", str(work))
+    p = _bench("--rows", "turbo8:resident", "--out", str(out), "--workdir", str(work), "--runs", "2")
     assert p.returncode == 0, p.stderr[-2000:]
     p = _bench("--rows", "turbo8:8", "--out", str(out), "--workdir", str(work), "--merge")
     assert p.returncode == 0, p.stderr[-2000:]
@@ -30,6 +30,8 @@ def test_tiny_rows_merge_and_table(tmp_path):
     assert capped["memory"]["streamed_blocks"] and not resident["memory"]["streamed_blocks"]
     assert capped["latent_checksums"] == resident["latent_checksums"]  # streaming changes no byte
     assert capped["hashes_equal_resident"] is True
+    assert resident["measured_runs"] == 2 and resident["latent_checksums"]["exact_across_measured_runs"]
+    assert 0 < resident["job_seconds"] and resident["step_seconds"] > 0
     assert resident["host_peak_rss_bytes"] > 10 ** 8 and rows[("turbo8", 8)]["lora_rank_source"]
     readme = tmp_path / "README.md"
     readme.write_text("# x\n")
