@@ -290,8 +290,8 @@ class ModelMemory:
         quantized to one byte a weight at most ("fp8") or dense, AdaLN where the options keep it, and the
         attention the options name."""
         form = choices["form"]
-        mm = cls.build(cfg, dtype, form, "fp8" if form != "dense" else "dense", choices["attention"], "fused",
-                       choices["adaln_on_host"])
+        mm = cls.build(cfg, dtype, form, "fp8" if form != "dense" else "dense", choices["attention"],
+                       choices.get("v_handling", "fused"), choices["adaln_on_host"])
         return replace(mm, sparse=choices["attention"] == "sparse", sparse_method=choices.get("sparse_method", ""),
                        sparse_token_aug=choices.get("sparse_token_aug", 0))
 

@@ -218,15 +218,18 @@ def memory_choices(options: RuntimeOptions, cfg: H3Config, device: torch.device)
     """Before a plan (the request's memory check, ``budget.ModelMemory.for_options``): the block linears' form and
     AdaLN's place (``weight_form``), the attention the options name counted as the nearest kind the memory
     estimate knows (auto: sage2 on CUDA, the exact reference elsewhere, what the plan resolves there; the fused
-    flash kernels, fa3 / fa4 / sage3, hold no score matrix, like sdpa), and the vram_budget text."""
+    flash kernels, fa3 / fa4 / sage3, hold no score matrix, like sdpa), Sage2's V handling (its sm_90 stages on an
+    sm_90 GPU only), and the vram_budget text."""
     form, adaln_on_host = weight_form(options, cfg)
     a = options.attention
     if a == "auto":
         a = "sage2" if device.type == "cuda" else "reference"
     elif not (a in ("sage2", "sage1", "sparse", "reference") or a.startswith("sdpa")):
         a = "sdpa"
+    # Sage2's sm_90 stages (the fused V handling, and K and V held in Sage's operands) run on sm_90 only
+    sm90 = device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) == (9, 0)
     return {"form": form, "adaln_on_host": adaln_on_host, "attention": a, "vram_budget": options.vram_budget,
-            "host_budget": options.host_budget,
+            "host_budget": options.host_budget, "v_handling": "fused" if sm90 else "library",
             "sparse_method": options.sparse_settings().method if a == "sparse" else "",
             "sparse_token_aug": options.sparse_settings().token_aug if a == "sparse" else 0}
 

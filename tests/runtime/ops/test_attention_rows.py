@@ -159,3 +159,17 @@ def test_the_head_in_row_chunks_is_the_head():
     assert plan.layout.segment("video")[1] - plan.layout.segment("video")[0] > 16
     torch.testing.assert_close(chunked[0], whole[0], rtol=1e-6, atol=1e-6)
     assert torch.equal(chunked[1], whole[1])
+
+
+@pytest.mark.parametrize("cc, form", [((9, 0), "fused"), ((12, 0), "library"), ((10, 0), "library")])
+def test_the_request_check_counts_sages_operands_on_sm90_only(monkeypatch, cc, form):
+    """Before a load (the request's memory check) the estimate takes Sage2's sm_90 stages only on an sm_90 GPU,
+    so a 20 s clip at 7.5 GB is not accepted there for a card whose load would refuse it."""
+    from h3_blackwell.runtime.plan import memory_choices
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cc)
+    choices = memory_choices(RuntimeOptions(), FULL, torch.device("cuda"))
+    mm = ModelMemory.for_options(FULL, choices, torch.bfloat16)
+    assert choices["v_handling"] == form and mm.attn_kv_sage == (form == "fused")
+    assert (smallest_budget(mm, _clip(481)) < CAP8) == (form == "fused")
