@@ -262,7 +262,10 @@ def bind_sage_kv(attention: str, v_handling: str) -> SageKVKernels | None:
     if attention != "sage2" or v_handling != "fused":
         return None
     mod, _ = sage2_module()
-    return None if mod is None else sm90_kernels(mod)
+    try:
+        return None if mod is None else sm90_kernels(mod)
+    except (ImportError, AttributeError):  # a build without the quantizers: set_attn_chunk_rows refuses the form
+        return None
 
 
 def bind_sage1(scale: float) -> NhdAttention:

@@ -134,10 +134,9 @@ def sm90_kernels(sage_module) -> SageKVKernels:
 
 class SageKV:
     """K and V of ``rows`` rows for ``heads`` heads of ``head_dim`` (64 or 128 on the sm_90 kernels; any on the
-    emulated ones) as Sage2's sm_90 operands
-    (module docstring): ``observe`` every row once, ``seal``, ``store`` every row once (chunks starting on
-    128-row boundaries), then ``attend`` any query rows. k, v, q: [m, H*D] views (unit stride in D) at the
-    compute dtype; ``attend`` returns [m, H*D] at q's dtype."""
+    emulated ones) as Sage2's sm_90 operands (module docstring): ``observe`` every row once, ``seal``, ``store``
+    every row once (chunks starting on 128-row boundaries), then ``attend`` any query rows. k, v, q: [m, H*D]
+    views (unit stride in D) at the compute dtype; ``attend`` returns [m, H*D] at q's dtype."""
 
     def __init__(self, rows: int, heads: int, head_dim: int, dtype: torch.dtype, device, kernels: SageKVKernels,
                  scale: float):
