@@ -2,12 +2,14 @@
 # ComfyUI core's H3 model code, and the two packages it imports that the GPU machine lacks, into .core_peer/
 # (git-ignored: /.core_peer/ in .git/info/exclude; never committed) for bench/core_peer.py. Run HERE:
 #
-#   bash scripts/pack_core_peer.sh [COMFYUI_DIR]            # default /work/ext/ComfyUI
+#   bash scripts/pack_core_peer.sh [COMFYUI_DIR]            # default: the vendored one scripts/test.sh unpacks
+#                                                           # (.comfyui/paths.env), else /work/ext/ComfyUI
 #
 # then on the device, from the repo root, with run(carry=[".core_peer"]):   python3 bench/core_peer.py
 #
 # Environment:
-#   COMFYUI_PY    a python with ComfyUI's requirements installed (default /work/ext/comfy-venv/bin/python)
+#   COMFYUI_PY    a python with ComfyUI's requirements installed (default: .comfyui's venv, else
+#                 /work/ext/comfy-venv/bin/python)
 #   COMFY_COMMIT  the checkout's commit, recorded in MANIFEST.json (default: `git rev-parse HEAD` in the checkout)
 #   COMFY_GIT     a git dir holding that commit: every copied file is compared with its blob there
 #   DEVICE_PY     the device's python version for the comfy-kitchen wheel (default 3.12)
@@ -26,8 +28,11 @@
 # The other third-party modules core's model path imports (numpy, einops, psutil, safetensors, PIL, sympy, tqdm,
 # triton, packaging, typing_extensions) are in the device image (.library/device/KINDS.md).
 set -euo pipefail
-COMFY="$(cd "${1:-/work/ext/ComfyUI}" && pwd)"
-PY="${COMFYUI_PY:-/work/ext/comfy-venv/bin/python}"
+# defaults: the vendored ComfyUI and its venv that scripts/test.sh builds (.comfyui/paths.env), else /work/ext
+PATHS_ENV="$(dirname "$0")/../.comfyui/paths.env"
+if [[ -f "$PATHS_ENV" ]]; then source "$PATHS_ENV"; fi
+COMFY="$(cd "${1:-${H3_COMFYUI_SRC:-/work/ext/ComfyUI}}" && pwd)"
+PY="${COMFYUI_PY:-${H3_COMFYUI_PYTHON:-/work/ext/comfy-venv/bin/python}}"
 DEVICE_PY="${DEVICE_PY:-3.12}"
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 OUT="$REPO/.core_peer"
@@ -39,7 +44,15 @@ fi
 EXCLUDE="$(cd "$REPO" && realpath -m "$(git rev-parse --git-path info/exclude)")"  # a worktree's .git is a file
 mkdir -p "$(dirname "$EXCLUDE")"
 grep -qx '/.core_peer/' "$EXCLUDE" 2>/dev/null || echo '/.core_peer/' >> "$EXCLUDE"
-COMMIT="${COMFY_COMMIT:-$(git -C "$COMFY" rev-parse HEAD 2>/dev/null || echo unknown)}"
+# the checkout's own commit (not that of a repository around it), or the vendored archive's (comfyui-<commit>)
+if [[ "$(git -C "$COMFY" rev-parse --show-toplevel 2>/dev/null)" == "$COMFY" ]]; then
+  OWN="$(git -C "$COMFY" rev-parse HEAD)"
+elif [[ "$(basename "$COMFY")" =~ ^comfyui-([0-9a-f]{7,40})$ ]]; then
+  OWN="${BASH_REMATCH[1]}"
+else
+  OWN=unknown
+fi
+COMMIT="${COMFY_COMMIT:-$OWN}"
 
 rm -rf "$OUT"
 mkdir -p "$OUT/ComfyUI" "$OUT/site" "$DL"
