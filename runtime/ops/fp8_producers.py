@@ -259,20 +259,37 @@ def e4m3_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, torch.div(const_like(1.0, amax), sc)
 
 
+def sage_v_token_order(rows: int, device) -> torch.Tensor:
+    """Position i of the sm_90 kernel's V holds token ``order[i]`` (each 16 tokens in ``SAGE_V_PERM`` order); rows:
+    a multiple of 16."""
+    return (torch.arange(rows, device=device) // 16) * 16 + torch.tensor(SAGE_V_PERM, device=device).repeat(rows // 16)
+
+
+def sage_v_codes(v: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """V rows [m, H, D] (from a 16-aligned start) and the reciprocal scales [H, D] -> e4m3 codes
+    [D, H, roundup(m, 16)] in the kernel's token order: ``code = e4m3_rne(clamp(v * inv, +-448))``, zero past m.
+    One fp32 copy of the rows (quantized in place)."""
+    m, h, d = v.shape
+    mp = -(-m // 16) * 16
+    x = torch.zeros(mp, h, d, dtype=torch.float32, device=v.device)
+    x[:m].copy_(v)
+    q = x.mul_(inv).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    del x
+    return q[sage_v_token_order(mp, v.device)].permute(2, 1, 0)
+
+
 def sage_v_fp8_reference(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """V ``[1, S, H, D]`` -> (``float8_e4m3fn [1, D, H, roundup(S, 128)]``, ``fp32 [1, H, D]``): the operands
     SageAttention2's sm_90 kernel takes for V (what its ``per_channel_fp8(v, "NHD", smooth_v=False)`` builds
     from V zero-padded to 128 rows), with this module's rounding rules: per channel (h, d)
     ``scale = amax_t |v| / 448`` (1 when zero or subnormal), ``code = e4m3_rne(clamp(v * (1/scale), +-448))``,
-    tokens past S zero, each 16 tokens stored in the order ``SAGE_V_PERM``."""
+    tokens past S zero, each 16 tokens stored in the order ``SAGE_V_PERM`` (``sage_v_codes``)."""
     s, h, d = _sage_v_check(v)
-    rows = -(-s // SAGE_V_ROWS) * SAGE_V_ROWS
-    x = torch.zeros(rows, h, d, dtype=torch.float32, device=v.device)
-    x[:s] = v[0].float()
-    sc, inv = e4m3_scales(x.abs().amax(0))
-    q = torch.mul(x, inv).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    perm = (torch.arange(rows, device=v.device) // 16) * 16 + torch.tensor(SAGE_V_PERM, device=v.device).repeat(rows // 16)
-    return q[perm].permute(2, 1, 0).unsqueeze(0).contiguous(), sc.unsqueeze(0)
+    sc, inv = e4m3_scales(v[0].float().abs().amax(0))
+    out = torch.zeros(1, d, h, -(-s // SAGE_V_ROWS) * SAGE_V_ROWS, dtype=torch.float8_e4m3fn, device=v.device)
+    codes = sage_v_codes(v[0], inv)
+    out[0, :, :, :codes.shape[2]] = codes
+    return out, sc.unsqueeze(0)
 
 
 def sage_v_fp8(v: torch.Tensor, *, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:

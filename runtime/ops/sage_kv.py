@@ -10,7 +10,8 @@ those operands, built once per block call, so the bf16 copy and the per-call cop
 - ``seal``: K's mean at K's dtype (the fp32 sum / S), V's scales (``fp8_producers.e4m3_scales``);
 - pass 2 (``store``, chunks starting on 128-row boundaries): K - mean quantized to int8 per head and 128-row
   block, V to e4m3 at its scale in the kernel's layout (``[1, D, H, roundup(S, 128)]``, each 16 tokens in
-  ``SAGE_V_PERM`` order, zero past S): V's codes are the ones ``fp8_producers.sage_v_fp8`` makes of all of V;
+  ``SAGE_V_PERM`` order, zero past S) by ``fp8_producers.sage_v_codes``, row by row: V's codes are the ones
+  ``fp8_producers.sage_v_fp8`` makes of all of V;
 - ``attend`` (pass 3): a chunk's Q, quantized per 16-row warp, over the held operands.
 
 Not row-exact against the unchunked Sage2 call: the library takes K's mean with one bf16 ``mean`` over all
@@ -31,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from .fp8_producers import E4M3_MAX, SAGE_V_PERM, SAGE_V_ROWS, e4m3_scales
+from .fp8_producers import SAGE_V_ROWS, e4m3_scales, sage_v_codes, sage_v_token_order
 
 K_BLOCK = 128   # K's rows per int8 scale (the sm_90 kernel's BLKK)
 Q_BLOCK = 64    # Q's rows per kernel block (BLKQ) ...
@@ -50,24 +51,6 @@ def _per_rows_int8(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tens
     scale = (xb.abs().amax(dim=(1, 3)) / INT8_MAX).clamp_min(1e-8)              # [blocks, H]
     codes = torch.round(xb / scale[:, None, :, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     return codes.view(-1, h, d)[:m], scale.t().contiguous()
-
-
-def _token_order(rows: int, device) -> torch.Tensor:
-    """Position i of the kernel's V holds token ``order[i]`` (each 16 tokens in ``SAGE_V_PERM`` order)."""
-    return (torch.arange(rows, device=device) // 16) * 16 + torch.tensor(SAGE_V_PERM, device=device).repeat(rows // 16)
-
-
-def v_codes_rows(v: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
-    """V rows [m, H, D] (the rows from a 16-aligned start) and the reciprocal scales [H, D] -> e4m3 codes
-    [D, H, roundup(m, 16)] in the sm_90 kernel's order: ``code = e4m3(clamp(v * inv, +-448))``, each 16 tokens
-    permuted by ``SAGE_V_PERM``, zero past m (``fp8_producers.sage_v_fp8_reference``'s rule, row by row)."""
-    m, h, d = v.shape
-    mp = -(-m // 16) * 16
-    x = torch.zeros(mp, h, d, dtype=torch.float32, device=v.device)
-    x[:m].copy_(v)
-    q = x.mul_(inv).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)   # in place: one fp32 copy of the rows
-    del x
-    return q[_token_order(mp, v.device)].permute(2, 1, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +79,7 @@ def _emulated_attend(q: torch.Tensor, kv: "SageKV") -> torch.Tensor:
     kd = kv.k_codes[0].float() * kv.k_scale[0].t().repeat_interleave(K_BLOCK, 0)[:s, :, None]
     held = kv.v_codes[0].float().permute(2, 1, 0)                              # [Sp, H, D], the kernel's order
     vd = torch.empty_like(held)
-    vd[_token_order(held.shape[0], q.device)] = held
+    vd[sage_v_token_order(held.shape[0], q.device)] = held
     vd = vd[:s] * kv.v_scale[0][None]
     att = torch.einsum("qhd,khd->hqk", qd, kd) * kv.scale
     return torch.einsum("hqk,khd->qhd", att.softmax(-1), vd).unsqueeze(0).to(q.dtype)
@@ -187,11 +170,11 @@ class SageKV:
         codes, scale = self.kernels.quant_k(self._nhd(k), self.mean)
         self.k_codes[:, a:a + m] = codes
         self.k_scale[:, :, a // K_BLOCK:a // K_BLOCK + scale.shape[2]] = scale
-        vc = v_codes_rows(self._nhd(v)[0], self.v_inv)
+        vc = sage_v_codes(self._nhd(v)[0], self.v_inv)
         self.v_codes[0, :, :, a:a + vc.shape[2]] = vc
 
     def attend(self, q: torch.Tensor) -> torch.Tensor:
         return self.kernels.attend(self._nhd(q), self).reshape(q.shape[0], -1)
 
 
-__all__ = ["EMULATED", "K_BLOCK", "SageKV", "SageKVKernels", "sm90_kernels", "v_codes_rows"]
+__all__ = ["EMULATED", "K_BLOCK", "SageKV", "SageKVKernels", "sm90_kernels"]
