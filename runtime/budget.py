@@ -491,21 +491,18 @@ def activation_phases(mm: ModelMemory, wl: Workload, chunk_rows: int | None = No
     o = s * inner * e
     sv = wl.video_rows
     rh = sv  # the head's video rows at once: all, or in the Sage form's query-row chunks (``H3Model.evaluate``)
-    if attn_rows is not None and attn_rows < s and kv_form == "sage":
-        rh = attn_rows
-        ra = attn_rows
-        kv = SageKV.nbytes(s, c.num_heads, c.head_dim, e)
+    if attn_rows is not None and attn_rows < s:
+        ra, sage = attn_rows, kv_form == "sage"
+        kv = (SageKV if sage else Bf16KV).nbytes(s, c.num_heads, c.head_dim, e)  # K and V of every row, kept
         chunk = ra * 3 * inner * e  # one chunk's qkv buffer (Q, K and V are views of it)
-        attention = {"qkv": x + kv + _act_in(mm, ra, h) + chunk,
-                     "kv_store": x + kv + chunk + ra * inner * SageKV.STORE_TEMP_BYTES,
-                     "attention": x + kv + chunk + ra * inner * (1 + e) + 4 * c.num_heads * -(-ra // 16),
-                     "out_proj": x + kv + ra * inner * e + _act_in(mm, ra, inner) + ra * h * e}
-    elif attn_rows is not None and attn_rows < s:
-        ra = attn_rows
-        kv = Bf16KV.nbytes(s, c.num_heads, c.head_dim, e)  # K and V of every row, kept through the chunks
-        attention = {"qkv": x + kv + _act_in(mm, ra, h) + ra * 3 * inner * e,
-                     "attention": x + kv + ra * 3 * inner * e + _attention_operands(mm, ra, s) + ra * inner * e,
-                     "out_proj": x + kv + ra * inner * e + _act_in(mm, ra, inner) + ra * h * e}
+        attention = {"qkv": x + kv + _act_in(mm, ra, h) + chunk}
+        if sage:  # the store pass's temporaries; the attention's int8 q and its scales
+            attention["kv_store"] = x + kv + chunk + ra * inner * SageKV.STORE_TEMP_BYTES
+            operands, rh = ra * inner + 4 * c.num_heads * -(-ra // 16), ra
+        else:  # the backend's own operands of the chunk over all of K and V
+            operands = _attention_operands(mm, ra, s)
+        attention["attention"] = x + kv + chunk + operands + ra * inner * e
+        attention["out_proj"] = x + kv + ra * inner * e + _act_in(mm, ra, inner) + ra * h * e
     else:
         attention = {"qkv": x + _act_in(mm, s, h) + qkv, "attention": x + qkv + _attention_operands(mm, s) + o,
                      "out_proj": x + o + _act_in(mm, s, inner) + s * h * e}
@@ -809,15 +806,13 @@ def _resolve_budget(requested: int | None, dev: DeviceMemory, held_bytes: int, o
 
 @dataclass(frozen=True)
 class _Shape:
-    """One candidate of ``decide``: blocks kept resident, FFN rows per chunk (None: all), whether the control
-    tower streams, and whether it is past "everything resident" (on the CPU: streaming emulated)."""
+    """One candidate of ``decide``: blocks kept resident, the activations' chunking, whether the control tower
+    streams, and whether it is past "everything resident" (on the CPU: streaming emulated)."""
 
     resident: int
-    chunk: int | None = None
+    chunks: Chunking = Chunking()
     tower_streams: bool = False
     streams: bool = False
-    attn: int | None = None  # the attention half's query rows per chunk (None: unchunked)
-    kv_form: str = "bf16"  # how those chunks hold K and V (``runtime.ops.rows_kv``)
 
 
 def _plan(mm: ModelMemory, wl: Workload, dev: DeviceMemory, budget: tuple[int | None, str], shape: _Shape,
@@ -825,20 +820,19 @@ def _plan(mm: ModelMemory, wl: Workload, dev: DeviceMemory, budget: tuple[int | 
     n = mm.cfg.num_layers
     res = spread(n, shape.resident)
     streamed = tuple(j for j in range(n) if j not in set(res))
-    est = estimate(mm, wl, shape.resident, SLOTS, Chunking(shape.chunk, shape.attn, shape.kv_form), dev.kind,
-                   shape.tower_streams)
+    ch = shape.chunks
+    est = estimate(mm, wl, shape.resident, SLOTS, ch, dev.kind, shape.tower_streams)
     tower_host = wl.tower.blocks * tower_block_bytes(mm, wl.tower) if shape.tower_streams else 0
     emulated = shape.streams and dev.kind == "cpu"
-    return MemoryPlan(budget[0], budget[1], res, streamed, SLOTS, shape.chunk, est, wl, mm.block_bytes,
+    return MemoryPlan(budget[0], budget[1], res, streamed, SLOTS, ch.ffn, est, wl, mm.block_bytes,
                       len(streamed) * mm.block_bytes, mm.adaln_host_bytes, smallest, dev.kind, emulated,
                       row_local=mm.ffn_row_local_why, tower_streams=shape.tower_streams, tower_host_bytes=tower_host,
-                      outside_bytes=outside_bytes, attn_chunk_rows=shape.attn,
-                      attn_rows_why=_attn_rows_why(mm, shape) if shape.attn is not None else "",
-                      attn_kv_form=shape.kv_form)
+                      outside_bytes=outside_bytes, attn_chunk_rows=ch.attn,
+                      attn_rows_why=_attn_rows_why(mm, ch) if ch.attn is not None else "", attn_kv_form=ch.kv_form)
 
 
-def _attn_rows_why(mm: ModelMemory, shape: _Shape) -> str:
-    if shape.kv_form == "sage":
+def _attn_rows_why(mm: ModelMemory, ch: Chunking) -> str:
+    if ch.kv_form == "sage":
         return ("K and V held once as Sage2's int8/fp8 operands; not row-exact against one Sage2 call: K's mean "
                 "comes from fp32 chunk sums, so a mean element may round to its bf16 neighbour (ops.sage_kv)")
     return mm.attn_rows[1]
@@ -904,16 +898,15 @@ def decide(mm: ModelMemory, wl: Workload, dev: DeviceMemory, requested: int | No
     ts = wl.tower is not None  # past "everything resident", the control tower streams first (it runs 5 or 10 blocks)
     options = chunkings(mm, wl, dev.kind)
     for ch in options:
-        chunk, attn, kv = ch
-        if (chunk is not None or ts) and estimate(mm, wl, n, SLOTS, ch, dev.kind, ts).total <= budget:
-            p = _plan(mm, wl, dev, (budget, text), _Shape(n, chunk, ts, True, attn, kv), smallest, extra)
+        if (ch.ffn is not None or ts) and estimate(mm, wl, n, SLOTS, ch, dev.kind, ts).total <= budget:
+            p = _plan(mm, wl, dev, (budget, text), _Shape(n, ch, ts, True), smallest, extra)
             _check_host(p, mm, host_free, held.host_bytes, unchanged)
             return p
         base = estimate(mm, wl, 0, SLOTS, ch, dev.kind, ts).total
         if base > budget:
             continue
         resident = min(n - 1, (budget - base) // mm.block_bytes) if mm.block_bytes else n
-        p = _plan(mm, wl, dev, (budget, text), _Shape(int(resident), chunk, ts, True, attn, kv), smallest, extra)
+        p = _plan(mm, wl, dev, (budget, text), _Shape(int(resident), ch, ts, True), smallest, extra)
         _check_host(p, mm, host_free, held.host_bytes, unchanged)
         return p
     what = "auto (the free device memory less the margin)" if requested is None else "the budget"
