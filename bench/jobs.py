@@ -11,13 +11,15 @@ from dataclasses import dataclass, replace
 SEED = 440420
 TEXT_TOKENS = 100
 CAPS_GB = (None, 16, 8)
-# The released turbo LoRA's rank: ../shared/docs names lightx2v's file (h3-comfyui-facts.md §9, §11.4), not its
-# rank, and we found it in no public source. The other widely used turbo LoRA's card (larryvrh/MiniMax-H3-Turbo-Lora, as
-# mirrored with its card at nyxia/H3-Loras) states rank 64, 16 on AdaLN. Every row records this (``lora_rank_source``).
+# The released turbo LoRA's rank: ../shared/docs names lightx2v's file (h3-comfyui-facts.md §9, §11.4), not
+# its rank, and we found it in no public source. The other widely used turbo LoRA's card
+# (larryvrh/MiniMax-H3-Turbo-Lora, mirrored with its card at nyxia/H3-Loras) states rank 64, 16 on AdaLN.
+# Every row records this (``lora_rank_source``).
 TURBO_LORA_RANK = 64
 TURBO_LORA_RANK_SOURCE = ("rank 64 on the block linears, as the public card of larryvrh/MiniMax-H3-Turbo-Lora's "
                           "mirror (nyxia/H3-Loras) states (it has 16 on AdaLN; ours keeps 64 there, the larger "
-                          "cost); no public source we found gives the rank of lightx2v's 8-step file; --lora-rank overrides")
+                          "cost); no public source we found gives the rank of lightx2v's 8-step file; "
+                          "--lora-rank overrides")
 
 
 @dataclass(frozen=True)
