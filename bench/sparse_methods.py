@@ -144,6 +144,7 @@ def main(argv=None) -> int:
                versions=versions(comfy_kitchen=_kitchen_version()), lora_rank_source=TURBO_LORA_RANK_SOURCE,
                settings={m: dataclasses.asdict(method_settings(m, a.tiny)) for m in methods})
     res.setdefault("rows", [])
+    res["calls"] = res.get("calls", []) + [{"command": res["command"], "date": res["date"], "jobs": jobs}]
     rt, cfg = _load(a)
     res["backends"] = rt.backends
     folder = Path(tempfile.mkdtemp(prefix="h3b-sparse-bench-"))
