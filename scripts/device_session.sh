@@ -117,7 +117,7 @@ U)  # the jobs users run against core's stack (issue 37); one checkpoint write p
   if [ "${UJ_TESTS:-0}" = 1 ]; then  # once per code change: the GPU tests of query-row chunks and the memory paths
     phase gpu-tests-attention-rows-and-memory
     timeout 240 python3 -m pytest -q -s -m gpu tests/gpu/test_attention_rows_gpu.py \
-      tests/gpu/test_user_jobs_memory_gpu.py 2>&1 | grep -E "chunk|smallest|row-exact|passed|failed|skipped|Error" \
+      tests/gpu/test_user_jobs_memory_gpu.py 2>&1 | grep -E "chunk|sage_kv|smallest|row-exact|passed|failed|skipped|Error" \
       | tail -16 >> "$LOG"
   fi
   phase "user-jobs ${UJ_ARGS:-}"
