@@ -100,20 +100,26 @@ def attention_available(name: str) -> str | None:
     return None
 
 
-def import_core(attention: str, cpu: bool, folder: Path):
-    """core's model module, imported with core's CLI flags as main.py would parse them (the attention flag, --cpu
-    on the CPU), checked to come from ``folder`` and to have ``optimized_attention`` bound to the function the
-    flag selects. -> (model module, comfy.ops, flags, the bound function's name)."""
+def import_core(attention: str, cpu: bool, folder: Path, flags: tuple[str, ...] = (), before_modules=None):
+    """core's model module, imported with core's CLI flags as main.py would parse them (``flags``, then the
+    attention flag, --cpu on the CPU), checked to come from ``folder`` and to have ``optimized_attention`` bound to
+    the function the flag selects. ``before_modules(comfy.cli_args)`` runs once the flags are parsed and before any
+    of core's model or memory modules is imported, where main.py loads comfy-aimdo's library (core's modules bind
+    it at import). -> (model module, comfy.ops, flags, the bound function's name)."""
     why = attention_available(attention)
     if why:
         raise SystemExit(f"error: core's attention option {attention!r} ({ATTENTION[attention][0]}) cannot run: {why}")
-    flags = [ATTENTION[attention][0]] + (["--cpu"] if cpu else [])
+    flags = [*flags, ATTENTION[attention][0]] + (["--cpu"] if cpu else [])
     saved = sys.argv
     sys.argv = ["main.py", *flags]
     try:
         import comfy.options
 
         comfy.options.enable_args_parsing()
+        import comfy.cli_args
+
+        if before_modules is not None:
+            before_modules(comfy.cli_args)
         import comfy.ldm.minimax.model as mm
         import comfy.ops
     finally:

@@ -205,25 +205,23 @@ def run_ours(job: J.Job, cap_gb: int | None, files: dict, tiny: bool) -> dict:
 def import_core_stack(folder: Path, device: torch.device, cap_gb: int | None):
     """core's modules with core's CLI flags (``--reserve-vram`` so core sees a card of the cap's size, ``--cpu`` on
     the CPU, the attention flag) from ``folder``: a ComfyUI checkout (the vendored one) or the folder
-    scripts/pack_core_peer.sh fills. -> (model module, comfy.ops)."""
+    scripts/pack_core_peer.sh fills; comfy-aimdo's library loaded first where core would use DynamicVRAM
+    (``core_aimdo_load``). -> (model module, comfy.ops, what ``core_aimdo_load`` said)."""
     import _core_model as C
 
     if (folder / "comfy" / "ldm" / "minimax" / "model.py").is_file():
         sys.path.insert(0, str(folder))
     else:
         C.carried_paths(folder, Path(tempfile.gettempdir()) / "h3_core_site")
-    flags = []
+    flags = ()
     if cap_gb is not None and device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
-        flags = ["--reserve-vram", f"{max(0.0, total / 1e9 - cap_gb):.2f}"]
+        flags = ("--reserve-vram", f"{max(0.0, total / 1e9 - cap_gb):.2f}")
     attention = "sage" if device.type == "cuda" else "pytorch"
-    saved = sys.argv
-    sys.argv = ["main.py", *flags]  # import_core adds the attention flag (and --cpu) to what main.py would parse
-    try:
-        mm, ops_mod, _, _ = C.import_core(attention, device.type == "cpu", folder)
-    finally:
-        sys.argv = saved
-    return mm, ops_mod
+    loaded = []
+    mm, ops_mod, _, _ = C.import_core(attention, device.type == "cpu", folder, flags,
+                                      lambda cli: loaded.append(core_aimdo_load(cli, device.type == "cuda")))
+    return mm, ops_mod, loaded[0]
 
 
 def run_core(job: J.Job, cap_gb: int | None, files: dict, tiny: bool) -> dict:
@@ -235,43 +233,55 @@ def run_core(job: J.Job, cap_gb: int | None, files: dict, tiny: bool) -> dict:
                            "patch's args['attention'] and it sets no transformer_options['minimax_h3_layout'] "
                            "(the node's sinks and VSA tiling read it); the node needs core's newer model.py")
     device = torch.device("cpu" if tiny or not torch.cuda.is_available() else "cuda")
-    mm, ops_mod = import_core_stack(Path(files["comfyui"]), device, cap_gb)
-    dynamic = core_dynamic_vram(device)  # before any CUDA allocation, as main.py does
+    mm, ops_mod, loaded = import_core_stack(Path(files["comfyui"]), device, cap_gb)
+    dynamic = core_dynamic_vram(loaded)  # before any CUDA allocation, as main.py does
     apply_cap(cap_gb, device)
     res = core_sample(mm, ops_mod, job, device, files["config"], files, cap_gb is None)
     res["dynamic_vram"] = dynamic
     return res
 
 
-def core_dynamic_vram(device: torch.device) -> str:
-    """core's DynamicVRAM (comfy-aimdo) switched on as main.py does where core would use it (CUDA, no --cpu /
-    --highvram / --gpu-only / --novram): ``comfy_aimdo.control.init`` with --reserve-vram as headroom, then
-    ``init_devices``, ``CoreModelPatcher = ModelPatcherDynamic`` and ``aimdo_enabled``. -> "on", or "off: why"
-    (core then runs its legacy ModelPatcher, as main.py falls back)."""
-    import comfy.cli_args as cli
-    import comfy.memory_management
-    import comfy.model_management as M
-    import comfy.model_patcher
-
-    args = cli.args
-    if device.type != "cuda" or not cli.enables_dynamic_vram():
+def core_aimdo_load(cli, cuda: bool) -> str:
+    """What main.py does before it imports core's modules, where core would use DynamicVRAM (CUDA, no --cpu /
+    --highvram / --gpu-only / --novram): ``comfy_aimdo.control.init`` with --reserve-vram as the headroom, so that
+    ``comfy_aimdo.host_buffer`` and the others bind the loaded library when core imports them. -> "loaded", or
+    "off: why"."""
+    if not cuda or not cli.enables_dynamic_vram():
         return "off: core enables DynamicVRAM only on CUDA without --cpu/--highvram/--gpu-only/--novram"
+    args = cli.args
     headroom = None if args.reserve_vram is None else int(args.reserve_vram * 1024 ** 3)
     try:
         import comfy_aimdo.control as aimdo
 
-        for kw in ({"simple_vram_headroom": headroom, "nvml_pressure": True}, {"simple_vram_headroom": headroom}, {}):
+        for kw in ({"simple_vram_headroom": headroom, "nvml_pressure": not getattr(args, "disable_nvml_pressure",
+                                                                                  False)},
+                   {"simple_vram_headroom": headroom}, {}):
             try:
                 aimdo.init(**kw)
                 break
-            except TypeError:  # an older comfy-aimdo protocol
+            except TypeError:  # an older comfy-aimdo protocol, as main.py falls back
                 continue
-        try:
-            ok = aimdo.init_devices((d.index, int(args.vram_headroom * 1024 ** 3)) for d in M.get_all_torch_devices())
-        except TypeError:
-            ok = aimdo.init_devices(d.index for d in M.get_all_torch_devices())
     except Exception as e:  # noqa: BLE001 - core falls back to its legacy ModelPatcher, and says so
-        return f"off: comfy-aimdo failed ({type(e).__name__}: {e})"[:300]
+        return f"off: comfy-aimdo failed to load ({type(e).__name__}: {e})"[:300]
+    return "loaded" if aimdo.lib is not None else "off: comfy-aimdo's library did not load"
+
+
+def core_dynamic_vram(loaded: str) -> str:
+    """core's DynamicVRAM switched on as main.py does after its modules are imported, where ``core_aimdo_load``
+    loaded the library: ``init_devices``, ``CoreModelPatcher = ModelPatcherDynamic`` and ``aimdo_enabled``.
+    -> "on", or "off: why" (core then runs its legacy ModelPatcher, as main.py falls back)."""
+    if loaded != "loaded":
+        return loaded
+    import comfy.cli_args as cli
+    import comfy.memory_management
+    import comfy.model_management as M
+    import comfy.model_patcher
+    import comfy_aimdo.control as aimdo
+
+    try:
+        ok = aimdo.init_devices((d.index, int(cli.args.vram_headroom * 1024 ** 3)) for d in M.get_all_torch_devices())
+    except TypeError:
+        ok = aimdo.init_devices(d.index for d in M.get_all_torch_devices())
     if not ok:
         return "off: comfy_aimdo.control.init_devices found no working install"
     comfy.model_patcher.CoreModelPatcher = comfy.model_patcher.ModelPatcherDynamic

@@ -64,3 +64,47 @@ def test_tiny_row_runs_core_stack_from_the_vendored_comfyui(tmp_path):
     assert core["lora"]["patched_weights"] > 0 and "load_models_gpu" in core["loaded_by"]
     assert rows["turbo8"]["speedup"] == core["job_seconds"] / rows["turbo8"]["ours"]["job_seconds"]
     assert "missing feature" in rows["turbo8_sparse"]["core"]["error"] and rows["turbo8_sparse"]["speedup"] is None
+
+
+_AIMDO_ORDER = r"""
+import json, sys, types
+sys.path[:0] = [sys.argv[1], sys.argv[2]]
+import _core_model as C
+import user_jobs as U
+seen = {}
+
+def before(cli):
+    seen["reserve_vram"] = cli.args.reserve_vram
+    seen["memory_modules_imported"] = sorted(m for m in ("comfy.model_management", "comfy.model_patcher",
+                                                         "comfy_aimdo.host_buffer") if m in sys.modules)
+    # core_aimdo_load as on CUDA (this CPU run passes --cpu, where core keeps DynamicVRAM off)
+    dyn = types.SimpleNamespace(args=cli.args, enables_dynamic_vram=lambda: True)
+    seen["load"] = U.core_aimdo_load(dyn, True)
+    seen["load_cpu"] = U.core_aimdo_load(cli, False)
+
+C.import_core("pytorch", True, __import__("pathlib").Path(sys.argv[1]), ("--reserve-vram", "2.5"), before)
+import comfy_aimdo.control, comfy_aimdo.host_buffer
+seen["host_buffer_bound"] = comfy_aimdo.host_buffer.lib is not None and \
+    comfy_aimdo.host_buffer.lib is comfy_aimdo.control.lib
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.comfyui
+def test_core_stack_loads_aimdo_before_core_modules_and_keeps_the_cap_flag(tmp_path):
+    """main.py's order for the in-process core stack: core's CLI flags (the cap's --reserve-vram as well as the
+    attention flag) are parsed, then comfy-aimdo's library is loaded, then core's modules are imported, so
+    ``comfy_aimdo.host_buffer`` binds the library (on the H100 the reverse order left it None, and core's
+    ModelPatcherDynamic failed in HostBuffer)."""
+    from tests.comfyui.server import comfyui_paths
+
+    src, py = comfyui_paths()
+    script = tmp_path / "order.py"
+    script.write_text(_AIMDO_ORDER)
+    p = subprocess.run([str(py), str(script), str(src), str(ROOT / "bench")], capture_output=True, text=True,
+                       timeout=300, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    seen = json.loads(p.stdout.strip().splitlines()[-1])
+    assert seen["reserve_vram"] == 2.5 and seen["memory_modules_imported"] == [], seen
+    assert seen["load"] == "loaded" and seen["load_cpu"].startswith("off: core enables DynamicVRAM only on CUDA")
+    assert seen["host_buffer_bound"], seen
