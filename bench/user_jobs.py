@@ -330,14 +330,19 @@ def core_sample(mm, ops_mod, job: J.Job, device, cfg, files: dict, resident: boo
     import _core_model as C
     import comfy.model_management as M
     import comfy.model_patcher
+    import comfy.utils
     from h3_blackwell.runtime import latent_sha256
 
     t0 = time.perf_counter()
     compute = torch.bfloat16 if device.type == "cuda" else torch.float32
     ops, _ = C.pick_ops(ops_mod, "fp8", compute, device)
-    # built where core's loader would put it: on the card when it holds the model (resident), else in host memory
-    build_on = device if resident else M.unet_offload_device()
-    model = C.build_core(mm, ops, cfg, "fp8", compute, build_on, job.seed)
+    # the random weights are made on the card when it holds them (fast), else in host memory, then the model goes
+    # where core's loader puts it (comfy.sd: unet_inital_load_device; host memory whenever DynamicVRAM is on)
+    made_on = device if resident else torch.device(M.unet_offload_device())
+    model = C.build_core(mm, ops, cfg, "fp8", compute, made_on, job.seed)
+    initial = torch.device(M.unet_inital_load_device(comfy.utils.calculate_parameters(model.state_dict()), compute))
+    if initial.type != made_on.type:
+        model.to(initial)
     patcher = comfy.model_patcher.CoreModelPatcher(model, load_device=device, offload_device=M.unet_offload_device())
     lora = core_lora(patcher, job, files)
     M.load_models_gpu([patcher])
@@ -367,7 +372,8 @@ def core_sample(mm, ops_mod, job: J.Job, device, cfg, files: dict, resident: boo
             "host_peak_rss_bytes": host_peak_rss_bytes(),
             "latent_checksums": {"video_sha256": latent_sha256(x[0]), "audio_sha256": latent_sha256(x[1])},
             "weights": "fp8 (float8_e4m3fn, per-tensor scale) block linears, the rest bf16, built by core's loader",
-            "loaded_by": "comfy.model_patcher.ModelPatcher + comfy.model_management.load_models_gpu", "lora": lora,
+            "loaded_by": f"comfy.model_patcher.{type(patcher).__name__} + comfy.model_management.load_models_gpu",
+            "initial_load_device": str(initial), "lora": lora,
             "note": "Euler over linear sigmas, one core forward per step; weights built in memory (no file)"}
 
 
