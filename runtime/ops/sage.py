@@ -40,7 +40,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .fp8_producers import sage_v_fp8
-from .sage_kv import SageKVKernels, sm90_kernels
+from .sage_kv import SageKVKernels, sm90_attention, sm90_kernels
 
 SAGE2_SM90_FN = "sageattn_qk_int8_pv_fp8_cuda_sm90"
 SAGE2_V_ROWS = 128  # the sm_90 wrapper pads V's sequence dimension to a multiple of this
@@ -222,12 +222,8 @@ def _sm90_stages(core, q: torch.Tensor, k: torch.Tensor, v_operands, scale: floa
     km = k.mean(dim=1, keepdim=True)  # smooth_k; NHD: sequence dim 1; H_q == H_kv so no repeat
     q_int8, q_scale, k_int8, k_scale = core.per_warp_int8_cuda(q, k, km, tensor_layout="NHD", BLKQ=64, WARPQ=16,
                                                                BLKK=128)
-    o = torch.empty(q.size(), dtype=q.dtype, device=q.device)
-    v_fp8, v_scale = v_operands()
-    # (q_int8, k_int8, v_fp8, o, q_scale, k_scale, v_scale, layout NHD=0, causal=0, per_warp=2, sm_scale, lse=0)
-    core.sm90_compile.qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf(
-        q_int8, k_int8, v_fp8, o, q_scale, k_scale, v_scale, 0, 0, 2, scale, 0)
-    return o
+    return sm90_attention(core.sm90_compile.qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf, (q_int8, q_scale),
+                          (k_int8, k_scale), v_operands(), scale, q.dtype)
 
 
 # q, k, v [1, S, H, D] NHD views (any strides, unit stride in D) -> o [1, S, H, D] in q's dtype

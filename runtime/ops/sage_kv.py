@@ -88,6 +88,18 @@ def _emulated_attend(q: torch.Tensor, kv: "SageKV") -> torch.Tensor:
 EMULATED = SageKVKernels("emulated", _emulated_quant_k, _emulated_attend)
 
 
+def sm90_attention(kernel, q_ops, k_ops, v_ops, scale: float, out_dtype: torch.dtype) -> torch.Tensor:
+    """SageAttention2's sm_90 kernel (``sm90_compile.qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf``) in our
+    one configuration (NHD, non-causal, per-warp q scales, no lse) over the (codes, scales) pairs of q [1, m, H, D]
+    (int8, per warp), k (int8, per 128-row block) and v (e4m3 [1, D, H, roundup(S, 128)], per channel)
+    -> o [1, m, H, D] at ``out_dtype``."""
+    (qc, qs), (kc, ks), (vc, vs) = q_ops, k_ops, v_ops
+    o = torch.empty(qc.shape, dtype=out_dtype, device=qc.device)
+    # (q, k, v, o, q_scale, k_scale, v_scale, layout NHD=0, causal=0, per_warp=2, sm_scale, lse=0)
+    kernel(qc, kc, vc, o, qs, ks, vs, 0, 0, 2, scale, 0)
+    return o
+
+
 def sm90_kernels(sage_module) -> SageKVKernels:
     """SageAttention2's quantizers (``sageattention._fused``) and sm_90 kernel; AttributeError names what the
     installed build lacks."""
@@ -108,10 +120,8 @@ def sm90_kernels(sage_module) -> SageKVKernels:
         qc = torch.empty(q.shape, dtype=torch.int8, device=q.device)
         qs = torch.empty(1, h, -(-m // Q_BLOCK) * (Q_BLOCK // Q_WARP), dtype=torch.float32, device=q.device)
         fused.quant_per_warp_int8_cuda(q, qc, qs, Q_BLOCK, Q_WARP, 0)
-        o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        # (q, k, v, o, q_scale, k_scale, v_scale, layout NHD=0, causal=0, per_warp=2, sm_scale, lse=0)
-        kernel(qc, kv.k_codes, kv.v_codes, o, qs, kv.k_scale, kv.v_scale, 0, 0, 2, kv.scale, 0)
-        return o
+        return sm90_attention(kernel, (qc, qs), (kv.k_codes, kv.k_scale), (kv.v_codes, kv.v_scale), kv.scale,
+                              q.dtype)
     return SageKVKernels("sm90", quant_k, attend)
 
 
@@ -177,4 +187,4 @@ class SageKV:
         return self.kernels.attend(self._nhd(q), self).reshape(q.shape[0], -1)
 
 
-__all__ = ["EMULATED", "K_BLOCK", "SageKV", "SageKVKernels", "sm90_kernels"]
+__all__ = ["EMULATED", "K_BLOCK", "SageKV", "SageKVKernels", "sm90_attention", "sm90_kernels"]

@@ -85,3 +85,55 @@ def test_misuse_says_what_to_do():
         kv.store(64, k[64:128], v[64:128])
     with pytest.raises(ValueError, match="head_dim must be 64 or 128"):
         SageKV(S, H, 96, k.dtype, "cpu", SageKVKernels("sm90", None, None), 1.0)
+
+
+def test_sm90_kernels_hand_the_held_operands_to_the_kernel():
+    """``sm90_kernels`` over a stand-in sageattention (its ``_fused`` quantizers and sm_90 kernel record their
+    arguments; the emulated quantizers fill the buffers): K goes through quant_per_block_int8_fuse_sub_mean_cuda
+    with the held mean and 128-row blocks, each Q chunk through quant_per_warp_int8_cuda (64-row blocks, 16-row
+    warps), and the kernel gets the chunk's int8 Q and the held K and V operands with our configuration's
+    arguments (NHD, non-causal, per-warp, the scale, no lse); the kernel's output is what ``attend`` returns."""
+    import sys
+    import types
+
+    from h3_blackwell.runtime.ops.sage_kv import sm90_kernels
+
+    calls = []
+    fused = types.ModuleType("fakesage._fused")
+
+    def quant_k(k, mean, codes, scale, blk, layout):
+        calls.append(("k", mean, blk, layout))
+        c, s = EMULATED.quant_k(k, mean)
+        codes.copy_(c), scale.copy_(s)
+
+    def quant_q(q, codes, scale, blkq, warpq, layout):
+        calls.append(("q", blkq, warpq, layout))
+        codes.copy_(torch.ones_like(codes))
+
+    def kernel(qc, kc, vc, o, qs, ks, vs, layout, causal, gran, sm_scale, lse):
+        calls.append(("kernel", qc, kc, vc, qs, ks, vs, layout, causal, gran, sm_scale, lse))
+        o.fill_(0.5)
+
+    fused.quant_per_block_int8_fuse_sub_mean_cuda, fused.quant_per_warp_int8_cuda = quant_k, quant_q
+    mod = types.ModuleType("fakesage")
+    mod.core = types.SimpleNamespace(sm90_compile=types.SimpleNamespace(
+        qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf=kernel))
+    sys.modules["fakesage._fused"] = fused
+    try:
+        kern = sm90_kernels(mod)
+    finally:
+        del sys.modules["fakesage._fused"]
+    assert kern.name == "sm90"
+    q, k, v = _qkv(3)
+    kv = SageKV(S, H, D, k.dtype, "cpu", kern, D ** -0.5)
+    kv.observe(k, v)
+    kv.seal()
+    kv.store(0, k, v)
+    assert calls[0][0] == "k" and calls[0][1] is kv.mean and calls[0][2:] == (K_BLOCK, 0)
+    o = kv.attend(q[:100])
+    assert calls[1] == ("q", 64, 16, 0)
+    name, qc, kc, vc, qs, ks, vs, *rest = calls[2]
+    assert name == "kernel" and qc.shape == (1, 100, H, D) and qc.dtype == torch.int8 and bool((qc == 1).all())
+    assert kc is kv.k_codes and vc is kv.v_codes and ks is kv.k_scale and vs is kv.v_scale
+    assert qs.shape == (1, H, 2 * 4) and rest == [0, 0, 2, D ** -0.5, 0]
+    assert o.shape == (100, H * D) and o.dtype == q.dtype and bool((o == 0.5).all())
