@@ -32,6 +32,7 @@ from .io.checkpoint import Checkpoint, open_checkpoint
 from .model.config import QUANT_LINEARS, TINY, H3Config
 from .ops.producer_tiles import BUILTIN as BUILTIN_TILES, ProducerTiles
 from .ops.registry import capability_table, resolve
+from .ops.sage import capability
 from .options import RuntimeOptions, SparseSettings
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -227,7 +228,7 @@ def memory_choices(options: RuntimeOptions, cfg: H3Config, device: torch.device)
     elif not (a in ("sage2", "sage1", "sparse", "reference") or a.startswith("sdpa")):
         a = "sdpa"
     # Sage2's sm_90 stages (the fused V handling, and K and V held in Sage's operands) run on sm_90 only
-    sm90 = device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) == (9, 0)
+    sm90 = torch.cuda.is_available() and capability(device) == (9, 0)
     return {"form": form, "adaln_on_host": adaln_on_host, "attention": a, "vram_budget": options.vram_budget,
             "host_budget": options.host_budget, "v_handling": "fused" if sm90 else "library",
             "sparse_method": options.sparse_settings().method if a == "sparse" else "",
