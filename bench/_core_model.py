@@ -183,6 +183,44 @@ def _comfy_quant(conf: dict) -> torch.Tensor:
     return torch.tensor(list(json.dumps(conf).encode("utf-8")), dtype=torch.uint8)
 
 
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+FP8_CONF = {"format": "float8_e4m3fn"}
+
+
+def fp8_file_plan(src) -> list[tuple[str, str, tuple]]:
+    """The entries (name, safetensors dtype, shape) of ``src``'s weights as a comfy_quant fp8 file stores them
+    (``fp8_file_items`` yields them in this order): each block linear's ``weight`` (F8_E4M3), ``weight_scale`` (F32
+    scalar) and ``comfy_quant`` (U8 JSON), everything else at its own dtype. ``src``: keys(), shape(k), dtype(k)."""
+    from h3_blackwell.runtime.io.header import TORCH_TO_ST
+
+    plan = []
+    for k in src.keys():
+        if k.endswith(".weight") and BLOCK_LINEARS.match(k[:-7]):
+            plan += [(k, "F8_E4M3", src.shape(k)), (k[:-7] + ".weight_scale", "F32", ()),
+                     (k[:-7] + ".comfy_quant", "U8", (len(_comfy_quant(FP8_CONF)),))]
+        else:
+            plan.append((k, TORCH_TO_ST[src.dtype(k)], src.shape(k)))
+    return plan
+
+
+def fp8_file_items(src, device):
+    """``src``'s tensors, made on ``device`` one at a time, in ``fp8_file_plan``'s order: a block linear w as
+    core's fp8 layout dequantizes it (``weight.to(dtype) * weight_scale``): scale = amax(|w|) / 448, weight =
+    w / scale in e4m3; the rest unchanged. Yields (name, CPU tensor)."""
+    for k in src.keys():
+        t = src.tensor(k, device)
+        if k.endswith(".weight") and BLOCK_LINEARS.match(k[:-7]):
+            scale = (t.abs().amax().float() / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+            q = (t.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            del t
+            yield k, q.cpu()
+            yield k[:-7] + ".weight_scale", scale.cpu()
+            yield k[:-7] + ".comfy_quant", _comfy_quant(FP8_CONF)
+        else:
+            yield k, t.cpu()
+            del t
+
+
 def build_core(mm, ops, cfg, fmt: str, compute: torch.dtype, device: torch.device, seed: int) -> torch.nn.Module:
     """core's MiniMaxH3Model at ``cfg`` on ``device`` with random weights in ``fmt``, made on the device one module
     at a time: linears N(0, 1/fan_in) (AdaLN x0.3), biases N(0, 0.02), norms 1, rope frequencies from theta.

@@ -74,6 +74,9 @@ class RandomSource:
     def shape(self, k):
         return tuple(self._meta[k].shape)
 
+    def dtype(self, k):
+        return self._meta[k].dtype
+
     def quant_format(self, layer):
         return None
 

@@ -8,24 +8,30 @@
 Rows are (job, cap); each stack of each row runs in a child process of its own, so a hard cap
 (``torch.cuda.set_per_process_memory_fraction`` with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``) and the
 peak host RSS (the kernel's high-water mark of that process) belong to that run alone. The JSON is rewritten after
-every row; ``--merge`` keeps the rows of an existing file that this call does not run (several short device calls
+every child; ``--merge`` keeps the rows of an existing file that this call does not run (several short device calls
 build one file). Jobs: bench/jobs.py.
 
-ours: random weights at H3's full shapes written once to an NVFP4 checkpoint in --workdir (``quantize``'s streaming
-writer, one tensor at a time), and a turbo-style LoRA of --lora-rank there; each run loads the file as a user does
-(``open_model`` -> plan -> streaming load), applies the LoRA in our default mode, samples the job (first and last
-keyframes as core's payload gives them) with the budget ``cap - 0.5 GB`` (auto when resident) and, under a cap, the
-host budget of a 32 GB machine less 4 GB for the process (the full-form AdaLN weights then stay in the checkpoint
-file: runtime.io.adaln_file), and records the step and job seconds (the job: the load and one run; with --runs N
-the further runs, there to compare hashes, are taken off), peaks, host RSS and latent hashes.
+Both stacks load the same random weights (bench/_h3bench.RandomSource, seed 0) from a checkpoint file in --workdir,
+each in its own format, as their users do. One full-size file of each does not fit the device's 64 GB disk beside
+the other (ours ~39 GB, core's ~47 GB), so the call runs stack by stack: the stack whose file is on disk first, then
+the other, whose file replaces it (``make_room``); a call writes at most one file. Before a stack's rows, a warm-up
+child runs the first job on a one-block model of the same widths: the once-per-machine work (our FC2 extension
+build, Triton's compiles) stays out of the rows, as it does from a user's later jobs; its time is recorded.
 
-core: ComfyUI core's modules in one process (bench/_core_model.py: core's H3 model code from the folder
-scripts/pack_core_peer.sh packs, its fp8 weights, sage attention, DynamicVRAM switched on as main.py does where core
-uses it, wrapped in core's ModelPatcher and loaded with ``load_models_gpu`` under ``--reserve-vram``, the LoRA through
-``comfy.lora``): a real ComfyUI server needs its requirements carried as wheels (over the carry limit beside the
-SageAttention2 build and core's comfy-kitchen), hence the in-process form. Core's weights are built in memory by
-core's own loader (its file would be a second ~50 GB file beside our ~39 GB one on a 64 GB disk), on the card for a
-resident row, in host memory under a cap. A job core cannot run is recorded with its error.
+ours: an NVFP4 checkpoint (``quantize``'s streaming writer) and a turbo-style LoRA of --lora-rank; each run loads
+the file as a user does (``open_model`` -> plan -> streaming load), applies the LoRA in our default mode, samples the
+job (first and last keyframes as core's payload gives them) with the budget ``cap - 0.5 GB`` (auto when resident)
+and, under a cap, the host budget of a 32 GB machine less 4 GB for the process (the full-form AdaLN weights then stay
+in the checkpoint file: runtime.io.adaln_file), and records the step and job seconds (the job: the load, the LoRA and
+one run; with --runs N the further runs, there to compare hashes, are taken off), peaks, host RSS, latent hashes.
+
+core: ComfyUI core's modules in one process, as a workflow drives them: its fp8 checkpoint (comfy_quant
+float8_e4m3fn block linears with per-tensor scales, core's fastest weight format on sm_90) loaded by UNETLoader's
+``comfy.sd.load_diffusion_model`` (model detection, dtypes, CoreModelPatcher, DynamicVRAM switched on as main.py
+does where core uses it), the LoRA by LoraLoaderModelOnly's ``comfy.sd.load_lora_for_models``, ``load_models_gpu``
+under ``--reserve-vram``, Sage attention; the modules come from the folder scripts/pack_core_peer.sh packs. A real
+ComfyUI server needs its requirements carried as wheels (over the carry limit beside the SageAttention2 build and
+core's comfy-kitchen), hence the in-process form. A job core cannot run is recorded with its error.
 
 --tiny: the embedded tiny config on the CPU, the whole flow end to end (our stack; core's where its modules import).
 """
@@ -55,6 +61,7 @@ import jobs as J  # noqa: E402
 from h3_blackwell.runtime import (Measure, RuntimeOptions, SampleInputs, SamplingSettings, open_model,  # noqa: E402
                                   run, tensor_job)
 from h3_blackwell.runtime.budget import Workload  # noqa: E402
+from h3_blackwell.runtime.io.header import TORCH_TO_ST  # noqa: E402
 from h3_blackwell.runtime.model.conditioning import H3Conditioning, Keyframe  # noqa: E402
 from h3_blackwell.runtime.model.config import FULL, TINY  # noqa: E402
 from h3_blackwell.runtime.model.layout import latent_shapes  # noqa: E402
@@ -63,7 +70,6 @@ from h3_blackwell.runtime.sampling.report import host_peak_rss_bytes  # noqa: E4
 MARGIN_GB = 0.5  # our budget under a cap: the cap less this (the allocator's fragmentation, CUDA's small tensors)
 HOST_GB = 32  # a capped row stands for a consumer card in a machine with this much host memory
 HOST_MARGIN_GB = 4  # of which the process itself (torch, CUDA's context, the run's host tensors) keeps about this
-DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16"}
 
 
 def parse_rows(a) -> list[tuple[str, int | None]]:
@@ -98,30 +104,87 @@ def config_of(a):
 # files: the checkpoint and the LoRA, written once per workdir
 # ---------------------------------------------------------------------------------------------
 
+CHECKPOINT = {"ours": "checkpoint", "core": "core_checkpoint"}  # each stack's checkpoint in the files dict
+LORA_FORM = "diffusion_model"  # ``diffusion_model.<name>.lora_A/B``: the form core's generic LoRA key map matches
+
+
+def file_names(work: Path, cfg, rank: int) -> dict:
+    """Where each stack's checkpoint and the LoRA of ``cfg`` live in the work folder."""
+    n = cfg.num_layers
+    return {"checkpoint": str(work / f"h3_random_{n}blocks_nvfp4.safetensors"),
+            "core_checkpoint": str(work / f"h3_random_{n}blocks_core_fp8.safetensors"),
+            "lora": str(work / f"turbo_rank{rank}_{n}blocks_{LORA_FORM}.safetensors")}
+
+
+def checkpoint_plan(stack: str, cfg) -> list:
+    """The entries (name, dtype, shape) of ``stack``'s checkpoint of ``cfg`` (its size before it is written)."""
+    import _core_model as C
+    from h3_blackwell.runtime.io.convert import plan_output
+
+    src = RandomSource(cfg, 0, torch.bfloat16)
+    if stack == "core":
+        return C.fp8_file_plan(src)
+    return plan_output({k: (src.shape(k), TORCH_TO_ST[src.dtype(k)]) for k in src.keys()})
+
+
 def write_checkpoint(path: Path, cfg, device: str) -> Path:
-    """Random H3 weights of ``cfg`` (bench/_h3bench.RandomSource) streamed into an NVFP4 checkpoint at ``path``."""
+    """Our file: random H3 weights of ``cfg`` (bench/_h3bench.RandomSource, seed 0) streamed into an NVFP4
+    checkpoint at ``path`` (``quantize``'s streaming writer)."""
     from h3_blackwell.runtime.io.convert import quantize_state_dict_streaming
 
     if path.is_file():
         return path
     src = RandomSource(cfg, 0, torch.bfloat16)
-    shapes = {k: (src.shape(k), DTYPE_NAMES[src._meta[k].dtype]) for k in src.keys()}
+    shapes = {k: (src.shape(k), TORCH_TO_ST[src.dtype(k)]) for k in src.keys()}
     stream = ((k, src.tensor(k, device).to("cpu")) for k in src.keys())
     path.parent.mkdir(parents=True, exist_ok=True)
     quantize_state_dict_streaming(stream, path, device, shapes=shapes, metadata={})
     return path
 
 
+def write_core_checkpoint(path: Path, cfg, device: str) -> Path:
+    """Core's file: the same random weights (RandomSource, seed 0) as a comfy_quant fp8 checkpoint, the format of
+    core's fp8 releases (block linears float8_e4m3fn with a per-tensor scale, the rest bf16/fp32 as made;
+    bench/_core_model.fp8_file_plan), streamed one tensor at a time. Its metadata ``config`` holds core's
+    constructor arguments for ``cfg`` (``config_metadata``), which core's model detection reads, so the tiny and
+    the reduced-block configs load as themselves."""
+    import _core_model as C
+    from h3_blackwell.runtime.io.convert import write_planned
+    from h3_blackwell.runtime.model.config import config_metadata
+
+    if path.is_file():
+        return path
+    src = RandomSource(cfg, 0, torch.bfloat16)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_planned(path, C.fp8_file_plan(src), C.fp8_file_items(src, device), {"config": config_metadata(cfg)})
+    return path
+
+
 def write_lora(path: Path, cfg, rank: int) -> Path:
     """A turbo-style LoRA of ``rank`` on every block linear and AdaLN (tests/fixtures/tiny_lora: fused qkv as the
-    turbo files ship it), ComfyUI names."""
+    turbo files ship it), in ``LORA_FORM``."""
     sys.path.insert(0, str(ROOT))
     from tests.fixtures.tiny_lora import save_tiny_lora, tiny_lora_truth
 
     if not path.is_file():
         save_tiny_lora(path, tiny_lora_truth(cfg, seed=7, rank=rank, alpha=float(rank), refiner=False,
-                                             extras=False), "comfy")
+                                             extras=False), LORA_FORM)
     return path
+
+
+def make_room(path: Path, need: int, others: list[Path]) -> list[str]:
+    """Remove ``others`` (the other stack's checkpoint) where the disk under ``path`` lacks ``need`` bytes plus
+    2 GB: the device's 64 GB disk holds one full-size checkpoint of each stack, not both. -> what was removed."""
+    import shutil
+
+    gone = []
+    for o in others:
+        if shutil.disk_usage(path.parent).free >= need + 2e9:
+            break
+        if o.is_file():
+            o.unlink()
+            gone.append(str(o))
+    return gone
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,8 +237,10 @@ def run_ours(job: J.Job, cap_gb: int | None, files: dict, tiny: bool) -> dict:
     inputs = inputs_for(job, spec.config)
     wl = Workload.from_shapes(inputs.video.shape, inputs.audio.shape, job.text_tokens, job.steps, inputs.conditioning)
     rt = spec.load(workload=wl)  # planned for this job (the run plans again at its start, as every run does)
+    t_load = time.perf_counter()
     if job.lora_rank is not None:
         apply_loras(rt, [(files["lora"], 1.0, job.lora_mode)])
+    t_lora = time.perf_counter()
     if tiny and cap_gb is not None:  # the CPU emulates streaming under an explicit budget: 8 -> the smallest the
         rt.plan.options.vram_budget = repr(tiny_budget(rt, job, inputs, cap_gb) / 1e9)  # plan accepts, 16 -> 1.5x
     res = run(tensor_job(rt, inputs, SamplingSettings(seed=job.seed, steps=job.steps, sampler=job.sampler),
@@ -187,6 +252,7 @@ def run_ours(job: J.Job, cap_gb: int | None, files: dict, tiny: bool) -> dict:
     # the job a user runs: the load and one run (the further measured runs, there for the hash check, taken off)
     job_seconds = time.perf_counter() - t0 - sum(rep["sampling_seconds"][1:])
     return {"step_seconds": statistics.median(steps), "job_seconds": job_seconds,
+            "load_seconds": t_load - t0, "lora_seconds": t_lora - t_load,
             "sampling_seconds": rep["median_sampling_seconds"],
             "peak_allocated_bytes": max(rep["peak_allocated_bytes"] or [0]) or None,
             "peak_reserved_bytes": max(rep["peak_reserved_bytes"] or [0]) or None,
@@ -206,7 +272,7 @@ def import_core_stack(folder: Path, device: torch.device, cap_gb: int | None):
     """core's modules with core's CLI flags (``--reserve-vram`` so core sees a card of the cap's size, ``--cpu`` on
     the CPU, the attention flag) from ``folder``: a ComfyUI checkout (the vendored one) or the folder
     scripts/pack_core_peer.sh fills; comfy-aimdo's library loaded first where core would use DynamicVRAM
-    (``core_aimdo_load``). -> (model module, comfy.ops, what ``core_aimdo_load`` said)."""
+    (``core_aimdo_load``). -> (model module, what ``core_aimdo_load`` said)."""
     import _core_model as C
 
     if (folder / "comfy" / "ldm" / "minimax" / "model.py").is_file():
@@ -219,9 +285,9 @@ def import_core_stack(folder: Path, device: torch.device, cap_gb: int | None):
         flags = ("--reserve-vram", f"{max(0.0, total / 1e9 - cap_gb):.2f}")
     attention = "sage" if device.type == "cuda" else "pytorch"
     loaded = []
-    mm, ops_mod, _, _ = C.import_core(attention, device.type == "cpu", folder, flags,
-                                      lambda cli: loaded.append(core_aimdo_load(cli, device.type == "cuda")))
-    return mm, ops_mod, loaded[0]
+    mm, _, _, _ = C.import_core(attention, device.type == "cpu", folder, flags,
+                                lambda cli: loaded.append(core_aimdo_load(cli, device.type == "cuda")))
+    return mm, loaded[0]
 
 
 def run_core(job: J.Job, cap_gb: int | None, files: dict, tiny: bool) -> dict:
@@ -233,10 +299,10 @@ def run_core(job: J.Job, cap_gb: int | None, files: dict, tiny: bool) -> dict:
                            "patch's args['attention'] and it sets no transformer_options['minimax_h3_layout'] "
                            "(the node's sinks and VSA tiling read it); the node needs core's newer model.py")
     device = torch.device("cpu" if tiny or not torch.cuda.is_available() else "cuda")
-    mm, ops_mod, loaded = import_core_stack(Path(files["comfyui"]), device, cap_gb)
+    mm, loaded = import_core_stack(Path(files["comfyui"]), device, cap_gb)
     dynamic = core_dynamic_vram(loaded)  # before any CUDA allocation, as main.py does
     apply_cap(cap_gb, device)
-    res = core_sample(mm, ops_mod, job, device, files["config"], files, cap_gb is None)
+    res = core_sample(mm, job, device, files)
     res["dynamic_vram"] = dynamic
     return res
 
@@ -303,49 +369,46 @@ def core_payload(mm, job: J.Job, inputs: SampleInputs, context, device, compute)
     return payload
 
 
-def core_lora(patcher, job: J.Job, files: dict) -> dict | None:
-    """The turbo LoRA as core's LoraLoaderModelOnly puts it on the model: ``comfy.lora.load_lora`` over the LoRA
-    file with core's key map for H3 (``<name>`` and ``diffusion_model.<name>`` of each weight), then
-    ``ModelPatcher.add_patches`` at strength 1 (applied when the weights load). -> what was patched."""
+def core_lora(patcher, job: J.Job, files: dict):
+    """The turbo LoRA as core's LoraLoaderModelOnly puts it on the model: ``comfy.sd.load_lora_for_models`` at
+    strength 1 (core's key map, ``comfy.lora.load_lora``, a patched clone; applied when the weights load).
+    Raises where core's key map left a layer of the file unmatched (core would run without it). -> (patcher,
+    what was patched)."""
     if job.lora_rank is None:
-        return None
-    import comfy.lora
+        return patcher, None
+    import comfy.sd
     import comfy.utils
 
     sd = comfy.utils.load_torch_file(files["lora"], safe_load=True)
-    keys = {}
-    for k in patcher.model.state_dict():
-        if k.endswith(".weight"):
-            keys[k[:-len(".weight")]] = k
-            keys[f"diffusion_model.{k[:-len('.weight')]}"] = k
-    patches = comfy.lora.load_lora(sd, keys)
-    done = patcher.add_patches(patches, 1.0)
-    return {"patched_weights": len(done), "lora_keys": len(sd)}
+    layers = {k.rsplit(".lora_", 1)[0] for k in sd if ".lora_" in k}
+    patched, _ = comfy.sd.load_lora_for_models(patcher, None, sd, 1.0, 0)
+    done = len(patched.patches)
+    if done != len(layers):
+        raise RuntimeError(f"core's LoRA key map matched {done} of the {len(layers)} layers of {files['lora']}: "
+                           "core would sample without the rest")
+    return patched, {"patched_weights": done, "lora_layers": len(layers), "lora_keys": len(sd)}
 
 
-def core_sample(mm, ops_mod, job: J.Job, device, cfg, files: dict, resident: bool = True) -> dict:
-    """core's model (fp8 block linears) wrapped in core's ModelPatcher and loaded by ``load_models_gpu`` (dynamic
-    VRAM under the reserve), then ``job.steps`` Euler steps, one core forward each (the text refined once per run,
-    the layout built once, as core's sampler does; core's sampler arithmetic is these few elementwise ops)."""
-    import _core_model as C
+def core_sample(mm, job: J.Job, device, files: dict) -> dict:
+    """core's model as a user's workflow loads it: UNETLoader (``comfy.sd.load_diffusion_model`` over core's fp8
+    file: core's model detection, dtype choice, CoreModelPatcher, the weights where core's loader puts them),
+    LoraLoaderModelOnly (``core_lora``) and ``load_models_gpu`` (dynamic VRAM under the reserve); then
+    ``job.steps`` Euler steps, one core forward each (the text refined once per run, the layout built once, as
+    core's sampler does; core's sampler arithmetic is these few elementwise ops)."""
     import comfy.model_management as M
-    import comfy.model_patcher
-    import comfy.utils
+    import comfy.sd
     from h3_blackwell.runtime import latent_sha256
 
     t0 = time.perf_counter()
-    compute = torch.bfloat16 if device.type == "cuda" else torch.float32
-    ops, _ = C.pick_ops(ops_mod, "fp8", compute, device)
-    # the random weights are made on the card when it holds them (fast), else in host memory, then the model goes
-    # where core's loader puts it (comfy.sd: unet_inital_load_device; host memory whenever DynamicVRAM is on)
-    made_on = device if resident else torch.device(M.unet_offload_device())
-    model = C.build_core(mm, ops, cfg, "fp8", compute, made_on, job.seed)
-    initial = torch.device(M.unet_inital_load_device(comfy.utils.calculate_parameters(model.state_dict()), compute))
-    if initial.type != made_on.type:
-        model.to(initial)
-    patcher = comfy.model_patcher.CoreModelPatcher(model, load_device=device, offload_device=M.unet_offload_device())
-    lora = core_lora(patcher, job, files)
+    patcher = comfy.sd.load_diffusion_model(files["core_checkpoint"])
+    t_file = time.perf_counter()
+    model = patcher.model.diffusion_model
+    compute = patcher.model.get_dtype_inference()
+    cfg = files["config"]
+    patcher, lora = core_lora(patcher, job, files)
+    t_lora = time.perf_counter()
     M.load_models_gpu([patcher])
+    t_load = time.perf_counter()
     inputs = inputs_for(job, cfg)
     with torch.inference_mode():
         context = model.preprocess_text_embeds(inputs.text.to(device, compute))
@@ -366,26 +429,32 @@ def core_sample(mm, ops_mod, job: J.Job, device, cfg, files: dict, resident: boo
             times.append(time.perf_counter() - t)
     cuda = device.type == "cuda"
     return {"step_seconds": statistics.median(times), "job_seconds": time.perf_counter() - t0,
+            "load_seconds": t_file - t0, "lora_seconds": t_lora - t_file,  # the patches are computed when the
+            "load_models_gpu_seconds": t_load - t_lora,  # weights load (or per use, under DynamicVRAM)
+            "sampling_seconds": time.perf_counter() - t_load,
             "peak_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
             "peak_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None,
             "device_used_after_steps_max_bytes": used if cuda else None,  # the driver's view: aimdo's own memory too
             "host_peak_rss_bytes": host_peak_rss_bytes(),
             "latent_checksums": {"video_sha256": latent_sha256(x[0]), "audio_sha256": latent_sha256(x[1])},
-            "weights": "fp8 (float8_e4m3fn, per-tensor scale) block linears, the rest bf16, built by core's loader",
-            "loaded_by": f"comfy.model_patcher.{type(patcher).__name__} + comfy.model_management.load_models_gpu",
-            "initial_load_device": str(initial), "lora": lora,
-            "note": "Euler over linear sigmas, one core forward per step; weights built in memory (no file)"}
+            "weights": "core's fp8 file (float8_e4m3fn, per-tensor scale, block linears; the rest bf16/fp32), "
+                       "loaded by comfy.sd.load_diffusion_model",
+            "compute_dtype": str(compute).replace("torch.", ""),
+            "loaded_by": f"comfy.sd.load_diffusion_model + comfy.model_patcher.{type(patcher).__name__} + "
+                         "comfy.model_management.load_models_gpu", "lora": lora,
+            "note": "Euler over linear sigmas, one core forward per step"}
 
 
 def child(a) -> int:
-    """--child STACK: one stack of one row; writes {result} or {error} to --child-out. --child files: the checkpoint
-    and the LoRA (a process of its own, so the parent never holds device memory the rows would then lack)."""
-    if a.child == "files":
-        files = json.loads(a.child_files)
-        lrank = 4 if a.tiny else a.lora_rank
-        write_checkpoint(Path(files["checkpoint"]), config_of(a), "cpu" if a.tiny or not torch.cuda.is_available()
-                         else "cuda")
-        write_lora(Path(files["lora"]), config_of(a), lrank)
+    """--child STACK: one stack of one row; writes {result} or {error} to --child-out. --child files:STACK: that
+    stack's checkpoint and the LoRA (a process of its own, so the parent never holds device memory the rows would
+    then lack)."""
+    if a.child.startswith("files:"):  # files:ours / files:core
+        files, stack = json.loads(a.child_files), a.child.split(":")[1]
+        device = "cpu" if a.tiny or not torch.cuda.is_available() else "cuda"
+        (write_checkpoint if stack == "ours" else write_core_checkpoint)(Path(files[CHECKPOINT[stack]]),
+                                                                          config_of(a), device)
+        write_lora(Path(files["lora"]), config_of(a), lora_rank(a))
         return 0
     job = job_of(a.rows.split(":")[0], a)
     cap = parse_rows(a)[0][1]
@@ -404,13 +473,16 @@ def child(a) -> int:
 # the parent: rows, merge, JSON
 # ---------------------------------------------------------------------------------------------
 
-def run_stack(stack: str, job: str, cap, files: dict, a) -> dict:
+def run_stack(stack: str, job: str, cap, files: dict, a, blocks: int | None = None, steps: int | None = None,
+              runs: int | None = None) -> dict:
+    """One stack of one row in a child process (--blocks/--steps/--runs of ``a`` unless given) -> its result."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     py = a.core_python if stack == "core" and a.core_python else sys.executable
     cmd = [py, __file__, "--child", stack, "--rows", f"{job}:{cap or 'resident'}", "--child-out", out,
-           "--child-files", json.dumps(files), "--lora-rank", str(a.lora_rank), "--steps", str(a.steps),
-           "--blocks", str(a.blocks), "--runs", str(a.runs)] + (["--tiny"] if a.tiny else [])
+           "--child-files", json.dumps(files), "--lora-rank", str(a.lora_rank),
+           "--steps", str(a.steps if steps is None else steps), "--blocks", str(a.blocks if blocks is None else blocks),
+           "--runs", str(a.runs if runs is None else runs)] + (["--tiny"] if a.tiny else [])
     env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     p = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:
@@ -432,16 +504,34 @@ def run_stack(stack: str, job: str, cap, files: dict, a) -> dict:
         Path(out).unlink(missing_ok=True)
 
 
-def make_row(job: str, cap, files: dict, a) -> dict:
-    row = {"job": job, "cap_gb": cap, "definition": job_of(job, a).as_dict(),
-           "lora_rank_source": J.TURBO_LORA_RANK_SOURCE}
-    for stack in ("ours", "core"):
-        row[stack] = run_stack(stack, job, cap, files, a) if stack in a.stacks.split(",") else \
-            {"error": "not run in this call (--stacks)"}
+def lora_rank(a) -> int:
+    return 4 if a.tiny else a.lora_rank
+
+
+def prepare_files(stack: str, files: dict, cfg, a) -> dict:
+    """``stack``'s checkpoint and the LoRA in the work folder (written by a child where absent, after removing the
+    other stack's checkpoint where the disk lacks room for both). -> {"seconds", "removed"} or {"error"}."""
+    from h3_blackwell.runtime.io.convert import planned_bytes
+
+    path, t0 = Path(files[CHECKPOINT[stack]]), time.perf_counter()
+    if path.is_file() and Path(files["lora"]).is_file():
+        return {"seconds": 0.0, "removed": []}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    other = "core" if stack == "ours" else "ours"
+    removed = make_room(path, planned_bytes(checkpoint_plan(stack, cfg)), [Path(files[CHECKPOINT[other]])])
+    print(f"[user_jobs] writing {path.name} and the LoRA" + (f" (removed {removed})" if removed else ""), flush=True)
+    p = subprocess.run([sys.executable, __file__, "--child", f"files:{stack}", "--child-files", json.dumps(files),
+                        "--lora-rank", str(a.lora_rank), "--blocks", str(0 if a.tiny else cfg.num_layers)]
+                       + (["--tiny"] if a.tiny else []), timeout=a.timeout, capture_output=True, text=True)
+    if p.returncode != 0:
+        return {"error": f"writing {path} failed (status {p.returncode}): {p.stderr[-1500:]}"}
+    return {"seconds": time.perf_counter() - t0, "removed": removed}
+
+
+def finish_row(row: dict) -> None:
     o, c = row["ours"], row["core"]
     row["speedup"] = (c["job_seconds"] / o["job_seconds"]) if "error" not in o and "error" not in c else None
-    row["card"] = o.get("device")
-    return row
+    row["card"] = o.get("device") or c.get("device")
 
 
 def compare_to_resident(rows: list) -> None:
@@ -483,37 +573,56 @@ def main(argv=None) -> int:
 
 
 def parent(a, argv) -> int:
+    """The rows stack by stack: the stack whose checkpoint is on disk first (one full-size checkpoint of each does
+    not fit the device's disk, so each call writes at most one), each preceded by a warm-up child on a one-block
+    model of the same widths (the once-per-machine work, e.g. our FC2 extension build and Triton's compiles, which
+    a user's later jobs do not repeat), then every row of the call. The JSON is rewritten after every child."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through run_stack, which ends the child
-    rows = parse_rows(a)
+    wanted = parse_rows(a)
     name = "user-jobs" + ("-tiny" if a.tiny else f"-smoke-{a.blocks}blocks" if a.blocks else "")
     out = Path(a.out or ROOT / "bench" / "results" / f"{name}.json")
     old = json.loads(out.read_text()) if a.merge and out.is_file() else {}
     work = Path(a.workdir) / ("tiny" if a.tiny else "full")
     cfg = config_of(a)
-    t0 = time.perf_counter()
-    files = {"checkpoint": str(work / f"h3_random_{cfg.num_layers}blocks_nvfp4.safetensors"),
-             "lora": str(work / f"turbo_rank{a.lora_rank if not a.tiny else 4}.safetensors"), "comfyui": a.comfyui}
-    if not (Path(files["checkpoint"]).is_file() and Path(files["lora"]).is_file()):
-        print(f"[user_jobs] writing the random checkpoint and LoRA into {work}", flush=True)
-        subprocess.run([sys.executable, __file__, "--child", "files", "--child-files", json.dumps(files),
-                        "--lora-rank", str(a.lora_rank), "--blocks", str(a.blocks)] + (["--tiny"] if a.tiny else []),
-                       check=True, timeout=a.timeout)
+    files = {**file_names(work, cfg, lora_rank(a)), "comfyui": a.comfyui}
+    stacks = sorted((s for s in ("ours", "core") if s in a.stacks.split(",")),
+                    key=lambda s: not Path(files[CHECKPOINT[s]]).is_file())
+    rows = {(job, cap): {"job": job, "cap_gb": cap, "definition": job_of(job, a).as_dict(),
+                         "lora_rank_source": J.TURBO_LORA_RANK_SOURCE,
+                         "ours": {"error": "not run in this call (--stacks)"},
+                         "core": {"error": "not run in this call (--stacks)"}} for job, cap in wanted}
     res = {"name": name, "command": bench_command(argv), "blocks": cfg.num_layers,
            "date": datetime.datetime.now().isoformat(timespec="seconds"),
            "device": old.get("device"), "versions": versions(),  # the parent never touches the GPU: rows name it
-           "files_seconds": time.perf_counter() - t0, "core_stack": "in-process (bench/user_jobs.py docstring)",
-           "rows": [r for r in old.get("rows", []) if (r["job"], r["cap_gb"]) not in set(rows)]}
-    for job, cap in rows:
-        print(f"[user_jobs] {job} cap={cap or 'resident'}", flush=True)
-        row = make_row(job, cap, files, a)
-        res["rows"].append(row)
-        compare_to_resident(res["rows"])
-        res["device"] = res["device"] or row["card"]
-        if row["card"] is not None and row["card"] == res["device"]:
-            row.pop("card")  # a row names its card only where it differs from ``device`` (the issue's schema)
-        write_json(res, out)
+           "files": {}, "warmup": {}, "core_stack": "in-process (bench/user_jobs.py docstring)",
+           "rows": [r for r in old.get("rows", []) if (r["job"], r["cap_gb"]) not in rows] + list(rows.values())}
+    warm_cfg = cfg if a.tiny else cfg.replace(num_layers=1)  # H3's widths, one block
+    warm_files = {**file_names(work, warm_cfg, lora_rank(a)), "comfyui": a.comfyui}
+    for stack in stacks:
+        for r in rows.values():
+            r[stack] = {"error": "not run yet (the call ended first)"}
+        w = prepare_files(stack, warm_files, warm_cfg, a)  # --tiny: the tiny model itself
+        w.update(run_stack(stack, wanted[0][0], None, warm_files, a, blocks=1, steps=1, runs=1)
+                 if "error" not in w else {})
+        res["warmup"][stack] = {k: w[k] for k in ("job_seconds", "error") if k in w}
+        res["files"][stack] = prepare_files(stack, files, cfg, a)
+        for (job, cap), row in rows.items():
+            print(f"[user_jobs] {stack}: {job} cap={cap or 'resident'}", flush=True)
+            row[stack] = {"error": res["files"][stack]["error"]} if "error" in res["files"][stack] else \
+                run_stack(stack, job, cap, files, a)
+            finish_row(row)
+            compare_to_resident(res["rows"])
+            res["device"] = res["device"] or row["card"]
+            write_json(_without_own_card(res), out)
     print(json.dumps([{k: r.get(k) for k in ("job", "cap_gb", "speedup")} for r in res["rows"]]))
     return 0
+
+
+def _without_own_card(res: dict) -> dict:
+    """The JSON as written: a row names its card only where it differs from ``device`` (the issue's schema)."""
+    rows = [{k: v for k, v in r.items() if not (k == "card" and (v is None or v == res["device"]))}
+            for r in res["rows"]]
+    return {**res, "rows": rows}
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@
 #   bash scripts/device_session.sh G    the drop-in (core MODEL), control, low-VRAM and Blackwell-guard GPU tests
 #   bash scripts/device_session.sh U    issue 37: rows of bench/user_jobs.py (UJ_ARGS, e.g. "--rows turbo8:8"),
 #                                       merged into UJ_OUT (default bench/results/user-jobs.json; copied to $OUT);
-#                                       with UJ_TESTS=1 first the GPU tests of query-row chunks and the memory paths. Carry third_party/sage2-sm90 and
+#                                       with UJ_TESTS=1 first the GPU tests of query-row chunks and the memory paths;
+#                                       UJ_SMOKE=1 (default) first a tiny CPU row of core's carried stack. Carry third_party/sage2-sm90 and
 #                                       .core_peer (scripts/pack_core_peer.sh), or for turbo8_sparse rows .whl
 #                                       (scripts/kitchen_carry.sh: our sparse kernel; core's sparse node is absent)
 #   bash scripts/device_session.sh P    diffusers' H3 pipeline with our transformer vs generate (issue 39,
@@ -119,6 +120,13 @@ U)  # the jobs users run against core's stack (issue 37); one checkpoint write p
     timeout 240 python3 -m pytest -q -s -m gpu tests/gpu/test_attention_rows_gpu.py \
       tests/gpu/test_user_jobs_memory_gpu.py 2>&1 | grep -E "chunk|sage_kv|smallest|row-exact|passed|failed|skipped|Error" \
       | tail -16 >> "$LOG"
+  fi
+  if [ "${UJ_SMOKE:-1}" = 1 ]; then  # core's carried stack on this machine's packages, tiny, on the CPU (~30 s):
+    phase core-stack-smoke           # an import or load failure shows here, before the rows spend minutes
+    timeout 120 python3 bench/user_jobs.py --tiny --stacks core --rows turbo8:resident --out "$OUT/uj-core-smoke.json" \
+      --workdir /tmp/uj_smoke 2>&1 | tail -3 >> "$LOG"
+    python3 -c "import json,sys; c=json.load(open(sys.argv[1]))['rows'][0]['core']; print('core smoke:', c.get('error') or c['loaded_by'], c.get('lora'))" \
+      "$OUT/uj-core-smoke.json" >> "$LOG" 2>&1
   fi
   phase "user-jobs ${UJ_ARGS:-}"
   UJ_OUT="${UJ_OUT:-bench/results/user-jobs.json}"  # merged into (copy the returned file back before the next call)

@@ -16,9 +16,11 @@
 #
 # What .core_peer/ holds:
 #   ComfyUI/...     the checkout's files that core's model path loads: found by importing comfy.ldm.minimax.model
-#                   (which imports comfy.ops, comfy.quant_ops and comfy.ldm.modules.attention) with COMFYUI_PY and
-#                   running one tiny forward of each weight format on the CPU, then listing sys.modules whose
-#                   files live in the checkout (function-level imports on the forward path included)
+#                   (which imports comfy.ops, comfy.quant_ops and comfy.ldm.modules.attention) with COMFYUI_PY,
+#                   running one tiny forward of each weight format on the CPU and loading a tiny fp8 file and a
+#                   LoRA as a workflow does (comfy.sd.load_diffusion_model, load_lora_for_models,
+#                   load_models_gpu), then listing sys.modules whose files live in the checkout (function-level
+#                   imports on those paths included)
 #   site/comfy_aimdo    imported by comfy.ops and comfy.model_management at module level; its ctypes libraries are
 #                   loaded only by comfy_aimdo.control.init, which main.py calls and the bench does not
 #   comfy_kitchen-VER-cuda-cpXY.tar.xz   comfy-kitchen at the version COMFYUI_PY has (ComfyUI's requirements.txt
@@ -106,6 +108,18 @@ lora = {f"{lin}.lora_A.weight": torch.randn(2, w.shape[1]), f"{lin}.lora_B.weigh
         f"{lin}.alpha": torch.tensor(2.0)}
 patcher.add_patches(comfy.lora.load_lora(lora, {lin: f"{lin}.weight"}), 1.0)
 comfy.model_management.load_models_gpu([patcher])
+# and as a user's workflow loads it (UNETLoader, LoraLoaderModelOnly): core's fp8 file of the last tiny model
+import tempfile
+import comfy.sd
+from safetensors.torch import save_file
+with tempfile.TemporaryDirectory() as d:
+    sd = {k: v.contiguous() for k, v in m.state_dict().items()}
+    save_file(sd, f"{d}/core.safetensors", metadata={"config": json.dumps({"transformer": kw})})
+    loaded = comfy.sd.load_diffusion_model(f"{d}/core.safetensors")
+    lora_dm = {f"diffusion_model.{k}": v for k, v in lora.items()}
+    loaded, _ = comfy.sd.load_lora_for_models(loaded, None, lora_dm, 1.0, 0)
+    assert loaded.patches, "core's LoRA key map matched nothing"
+    comfy.model_management.load_models_gpu([loaded])
 
 files, third = [], {}
 for name, mod in sorted(sys.modules.items()):

@@ -46,9 +46,10 @@ def test_tiny_rows_merge_and_table(tmp_path):
 
 @pytest.mark.comfyui
 def test_tiny_row_runs_core_stack_from_the_vendored_comfyui(tmp_path):
-    """Core's side of a row with the vendored ComfyUI's modules on the CPU (its own venv): core's model with fp8
-    block linears under ModelPatcher / load_models_gpu, the turbo LoRA patched in as LoraLoaderModelOnly does; the
-    sparse job is recorded with core's missing feature, not dropped."""
+    """Core's side of a row with the vendored ComfyUI's modules on the CPU (its own venv), as a workflow loads it:
+    core's fp8 file of the same random weights through UNETLoader's ``comfy.sd.load_diffusion_model``, the turbo
+    LoRA through LoraLoaderModelOnly's ``load_lora_for_models`` (every layer of the file matched by core's key map),
+    ``load_models_gpu``; the sparse job is recorded with core's missing feature, not dropped."""
     from tests.comfyui.server import comfyui_paths
 
     src, py = comfyui_paths()
@@ -61,7 +62,12 @@ def test_tiny_row_runs_core_stack_from_the_vendored_comfyui(tmp_path):
     rows = {r["job"]: r for r in json.loads(out.read_text())["rows"]}
     core = rows["turbo8"]["core"]
     assert "error" not in core, core.get("traceback", core)
-    assert core["lora"]["patched_weights"] > 0 and "load_models_gpu" in core["loaded_by"]
+    assert core["lora"]["patched_weights"] == core["lora"]["lora_layers"] > 0, core["lora"]
+    assert core["loaded_by"].startswith("comfy.sd.load_diffusion_model") and "load_models_gpu" in core["loaded_by"]
+    assert core["load_seconds"] > 0 and core["sampling_seconds"] > 0 and core["compute_dtype"] == "float32"
+    res = json.loads(out.read_text())
+    assert set(res["files"]) == {"ours", "core"} and all("error" not in f for f in res["files"].values())
+    assert all(res["warmup"][s]["job_seconds"] > 0 for s in ("ours", "core")), res["warmup"]
     assert rows["turbo8"]["speedup"] == core["job_seconds"] / rows["turbo8"]["ours"]["job_seconds"]
     assert "missing feature" in rows["turbo8_sparse"]["core"]["error"] and rows["turbo8_sparse"]["speedup"] is None
 

@@ -34,14 +34,14 @@ from .header import TORCH_TO_ST as ST_DTYPE
 from ..errors import H3Error
 from ..ops import nvfp4
 from . import comfy_quant as cq
-from .atomic import no_space, refuse_replacing_inputs, temp_path
+from .atomic import no_space, refuse_replacing_inputs, temp_path, write_file
 from .checkpoint import open_checkpoint
 from .control import CONTROL_LINEARS, ControlView, is_control_file
 from .finite import check_finite
 from .verify import check_checkpoint
 
 __all__ = ["QUANTIZED_LINEAR", "quantize_state_dict_streaming", "quantize_checkpoint", "quantize_control",
-           "plan_output"]
+           "plan_output", "planned_bytes", "write_planned"]
 
 # QUANTIZED_LINEAR: the block linears that become NVFP4 (ComfyUI names without ".weight"), shared with
 # the loader: blocks.N.attn.qkv_proj, blocks.N.attn.out_proj, blocks.N.mlp.fc1, blocks.N.mlp.fc2.
@@ -154,13 +154,10 @@ def _write_planned(tensor_iter: Iterable[tuple[str, torch.Tensor]], partial: Pat
     for name, (shape, dtype) in shapes.items():
         if _check_target(name, dtype, tuple(shape)):
             layers[name[: -len(".weight")]] = {"format": "nvfp4"}
-    expected = {n: (d, s) for n, d, s in plan}
-    order = [n for n, _, _ in plan]
     total = len(shapes)
-    written = 0
-    with open(partial, "wb") as f:
-        f.write(_header_bytes(plan, _metadata(metadata, layers)))
-        pos = i = 0
+
+    def converted():
+        i = 0
         for name, t in tensor_iter:  # not enumerate(): its cached result tuple would keep the
             box = [t]                # previous tensor alive while the next one is made
             del t
@@ -168,21 +165,52 @@ def _write_planned(tensor_iter: Iterable[tuple[str, torch.Tensor]], partial: Pat
                 progress(i, total, name)
             i += 1
             for oname, ot in _convert(name, box, device):
-                if pos >= len(order) or order[pos] != oname:
-                    want = order[pos] if pos < len(order) else "nothing (the plan is complete)"
-                    raise H3Error(f"source yielded {oname!r} but the header planned {want!r} next; pass "
-                                  "shapes in the iteration order of the tensors")
-                d, s = expected[oname]
-                if ST_DTYPE[ot.dtype] != d or tuple(ot.shape) != s:
-                    raise H3Error(f"{oname}: header planned {d} {list(s)}, found {ST_DTYPE[ot.dtype]} "
-                                  f"{list(ot.shape)}; the shapes given do not match the tensors")
-                written += _write_tensor(f, ot)
-                pos += 1
+                yield oname, ot
                 del ot
-        if pos != len(order):
-            raise H3Error(f"source ended after {pos} of {len(order)} planned tensors; next missing: "
-                          f"{order[pos]!r}")
+
+    return _stream_planned(partial, plan, converted(), _metadata(metadata, layers))
+
+
+def _stream_planned(path: Path, plan: list[tuple[str, str, tuple]], items: Iterable[tuple[str, torch.Tensor]],
+                    metadata: Mapping[str, str] | None) -> int:
+    """The header of ``plan`` into ``path``, then each tensor ``items`` yields, checked to be the next one the
+    plan holds (name, dtype, shape). -> the tensor bytes written."""
+    expected = {n: (d, s) for n, d, s in plan}
+    order = [n for n, _, _ in plan]
+    written = pos = 0
+    with open(path, "wb") as f:
+        f.write(_header_bytes(plan, metadata or {}))
+        for oname, ot in items:
+            if pos >= len(order) or order[pos] != oname:
+                want = order[pos] if pos < len(order) else "nothing (the plan is complete)"
+                raise H3Error(f"source yielded {oname!r} but the header planned {want!r} next; pass "
+                              "shapes in the iteration order of the tensors")
+            d, s = expected[oname]
+            if ST_DTYPE.get(ot.dtype) != d or tuple(ot.shape) != s:
+                raise H3Error(f"{oname}: header planned {d} {list(s)}, found {ST_DTYPE.get(ot.dtype, ot.dtype)} "
+                              f"{list(ot.shape)}; the shapes given do not match the tensors")
+            written += _write_tensor(f, ot)
+            pos += 1
+            del ot
+    if pos != len(order):
+        raise H3Error(f"source ended after {pos} of {len(order)} planned tensors; next missing: {order[pos]!r}")
     return written
+
+
+def planned_bytes(plan: Iterable[tuple[str, str, tuple]]) -> int:
+    """The tensor bytes of a file of ``plan`` entries (name, safetensors dtype, shape); the header adds a few KB."""
+    return sum(_nbytes(d, s) for _, d, s in plan)
+
+
+def write_planned(out_path: str | os.PathLike, plan: list[tuple[str, str, tuple]],
+                  items: Iterable[tuple[str, torch.Tensor]], metadata: Mapping[str, str] | None = None) -> int:
+    """A safetensors file of ``plan`` (name, safetensors dtype, shape in file order) from ``items`` yielding
+    ``(name, tensor)`` in that order, one at a time: the header is written first, so host memory holds one
+    tensor. Each tensor must match its entry (H3Error naming it otherwise). Installed whole or not at all
+    (``atomic.write_file``; a full disk is an OutputError saying so). -> the tensor bytes written."""
+    written = []
+    write_file(out_path, lambda tmp: written.append(_stream_planned(tmp, plan, items, metadata)))
+    return written[0]
 
 
 def _write_spooled(tensor_iter: Iterable[tuple[str, torch.Tensor]], out_path: Path, partial: Path,

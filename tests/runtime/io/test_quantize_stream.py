@@ -176,3 +176,29 @@ def test_streaming_keeps_host_memory_near_one_tensor(tmp_path):
     with safe_open(str(out), "pt") as f:
         assert f.get_slice("blocks.1.mlp.fc1.weight").get_shape() == [28672, 2688]
         assert f.get_slice("blocks.1.mlp.fc1.weight_scale").get_shape() == [28672, 336]
+
+
+def test_write_planned_streams_any_plan_and_refuses_a_mismatch(tmp_path):
+    """The header-first writer under the converter, for files of other formats (the bench's fp8 file for core):
+    safetensors reads back every tensor; a tensor that is not the plan's next, or of another shape, is refused
+    by name and leaves no file."""
+    from h3_blackwell.runtime.io.convert import planned_bytes, write_planned
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"a.weight": torch.randn(5, 3, generator=g).to(torch.float8_e4m3fn), "a.weight_scale": torch.tensor(0.5),
+               "b": torch.randn(7, generator=g).to(torch.bfloat16), "c": torch.tensor(list(b"{}"), dtype=torch.uint8)}
+    plan = [("a.weight", "F8_E4M3", (5, 3)), ("a.weight_scale", "F32", ()), ("b", "BF16", (7,)), ("c", "U8", (2,))]
+    out = tmp_path / "f.safetensors"
+    assert write_planned(out, plan, iter(tensors.items()), {"k": "v"}) == planned_bytes(plan) == 15 + 4 + 14 + 2
+    got, meta = _read(out)
+    assert meta == {"k": "v"} and list(got) == list(tensors)
+    assert all(got[k].dtype == v.dtype and torch.equal(got[k].reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8))
+               for k, v in tensors.items())
+    bad = tmp_path / "bad.safetensors"
+    with pytest.raises(H3Error, match="b: header planned BF16 \\[7\\], found BF16 \\[6\\]"):
+        write_planned(bad, plan, iter({**tensors, "b": tensors["b"][:6]}.items()))
+    with pytest.raises(H3Error, match="yielded 'c' but the header planned 'b' next"):
+        write_planned(bad, plan, iter((k, tensors[k]) for k in ("a.weight", "a.weight_scale", "c")))
+    with pytest.raises(H3Error, match="after 2 of 4 planned tensors; next missing: 'b'"):
+        write_planned(bad, plan, iter((k, tensors[k]) for k in ("a.weight", "a.weight_scale")))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.safetensors"]
