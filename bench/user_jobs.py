@@ -39,9 +39,11 @@ core's comfy-kitchen), hence the in-process form. A job core cannot run is recor
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
 import json
 import os
+import pstats
 import signal
 import statistics
 import subprocess
@@ -219,6 +221,29 @@ def tiny_budget(rt, job: J.Job, inputs: SampleInputs, cap_gb: int) -> int:
     return int(least * (1.0 if cap_gb <= 8 else 1.5)) + 1
 
 
+class LoadProfile:
+    """cProfile over a stack's load (its file, the LoRA, the placement; never the sampling) -> the functions that
+    took the most time themselves, for the row's ``load_profile``. It sees the CPU side: asynchronous GPU work
+    lands on the call that waits for it."""
+
+    def __init__(self):
+        self.prof = cProfile.Profile()
+
+    def __enter__(self):
+        self.prof.enable()
+        return self
+
+    def __exit__(self, *exc):
+        self.prof.disable()
+
+    def top(self, n: int = 20) -> list[dict]:
+        # {(file, line, function): (primitive calls, calls, self seconds, cumulative seconds, callers)}
+        stats = pstats.Stats(self.prof).stats
+        most = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:n]
+        return [{"function": f"{Path(f).name}:{line}({fn})", "calls": nc, "self_seconds": round(tt, 4),
+                 "cumulative_seconds": round(ct, 4)} for (f, line, fn), (_, nc, tt, ct, _) in most]
+
+
 def run_ours(job: J.Job, cap_gb: int | None, files: dict, tiny: bool) -> dict:
     from h3_blackwell.runtime.lora.apply import apply_loras
 
@@ -233,14 +258,20 @@ def run_ours(job: J.Job, cap_gb: int | None, files: dict, tiny: bool) -> dict:
         kw["host_budget"] = repr(HOST_GB - HOST_MARGIN_GB)  # the streamed blocks (runtime.budget._check_host)
     opts = RuntimeOptions.from_env(device=str(device), vram_budget=budget, **kw)
     t0 = time.perf_counter()
-    spec = open_model(files["checkpoint"], opts)
-    inputs = inputs_for(job, spec.config)
-    wl = Workload.from_shapes(inputs.video.shape, inputs.audio.shape, job.text_tokens, job.steps, inputs.conditioning)
-    rt = spec.load(workload=wl)  # planned for this job (the run plans again at its start, as every run does)
-    t_load = time.perf_counter()
-    if job.lora_rank is not None:
-        apply_loras(rt, [(files["lora"], 1.0, job.lora_mode)])
-    t_lora = time.perf_counter()
+    with LoadProfile() as prof:
+        spec = open_model(files["checkpoint"], opts)
+        inputs = inputs_for(job, spec.config)
+        wl = Workload.from_shapes(inputs.video.shape, inputs.audio.shape, job.text_tokens, job.steps,
+                                  inputs.conditioning)
+        rt = spec.load(workload=wl)  # planned for this job (the run plans again at its start, as every run does)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t_load = time.perf_counter()
+        if job.lora_rank is not None:
+            apply_loras(rt, [(files["lora"], 1.0, job.lora_mode)])
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t_lora = time.perf_counter()
     if tiny and cap_gb is not None:  # the CPU emulates streaming under an explicit budget: 8 -> the smallest the
         rt.plan.options.vram_budget = repr(tiny_budget(rt, job, inputs, cap_gb) / 1e9)  # plan accepts, 16 -> 1.5x
     res = run(tensor_job(rt, inputs, SamplingSettings(seed=job.seed, steps=job.steps, sampler=job.sampler),
@@ -252,7 +283,7 @@ def run_ours(job: J.Job, cap_gb: int | None, files: dict, tiny: bool) -> dict:
     # the job a user runs: the load and one run (the further measured runs, there for the hash check, taken off)
     job_seconds = time.perf_counter() - t0 - sum(rep["sampling_seconds"][1:])
     return {"step_seconds": statistics.median(steps), "job_seconds": job_seconds,
-            "load_seconds": t_load - t0, "lora_seconds": t_lora - t_load,
+            "load_seconds": t_load - t0, "lora_seconds": t_lora - t_load, "load_profile": prof.top(),
             "sampling_seconds": rep["median_sampling_seconds"],
             "peak_allocated_bytes": max(rep["peak_allocated_bytes"] or [0]) or None,
             "peak_reserved_bytes": max(rep["peak_reserved_bytes"] or [0]) or None,
@@ -400,15 +431,18 @@ def core_sample(mm, job: J.Job, device, files: dict) -> dict:
     from h3_blackwell.runtime import latent_sha256
 
     t0 = time.perf_counter()
-    patcher = comfy.sd.load_diffusion_model(files["core_checkpoint"])
-    t_file = time.perf_counter()
-    model = patcher.model.diffusion_model
-    compute = patcher.model.get_dtype_inference()
-    cfg = files["config"]
-    patcher, lora = core_lora(patcher, job, files)
-    t_lora = time.perf_counter()
-    M.load_models_gpu([patcher])
-    t_load = time.perf_counter()
+    with LoadProfile() as prof:
+        patcher = comfy.sd.load_diffusion_model(files["core_checkpoint"])
+        t_file = time.perf_counter()
+        model = patcher.model.diffusion_model
+        compute = patcher.model.get_dtype_inference()
+        cfg = files["config"]
+        patcher, lora = core_lora(patcher, job, files)
+        t_lora = time.perf_counter()
+        M.load_models_gpu([patcher])
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t_load = time.perf_counter()
     inputs = inputs_for(job, cfg)
     with torch.inference_mode():
         context = model.preprocess_text_embeds(inputs.text.to(device, compute))
@@ -431,6 +465,7 @@ def core_sample(mm, job: J.Job, device, files: dict) -> dict:
     return {"step_seconds": statistics.median(times), "job_seconds": time.perf_counter() - t0,
             "load_seconds": t_file - t0, "lora_seconds": t_lora - t_file,  # the patches are computed when the
             "load_models_gpu_seconds": t_load - t_lora,  # weights load (or per use, under DynamicVRAM)
+            "load_profile": prof.top(),
             "sampling_seconds": time.perf_counter() - t_load,
             "peak_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
             "peak_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None,
