@@ -22,9 +22,16 @@ def _float_view(t: torch.Tensor) -> torch.Tensor | None:
 
 
 def is_finite(t: torch.Tensor) -> bool:
-    """True when every entry of ``t`` is finite (integer and packed dtypes always are). One reduction."""
+    """True when every entry of ``t`` is finite (integer and packed dtypes always are). One reduction:
+    ``torch.aminmax``, which propagates a NaN to both results and brings an Inf to one of them, with no temporary
+    the size of ``t`` (``torch.isfinite(t).all()`` builds a bool tensor of ``t``'s size: about 12x slower on the CPU
+    for a 0.3 GB AdaLN weight, where the load checks 26 GB of them). The reference is ``isfinite(t).all()``
+    (tests/runtime/io/test_finite.py)."""
     f = _float_view(t)
-    return True if f is None or f.numel() == 0 else bool(torch.isfinite(f).all())
+    if f is None or f.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(f)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
 def check_finite(name: str, tensor: torch.Tensor, error: type[H3Error] = CheckpointError,
