@@ -154,10 +154,13 @@ class _Loader:
         _set(self.model, layer, lin)
 
     def _to_host(self, k: str, p) -> None:
-        t = self.src.tensor(k, "cpu")
-        check_finite(k, t)
+        """Into pinned host memory: read straight there where the file holds it at the parameter's dtype
+        (``Checkpoint.read_into``), else read and copied in (a cast, a layout change, a source without files)."""
         host = torch.empty(tuple(p.shape), dtype=p.dtype, pin_memory=torch.cuda.is_available())
-        host.copy_(t)
+        read_into = getattr(self.src, "read_into", None)
+        if read_into is None or not read_into(k, host):
+            host.copy_(self.src.tensor(k, "cpu"))
+        check_finite(k, host)
         _set(self.model, k, host)
 
     def _tensor(self, k: str, p) -> None:

@@ -29,7 +29,7 @@ from ..model.config import H3Config
 from .detect import config_from_shapes
 from ..model.h3 import H3Model
 from .comfy_quant import from_comfy_quant, parse_comfy_quant_marker, parse_quantization_metadata
-from .header import Header, read_header, read_tensor
+from .header import ST_DTYPES, Header, read_header, read_tensor
 from .keys import QKV_PART, deinterleave_qkv, detect_scheme, diffusers_to_comfy_name, strip_prefix
 
 # ---------------------------------------------------------------------------------------------
@@ -145,6 +145,22 @@ class Checkpoint:
             up, gate = t.chunk(2, dim=0)
             t = torch.cat([gate, up])
         return t.to(device)
+
+    def read_into(self, name: str, out: torch.Tensor) -> bool:
+        """Read tensor ``name`` straight into ``out`` (a contiguous CPU tensor, e.g. pinned host memory) where it
+        is stored whole at ``out``'s dtype and shape in one file and needs no layout change. -> False (nothing
+        read) otherwise: the caller copies ``tensor(name)`` in."""
+        srcs = self._sources.get(name)
+        if not srcs or len(srcs) != 1 or out.device.type != "cpu" or not out.is_contiguous():
+            return False
+        info = srcs[0].header.tensors[srcs[0].key]
+        if ST_DTYPES.get(info.dtype) != out.dtype or tuple(info.shape) != tuple(out.shape):
+            return False
+        if name.endswith("attn.qkv_proj.weight") and self.scheme == "raw" or \
+                self.scheme == "diffusers" and name.endswith("mlp.fc1.weight"):
+            return False  # a layout change on the way (``tensor``)
+        read_tensor(srcs[0].header, srcs[0].key, out)
+        return True
 
     def iter_tensors(self, device="cpu", progress: Callable[[int, int, str], None] | None = None
                      ) -> Iterator[tuple[str, torch.Tensor]]:

@@ -147,24 +147,31 @@ def _check_disjoint(path: Path, tensors: dict[str, TensorInfo]) -> None:
                                   "the file is corrupt: re-download or re-export it")
 
 
-def read_tensor(header: Header, name: str) -> torch.Tensor:
+def read_tensor(header: Header, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
     """Tensor ``name`` of a checked header, read with a plain read into a buffer of exactly its size (CPU, its
-    stored dtype). Raises CheckpointError for a dtype torch cannot hold or a file that shrank since."""
+    stored dtype), or straight into ``out`` (a contiguous CPU tensor of the stored dtype and shape, e.g. pinned
+    host memory: no second copy), which is returned. Raises CheckpointError for a dtype torch cannot hold or a
+    file that shrank since, ValueError for an ``out`` that does not match."""
     info = header.tensors[name]
     if info.dtype not in ST_DTYPES:
         raise CheckpointError(f"{header.path}: tensor {name!r} has dtype {info.dtype}, which this loader does not "
                               f"read (supported: {', '.join(ST_DTYPES)})")
     dt = ST_DTYPES[info.dtype]
     n = info.offsets[1] - info.offsets[0]
+    if out is not None and (out.dtype != dt or tuple(out.shape) != tuple(info.shape) or out.device.type != "cpu"
+                            or not out.is_contiguous()):
+        raise ValueError(f"{name!r} is stored as {info.dtype} {list(info.shape)}; cannot read it into a "
+                         f"{'' if out.is_contiguous() else 'non-contiguous '}{out.dtype} {list(out.shape)} tensor on "
+                         f"{out.device}")
     if not n:
-        return torch.empty(info.shape, dtype=dt)
-    buf = torch.empty(n, dtype=torch.uint8)
+        return torch.empty(info.shape, dtype=dt) if out is None else out
+    buf = torch.empty(n, dtype=torch.uint8) if out is None else out.reshape(-1).view(torch.uint8)
     with open(header.path, "rb") as f:
         f.seek(header.data_start + info.offsets[0])
         got = f.readinto(memoryview(buf.numpy()))
     if got != n:
         raise CheckpointError(f"{header.path} is truncated while reading {name!r}")
-    return buf.view(dt).reshape(info.shape)
+    return buf.view(dt).reshape(info.shape) if out is None else out
 
 
 def read_tensors(path: str | Path, what: str, names=None) -> tuple[Header, dict[str, torch.Tensor]]:

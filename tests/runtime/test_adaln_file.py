@@ -134,3 +134,32 @@ def test_every_memory_path_at_once_gives_the_resident_latents(tmp_path):
     assert mem["streamed_blocks"] == [0, 1, 2, 3] and mem["attn_chunk_rows"] and mem["ffn_chunk_rows"]
     assert mem["adaln_from_file"] and mem["refiner_on_host"] and rt.model.refiner_on_host
     assert report_hashes(got) == want
+
+
+@pytest.mark.parametrize("stored", [torch.bfloat16, torch.float32], ids=["read_into_host", "cast_into_host"])
+def test_adaln_kept_in_host_memory_equals_the_file(tmp_path, stored, monkeypatch):
+    """AdaLN kept in host memory: read straight into its host tensor where the file stores the model's dtype
+    (bf16), read and cast where it does not (fp32 file, bf16 model): the values are the file's (cast once)."""
+    from safetensors import safe_open
+
+    from h3_blackwell.runtime.io.checkpoint import Checkpoint, open_checkpoint
+
+    ck = save_tiny(tmp_path / "t.safetensors", seed=5, dtype=stored)
+    reads, real = [], Checkpoint.read_into
+    monkeypatch.setattr(Checkpoint, "read_into", lambda self, k, out: reads.append(real(self, k, out)) or reads[-1])
+    rt = load_model(ck, RuntimeOptions(device="cpu", dtype="bfloat16", host_budget="1000"),
+                    workload=Workload.from_shapes(VS, AS, 32, 2))
+    assert rt.plan.choices["adaln"].choice == "rows per run"
+    keys = [k for k in rt.model.state_dict() if ".adaln_proj." in k and k.startswith("blocks.")]
+    assert keys and len(reads) == len(keys) and all(reads) is (stored == torch.bfloat16), reads
+    with safe_open(str(ck), "pt") as f:
+        for k in keys:
+            got = rt.model.get_parameter(k) if k.endswith("weight") or k.endswith("bias") else None
+            want = f.get_tensor(k).to(got.dtype)
+            assert got.device.type == "cpu" and torch.equal(got, want), k
+    c = open_checkpoint(ck)
+    w = keys[0]
+    into = torch.empty(c.shape(w), dtype=torch.bfloat16)
+    assert c.read_into(w, into) is (stored == torch.bfloat16)  # a cast is the caller's, never a read
+    assert not c.read_into(w, torch.empty(c.shape(w), dtype=torch.bfloat16).t())  # not contiguous
+    assert not c.read_into("no.such.tensor", into)
