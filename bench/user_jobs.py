@@ -110,12 +110,50 @@ CHECKPOINT = {"ours": "checkpoint", "core": "core_checkpoint"}  # each stack's c
 LORA_FORM = "diffusion_model"  # ``diffusion_model.<name>.lora_A/B``: the form core's generic LoRA key map matches
 
 
-def file_names(work: Path, cfg, rank: int) -> dict:
-    """Where each stack's checkpoint and the LoRA of ``cfg`` live in the work folder."""
+def file_names(work: Path, cfg, rank: int, core_dir: Path | None = None) -> dict:
+    """Where each stack's checkpoint and the LoRA of ``cfg`` live: the work folder, core's checkpoint in
+    ``core_dir`` where given (``core_file_dir``)."""
     n = cfg.num_layers
     return {"checkpoint": str(work / f"h3_random_{n}blocks_nvfp4.safetensors"),
-            "core_checkpoint": str(work / f"h3_random_{n}blocks_core_fp8.safetensors"),
+            "core_checkpoint": str((core_dir or work) / f"h3_random_{n}blocks_core_fp8.safetensors"),
             "lora": str(work / f"turbo_rank{rank}_{n}blocks_{LORA_FORM}.safetensors")}
+
+
+def core_file_dir(choice: str, work: Path, cfg) -> tuple[Path, str]:
+    """Where core's checkpoint goes (--core-file-dir): ``auto`` = /dev/shm (host memory, tmpfs) where it has room
+    for the file and 4 GB more and the machine's available memory keeps 48 GB beside it (ours' child peaks near
+    32 GB), so both stacks' files stay between calls (ours on the disk, read from the page cache it was written
+    through); else the work folder, where one file of each does not fit a 64 GB disk together and a call replaces
+    one with the other (``make_room``). -> (folder, why)."""
+    import shutil
+
+    if choice != "auto":
+        return Path(choice), "--core-file-dir"
+    if cfg.num_layers < 10:  # the tiny model or a smoke run: nothing to gain, and tests keep to their folder
+        return work, "the work folder (a small model)"
+    from h3_blackwell.runtime.io.convert import planned_bytes
+
+    need = planned_bytes(checkpoint_plan("core", cfg))
+    shm = Path("/dev/shm")
+    have = Path(shm / "h3_user_jobs" / Path(file_names(work, cfg, 0)["core_checkpoint"]).name).is_file()
+    try:
+        free = shutil.disk_usage(shm).free
+        avail = _mem_available()
+    except OSError:
+        return work, "no /dev/shm"
+    if have or (free >= need + 4e9 and avail >= need + 48e9):
+        return shm / "h3_user_jobs", (f"/dev/shm (tmpfs): {free / 1e9:.0f} GB free, {avail / 1e9:.0f} GB of host "
+                                      f"memory available for a {need / 1e9:.1f} GB file")
+    return work, (f"the work folder: /dev/shm has {free / 1e9:.0f} GB free and the host {avail / 1e9:.0f} GB "
+                  f"available, short of a {need / 1e9:.1f} GB file with room beside it")
+
+
+def _mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("no MemAvailable in /proc/meminfo")
 
 
 def checkpoint_plan(stack: str, cfg) -> list:
@@ -175,15 +213,16 @@ def write_lora(path: Path, cfg, rank: int) -> Path:
 
 
 def make_room(path: Path, need: int, others: list[Path]) -> list[str]:
-    """Remove ``others`` (the other stack's checkpoint) where the disk under ``path`` lacks ``need`` bytes plus
-    2 GB: the device's 64 GB disk holds one full-size checkpoint of each stack, not both. -> what was removed."""
+    """Remove those of ``others`` (the other stack's checkpoint) on the same filesystem as ``path`` where it lacks
+    ``need`` bytes plus 2 GB: the device's 64 GB disk holds one full-size checkpoint of each stack, not both.
+    -> what was removed."""
     import shutil
 
     gone = []
     for o in others:
         if shutil.disk_usage(path.parent).free >= need + 2e9:
             break
-        if o.is_file():
+        if o.is_file() and o.stat().st_dev == path.parent.stat().st_dev:
             o.unlink()
             gone.append(str(o))
     return gone
@@ -590,6 +629,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", default=os.environ.get("H3_USER_JOBS_DIR", "/tmp/h3_user_jobs"))
     ap.add_argument("--lora-rank", type=int, default=J.TURBO_LORA_RANK)
     ap.add_argument("--comfyui", default=str(ROOT / ".core_peer"), help="the folder scripts/pack_core_peer.sh fills")
+    ap.add_argument("--core-file-dir", default="auto", help="where core's checkpoint goes (auto: /dev/shm where "
+                    "host memory allows, else --workdir)")
     ap.add_argument("--core-python", default="", help="the python core's child runs with (one with ComfyUI's "
                     "requirements, e.g. .comfyui/venv/bin/python here); default this one")
     ap.add_argument("--blocks", type=int, default=0, help="a device smoke run: H3's full widths with this many "
@@ -619,7 +660,8 @@ def parent(a, argv) -> int:
     old = json.loads(out.read_text()) if a.merge and out.is_file() else {}
     work = Path(a.workdir) / ("tiny" if a.tiny else "full")
     cfg = config_of(a)
-    files = {**file_names(work, cfg, lora_rank(a)), "comfyui": a.comfyui}
+    core_dir, core_dir_why = core_file_dir(a.core_file_dir, work, cfg)
+    files = {**file_names(work, cfg, lora_rank(a), core_dir), "comfyui": a.comfyui}
     stacks = sorted((s for s in ("ours", "core") if s in a.stacks.split(",")),
                     key=lambda s: not Path(files[CHECKPOINT[s]]).is_file())
     rows = {(job, cap): {"job": job, "cap_gb": cap, "definition": job_of(job, a).as_dict(),
@@ -629,7 +671,8 @@ def parent(a, argv) -> int:
     res = {"name": name, "command": bench_command(argv), "blocks": cfg.num_layers,
            "date": datetime.datetime.now().isoformat(timespec="seconds"),
            "device": old.get("device"), "versions": versions(),  # the parent never touches the GPU: rows name it
-           "files": {}, "warmup": {}, "core_stack": "in-process (bench/user_jobs.py docstring)",
+           "files": {"core_checkpoint_in": core_dir_why}, "warmup": {},
+           "core_stack": "in-process (bench/user_jobs.py docstring)",
            "rows": [r for r in old.get("rows", []) if (r["job"], r["cap_gb"]) not in rows] + list(rows.values())}
     warm_cfg = cfg if a.tiny else cfg.replace(num_layers=1)  # H3's widths, one block
     warm_files = {**file_names(work, warm_cfg, lora_rank(a)), "comfyui": a.comfyui}

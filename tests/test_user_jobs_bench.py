@@ -66,7 +66,9 @@ def test_tiny_row_runs_core_stack_from_the_vendored_comfyui(tmp_path):
     assert core["loaded_by"].startswith("comfy.sd.load_diffusion_model") and "load_models_gpu" in core["loaded_by"]
     assert core["load_seconds"] > 0 and core["sampling_seconds"] > 0 and core["compute_dtype"] == "float32"
     res = json.loads(out.read_text())
-    assert set(res["files"]) == {"ours", "core"} and all("error" not in f for f in res["files"].values())
+    assert set(res["files"]) == {"ours", "core", "core_checkpoint_in"}, res["files"]
+    assert "error" not in res["files"]["ours"] and "error" not in res["files"]["core"]
+    assert res["files"]["core_checkpoint_in"] == "the work folder (a small model)"
     assert all(res["warmup"][s]["job_seconds"] > 0 for s in ("ours", "core")), res["warmup"]
     assert rows["turbo8"]["speedup"] == core["job_seconds"] / rows["turbo8"]["ours"]["job_seconds"]
     assert "missing feature" in rows["turbo8_sparse"]["core"]["error"] and rows["turbo8_sparse"]["speedup"] is None
@@ -114,3 +116,16 @@ def test_core_stack_loads_aimdo_before_core_modules_and_keeps_the_cap_flag(tmp_p
     assert seen["reserve_vram"] == 2.5 and seen["memory_modules_imported"] == [], seen
     assert seen["load"] == "loaded" and seen["load_cpu"].startswith("off: core enables DynamicVRAM only on CUDA")
     assert seen["host_buffer_bound"], seen
+
+
+def test_make_room_removes_the_other_checkpoint_only_when_the_disk_lacks_room(tmp_path):
+    import shutil
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import user_jobs as U
+
+    ours, core = tmp_path / "ours.safetensors", tmp_path / "core.safetensors"
+    core.write_bytes(b"x" * 10)
+    assert U.make_room(ours, 1, [core]) == [] and core.is_file()  # room enough: nothing removed
+    short = shutil.disk_usage(tmp_path).free + 10 ** 12  # more than the disk has
+    assert U.make_room(ours, short, [core, tmp_path / "absent"]) == [str(core)] and not core.exists()
