@@ -62,7 +62,39 @@ _h3_comfy_build() {  # each step must succeed (set -e does not hold inside an `i
     && "$py" -m pip install -q torch==2.14.1 torchvision==0.29.1 \
     && "$py" -m pip install -q --no-deps torchaudio==2.11.1 \
     && "$py" -m pip install -q -r "$home/requirements.txt" \
-    && "$py" -c "import torch, torchvision, torchaudio, comfy_kitchen; print('torch', torch.__version__)"
+    && "$py" -c "import torch, torchvision, torchaudio, comfy_kitchen; print('torch', torch.__version__)" \
+    && _h3_comfy_share "$py"
+}
+
+# The tests' venv and ComfyUI's hold the same torch 2.14.1 + torchvision wheels (5.5 GB, PyPI's CUDA builds): each
+# file of 1 MB or more that is byte-identical, with the same mode, at the same place in both site-packages becomes
+# one hard link, so the pair costs the disk once (CI's disk ran out with three copies of torch). pip replaces files
+# (new inodes) when it changes a package, so neither venv can change the other's. A no-op across filesystems or
+# without $PY (the tests' interpreter, from _env.sh).
+_h3_comfy_share() {
+  [ -n "${PY:-}" ] || return 0
+  python3 - "$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+    "$("$1" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" <<'EOF'
+import filecmp, os, sys
+ours, comfy = sys.argv[1:3]
+saved = 0
+for root, _, files in os.walk(comfy):
+    for name in files:
+        b = os.path.join(root, name)
+        a = os.path.join(ours, os.path.relpath(b, comfy))
+        try:
+            sa, sb = os.stat(a), os.stat(b)
+        except FileNotFoundError:
+            continue
+        if sb.st_size < 1 << 20 or (sa.st_size, sa.st_mode, sa.st_dev) != (sb.st_size, sb.st_mode, sb.st_dev) \
+                or sa.st_ino == sb.st_ino or not filecmp.cmp(a, b, shallow=False):
+            continue
+        tmp = b + ".h3link"
+        os.link(a, tmp)
+        os.replace(tmp, b)
+        saved += sb.st_size
+print(f"shared {saved / 1e9:.2f} GB of identical files with {ours}")
+EOF
 }
 
 _h3_comfy_export() {
