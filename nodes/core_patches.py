@@ -296,8 +296,15 @@ def _entry_tensors(key: str, entry, lora_cls) -> dict[str, torch.Tensor]:
 
 
 def _tmp_dir() -> str:
+    """The folder of this process's LoRA files: in ComfyUI's temp folder where ComfyUI runs (main.py empties it at
+    every start and exit, so a server killed before its atexit handlers leaves nothing behind for long), else in
+    the system's; removed at exit either way."""
     if _tmp["dir"] is None:
-        _tmp["dir"] = tempfile.mkdtemp(prefix="h3b-core-loras-")
+        fp = optional_comfy_module("folder_paths")
+        base = getattr(fp, "get_temp_directory", lambda: None)()
+        if base:
+            os.makedirs(base, exist_ok=True)
+        _tmp["dir"] = tempfile.mkdtemp(prefix="h3b-core-loras-", dir=base or None)
         atexit.register(shutil.rmtree, _tmp["dir"], True)
     return _tmp["dir"]
 

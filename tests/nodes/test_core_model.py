@@ -1139,3 +1139,22 @@ def test_core_sparse_node_refusals_and_order_with_the_fun_controlnet(core, monke
         dit[("double_block", p)] = MiniMaxH3FunControlBlockPatch(fun, p, previous=dit[("double_block", p)])
     before.update(patches_replace={"dit": dit}, wrappers=after["wrappers"])
     assert cp.check_transformer_options(before) is fun and cp.core_sparse_patch(before) is patch
+
+
+def test_lora_files_go_to_comfyuis_temp_folder(tmp_path, monkeypatch):
+    """Where ComfyUI runs, the LoRA files the MODEL writes live in ComfyUI's temp folder (emptied at every start, so
+    a killed server leaves nothing for long); without ComfyUI, in the system's temp folder."""
+    import os
+    import sys
+    import tempfile
+    import types
+
+    monkeypatch.setitem(cp._tmp, "dir", None)
+    monkeypatch.delitem(sys.modules, "folder_paths", raising=False)
+    assert cp._tmp_dir().startswith(tempfile.gettempdir()) and "h3b-core-loras-" in cp._tmp_dir()
+    fp = types.ModuleType("folder_paths")
+    fp.get_temp_directory = lambda: str(tmp_path / "comfy-temp")
+    monkeypatch.setitem(sys.modules, "folder_paths", fp)
+    monkeypatch.setitem(cp._tmp, "dir", None)
+    d = cp._tmp_dir()
+    assert d.startswith(str(tmp_path / "comfy-temp")) and os.path.isdir(d)

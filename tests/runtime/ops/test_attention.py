@@ -310,9 +310,10 @@ def test_sage1_never_changes_the_callers_buffer(fake_sage1, s):
 
 def test_use_sage1_from_wheel(tmp_path, clean_sage):
     whl = tmp_path / "sageattention-1.0.6-py3-none-any.whl"
-    with zipfile.ZipFile(whl, "w") as zf:
-        zf.writestr("sageattention/__init__.py", _sage1_source())
-        zf.writestr("sageattention-1.0.6.dist-info/METADATA", "Name: sageattention\nVersion: 1.0.6\n")
+    with zipfile.ZipFile(whl, "w") as zf:  # fixed dates: the same bytes every run, so the content-keyed unpack
+        for name, text in (("sageattention/__init__.py", _sage1_source()),  # under /tmp is reused, not added to
+                           ("sageattention-1.0.6.dist-info/METADATA", "Name: sageattention\nVersion: 1.0.6\n")):
+            zf.writestr(zipfile.ZipInfo(name, date_time=(2020, 1, 1, 0, 0, 0)), text)
     assert use_sage1_from(str(whl)) == "1.0.6"
     qkv = _qkv(20, 1, 16, dtype=torch.bfloat16) + 0.5
     before = qkv.clone()
