@@ -29,15 +29,18 @@ _ROW_CHUNK = 2048  # rows merged per float64 step (bounds the temporaries whatev
 
 
 def merged_weight(w0: torch.Tensor, entries: Sequence[tuple[float, LoraUpdate]],
-                  device: torch.device | None = None) -> torch.Tensor:
+                  device: torch.device | None = None, into: torch.Tensor | None = None) -> torch.Tensor:
     """The merge contract: fp32(W0 + sum s*(alpha/r)*B@A (+ s*diff)) in float64, rounded once.
 
     w0 [N, K] or [N] any float dtype; entries: (strength, update) in stack order; device: where the
-    float64 math runs (default w0's; the result is on w0's device). Row-chunked so the float64 temporaries
-    stay ~_ROW_CHUNK rows whatever N is.
+    float64 math runs (default w0's). Row-chunked so the float64 temporaries stay ~_ROW_CHUNK rows whatever N
+    is. Returns the fp32 result on w0's device, or, with ``into`` (w0's shape, on w0's device, any float dtype;
+    w0 itself for an in-place merge: each chunk is read before it is written), that fp32 result cast to
+    ``into``'s dtype chunk by chunk where the math runs, written there and returned: the bytes of
+    ``merged_weight(w0, entries).to(into.dtype)`` without the full-size fp32 copy or its transfer.
     """
     n = w0.shape[0]
-    out = torch.empty(w0.shape, dtype=torch.float32, device=w0.device)
+    out = torch.empty(w0.shape, dtype=torch.float32, device=w0.device) if into is None else into
     dev = torch.device(device) if device is not None else w0.device
     ups = [(s, u, (u.down.to(dev, torch.float64) if u.kind == LOWRANK else None)) for s, u in entries]
     for r0 in range(0, n, _ROW_CHUNK):
@@ -52,7 +55,7 @@ def merged_weight(w0: torch.Tensor, entries: Sequence[tuple[float, LoraUpdate]],
                 acc[i0 - r0:i1 - r0] += (u.up[i0 - a:i1 - a].to(dev, torch.float64) @ down) * (s * u.unit_scale)
             else:
                 acc[i0 - r0:i1 - r0] += u.delta[i0 - a:i1 - a].to(dev, torch.float64) * s
-        out[r0:r1] = acc.to(torch.float32).to(out.device)
+        out[r0:r1] = acc.to(torch.float32).to(out.dtype).to(out.device)
     return out
 
 
@@ -188,7 +191,7 @@ def merge_from_file(src, tname: str, entries, device: torch.device, report: dict
     """Merge into a weight the model left in its checkpoint file (``runtime.io.adaln_file``): the reader applies the
     same merged weight ``merge_dense`` would write (float64 on the model's device, one rounding to the weight's dtype)
     each time it reads the weight; removal just forgets it."""
-    src.merges[tname] = lambda w: merged_weight(w, entries, device).to(w.dtype)
+    src.merges[tname] = lambda w: merged_weight(w, entries, device, into=w)
     report["merged_dense"].append(tname)
 
 
@@ -197,5 +200,5 @@ def merge_dense(st: LoraState, tname: str, p: torch.Tensor, entries, source: Sou
     """Merge into a dense tensor in place (it stays where it lives, e.g. offloaded AdaLN in pinned host
     memory); the float64 math runs on the model's device."""
     record_dense(st, tname, p, source)
-    p.data.copy_(merged_weight(p.data, entries, device).to(p.dtype))
+    merged_weight(p.data, entries, device, into=p.data)
     report["merged_dense"].append(tname)

@@ -676,3 +676,23 @@ def test_cli_generate_with_lora(files, tmp_path, capsys):
     assert "lora" in capsys.readouterr().err
     assert cli.main(["generate", "--output", str(tmp_path / "x"), "--lora", "nope.safetensors:1"]) == 2
     assert "LoRA file not found" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_merged_weight_into_equals_the_cast_of_the_fp32_merge(dtype):
+    """``merged_weight(..., into=w)`` (in place, each chunk cast where the math runs) gives the bytes of the fp32
+    merge cast to w's dtype, across row chunks and with a low-rank and a diff update on overlapping rows."""
+    from h3_blackwell.runtime.lora.key_forms import LoraUpdate
+    from h3_blackwell.runtime.lora.merge import _ROW_CHUNK, merged_weight
+
+    g = torch.Generator().manual_seed(4)
+    n, k, r = _ROW_CHUNK * 2 + 37, 48, 5
+    w0 = torch.randn(n, k, generator=g).to(dtype)
+    low = LoraUpdate("m", "lowrank", (3, n - 2), (), down=torch.randn(r, k, generator=g),
+                     up=torch.randn(n - 5, r, generator=g), alpha=2.0)
+    diff = LoraUpdate("m", "diff", (_ROW_CHUNK - 4, _ROW_CHUNK + 9), (), delta=torch.randn(13, k, generator=g))
+    entries = [(0.7, low), (-0.3, diff)]
+    want = merged_weight(w0, entries).to(dtype)
+    w = w0.clone()
+    assert merged_weight(w, entries, into=w) is w
+    assert torch.equal(w, want) and not torch.equal(w, w0)
