@@ -117,15 +117,3 @@ def test_core_stack_loads_aimdo_before_core_modules_and_keeps_the_cap_flag(tmp_p
     assert seen["load"] == "loaded" and seen["load_cpu"].startswith("off: core enables DynamicVRAM only on CUDA")
     assert seen["host_buffer_bound"], seen
 
-
-def test_make_room_removes_the_other_checkpoint_only_when_the_disk_lacks_room(tmp_path):
-    import shutil
-
-    sys.path.insert(0, str(ROOT / "bench"))
-    import user_jobs as U
-
-    ours, core = tmp_path / "ours.safetensors", tmp_path / "core.safetensors"
-    core.write_bytes(b"x" * 10)
-    assert U.make_room(ours, 1, [core]) == [] and core.is_file()  # room enough: nothing removed
-    short = shutil.disk_usage(tmp_path).free + 10 ** 12  # more than the disk has
-    assert U.make_room(ours, short, [core, tmp_path / "absent"]) == [str(core)] and not core.exists()
