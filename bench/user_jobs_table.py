@@ -26,19 +26,27 @@ def _cell(side: dict, key: str, scale: float = 1.0, fmt: str = "{:.2f}") -> str:
     return "-" if v is None else fmt.format(v / scale)
 
 
+def _load(side: dict) -> str:
+    """Seconds before sampling: the file, the LoRA and (core) load_models_gpu."""
+    parts = [side.get(k) for k in ("load_seconds", "lora_seconds", "load_models_gpu_seconds")]
+    return "error" if "error" in side else "-" if parts[0] is None else f"{sum(p or 0.0 for p in parts):.1f}"
+
+
 def table(res: dict) -> str:
     """The markdown section for one results file."""
     lines = [f"Measured {res['date'][:10]} on {res['device']} (`{res['command']}`; core: {res['core_stack']}).", "",
-             "| job | cap | ours s/step | ours job s | ours peak reserved GB | ours host RSS GB | core s/step | "
-             "core job s | speedup | core error |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| job | cap | ours s/step | ours load+LoRA s | ours job s | ours peak reserved GB | ours host RSS GB | "
+             "core s/step | core load+LoRA s | core job s | speedup | note |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         o, c = r["ours"], r["core"]
         cap = "resident" if r["cap_gb"] is None else f"{r['cap_gb']} GB"
         sp = "-" if r.get("speedup") is None else f"{r['speedup']:.2f}x"
-        err = c.get("error", "")[:80].replace("|", "/")
-        lines.append(f"| {r['job']} | {cap} | {_cell(o, 'step_seconds')} | {_cell(o, 'job_seconds', fmt='{:.1f}')} | "
-                     f"{_cell(o, 'peak_reserved_bytes', 1e9)} | {_cell(o, 'host_peak_rss_bytes', 1e9)} | "
-                     f"{_cell(c, 'step_seconds')} | {_cell(c, 'job_seconds', fmt='{:.1f}')} | {sp} | {err} |")
+        note = "; ".join(x for x in (f"card: {r['card']}" if r.get("card") else "", c.get("error", "")[:80],
+                                     o.get("error", "")[:80] and f"ours: {o['error'][:80]}") if x).replace("|", "/")
+        lines.append(f"| {r['job']} | {cap} | {_cell(o, 'step_seconds')} | {_load(o)} | "
+                     f"{_cell(o, 'job_seconds', fmt='{:.1f}')} | {_cell(o, 'peak_reserved_bytes', 1e9)} | "
+                     f"{_cell(o, 'host_peak_rss_bytes', 1e9)} | {_cell(c, 'step_seconds')} | {_load(c)} | "
+                     f"{_cell(c, 'job_seconds', fmt='{:.1f}')} | {sp} | {note} |")
     return "\n".join(lines)
 
 
