@@ -51,6 +51,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from .errors import H3Error
+from .io.adaln_file import BLOCKS_IN_FLIGHT
 from .model.config import QUANT_LINEARS, H3Config
 from .model.h3 import H3Model
 from .ops import nvfp4
@@ -232,9 +233,15 @@ class ModelMemory:
     sparse: bool = False  # the sparse backend runs attention (``attention`` is then its dense steps' backend)
     adaln_file: bool = False  # the AdaLN weights can stay in the checkpoint file (a file source, AdaLN off the device)
     refiner_bytes: int = 0  # the token refiner's weights (in other_bytes): in host memory whenever blocks stream
-    adaln_block_bytes: int = 0  # one block's AdaLN weight and bias: what a run reading them from the file holds
+    adaln_block_bytes: int = 0  # one block's AdaLN weight and bias (a run reading them from the file holds
+    #                             BLOCKS_IN_FLIGHT of them: ``adaln_read_bytes``)
     sparse_method: str = ""  # with ``sparse``: sol-attn | sla | vsa (``sparse_phases``)
     sparse_token_aug: int = 0  # with ``sparse``: the kernel's extra tokens (``SparseSettings.token_aug``)
+
+    @property
+    def adaln_read_bytes(self) -> int:
+        """Host memory a run reading the AdaLN weights from the file holds at once (``runtime.io.adaln_file``)."""
+        return self.adaln_block_bytes * BLOCKS_IN_FLIGHT
 
     @property
     def attn_rows(self) -> tuple[bool, str]:
@@ -964,7 +971,7 @@ def _check_host(p: MemoryPlan, mm: ModelMemory, host_free: int | None, host_held
     """The plan's host figure against the host memory (``host_free``: the host budget, else what is available):
     the streamed blocks (and tower) and the full-form AdaLN weights kept there. Where they do not fit and the
     AdaLN weights can stay in the checkpoint file (``ModelMemory.adaln_file``), they do: each run then reads them
-    one block at a time (``adaln_block_bytes`` in host memory at once). Raises BudgetError where the streamed
+    block by block (``ModelMemory.adaln_read_bytes`` in host memory at once). Raises BudgetError where the streamed
     weights alone do not fit."""
     need = p.host_bytes + p.tower_host_bytes - host_held_bytes
     adaln = p.adaln_host_bytes if host_held_bytes == 0 else 0  # loaded alongside, before the blocks
@@ -974,15 +981,15 @@ def _check_host(p: MemoryPlan, mm: ModelMemory, host_free: int | None, host_held
     p.host_limit_bytes = free
     if need + adaln <= free:
         return
-    if adaln and mm.adaln_file and need + mm.adaln_block_bytes <= free:
+    if adaln and mm.adaln_file and need + mm.adaln_read_bytes <= free:
         p.adaln_from_file, p.adaln_host_bytes = True, 0
         return
     tower = f" and the control tower's {p.workload.tower.blocks} blocks" if p.tower_host_bytes else ""
-    if adaln and mm.adaln_file:  # even with the AdaLN weights read from the file, one block at a time
-        raise BudgetError(f"{p.budget_text}: needs {(need + mm.adaln_block_bytes) / GB:.2f} GB of host memory (the "
-                          f"streamed weights of {len(p.streamed)} blocks{tower}, and one block's AdaLN weights read "
-                          f"from the checkpoint file), {free / GB:.2f} GB given; raise the host budget or the device "
-                          f"budget so fewer blocks stream ({unchanged})")
+    if adaln and mm.adaln_file:  # even with the AdaLN weights read from the file, block by block
+        raise BudgetError(f"{p.budget_text}: needs {(need + mm.adaln_read_bytes) / GB:.2f} GB of host memory (the "
+                          f"streamed weights of {len(p.streamed)} blocks{tower}, and {BLOCKS_IN_FLIGHT} blocks' AdaLN "
+                          f"weights read from the checkpoint file), {free / GB:.2f} GB given; raise the host budget or "
+                          f"the device budget so fewer blocks stream ({unchanged})")
     avail = free - adaln
     extra = f" after the {gb(adaln)} of AdaLN weights kept there" if adaln else ""
     raise BudgetError(f"{p.budget_text}: needs {need / GB:.1f} GB of host memory for the streamed weights "
@@ -1005,7 +1012,7 @@ def plan_memory(plan, workload: Workload | None = None, dev: DeviceMemory | None
     if mp.adaln_from_file:
         plan.choices["adaln"] = Choice(ADALN_FROM_FILE, (
             f"modulation rows precomputed per run from the AdaLN weights read block by block from the checkpoint "
-            f"file ({gb(mm.adaln_block_bytes)} in host memory at a time): the {gb(mm.adaln_host_bytes)} of them do "
+            f"file ({gb(mm.adaln_read_bytes)} in host memory at a time): the {gb(mm.adaln_host_bytes)} of them do "
             f"not fit beside the streamed blocks in {gb(mp.host_limit_bytes)} of host memory"))
     return mp
 

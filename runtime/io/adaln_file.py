@@ -3,9 +3,10 @@
 The 50 blocks' ``adaln_proj.linear`` weights of a full-form H3 are 26 GB in bf16: more than a 32 GB machine can
 keep beside the streamed blocks. When the plan's host figure does not fit (``runtime.budget._check_host``), the
 load leaves them in the file (the modules keep meta tensors) and each sampling run computes its modulation rows
-(``H3Model._block_mods``) from the weights read here one block at a time: a plain read into a buffer of the
-tensor's size (``Checkpoint.tensor``: no mmap, nothing kept), converted to the model's AdaLN dtype exactly as the
-load converts it into host memory, checked finite and moved to the device. A LoRA merged into an AdaLN weight
+(``H3Model._block_mods``) from the weights read here block by block, the next block read ahead in a worker thread
+(``BLOCKS_IN_FLIGHT`` in host memory at once): a plain read into a buffer of the tensor's size
+(``Checkpoint.tensor``: no mmap, nothing kept), converted to the model's AdaLN dtype exactly as the load converts it
+into host memory, checked finite and moved to the device. A LoRA merged into an AdaLN weight
 (merge mode) is applied on each read by the function the LoRA code registers (``merges``): the same merged weight
 the in-memory path would hold, with nothing kept between runs.
 """
@@ -13,6 +14,7 @@ the in-memory path would hold, with nothing kept between runs.
 from __future__ import annotations
 
 import re
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 import torch
@@ -20,6 +22,7 @@ import torch
 from .finite import check_finite
 
 ADALN_KEY = re.compile(r"^blocks\.\d+\.adaln_proj\.linear\.(weight|bias)$")
+BLOCKS_IN_FLIGHT = 2  # blocks a run holds in host memory at once: the one in use and the next being read
 
 
 class AdalnFromFile:
@@ -33,6 +36,8 @@ class AdalnFromFile:
                        for j, b in enumerate(model.blocks)}
         self.merges: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
         self.reads = 0  # tensors read (a test counts them)
+        self._pool: ThreadPoolExecutor | None = None  # the read-ahead worker, made at the first read
+        self._ahead: dict[int, Future] = {}  # block -> its host tensors being read
 
     def names(self, j: int) -> tuple[str, str]:
         return f"blocks.{j}.adaln_proj.linear.weight", f"blocks.{j}.adaln_proj.linear.bias"
@@ -41,12 +46,26 @@ class AdalnFromFile:
         """Whether ``name`` (a block AdaLN weight or bias) is read from the file rather than held by the model."""
         return ADALN_KEY.match(name) is not None
 
+    def _host(self, j: int) -> list[torch.Tensor]:
+        """Block j's AdaLN weight and bias read from the file into host memory at the model's AdaLN dtypes, checked
+        finite (the exception names the tensor)."""
+        return [check_finite(name, self.checkpoint.tensor(name, "cpu").to(dtype))
+                for name, dtype in zip(self.names(j), self.dtypes[j])]
+
     def read(self, j: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """Block j's AdaLN (weight [6*3*hidden, t_dim], bias) on ``device`` at the model's AdaLN dtypes, merged LoRA
-        updates applied."""
+        updates applied. While block j is moved and used, block j + 1 is read in a worker thread (the file read,
+        the run's largest cost at this step, overlaps the copy to the device and the rows' GEMMs): host memory
+        holds ``BLOCKS_IN_FLIGHT`` blocks at most. The bytes are the same as reading block j here."""
+        ahead = self._ahead.pop(j, None)
+        host = ahead.result() if ahead is not None else self._host(j)
+        if j + 1 < len(self.dtypes) and j + 1 not in self._ahead:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="h3-adaln-read")
+            self._ahead[j + 1] = self._pool.submit(self._host, j + 1)
         out = []
-        for name, dtype in zip(self.names(j), self.dtypes[j]):
-            t = check_finite(name, self.checkpoint.tensor(name, "cpu").to(dtype).to(device))
+        for name, t in zip(self.names(j), host):
+            t = t.to(device)
             fn = self.merges.get(name)
             out.append(t if fn is None else fn(t))
             self.reads += 1

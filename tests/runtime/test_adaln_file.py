@@ -74,7 +74,7 @@ def test_a_32gb_machine_with_an_8gb_card_at_full_shapes():
     assert "AdaLN read from the checkpoint file" in small.choice().reason
     big = decide(mm, _clip10s(), H100, int(7.5e9), host_free=128 * 10 ** 9)
     assert not big.adaln_from_file and big.host_bytes_planned > 35e9
-    with pytest.raises(BudgetError, match="one block's AdaLN weights read from the checkpoint file"):
+    with pytest.raises(BudgetError, match="2 blocks' AdaLN weights read from the checkpoint file"):
         decide(mm, _clip10s(), H100, int(7.5e9), host_free=8 * 10 ** 9)  # the streamed blocks alone need 10.8 GB
     no_file = replace(mm, adaln_file=False)  # an in-memory source cannot leave AdaLN anywhere
     with pytest.raises(BudgetError, match="AdaLN weights kept there"):
@@ -163,3 +163,29 @@ def test_adaln_kept_in_host_memory_equals_the_file(tmp_path, stored, monkeypatch
     assert c.read_into(w, into) is (stored == torch.bfloat16)  # a cast is the caller's, never a read
     assert not c.read_into(w, torch.empty(c.shape(w), dtype=torch.bfloat16).t())  # not contiguous
     assert not c.read_into("no.such.tensor", into)
+
+
+def test_the_read_ahead_gives_the_files_bytes_and_names_a_bad_block(tmp_path):
+    """Block j + 1 is read in a worker thread while block j is used: reading the blocks in order gives the file's
+    tensors; a NaN in a block read ahead is raised by the read of that block, naming its tensor."""
+    from safetensors.torch import load_file, save_file
+
+    from h3_blackwell.runtime.errors import CheckpointError
+
+    ck = save_tiny(tmp_path / "t.safetensors", seed=9)
+    rt = _load(ck, "0.001")
+    src = rt.model.adaln_source
+    want = load_file(str(ck))
+    for j in range(rt.config.num_layers):
+        w, b = src.read(j, "cpu")
+        assert set(src._ahead) == ({j + 1} if j + 1 < rt.config.num_layers else set())
+        assert torch.equal(w, want[f"blocks.{j}.adaln_proj.linear.weight"].to(w.dtype))
+        assert torch.equal(b, want[f"blocks.{j}.adaln_proj.linear.bias"].to(b.dtype))
+    bad = dict(want)
+    bad["blocks.1.adaln_proj.linear.weight"] = bad["blocks.1.adaln_proj.linear.weight"].clone()
+    bad["blocks.1.adaln_proj.linear.weight"][3, 2] = float("nan")
+    save_file(bad, str(tmp_path / "bad.safetensors"), metadata={"format": "pt"})
+    rt = _load(tmp_path / "bad.safetensors", "0.001")
+    rt.model.adaln_source.read(0, "cpu")  # block 1 is being read now
+    with pytest.raises(CheckpointError, match="blocks.1.adaln_proj.linear.weight"):
+        rt.model.adaln_source.read(1, "cpu")
