@@ -133,27 +133,21 @@ def core_file_dir(choice: str, work: Path, cfg) -> tuple[Path, str]:
         return work, "the work folder (a small model)"
     from h3_blackwell.runtime.io.convert import planned_bytes
 
+    from h3_blackwell.runtime.sampling.request import host_available_bytes
+
     need = planned_bytes(checkpoint_plan("core", cfg))
-    shm = Path("/dev/shm")
-    have = Path(shm / "h3_user_jobs" / Path(file_names(work, cfg, 0)["core_checkpoint"]).name).is_file()
+    shm = Path("/dev/shm") / "h3_user_jobs"
     try:
-        free = shutil.disk_usage(shm).free
-        avail = _mem_available()
+        free = shutil.disk_usage(shm.parent).free
     except OSError:
         return work, "no /dev/shm"
-    if have or (free >= need + 4e9 and avail >= need + 48e9):
-        return shm / "h3_user_jobs", (f"/dev/shm (tmpfs): {free / 1e9:.0f} GB free, {avail / 1e9:.0f} GB of host "
-                                      f"memory available for a {need / 1e9:.1f} GB file")
+    avail = host_available_bytes()
+    if Path(file_names(work, cfg, 0, shm)["core_checkpoint"]).is_file() or \
+            (free >= need + 4e9 and avail >= need + 48e9):
+        return shm, (f"/dev/shm (tmpfs): {free / 1e9:.0f} GB free, {avail / 1e9:.0f} GB of host memory available "
+                     f"for a {need / 1e9:.1f} GB file")
     return work, (f"the work folder: /dev/shm has {free / 1e9:.0f} GB free and the host {avail / 1e9:.0f} GB "
                   f"available, short of a {need / 1e9:.1f} GB file with room beside it")
-
-
-def _mem_available() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise OSError("no MemAvailable in /proc/meminfo")
 
 
 def checkpoint_plan(stack: str, cfg) -> list:
@@ -162,9 +156,12 @@ def checkpoint_plan(stack: str, cfg) -> list:
     from h3_blackwell.runtime.io.convert import plan_output
 
     src = RandomSource(cfg, 0, torch.bfloat16)
-    if stack == "core":
-        return C.fp8_file_plan(src)
-    return plan_output({k: (src.shape(k), TORCH_TO_ST[src.dtype(k)]) for k in src.keys()})
+    return C.fp8_file_plan(src) if stack == "core" else plan_output(_shapes(src))
+
+
+def _shapes(src) -> dict:
+    """{name: (shape, safetensors dtype)} of a RandomSource, in its order: what the NVFP4 writer plans from."""
+    return {k: (src.shape(k), TORCH_TO_ST[src.dtype(k)]) for k in src.keys()}
 
 
 def write_checkpoint(path: Path, cfg, device: str) -> Path:
@@ -175,10 +172,9 @@ def write_checkpoint(path: Path, cfg, device: str) -> Path:
     if path.is_file():
         return path
     src = RandomSource(cfg, 0, torch.bfloat16)
-    shapes = {k: (src.shape(k), TORCH_TO_ST[src.dtype(k)]) for k in src.keys()}
     stream = ((k, src.tensor(k, device).to("cpu")) for k in src.keys())
     path.parent.mkdir(parents=True, exist_ok=True)
-    quantize_state_dict_streaming(stream, path, device, shapes=shapes, metadata={})
+    quantize_state_dict_streaming(stream, path, device, shapes=_shapes(src), metadata={})
     return path
 
 

@@ -29,7 +29,7 @@ from ..model.config import H3Config
 from .detect import config_from_shapes
 from ..model.h3 import H3Model
 from .comfy_quant import from_comfy_quant, parse_comfy_quant_marker, parse_quantization_metadata
-from .header import ST_DTYPES, Header, read_header, read_tensor
+from .header import Header, fits_into, read_header, read_tensor
 from .keys import QKV_PART, deinterleave_qkv, detect_scheme, diffusers_to_comfy_name, strip_prefix
 
 # ---------------------------------------------------------------------------------------------
@@ -138,27 +138,32 @@ class Checkpoint:
         srcs = self._sources[name]
         parts = [_read_raw(s) for s in srcs]
         t = torch.cat(parts) if len(parts) > 1 else parts[0]
-        if name.endswith("attn.qkv_proj.weight") and self.scheme == "raw" and t.dtype.is_floating_point:
+        relaid = self._relaid(name, t.dtype)
+        if relaid == "qkv":
             block = self.config
             t = deinterleave_qkv(t, block.num_heads, block.head_dim)
-        if self.scheme == "diffusers" and name.endswith("mlp.fc1.weight"):
+        elif relaid == "fc1":
             up, gate = t.chunk(2, dim=0)
             t = torch.cat([gate, up])
         return t.to(device)
+
+    def _relaid(self, name: str, dtype: torch.dtype) -> str | None:
+        """The layout change ``tensor`` makes on the way to ComfyUI layout: "qkv" (a raw file's interleaved QKV of
+        a float dtype), "fc1" (diffusers' [up; gate]), or None."""
+        if name.endswith("attn.qkv_proj.weight") and self.scheme == "raw" and dtype.is_floating_point:
+            return "qkv"
+        if self.scheme == "diffusers" and name.endswith("mlp.fc1.weight"):
+            return "fc1"
+        return None
 
     def read_into(self, name: str, out: torch.Tensor) -> bool:
         """Read tensor ``name`` straight into ``out`` (a contiguous CPU tensor, e.g. pinned host memory) where it
         is stored whole at ``out``'s dtype and shape in one file and needs no layout change. -> False (nothing
         read) otherwise: the caller copies ``tensor(name)`` in."""
         srcs = self._sources.get(name)
-        if not srcs or len(srcs) != 1 or out.device.type != "cpu" or not out.is_contiguous():
+        if not srcs or len(srcs) != 1 or self._relaid(name, out.dtype) is not None or \
+                not fits_into(srcs[0].header.tensors[srcs[0].key], out):
             return False
-        info = srcs[0].header.tensors[srcs[0].key]
-        if ST_DTYPES.get(info.dtype) != out.dtype or tuple(info.shape) != tuple(out.shape):
-            return False
-        if name.endswith("attn.qkv_proj.weight") and self.scheme == "raw" or \
-                self.scheme == "diffusers" and name.endswith("mlp.fc1.weight"):
-            return False  # a layout change on the way (``tensor``)
         read_tensor(srcs[0].header, srcs[0].key, out)
         return True
 

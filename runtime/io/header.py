@@ -147,6 +147,13 @@ def _check_disjoint(path: Path, tensors: dict[str, TensorInfo]) -> None:
                                   "the file is corrupt: re-download or re-export it")
 
 
+def fits_into(info: TensorInfo, out: torch.Tensor) -> bool:
+    """Whether a tensor stored as ``info`` can be read straight into ``out``: a contiguous CPU tensor of the stored
+    dtype and shape."""
+    return (ST_DTYPES.get(info.dtype) == out.dtype and tuple(out.shape) == tuple(info.shape)
+            and out.device.type == "cpu" and out.is_contiguous())
+
+
 def read_tensor(header: Header, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
     """Tensor ``name`` of a checked header, read with a plain read into a buffer of exactly its size (CPU, its
     stored dtype), or straight into ``out`` (a contiguous CPU tensor of the stored dtype and shape, e.g. pinned
@@ -158,8 +165,7 @@ def read_tensor(header: Header, name: str, out: torch.Tensor | None = None) -> t
                               f"read (supported: {', '.join(ST_DTYPES)})")
     dt = ST_DTYPES[info.dtype]
     n = info.offsets[1] - info.offsets[0]
-    if out is not None and (out.dtype != dt or tuple(out.shape) != tuple(info.shape) or out.device.type != "cpu"
-                            or not out.is_contiguous()):
+    if out is not None and not fits_into(info, out):
         raise ValueError(f"{name!r} is stored as {info.dtype} {list(info.shape)}; cannot read it into a "
                          f"{'' if out.is_contiguous() else 'non-contiguous '}{out.dtype} {list(out.shape)} tensor on "
                          f"{out.device}")
