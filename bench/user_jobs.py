@@ -231,7 +231,8 @@ def make_room(path: Path, need: int, others: list[Path]) -> list[str]:
 def apply_cap(cap_gb: int | None, device: torch.device) -> None:
     if cap_gb is not None and device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gb * 1e9 / total), device)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gb * 1e9 / total),
+                                                  torch.cuda.current_device() if device.index is None else device.index)
 
 
 def inputs_for(job: J.Job, cfg) -> SampleInputs:
@@ -330,7 +331,7 @@ def run_ours(job: J.Job, cap_gb: int | None, files: dict, tiny: bool) -> dict:
                        ("budget", "streamed_blocks", "ffn_chunk_rows", "attn_chunk_rows", "host_bytes_planned",
                         "adaln_from_file", "host_limit_bytes", "refiner_on_host", "copy_exposed_ms_per_step",
                         "estimate")},
-            "memory_choice": rep["backends"].get("memory"),
+            "memory_choice": rep["backends"].get("memory"), "adaln": rep["backends"].get("adaln"),
             "attention": rep["backends"].get("attention"), "device": rep["device"]}
 
 

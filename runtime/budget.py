@@ -60,7 +60,7 @@ from .ops.rows_kv import Bf16KV
 from .ops.sage_kv import SageKV
 from .ops.sparse_methods import BLOCK, PRODUCER_CHUNK, VSA_CUBE
 from .options import vram_budget_bytes
-from .plan import ADALN_FROM_FILE, Choice
+from .plan import ADALN_FROM_FILE, ADALN_ON_DEVICE, Choice
 from .sampling.request import RequestError, host_available_bytes, latent_rows, resolve_request
 
 GB = 1e9
@@ -317,6 +317,11 @@ class ModelMemory:
         return replace(mm, sparse=sparse is not None, sparse_method=sparse.method if sparse else "",
                        sparse_token_aug=sparse.token_aug if sparse else 0,
                        adaln_host_bytes=0 if plan.adaln_from_file else mm.adaln_host_bytes)
+
+    def with_adaln_on_device(self) -> "ModelMemory":
+        """The same model with its full-form AdaLN weights held on the device (counted in ``other_bytes``)."""
+        return replace(self, other_bytes=self.other_bytes + self.adaln_host_bytes, adaln_host_bytes=0,
+                       adaln_on_host=False, adaln_file=False, adaln_block_bytes=0)
 
     def with_source(self, source) -> "ModelMemory":
         """The same, knowing where the weights come from: a checkpoint file (its ``headers``) can keep the AdaLN
@@ -1007,6 +1012,13 @@ def plan_memory(plan, workload: Workload | None = None, dev: DeviceMemory | None
     if host_free is None:
         host_free = host_budget_bytes(plan.host_budget)
     mp = decide(mm, wl, dev, parse_vram_budget(plan.vram_budget), host_free)
+    on_device = adaln_on_device(mm, wl, dev, parse_vram_budget(plan.vram_budget), host_free, mp)
+    if on_device is not None:
+        mp = on_device
+        plan.choices["adaln"] = Choice(ADALN_ON_DEVICE, (
+            f"the {gb(mm.adaln_host_bytes)} of full-form AdaLN weights fit on the device beside every block, "
+            f"unchunked ({mp.budget_text}): held there, so the load pins no host copy and a run copies none; a later "
+            "run that needs the room moves them to pinned host memory (H3Runtime.fit_memory)"))
     plan.memory = mp
     plan.choices["memory"] = mp.choice()
     if mp.adaln_from_file:
@@ -1017,12 +1029,31 @@ def plan_memory(plan, workload: Workload | None = None, dev: DeviceMemory | None
     return mp
 
 
+def adaln_on_device(mm: ModelMemory, wl: Workload, dev: DeviceMemory, requested: int | None,
+                    host_free: int | None, host_plan: MemoryPlan | None = None, held: Held = Held(),
+                    outside: Sequence[Outside] = ()) -> MemoryPlan | None:
+    """The plan with the full-form AdaLN weights on the device, where the model keeps them off it (``mm``: AdaLN in
+    host memory, rows per run) and the budget holds them there beside every block with nothing streamed or
+    chunked; else None. ``host_plan``: the decision with AdaLN off the device, when known (nothing to gain where it
+    already streams or chunks, since AdaLN on the device would stream more). A discrete CUDA device only: the
+    CPU's and an integrated GPU's device memory is host memory."""
+    if not mm.adaln_on_host or not mm.adaln_host_bytes or dev.kind != "cuda" or dev.integrated:
+        return None
+    if host_plan is not None and (host_plan.streamed or host_plan.ffn_chunk_rows or host_plan.attn_chunk_rows):
+        return None
+    try:
+        p = decide(mm.with_adaln_on_device(), wl, dev, requested, host_free, held, outside)
+    except BudgetError:
+        return None
+    return None if p.streamed or p.ffn_chunk_rows or p.attn_chunk_rows else p
+
+
 def host_budget_bytes(text) -> int | None:
     """The host memory a load plans within: the ``host_budget`` option's text (GB) where given, else None (what is
     available)."""
     return parse_vram_budget(text, "host_budget")
 
 
-__all__ = ["BudgetError", "DeviceMemory", "Estimate", "Held", "MemoryAsk", "MemoryPlan", "ModelMemory", "TowerSize",
+__all__ = ["BudgetError", "DeviceMemory", "adaln_on_device", "Estimate", "Held", "MemoryAsk", "MemoryPlan", "ModelMemory", "TowerSize",
            "Workload", "check_request", "chunkings", "decide", "estimate", "parse_vram_budget",
            "plan_memory", "smallest_budget", "tower_block_bytes", "tower_bytes"]

@@ -11,9 +11,8 @@
 Every choice comes from the plan (its choices and settings, never its options): each block linear is built with
 ``plan.linear_choices()`` (the GEMM bound in the layer), the producers' tiles are the plan's ``tiles``.
 
-The streaming load, 
-For every tensor, in the model's order: read it (plain reads, never mmap, never unpickle), check it is finite,
-then
+The streaming load. For every tensor, in the model's order: read it (plain reads, never mmap, never unpickle),
+check it is finite, then
 
 - a block linear (``blocks.N.{attn.qkv_proj, attn.out_proj, mlp.fc1, mlp.fc2}``) with ``quantize`` on: its
   stored NVFP4 tensors are adopted as they are, or its dense weight (dequantized when stored as fp8/int8)
@@ -21,6 +20,17 @@ then
   ``quantize`` uses); the dense copy is dropped before the next tensor is read;
 - a full-form AdaLN projection when the plan keeps AdaLN rows per run: straight into pinned host memory;
 - anything else: onto the device at the parameter's dtype.
+
+Read-ahead (a Checkpoint source; the embedded tiny model is read in place): the pass first lists every source
+tensor it will read, in order, and a ``runtime.io.prefetch.ReadAhead`` reads them on worker threads
+(``READ_AHEAD_THREADS``) while this thread moves, checks and quantizes the current one. The worker runs the same
+``Checkpoint.tensor`` (shards concatenated, layouts changed), into pageable host memory that this thread copies to
+the device with a plain ``.to``; a full-form AdaLN projection's pinned buffer is allocated and read into on the
+worker, so pinning runs in parallel too. Reads ahead of this thread hold at most ``READ_AHEAD_BYTES`` of host
+memory and at most an eighth of the host memory available when the load starts (one read always runs, whatever
+its size), beside the tensor in hand. The device sees one tensor at a time, as without it; the results, the
+order in which the model's entries are set, the progress callbacks and the errors are the same: a read's error
+is raised when the loop reaches that tensor.
 
 Peak device memory during a load is therefore the resident result plus about one source tensor (and the
 quantizer's temporaries for it). Errors name the tensor: missing keys, wrong shapes, non-finite values.
@@ -30,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
@@ -38,14 +49,19 @@ import torch
 import torch.nn as nn
 
 from .budget import (DeviceMemory, Held, MemoryAsk, MemoryPlan, ModelMemory, Outside, TowerSize, Workload,
-                     check_request, decide, host_budget_bytes, parse_vram_budget, plan_memory)
+                     adaln_on_device, check_request, decide, gb, host_budget_bytes, parse_vram_budget,
+                     plan_memory, BudgetError)
 from .errors import CheckpointError
 from .io.adaln_file import ADALN_KEY, AdalnFromFile
-from .io.checkpoint import dequantize_layer
+from .io import prefetch
+from .io.checkpoint import Checkpoint, dequantize_layer, dequantize_reads
 from .io.comfy_quant import from_comfy_quant_tensors
+from .io.header import ST_DTYPES
 from .io.finite import check_finite
+from .io.prefetch import ReadAhead
 from .io.verify import check_names_and_shapes, quant_layers
 from .lora.merge import side_device_bytes
+from .lora.source import checkpoint_stamp
 from .model.config import QUANT_LINEARS, H3Config
 from .model.h3 import H3Model
 from .model.tiny import tiny_state_dict
@@ -61,7 +77,7 @@ from .ops.sparse_attention import SparseStepAttention
 from .ops.stream_ops import StreamOps
 from .ops.streaming import BlockStreamer, module_device_bytes
 from .options import RuntimeOptions
-from .plan import LoadPlan, make_plan
+from .plan import ADALN_ON_DEVICE, Choice, LoadPlan, make_plan
 from .sampling.request import host_available_bytes
 
 log = logging.getLogger("h3_blackwell")
@@ -117,7 +133,8 @@ def _nvfp4_linear(layer: str, weight: torch.Tensor | None, shape: tuple[int, int
 
 
 class _Loader:
-    """One streaming pass (module docstring)."""
+    """One streaming pass (module docstring). Its reads come from a ``ReadAhead`` where the source is a Checkpoint
+    (``_reading``), else straight from the source; ``tensor`` is the reader interface ``dequantize_layer`` takes."""
 
     def __init__(self, model, src, plan, progress: Progress | None, adopt=None):
         self.model, self.src, self.plan, self.progress = model, src, plan, progress
@@ -129,50 +146,134 @@ class _Loader:
         self.linear_kw = dict(plan.linear_choices(), scratch=plan.scratch)
         self.stored = set(plan.stored_nvfp4)
         self.have = set(src.keys())
+        self.formats: dict[str, dict] = {}  # a quantized layer's comfy_quant descriptor, read once
+        self.host_like: dict[str, torch.Tensor] = {}  # the entries read into host memory: their meta parameters
+        self.ahead: ReadAhead | None = None
 
-    def _dense(self, layer: str) -> torch.Tensor:
-        """A block linear's weight at the compute dtype on the device (dequantized when stored quantized)."""
+    # -- what each entry reads -------------------------------------------------------------------
+    def _format(self, layer: str) -> dict:
+        if layer not in self.formats:
+            self.formats[layer] = self.src.quant_format(layer) or {"format": "int8_tensorwise"}
+        return self.formats[layer]
+
+    def _weight_reads(self, layer: str) -> list[str]:
+        return dequantize_reads(layer, self._format(layer)) if layer in self.quant else [layer + ".weight"]
+
+    def _step(self, k: str) -> tuple[str, list[str]]:
+        """What the load does with model entry ``k`` -> (step, the source tensors it reads, in its order): "stored"
+        (a block linear adopted from its stored NVFP4 parts), "linear" (a block linear quantized from its weight),
+        "file" (left in the checkpoint file: each run reads it, ``runtime.io.adaln_file``), "host" (into pinned host
+        memory), "tensor" (onto the device), "none" (the source has no tensor for it)."""
+        layer = k[:-7] if k.endswith(".weight") else None
+        if self.plan.quantize and layer is not None and QUANT_LINEARS.match(layer):
+            if layer in self.stored:
+                return "stored", [x for x in self.src.keys()
+                                  if x.startswith(layer + ".") and x.count(".") == layer.count(".") + 1]
+            return "linear", self._weight_reads(layer)
+        if self.plan.adaln_from_file and ADALN_KEY.match(k):
+            return "file", []
+        if self.plan.adaln_on_host and k.startswith("blocks.") and ".adaln_proj." in k:
+            return "host", [k]
+        if layer is not None and layer in self.quant:
+            return "tensor", self._weight_reads(layer)
+        return ("tensor", [k]) if k in self.have or k == "rope.inv_freq" else ("none", [])
+
+    # -- reads -----------------------------------------------------------------------------------
+    def tensor(self, name: str, device="cpu") -> torch.Tensor:
+        """Source tensor ``name`` on ``device`` at its stored dtype: the read-ahead's next read (copied to the device
+        asynchronously from pinned memory, ``_read``), or read now where none runs."""
+        if self.ahead is None:
+            return self.src.tensor(name, device)
+        t = self.ahead.get(name)
+        return t.to(device, non_blocking=t.is_pinned())
+
+    def _read(self, name: str) -> torch.Tensor:
+        """One read on a read-ahead thread: into new pinned host memory for a "host" entry, and for a tensor bound
+        for a CUDA device (its copy then runs asynchronously, and torch's pinned-memory cache hands the buffer to
+        a later read once the copy is done), else ``src.tensor``."""
+        like = self.host_like.get(name)
+        if like is not None:
+            return self._read_host(name, like)
+        if self.device.type != "cuda":
+            return self.src.tensor(name, "cpu")
+        dt = ST_DTYPES.get(self.src.dtype_name(name))
+        if dt is not None:
+            host = torch.empty(self.src.shape(name), dtype=dt, pin_memory=True)
+            if self.src.read_into(name, host):
+                return host
+        return self.src.tensor(name, "cpu").pin_memory()  # shards or a layout change: pinned as read
+
+    def _read_host(self, k: str, like: torch.Tensor) -> torch.Tensor:
+        """Tensor ``k`` in new host memory of ``like``'s shape and dtype (pinned where CUDA is available): read
+        straight there where the file holds it at that dtype (``Checkpoint.read_into``), else read and copied in (a
+        cast, a layout change, a source without files)."""
+        host = torch.empty(tuple(like.shape), dtype=like.dtype, pin_memory=torch.cuda.is_available())
+        read_into = getattr(self.src, "read_into", None)
+        if read_into is None or not read_into(k, host):
+            host.copy_(self.src.tensor(k, "cpu"))
+        return host
+
+    def _nbytes(self, name: str) -> int:
+        like = self.host_like.get(name)
+        if like is not None:
+            return like.numel() * like.element_size()
+        try:
+            return self.src.nbytes(name)
+        except CheckpointError:
+            return 0  # not in the file: its read raises that error when the loop asks for it
+
+    @contextmanager
+    def _reading(self, reads: list[str]):
+        """Within: ``tensor`` and ``_to_host`` take ``reads`` (every read of the pass, in order) from a ReadAhead
+        over a Checkpoint, bounded by ``READ_AHEAD_BYTES`` and an eighth of the host memory available now. The
+        in-memory tiny model (StateDictSource) is read in place."""
+        if not isinstance(self.src, Checkpoint) or prefetch.READ_AHEAD_THREADS < 1:
+            yield
+            return
+        cap = min(prefetch.READ_AHEAD_BYTES, host_available_bytes() // 8)
+        with ReadAhead(reads, self._read, self._nbytes, cap, prefetch.READ_AHEAD_THREADS) as self.ahead:
+            try:
+                yield
+            finally:
+                self.ahead = None
+                if self.device.type == "cuda":  # the staging buffers' copies are done: give their pages back
+                    torch.cuda.synchronize(self.device)
+                    torch._C._host_emptyCache()
+
+    # -- the steps -------------------------------------------------------------------------------
+    def _weight(self, layer: str) -> torch.Tensor:
+        """A layer's weight on the device at its stored dtype, dequantized to fp32 where stored quantized; finite."""
         if layer in self.quant:
-            fmt = self.src.quant_format(layer) or {"format": "int8_tensorwise"}
-            w = dequantize_layer(self.src, layer, fmt, self.device)
+            w = dequantize_layer(self, layer, self._format(layer), self.device)
         else:
-            w = self.src.tensor(layer + ".weight", self.device)
-        check_finite(layer + ".weight", w)
-        return w.to(self.dtype)
+            w = self.tensor(layer + ".weight", self.device)
+        return check_finite(layer + ".weight", w)
 
-    def _linear(self, layer: str, shape: tuple) -> None:
-        if layer in self.stored:
-            names = [x for x in self.src.keys() if x.startswith(layer + ".") and x.count(".") == layer.count(".") + 1]
-            tensors = {x: self.src.tensor(x, self.device) for x in names}
+    def _linear(self, layer: str, shape: tuple, parts: list[str] | None) -> None:
+        """A block linear from its stored NVFP4 ``parts``, or (None) quantized from its weight at the compute dtype;
+        the dense copy is dropped before the next tensor is read."""
+        if parts is not None:
+            tensors = {x: self.tensor(x, self.device) for x in parts}
             for x, t in tensors.items():
                 check_finite(x, t)
             lin = _nvfp4_linear(layer, None, shape, stored=tensors, kw=self.linear_kw, metadata=self.src.metadata)
         else:
-            w = self._dense(layer)
+            w = self._weight(layer).to(self.dtype)
             lin = _nvfp4_linear(layer, w, shape, stored=None, kw=self.linear_kw)
             del w
         _set(self.model, layer, lin)
 
     def _to_host(self, k: str, p) -> None:
-        """Into pinned host memory: read straight there where the file holds it at the parameter's dtype
-        (``Checkpoint.read_into``), else read and copied in (a cast, a layout change, a source without files)."""
-        host = torch.empty(tuple(p.shape), dtype=p.dtype, pin_memory=torch.cuda.is_available())
-        read_into = getattr(self.src, "read_into", None)
-        if read_into is None or not read_into(k, host):
-            host.copy_(self.src.tensor(k, "cpu"))
+        """Into pinned host memory (``_read_host``; on a read-ahead thread where one runs, so pinning runs in
+        parallel too)."""
+        host = self.ahead.get(k) if self.ahead is not None else self._read_host(k, p)
         check_finite(k, host)
         _set(self.model, k, host)
 
     def _tensor(self, k: str, p) -> None:
         layer = k[:-7] if k.endswith(".weight") else None
-        if layer is not None and layer in self.quant:
-            t = dequantize_layer(self.src, layer, self.src.quant_format(layer) or {"format": "int8_tensorwise"},
-                                 self.device)
-        elif k in self.have or k == "rope.inv_freq":
-            t = self.src.tensor(k, self.device)
-        else:
-            return
-        check_finite(k, t)
+        t = self._weight(layer) if layer is not None and layer in self.quant else check_finite(
+            k, self.tensor(k, self.device))
         _set(self.model, k, t.to(device=self.device, dtype=p.dtype))
 
     def run(self) -> None:
@@ -180,25 +281,24 @@ class _Loader:
         label = getattr(self.src, "name", None) or self.src.headers[0].path.name
         if not getattr(self.src, "verified", False):  # a checkpoint checked before the load is not checked again
             check_names_and_shapes(want, self.src, self.quant, label, self.plan.config.num_layers)
-        keys = list(want)
-        adaln_host, adaln_file = self.plan.adaln_on_host, self.plan.adaln_from_file
-        for i, k in enumerate(keys):
-            if self.progress:
-                self.progress(i, len(keys), k)
-            p = want[k]
-            layer = k[:-7] if k.endswith(".weight") else None
-            if self.plan.quantize and layer is not None and QUANT_LINEARS.match(layer):
-                self._linear(layer, tuple(p.shape))
-            elif adaln_file and ADALN_KEY.match(k):
-                continue  # left in the checkpoint file: each run reads it (runtime.io.adaln_file)
-            elif adaln_host and k.startswith("blocks.") and ".adaln_proj." in k:
-                self._to_host(k, p)
-            else:
-                self._tensor(k, p)
-            if self.adopt is not None and layer is not None and QUANT_LINEARS.match(layer):
-                self.adopt(layer, self.model.get_submodule(layer))
+        steps = [(k, *self._step(k)) for k in want]
+        self.host_like = {k: want[k] for k, step, _ in steps if step == "host"}
+        with self._reading([x for _, _, reads in steps for x in reads]):
+            for i, (k, step, reads) in enumerate(steps):
+                if self.progress:
+                    self.progress(i, len(steps), k)
+                p = want[k]
+                layer = k[:-7] if k.endswith(".weight") else None
+                if step in ("stored", "linear"):
+                    self._linear(layer, tuple(p.shape), reads if step == "stored" else None)
+                elif step == "host":
+                    self._to_host(k, p)
+                elif step == "tensor":
+                    self._tensor(k, p)
+                if self.adopt is not None and layer is not None and QUANT_LINEARS.match(layer):
+                    self.adopt(layer, self.model.get_submodule(layer))
         left = [n for n, t in list(self.model.named_parameters()) + list(self.model.named_buffers())
-                if t.is_meta and not (adaln_file and ADALN_KEY.match(n))]
+                if t.is_meta and not (self.plan.adaln_from_file and ADALN_KEY.match(n))]
         if left:
             raise CheckpointError(f"{label}: no tensor for {left[:5]}")
 
@@ -233,6 +333,7 @@ class H3Runtime:
     attention: AttentionFn | None = None
     parked: Parked | None = None  # set while offload() holds the device tensors in host memory
     lora_stack: tuple = ()  # the LoRA stack last applied to this runtime (apply_loras; sync_loras restores it)
+    source_stamp: tuple = ()  # the checkpoint files' (path, size, mtime_ns) when the load read them (() for none)
 
     @property
     def config(self) -> H3Config:
@@ -341,9 +442,26 @@ class H3Runtime:
                    Outside(side_device_bytes(self.model, self.device), "the LoRA side paths hold",
                            "or apply the LoRAs in merge mode (no device bytes beside the weights)"))
         host_held = st.host_bytes + (0 if tower_st is None else tower_st.host_bytes)
-        new = decide(mm, wl, dev, parse_vram_budget(plan.vram_budget), host_budget_bytes(plan.host_budget),
-                     held=Held(held, host_held), outside=outside,
-                     unchanged="nothing moved: the model stays loaded as it was")
+        args = (wl, dev, parse_vram_budget(plan.vram_budget), host_budget_bytes(plan.host_budget))
+        if plan.choices["adaln"].choice == ADALN_ON_DEVICE:  # kept there while every block fits beside them
+            host = _adaln_on_host(plan)
+            host_mm = ModelMemory.from_plan(host)
+            new = adaln_on_device(host_mm, *args, held=Held(held, host_held), outside=outside)
+            if new is None:  # this run needs the room: plan it with AdaLN in pinned host memory, then move them
+                new = decide(host_mm, *args, held=Held(held, host_held), outside=outside,
+                             unchanged="nothing moved: the model stays loaded as it was")
+                if new.adaln_from_file:
+                    raise BudgetError(f"this run needs the device memory the {gb(host_mm.adaln_host_bytes)} of AdaLN "
+                                      "weights hold, and the host memory cannot hold them; reload the model so that "
+                                      "its load plans them in the checkpoint file (nothing moved: the model stays "
+                                      "loaded as it was)")
+                place_adaln(self.model.blocks, self.device, on_host=True)
+                for tower in [t for t in plan.towers if not t.curve_form]:  # loaded as the base keeps its AdaLN
+                    place_adaln(tower.control_blocks, self.device, on_host=True)
+                plan.choices["adaln"] = host.choices["adaln"]
+        else:
+            new = decide(mm, *args, held=Held(held, host_held), outside=outside,
+                         unchanged="nothing moved: the model stays loaded as it was")
         if tower_st is not None and new.tower_streams:  # the tower's blocks move too: device -> host first,
             tower_st.restream(range(len(control.places)))  # so that the base's moves find the room
         if self.parked is not None:
@@ -393,6 +511,31 @@ def _prepare_fc2(plan: LoadPlan) -> tuple[object | None, dict | None]:
     reason = prep.get("reason") or "prepared: " + ", ".join(
         f"{k}: {v.get('status', v) if isinstance(v, dict) else v}" for k, v in prep.get("entries", {}).items())
     return fc2, {"choice": plan.choices["fc2_lt"].choice, "reason": reason}
+
+
+def _adaln_on_host(plan: LoadPlan) -> LoadPlan:
+    """A copy of ``plan`` with its full-form AdaLN weights in pinned host memory (rows per run)."""
+    return replace(plan, choices={**plan.choices, "adaln": Choice(
+        "rows per run", "modulation rows precomputed per run; full-form AdaLN weights in pinned host memory, moved "
+                        "off the device for a run that needed the room")})
+
+
+def place_adaln(blocks, device: torch.device, on_host: bool) -> None:
+    """Move ``blocks``' full-form AdaLN weights and biases (DiT or control blocks) to pinned host memory
+    (``on_host``; a separate copy on the CPU) or to ``device``. A run then computes its modulation rows from the
+    copy it brings over (``H3Model._block_mods``, ``model.control._adaln_rows``): the same rows."""
+    device = torch.device(device)
+    for blk in blocks:
+        lin = blk.adaln_proj.linear
+        for name, t in list(lin._parameters.items()):
+            if t is None or t.is_meta:
+                continue
+            if on_host:
+                moved = torch.empty(tuple(t.shape), dtype=t.dtype, pin_memory=device.type == "cuda")
+                moved.copy_(t)
+            else:
+                moved = t.to(device)
+            lin._parameters[name] = nn.Parameter(moved, requires_grad=False)
 
 
 def place_refiner(model: H3Model, on_host: bool) -> None:
@@ -448,6 +591,7 @@ def load_model(path: str | Path | None = None, options: RuntimeOptions | None = 
     src = plan.checkpoint if path is not None else StateDictSource(
         tiny_state_dict(plan.config, tiny_seed, plan.dtype), plan.source, plan.config)
     streamer = BlockStreamer(model.blocks, plan.memory.streamed, plan.device, plan.memory.slots)
+    stamp = checkpoint_stamp(src) if hasattr(src, "headers") else ()
     stream_load(model, src, plan, progress, streamer.adopt)
     streamer.finish()
     place_refiner(model, plan.memory.refiner_on_host)
@@ -467,6 +611,6 @@ def load_model(path: str | Path | None = None, options: RuntimeOptions | None = 
     base.set_attn_chunk_rows(plan.memory.attn_chunk_rows, plan.memory.attn_kv_form)
     ops = StreamOps(base, streamer, plan.memory.ffn_chunk_rows)
     rt = H3Runtime(model, plan, ops, backends, fc2=fc2, sparse=sparse, streamer=streamer,
-                   attention=None if base.attends_exactly else dense)
+                   attention=None if base.attends_exactly else dense, source_stamp=stamp)
     rt.load_seconds = time.perf_counter() - t0
     return rt

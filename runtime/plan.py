@@ -38,6 +38,7 @@ from .options import RuntimeOptions, SparseSettings
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FC2_NOT_APPLICABLE = "not applicable (act_format fp8)"
 ADALN_FROM_FILE = "rows per run from the file"
+ADALN_ON_DEVICE = "on the device"  # the memory plan found room for them beside every block (budget.plan_memory)
 
 
 @dataclass(frozen=True)

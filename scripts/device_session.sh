@@ -31,6 +31,7 @@
 #   bash scripts/device_session.sh U    issue 37: rows of bench/user_jobs.py (UJ_ARGS, e.g. "--rows turbo8:8"),
 #                                       merged into UJ_OUT (default bench/results/user-jobs.json; copied to $OUT);
 #                                       with UJ_TESTS=1 first the GPU tests of query-row chunks and the memory paths;
+#                                       UJ_GPU_TESTS="tests/gpu/a.py ..." first those GPU tests;
 #                                       UJ_SMOKE=1 (default) first a tiny CPU row of core's carried stack. Carry third_party/sage2-sm90 and
 #                                       .core_peer (scripts/pack_core_peer.sh), or for turbo8_sparse rows .whl
 #                                       (scripts/kitchen_carry.sh: our sparse kernel; core's sparse node is absent)
@@ -120,6 +121,11 @@ U)  # the jobs users run against core's stack (issue 37); one checkpoint write p
     timeout 240 python3 -m pytest -q -s -m gpu tests/gpu/test_attention_rows_gpu.py \
       tests/gpu/test_user_jobs_memory_gpu.py 2>&1 | grep -E "chunk|sage_kv|smallest|row-exact|passed|failed|skipped|Error" \
       | tail -16 >> "$LOG"
+  fi
+  if [ -n "${UJ_GPU_TESTS:-}" ]; then  # named GPU test files first (e.g. the load and LoRA paths a change touched)
+    phase "gpu-tests ${UJ_GPU_TESTS}"
+    timeout "${UJ_GPU_TESTS_TIMEOUT:-180}" python3 -m pytest -q -s -m gpu -p no:cacheprovider ${UJ_GPU_TESTS} 2>&1 \
+      | grep -vE "^$" | tail -30 >> "$LOG"
   fi
   if [ "${UJ_SMOKE:-1}" = 1 ]; then  # core's carried stack on this machine's packages, tiny, on the CPU (~30 s):
     phase core-stack-smoke           # an import or load failure shows here, before the rows spend minutes

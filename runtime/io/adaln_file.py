@@ -6,35 +6,29 @@ load leaves them in the file (the modules keep meta tensors) and each sampling r
 (``H3Model._block_mods``) from the weights read here block by block, the next block read ahead in a worker thread
 (``BLOCKS_IN_FLIGHT`` in host memory at once): a plain read into a buffer of the tensor's size
 (``Checkpoint.tensor``: no mmap, nothing kept), converted to the model's AdaLN dtype exactly as the load converts it
-into host memory, checked finite and moved to the device. A LoRA merged into an AdaLN weight
-(merge mode) is applied on each read by the function the LoRA code registers (``merges``): the same merged weight
-the in-memory path would hold, with nothing kept between runs.
+into host memory, checked finite and moved to the device. A LoRA merged into an AdaLN weight (merge mode) is
+applied by the model to what this returns (``H3Model.adaln_merges``), as for AdaLN weights kept in host memory.
 """
 
 from __future__ import annotations
 
-import re
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
-
 import torch
 
+from ..model.config import ADALN_KEY
 from .finite import check_finite
 
-ADALN_KEY = re.compile(r"^blocks\.\d+\.adaln_proj\.linear\.(weight|bias)$")
 BLOCKS_IN_FLIGHT = 2  # blocks a run holds in host memory at once: the one in use and the next being read
+READ_THREADS = 8  # one weight is read as this many parts at once (the page cache copies in parallel)
 
 
 class AdalnFromFile:
-    """The AdaLN weights of ``model``'s blocks read from ``checkpoint`` (a ``runtime.io.checkpoint.Checkpoint``).
-
-    ``merges``: {tensor name: fn(weight on the device) -> merged weight}, set and cleared by ``runtime.lora``."""
+    """The AdaLN weights of ``model``'s blocks read from ``checkpoint`` (a ``runtime.io.checkpoint.Checkpoint``)."""
 
     def __init__(self, checkpoint, model):
         self.checkpoint = checkpoint
         self.dtypes = {j: (b.adaln_proj.linear.weight.dtype, b.adaln_proj.linear.bias.dtype)
                        for j, b in enumerate(model.blocks)}
-        self.merges: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
         self.reads = 0  # tensors read (a test counts them)
         self._pool: ThreadPoolExecutor | None = None  # the read-ahead worker, made at the first read
         self._ahead: dict[int, Future] = {}  # block -> its host tensors being read
@@ -48,13 +42,19 @@ class AdalnFromFile:
 
     def _host(self, j: int) -> list[torch.Tensor]:
         """Block j's AdaLN weight and bias read from the file into host memory at the model's AdaLN dtypes, checked
-        finite (the exception names the tensor)."""
-        return [check_finite(name, self.checkpoint.tensor(name, "cpu").to(dtype))
-                for name, dtype in zip(self.names(j), self.dtypes[j])]
+        finite (the exception names the tensor). A tensor stored whole at its model dtype is read in
+        ``READ_THREADS`` parts at once, straight into its buffer; any other goes through ``Checkpoint.tensor``."""
+        out = []
+        for name, dtype in zip(self.names(j), self.dtypes[j]):
+            t = torch.empty(self.checkpoint.shape(name), dtype=dtype)
+            if not self.checkpoint.read_into(name, t, READ_THREADS):
+                t = self.checkpoint.tensor(name, "cpu").to(dtype)
+            out.append(check_finite(name, t))
+        return out
 
     def read(self, j: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block j's AdaLN (weight [6*3*hidden, t_dim], bias) on ``device`` at the model's AdaLN dtypes, merged LoRA
-        updates applied. While block j is moved and used, block j + 1 is read in a worker thread (the file read,
+        """Block j's AdaLN (weight [6*3*hidden, t_dim], bias) as stored, on ``device`` at the model's AdaLN dtypes.
+        While block j is moved and used, block j + 1 is read in a worker thread (the file read,
         the run's largest cost at this step, overlaps the copy to the device and the rows' GEMMs): host memory
         holds ``BLOCKS_IN_FLIGHT`` blocks at most. The bytes are the same as reading block j here."""
         ahead = self._ahead.pop(j, None)
@@ -63,10 +63,5 @@ class AdalnFromFile:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="h3-adaln-read")
             self._ahead[j + 1] = self._pool.submit(self._host, j + 1)
-        out = []
-        for name, t in zip(self.names(j), host):
-            t = t.to(device)
-            fn = self.merges.get(name)
-            out.append(t if fn is None else fn(t))
-            self.reads += 1
-        return out[0], out[1]
+        self.reads += len(host)
+        return host[0].to(device), host[1].to(device)

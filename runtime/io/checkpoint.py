@@ -147,6 +147,16 @@ class Checkpoint:
             t = torch.cat([gate, up])
         return t.to(device)
 
+    def nbytes(self, name: str) -> int:
+        """The bytes ``tensor(name)`` returns (its stored bytes, shards summed), read from the headers only; raises
+        CheckpointError for a name the checkpoint does not hold, as ``tensor`` does."""
+        if name == "rope.inv_freq" and name not in self._sources:
+            return 4 * self.config.rope_inv_freq_len  # recomputed as fp32
+        if name not in self._sources:
+            raise CheckpointError(f"tensor {name!r} is not in {self.headers[0].path}")
+        return sum(s.header.tensors[s.key].offsets[1] - s.header.tensors[s.key].offsets[0]
+                   for s in self._sources[name])
+
     def _relaid(self, name: str, dtype: torch.dtype) -> str | None:
         """The layout change ``tensor`` makes on the way to ComfyUI layout: "qkv" (a raw file's interleaved QKV of
         a float dtype), "fc1" (diffusers' [up; gate]), or None."""
@@ -156,15 +166,16 @@ class Checkpoint:
             return "fc1"
         return None
 
-    def read_into(self, name: str, out: torch.Tensor) -> bool:
+    def read_into(self, name: str, out: torch.Tensor, threads: int = 1) -> bool:
         """Read tensor ``name`` straight into ``out`` (a contiguous CPU tensor, e.g. pinned host memory) where it
-        is stored whole at ``out``'s dtype and shape in one file and needs no layout change. -> False (nothing
-        read) otherwise: the caller copies ``tensor(name)`` in."""
+        is stored whole at ``out``'s dtype and shape in one file and needs no layout change (``threads``: read in
+        that many parts at once, ``header.read_tensor``). -> False (nothing read) otherwise: the caller copies
+        ``tensor(name)`` in."""
         srcs = self._sources.get(name)
         if not srcs or len(srcs) != 1 or self._relaid(name, out.dtype) is not None or \
                 not fits_into(srcs[0].header.tensors[srcs[0].key], out):
             return False
-        read_tensor(srcs[0].header, srcs[0].key, out)
+        read_tensor(srcs[0].header, srcs[0].key, out, threads)
         return True
 
     def iter_tensors(self, device="cpu", progress: Callable[[int, int, str], None] | None = None
@@ -240,8 +251,19 @@ def _row_scale(ck: Checkpoint, layer: str, device) -> torch.Tensor:
     return scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(())
 
 
+def dequantize_reads(layer: str, fmt: dict) -> list[str]:
+    """The tensors ``dequantize_layer(ck, layer, fmt, ...)`` reads with ``ck.tensor``, in its order (a reader that
+    reads ahead declares them; an unsupported format reads the weight, then raises)."""
+    if fmt.get("format") == "nvfp4":
+        return [layer + s for s in (".weight", ".weight_scale", ".weight_scale_2")]
+    if fmt.get("format") in ("float8_e4m3fn", "float8_e5m2", "int8_tensorwise"):
+        return [layer + ".weight", layer + ".weight_scale"]
+    return [layer + ".weight"]
+
+
 def dequantize_layer(ck: Checkpoint, layer: str, fmt: dict, device) -> torch.Tensor:
-    """Dequantize a stored quantized linear weight to fp32 [N, K] (fp8, int8_tensorwise +convrot, nvfp4)."""
+    """Dequantize a stored quantized linear weight to fp32 [N, K] (fp8, int8_tensorwise +convrot, nvfp4). ``ck``: any
+    reader with ``tensor(name, device)``; it is asked for ``dequantize_reads(layer, fmt)`` in that order."""
     name = fmt.get("format")
     w = ck.tensor(layer + ".weight", device)
     if name in ("float8_e4m3fn", "float8_e5m2"):
@@ -256,8 +278,8 @@ def dequantize_layer(ck: Checkpoint, layer: str, fmt: dict, device) -> torch.Ten
     if name == "nvfp4":
         from ..ops import nvfp4
 
-        tensors = {s: ck.tensor(layer + s, device) for s in (".weight", ".weight_scale", ".weight_scale_2")}
-        q = from_comfy_quant(tensors[".weight"], tensors[".weight_scale"], tensors[".weight_scale_2"])
+        scale = ck.tensor(layer + ".weight_scale", device)
+        q = from_comfy_quant(w, scale, ck.tensor(layer + ".weight_scale_2", device))
         return nvfp4.dequantize(q).float()
     raise CheckpointError(f"{layer}: quantization format {name!r} is not supported "
                           "(supported: nvfp4, float8_e4m3fn, float8_e5m2, int8_tensorwise)")

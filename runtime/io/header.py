@@ -9,7 +9,9 @@ header with plain reads: every reader of a safetensors file (checkpoints, inputs
 from __future__ import annotations
 
 import json
+import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +19,8 @@ import torch
 
 from ..errors import CheckpointError
 from .strict_json import DuplicateKey, unique_keys
+
+PART_BYTES = 64 << 20  # the smallest part of a tensor one thread reads (``read_tensor``'s threads)
 
 ST_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -154,11 +158,13 @@ def fits_into(info: TensorInfo, out: torch.Tensor) -> bool:
             and out.device.type == "cpu" and out.is_contiguous())
 
 
-def read_tensor(header: Header, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+def read_tensor(header: Header, name: str, out: torch.Tensor | None = None, threads: int = 1) -> torch.Tensor:
     """Tensor ``name`` of a checked header, read with a plain read into a buffer of exactly its size (CPU, its
     stored dtype), or straight into ``out`` (a contiguous CPU tensor of the stored dtype and shape, e.g. pinned
-    host memory: no second copy), which is returned. Raises CheckpointError for a dtype torch cannot hold or a
-    file that shrank since, ValueError for an ``out`` that does not match."""
+    host memory: no second copy), which is returned. ``threads`` > 1: the bytes are read as that many contiguous
+    parts at once (each part at least ``PART_BYTES``; reads release the GIL, so the page cache is copied in
+    parallel), the same bytes. Raises CheckpointError for a dtype torch cannot hold or a file that shrank since,
+    ValueError for an ``out`` that does not match."""
     info = header.tensors[name]
     if info.dtype not in ST_DTYPES:
         raise CheckpointError(f"{header.path}: tensor {name!r} has dtype {info.dtype}, which this loader does not "
@@ -172,12 +178,30 @@ def read_tensor(header: Header, name: str, out: torch.Tensor | None = None) -> t
     if not n:
         return torch.empty(info.shape, dtype=dt) if out is None else out
     buf = torch.empty(n, dtype=torch.uint8) if out is None else out.reshape(-1).view(torch.uint8)
-    with open(header.path, "rb") as f:
-        f.seek(header.data_start + info.offsets[0])
-        got = f.readinto(memoryview(buf.numpy()))
+    parts = max(1, min(threads, n // PART_BYTES))
+    start, view = header.data_start + info.offsets[0], memoryview(buf.numpy())
+    if parts == 1:
+        got = _read_part(header.path, start, view)
+    else:
+        edges = [n * i // parts for i in range(parts + 1)]
+        with ThreadPoolExecutor(parts, thread_name_prefix="h3-read-part") as pool:
+            got = sum(pool.map(lambda i: _read_part(header.path, start + edges[i], view[edges[i]:edges[i + 1]]),
+                               range(parts)))
     if got != n:
         raise CheckpointError(f"{header.path} is truncated while reading {name!r}")
     return buf.view(dt).reshape(info.shape) if out is None else out
+
+
+def _read_part(path: Path, offset: int, view: memoryview) -> int:
+    """Read ``len(view)`` bytes of ``path`` at ``offset`` into ``view`` -> the bytes read (fewer at the file's end)."""
+    got = 0
+    with open(path, "rb", buffering=0) as f:
+        while got < len(view):
+            k = os.preadv(f.fileno(), [view[got:]], offset + got)
+            if k == 0:
+                break
+            got += k
+    return got
 
 
 def read_tensors(path: str | Path, what: str, names=None) -> tuple[Header, dict[str, torch.Tensor]]:

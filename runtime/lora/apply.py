@@ -68,7 +68,7 @@ import torch
 
 from ..ops.linear import Nvfp4Linear
 from .key_forms import LOWRANK, LoraError, LoraMatch, match_lora, read_lora_file
-from .merge import (STATE_ATTR, LoraState, lora_state, merge_dense, merge_from_file, merge_nvfp4, merged_weight,
+from .merge import (STATE_ATTR, LoraState, lora_state, merge_dense, merge_nvfp4, merge_on_transfer, merged_weight,
                     restore_all)
 from .ops import BLOCK_LINEAR, LoraOps
 from .pdd import PddBank, install_bank, split_bank
@@ -247,9 +247,9 @@ def _apply(rt, specs: list[LoraSpec]) -> dict:
         for (mname, pname), entries in merges.items():
             module = mods[mname]
             if pname == "weight" and isinstance(module, nv_cls):
-                merge_nvfp4(st, mname, module, entries, source, report)
-            elif getattr(module, pname).is_meta and model.adaln_source is not None:  # AdaLN left in the file
-                merge_from_file(model.adaln_source, f"{mname}.{pname}", entries, model_device, report)
+                merge_nvfp4(st, mname, module, entries, source, report, model_device)
+            elif model.adaln_off_device(f"{mname}.{pname}"):  # in host memory or the file: merged as each run
+                merge_on_transfer(model, f"{mname}.{pname}", entries, model_device, report)  # brings it over
             else:
                 merge_dense(st, f"{mname}.{pname}", getattr(module, pname), entries, source, report, model_device)
         _install_sides(rt, st, sides, mods, nv_cls, report)

@@ -110,8 +110,7 @@ def restore_all(rt, st: LoraState, source: SourceWeights) -> None:
         restore_bank(rt, st.bank)
         st.bank = None
     model = rt.model
-    if model.adaln_source is not None:  # merges into AdaLN weights left in the checkpoint file: nothing was written
-        model.adaln_source.merges.clear()
+    model.adaln_merges.clear()  # merges applied as AdaLN weights come to the device: nothing stored was written
     mods = dict(model.named_modules())
     for name, (module, prev) in list(st.sides.items()):
         uninstall_side(module, prev)
@@ -126,7 +125,7 @@ def restore_all(rt, st: LoraState, source: SourceWeights) -> None:
                 parts = rec.backup
             else:
                 source.check_unchanged(rec.stamp)
-                stored, w = source.nvfp4_parts(tname, (module.out_features, module.in_features), module.packed.device)
+                stored, w = source.nvfp4_parts(tname, (module.out_features, module.in_features), model.device)
                 q = stored if stored is not None else quantize_like(w, module)
                 parts = {"packed": q.packed, "scales": q.scales, "global_scale": q.global_scale}
             for k in ("packed", "scales", "global_scale"):
@@ -146,7 +145,9 @@ def record_dense(st: LoraState, tname: str, p: torch.Tensor, source: SourceWeigh
     rec = st.originals.get(tname)
     if rec is None:
         stamp = source.stamp() if source.available else None
-        if stamp is not None and st.verified.get(tname) != stamp:
+        if stamp is not None and source.adopted(tname):  # the load's bytes of the unchanged file: nothing to compare
+            st.verified[tname] = stamp
+        elif stamp is not None and st.verified.get(tname) != stamp:
             ref = source.dense(tname, p.data)
             if ref is not None and torch.equal(ref, p.data):
                 st.verified[tname] = stamp
@@ -158,13 +159,21 @@ def record_dense(st: LoraState, tname: str, p: torch.Tensor, source: SourceWeigh
     return rec
 
 
-def merge_nvfp4(st: LoraState, name: str, module, entries, source: SourceWeights, report: dict) -> None:
+def merge_nvfp4(st: LoraState, name: str, module, entries, source: SourceWeights, report: dict,
+                device: torch.device) -> None:
+    """Merge into an NVFP4 block linear: the math on the model's ``device`` (a streamed block's packed bytes and
+    scales live in host memory between uses, its global scale on the device), the result written back where each
+    buffer lives."""
     shape = (module.out_features, module.in_features)
-    stored, w0 = source.nvfp4_parts(name, shape, module.packed.device)
-    resident = module.weight
+    resident = nvfp4.NVFP4Tensor(module.packed.to(device), module.scales.to(device), module.global_scale.to(device),
+                                 shape)
+    adopted = source.adopted(name)  # the resident bytes are the file's: nothing to read or compare
+    stored, w0 = (resident, None) if adopted else source.nvfp4_parts(name, shape, device)
     if name not in st.originals:
         stamp = source.stamp() if source.available else None
-        if stamp is not None and st.verified.get(name) != stamp:
+        if adopted:
+            st.verified[name] = stamp
+        elif stamp is not None and st.verified.get(name) != stamp:
             exact = stored if stored is not None else (quantize_like(w0, module) if w0 is not None else None)
             if exact is not None and nvfp4_equal(exact, resident):
                 st.verified[name] = stamp
@@ -187,11 +196,13 @@ def merge_nvfp4(st: LoraState, name: str, module, entries, source: SourceWeights
     report["base_weights"][origin] = report["base_weights"].get(origin, 0) + 1
 
 
-def merge_from_file(src, tname: str, entries, device: torch.device, report: dict) -> None:
-    """Merge into a weight the model left in its checkpoint file (``runtime.io.adaln_file``): the reader applies the
-    same merged weight ``merge_dense`` would write (float64 on the model's device, one rounding to the weight's dtype)
-    each time it reads the weight; removal just forgets it."""
-    src.merges[tname] = lambda w: merged_weight(w, entries, device, into=w)
+def merge_on_transfer(model, tname: str, entries, device: torch.device, report: dict) -> None:
+    """Merge into a block AdaLN weight or bias the model keeps off the device (pinned host memory, or left in the
+    checkpoint file: ``runtime.io.adaln_file``): each run applies the merged weight ``merge_dense`` would write
+    (float64 on the model's device, one rounding to the weight's dtype) to the copy it brings to the device
+    (``H3Model._block_mods``). The stored weight is never written, so nothing is recorded to restore: removal
+    forgets the merge."""
+    model.adaln_merges[tname] = lambda w: merged_weight(w, entries, device, into=w)
     report["merged_dense"].append(tname)
 
 

@@ -23,6 +23,7 @@ from ..io.comfy_quant import from_comfy_quant
 from ..ops import nvfp4
 from .key_forms import LoraError
 
+_FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")  # stored as such: read and cast, never dequantized
 _TINY_SOURCE = re.compile(r"^embedded tiny \(seed (-?\d+)\)$")
 
 
@@ -43,6 +44,9 @@ class SourceWeights:
         m = _TINY_SOURCE.match(src) if isinstance(src, str) and self.path is None else None
         self.tiny_seed = int(m.group(1)) if m and rt.config == TINY else None
         self.dtype = rt.dtype
+        self.loaded_stamp = getattr(rt, "source_stamp", ())
+        plan = getattr(rt, "plan", None)
+        self.stored_nvfp4 = frozenset(getattr(plan, "stored_nvfp4", ()))
         self._ck = None
         self._stamp = None
         self._tiny = None
@@ -55,15 +59,25 @@ class SourceWeights:
     def label(self) -> str:
         return "checkpoint" if self.path is not None else "embedded tiny weights (from the seed)"
 
-    @staticmethod
-    def _stamps(ck) -> tuple:
-        return tuple((str(h.path), h.path.stat().st_size, h.path.stat().st_mtime_ns) for h in ck.headers)
-
     def ck(self):
         if self._ck is None:
             self._ck = open_checkpoint(self.path)
-            self._stamp = self._stamps(self._ck)
+            self._stamp = checkpoint_stamp(self._ck)
         return self._ck
+
+    def adopted(self, name: str) -> bool:
+        """Whether the resident bytes of ``name`` are its checkpoint's as the load assigned them, from files that
+        have not changed since (``H3Runtime.source_stamp``: the files' sizes and mtimes at the load): a block
+        linear whose stored NVFP4 tensors the load adopted as they are (``plan.stored_nvfp4``), or a dense parameter
+        stored unquantized under its name (the load and ``dense`` read and cast it the same way). A merge then
+        records the original without reading the file to compare, and an NVFP4 merge starts from the resident
+        bytes."""
+        if self.path is None or not self.loaded_stamp or self.stamp() != self.loaded_stamp:
+            return False
+        if name in self.stored_nvfp4:
+            return True
+        ck = self.ck()
+        return name in ck.keys() and ck.dtype_name(name) in _FLOAT_DTYPES
 
     def tiny(self) -> dict:
         if self._tiny is None:
@@ -127,6 +141,11 @@ class SourceWeights:
             fmt = {"format": "int8_tensorwise"}
         t = dequantize_layer(ck, layer, fmt, device) if fmt is not None else ck.tensor(layer + ".weight", device)
         return None, (t if tuple(t.shape) == tuple(shape) else None)
+
+
+def checkpoint_stamp(ck) -> tuple:
+    """((path, size, mtime_ns), ...) of a Checkpoint's files: what says they are the files a load or merge read."""
+    return tuple((str(h.path), h.path.stat().st_size, h.path.stat().st_mtime_ns) for h in ck.headers)
 
 
 @dataclass

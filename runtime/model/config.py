@@ -158,5 +158,6 @@ FP32_ISLANDS = ("video_patch_proj.", "audio_patch_proj.", "time_embedder.", "fin
 
 # block linears that become NVFP4
 QUANT_LINEARS = re.compile(r"^blocks\.\d+\.(attn\.qkv_proj|attn\.out_proj|mlp\.fc1|mlp\.fc2)$")
+ADALN_KEY = re.compile(r"^blocks\.\d+\.adaln_proj\.linear\.(weight|bias)$")  # a block's full-form AdaLN tensors
 
 

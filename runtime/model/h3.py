@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from ..ops.reference import ReferenceOps
 from .block import AdalnProj, Attention, DiTBlock, MLP, RMSNorm
-from .config import H3Config
+from .config import ADALN_KEY, H3Config
 from .cond_rows import audio_mask_rows, condition_rows, keyframe_specs, video_mask_rows
 from .conditioning import H3Conditioning, pool_audio_mask, pool_video_mask
 from .layout import (PackedLayout, build_layout, pack_audio, pad_video, patchify_video, step_times, time_shift_sigma,
@@ -190,7 +190,10 @@ class RunPlan:
 class H3Model(nn.Module):
     """MiniMax H3 DiT (batch 1). ``forward`` is one evaluation; ``plan`` + ``evaluate`` serve a sampling run.
     ``adaln_source``: where the blocks' AdaLN weights are read from when the load left them in the checkpoint file
-    (``runtime.io.adaln_file.AdalnFromFile``: ``read(j, device) -> (weight, bias)``), else None."""
+    (``runtime.io.adaln_file.AdalnFromFile``: ``read(j, device) -> (weight, bias)``), else None.
+    ``adaln_merges``: {"blocks.j.adaln_proj.linear.weight|bias": fn(tensor on the device) -> merged tensor}, the
+    LoRA merges into AdaLN weights kept off the device (``adaln_off_device``), applied by each run to the copy it
+    brings over (``runtime.lora.merge.merge_on_transfer``); the stored weights are never written."""
 
     adaln_source = None
     refiner_on_host = False  # the memory plan keeps the token refiner's weights in host memory (runtime.budget)
@@ -214,10 +217,19 @@ class H3Model(nn.Module):
         self.token_refiner = TokenRefiner(cfg, dtype, device)
         self.blocks = nn.ModuleList([DiTBlock(cfg, dtype, adaln_dtype, device) for _ in range(cfg.num_layers)])
         self.final_layer = FinalLayer(cfg, dtype, adaln_dtype, device)
+        self.adaln_merges: dict = {}
 
     @property
     def device(self) -> torch.device:
         return self.condition_proj.weight.device
+
+    def adaln_off_device(self, name: str) -> bool:
+        """Whether ``name`` is a block AdaLN weight or bias that a run brings to the device rather than one the
+        model holds there: kept in host memory (the plan's AdaLN rows per run) or left in the checkpoint file."""
+        if not ADALN_KEY.match(name):
+            return False
+        t = self.get_parameter(name)
+        return (t.is_meta and self.adaln_source is not None) or (not t.is_meta and t.device != self.device)
 
     # -- pieces computed once per run ----------------------------------------------------------
     def refine_text(self, text_states: torch.Tensor) -> torch.Tensor:
@@ -324,6 +336,8 @@ class H3Model(nn.Module):
         else:  # AdaLN weights kept in host memory (offload_adaln): bring this block's weight over once
             w = lin.weight.to(self.device, non_blocking=True)
             b = lin.bias.to(self.device, non_blocking=True)
+        names = (f"blocks.{j}.adaln_proj.linear.weight", f"blocks.{j}.adaln_proj.linear.bias")
+        w, b = (t if self.adaln_merges.get(n) is None else self.adaln_merges[n](t) for n, t in zip(names, (w, b)))
         ap = blk.adaln_proj
         out = []
         for t in t_embs:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from h3_blackwell.runtime import RuntimeOptions, load_model, save_tiny
-from h3_blackwell.runtime.budget import BudgetError, DeviceMemory, ModelMemory, Workload, decide
+from h3_blackwell.runtime.budget import BudgetError, DeviceMemory, ModelMemory, Workload, adaln_on_device, decide
 from h3_blackwell.runtime.lora.apply import apply_loras
 from h3_blackwell.runtime.model.config import FULL
 from h3_blackwell.runtime.model.layout import latent_shapes
@@ -50,7 +50,7 @@ def test_adaln_read_from_the_file_gives_the_host_memory_latents(files):
     assert kept.hashes == left.hashes
     assert kept.hashes[0] != kept.hashes[1] and kept.hashes[0] == kept.hashes[2]  # the merge changed the AdaLN rows
     assert left.model.adaln_source.reads >= 3 * 2 * left.config.num_layers  # read again on every run
-    assert not left.model.adaln_source.merges
+    assert not left.model.adaln_merges  # removal forgot the merges; the file was never written
 
 
 H100 = DeviceMemory("cuda", "NVIDIA H100 80GB HBM3", 80 * 10 ** 9, 79 * 10 ** 9)
@@ -189,3 +189,26 @@ def test_the_read_ahead_gives_the_files_bytes_and_names_a_bad_block(tmp_path):
     rt.model.adaln_source.read(0, "cpu")  # block 1 is being read now
     with pytest.raises(CheckpointError, match="blocks.1.adaln_proj.linear.weight"):
         rt.model.adaln_source.read(1, "cpu")
+
+
+def test_the_plan_keeps_adaln_on_a_card_that_holds_it_beside_every_block():
+    """turbo8 at H3's shapes on an 80 GB card: every block fits with the 26 GB of AdaLN beside it, so the plan keeps
+    them on the device (no pinned copy at the load, none per run); under a 30 GB budget the blocks fit but not the
+    AdaLN beside them, and where anything streams, or off CUDA, the plan keeps them off the device."""
+    mm = ModelMemory.build(FULL, torch.bfloat16, "fp8", "fp8", "sage2", "fused", True)
+    vs, as_ = latent_shapes(1344, 768, 124, FULL.video_channels, FULL.audio_channels)
+    turbo8 = Workload.from_shapes(vs, as_, 100, 8)
+    host = decide(mm, turbo8, H100, None, host_free=128 * 10 ** 9)
+    assert not host.streamed and host.adaln_host_bytes == mm.adaln_host_bytes > 25e9
+    on = adaln_on_device(mm, turbo8, H100, None, 128 * 10 ** 9, host)
+    assert on is not None and not on.streamed and on.ffn_chunk_rows is None and on.adaln_host_bytes == 0
+    assert on.estimate.weights_resident == host.estimate.weights_resident + mm.adaln_host_bytes
+    assert on.estimate.total <= on.budget_bytes
+    assert decide(mm, turbo8, H100, int(30e9), host_free=128 * 10 ** 9).streamed == ()  # the blocks alone fit 30 GB
+    assert adaln_on_device(mm, turbo8, H100, int(30e9), 128 * 10 ** 9) is None
+    assert adaln_on_device(mm, _clip10s(), H100, int(7.5e9), 128 * 10 ** 9) is None
+    cpu = DeviceMemory("cpu", "cpu", 500 * 10 ** 9, 500 * 10 ** 9)
+    assert adaln_on_device(mm, turbo8, cpu, None, 128 * 10 ** 9) is None
+    from dataclasses import replace
+
+    assert adaln_on_device(replace(mm, adaln_on_host=False), turbo8, H100, None, 128 * 10 ** 9) is None

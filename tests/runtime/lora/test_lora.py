@@ -232,6 +232,53 @@ def test_merge_stack_from_a_checkpoint_file_and_without_a_source(files, tmp_path
     assert all(torch.equal(v, before[k]) for k, v in rt.model.state_dict().items())
 
 
+def test_merge_into_nvfp4_adopted_from_the_file_reads_nothing_and_gives_the_stored_bases_bytes(files, tmp_path,
+                                                                                              monkeypatch):
+    """A checkpoint stored as NVFP4: the load adopts its bytes, so a merge starts from the resident bytes without
+    reading the file (the same bytes as dequantizing the stored tensors), and a dense tensor stored unquantized is
+    recorded without reading it to compare; once the file changes on disk (its mtime),
+    the merge reads and compares again and gives the same bytes. Removal restores the stored bytes either way."""
+    from h3_blackwell.runtime.io.checkpoint import Checkpoint, open_checkpoint
+    from h3_blackwell.runtime.io.convert import quantize_checkpoint
+    import os
+
+    ck = tmp_path / "tiny_nvfp4.safetensors"
+    quantize_checkpoint(save_tiny(tmp_path / "tiny.safetensors", seed=6), ck)
+    rt = load_model(ck, RuntimeOptions(**CPU))
+    layer = "blocks.0.attn.qkv_proj"
+    assert layer in rt.plan.stored_nvfp4 and rt.source_stamp
+    stored = open_checkpoint(ck)
+    shape = (rt.model.get_submodule(layer).out_features, rt.model.get_submodule(layer).in_features)
+    from h3_blackwell.runtime.io.comfy_quant import from_comfy_quant
+    q = from_comfy_quant(*(stored.tensor(layer + s) for s in (".weight", ".weight_scale", ".weight_scale_2")),
+                         shape=shape)
+    (pa, ta) = files["comfy"]
+    want = nv.quantize(expected_merge(nv.dequantize(q, torch.float64), [(ta, 0.6)], layer + ".weight"), pad_rows=16
+                       if rt.model.get_submodule(layer).packed.shape[0] != shape[0] else 1)
+    before = _sd(rt)
+    reads = []
+    real = Checkpoint.tensor
+    monkeypatch.setattr(Checkpoint, "tensor", lambda self, name, device="cpu": (reads.append(name),
+                                                                               real(self, name, device))[1])
+    rep = L.apply_loras(rt, [(pa, 0.6, "merge")])
+    assert not [n for n in reads if n.startswith(layer)] and len(rep["merged_nvfp4"]) == 4 * TINY.num_layers
+    adaln = "blocks.0.adaln_proj.linear.weight"  # a dense tensor stored unquantized: the load's bytes, not reread
+    assert adaln in rep["merged_dense"] and adaln not in reads
+    assert list(rep["base_weights"]) == ["checkpoint NVFP4 (dequantized exactly)"]
+    assert rep["originals"]["host_copies"] == 0
+    assert _equal_bytes(_layer_bytes(rt.model, layer), _nv_bytes(want))
+    L.remove_loras(rt)
+    assert all(torch.equal(v, before[k]) for k, v in rt.model.state_dict().items())
+
+    os.utime(ck, ns=(os.stat(ck).st_atime_ns, os.stat(ck).st_mtime_ns + 10 ** 9))  # same bytes, a newer file
+    reads.clear()
+    L.apply_loras(rt, [(pa, 0.6, "merge")])
+    assert [n for n in reads if n.startswith(layer)] and adaln in reads  # read and compared, then the same merge
+    assert _equal_bytes(_layer_bytes(rt.model, layer), _nv_bytes(want))
+    L.remove_loras(rt)
+    assert all(torch.equal(v, before[k]) for k, v in rt.model.state_dict().items())
+
+
 # ---------------------------------------------------------------------------------------------
 # side path: bounded against the merged reference
 # ---------------------------------------------------------------------------------------------
