@@ -520,22 +520,28 @@ def _adaln_on_host(plan: LoadPlan) -> LoadPlan:
                         "off the device for a run that needed the room")})
 
 
+def _place(modules, device: torch.device, on_host: bool) -> None:
+    """Move every parameter and buffer of ``modules`` (their own, not their children's) to host memory (``on_host``:
+    pinned for a CUDA ``device``, a separate copy on the CPU, so the emulation runs the same path) or to ``device``."""
+    for mod in modules:
+        for table in ("_parameters", "_buffers"):
+            for name, t in list(getattr(mod, table).items()):
+                if t is None or t.is_meta:
+                    continue
+                if on_host:
+                    moved = torch.empty(tuple(t.shape), dtype=t.dtype, pin_memory=device.type == "cuda")
+                    moved.copy_(t)
+                else:
+                    moved = t.to(device)
+                getattr(mod, table)[name] = nn.Parameter(moved, requires_grad=False) if table == "_parameters" \
+                    else moved
+
+
 def place_adaln(blocks, device: torch.device, on_host: bool) -> None:
     """Move ``blocks``' full-form AdaLN weights and biases (DiT or control blocks) to pinned host memory
     (``on_host``; a separate copy on the CPU) or to ``device``. A run then computes its modulation rows from the
     copy it brings over (``H3Model._block_mods``, ``model.control._adaln_rows``): the same rows."""
-    device = torch.device(device)
-    for blk in blocks:
-        lin = blk.adaln_proj.linear
-        for name, t in list(lin._parameters.items()):
-            if t is None or t.is_meta:
-                continue
-            if on_host:
-                moved = torch.empty(tuple(t.shape), dtype=t.dtype, pin_memory=device.type == "cuda")
-                moved.copy_(t)
-            else:
-                moved = t.to(device)
-            lin._parameters[name] = nn.Parameter(moved, requires_grad=False)
+    _place([blk.adaln_proj.linear for blk in blocks], torch.device(device), on_host)
 
 
 def place_refiner(model: H3Model, on_host: bool) -> None:
@@ -544,19 +550,7 @@ def place_refiner(model: H3Model, on_host: bool) -> None:
     once per sampling run (``H3Model.refine_text`` brings its weights over for that call)."""
     if model.refiner_on_host == on_host:
         return
-    dev = model.device
-    for mod in model.token_refiner.modules():
-        for table in ("_parameters", "_buffers"):
-            for name, t in list(getattr(mod, table).items()):
-                if t is None:
-                    continue
-                if on_host:
-                    moved = torch.empty(tuple(t.shape), dtype=t.dtype, pin_memory=dev.type == "cuda")
-                    moved.copy_(t)
-                else:
-                    moved = t.to(dev)
-                getattr(mod, table)[name] = nn.Parameter(moved, requires_grad=False) if table == "_parameters" \
-                    else moved
+    _place(model.token_refiner.modules(), model.device, on_host)
     model.refiner_on_host = on_host
 
 
