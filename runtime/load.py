@@ -23,10 +23,12 @@ check it is finite, then
 
 Read-ahead (a Checkpoint source; the embedded tiny model is read in place): the pass first lists every source
 tensor it will read, in order, and a ``runtime.io.prefetch.ReadAhead`` reads them on worker threads
-(``READ_AHEAD_THREADS``) while this thread moves, checks and quantizes the current one. The worker runs the same
-``Checkpoint.tensor`` (shards concatenated, layouts changed), into pageable host memory that this thread copies to
-the device with a plain ``.to``; a full-form AdaLN projection's pinned buffer is allocated and read into on the
-worker, so pinning runs in parallel too. Reads ahead of this thread hold at most ``READ_AHEAD_BYTES`` of host
+(``READ_AHEAD_THREADS``) while this thread moves, checks and quantizes the current one. The worker reads the same
+bytes ``Checkpoint.tensor`` gives (shards concatenated, layouts changed); for a CUDA device into pinned host memory
+(straight into it where the file holds the tensor whole, ``Checkpoint.read_into``), which this thread copies to the
+device asynchronously (torch's pinned-memory cache reuses a buffer once its copy is done, and gives the cached pages
+back when the pass ends), elsewhere into pageable memory; a full-form AdaLN projection kept in host memory gets its
+pinned buffer allocated and read into on the worker, so pinning runs in parallel too. Reads ahead of this thread hold at most ``READ_AHEAD_BYTES`` of host
 memory and at most an eighth of the host memory available when the load starts (one read always runs, whatever
 its size), beside the tensor in hand. The device sees one tensor at a time, as without it; the results, the
 order in which the model's entries are set, the progress callbacks and the errors are the same: a read's error
@@ -238,7 +240,9 @@ class _Loader:
                 self.ahead = None
                 if self.device.type == "cuda":  # the staging buffers' copies are done: give their pages back
                     torch.cuda.synchronize(self.device)
-                    torch._C._host_emptyCache()
+                    empty_host_cache = getattr(torch._C, "_host_emptyCache", None)  # torch >= 2.5; else they stay
+                    if empty_host_cache is not None:                                 # cached for later copies
+                        empty_host_cache()
 
     # -- the steps -------------------------------------------------------------------------------
     def _weight(self, layer: str) -> torch.Tensor:
