@@ -280,9 +280,28 @@ class LoadProfile:
                  "cumulative_seconds": round(ct, 4)} for (f, line, fn), (_, nc, tt, ct, _) in most]
 
 
+def import_ours() -> list[str]:
+    """Every module of our runtime imported before the clock starts, as core's are before its (``import_core_stack``,
+    ``core_sample``) and as ComfyUI imports a node pack when it starts: import-time work (Triton parsing its
+    kernels' source) is not a job's. -> the modules this machine cannot import (an optional dependency), with why."""
+    import importlib
+    import pkgutil
+
+    import h3_blackwell.runtime as R
+
+    missing = []
+    for m in pkgutil.walk_packages(R.__path__, R.__name__ + "."):
+        try:
+            importlib.import_module(m.name)
+        except ImportError as e:
+            missing.append(f"{m.name}: {e}")
+    return missing
+
+
 def run_ours(job: J.Job, cap_gb: int | None, files: dict, tiny: bool) -> dict:
     from h3_blackwell.runtime.lora.apply import apply_loras
 
+    not_imported = import_ours()
     device = torch.device("cpu" if tiny or not torch.cuda.is_available() else "cuda")
     apply_cap(cap_gb, device)
     budget = "auto" if cap_gb is None or tiny else repr(cap_gb - MARGIN_GB)
@@ -332,6 +351,7 @@ def run_ours(job: J.Job, cap_gb: int | None, files: dict, tiny: bool) -> dict:
                         "adaln_from_file", "host_limit_bytes", "refiner_on_host", "copy_exposed_ms_per_step",
                         "estimate")},
             "memory_choice": rep["backends"].get("memory"), "adaln": rep["backends"].get("adaln"),
+            "modules_not_imported_before_the_clock": not_imported,
             "attention": rep["backends"].get("attention"), "device": rep["device"]}
 
 
