@@ -399,11 +399,13 @@ class H3Runtime:
     def check_memory(self, wl: Workload, ask: MemoryAsk, dev: DeviceMemory | None = None,
                      host_free: int | None = None) -> MemoryPlan:
         """The request-time memory check of ``wl`` on this loaded model (``budget.check_request`` with its plan;
-        what it holds on the device and in host memory counts as available to it)."""
+        what it holds on the device and in host memory counts as available to it). AdaLN weights the plan keeps on
+        the device are checked as ``fit_memory`` would place them for a run without room for them: in host memory."""
         held = Held(self.device_bytes() if self.parked is None else 0,
                     0 if self.streamer is None else self.streamer.host_bytes)
         host_free = host_budget_bytes(self.plan.host_budget) if host_free is None else host_free
-        return check_request(ModelMemory.from_plan(self.plan), wl, dev or DeviceMemory.probe(self.device),
+        plan = _adaln_on_host(self.plan) if self.plan.choices["adaln"].choice == ADALN_ON_DEVICE else self.plan
+        return check_request(ModelMemory.from_plan(plan), wl, dev or DeviceMemory.probe(self.device),
                              self.plan.vram_budget, ask, held, host_free)
 
     def describe(self) -> str:

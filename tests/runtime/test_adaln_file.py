@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from h3_blackwell.runtime import RuntimeOptions, load_model, save_tiny
-from h3_blackwell.runtime.budget import BudgetError, DeviceMemory, ModelMemory, Workload, adaln_on_device, decide
+from h3_blackwell.runtime.budget import (BudgetError, DeviceMemory, MemoryAsk, ModelMemory, Workload, adaln_on_device,
+                                         decide)
 from h3_blackwell.runtime.lora.apply import apply_loras
 from h3_blackwell.runtime.model.config import FULL
 from h3_blackwell.runtime.model.layout import latent_shapes
@@ -212,3 +213,34 @@ def test_the_plan_keeps_adaln_on_a_card_that_holds_it_beside_every_block():
     from dataclasses import replace
 
     assert adaln_on_device(replace(mm, adaln_on_host=False), turbo8, H100, None, 128 * 10 ** 9) is None
+
+
+def test_adaln_the_plan_keeps_on_the_device_moves_to_host_memory_for_a_run_without_room(files):
+    """The CPU standing in for a CUDA card (a simulated device memory): with room, the load keeps the AdaLN weights on
+    the device and a run with room keeps them there; a run without room moves them to host memory first (the
+    choice says so), and the latents stay those of AdaLN kept in host memory from the start, LoRA merges included;
+    the request check counts them where that run would put them."""
+    ck, lora = files
+    roomy = DeviceMemory("cuda", "simulated card", 80 * 10 ** 9, 79 * 10 ** 9)
+    rt = load_model(ck, RuntimeOptions(device="cpu", host_budget="1000"), workload=Workload.from_shapes(VS, AS, 32, 2),
+                    device_memory=roomy)
+    assert rt.plan.choices["adaln"].choice == "on the device" and not rt.plan.adaln_on_host
+    assert rt.plan.memory.adaln_host_bytes == 0
+    rt.fit_memory(VS, AS, 32, 2, device_memory=roomy)
+    assert rt.plan.choices["adaln"].choice == "on the device"
+    adaln = sum(t.numel() * t.element_size() for b in rt.model.blocks for t in b.adaln_proj.linear.parameters())
+    # a budget that holds the run with the AdaLN weights in host memory, not with them on the device
+    rt.plan.options.vram_budget = repr((rt.plan.memory.estimate.total - adaln // 2) / 1e9)
+    checked = rt.check_memory(Workload.from_shapes(VS, AS, 32, 2), MemoryAsk("the run"), roomy)
+    assert checked.streamed == () and checked.adaln_host_bytes == adaln  # checked as it will run: AdaLN moved off
+    assert rt.plan.choices["adaln"].choice == "on the device"  # a check moves nothing
+    rt.fit_memory(VS, AS, 32, 2, device_memory=roomy)
+    assert rt.plan.choices["adaln"].choice == "rows per run" and "moved off the device" in rt.plan.choices["adaln"].reason
+    assert rt.plan.memory.adaln_host_bytes > 0
+    kept = _load(ck, "1000")
+    for r in (rt, kept):
+        r.hashes = [_run(r)]
+        apply_loras(r, [(str(lora), 0.8, "merge")])
+        r.hashes.append(_run(r))
+        apply_loras(r, [])
+    assert rt.hashes == kept.hashes and rt.hashes[0] != rt.hashes[1]
