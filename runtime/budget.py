@@ -1054,6 +1054,6 @@ def host_budget_bytes(text) -> int | None:
     return parse_vram_budget(text, "host_budget")
 
 
-__all__ = ["BudgetError", "DeviceMemory", "adaln_on_device", "Estimate", "Held", "MemoryAsk", "MemoryPlan", "ModelMemory", "TowerSize",
-           "Workload", "check_request", "chunkings", "decide", "estimate", "parse_vram_budget",
+__all__ = ["BudgetError", "DeviceMemory", "Estimate", "Held", "MemoryAsk", "MemoryPlan", "ModelMemory", "TowerSize",
+           "Workload", "adaln_on_device", "check_request", "chunkings", "decide", "estimate", "parse_vram_budget",
            "plan_memory", "smallest_budget", "tower_block_bytes", "tower_bytes"]

@@ -18,21 +18,22 @@ check it is finite, then
   stored NVFP4 tensors are adopted as they are, or its dense weight (dequantized when stored as fp8/int8)
   is cast to the compute dtype on the device and quantized there (``_nvfp4_linear``, the same quantizer
   ``quantize`` uses); the dense copy is dropped before the next tensor is read;
-- a full-form AdaLN projection when the plan keeps AdaLN rows per run: straight into pinned host memory;
+- a full-form AdaLN projection when the plan keeps AdaLN rows per run: straight into pinned host memory (the plan
+  keeps them on the device instead where every block fits beside them: ``budget.adaln_on_device``);
 - anything else: onto the device at the parameter's dtype.
 
-Read-ahead (a Checkpoint source; the embedded tiny model is read in place): the pass first lists every source
-tensor it will read, in order, and a ``runtime.io.prefetch.ReadAhead`` reads them on worker threads
+Read-ahead (a Checkpoint source; the embedded tiny model is read in place): the pass first lists every source tensor
+it will read, in order, and a ``runtime.io.prefetch.ReadAhead`` reads them on worker threads
 (``READ_AHEAD_THREADS``) while this thread moves, checks and quantizes the current one. The worker reads the same
 bytes ``Checkpoint.tensor`` gives (shards concatenated, layouts changed); for a CUDA device into pinned host memory
 (straight into it where the file holds the tensor whole, ``Checkpoint.read_into``), which this thread copies to the
 device asynchronously (torch's pinned-memory cache reuses a buffer once its copy is done, and gives the cached pages
 back when the pass ends), elsewhere into pageable memory; a full-form AdaLN projection kept in host memory gets its
-pinned buffer allocated and read into on the worker, so pinning runs in parallel too. Reads ahead of this thread hold at most ``READ_AHEAD_BYTES`` of host
-memory and at most an eighth of the host memory available when the load starts (one read always runs, whatever
-its size), beside the tensor in hand. The device sees one tensor at a time, as without it; the results, the
-order in which the model's entries are set, the progress callbacks and the errors are the same: a read's error
-is raised when the loop reaches that tensor.
+pinned buffer allocated and read into on the worker, so pinning runs in parallel too. Reads ahead of this thread
+hold at most ``READ_AHEAD_BYTES`` of host memory and at most an eighth of the host memory available when the load
+starts (one read always runs, whatever its size), beside the tensor in hand. The device sees one tensor at a time,
+as without it; the results, the order in which the model's entries are set, the progress callbacks and the errors
+are the same: a read's error is raised when the loop reaches that tensor.
 
 Peak device memory during a load is therefore the resident result plus about one source tensor (and the
 quantizer's temporaries for it). Errors name the tensor: missing keys, wrong shapes, non-finite values.

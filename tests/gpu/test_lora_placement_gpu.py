@@ -1,13 +1,13 @@
 """A merge-mode LoRA wherever the weights live, on a real GPU (run: python3 -m pytest -m gpu
 tests/gpu/test_lora_placement_gpu.py -s).
 
-The same tiny checkpoint and LoRA, five placements: AdaLN weights on the device (``adaln_cache`` off, and the
-memory plan's choice where the budget holds them beside every block, then moved off by a run whose budget does not), in
+The same tiny checkpoint and LoRA, five placements: AdaLN weights on the device (``adaln_cache`` off, and the memory
+plan's choice where the budget holds them beside every block, then moved off by a run whose budget does not), in
 pinned host memory (a budget without room for them: the merge is applied to the copy each run brings over), left in
 the checkpoint file (a host budget too small for them), and every block streamed (the block linears' NVFP4 bytes in
-host memory between uses, their global scales on the device). Each gives the same latent hashes before the LoRA, with it, and after its
-removal, and the LoRA changes them. The placements run the same kernels on the same bytes, so the hashes are equal,
-not close.
+host memory between uses, their global scales on the device). Each gives the same latent hashes before the LoRA,
+with it, and after its removal, and the LoRA changes them. The placements run the same kernels on the same bytes, so
+the hashes are equal, not close.
 """
 
 from dataclasses import replace

@@ -235,7 +235,8 @@ def test_adaln_the_plan_keeps_on_the_device_moves_to_host_memory_for_a_run_witho
     assert checked.streamed == () and checked.adaln_host_bytes == adaln  # checked as it will run: AdaLN moved off
     assert rt.plan.choices["adaln"].choice == "on the device"  # a check moves nothing
     rt.fit_memory(VS, AS, 32, 2, device_memory=roomy)
-    assert rt.plan.choices["adaln"].choice == "rows per run" and "moved off the device" in rt.plan.choices["adaln"].reason
+    adaln_choice = rt.plan.choices["adaln"]
+    assert adaln_choice.choice == "rows per run" and "moved off the device" in adaln_choice.reason
     assert rt.plan.memory.adaln_host_bytes > 0
     kept = _load(ck, "1000")
     for r in (rt, kept):
