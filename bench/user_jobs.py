@@ -3,7 +3,8 @@
 
     python3 bench/user_jobs.py [--jobs turbo8,clip10s,turbo8_sparse] [--caps resident,16,8] [--rows turbo8:8,...]
                                [--stacks ours,core] [--merge] [--out FILE] [--workdir DIR] [--lora-rank R]
-                               [--comfyui .core_peer] [--core-python PY] [--runs N] [--blocks N --steps N] [--tiny]
+                               [--file-dir auto|DIR] [--comfyui .core_peer] [--core-python PY] [--runs N]
+                               [--blocks N --steps N] [--tiny]
 
 Rows are (job, cap); each stack of each row runs in a child process of its own, so a hard cap
 (``torch.cuda.set_per_process_memory_fraction`` with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``) and the
@@ -11,10 +12,11 @@ peak host RSS (the kernel's high-water mark of that process) belong to that run 
 every child; ``--merge`` keeps the rows of an existing file that this call does not run (several short device calls
 build one file). Jobs: bench/jobs.py.
 
-Both stacks load the same random weights (bench/_h3bench.RandomSource, seed 0) from a checkpoint file in --workdir,
-each in its own format, as their users do. One full-size file of each does not fit the device's 64 GB disk beside
-the other (ours ~39 GB, core's ~47 GB), so the call runs stack by stack: the stack whose file is on disk first, then
-the other, whose file replaces it (``make_room``); a call writes at most one file. Before a stack's rows, a warm-up
+Both stacks load the same random weights (bench/_h3bench.RandomSource, seed 0) from a checkpoint file, each in its
+own format, as their users do: in /dev/shm where the host memory holds both (``file_dirs``: each stack then reads from
+memory, neither from a page cache that may have dropped its file), else in --workdir. One full-size file of each does
+not fit the device's 64 GB disk beside the other (ours ~39 GB, core's ~47 GB), so there the call runs stack by stack:
+the stack whose file is present first, then the other, whose file replaces it (``make_room``). Before a stack's rows, a warm-up
 child runs the first job on a one-block model of the same widths: the once-per-machine work (our FC2 extension
 build, Triton's compiles) stays out of the rows, as it does from a user's later jobs; its time is recorded.
 
@@ -110,44 +112,56 @@ CHECKPOINT = {"ours": "checkpoint", "core": "core_checkpoint"}  # each stack's c
 LORA_FORM = "diffusion_model"  # ``diffusion_model.<name>.lora_A/B``: the form core's generic LoRA key map matches
 
 
-def file_names(work: Path, cfg, rank: int, core_dir: Path | None = None) -> dict:
-    """Where each stack's checkpoint and the LoRA of ``cfg`` live: the work folder, core's checkpoint in
-    ``core_dir`` where given (``core_file_dir``)."""
-    n = cfg.num_layers
-    return {"checkpoint": str(work / f"h3_random_{n}blocks_nvfp4.safetensors"),
-            "core_checkpoint": str((core_dir or work) / f"h3_random_{n}blocks_core_fp8.safetensors"),
+def file_names(work: Path, cfg, rank: int, dirs: dict | None = None) -> dict:
+    """Where each stack's checkpoint and the LoRA of ``cfg`` live: the work folder, or ``dirs[stack]`` where given
+    (``file_dirs``)."""
+    n, dirs = cfg.num_layers, dirs or {}
+    return {"checkpoint": str(dirs.get("ours", work) / f"h3_random_{n}blocks_nvfp4.safetensors"),
+            "core_checkpoint": str(dirs.get("core", work) / f"h3_random_{n}blocks_core_fp8.safetensors"),
             "lora": str(work / f"turbo_rank{rank}_{n}blocks_{LORA_FORM}.safetensors")}
 
 
-def core_file_dir(choice: str, work: Path, cfg) -> tuple[Path, str]:
-    """Where core's checkpoint goes (--core-file-dir): ``auto`` = /dev/shm (host memory, tmpfs) where it has room
-    for the file and 4 GB more and the machine's available memory keeps 48 GB beside it (ours' child peaks near
-    32 GB), so both stacks' files stay between calls (ours on the disk, read from the page cache it was written
-    through); else the work folder, where one file of each does not fit a 64 GB disk together and a call replaces
-    one with the other (``make_room``). -> (folder, why)."""
+SHM = Path("/dev/shm") / "h3_user_jobs"
+ROW_HOST_GB = 24  # host memory a row's child needs beside the files in /dev/shm (ours at a cap: ~14 GB measured)
+
+
+def file_dirs(choice: str, work: Path, cfg) -> tuple[dict, dict]:
+    """Where each stack's checkpoint goes (--file-dir): ``auto`` = /dev/shm (host memory, tmpfs) for each stack in
+    turn (ours, then core) where it is there already, or where /dev/shm has room for it and 4 GB more and the host
+    memory left after the files placed there keeps ``ROW_HOST_GB`` beside it; else the work folder (the device's
+    64 GB disk holds one full-size checkpoint of each stack, not both: a call then replaces one with the other,
+    ``make_room``). Both stacks then read their weights from memory, neither from a page cache that could have
+    dropped them. -> ({stack: folder}, {stack: why})."""
     import shutil
 
     if choice != "auto":
-        return Path(choice), "--core-file-dir"
+        return {"ours": Path(choice), "core": Path(choice)}, {"ours": "--file-dir", "core": "--file-dir"}
     if cfg.num_layers < 10:  # the tiny model or a smoke run: nothing to gain, and tests keep to their folder
-        return work, "the work folder (a small model)"
+        why = "the work folder (a small model)"
+        return {"ours": work, "core": work}, {"ours": why, "core": why}
     from h3_blackwell.runtime.io.convert import planned_bytes
-
     from h3_blackwell.runtime.sampling.request import host_available_bytes
 
-    need = planned_bytes(checkpoint_plan("core", cfg))
-    shm = Path("/dev/shm") / "h3_user_jobs"
     try:
-        free = shutil.disk_usage(shm.parent).free
+        free = shutil.disk_usage(SHM.parent).free
     except OSError:
-        return work, "no /dev/shm"
-    avail = host_available_bytes()
-    if Path(file_names(work, cfg, 0, shm)["core_checkpoint"]).is_file() or \
-            (free >= need + 4e9 and avail >= need + 48e9):
-        return shm, (f"/dev/shm (tmpfs): {free / 1e9:.0f} GB free, {avail / 1e9:.0f} GB of host memory available "
-                     f"for a {need / 1e9:.1f} GB file")
-    return work, (f"the work folder: /dev/shm has {free / 1e9:.0f} GB free and the host {avail / 1e9:.0f} GB "
-                  f"available, short of a {need / 1e9:.1f} GB file with room beside it")
+        return {"ours": work, "core": work}, {"ours": "no /dev/shm", "core": "no /dev/shm"}
+    avail, dirs, why = host_available_bytes(), {}, {}
+    for stack in ("ours", "core"):
+        need = planned_bytes(checkpoint_plan(stack, cfg))
+        there = Path(file_names(work, cfg, 0, {stack: SHM})[CHECKPOINT[stack]]).is_file()
+        if there or (free >= need + 4e9 and avail >= need + ROW_HOST_GB * 1e9):
+            dirs[stack] = SHM
+            why[stack] = (f"/dev/shm (tmpfs): {free / 1e9:.0f} GB free, {avail / 1e9:.0f} GB of host memory "
+                          f"available for a {need / 1e9:.1f} GB file" + (" (there already)" if there else ""))
+            if not there:
+                free, avail = free - need, avail - need
+        else:
+            dirs[stack] = work
+            why[stack] = (f"the work folder: /dev/shm has {free / 1e9:.0f} GB free and the host "
+                          f"{avail / 1e9:.0f} GB available, short of a {need / 1e9:.1f} GB file with "
+                          f"{ROW_HOST_GB} GB beside it")
+    return dirs, why
 
 
 def checkpoint_plan(stack: str, cfg) -> list:
@@ -646,8 +660,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", default=os.environ.get("H3_USER_JOBS_DIR", "/tmp/h3_user_jobs"))
     ap.add_argument("--lora-rank", type=int, default=J.TURBO_LORA_RANK)
     ap.add_argument("--comfyui", default=str(ROOT / ".core_peer"), help="the folder scripts/pack_core_peer.sh fills")
-    ap.add_argument("--core-file-dir", default="auto", help="where core's checkpoint goes (auto: /dev/shm where "
-                    "host memory allows, else --workdir)")
+    ap.add_argument("--file-dir", default="auto", help="where both stacks' checkpoints go (auto: /dev/shm for each "
+                    "where host memory allows, else --workdir)")
     ap.add_argument("--core-python", default="", help="the python core's child runs with (one with ComfyUI's "
                     "requirements, e.g. .comfyui/venv/bin/python here); default this one")
     ap.add_argument("--blocks", type=int, default=0, help="a device smoke run: H3's full widths with this many "
@@ -677,8 +691,8 @@ def parent(a, argv) -> int:
     old = json.loads(out.read_text()) if a.merge and out.is_file() else {}
     work = Path(a.workdir) / ("tiny" if a.tiny else "full")
     cfg = config_of(a)
-    core_dir, core_dir_why = core_file_dir(a.core_file_dir, work, cfg)
-    files = {**file_names(work, cfg, lora_rank(a), core_dir), "comfyui": a.comfyui}
+    dirs, dirs_why = file_dirs(a.file_dir, work, cfg)
+    files = {**file_names(work, cfg, lora_rank(a), dirs), "comfyui": a.comfyui}
     stacks = sorted((s for s in ("ours", "core") if s in a.stacks.split(",")),
                     key=lambda s: not Path(files[CHECKPOINT[s]]).is_file())
     rows = {(job, cap): {"job": job, "cap_gb": cap, "definition": job_of(job, a).as_dict(),
@@ -688,7 +702,7 @@ def parent(a, argv) -> int:
     res = {"name": name, "command": bench_command(argv), "blocks": cfg.num_layers,
            "date": datetime.datetime.now().isoformat(timespec="seconds"),
            "device": old.get("device"), "versions": versions(),  # the parent never touches the GPU: rows name it
-           "files": {"core_checkpoint_in": core_dir_why}, "warmup": {},
+           "files": {"checkpoints_in": dirs_why}, "warmup": {},
            "core_stack": "in-process (bench/user_jobs.py docstring)",
            "rows": [r for r in old.get("rows", []) if (r["job"], r["cap_gb"]) not in rows] + list(rows.values())}
     warm_cfg = cfg if a.tiny else cfg.replace(num_layers=1)  # H3's widths, one block

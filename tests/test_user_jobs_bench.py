@@ -66,9 +66,10 @@ def test_tiny_row_runs_core_stack_from_the_vendored_comfyui(tmp_path):
     assert core["loaded_by"].startswith("comfy.sd.load_diffusion_model") and "load_models_gpu" in core["loaded_by"]
     assert core["load_seconds"] > 0 and core["sampling_seconds"] > 0 and core["compute_dtype"] == "float32"
     res = json.loads(out.read_text())
-    assert set(res["files"]) == {"ours", "core", "core_checkpoint_in"}, res["files"]
+    assert set(res["files"]) == {"ours", "core", "checkpoints_in"}, res["files"]
     assert "error" not in res["files"]["ours"] and "error" not in res["files"]["core"]
-    assert res["files"]["core_checkpoint_in"] == "the work folder (a small model)"
+    assert res["files"]["checkpoints_in"] == {"ours": "the work folder (a small model)",
+                                              "core": "the work folder (a small model)"}
     assert all(res["warmup"][s]["job_seconds"] > 0 for s in ("ours", "core")), res["warmup"]
     assert rows["turbo8"]["speedup"] == core["job_seconds"] / rows["turbo8"]["ours"]["job_seconds"]
     assert "missing feature" in rows["turbo8_sparse"]["core"]["error"] and rows["turbo8_sparse"]["speedup"] is None
@@ -117,3 +118,33 @@ def test_core_stack_loads_aimdo_before_core_modules_and_keeps_the_cap_flag(tmp_p
     assert seen["load"] == "loaded" and seen["load_cpu"].startswith("off: core enables DynamicVRAM only on CUDA")
     assert seen["host_buffer_bound"], seen
 
+
+
+def test_both_checkpoints_go_to_host_memory_where_it_holds_them(tmp_path, monkeypatch):
+    """``file_dirs`` at H3's full size (ours 38.6 GB, core's 47.0 GB): both in /dev/shm where the host memory holds
+    both with room for a row beside them, ours alone where it holds one (core's then goes to the work folder), a
+    file already there stays there, and none where the host has too little; each decision says why."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import shutil
+
+    import user_jobs as U
+    from h3_blackwell.runtime.model.config import FULL
+
+    shm, work = tmp_path / "shm", tmp_path / "work"
+    shm.mkdir()
+    monkeypatch.setattr(U, "SHM", shm)
+    state = {"free": 137e9, "avail": 134e9}
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(200e9, 0, int(state["free"])))
+    import h3_blackwell.runtime.sampling.request as R
+
+    monkeypatch.setattr(R, "host_available_bytes", lambda: int(state["avail"]))
+    dirs, why = U.file_dirs("auto", work, FULL)
+    assert dirs == {"ours": shm, "core": shm} and why["core"].startswith("/dev/shm")
+    state["avail"] = 90e9  # 38.6 + 24 fits, then 47.0 + 24 does not in what is left
+    dirs, why = U.file_dirs("auto", work, FULL)
+    assert dirs == {"ours": shm, "core": work} and "short of a 47.0 GB file" in why["core"]
+    Path(U.file_names(work, FULL, 0, {"core": shm})["core_checkpoint"]).write_bytes(b"x")  # core's file there
+    state["avail"] = 30e9
+    dirs, why = U.file_dirs("auto", work, FULL)
+    assert dirs == {"ours": work, "core": shm} and why["core"].endswith("(there already)")
+    assert U.file_dirs("/elsewhere", work, FULL)[0] == {"ours": Path("/elsewhere"), "core": Path("/elsewhere")}
