@@ -462,6 +462,9 @@ class H3Runtime:
                                       "weights hold, and the host memory cannot hold them; reload the model so that "
                                       "its load plans them in the checkpoint file (nothing moved: the model stays "
                                       "loaded as it was)")
+                if self.parked is not None:  # offloaded: their host copies stay when the rest comes back
+                    lins = {id(b.adaln_proj.linear) for b in self.model.blocks}
+                    self.parked.tensors = [e for e in self.parked.tensors if id(e[0]) not in lins]
                 place_adaln(self.model.blocks, self.device, on_host=True)
                 for tower in [t for t in plan.towers if not t.curve_form]:  # loaded as the base keeps its AdaLN
                     place_adaln(tower.control_blocks, self.device, on_host=True)

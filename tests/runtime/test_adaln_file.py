@@ -245,3 +245,25 @@ def test_adaln_the_plan_keeps_on_the_device_moves_to_host_memory_for_a_run_witho
         r.hashes.append(_run(r))
         apply_loras(r, [])
     assert rt.hashes == kept.hashes and rt.hashes[0] != rt.hashes[1]
+
+
+def test_an_offloaded_runtime_whose_adaln_must_move_off_comes_back_with_it_in_host_memory(files):
+    """Offloaded (``park``: on the CPU the same moves, as copies) while the plan keeps AdaLN on the device, then a run
+    without room for it: the AdaLN weights come back into host memory and every other tensor onto the device, and
+    the latents are those of AdaLN kept in host memory from the start."""
+    from h3_blackwell.runtime.offload import park
+
+    ck, _ = files
+    roomy = DeviceMemory("cuda", "simulated card", 80 * 10 ** 9, 79 * 10 ** 9)
+    rt = load_model(ck, RuntimeOptions(device="cpu", host_budget="1000"), workload=Workload.from_shapes(VS, AS, 32, 2),
+                    device_memory=roomy)
+    adaln = sum(t.numel() * t.element_size() for b in rt.model.blocks for t in b.adaln_proj.linear.parameters())
+    rt.plan.options.vram_budget = repr((rt.plan.memory.estimate.total - adaln // 2) / 1e9)
+    rt.parked = park(rt)
+    parked_adaln = [e for e in rt.parked.tensors if e[0] is rt.model.blocks[0].adaln_proj.linear]
+    assert parked_adaln
+    rt.fit_memory(VS, AS, 32, 2, device_memory=roomy)
+    assert rt.parked is None and rt.plan.choices["adaln"].choice == "rows per run"
+    w = rt.model.blocks[0].adaln_proj.linear.weight
+    assert w.data_ptr() != parked_adaln[0][3].data_ptr() and torch.equal(w, parked_adaln[0][3])  # placed anew
+    assert _run(rt) == _run(_load(ck, "1000"))
