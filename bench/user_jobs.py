@@ -294,6 +294,30 @@ class LoadProfile:
                  "cumulative_seconds": round(ct, 4)} for (f, line, fn), (_, nc, tt, ct, _) in most]
 
 
+def step_profile(fn, device: torch.device, n: int = 15) -> dict:
+    """``fn()`` (one denoising step of a stack, after its timed runs) under torch.profiler -> where its time went:
+    the ``n`` operators with the most device self time (CUDA; CPU self time on the CPU), each with its calls, and
+    the totals. Kernel names are the stack's own, so the two stacks' lists are read side by side, not summed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, key, 0) > 0]
+    total = sum(getattr(e, key) for e in events)
+    top = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:n]
+    return {"wall_seconds": round(wall, 3), "clock": "device" if cuda else "cpu",
+            "self_seconds_total": round(total / 1e6, 3),
+            "top": [{"op": e.key[:120], "calls": e.count, "self_seconds": round(getattr(e, key) / 1e6, 4),
+                     "share": round(getattr(e, key) / total, 4) if total else None} for e in top]}
+
+
 def import_ours() -> list[str]:
     """Every module of our runtime imported before the clock starts, as core's are before its (``import_core_stack``,
     ``core_sample``) and as ComfyUI imports a node pack when it starts: import-time work (Triton parsing its
@@ -348,6 +372,10 @@ def run_ours(job: J.Job, cap_gb: int | None, files: dict, tiny: bool) -> dict:
     if device.type == "cuda":
         torch.cuda.synchronize()
     rep = res.report
+    profiled = None
+    if files.get("profile_step"):  # one more step, after the timed runs, under the profiler
+        one = SamplingSettings(seed=job.seed, steps=1, sampler=job.sampler)
+        profiled = step_profile(lambda: run(tensor_job(rt, inputs, one)), device)
     steps = [s["seconds"] for r in rep["per_step_seconds"] for s in r]
     # the job a user runs: the load and one run (the further measured runs, there for the hash check, taken off)
     job_seconds = time.perf_counter() - t0 - sum(rep["sampling_seconds"][1:])
@@ -366,7 +394,8 @@ def run_ours(job: J.Job, cap_gb: int | None, files: dict, tiny: bool) -> dict:
                         "estimate")},
             "memory_choice": rep["backends"].get("memory"), "adaln": rep["backends"].get("adaln"),
             "modules_not_imported_before_the_clock": not_imported,
-            "attention": rep["backends"].get("attention"), "device": rep["device"]}
+            "attention": rep["backends"].get("attention"), "device": rep["device"],
+            **({"step_profile": profiled} if profiled is not None else {})}
 
 
 def import_core_stack(folder: Path, device: torch.device, cap_gb: int | None):
@@ -531,6 +560,11 @@ def core_sample(mm, job: J.Job, device, files: dict) -> dict:
                 free, total = torch.cuda.mem_get_info(device)
                 used = max(used, int(total - free))
             times.append(time.perf_counter() - t)
+        profiled = None
+        if files.get("profile_step"):  # one more forward, after the timed steps, under the profiler
+            ts = torch.tensor([sigmas[0] * 1000.0], dtype=torch.float32, device=device)
+            profiled = step_profile(lambda: model([v.to(compute) for v in x], ts, context, transformer_options={},
+                                                  minimax_payload=payload), device)
     cuda = device.type == "cuda"
     return {"step_seconds": statistics.median(times), "job_seconds": time.perf_counter() - t0,
             "load_seconds": t_file - t0, "lora_seconds": t_lora - t_file,  # the patches are computed when the
@@ -547,7 +581,8 @@ def core_sample(mm, job: J.Job, device, files: dict) -> dict:
             "compute_dtype": str(compute).replace("torch.", ""),
             "loaded_by": f"comfy.sd.load_diffusion_model + comfy.model_patcher.{type(patcher).__name__} + "
                          "comfy.model_management.load_models_gpu", "lora": lora,
-            "note": "Euler over linear sigmas, one core forward per step"}
+            "note": "Euler over linear sigmas, one core forward per step",
+            **({"step_profile": profiled} if profiled is not None else {})}
 
 
 def child(a) -> int:
@@ -564,7 +599,7 @@ def child(a) -> int:
     job = job_of(a.rows.split(":")[0], a)
     cap = parse_rows(a)[0][1]
     files = json.loads(a.child_files)
-    files["config"], files["runs"] = config_of(a), a.runs
+    files["config"], files["runs"], files["profile_step"] = config_of(a), a.runs, a.profile_step
     try:
         res = (run_ours if a.child == "ours" else run_core)(job, cap, files, a.tiny)
     except BaseException as e:  # noqa: BLE001 - a refusal, an OOM or a missing feature is the row's finding
@@ -587,7 +622,8 @@ def run_stack(stack: str, job: str, cap, files: dict, a, blocks: int | None = No
     cmd = [py, __file__, "--child", stack, "--rows", f"{job}:{cap or 'resident'}", "--child-out", out,
            "--child-files", json.dumps(files), "--lora-rank", str(a.lora_rank),
            "--steps", str(a.steps if steps is None else steps), "--blocks", str(a.blocks if blocks is None else blocks),
-           "--runs", str(a.runs if runs is None else runs)] + (["--tiny"] if a.tiny else [])
+           "--runs", str(a.runs if runs is None else runs)] + (["--tiny"] if a.tiny else []) \
+        + (["--profile-step"] if a.profile_step and blocks is None else [])
     env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     p = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:
@@ -668,6 +704,8 @@ def main(argv=None) -> int:
                     "blocks (0: all 50)")
     ap.add_argument("--steps", type=int, default=0, help="steps of every job (0: the job's own)")
     ap.add_argument("--runs", type=int, default=1, help="our measured runs per row (2+: hashes compared across them)")
+    ap.add_argument("--profile-step", action="store_true", help="after each stack's timed runs, one more step under "
+                    "torch.profiler: the operators with the most device time (the row's step_profile)")
     ap.add_argument("--tiny", action="store_true", help="the tiny config on the CPU: the whole flow, end to end")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per stack and row")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)

@@ -18,7 +18,7 @@ def _bench(*args):
 
 def test_tiny_rows_merge_and_table(tmp_path):
     out, work = tmp_path / "uj.json", tmp_path / "work"
-    p = _bench("--rows", "turbo8:resident", "--out", str(out), "--workdir", str(work), "--runs", "2")
+    p = _bench("--rows", "turbo8:resident", "--out", str(out), "--workdir", str(work), "--runs", "2", "--profile-step")
     assert p.returncode == 0, p.stderr[-2000:]
     p = _bench("--rows", "turbo8:8", "--out", str(out), "--workdir", str(work), "--merge")
     assert p.returncode == 0, p.stderr[-2000:]
@@ -31,6 +31,9 @@ def test_tiny_rows_merge_and_table(tmp_path):
     assert capped["latent_checksums"] == resident["latent_checksums"]  # streaming changes no byte
     assert capped["hashes_equal_resident"] is True
     assert resident["measured_runs"] == 2 and resident["latent_checksums"]["exact_across_measured_runs"]
+    prof = resident["step_profile"]  # one more step under torch.profiler, after the timed runs
+    assert prof["clock"] == "cpu" and prof["top"] and prof["self_seconds_total"] > 0
+    assert all(0 < t["share"] <= 1 and t["calls"] >= 1 for t in prof["top"]) and "step_profile" not in capped
     assert 0 < resident["job_seconds"] and resident["step_seconds"] > 0
     assert resident["host_peak_rss_bytes"] > 10 ** 8 and rows[("turbo8", 8)]["lora_rank_source"]
     readme = tmp_path / "README.md"
