@@ -120,34 +120,3 @@ def test_core_stack_loads_aimdo_before_core_modules_and_keeps_the_cap_flag(tmp_p
     assert seen["reserve_vram"] == 2.5 and seen["memory_modules_imported"] == [], seen
     assert seen["load"] == "loaded" and seen["load_cpu"].startswith("off: core enables DynamicVRAM only on CUDA")
     assert seen["host_buffer_bound"], seen
-
-
-
-def test_both_checkpoints_go_to_host_memory_where_it_holds_them(tmp_path, monkeypatch):
-    """``file_dirs`` at H3's full size (ours 38.6 GB, core's 47.0 GB): both in /dev/shm where the host memory holds
-    both with room for a row beside them, ours alone where it holds one (core's then goes to the work folder), a
-    file already there stays there, and none where the host has too little; each decision says why."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    import shutil
-
-    import user_jobs as U
-    from h3_blackwell.runtime.model.config import FULL
-
-    shm, work = tmp_path / "shm", tmp_path / "work"
-    shm.mkdir()
-    monkeypatch.setattr(U, "SHM", shm)
-    state = {"free": 137e9, "avail": 134e9}
-    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(200e9, 0, int(state["free"])))
-    import h3_blackwell.runtime.sampling.request as R
-
-    monkeypatch.setattr(R, "host_available_bytes", lambda: int(state["avail"]))
-    dirs, why = U.file_dirs("auto", work, FULL)
-    assert dirs == {"ours": shm, "core": shm} and why["core"].startswith("/dev/shm")
-    state["avail"] = 90e9  # 38.6 + 24 fits, then 47.0 + 24 does not in what is left
-    dirs, why = U.file_dirs("auto", work, FULL)
-    assert dirs == {"ours": shm, "core": work} and "short of a 47.0 GB file" in why["core"]
-    Path(U.file_names(work, FULL, 0, {"core": shm})["core_checkpoint"]).write_bytes(b"x")  # core's file there
-    state["avail"] = 30e9
-    dirs, why = U.file_dirs("auto", work, FULL)
-    assert dirs == {"ours": work, "core": shm} and why["core"].endswith("(there already)")
-    assert U.file_dirs("/elsewhere", work, FULL)[0] == {"ours": Path("/elsewhere"), "core": Path("/elsewhere")}
