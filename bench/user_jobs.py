@@ -13,12 +13,13 @@ every child; ``--merge`` keeps the rows of an existing file that this call does 
 build one file). Jobs: bench/jobs.py.
 
 Both stacks load the same random weights (bench/_h3bench.RandomSource, seed 0) from a checkpoint file, each in its
-own format, as their users do: in /dev/shm where the host memory holds both (``file_dirs``: each stack then reads from
-memory, neither from a page cache that may have dropped its file), else in --workdir. One full-size file of each does
-not fit the device's 64 GB disk beside the other (ours ~39 GB, core's ~47 GB), so there the call runs stack by stack:
-the stack whose file is present first, then the other, whose file replaces it (``make_room``). Before a stack's rows, a warm-up
-child runs the first job on a one-block model of the same widths: the once-per-machine work (our FC2 extension
-build, Triton's compiles) stays out of the rows, as it does from a user's later jobs; its time is recorded.
+own format, as their users do: in /dev/shm where the host memory holds both (``file_dirs``: each stack then reads
+from memory, neither from a page cache that may have dropped its file), else in --workdir. One full-size file of
+each does not fit the device's 64 GB disk beside the other (ours ~39 GB, core's ~47 GB), so there the call runs
+stack by stack: the stack whose file is present first, then the other, whose file replaces it (``make_room``).
+Before a stack's rows, a warm-up child runs the first job on a one-block model of the same widths: the
+once-per-machine work (our FC2 extension build, Triton's compiles) stays out of the rows, as it does from a user's
+later jobs; its time is recorded.
 
 ours: an NVFP4 checkpoint (``quantize``'s streaming writer) and a turbo-style LoRA of --lora-rank; each run loads
 the file as a user does (``open_model`` -> plan -> streaming load), applies the LoRA in our default mode, samples the

@@ -1011,8 +1011,9 @@ def plan_memory(plan, workload: Workload | None = None, dev: DeviceMemory | None
     mm = ModelMemory.from_plan(plan)
     if host_free is None:
         host_free = host_budget_bytes(plan.host_budget)
-    mp = decide(mm, wl, dev, parse_vram_budget(plan.vram_budget), host_free)
-    on_device = adaln_on_device(mm, wl, dev, parse_vram_budget(plan.vram_budget), host_free, mp)
+    requested = parse_vram_budget(plan.vram_budget)
+    mp = decide(mm, wl, dev, requested, host_free)
+    on_device = adaln_on_device(mm, wl, dev, requested, host_free, mp)
     if on_device is not None:
         mp = on_device
         plan.choices["adaln"] = Choice(ADALN_ON_DEVICE, (

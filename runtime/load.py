@@ -52,8 +52,8 @@ import torch
 import torch.nn as nn
 
 from .budget import (DeviceMemory, Held, MemoryAsk, MemoryPlan, ModelMemory, Outside, TowerSize, Workload,
-                     adaln_on_device, check_request, decide, gb, host_budget_bytes, parse_vram_budget,
-                     plan_memory, BudgetError)
+                     BudgetError, adaln_on_device, check_request, decide, gb, host_budget_bytes,
+                     parse_vram_budget, plan_memory)
 from .errors import CheckpointError
 from .io.adaln_file import ADALN_KEY, AdalnFromFile
 from .io import prefetch
@@ -207,14 +207,14 @@ class _Loader:
         return self.src.tensor(name, "cpu").pin_memory()  # shards or a layout change: pinned as read
 
     def _read_host(self, k: str, like: torch.Tensor) -> torch.Tensor:
-        """Tensor ``k`` in new host memory of ``like``'s shape and dtype (pinned where CUDA is available): read
-        straight there where the file holds it at that dtype (``Checkpoint.read_into``), else read and copied in (a
-        cast, a layout change, a source without files)."""
-        host = torch.empty(tuple(like.shape), dtype=like.dtype, pin_memory=torch.cuda.is_available())
-        read_into = getattr(self.src, "read_into", None)
-        if read_into is None or not read_into(k, host):
-            host.copy_(self.src.tensor(k, "cpu"))
-        return host
+        """Tensor ``k`` in new host memory of ``like``'s shape and dtype, pinned where CUDA is available: a
+        Checkpoint's ``read_host`` (straight there where the file holds it at that dtype), else read and cast in (an
+        in-memory source)."""
+        pin = torch.cuda.is_available()
+        read_host = getattr(self.src, "read_host", None)
+        if read_host is not None:
+            return read_host(k, like.dtype, pin)
+        return torch.empty(tuple(like.shape), dtype=like.dtype, pin_memory=pin).copy_(self.src.tensor(k, "cpu"))
 
     def _nbytes(self, name: str) -> int:
         like = self.host_like.get(name)

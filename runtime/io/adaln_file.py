@@ -43,14 +43,9 @@ class AdalnFromFile:
     def _host(self, j: int) -> list[torch.Tensor]:
         """Block j's AdaLN weight and bias read from the file into host memory at the model's AdaLN dtypes, checked
         finite (the exception names the tensor). A tensor stored whole at its model dtype is read in
-        ``READ_THREADS`` parts at once, straight into its buffer; any other goes through ``Checkpoint.tensor``."""
-        out = []
-        for name, dtype in zip(self.names(j), self.dtypes[j]):
-            t = torch.empty(self.checkpoint.shape(name), dtype=dtype)
-            if not self.checkpoint.read_into(name, t, READ_THREADS):
-                t = self.checkpoint.tensor(name, "cpu").to(dtype)
-            out.append(check_finite(name, t))
-        return out
+        ``READ_THREADS`` parts at once, straight into its buffer (``Checkpoint.read_host``)."""
+        return [check_finite(name, self.checkpoint.read_host(name, dtype, threads=READ_THREADS))
+                for name, dtype in zip(self.names(j), self.dtypes[j])]
 
     def read(self, j: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """Block j's AdaLN (weight [6*3*hidden, t_dim], bias) as stored, on ``device`` at the model's AdaLN dtypes.

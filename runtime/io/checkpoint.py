@@ -178,6 +178,14 @@ class Checkpoint:
         read_tensor(srcs[0].header, srcs[0].key, out, threads)
         return True
 
+    def read_host(self, name: str, dtype: torch.dtype, pin: bool = False, threads: int = 1) -> torch.Tensor:
+        """Tensor ``name`` in new host memory at ``dtype`` (page-locked with ``pin``): read straight there where the
+        file allows (``read_into``, in ``threads`` parts), else read (``tensor``) and cast into it."""
+        out = torch.empty(self.shape(name), dtype=dtype, pin_memory=pin)
+        if not self.read_into(name, out, threads):
+            out.copy_(self.tensor(name, "cpu"))
+        return out
+
     def iter_tensors(self, device="cpu", progress: Callable[[int, int, str], None] | None = None
                      ) -> Iterator[tuple[str, torch.Tensor]]:
         keys = self.keys()

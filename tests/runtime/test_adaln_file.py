@@ -147,7 +147,8 @@ def test_adaln_kept_in_host_memory_equals_the_file(tmp_path, stored, monkeypatch
 
     ck = save_tiny(tmp_path / "t.safetensors", seed=5, dtype=stored)
     reads, real = [], Checkpoint.read_into
-    monkeypatch.setattr(Checkpoint, "read_into", lambda self, k, out: reads.append(real(self, k, out)) or reads[-1])
+    monkeypatch.setattr(Checkpoint, "read_into",
+                        lambda self, k, out, threads=1: reads.append(real(self, k, out, threads)) or reads[-1])
     rt = load_model(ck, RuntimeOptions(device="cpu", dtype="bfloat16", host_budget="1000"),
                     workload=Workload.from_shapes(VS, AS, 32, 2))
     assert rt.plan.choices["adaln"].choice == "rows per run"
