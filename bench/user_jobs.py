@@ -26,7 +26,9 @@ the file as a user does (``open_model`` -> plan -> streaming load), applies the 
 job (first and last keyframes as core's payload gives them) with the budget ``cap - 0.5 GB`` (auto when resident)
 and, under a cap, the host budget of a 32 GB machine less 4 GB for the process (the full-form AdaLN weights then stay
 in the checkpoint file: runtime.io.adaln_file), and records the step and job seconds (the job: the load, the LoRA and
-one run; with --runs N the further runs, there to compare hashes, are taken off), peaks, host RSS, latent hashes.
+one whole run, its plan included, the clock stopped at its end; with --runs N the same job runs N - 1 more times
+after that, each a run of its own, for the hash check; --profile-step's step comes after all of them and core's
+after its timed steps, outside both jobs), peaks over every run, host RSS, latent hashes.
 
 core: ComfyUI core's modules in one process, as a workflow drives them: its fp8 checkpoint (comfy_quant
 float8_e4m3fn block linears with per-tensor scales, core's fastest weight format on sm_90) loaded by UNETLoader's
@@ -63,7 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _h3bench import ROOT, RandomSource, bench_command, err_text, versions, write_json  # noqa: E402
 import jobs as J  # noqa: E402
 
-from h3_blackwell.runtime import (Measure, RuntimeOptions, SampleInputs, SamplingSettings, open_model,  # noqa: E402
+from h3_blackwell.runtime import (RuntimeOptions, SampleInputs, SamplingSettings, open_model,  # noqa: E402
                                   run, tensor_job)
 from h3_blackwell.runtime.budget import Workload  # noqa: E402
 from h3_blackwell.runtime.io.header import TORCH_TO_ST  # noqa: E402
@@ -376,27 +378,32 @@ def run_ours(job: J.Job, cap_gb: int | None, files: dict, tiny: bool) -> dict:
         t_lora = time.perf_counter()
     if tiny and cap_gb is not None:  # the CPU emulates streaming under an explicit budget: 8 -> the smallest the
         rt.plan.options.vram_budget = repr(tiny_budget(rt, job, inputs, cap_gb) / 1e9)  # plan accepts, 16 -> 1.5x
-    res = run(tensor_job(rt, inputs, SamplingSettings(seed=job.seed, steps=job.steps, sampler=job.sampler),
-                         measure=Measure(files.get("runs", 1), 0)))
+    settings = SamplingSettings(seed=job.seed, steps=job.steps, sampler=job.sampler)
+    reps = [run(tensor_job(rt, inputs, settings)).report]
     if device.type == "cuda":
         torch.cuda.synchronize()
-    rep = res.report
+    # the job a user runs: the load, the LoRA and one run, whole (its plan included); the clock stops here
+    job_seconds = time.perf_counter() - t0
+    for _ in range(files.get("runs", 1) - 1):  # the same job again, each a run of its own, for the hash check
+        reps.append(run(tensor_job(rt, inputs, settings)).report)
+    rep = reps[-1]
     profiled = None
     if files.get("profile_step"):  # one more step, after the timed runs, under the profiler
         one = SamplingSettings(seed=job.seed, steps=1, sampler=job.sampler)
         profiled = step_profile(lambda: run(tensor_job(rt, inputs, one)), device)
-    steps = [s["seconds"] for r in rep["per_step_seconds"] for s in r]
-    # the job a user runs: the load and one run (the further measured runs, there for the hash check, taken off)
-    job_seconds = time.perf_counter() - t0 - sum(rep["sampling_seconds"][1:])
+    steps = [s["seconds"] for r in reps for s in r["per_step_seconds"][0]]
+    sampling = [r["sampling_seconds"][0] for r in reps]
+    hashes = {(r["latent_checksums"]["video_sha256"], r["latent_checksums"]["audio_sha256"]) for r in reps}
     return {"step_seconds": statistics.median(steps), "job_seconds": job_seconds,
             "load_seconds": t_load - t0, "lora_seconds": t_lora - t_load, "load_profile": prof.top(),
-            "sampling_seconds": rep["median_sampling_seconds"],
-            "peak_allocated_bytes": max(rep["peak_allocated_bytes"] or [0]) or None,
-            "peak_reserved_bytes": max(rep["peak_reserved_bytes"] or [0]) or None,
+            "sampling_seconds": statistics.median(sampling), "sampling_seconds_per_run": sampling,
+            "peak_allocated_bytes": max(v for r in reps for v in r["peak_allocated_bytes"] or [0]) or None,
+            "peak_reserved_bytes": max(v for r in reps for v in r["peak_reserved_bytes"] or [0]) or None,
             "host_peak_rss_bytes": host_peak_rss_bytes(),
-            "latent_checksums": {k: rep["latent_checksums"][k] for k in ("video_sha256", "audio_sha256",
-                                                                          "exact_across_measured_runs")},
-            "measured_runs": len(rep["sampling_seconds"]),
+            "latent_checksums": {"video_sha256": rep["latent_checksums"]["video_sha256"],
+                                 "audio_sha256": rep["latent_checksums"]["audio_sha256"],
+                                 "exact_across_measured_runs": len(hashes) == 1},
+            "measured_runs": len(reps),
             "memory": {k: (rep.get("memory") or {}).get(k) for k in
                        ("budget", "streamed_blocks", "ffn_chunk_rows", "attn_chunk_rows", "host_bytes_planned",
                         "adaln_from_file", "host_limit_bytes", "refiner_on_host", "copy_exposed_ms_per_step",
@@ -569,17 +576,18 @@ def core_sample(mm, job: J.Job, device, files: dict) -> dict:
                 free, total = torch.cuda.mem_get_info(device)
                 used = max(used, int(total - free))
             times.append(time.perf_counter() - t)
+        t_end = time.perf_counter()  # the job a user runs ends with its last step; the profiled forward is not in it
         profiled = None
         if files.get("profile_step"):  # one more forward, after the timed steps, under the profiler
             ts = torch.tensor([sigmas[0] * 1000.0], dtype=torch.float32, device=device)
             profiled = step_profile(lambda: model([v.to(compute) for v in x], ts, context, transformer_options={},
                                                   minimax_payload=payload), device)
     cuda = device.type == "cuda"
-    return {"step_seconds": statistics.median(times), "job_seconds": time.perf_counter() - t0,
+    return {"step_seconds": statistics.median(times), "job_seconds": t_end - t0,
             "load_seconds": t_file - t0, "lora_seconds": t_lora - t_file,  # the patches are computed when the
             "load_models_gpu_seconds": t_load - t_lora,  # weights load (or per use, under DynamicVRAM)
             "load_profile": prof.top(),
-            "sampling_seconds": time.perf_counter() - t_load,
+            "sampling_seconds": t_end - t_load,
             "peak_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
             "peak_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None,
             "device_used_after_steps_max_bytes": used if cuda else None,  # the driver's view: aimdo's own memory too

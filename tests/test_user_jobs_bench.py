@@ -35,6 +35,9 @@ def test_tiny_rows_merge_and_table(tmp_path):
     assert prof["clock"] == "cpu" and prof["top"] and prof["self_seconds_total"] > 0
     assert all(0 < t["share"] <= 1 and t["calls"] >= 1 for t in prof["top"]) and "step_profile" not in capped
     assert 0 < resident["job_seconds"] and resident["step_seconds"] > 0
+    # the job is the load, the LoRA and the first run, whole; the second run (the hash check) is a run of its own
+    per_run = resident["sampling_seconds_per_run"]
+    assert len(per_run) == 2 and resident["job_seconds"] >= resident["load_seconds"] + resident["lora_seconds"] + per_run[0]
     assert resident["host_peak_rss_bytes"] > 10 ** 8 and rows[("turbo8", 8)]["lora_rank_source"]
     readme = tmp_path / "README.md"
     readme.write_text("# x\n")
