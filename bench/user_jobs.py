@@ -324,10 +324,10 @@ def step_profile(fn, device: torch.device, n: int = 15) -> dict:
 def import_ours() -> list[str]:
     """Every module of our runtime imported before the clock starts, as core's are before its (``import_core_stack``,
     ``core_sample``) and as ComfyUI imports a node pack when it starts: import-time work (Triton parsing its
-    kernels' source) is not a job's. The attention packages too (sageattention, comfy-kitchen: their import registers
-    their torch.library operators, seconds of Python compiles): a ComfyUI process imports both at startup (core's
-    ``comfy.ldm.modules.attention`` with ``--use-sage-attention``), before any node runs, and core's clock starts after
-    its own import of them. -> the modules this machine cannot import (an optional dependency), with why."""
+    kernels' source) is not a job's. The attention packages too (sageattention, comfy-kitchen; their import registers
+    their torch.library operators): a ComfyUI process imports both at startup (core's ``comfy.ldm.modules.attention``
+    with ``--use-sage-attention``), before any node runs, and core's clock starts after its own import of them.
+    -> the modules this machine cannot import (an optional dependency), with why."""
     import importlib
     import pkgutil
 
