@@ -80,7 +80,8 @@ HOST_MARGIN_GB = 4  # of which the process itself (torch, CUDA's context, the ru
 
 
 def parse_rows(a) -> list[tuple[str, int | None]]:
-    """--rows job:cap,... or the product of --jobs and --caps -> [(job, cap_gb or None)]."""
+    """--rows job:cap[:runs],... or the product of --jobs and --caps -> [(job, cap_gb or None)] (``row_runs``
+    reads the optional runs)."""
     def cap(text):
         return None if text in ("resident", "none", "") else int(text)
 
@@ -92,6 +93,30 @@ def parse_rows(a) -> list[tuple[str, int | None]]:
     if bad:
         raise SystemExit(f"error: unknown job(s) {bad}: expected {', '.join(J.JOBS)}")
     return out
+
+
+def row_runs(a) -> dict:
+    """{(job, cap_gb): our measured runs} from --rows ``job:cap:runs`` entries; a row without its own runs takes
+    --runs."""
+    wanted, out = parse_rows(a), {}
+    texts = a.rows.split(",") if a.rows else [""] * len(wanted)
+    for key, text in zip(wanted, texts):
+        parts = text.split(":")
+        out[key] = int(parts[2]) if len(parts) > 2 and parts[2] else a.runs
+        if out[key] < 1:
+            raise SystemExit(f"error: --rows {text!r}: runs must be 1 or more, found {out[key]}")
+    return out
+
+
+def lease_id() -> str:
+    """This machine's boot: the kernel's boot id where it has one, else the host name. Two stacks' results with the
+    same id ran on one machine without a restart between them (one lease of a device machine), so a row's speedup
+    compares like with like (``finish_row``)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        import socket
+        return socket.gethostname()
 
 
 def job_of(name: str, a) -> J.Job:
@@ -687,8 +712,21 @@ def prepare_files(stack: str, files: dict, cfg, a) -> dict:
 
 
 def finish_row(row: dict) -> None:
+    """The row's ``speedup`` (core's job over ours) where both stacks ran in the same lease on the same card, else
+    None with the reason in ``speedup_note``; ``card``: the card the row ran on."""
     o, c = row["ours"], row["core"]
-    row["speedup"] = (c["job_seconds"] / o["job_seconds"]) if "error" not in o and "error" not in c else None
+    row["speedup"], note = None, None
+    if "error" in o or "error" in c:
+        note = "a stack did not run (its error)"
+    elif o.get("lease") != c.get("lease") or o.get("device") != c.get("device"):
+        note = (f"the stacks ran in different leases or on different cards (ours {o.get('device')} lease "
+                f"{o.get('lease')}, core {c.get('device')} lease {c.get('lease')}): not compared")
+    else:
+        row["speedup"] = c["job_seconds"] / o["job_seconds"]
+    if note:
+        row["speedup_note"] = note
+    else:
+        row.pop("speedup_note", None)
     row["card"] = o.get("device") or c.get("device")
 
 
@@ -706,7 +744,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--jobs", default=",".join(J.USER_JOBS))
     ap.add_argument("--caps", default="resident,16,8")
-    ap.add_argument("--rows", default="", help="job:cap,... (cap resident|16|8): overrides --jobs/--caps")
+    ap.add_argument("--rows", default="", help="job:cap[:runs],... (cap resident|16|8; runs: this row's --runs): "
+                    "overrides --jobs/--caps")
     ap.add_argument("--stacks", default="ours,core")
     ap.add_argument("--merge", action="store_true", help="keep the rows of --out this call does not run")
     ap.add_argument("--out", default=None)
@@ -750,10 +789,14 @@ def parent(a, argv) -> int:
     files = {**file_names(work, cfg, lora_rank(a), dirs), "comfyui": a.comfyui}
     stacks = sorted((s for s in ("ours", "core") if s in a.stacks.split(",")),
                     key=lambda s: not Path(files[CHECKPOINT[s]]).is_file())
+    runs = row_runs(a)
+    kept = {(r["job"], r["cap_gb"]): r for r in old.get("rows", [])}
+    # a stack this call does not run keeps its result from --out (--merge): a row's two stacks may come from two
+    # calls, and the row compares them only where both ran in one lease (finish_row)
     rows = {(job, cap): {"job": job, "cap_gb": cap, "definition": job_of(job, a).as_dict(),
                          "lora_rank_source": J.TURBO_LORA_RANK_SOURCE,
-                         "ours": {"error": "not run in this call (--stacks)"},
-                         "core": {"error": "not run in this call (--stacks)"}} for job, cap in wanted}
+                         **{s: kept.get((job, cap), {}).get(s) or {"error": "not run in this call (--stacks)"}
+                            for s in ("ours", "core")}} for job, cap in wanted}
     res = {"name": name, "command": bench_command(argv), "blocks": cfg.num_layers,
            "date": datetime.datetime.now().isoformat(timespec="seconds"),
            "device": old.get("device"), "versions": versions(),  # the parent never touches the GPU: rows name it
@@ -763,8 +806,9 @@ def parent(a, argv) -> int:
     warm_cfg = cfg if a.tiny else cfg.replace(num_layers=1)  # H3's widths, one block
     warm_files = {**file_names(work, warm_cfg, lora_rank(a)), "comfyui": a.comfyui}
     for stack in stacks:
-        for r in rows.values():
-            r[stack] = {"error": "not run yet (the call ended first)"}
+        for r in rows.values():  # a result kept from --out stays until this call replaces it
+            if "error" in r[stack]:
+                r[stack] = {"error": "not run yet (the call ended first)"}
         w = prepare_files(stack, warm_files, warm_cfg, a)  # --tiny: the tiny model itself
         w.update(run_stack(stack, wanted[0][0], None, warm_files, a, blocks=1, steps=1, runs=1)
                  if "error" not in w else {})
@@ -773,7 +817,8 @@ def parent(a, argv) -> int:
         for (job, cap), row in rows.items():
             print(f"[user_jobs] {stack}: {job} cap={cap or 'resident'}", flush=True)
             row[stack] = {"error": res["files"][stack]["error"]} if "error" in res["files"][stack] else \
-                run_stack(stack, job, cap, files, a)
+                run_stack(stack, job, cap, files, a, runs=runs[(job, cap)])
+            row[stack]["lease"] = lease_id()
             finish_row(row)
             compare_to_resident(res["rows"])
             res["device"] = res["device"] or row["card"]

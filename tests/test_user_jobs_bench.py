@@ -20,7 +20,7 @@ def test_tiny_rows_merge_and_table(tmp_path):
     out, work = tmp_path / "uj.json", tmp_path / "work"
     p = _bench("--rows", "turbo8:resident", "--out", str(out), "--workdir", str(work), "--runs", "2", "--profile-step")
     assert p.returncode == 0, p.stderr[-2000:]
-    p = _bench("--rows", "turbo8:8", "--out", str(out), "--workdir", str(work), "--merge")
+    p = _bench("--rows", "turbo8:8:1", "--out", str(out), "--workdir", str(work), "--merge")
     assert p.returncode == 0, p.stderr[-2000:]
     res = json.loads(out.read_text())
     rows = {(r["job"], r["cap_gb"]): r for r in res["rows"]}
@@ -39,6 +39,9 @@ def test_tiny_rows_merge_and_table(tmp_path):
     per_run = resident["sampling_seconds_per_run"]
     assert len(per_run) == 2 and resident["job_seconds"] >= resident["load_seconds"] + resident["lora_seconds"] + per_run[0]
     assert resident["host_peak_rss_bytes"] > 10 ** 8 and rows[("turbo8", 8)]["lora_rank_source"]
+    assert capped["measured_runs"] == 1  # the row's own runs (job:cap:runs) over --runs
+    assert resident["lease"] == capped["lease"] and resident["lease"]
+    assert rows[("turbo8", 8)]["speedup"] is None and "did not run" in rows[("turbo8", 8)]["speedup_note"]
     readme = tmp_path / "README.md"
     readme.write_text("# x\n")
     gen = [sys.executable, str(ROOT / "bench" / "user_jobs_table.py"), "--json", str(out), "--readme", str(readme)]
@@ -123,3 +126,28 @@ def test_core_stack_loads_aimdo_before_core_modules_and_keeps_the_cap_flag(tmp_p
     assert seen["reserve_vram"] == 2.5 and seen["memory_modules_imported"] == [], seen
     assert seen["load"] == "loaded" and seen["load_cpu"].startswith("off: core enables DynamicVRAM only on CUDA")
     assert seen["host_buffer_bound"], seen
+
+
+def test_a_stack_kept_from_an_earlier_call_is_compared_only_within_one_lease(tmp_path):
+    """--merge keeps the stack a call does not run; the row's speedup needs both stacks from one lease and card."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import user_jobs as U
+
+    out, work = tmp_path / "uj.json", tmp_path / "work"
+    assert _bench("--rows", "turbo8:resident:1", "--out", str(out), "--workdir", str(work)).returncode == 0
+    res = json.loads(out.read_text())
+    ours = res["rows"][0]["ours"]
+    assert "error" not in ours and ours["lease"] == U.lease_id()
+    # core's side as an earlier call of this machine would have left it (a fixture: the CPU suite has no core run)
+    res["rows"][0]["core"] = {"job_seconds": 3 * ours["job_seconds"], "device": ours["device"], "lease": ours["lease"]}
+    out.write_text(json.dumps(res))
+    assert _bench("--rows", "turbo8:resident:1", "--out", str(out), "--workdir", str(work), "--merge").returncode == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["core"]["job_seconds"] == 3 * ours["job_seconds"]  # kept
+    assert row["speedup"] == pytest.approx(row["core"]["job_seconds"] / row["ours"]["job_seconds"])
+    assert "speedup_note" not in row
+    other = {**row, "core": {**row["core"], "lease": "another-boot"}}
+    U.finish_row(other)
+    assert other["speedup"] is None and "different leases" in other["speedup_note"]
+    with pytest.raises(SystemExit, match="runs must be 1 or more"):
+        U.row_runs(U.argparse.Namespace(rows="turbo8:8:0", jobs="", caps="", runs=1))
