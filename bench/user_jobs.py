@@ -764,6 +764,9 @@ def main(argv=None) -> int:
                     "torch.profiler: the operators with the most device time (the row's step_profile)")
     ap.add_argument("--tiny", action="store_true", help="the tiny config on the CPU: the whole flow, end to end")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per stack and row")
+    ap.add_argument("--prepare-only", action="store_true", help="write the stacks' checkpoints, the LoRA and the "
+                    "warm-up files, run nothing (e.g. beside a build on a fresh machine); the files' seconds go to "
+                    "--out's files")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-files", default="{}", help=argparse.SUPPRESS)
@@ -805,6 +808,14 @@ def parent(a, argv) -> int:
            "rows": [r for r in old.get("rows", []) if (r["job"], r["cap_gb"]) not in rows] + list(rows.values())}
     warm_cfg = cfg if a.tiny else cfg.replace(num_layers=1)  # H3's widths, one block
     warm_files = {**file_names(work, warm_cfg, lora_rank(a)), "comfyui": a.comfyui}
+    if a.prepare_only:  # the files alone; the rows of --out stay as they were
+        res["rows"] = old.get("rows", [])
+        for stack in stacks:
+            res["files"][stack] = {"warmup": prepare_files(stack, warm_files, warm_cfg, a),
+                                   "checkpoint": prepare_files(stack, files, cfg, a)}
+            print(f"[user_jobs] {stack}'s files: {res['files'][stack]}", flush=True)
+        write_json(_without_own_card(res), out)
+        return 0 if not any("error" in f for st in stacks for f in res["files"][st].values()) else 1
     for stack in stacks:
         for r in rows.values():  # a result kept from --out stays until this call replaces it
             if "error" in r[stack]:

@@ -28,7 +28,9 @@
 #   bash scripts/device_session.sh R    the canonical job at BASE_TREE (default third_party/head: `git archive REV`) and
 #                                       at this tree in one lease (a refactor's hashes and step time)
 #   bash scripts/device_session.sh G    the drop-in (core MODEL), control, low-VRAM and Blackwell-guard GPU tests
-#   bash scripts/device_session.sh U    issue 37: rows of bench/user_jobs.py (UJ_ARGS, e.g. "--rows turbo8:8"),
+#   bash scripts/device_session.sh U    issue 37: rows of bench/user_jobs.py (UJ_ARGS, e.g. "--rows turbo8:8:1";
+#                                       then UJ_ARGS2, UJ_ARGS3 where set; without a carried sage2 build it is built
+#                                       from .sage while both stacks' files are written, and comes back in $OUT),
 #                                       merged into UJ_OUT (default bench/results/user-jobs.json; copied to $OUT);
 #                                       with UJ_TESTS=1 first the GPU tests of query-row chunks and the memory paths;
 #                                       UJ_GPU_TESTS="tests/gpu/a.py ..." first those GPU tests;
@@ -114,7 +116,16 @@ R)  # a refactor's check: the canonical job at BASE_TREE (a copy of the earlier 
     --out "$OUT/canonical-h200-structure.json" 2>&1 | tail -6 >> "$LOG"
   ;;
 U)  # the jobs users run against core's stack (issue 37); one checkpoint write per fresh machine (/tmp/h3_user_jobs)
-  sage_unpack
+  if ls third_party/sage2-sm90/*.part-* >/dev/null 2>&1 || python3 -c "import sageattention" >/dev/null 2>&1; then
+    python3 -c "import sageattention" >/dev/null 2>&1 || sage_unpack
+  else  # no carried build: build it (.sage) while both stacks' files are written, then send it back for later calls
+    sage_build_start
+    phase "files while sage2 builds"
+    timeout 400 python3 bench/user_jobs.py --prepare-only --merge --out "$OUT/uj-files.json" \
+      --workdir /tmp/h3_user_jobs ${UJ_ARGS:-} --stacks ours,core 2>&1 | tail -4 >> "$LOG"
+    sage_build_wait
+    ( cd /tmp/site && tar czf - sageattention* ) | split -b 16000000 - "$OUT/sage2-sm90.tgz.part-" && ls -la "$OUT" >> "$LOG"
+  fi
   if ls .whl/comfy_kitchen-*-cuda-cp312.tar.gz >/dev/null 2>&1; then kitchen_unpack; fi
   if [ "${UJ_TESTS:-0}" = 1 ]; then  # once per code change: the GPU tests of query-row chunks and the memory paths
     phase gpu-tests-attention-rows-and-memory
@@ -134,10 +145,18 @@ U)  # the jobs users run against core's stack (issue 37); one checkpoint write p
     python3 -c "import json,sys; c=json.load(open(sys.argv[1]))['rows'][0]['core']; print('core smoke:', c.get('error') or c['loaded_by'], c.get('lora'))" \
       "$OUT/uj-core-smoke.json" >> "$LOG" 2>&1
   fi
-  phase "user-jobs ${UJ_ARGS:-}"
   UJ_OUT="${UJ_OUT:-bench/results/user-jobs.json}"  # merged into (copy the returned file back before the next call)
-  timeout $(( 590 - SECONDS )) python3 bench/user_jobs.py --merge --out "$UJ_OUT" --workdir /tmp/h3_user_jobs \
-    ${UJ_ARGS:-} 2>&1 | tail -20 >> "$LOG"
+  # an UJ_OUT under $OUT (which comes back even when the call is cut off) starts from the tree's file
+  [ ! -f "$UJ_OUT" ] && [ -f bench/results/user-jobs.json ] && cp bench/results/user-jobs.json "$UJ_OUT"
+  # UJ_ARGS, then UJ_ARGS2 and UJ_ARGS3 where set: one bench call each, in turn, on what time is left (e.g. one
+  # stack's rows, then the other stack's other rows; --merge keeps each row's other stack)
+  n=0
+  for args in "${UJ_ARGS:-}" "${UJ_ARGS2:-}" "${UJ_ARGS3:-}"; do
+    n=$(( n + 1 )); [ "$n" -gt 1 ] && [ -z "$args" ] && continue
+    phase "user-jobs $args"
+    timeout $(( 590 - SECONDS )) python3 bench/user_jobs.py --merge --out "$UJ_OUT" --workdir /tmp/h3_user_jobs \
+      $args 2>&1 | tail -20 >> "$LOG"
+  done
   cp "$UJ_OUT" "$OUT/" 2>>"$LOG"
   ;;
 G)  # the drop-in (core MODEL), control and low-VRAM (streaming) GPU tests + the Blackwell guards
