@@ -193,6 +193,28 @@ def test_the_read_ahead_gives_the_files_bytes_and_names_a_bad_block(tmp_path):
         rt.model.adaln_source.read(1, "cpu")
 
 
+def test_reads_out_of_order_reuse_two_buffers_and_never_hand_one_out(tmp_path):
+    """The host buffers are reused (BLOCKS_IN_FLIGHT of them, whatever the order of the reads): a read out of order
+    waits out the read-ahead it makes stale; every read gives the file's bytes, and a tensor returned earlier keeps
+    them while later blocks are read into the buffers."""
+    from safetensors.torch import load_file
+
+    from h3_blackwell.runtime.io.adaln_file import BLOCKS_IN_FLIGHT
+
+    ck = save_tiny(tmp_path / "t.safetensors", seed=4)
+    src = _load(ck, "0.001").model.adaln_source
+    want = load_file(str(ck))
+    n = len(src.dtypes)
+    order = [0, 2, 1, 1, n - 1, 0, 1, 2] + list(range(n))
+    got = [(j, *src.read(j, "cpu")) for j in order]
+    assert len(src._slots) == BLOCKS_IN_FLIGHT
+    buffers = {s.data_ptr() for s in src._slots}
+    for j, w, b in got:  # checked after all the reads: none of them changed an earlier result
+        assert torch.equal(w, want[f"blocks.{j}.adaln_proj.linear.weight"].to(w.dtype)), j
+        assert torch.equal(b, want[f"blocks.{j}.adaln_proj.linear.bias"].to(b.dtype)), j
+        assert not any(s <= w.data_ptr() < s + src._slots[0].numel() for s in buffers)
+
+
 def test_the_plan_keeps_adaln_on_a_card_that_holds_it_beside_every_block():
     """turbo8 at H3's shapes on an 80 GB card: every block fits with the 26 GB of AdaLN beside it, so the plan keeps
     them on the device (no pinned copy at the load, none per run); under a 30 GB budget the blocks fit but not the
