@@ -42,7 +42,9 @@ def table(res: dict) -> str:
         cap = "resident" if r["cap_gb"] is None else f"{r['cap_gb']} GB"
         sp = "-" if r.get("speedup") is None else f"{r['speedup']:.2f}x"
         note = "; ".join(x for x in (f"card: {r['card']}" if r.get("card") else "", c.get("error", "")[:80],
-                                     o.get("error", "")[:80] and f"ours: {o['error'][:80]}") if x).replace("|", "/")
+                                     o.get("error", "")[:80] and f"ours: {o['error'][:80]}",
+                                     "error" not in o and "error" not in c and r.get("speedup_note", "")[:80])
+                         if x).replace("|", "/")
         lines.append(f"| {r['job']} | {cap} | {_cell(o, 'step_seconds')} | {_load(o)} | "
                      f"{_cell(o, 'job_seconds', fmt='{:.1f}')} | {_cell(o, 'peak_reserved_bytes', 1e9)} | "
                      f"{_cell(o, 'host_peak_rss_bytes', 1e9)} | {_cell(c, 'step_seconds')} | {_load(c)} | "
