@@ -16,9 +16,12 @@ applied by the model to what this returns (``H3Model.adaln_merges``), as for Ada
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+import weakref
+
 import torch
 
 from ..model.config import ADALN_KEY
+from ..ops.host_buffers import host_empty, host_free
 from .finite import check_finite
 
 BLOCKS_IN_FLIGHT = 2  # blocks a run holds in host memory at once: the one in use and the next being read
@@ -57,10 +60,14 @@ class AdalnFromFile:
         return out
 
     def _make_slots(self, device: torch.device) -> None:
-        """The host buffers, each of the largest block's weight and bias; page-locked for a CUDA device."""
+        """The host buffers, each of the largest block's weight and bias at its exact size; page-locked for a CUDA
+        device (``host_empty``: registered, never rounded up to a power of two), unregistered when this object
+        goes."""
         size = max(off + s.numel() * d.itemsize for j in self.dtypes for off, s, d in self._layout(j))
-        pin = device.type == "cuda"
-        self._slots = [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(BLOCKS_IN_FLIGHT)]
+        for _ in range(BLOCKS_IN_FLIGHT):
+            buf, how = host_empty(size, device.type == "cuda")
+            self._slots.append(buf)
+            weakref.finalize(self, host_free, buf, how).atexit = False
 
     def _host(self, j: int, slot: int) -> tuple[int, list[torch.Tensor]]:
         """Block j's AdaLN weight and bias read from the file into ``slot`` at the model's AdaLN dtypes, checked

@@ -26,7 +26,7 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def _host_empty(nbytes: int, pin: bool) -> tuple[torch.Tensor, str]:
+def host_empty(nbytes: int, pin: bool) -> tuple[torch.Tensor, str]:
     """An exact-size host byte buffer, page-locked on CUDA (cudaHostRegister: torch's pinned allocator would
     round each buffer up to a power of two; that allocator where registering fails; pageable where neither can lock
     more memory) -> (buffer, how it is pinned: "registered", "pinned" or "none")."""
@@ -51,7 +51,7 @@ def _unregister(ptr: int) -> None:
     torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
-def _host_free(buf: torch.Tensor, how: str) -> None:
+def host_free(buf: torch.Tensor, how: str) -> None:
     if how == "registered" and buf.numel():
         _unregister(buf.data_ptr())
 
@@ -82,11 +82,11 @@ class HostLinear:
             srcs.append(t)
             off += _aligned(n)
         self.nbytes = off
-        self.buffer, self.pinned = _host_empty(off, pin)
+        self.buffer, self.pinned = host_empty(off, pin)
         # the registration ends when this object is released or dropped, before the buffer's memory can be freed
         # (the finalizer holds the buffer): a registration left on freed memory makes later copies from whatever
         # is allocated there fail with "invalid argument"
-        self._unpin = weakref.finalize(self, _host_free, self.buffer, self.pinned)
+        self._unpin = weakref.finalize(self, host_free, self.buffer, self.pinned)
         self._unpin.atexit = False
         self.views = {}
         for e, t in zip(self.entries, srcs):

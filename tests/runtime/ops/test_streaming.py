@@ -299,7 +299,7 @@ def test_a_page_locked_host_buffer_is_unregistered_once_when_released_or_dropped
     from h3_blackwell.runtime.ops import host_buffers as hb
 
     calls = []
-    monkeypatch.setattr(hb, "_host_empty", lambda n, pin: (torch.empty(n, dtype=torch.uint8), "registered"))
+    monkeypatch.setattr(hb, "host_empty", lambda n, pin: (torch.empty(n, dtype=torch.uint8), "registered"))
     monkeypatch.setattr(hb, "_unregister", calls.append)
     lin = torch.nn.Linear(64, 32, bias=False)
     dropped = hb.HostLinear(lin, pin=True)
