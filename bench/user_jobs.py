@@ -72,7 +72,7 @@ from h3_blackwell.runtime.io.header import TORCH_TO_ST  # noqa: E402
 from h3_blackwell.runtime.model.conditioning import H3Conditioning, Keyframe  # noqa: E402
 from h3_blackwell.runtime.model.config import FULL, TINY  # noqa: E402
 from h3_blackwell.runtime.model.layout import latent_shapes  # noqa: E402
-from h3_blackwell.runtime.sampling.report import host_peak_rss_bytes  # noqa: E402
+from h3_blackwell.runtime.sampling.report import device_info, host_peak_rss_bytes  # noqa: E402
 
 MARGIN_GB = 0.5  # our budget under a cap: the cap less this (the allocator's fragmentation, CUDA's small tensors)
 HOST_GB = 32  # a capped row stands for a consumer card in a machine with this much host memory
@@ -623,7 +623,7 @@ def core_sample(mm, job: J.Job, device, files: dict) -> dict:
             "compute_dtype": str(compute).replace("torch.", ""),
             "loaded_by": f"comfy.sd.load_diffusion_model + comfy.model_patcher.{type(patcher).__name__} + "
                          "comfy.model_management.load_models_gpu", "lora": lora,
-            "note": "Euler over linear sigmas, one core forward per step",
+            "note": "Euler over linear sigmas, one core forward per step", "device": device_info(device)[0],
             **({"step_profile": profiled} if profiled is not None else {})}
 
 
