@@ -53,3 +53,19 @@ def test_adaln_from_the_file_and_the_refiner_in_host_memory(ckpt):
         assert report_hashes(got) == want, (rt.plan.dense_attention, mem["attn_chunk_rows"])
     else:  # a kernel that is not row-exact: the latents differ by its rounding
         print("not row-exact:", rt.plan.dense_attention, report_hashes(got), want)
+
+
+def test_adaln_reads_reach_the_device_through_two_page_locked_buffers(ckpt):
+    """AdaLN from the file on CUDA: the blocks read in and out of order through the two reused page-locked buffers,
+    with non-blocking copies, give the file's bytes on the device, each result intact after the later reads."""
+    from safetensors.torch import load_file
+
+    rt = load_model(ckpt, RuntimeOptions(device="cuda", host_budget="0.2"), workload=_wl())
+    src, want = rt.model.adaln_source, load_file(str(ckpt))
+    order = [0, 1, 2, 3, 1, 0, 3, 2] + list(range(CFG.num_layers))
+    got = [(j, *src.read(j, "cuda")) for j in order]
+    torch.cuda.synchronize()
+    assert len(src._slots) == 2 and all(s.is_pinned() for s in src._slots)
+    for j, w, b in got:
+        assert w.is_cuda and torch.equal(w.cpu(), want[f"blocks.{j}.adaln_proj.linear.weight"].to(w.dtype)), j
+        assert torch.equal(b.cpu(), want[f"blocks.{j}.adaln_proj.linear.bias"].to(b.dtype)), j
