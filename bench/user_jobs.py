@@ -715,18 +715,15 @@ def finish_row(row: dict) -> None:
     """The row's ``speedup`` (core's job over ours) where both stacks ran in the same lease on the same card, else
     None with the reason in ``speedup_note``; ``card``: the card the row ran on."""
     o, c = row["ours"], row["core"]
-    row["speedup"], note = None, None
+    row["speedup"] = None
+    row.pop("speedup_note", None)
     if "error" in o or "error" in c:
-        note = "a stack did not run (its error)"
+        row["speedup_note"] = "a stack did not run (its error)"
     elif o.get("lease") != c.get("lease") or o.get("device") != c.get("device"):
-        note = (f"the stacks ran in different leases or on different cards (ours {o.get('device')} lease "
-                f"{o.get('lease')}, core {c.get('device')} lease {c.get('lease')}): not compared")
+        row["speedup_note"] = (f"the stacks ran in different leases or on different cards (ours {o.get('device')} "
+                               f"lease {o.get('lease')}, core {c.get('device')} lease {c.get('lease')}): not compared")
     else:
         row["speedup"] = c["job_seconds"] / o["job_seconds"]
-    if note:
-        row["speedup_note"] = note
-    else:
-        row.pop("speedup_note", None)
     row["card"] = o.get("device") or c.get("device")
 
 

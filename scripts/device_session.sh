@@ -116,8 +116,10 @@ R)  # a refactor's check: the canonical job at BASE_TREE (a copy of the earlier 
     --out "$OUT/canonical-h200-structure.json" 2>&1 | tail -6 >> "$LOG"
   ;;
 U)  # the jobs users run against core's stack (issue 37); one checkpoint write per fresh machine (/tmp/h3_user_jobs)
-  if ls third_party/sage2-sm90/*.part-* >/dev/null 2>&1 || python3 -c "import sageattention" >/dev/null 2>&1; then
-    python3 -c "import sageattention" >/dev/null 2>&1 || sage_unpack
+  if python3 -c "import sageattention" >/dev/null 2>&1; then
+    :  # built or unpacked by an earlier call on this machine
+  elif ls third_party/sage2-sm90/*.part-* >/dev/null 2>&1; then
+    sage_unpack
   else  # no carried build: build it (.sage) while both stacks' files are written, then send it back for later calls
     sage_build_start
     phase "files while sage2 builds"

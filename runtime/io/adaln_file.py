@@ -21,12 +21,11 @@ import weakref
 import torch
 
 from ..model.config import ADALN_KEY
-from ..ops.host_buffers import host_empty, host_free
+from ..ops.host_buffers import aligned, host_empty, host_free
 from .finite import check_finite
 
 BLOCKS_IN_FLIGHT = 2  # blocks a run holds in host memory at once: the one in use and the next being read
 READ_THREADS = 8  # one weight is read as this many parts at once (the page cache copies in parallel)
-ALIGN = 64  # bytes: where a bias starts after its weight in a host buffer
 
 
 class AdalnFromFile:
@@ -51,12 +50,13 @@ class AdalnFromFile:
         return ADALN_KEY.match(name) is not None
 
     def _layout(self, j: int) -> list[tuple[int, torch.Size, torch.dtype]]:
-        """(byte offset, shape, dtype) of block j's weight and bias in a slot (each offset 64-byte aligned)."""
+        """(byte offset, shape, dtype) of block j's weight and bias in a slot (offsets aligned as a streamed
+        linear's host buffer aligns them, ``host_buffers.aligned``)."""
         out, off = [], 0
         for name, dtype in zip(self.names(j), self.dtypes[j]):
             shape = torch.Size(self.checkpoint.shape(name))
             out.append((off, shape, dtype))
-            off += -(-shape.numel() * dtype.itemsize // ALIGN) * ALIGN
+            off += aligned(shape.numel() * dtype.itemsize)
         return out
 
     def _make_slots(self, device: torch.device) -> None:

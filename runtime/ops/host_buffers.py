@@ -22,7 +22,7 @@ def _streamed_names(lin: nn.Module) -> list[tuple[str, str]]:
     return [("_parameters", "weight")]
 
 
-def _aligned(n: int) -> int:
+def aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
@@ -80,7 +80,7 @@ class HostLinear:
             n = t.numel() * t.element_size()
             self.entries.append(_Entry(table, name, off, tuple(t.shape), t.dtype, n, table == "_parameters"))
             srcs.append(t)
-            off += _aligned(n)
+            off += aligned(n)
         self.nbytes = off
         self.buffer, self.pinned = host_empty(off, pin)
         # the registration ends when this object is released or dropped, before the buffer's memory can be freed
