@@ -44,6 +44,7 @@ core's comfy-kitchen), hence the in-process form. A job core cannot run is recor
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import datetime
 import json
@@ -314,12 +315,29 @@ class LoadProfile:
     def __exit__(self, *exc):
         self.prof.disable()
 
-    def top(self, n: int = 20) -> list[dict]:
+    def top(self, n: int = 20, callers: int = 3) -> list[dict]:
+        """The ``n`` functions with the most self time, each with its ``callers`` callers that spent the most time
+        in it (where the builtin was called from: an import's compile, a check's host sync)."""
         # {(file, line, function): (primitive calls, calls, self seconds, cumulative seconds, callers)}
         stats = pstats.Stats(self.prof).stats
+
+        def name(f, line, fn):  # folder/file:line(function); a builtin's "~:0(...)"
+            folder = Path(f).parent.name
+            return f"{folder + '/' if folder else ''}{Path(f).name}:{line}({fn})"
+
         most = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:n]
-        return [{"function": f"{Path(f).name}:{line}({fn})", "calls": nc, "self_seconds": round(tt, 4),
-                 "cumulative_seconds": round(ct, 4)} for (f, line, fn), (_, nc, tt, ct, _) in most]
+        # a caller's entry: (primitive calls, calls, self seconds, cumulative seconds) spent in the callee from there
+        return [{"function": name(*key), "calls": nc, "self_seconds": round(tt, 4), "cumulative_seconds": round(ct, 4),
+                 "callers": [{"caller": name(*k), "seconds": round(v[3], 4)} for k, v in
+                             sorted(by.items(), key=lambda kv: kv[1][3], reverse=True)[:callers]]}
+                for key, (_, nc, tt, ct, by) in most]
+
+
+def modules_imported(before: set) -> dict:
+    """The modules imported since ``before`` (a set of sys.modules' names): how many, and the most by top package."""
+    new = [m for m in sys.modules if m not in before]
+    packages = collections.Counter(m.split(".")[0] for m in new)
+    return {"count": len(new), "by_package": dict(packages.most_common(8))}
 
 
 def step_profile(fn, device: torch.device, n: int = 15) -> dict:
@@ -386,6 +404,7 @@ def run_ours(job: J.Job, cap_gb: int | None, files: dict, tiny: bool) -> dict:
     if cap_gb is not None and not tiny:  # the 32 GB machine: AdaLN stays in the file where it does not fit beside
         kw["host_budget"] = repr(HOST_GB - HOST_MARGIN_GB)  # the streamed blocks (runtime.budget._check_host)
     opts = RuntimeOptions.from_env(device=str(device), vram_budget=budget, **kw)
+    before = set(sys.modules)
     t0 = time.perf_counter()
     with LoadProfile() as prof:
         spec = open_model(files["checkpoint"], opts)
@@ -409,6 +428,7 @@ def run_ours(job: J.Job, cap_gb: int | None, files: dict, tiny: bool) -> dict:
         torch.cuda.synchronize()
     # the job a user runs: the load, the LoRA and one run, whole (its plan included); the clock stops here
     job_seconds = time.perf_counter() - t0
+    imported = modules_imported(before)
     for _ in range(files.get("runs", 1) - 1):  # the same job again, each a run of its own, for the hash check
         reps.append(run(tensor_job(rt, inputs, settings)).report)
     rep = reps[-1]
@@ -421,6 +441,7 @@ def run_ours(job: J.Job, cap_gb: int | None, files: dict, tiny: bool) -> dict:
     hashes = {(r["latent_checksums"]["video_sha256"], r["latent_checksums"]["audio_sha256"]) for r in reps}
     return {"step_seconds": statistics.median(steps), "job_seconds": job_seconds,
             "load_seconds": t_load - t0, "lora_seconds": t_lora - t_load, "load_profile": prof.top(),
+            "modules_imported_in_the_job": imported,
             "sampling_seconds": statistics.median(sampling), "sampling_seconds_per_run": sampling,
             "peak_allocated_bytes": max(v for r in reps for v in r["peak_allocated_bytes"] or [0]) or None,
             "peak_reserved_bytes": max(v for r in reps for v in r["peak_reserved_bytes"] or [0]) or None,
@@ -570,6 +591,7 @@ def core_sample(mm, job: J.Job, device, files: dict) -> dict:
     import comfy.sd
     from h3_blackwell.runtime import latent_sha256
 
+    before = set(sys.modules)
     t0 = time.perf_counter()
     with LoadProfile() as prof:
         patcher = comfy.sd.load_diffusion_model(files["core_checkpoint"])
@@ -602,6 +624,7 @@ def core_sample(mm, job: J.Job, device, files: dict) -> dict:
                 used = max(used, int(total - free))
             times.append(time.perf_counter() - t)
         t_end = time.perf_counter()  # the job a user runs ends with its last step; the profiled forward is not in it
+        imported = modules_imported(before)
         profiled = None
         if files.get("profile_step"):  # one more forward, after the timed steps, under the profiler
             ts = torch.tensor([sigmas[0] * 1000.0], dtype=torch.float32, device=device)
@@ -611,7 +634,7 @@ def core_sample(mm, job: J.Job, device, files: dict) -> dict:
     return {"step_seconds": statistics.median(times), "job_seconds": t_end - t0,
             "load_seconds": t_file - t0, "lora_seconds": t_lora - t_file,  # the patches are computed when the
             "load_models_gpu_seconds": t_load - t_lora,  # weights load (or per use, under DynamicVRAM)
-            "load_profile": prof.top(),
+            "load_profile": prof.top(), "modules_imported_in_the_job": imported,
             "sampling_seconds": t_end - t_load,
             "peak_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
             "peak_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -32,23 +33,41 @@ def _load(side: dict) -> str:
     return "error" if "error" in side else "-" if parts[0] is None else f"{sum(p or 0.0 for p in parts):.1f}"
 
 
+def _error(side: dict, name: str) -> str:
+    """A stack's error in a line: its first sentence or two (an out-of-memory error to what it tried to allocate) and
+    the innermost frame of the traceback outside site-packages."""
+    err = side.get("error")
+    if not err:
+        return ""
+    text = err.split(". GPU ")[0].split("\n")[0][:100]
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\w+)', side.get("traceback", ""))
+    ours = [f for f in frames if "site-packages" not in f[0]]
+    where = f" (at {Path(ours[-1][0]).name}:{ours[-1][1]} {ours[-1][2]})" if ours else ""
+    return f"{name}: {text}{where}"
+
+
 def table(res: dict) -> str:
     """The markdown section for one results file."""
-    lines = [f"Measured {res['date'][:10]} on {res['device']} (`{res['command']}`; core: {res['core_stack']}).", "",
+    lines = [f"Measured {res['date'][:10]} on {res['device']} (the last call: `{res['command']}`; core: "
+             f"{res['core_stack']}).", "",
              "| job | cap | ours s/step | ours load+LoRA s | ours job s | ours peak reserved GB | ours host RSS GB | "
              "core s/step | core load+LoRA s | core job s | speedup | note |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         o, c = r["ours"], r["core"]
         cap = "resident" if r["cap_gb"] is None else f"{r['cap_gb']} GB"
         sp = "-" if r.get("speedup") is None else f"{r['speedup']:.2f}x"
-        note = "; ".join(x for x in (f"card: {r['card']}" if r.get("card") else "", c.get("error", "")[:80],
-                                     o.get("error", "")[:80] and f"ours: {o['error'][:80]}",
+        note = "; ".join(x for x in (f"card: {r['card']}" if r.get("card") else "", _error(o, "ours"),
+                                     _error(c, "core"),
                                      "error" not in o and "error" not in c and r.get("speedup_note", "")[:80])
                          if x).replace("|", "/")
         lines.append(f"| {r['job']} | {cap} | {_cell(o, 'step_seconds')} | {_load(o)} | "
                      f"{_cell(o, 'job_seconds', fmt='{:.1f}')} | {_cell(o, 'peak_reserved_bytes', 1e9)} | "
                      f"{_cell(o, 'host_peak_rss_bytes', 1e9)} | {_cell(c, 'step_seconds')} | {_load(c)} | "
                      f"{_cell(c, 'job_seconds', fmt='{:.1f}')} | {sp} | {note} |")
+    if any(r["core"].get("dynamic_vram") == "on" for r in res["rows"]):
+        lines += ["", "Core's load+LoRA column is its file open, patch set-up and `load_models_gpu`: under DynamicVRAM "
+                  "its weights reach the device, with the LoRA's patches, during its first step, which its job time "
+                  "holds (and its s/step, a median, does not)."]
     return "\n".join(lines)
 
 

@@ -53,7 +53,7 @@ import torch
 from .errors import H3Error
 from .io.adaln_file import BLOCKS_IN_FLIGHT
 from .model.config import QUANT_LINEARS, H3Config
-from .model.h3 import H3Model
+from .model.h3 import HEAD_ROWS, H3Model
 from .ops import nvfp4
 from .ops.attention import row_exactness
 from .ops.rows_kv import Bf16KV
@@ -72,6 +72,12 @@ MIN_CHUNK_ROWS_CPU = 128  # the CPU emulation chunks the tiny model's few hundre
 CHUNK_MULTIPLE = 128  # chunk boundaries on the producers' and GEMMs' 128-row tiles
 WORKSPACE_BYTES = 64 << 20  # cuBLAS / cuBLASLt workspaces and small per-run tensors (CUDA)
 ALIGN = 256  # byte alignment of each tensor inside a streamed block's buffer
+# The process's own host memory beside a plan's host figure, at H3's full size: torch and CUDA's libraries and
+# context, the load's read-ahead (``runtime.io.prefetch.READ_AHEAD_BYTES``), the LoRA's factors, the run's host
+# tensors. Measured as peak host RSS less the plan's host figure (bench/results/user-jobs.json, H100, turbo8): 7.8 GB
+# resident, 9.3 GB at the 8 GB cap, 6.3 GB at 16 GB. The full-form AdaLN weights are kept in host memory only where
+# they fit beside the streamed blocks and this (``_check_host``); else they are read from the file each run.
+HOST_PROCESS_BYTES = int(10e9)
 
 
 
@@ -523,7 +529,10 @@ def activation_phases(mm: ModelMemory, wl: Workload, chunk_rows: int | None = No
         **attention,
         "fc1": x + _act_in(mm, rc, h) + rc * 2 * ffn * e,
         "fc2": x + rc * 2 * ffn * e + _swiglu_out(mm, rc) + rc * h * e,
-        "head": x + min(rh, sv) * h * (2 * e + 4) + (2 * sv * c.video_patch_dim * 4 if rh < sv else 0),
+        # the fp32 input of the rows projected at once, one HEAD_ROWS chunk's norm temporaries (fp32 copy, normed,
+        # weighted, back at e; the modulated rows and a per-row gathered shift and scale), and the fp32 output with
+        # its unpatchified copy
+        "head": x + min(rh, sv) * h * 4 + min(HEAD_ROWS, rh, sv) * h * (12 + 5 * e) + 2 * sv * c.video_patch_dim * 4,
         **(sparse_phases(mm, wl, device_kind) if mm.sparse else {}),
     }
 
@@ -984,8 +993,8 @@ def _check_host(p: MemoryPlan, mm: ModelMemory, host_free: int | None, host_held
         return
     free = host_available_bytes() if host_free is None else host_free
     p.host_limit_bytes = free
-    if need + adaln <= free:
-        return
+    if need + adaln <= free and not (adaln and mm.adaln_file and need + adaln + HOST_PROCESS_BYTES > free):
+        return  # AdaLN kept in host memory only with room for the process beside it, where the file can serve it
     if adaln and mm.adaln_file and need + mm.adaln_read_bytes <= free:
         p.adaln_from_file, p.adaln_host_bytes = True, 0
         return
@@ -1026,7 +1035,8 @@ def plan_memory(plan, workload: Workload | None = None, dev: DeviceMemory | None
         plan.choices["adaln"] = Choice(ADALN_FROM_FILE, (
             f"modulation rows precomputed per run from the AdaLN weights read block by block from the checkpoint "
             f"file ({gb(mm.adaln_read_bytes)} in host memory at a time): the {gb(mm.adaln_host_bytes)} of them do "
-            f"not fit beside the streamed blocks in {gb(mp.host_limit_bytes)} of host memory"))
+            f"not fit beside the streamed blocks and the process's own {gb(HOST_PROCESS_BYTES)} in "
+            f"{gb(mp.host_limit_bytes)} of host memory"))
     return mp
 
 

@@ -134,6 +134,9 @@ def pdd_span(sigma: float, sigma_next: float, n: int, shift_v: float) -> tuple[i
 
 # Precomputed modulation rows of a run above this many bytes are computed step by step instead (StepMods).
 MOD_CACHE_BYTES = 2 << 30
+# the head's norm and modulation rows per chunk (``H3Model.head``); >= 16 keeps a GPU row reduction's config, and
+# so its bytes, those of the whole (``runtime.budget.activation_phases`` counts one chunk's temporaries)
+HEAD_ROWS = 2048
 
 
 class StepMods:
@@ -414,23 +417,34 @@ class H3Model(nn.Module):
 
     def head(self, x: torch.Tensor, plan: RunPlan, i: int, rows: int | None = None):
         """Final layer on the target segments -> negated (video [1,C,T,H,W], audio [1,Ca,2,Ta]) in fp32, scaled by
-        the pooled denoise masks when the plan has them (core scales the velocity of masked rows). rows: the video
-        rows' norm, modulation and fp32 projection in chunks of that many rows (the memory plan's last tier: see
-        ``evaluate``); None: all at once."""
+        the pooled denoise masks when the plan has them (core scales the velocity of masked rows).
+
+        The norm and modulation run ``HEAD_ROWS`` rows at a time into one fp32 input (row-local: the bytes of the
+        whole at once, without its fp32 temporaries over every video row), then one fp32 projection. rows: the
+        video rows' projection in chunks of that many rows too (the memory plan's last tier, see ``evaluate``: the
+        GEMM's M changes, so equal to fp32 blocking only); None: one projection."""
         lay, st = plan.layout, plan.times[i]
         shift, scale = plan.final_mod[i]
         vw, vb, aw, ab = plan.heads[i]
 
         def head_rows(a, b, row, w, bias):
-            return F.linear((self.final_layer.norm(x[a:b]) * (1.0 + scale[row]) + shift[row]).float(), w, bias)
+            """rows a..b of x through the head; row: their t-table row (an int, or one entry per row)."""
+            h = torch.empty(b - a, x.shape[1], dtype=torch.float32, device=x.device)
+            for r in range(a, b, HEAD_ROWS):
+                e = min(b, r + HEAD_ROWS)
+                t = row if isinstance(row, int) else row[r - a:e - a]
+                h[r - a:e - a] = self.final_layer.norm(x[r:e]) * (1.0 + scale[t]) + shift[t]
+            return F.linear(h, w, bias)
 
         va, vz = lay.segment("video")
         if rows is None or rows >= vz - va:
             v = head_rows(va, vz, st.video_t_index, vw, vb)
         else:
             v = torch.empty(vz - va, vw.shape[0], dtype=torch.float32, device=x.device)
+            t = st.video_t_index
             for r in range(va, vz, rows):
-                v[r - va:min(vz, r + rows) - va] = head_rows(r, min(vz, r + rows), st.video_t_index, vw, vb)
+                e = min(vz, r + rows)
+                v[r - va:e - va] = head_rows(r, e, t if isinstance(t, int) else t[r - va:e - va], vw, vb)
         a = head_rows(*lay.segment("audio"), st.audio_t_index, aw, ab)
         h, w = plan.orig_hw
         video = -unpatchify_video(v, lay.latent_t, lay.lat_h, lay.lat_w, self.cfg.video_channels)[..., :h, :w]

@@ -69,3 +69,29 @@ def test_adaln_reads_reach_the_device_through_two_page_locked_buffers(ckpt):
     for j, w, b in got:
         assert w.is_cuda and torch.equal(w.cpu(), want[f"blocks.{j}.adaln_proj.linear.weight"].to(w.dtype)), j
         assert torch.equal(b.cpu(), want[f"blocks.{j}.adaln_proj.linear.bias"].to(b.dtype)), j
+
+
+def test_the_heads_memory_is_what_the_plan_counts(ckpt):
+    """The head over the canonical canvas's video rows on CUDA: what it allocates beyond x stays within the plan's
+    head phase less x (an fp32 input of the video rows, one HEAD_ROWS chunk's norm temporaries, the fp32 output
+    twice), and above the fp32 input alone. The 10 s clip at the 8 GB cap ran out of memory here when the norm's
+    fp32 temporaries spanned every video row at once."""
+    from h3_blackwell.runtime.budget import activation_phases
+
+    rt = load_model(ckpt, RuntimeOptions(device="cuda"), workload=_wl())
+    g = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        plan = rt.model.plan(torch.randn(1, TOKENS, CFG.text_dim, generator=g).cuda(), VSHAPE, ASHAPE, [0.7])
+        dtype = rt.model.final_layer.norm.weight.dtype
+        x = torch.randn(plan.layout.seq_len, CFG.hidden_size, generator=g).to("cuda", dtype)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        rt.model.head(x, plan, 0)
+        torch.cuda.synchronize()
+        used = torch.cuda.max_memory_allocated() - base
+    mm, wl = ModelMemory.from_plan(rt.plan), _wl()
+    counted = activation_phases(mm, wl)["head"] - x.numel() * x.element_size()
+    va, vz = plan.layout.segment("video")
+    print(f"head: {used / 1e9:.3f} GB allocated beyond x, counted {counted / 1e9:.3f} GB")
+    assert (vz - va) * CFG.hidden_size * 4 < used <= counted

@@ -82,6 +82,27 @@ def test_a_32gb_machine_with_an_8gb_card_at_full_shapes():
         decide(no_file, _clip10s(), H100, int(7.5e9), host_free=32 * 10 ** 9)
 
 
+def test_a_32gb_machine_with_a_16gb_card_reads_adaln_from_the_file():
+    """At the 16 GB cap (budget 15.5) two blocks stream: the 26 GB of AdaLN and 0.43 GB of streamed blocks are under
+    the 28 GB a 32 GB machine leaves, but not with the process's own memory beside them (the H100 run pinned them
+    and peaked at 32.7 GB of host RSS). They stay in the file, and the reason says why; 64 GB keeps them, and without
+    a file to read them from they stay in host memory as before."""
+    from dataclasses import replace
+
+    from h3_blackwell.runtime.budget import HOST_PROCESS_BYTES
+
+    mm = ModelMemory.build(FULL, torch.bfloat16, "fp8", "fp8", "sage2", "fused", True)
+    mm = replace(mm, adaln_file=True, adaln_block_bytes=mm.adaln_host_bytes // FULL.num_layers)
+    vs, as_ = latent_shapes(1344, 768, 124, FULL.video_channels, FULL.audio_channels)
+    turbo8 = Workload.from_shapes(vs, as_, 100, 8)
+    p = decide(mm, turbo8, H100, int(15.5e9), host_free=28 * 10 ** 9)
+    assert p.streamed and p.host_bytes + mm.adaln_host_bytes < 28e9  # the old check alone would have kept them
+    assert p.adaln_from_file and p.host_bytes_planned + HOST_PROCESS_BYTES <= 28e9
+    assert not decide(mm, turbo8, H100, int(15.5e9), host_free=64 * 10 ** 9).adaln_from_file
+    kept = decide(replace(mm, adaln_file=False), turbo8, H100, int(15.5e9), host_free=28 * 10 ** 9)
+    assert not kept.adaln_from_file and kept.adaln_host_bytes == mm.adaln_host_bytes
+
+
 def test_the_token_refiner_waits_in_host_memory_while_blocks_stream(files):
     """Blocks stream: the refiner's weights move to host memory (a copy on the CPU) and come to the device for each
     run's refine (functional_call over the same modules): the same latents, LoRA side paths on it included; a budget

@@ -173,3 +173,45 @@ def test_the_request_check_counts_sages_operands_on_sm90_only(monkeypatch, cc, f
     mm = ModelMemory.for_options(FULL, choices, torch.bfloat16)
     assert choices["v_handling"] == form and mm.attn_kv_sage == (form == "fused")
     assert (smallest_budget(mm, _clip(481)) < CAP8) == (form == "fused")
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_head_runs_its_norm_in_row_chunks_without_changing_a_bit(monkeypatch, masked):
+    """H3Model.head computes the norm and modulation HEAD_ROWS rows at a time into one fp32 input (the 10 s clip's
+    head at the 8 GB cap ran out of memory on the fp32 temporaries of every video row at once): with chunks of 16
+    rows the output is the whole one's to the bit, and equals the head written out at once. With a soft denoise mask
+    each video row has its own t-table row (a LongTensor index), sliced with its chunk, also in the Sage tier's
+    projection chunks."""
+    import torch.nn.functional as F
+    from h3_blackwell.runtime.model import h3
+    from h3_blackwell.runtime.model.conditioning import H3Conditioning
+
+    vshape, ashape = latent_shapes(128, 96, 22)
+    rt = load_model(None, RuntimeOptions(device="cpu", quantize=False), workload=Workload.from_shapes(vshape, ashape,
+                                                                                                    32, 2))
+    g = torch.Generator().manual_seed(5)
+    cond = None
+    if masked:  # a soft mask: rows at different mask levels get different t
+        cond = H3Conditioning(denoise_mask=torch.rand(1, 1, *vshape[2:], generator=g))
+    with torch.no_grad():
+        plan = rt.model.plan(torch.randn(1, 32, 5120, generator=g), vshape, ashape, [0.7], cond=cond)
+        x = torch.randn(plan.layout.seq_len, rt.config.hidden_size, generator=g)
+        idx = plan.times[0].video_t_index
+        assert isinstance(idx, torch.Tensor) == masked and (not masked or idx.unique().numel() > 1)
+        monkeypatch.setattr(h3, "HEAD_ROWS", 10 ** 9)
+        whole = rt.model.head(x, plan, 0)
+        monkeypatch.setattr(h3, "HEAD_ROWS", 16)
+        chunked, tier = rt.model.head(x, plan, 0), rt.model.head(x, plan, 0, rows=48)
+        va, vz = plan.layout.segment("video")
+        shift, scale = plan.final_mod[0]
+        vw, vb, _, _ = plan.heads[0]
+        direct = F.linear((rt.model.final_layer.norm(x[va:vz]) * (1.0 + scale[idx]) + shift[idx]).float(), vw, vb)
+    assert vz - va > 3 * 16
+    assert torch.equal(chunked[0], whole[0]) and torch.equal(chunked[1], whole[1])
+    ref = -h3.unpatchify_video(direct, plan.layout.latent_t, plan.layout.lat_h, plan.layout.lat_w,
+                               rt.config.video_channels)[..., :plan.orig_hw[0], :plan.orig_hw[1]]
+    if plan.video_mask is not None:
+        ref = ref * plan.video_mask
+    assert torch.equal(whole[0], ref)
+    torch.testing.assert_close(tier[0], whole[0], rtol=1e-6, atol=1e-6)
+    assert torch.equal(tier[1], whole[1])
