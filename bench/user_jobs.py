@@ -370,6 +370,11 @@ def import_ours() -> list[str]:
     kernels' source) is not a job's. The attention packages too (sageattention, comfy-kitchen; their import registers
     their torch.library operators): a ComfyUI process imports both at startup (core's ``comfy.ldm.modules.attention``
     with ``--use-sage-attention``), before any node runs, and core's clock starts after its own import of them.
+    And ``torch._dynamo``: ComfyUI's own import loads it (``comfy.sd`` and ``comfy.model_management`` bring 1,940
+    modules, dynamo, sympy and mpmath among them, measured on the vendored 0f1fa67a), while our runtime reaches it only
+    through the first call of a torch.library operator (Sage2's, in the load's attention probe): 892 modules on the
+    CPU here; the first H100 rows' loads spent 4.0 s in 951 calls compiling module sources (each row's
+    ``modules_imported_in_the_job`` shows what is left). A node-pack user's job never pays that; the CLI's does.
     -> the modules this machine cannot import (an optional dependency), with why."""
     import importlib
     import pkgutil
@@ -382,7 +387,7 @@ def import_ours() -> list[str]:
             importlib.import_module(m.name)
         except ImportError as e:
             missing.append(f"{m.name}: {e}")
-    for name in ("sageattention", "comfy_kitchen"):
+    for name in ("sageattention", "comfy_kitchen", "torch._dynamo"):
         try:
             importlib.import_module(name)
         except Exception as e:  # not installed here, or a compiled extension that fails to load
