@@ -46,12 +46,20 @@ def _error(side: dict, name: str) -> str:
     return f"{name}: {text}{where}"
 
 
+def _core_device_key(side: dict) -> str:
+    """Core's device memory: the driver's view after each step where measured (DynamicVRAM's weights live outside
+    torch's allocator, so its peak reserved misses them), else torch's peak reserved."""
+    return "device_used_after_steps_max_bytes" if side.get("device_used_after_steps_max_bytes") else \
+        "peak_reserved_bytes"
+
+
 def table(res: dict) -> str:
     """The markdown section for one results file."""
     lines = [f"Measured {res['date'][:10]} on {res['device']} (the last call: `{res['command']}`; core: "
              f"{res['core_stack']}).", "",
              "| job | cap | ours s/step | ours load+LoRA s | ours job s | ours peak reserved GB | ours host RSS GB | "
-             "core s/step | core load+LoRA s | core job s | speedup | note |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "core s/step | core load+LoRA s | core job s | core device GB | core host RSS GB | speedup | note |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         o, c = r["ours"], r["core"]
         cap = "resident" if r["cap_gb"] is None else f"{r['cap_gb']} GB"
@@ -63,11 +71,16 @@ def table(res: dict) -> str:
         lines.append(f"| {r['job']} | {cap} | {_cell(o, 'step_seconds')} | {_load(o)} | "
                      f"{_cell(o, 'job_seconds', fmt='{:.1f}')} | {_cell(o, 'peak_reserved_bytes', 1e9)} | "
                      f"{_cell(o, 'host_peak_rss_bytes', 1e9)} | {_cell(c, 'step_seconds')} | {_load(c)} | "
-                     f"{_cell(c, 'job_seconds', fmt='{:.1f}')} | {sp} | {note} |")
+                     f"{_cell(c, 'job_seconds', fmt='{:.1f}')} | {_cell(c, _core_device_key(c), 1e9)} | "
+                     f"{_cell(c, 'host_peak_rss_bytes', 1e9)} | {sp} | {note} |")
     if any(r["core"].get("dynamic_vram") == "on" for r in res["rows"]):
         lines += ["", "Core's load+LoRA column is its file open, patch set-up and `load_models_gpu`: under DynamicVRAM "
                   "its weights reach the device, with the LoRA's patches, during its first step, which its job time "
-                  "holds (and its s/step, a median, does not)."]
+                  "holds (and its s/step, a median, does not). Its host RSS counts the pages of its memory-mapped "
+                  "checkpoint file (the whole file, at every cap). Its device GB is the driver's view after each step, "
+                  "the largest (this process's and the CUDA context's; torch's peak reserved misses DynamicVRAM's "
+                  "weights): under a cap it can exceed the cap, since the per-process fraction binds torch's "
+                  "allocator only."]
     return "\n".join(lines)
 
 
