@@ -446,7 +446,7 @@ def run_ours(job: J.Job, cap_gb: int | None, files: dict, tiny: bool) -> dict:
     hashes = {(r["latent_checksums"]["video_sha256"], r["latent_checksums"]["audio_sha256"]) for r in reps}
     return {"step_seconds": statistics.median(steps), "job_seconds": job_seconds,
             "load_seconds": t_load - t0, "lora_seconds": t_lora - t_load, "load_profile": prof.top(),
-            "modules_imported_in_the_job": imported,
+            "modules_imported_in_the_job": imported, "load_phases": rt.load_phases,
             "sampling_seconds": statistics.median(sampling), "sampling_seconds_per_run": sampling,
             "peak_allocated_bytes": max(v for r in reps for v in r["peak_allocated_bytes"] or [0]) or None,
             "peak_reserved_bytes": max(v for r in reps for v in r["peak_reserved_bytes"] or [0]) or None,

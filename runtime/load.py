@@ -135,6 +135,11 @@ def _nvfp4_linear(layer: str, weight: torch.Tensor | None, shape: tuple[int, int
     return Nvfp4Linear.from_float(weight.detach(), **kw)
 
 
+# the parts of a load pass's own thread that ``_Loader.phases`` times
+LOAD_PARTS = ("waits_for_reads", "reads_here", "copies_issued", "finite_checks", "linears", "adopt",
+              "release_staging")
+
+
 class _Loader:
     """One streaming pass (module docstring). Its reads come from a ``ReadAhead`` where the source is a Checkpoint
     (``_reading``), else straight from the source; ``tensor`` is the reader interface ``dequantize_layer`` takes."""
@@ -152,6 +157,29 @@ class _Loader:
         self.formats: dict[str, dict] = {}  # a quantized layer's comfy_quant descriptor, read once
         self.host_like: dict[str, torch.Tensor] = {}  # the entries read into host memory: their meta parameters
         self.ahead: ReadAhead | None = None
+        # seconds of this thread per part of the pass (``phases``); the read-ahead threads' own time is its
+        # ``read_seconds``. Host clocks: a CUDA copy is asynchronous, and its time lands on the next call that waits
+        # for it (the finite check's one boolean, a layer's construction)
+        self.seconds = dict.fromkeys(LOAD_PARTS, 0.0)
+        self.read_seconds = self.read_bytes = 0
+
+    @contextmanager
+    def _part(self, name: str):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - t
+
+    def _finite(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        with self._part("finite_checks"):
+            return check_finite(name, t)
+
+    def phases(self) -> dict:
+        """Where the pass's time went: this thread's seconds per part (``LOAD_PARTS``), and the read-ahead threads'
+        summed seconds and bytes (0 where none ran)."""
+        return {**{k: round(v, 4) for k, v in self.seconds.items()},
+                "read_ahead_thread_seconds": round(self.read_seconds, 4), "read_ahead_bytes": self.read_bytes}
 
     # -- what each entry reads -------------------------------------------------------------------
     def _format(self, layer: str) -> dict:
@@ -186,9 +214,12 @@ class _Loader:
         """Source tensor ``name`` on ``device`` at its stored dtype: the read-ahead's next read (copied to the device
         asynchronously from pinned memory, ``_read``), or read now where none runs."""
         if self.ahead is None:
-            return self.src.tensor(name, device)
-        t = self.ahead.get(name)
-        return t.to(device, non_blocking=t.is_pinned())
+            with self._part("reads_here"):
+                return self.src.tensor(name, device)
+        with self._part("waits_for_reads"):
+            t = self.ahead.get(name)
+        with self._part("copies_issued"):
+            return t.to(device, non_blocking=t.is_pinned())
 
     def _read(self, name: str) -> torch.Tensor:
         """One read on a read-ahead thread: into new pinned host memory for a "host" entry, and for a tensor bound
@@ -238,12 +269,14 @@ class _Loader:
             try:
                 yield
             finally:
+                self.read_seconds, self.read_bytes = self.ahead.read_seconds, self.ahead.read_bytes
                 self.ahead = None
                 if self.device.type == "cuda":  # the staging buffers' copies are done: give their pages back
-                    torch.cuda.synchronize(self.device)
-                    empty_host_cache = getattr(torch._C, "_host_emptyCache", None)  # torch >= 2.5; else they stay
-                    if empty_host_cache is not None:                                 # cached for later copies
-                        empty_host_cache()
+                    with self._part("release_staging"):
+                        torch.cuda.synchronize(self.device)
+                        empty_host_cache = getattr(torch._C, "_host_emptyCache", None)  # torch >= 2.5; else they
+                        if empty_host_cache is not None:                                 # stay cached for later
+                            empty_host_cache()                                           # copies
 
     # -- the steps -------------------------------------------------------------------------------
     def _weight(self, layer: str) -> torch.Tensor:
@@ -252,7 +285,7 @@ class _Loader:
             w = dequantize_layer(self, layer, self._format(layer), self.device)
         else:
             w = self.tensor(layer + ".weight", self.device)
-        return check_finite(layer + ".weight", w)
+        return self._finite(layer + ".weight", w)
 
     def _linear(self, layer: str, shape: tuple, parts: list[str] | None) -> None:
         """A block linear from its stored NVFP4 ``parts``, or (None) quantized from its weight at the compute dtype;
@@ -260,24 +293,27 @@ class _Loader:
         if parts is not None:
             tensors = {x: self.tensor(x, self.device) for x in parts}
             for x, t in tensors.items():
-                check_finite(x, t)
-            lin = _nvfp4_linear(layer, None, shape, stored=tensors, kw=self.linear_kw, metadata=self.src.metadata)
+                self._finite(x, t)
+            with self._part("linears"):
+                lin = _nvfp4_linear(layer, None, shape, stored=tensors, kw=self.linear_kw, metadata=self.src.metadata)
         else:
             w = self._weight(layer).to(self.dtype)
-            lin = _nvfp4_linear(layer, w, shape, stored=None, kw=self.linear_kw)
+            with self._part("linears"):
+                lin = _nvfp4_linear(layer, w, shape, stored=None, kw=self.linear_kw)
             del w
         _set(self.model, layer, lin)
 
     def _to_host(self, k: str, p) -> None:
         """Into pinned host memory (``_read_host``; on a read-ahead thread where one runs, so pinning runs in
         parallel too)."""
-        host = self.ahead.get(k) if self.ahead is not None else self._read_host(k, p)
-        check_finite(k, host)
+        with self._part("waits_for_reads" if self.ahead is not None else "reads_here"):
+            host = self.ahead.get(k) if self.ahead is not None else self._read_host(k, p)
+        self._finite(k, host)
         _set(self.model, k, host)
 
     def _tensor(self, k: str, p) -> None:
         layer = k[:-7] if k.endswith(".weight") else None
-        t = self._weight(layer) if layer is not None and layer in self.quant else check_finite(
+        t = self._weight(layer) if layer is not None and layer in self.quant else self._finite(
             k, self.tensor(k, self.device))
         _set(self.model, k, t.to(device=self.device, dtype=p.dtype))
 
@@ -301,19 +337,23 @@ class _Loader:
                 elif step == "tensor":
                     self._tensor(k, p)
                 if self.adopt is not None and layer is not None and QUANT_LINEARS.match(layer):
-                    self.adopt(layer, self.model.get_submodule(layer))
+                    with self._part("adopt"):
+                        self.adopt(layer, self.model.get_submodule(layer))
         left = [n for n, t in list(self.model.named_parameters()) + list(self.model.named_buffers())
                 if t.is_meta and not (self.plan.adaln_from_file and ADALN_KEY.match(n))]
         if left:
             raise CheckpointError(f"{label}: no tensor for {left[:5]}")
 
 
-def stream_load(model, src, plan, progress: Progress | None = None, adopt=None) -> None:
+def stream_load(model, src, plan, progress: Progress | None = None, adopt=None) -> dict:
     """Fill ``model`` (built on the meta device) from ``src`` (a Checkpoint or StateDictSource) as the load
     plan says (module docstring). ``adopt(layer, module)``: called after each block linear (block streaming
     moves a streamed block's bytes to host memory there, so the device never holds more than the resident
-    blocks plus one layer). Raises CheckpointError naming the tensor for bad input."""
-    _Loader(model, src, plan, progress, adopt).run()
+    blocks plus one layer). Raises CheckpointError naming the tensor for bad input. -> where its time went
+    (``_Loader.phases``)."""
+    loader = _Loader(model, src, plan, progress, adopt)
+    loader.run()
+    return loader.phases()
 
 
 @dataclass
@@ -331,6 +371,9 @@ class H3Runtime:
     ops: BlockOps
     backends: dict = field(default_factory=dict)
     load_seconds: float = 0.0
+    # where load_model's time went: seconds per step ("plan": the plan and its probes; "pass": the streaming pass,
+    # with its own parts in "pass_parts"; ...), host clocks (``_Loader.phases``)
+    load_phases: dict = field(default_factory=dict)
     fc2: object | None = None  # the guarded FC2 dispatcher, where FC2 takes NVFP4 bytes on CUDA
     sparse: SparseStepAttention | None = None  # the sparse attention bound in ops (attention=sparse): the sampler
     #                                            sets its per-run routing and per-step schedule switch
@@ -588,20 +631,25 @@ def load_model(path: str | Path | None = None, options: RuntimeOptions | None = 
     (before any tensor is read) when the device-memory budget cannot run the workload."""
     options = options or RuntimeOptions.from_env()
     t0 = time.perf_counter()
+    marks = [t0]
     plan = make_plan(path, options, tiny_seed)
     plan_memory(plan, workload, device_memory)
+    marks.append(time.perf_counter())
     backends = plan.report()
     model = H3Model(plan.config, plan.dtype, device="meta")
     src = plan.checkpoint if path is not None else StateDictSource(
         tiny_state_dict(plan.config, tiny_seed, plan.dtype), plan.source, plan.config)
     streamer = BlockStreamer(model.blocks, plan.memory.streamed, plan.device, plan.memory.slots)
     stamp = checkpoint_stamp(src) if hasattr(src, "headers") else ()
-    stream_load(model, src, plan, progress, streamer.adopt)
+    marks.append(time.perf_counter())
+    passed = stream_load(model, src, plan, progress, streamer.adopt)
+    marks.append(time.perf_counter())
     streamer.finish()
     place_refiner(model, plan.memory.refiner_on_host)
     if plan.adaln_from_file:
         model.adaln_source = AdalnFromFile(plan.checkpoint, model)
     model.eval().requires_grad_(False)
+    marks.append(time.perf_counter())
     fc2, fc2_report = _prepare_fc2(plan)
     if fc2_report is not None:
         backends["fc2_lt"] = fc2_report
@@ -616,5 +664,9 @@ def load_model(path: str | Path | None = None, options: RuntimeOptions | None = 
     ops = StreamOps(base, streamer, plan.memory.ffn_chunk_rows)
     rt = H3Runtime(model, plan, ops, backends, fc2=fc2, sparse=sparse, streamer=streamer,
                    attention=None if base.attends_exactly else dense, source_stamp=stamp)
-    rt.load_seconds = time.perf_counter() - t0
+    marks.append(time.perf_counter())
+    rt.load_seconds = marks[-1] - t0
+    steps = dict(zip(("plan", "model_and_source", "pass", "streamer_and_placement", "fc2_and_ops"),
+                     (round(b - a, 4) for a, b in zip(marks, marks[1:]))))
+    rt.load_phases = {**steps, "pass_parts": passed}
     return rt

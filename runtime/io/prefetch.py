@@ -23,6 +23,8 @@ caller's thread moves, checks and quantizes the tensor it was handed.
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Sequence
@@ -50,6 +52,9 @@ class ReadAhead:
         self._started = 0  # reads of self._names started so far
         self.held_bytes = 0
         self.peak_held_bytes = 0
+        self.read_seconds = 0.0  # summed over the threads' reads (what overlapped the caller)
+        self.read_bytes = 0
+        self._lock = threading.Lock()
         try:
             self._fill()
         except BaseException:
@@ -63,10 +68,18 @@ class ReadAhead:
             n = int(self._nbytes(name))
             if self._queue and self.held_bytes + n > self.max_bytes:
                 return
-            self._queue.append((name, n, self._pool.submit(self._read, name)))
+            self._queue.append((name, n, self._pool.submit(self._timed_read, name, n)))
             self._started += 1
             self.held_bytes += n
             self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
+
+    def _timed_read(self, name: str, n: int) -> torch.Tensor:
+        t = time.perf_counter()
+        out = self._read(name)
+        with self._lock:
+            self.read_seconds += time.perf_counter() - t
+            self.read_bytes += n
+        return out
 
     def get(self, name: str) -> torch.Tensor:
         """The next read's tensor, which must be ``name``; waits for it, re-raises its exception."""

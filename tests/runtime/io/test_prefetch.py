@@ -66,6 +66,7 @@ def test_reads_come_back_in_order_identical_and_within_the_bound(tmp_path, max_b
     assert ra.peak_held_bytes <= max(max_bytes, largest)
     assert ra.held_bytes == 0 and len(threads) == len(order)
     assert threading.main_thread() not in threads  # the reads ran on the workers
+    assert ra.read_bytes == sum(size(n) for n in order) and ra.read_seconds > 0  # every read counted once
     if max_bytes < min(size(n) for n in names):
         assert ra.peak_held_bytes == largest  # one read at a time: the bound is below any tensor
     elif max_bytes >= sum(size(n) for n in order):
@@ -264,3 +265,18 @@ def test_a_tensor_read_in_parallel_parts_gives_the_plain_reads_bytes(tmp_path, m
     path.write_bytes(data[:-1000])
     with pytest.raises(CheckpointError, match="truncated"):
         H.read_tensor(hdr, "w", threads=5)
+
+
+def test_a_load_says_where_its_time_went(files):
+    """load_model's ``load_phases``: its steps' seconds sum to ``load_seconds``; the pass's own parts fit in the pass;
+    the read-ahead threads read every byte the pass asked of the file (the tiny file's tensors, once each)."""
+    path = files["tiny"]
+    rt = load_model(str(path), RuntimeOptions(device="cpu", dtype="float32"))
+    ph = rt.load_phases
+    steps = [ph[k] for k in ("plan", "model_and_source", "pass", "streamer_and_placement", "fc2_and_ops")]
+    assert all(v >= 0 for v in steps) and abs(sum(steps) - rt.load_seconds) < 1e-3
+    parts = ph["pass_parts"]
+    assert sum(parts[k] for k in load_mod.LOAD_PARTS) <= ph["pass"] + 1e-3
+    hdr = read_header(path)
+    assert parts["read_ahead_bytes"] == sum(t.offsets[1] - t.offsets[0] for t in hdr.tensors.values())
+    assert parts["read_ahead_thread_seconds"] > 0 and parts["finite_checks"] > 0
