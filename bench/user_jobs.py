@@ -420,8 +420,9 @@ def run_ours(job: J.Job, cap_gb: int | None, files: dict, tiny: bool) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
         t_load = time.perf_counter()
+        lora_phases = None
         if job.lora_rank is not None:
-            apply_loras(rt, [(files["lora"], 1.0, job.lora_mode)])
+            lora_phases = apply_loras(rt, [(files["lora"], 1.0, job.lora_mode)]).get("phase_seconds")
         if device.type == "cuda":
             torch.cuda.synchronize()
         t_lora = time.perf_counter()
@@ -446,7 +447,7 @@ def run_ours(job: J.Job, cap_gb: int | None, files: dict, tiny: bool) -> dict:
     hashes = {(r["latent_checksums"]["video_sha256"], r["latent_checksums"]["audio_sha256"]) for r in reps}
     return {"step_seconds": statistics.median(steps), "job_seconds": job_seconds,
             "load_seconds": t_load - t0, "lora_seconds": t_lora - t_load, "load_profile": prof.top(),
-            "modules_imported_in_the_job": imported, "load_phases": rt.load_phases,
+            "modules_imported_in_the_job": imported, "load_phases": rt.load_phases, "lora_phases": lora_phases,
             "sampling_seconds": statistics.median(sampling), "sampling_seconds_per_run": sampling,
             "peak_allocated_bytes": max(v for r in reps for v in r["peak_allocated_bytes"] or [0]) or None,
             "peak_reserved_bytes": max(v for r in reps for v in r["peak_reserved_bytes"] or [0]) or None,

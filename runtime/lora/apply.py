@@ -232,6 +232,8 @@ def _apply(rt, specs: list[LoraSpec]) -> dict:
     t0 = time.perf_counter()
     rt.onload()  # an offloaded runtime's weights come back before any is written
     matches, banks = _read_all(rt, specs)
+    t = time.perf_counter()
+    phases = {"read_files": t - t0, "merge_nvfp4": 0.0, "merge_dense": 0.0, "merge_on_transfer": 0.0}
     model = rt.model
     mods = dict(model.named_modules())
     nv_cls = Nvfp4Linear
@@ -242,17 +244,26 @@ def _apply(rt, specs: list[LoraSpec]) -> dict:
     merges, sides = _group_updates(specs, matches, mods, model_device, report)
     _refuse_awq_merges(merges, mods, nv_cls)
     bank = _stack_bank(specs, banks, merges, sides)
+    phases["group"] = time.perf_counter() - t
     try:
+        t = time.perf_counter()
         restore_all(rt, st, source)
+        phases["restore"] = time.perf_counter() - t
         for (mname, pname), entries in merges.items():
-            module = mods[mname]
+            module, t = mods[mname], time.perf_counter()
             if pname == "weight" and isinstance(module, nv_cls):
                 merge_nvfp4(st, mname, module, entries, source, report, model_device)
+                kind = "merge_nvfp4"
             elif model.adaln_off_device(f"{mname}.{pname}"):  # in host memory or the file: merged as each run
                 merge_on_transfer(model, f"{mname}.{pname}", entries, model_device, report)  # brings it over
+                kind = "merge_on_transfer"
             else:
                 merge_dense(st, f"{mname}.{pname}", getattr(module, pname), entries, source, report, model_device)
+                kind = "merge_dense"
+            phases[kind] += time.perf_counter() - t  # host clocks: a merge's GPU work lands on its next wait
+        t = time.perf_counter()
         _install_sides(rt, st, sides, mods, nv_cls, report)
+        phases["side_paths"] = time.perf_counter() - t
         if bank is not None:
             st.bank = install_bank(rt, bank)
             report["pdd_bank"] = bank.report()
@@ -261,8 +272,11 @@ def _apply(rt, specs: list[LoraSpec]) -> dict:
         st.signature, st.report = (), None
         rt.backends.pop("lora", None)
         raise
+    t = time.perf_counter()
     _finish_report(rt, st, mods, nv_cls, report)
+    phases["finish_report"] = time.perf_counter() - t
     report["seconds"] = round(time.perf_counter() - t0, 3)
+    report["phase_seconds"] = {k: round(v, 4) for k, v in phases.items()}  # where ``seconds`` went
     st.signature = tuple(sp.signature() for sp in specs)
     st.report = report
     _publish(rt, report, specs)
