@@ -82,7 +82,7 @@ def test_the_heads_memory_is_what_the_plan_counts(ckpt):
     g = torch.Generator().manual_seed(6)
     with torch.no_grad():
         plan = rt.model.plan(torch.randn(1, TOKENS, CFG.text_dim, generator=g).cuda(), VSHAPE, ASHAPE, [0.7])
-        dtype = rt.model.final_layer.norm.weight.dtype
+        dtype = rt.plan.dtype  # the residual stream's (the compute dtype)
         x = torch.randn(plan.layout.seq_len, CFG.hidden_size, generator=g).to("cuda", dtype)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
