@@ -74,9 +74,9 @@ WORKSPACE_BYTES = 64 << 20  # cuBLAS / cuBLASLt workspaces and small per-run ten
 ALIGN = 256  # byte alignment of each tensor inside a streamed block's buffer
 # The process's own host memory beside a plan's host figure, at H3's full size: torch and CUDA's libraries and
 # context, the load's read-ahead (``runtime.io.prefetch.READ_AHEAD_BYTES``), the LoRA's factors, the run's host
-# tensors. Measured as peak host RSS less the plan's host figure (bench/results/user-jobs.json, H100, turbo8): 7.8 GB
-# resident, 9.3 GB at the 8 GB cap, 6.3 GB at 16 GB. The full-form AdaLN weights are kept in host memory only where
-# they fit beside the streamed blocks and this (``_check_host``); else they are read from the file each run.
+# tensors; the largest peak host RSS less the plan's host figure measured, rounded up (bench/NOTES.md, "Ninth
+# session"). The full-form AdaLN weights are kept in host memory only where they fit beside the streamed blocks and
+# this (``_check_host``); else they are read from the file each run.
 HOST_PROCESS_BYTES = int(10e9)
 
 
