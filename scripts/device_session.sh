@@ -158,6 +158,8 @@ U)  # the jobs users run against core's stack (issue 37); one checkpoint write p
     phase "user-jobs $args"
     timeout $(( 590 - SECONDS )) python3 bench/user_jobs.py --merge --out "$UJ_OUT" --workdir /tmp/h3_user_jobs \
       $args 2>&1 | tail -20 >> "$LOG"
+    # each call's result kept apart too: a later call cut off, or a command that writes over UJ_OUT, loses nothing
+    [ -f "$UJ_OUT" ] && cp "$UJ_OUT" "$OUT/user-jobs.after-$n.json"
   done
   cp "$UJ_OUT" "$OUT/" 2>>"$LOG"
   ;;
