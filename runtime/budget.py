@@ -993,8 +993,10 @@ def _check_host(p: MemoryPlan, mm: ModelMemory, host_free: int | None, host_held
         return
     free = host_available_bytes() if host_free is None else host_free
     p.host_limit_bytes = free
-    if need + adaln <= free and not (adaln and mm.adaln_file and need + adaln + HOST_PROCESS_BYTES > free):
-        return  # AdaLN kept in host memory only with room for the process beside it, where the file can serve it
+    # AdaLN kept in host memory only with room for the process beside it, where the file could serve it instead
+    room = free - (HOST_PROCESS_BYTES if adaln and mm.adaln_file else 0)
+    if need + adaln <= room:
+        return
     if adaln and mm.adaln_file and need + mm.adaln_read_bytes <= free:
         p.adaln_from_file, p.adaln_host_bytes = True, 0
         return

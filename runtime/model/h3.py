@@ -427,12 +427,16 @@ class H3Model(nn.Module):
         shift, scale = plan.final_mod[i]
         vw, vb, aw, ab = plan.heads[i]
 
+        def part(row, a, b):
+            """Entries a..b of a t-table row index: an int (every row's) as is, one entry per row sliced."""
+            return row if isinstance(row, int) else row[a:b]
+
         def head_rows(a, b, row, w, bias):
             """rows a..b of x through the head; row: their t-table row (an int, or one entry per row)."""
             h = torch.empty(b - a, x.shape[1], dtype=torch.float32, device=x.device)
             for r in range(a, b, HEAD_ROWS):
                 e = min(b, r + HEAD_ROWS)
-                t = row if isinstance(row, int) else row[r - a:e - a]
+                t = part(row, r - a, e - a)
                 h[r - a:e - a] = self.final_layer.norm(x[r:e]) * (1.0 + scale[t]) + shift[t]
             return F.linear(h, w, bias)
 
@@ -441,10 +445,9 @@ class H3Model(nn.Module):
             v = head_rows(va, vz, st.video_t_index, vw, vb)
         else:
             v = torch.empty(vz - va, vw.shape[0], dtype=torch.float32, device=x.device)
-            t = st.video_t_index
             for r in range(va, vz, rows):
                 e = min(vz, r + rows)
-                v[r - va:e - va] = head_rows(r, e, t if isinstance(t, int) else t[r - va:e - va], vw, vb)
+                v[r - va:e - va] = head_rows(r, e, part(st.video_t_index, r - va, e - va), vw, vb)
         a = head_rows(*lay.segment("audio"), st.audio_t_index, aw, ab)
         h, w = plan.orig_hw
         video = -unpatchify_video(v, lay.latent_t, lay.lat_h, lay.lat_w, self.cfg.video_channels)[..., :h, :w]

@@ -193,7 +193,7 @@ def build_report(rt, workload: dict, measured: list, warmup_runs: int, video: to
             "profiling": False,
         },
         "load_seconds": rt.load_seconds,
-        "load_phases": getattr(rt, "load_phases", {}),  # where that load's time went (``load_model``)
+        "load_phases": rt.load_phases,  # where that load's time went (``load_model``)
         # a resident model serves many runs: its one load is not this run's time
         "load_seconds_scope": ("the resident model's one load, whenever it happened (before this run or before an "
                                "earlier one it served); not part of sampling_seconds"),
