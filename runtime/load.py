@@ -60,7 +60,7 @@ from .io import prefetch
 from .io.checkpoint import Checkpoint, dequantize_layer, dequantize_reads
 from .io.comfy_quant import from_comfy_quant_tensors
 from .io.header import ST_DTYPES
-from .io.finite import check_finite
+from .io.finite import FiniteChecks
 from .io.prefetch import ReadAhead
 from .io.verify import check_names_and_shapes, quant_layers
 from .lora.merge import side_device_bytes
@@ -162,6 +162,9 @@ class _Loader:
         # for it (the finite check's one boolean, a layer's construction)
         self.seconds = dict.fromkeys(LOAD_PARTS, 0.0)
         self.read_seconds = self.read_bytes = 0
+        # finite checks read back once per flush, not once per tensor: flushed before a streamed block's linear
+        # leaves the device (adopt), every 32 tensors, and at the end of the pass
+        self.checks = FiniteChecks()
 
     @contextmanager
     def _part(self, name: str):
@@ -173,7 +176,11 @@ class _Loader:
 
     def _finite(self, name: str, t: torch.Tensor) -> torch.Tensor:
         with self._part("finite_checks"):
-            return check_finite(name, t)
+            return self.checks.add(name, t)
+
+    def _flush_checks(self) -> None:
+        with self._part("finite_checks"):
+            self.checks.flush()
 
     def phases(self) -> dict:
         """Where the pass's time went: this thread's seconds per part (``LOAD_PARTS``), and the read-ahead threads'
@@ -337,8 +344,10 @@ class _Loader:
                 elif step == "tensor":
                     self._tensor(k, p)
                 if self.adopt is not None and layer is not None and QUANT_LINEARS.match(layer):
+                    self._flush_checks()
                     with self._part("adopt"):
                         self.adopt(layer, self.model.get_submodule(layer))
+            self._flush_checks()
         left = [n for n, t in list(self.model.named_parameters()) + list(self.model.named_buffers())
                 if t.is_meta and not (self.plan.adaln_from_file and ADALN_KEY.match(n))]
         if left:

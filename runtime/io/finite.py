@@ -3,7 +3,7 @@
 A NaN or an Inf in one weight, one LoRA factor or one text state turns every output latent into NaN
 (attention mixes every row with every other). These checks refuse such inputs by name at load time, for
 the cost of one ``isfinite().all()`` reduction per tensor (no copy of the tensor, no host sync beyond
-the one boolean).
+the one boolean; ``FiniteChecks`` reads many tensors' booleans back in one sync).
 """
 
 from __future__ import annotations
@@ -32,6 +32,48 @@ def is_finite(t: torch.Tensor) -> bool:
         return True
     lo, hi = torch.aminmax(f)
     return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
+def finite_flag(t: torch.Tensor) -> torch.Tensor | None:
+    """``is_finite(t)`` as a 0-dim bool tensor on ``t``'s device, without waiting for it (None where ``t``'s dtype
+    cannot hold NaN/Inf, or it is empty): a caller that checks many tensors reads all their flags in one sync
+    (``FiniteChecks``)."""
+    f = _float_view(t)
+    if f is None or f.numel() == 0:
+        return None
+    lo, hi = torch.aminmax(f)
+    return torch.isfinite(lo) & torch.isfinite(hi)
+
+
+class FiniteChecks:
+    """``check_finite`` for a stream of tensors, with one host sync per ``flush`` instead of one per tensor (a CUDA
+    load then keeps issuing copies while earlier ones run). ``add`` queues a tensor's flag and keeps the tensor
+    until the next flush, so a failure names it and counts its NaN/Inf exactly as ``check_finite`` does; ``flush``
+    raises for the first bad tensor in the order they were added. The caller flushes before it moves a queued tensor
+    elsewhere, and at the end; ``add`` flushes by itself once ``every`` tensors or ``max_bytes`` are queued, which
+    bounds the memory a queued temporary keeps alive (a tensor of ``max_bytes`` or more is read back at once)."""
+
+    def __init__(self, every: int = 32, max_bytes: int = 256 << 20, error: type[H3Error] = CheckpointError):
+        self.every, self.max_bytes, self.error = every, max_bytes, error
+        self._queued: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        self._bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        flag = finite_flag(tensor)
+        if flag is not None:
+            self._queued.append((name, tensor, flag))
+            self._bytes += tensor.numel() * tensor.element_size()
+            if len(self._queued) >= self.every or self._bytes >= self.max_bytes:
+                self.flush()
+        return tensor
+
+    def flush(self) -> None:
+        queued, self._queued, self._bytes = self._queued, [], 0
+        if not queued or bool(torch.stack([f.to(queued[0][2].device) for _, _, f in queued]).all()):
+            return
+        for name, tensor, flag in queued:
+            if not bool(flag):
+                check_finite(name, tensor, self.error)
 
 
 def check_finite(name: str, tensor: torch.Tensor, error: type[H3Error] = CheckpointError,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from h3_blackwell.runtime.errors import CheckpointError
-from h3_blackwell.runtime.io.finite import check_finite, is_finite
+from h3_blackwell.runtime.io.finite import FiniteChecks, check_finite, is_finite
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -55,3 +55,52 @@ def test_is_finite_on_the_device_equals_the_reference(dtype):
         u = t.clone()
         u.view(-1)[int(torch.randint(0, u.numel(), (1,), generator=g))] = bad
         assert not is_finite(u) and not _reference(u), (dtype, bad)
+
+
+def test_batched_checks_name_the_first_bad_tensor_as_check_finite_does():
+    """FiniteChecks reads flags back per flush: the error is the one check_finite raises for the first bad tensor
+    queued, whichever later ones are bad too, and a clean batch passes. Random data, bad entries at random places."""
+    g = torch.Generator().manual_seed(1)
+    for trial in range(20):
+        n = int(torch.randint(2, 40, (1,), generator=g))
+        tensors = [(torch.randn(int(torch.randint(1, 200, (1,), generator=g)), generator=g) * 2).to(
+            DTYPES[i % len(DTYPES)]) for i in range(n)]
+        bad = sorted(set(int(i) for i in torch.randint(0, n, (trial % 3,), generator=g)))
+        for i in bad:
+            t = tensors[i]
+            t.view(-1)[int(torch.randint(0, t.numel(), (1,), generator=g))] = float("nan")
+        at = int(torch.randint(0, n, (1,), generator=g))  # packed bytes among them: never checked
+        tensors.insert(at, torch.randint(0, 255, (7,), dtype=torch.uint8))
+        bad = [i + (i >= at) for i in bad]
+        checks = FiniteChecks(every=int(torch.randint(1, 50, (1,), generator=g)))
+        expect = None
+        if bad:
+            with pytest.raises(CheckpointError) as want:
+                check_finite(f"t{bad[0]}", tensors[bad[0]])
+            expect = str(want.value)
+        try:
+            for i, t in enumerate(tensors):
+                assert checks.add(f"t{i}", t) is t
+            checks.flush()
+            got = None
+        except CheckpointError as e:
+            got = str(e)
+        assert got == expect, (trial, bad)
+
+
+def test_batched_checks_read_back_at_their_count_and_byte_bounds():
+    """What a queue keeps alive is bounded: a flush happens by itself at ``every`` tensors and at ``max_bytes``."""
+    checks = FiniteChecks(every=4, max_bytes=1000)
+    for i in range(3):
+        checks.add(f"a{i}", torch.randn(10))
+    assert len(checks._queued) == 3
+    checks.add("a3", torch.randn(10))
+    assert not checks._queued  # the 4th tensor flushed the queue
+    checks.add("big", torch.randn(300))  # 1,200 bytes >= max_bytes
+    assert not checks._queued
+    bad = torch.randn(10)
+    bad[3] = float("inf")
+    checks.add("bad", bad)  # queued, not raised yet
+    with pytest.raises(CheckpointError, match=r"'bad' .* found 0 NaN and 1 Inf"):
+        checks.flush()
+    assert not checks._queued
