@@ -20,7 +20,7 @@ from ..io.checkpoint import dequantize_layer, open_checkpoint
 from ..model.config import TINY
 from ..model.tiny import tiny_state_dict
 from ..io.comfy_quant import from_comfy_quant
-from ..ops import nvfp4
+from ..ops import nvfp4, nvfp4_producers
 from .key_forms import LoraError
 
 _FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")  # stored as such: read and cast, never dequantized
@@ -166,10 +166,19 @@ def nvfp4_equal(a, b) -> bool:
 
 
 def quantize_like(w: torch.Tensor, module):
-    """nvfp4.quantize with the row padding of ``module``'s packed buffer."""
+    """nvfp4.quantize's bytes with the row padding of ``module``'s packed buffer: on CUDA from the Triton quantizer
+    the load uses (the same bytes: tests/gpu/test_lora_merge_gpu.py), elsewhere from the reference."""
     n = module.out_features
     pad = 16 if module.packed.shape[0] == nvfp4.roundup(n, 16) else 1
-    q = nvfp4.quantize(w, pad_rows=pad)
+    if w.is_cuda and nvfp4_producers.pick_backend("auto", w.device) == "triton":
+        q = nvfp4_producers.quantize(w.contiguous())  # packed rows unpadded; the scales' rows padded to 128
+        rows = nvfp4.roundup(n, pad)
+        if q.packed.shape[0] != rows:
+            packed = torch.zeros((rows, q.packed.shape[1]), dtype=q.packed.dtype, device=w.device)
+            packed[:n] = q.packed
+            q = nvfp4.NVFP4Tensor(packed, q.scales, q.global_scale, q.shape)
+    else:
+        q = nvfp4.quantize(w, pad_rows=pad)
     if q.packed.shape != module.packed.shape:
         raise LoraError(f"re-quantizing {n}x{module.in_features}: packed {list(q.packed.shape)} does not fit the "
                         f"layer's buffer {list(module.packed.shape)}")
