@@ -163,7 +163,8 @@ class _Loader:
         self.seconds = dict.fromkeys(LOAD_PARTS, 0.0)
         self.read_seconds = self.read_bytes = 0
         # finite checks read back once per flush, not once per tensor: flushed before a streamed block's linear
-        # leaves the device (adopt), every 32 tensors, and at the end of the pass
+        # leaves the device (adopt), every 32 tensors or 64 MiB (what a queued temporary may keep alive beyond the
+        # plan's one source tensor), and at the end of the pass
         self.checks = FiniteChecks()
 
     @contextmanager

@@ -53,7 +53,7 @@ class FiniteChecks:
     elsewhere, and at the end; ``add`` flushes by itself once ``every`` tensors or ``max_bytes`` are queued, which
     bounds the memory a queued temporary keeps alive (a tensor of ``max_bytes`` or more is read back at once)."""
 
-    def __init__(self, every: int = 32, max_bytes: int = 256 << 20, error: type[H3Error] = CheckpointError):
+    def __init__(self, every: int = 32, max_bytes: int = 64 << 20, error: type[H3Error] = CheckpointError):
         self.every, self.max_bytes, self.error = every, max_bytes, error
         self._queued: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         self._bytes = 0
