@@ -652,7 +652,13 @@ def load_model(path: str | Path | None = None, options: RuntimeOptions | None = 
     streamer = BlockStreamer(model.blocks, plan.memory.streamed, plan.device, plan.memory.slots)
     stamp = checkpoint_stamp(src) if hasattr(src, "headers") else ()
     marks.append(time.perf_counter())
-    passed = stream_load(model, src, plan, progress, streamer.adopt)
+    if plan.quantize:
+        streamer.expect_nvfp4()  # the streamed linears' page-locked host buffers, made beside the reads
+    try:
+        passed = stream_load(model, src, plan, progress, streamer.adopt)
+    except BaseException:
+        streamer.drop_ahead()
+        raise
     marks.append(time.perf_counter())
     streamer.finish()
     place_refiner(model, plan.memory.refiner_on_host)
@@ -678,5 +684,6 @@ def load_model(path: str | Path | None = None, options: RuntimeOptions | None = 
     rt.load_seconds = marks[-1] - t0
     steps = dict(zip(("plan", "model_and_source", "pass", "streamer_and_placement", "fc2_and_ops"),
                      (round(b - a, 4) for a, b in zip(marks, marks[1:]))))
-    rt.load_phases = {**steps, "pass_parts": passed}
+    rt.load_phases = {**steps, "pass_parts": passed,
+                      "streamed_host_buffers_made_ahead": dict(zip(("taken", "planned"), streamer.made_ahead))}
     return rt

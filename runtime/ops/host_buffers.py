@@ -4,8 +4,10 @@ with the views the module holds between its block's computations."""
 
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass
+from typing import Hashable, Iterable
 
 import torch
 import torch.nn as nn
@@ -71,7 +73,9 @@ class HostLinear:
     """One streamed block linear's tensors in one host buffer: ``views`` are what the module holds between
     its blocks' computations; ``version`` changes whenever any of them is written in place."""
 
-    def __init__(self, module: nn.Module, pin: bool):
+    def __init__(self, module: nn.Module, pin: bool, ahead: "BuffersAhead | None" = None, key: Hashable = None):
+        """``ahead``: where a buffer made earlier for ``key`` may wait (``BuffersAhead``); it is used where its size
+        is this linear's, else a new one is made here."""
         self.entries: list[_Entry] = []
         off = 0
         srcs = []
@@ -82,7 +86,8 @@ class HostLinear:
             srcs.append(t)
             off += aligned(n)
         self.nbytes = off
-        self.buffer, self.pinned = host_empty(off, pin)
+        made = ahead.take(key, off) if ahead is not None else None
+        self.buffer, self.pinned = made if made is not None else host_empty(off, pin)
         # the registration ends when this object is released or dropped, before the buffer's memory can be freed
         # (the finalizer holds the buffer): a registration left on freed memory makes later copies from whatever
         # is allocated there fail with "invalid argument"
@@ -114,3 +119,72 @@ class HostLinear:
         self._unpin()  # once: a later drop of this object unregisters nothing again
         self.buffer = torch.empty(0, dtype=torch.uint8)
         self.views = {}
+
+
+class BuffersAhead:
+    """Exact-size host buffers (``host_empty``) made in a given order on one worker thread, before they are asked for.
+
+    Page-locking is the costly part of a streamed block's host copy: ``cudaHostRegister`` faults in and locks every
+    page of the new buffer. Made here, that runs beside the load's reads and copies instead of inside its main
+    thread. ``sizes``: (key, bytes) in the order they will be asked for. ``take(key, nbytes)`` waits for that key's
+    buffer and hands it over (the taker owns it: ``host_free`` when done), or returns None where none was planned
+    for the key, its size differs (it is freed) or the worker failed; the caller then makes its own. ``close`` stops
+    the worker and frees every buffer not taken. Buffers made and not yet taken are host memory the plan already
+    counts (every streamed linear's)."""
+
+    def __init__(self, sizes: Iterable[tuple[Hashable, int]], pin: bool):
+        self.sizes = [(k, int(n)) for k, n in sizes]
+        self.pin = pin
+        self._planned = {k for k, _ in self.sizes}
+        self._made: dict = {}
+        self._done = False
+        self._closed = False
+        self.error: BaseException | None = None
+        self.taken = 0  # buffers handed over (the rest were made by their takers, or freed unused)
+        self._cv = threading.Condition()
+        self._thread = threading.Thread(target=self._work, name="h3-host-buffers", daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
+        try:
+            for key, n in self.sizes:
+                with self._cv:
+                    if self._closed:
+                        return
+                made = host_empty(n, self.pin)
+                with self._cv:
+                    if self._closed:
+                        host_free(*made)
+                        return
+                    self._made[key] = made
+                    self._cv.notify_all()
+        except BaseException as e:  # noqa: BLE001 - the takers make their own buffers instead
+            self.error = e
+        finally:
+            with self._cv:
+                self._done = True
+                self._cv.notify_all()
+
+    def take(self, key: Hashable, nbytes: int) -> tuple[torch.Tensor, str] | None:
+        if key not in self._planned:
+            return None
+        with self._cv:
+            while key not in self._made and not self._done and not self._closed:
+                self._cv.wait()
+            made = self._made.pop(key, None)
+            self._planned.discard(key)
+        if made is not None and made[0].numel() != nbytes:
+            host_free(*made)
+            return None
+        self.taken += made is not None
+        return made
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join()
+        with self._cv:
+            left, self._made = list(self._made.values()), {}
+        for made in left:
+            host_free(*made)

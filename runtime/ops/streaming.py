@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from .host_buffers import HostLinear
+from . import nvfp4
+from .host_buffers import BuffersAhead, HostLinear, aligned
 
 SLOTS = 2
 LINEAR_NAMES = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
@@ -69,6 +70,8 @@ class BlockStreamer:
         self.steps: list[_StepStats] = []
         self.bytes_total = 0
         self.versioned = True
+        self.ahead: BuffersAhead | None = None
+        self.made_ahead = (0, 0)  # the last load's streamed host buffers: (made ahead and taken, planned)
         self._reset_slots()
 
     def _set_streamed(self, streamed) -> None:
@@ -92,13 +95,38 @@ class BlockStreamer:
         j = int(parts[1])
         if j not in self.streamed:
             return False
-        hl = HostLinear(module, pin=self.cuda)
+        hl = HostLinear(module, pin=self.cuda, ahead=self.ahead, key=(j, parts[2]))
         hl.bind_host(module)
         self.host.setdefault(j, {})[parts[2]] = hl
         return True
 
+    def expect_nvfp4(self) -> None:
+        """Before a load that builds every block linear as an Nvfp4Linear: make the streamed linears' host buffers
+        ahead on a worker thread (``BuffersAhead``), in load order, at the size ``HostLinear`` gives an NVFP4 linear
+        of the block's shape (packed bytes rows padded to 16, swizzled scales). ``adopt`` takes them; a linear
+        whose size differs makes its own, as without this. ``finish`` (or ``drop_ahead`` where the load fails)
+        frees what is left."""
+        if not self.order:
+            return
+        sizes = []
+        for j in self.order:
+            for name in LINEAR_NAMES:
+                lin = self.blocks[j].get_submodule(name)
+                n, k = lin.out_features, lin.in_features
+                packed = nvfp4.packed_shape(n, k, 16)
+                sizes.append(((j, name), aligned(packed[0] * packed[1]) + aligned(
+                    nvfp4.scale_shape(packed[0], k)[0] * nvfp4.scale_shape(packed[0], k)[1])))
+        self.ahead = BuffersAhead(sizes, pin=self.cuda)
+
+    def drop_ahead(self) -> None:
+        if self.ahead is not None:
+            self.made_ahead = (self.ahead.taken, len(self.ahead.sizes))
+            self.ahead.close()
+            self.ahead = None
+
     def finish(self) -> None:
         """After the load: every streamed block is in host memory; allocate the slots, copy the first blocks."""
+        self.drop_ahead()
         missing = [j for j in self.order if set(self.host.get(j, {})) != set(LINEAR_NAMES)]
         if missing:
             raise RuntimeError(f"block streaming: blocks {missing[:5]} were planned to stream but their linears were "

@@ -79,6 +79,9 @@ def test_streaming_loop_gives_the_residentreport_hashes(stack):
     assert mem["copy_exposed_ms_per_step"] == mem["copy_ms_per_step"] >= 0  # CPU: synchronous copies
     assert mem["host_bytes_streamed_weights"] == rt.streamer.host_bytes and mem["vram_budget_bytes"] > 0
     assert mem["estimate"]["total_bytes"] <= mem["vram_budget_bytes"]
+    # the streamed linears' host buffers were made ahead of the pass (NVFP4 stacks), none by the main thread
+    planned = 12 if kw.get("quantize", True) else 0
+    assert rt.load_phases["streamed_host_buffers_made_ahead"] == {"taken": planned, "planned": planned}
 
 
 def _six_blocks():
@@ -313,3 +316,49 @@ def test_a_page_locked_host_buffer_is_unregistered_once_when_released_or_dropped
     del released
     gc.collect()
     assert calls[1:] == [ptr]  # released, then dropped: unregistered once
+
+
+def test_buffers_made_ahead_are_handed_over_in_order_or_made_by_their_taker(monkeypatch):
+    """BuffersAhead: each planned key gets its buffer of the planned size, made on the worker in the planned order;
+    an unplanned key, a size that differs and a worker that fails leave the taker to make its own (None), and close
+    frees (unregisters) every buffer not taken, once."""
+    from h3_blackwell.runtime.ops import host_buffers as hb
+
+    made, freed = [], []
+
+    def fake_empty(n, pin):
+        made.append(n)
+        return torch.full((n,), 7, dtype=torch.uint8), "registered"
+
+    monkeypatch.setattr(hb, "host_empty", fake_empty)
+    monkeypatch.setattr(hb, "host_free", lambda buf, how: freed.append(buf.numel()))
+    ahead = hb.BuffersAhead([("a", 10), ("b", 20), ("c", 30), ("d", 40)], pin=True)
+    a = ahead.take("a", 10)
+    assert a is not None and a[0].numel() == 10 and a[1] == "registered"
+    assert ahead.take("zz", 10) is None  # never planned
+    assert ahead.take("b", 21) is None and freed == [20]  # planned at another size: freed, the taker makes its own
+    assert ahead.take("a", 10) is None  # handed over once
+    ahead.close()
+    assert made == [10, 20, 30, 40] and sorted(freed) == [20, 30, 40] and ahead.taken == 1
+    assert ahead.take("c", 30) is None  # closed: nothing left
+
+    def failing(n, pin):
+        raise RuntimeError("no page-locked memory")
+
+    monkeypatch.setattr(hb, "host_empty", failing)
+    broken = hb.BuffersAhead([("a", 10)], pin=True)
+    assert broken.take("a", 10) is None and isinstance(broken.error, RuntimeError)
+    broken.close()
+
+
+def test_a_linear_takes_its_buffer_made_ahead_and_holds_the_same_bytes():
+    """HostLinear with a buffer made ahead: the module's bytes in it, as in one it makes itself."""
+    from h3_blackwell.runtime.ops import host_buffers as hb
+
+    lin = torch.nn.Linear(64, 32, bias=False)
+    own = hb.HostLinear(lin, pin=False)
+    ahead = hb.BuffersAhead([("x", own.nbytes)], pin=False)
+    got = hb.HostLinear(lin, pin=False, ahead=ahead, key="x")
+    assert ahead.taken == 1 and got.nbytes == own.nbytes
+    assert torch.equal(got.views["weight"], lin.weight) and torch.equal(own.views["weight"], lin.weight)
+    ahead.close()
