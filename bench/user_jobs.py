@@ -488,14 +488,22 @@ def import_core_stack(folder: Path, device: torch.device, cap_gb: int | None):
     return mm, loaded[0]
 
 
+def core_missing(job: J.Job) -> str | None:
+    """Why the carried core stack cannot run ``job`` at all (before any file or import), or None."""
+    if job.sparse is not None:
+        return ("missing feature: core's sparse-attention node (comfy_extras/nodes_sparse_attention.py @ "
+                "01dafad3, h3-comfyui-facts.md §11.2) is not in the carried ComfyUI snapshot (0f1fa67a), "
+                "and that snapshot's H3 model could not run it: its double_block wrapper drops the "
+                "patch's args['attention'] and it sets no transformer_options['minimax_h3_layout'] "
+                "(the node's sinks and VSA tiling read it); the node needs core's newer model.py")
+    return None
+
+
 def run_core(job: J.Job, cap_gb: int | None, files: dict, tiny: bool) -> dict:
     """ComfyUI core's stack in this process (module docstring); raises what core raises."""
-    if job.sparse is not None:
-        raise RuntimeError("missing feature: core's sparse-attention node (comfy_extras/nodes_sparse_attention.py @ "
-                           "01dafad3, h3-comfyui-facts.md §11.2) is not in the carried ComfyUI snapshot (0f1fa67a), "
-                           "and that snapshot's H3 model could not run it: its double_block wrapper drops the "
-                           "patch's args['attention'] and it sets no transformer_options['minimax_h3_layout'] "
-                           "(the node's sinks and VSA tiling read it); the node needs core's newer model.py")
+    missing = core_missing(job)
+    if missing:
+        raise RuntimeError(missing)
     device = torch.device("cpu" if tiny or not torch.cuda.is_available() else "cuda")
     mm, loaded = import_core_stack(Path(files["comfyui"]), device, cap_gb)
     dynamic = core_dynamic_vram(loaded)  # before any CUDA allocation, as main.py does
@@ -757,13 +765,26 @@ def finish_row(row: dict) -> None:
 
 
 def compare_to_resident(rows: list) -> None:
-    """Each capped row of ours: ``hashes_equal_resident`` against the resident row of the same job (where both ran)."""
+    """Each capped row of ours against the resident row of the same job, where both ran on the same card:
+    ``hashes_equal_resident`` and ``step_ratio_to_resident`` (its step time over the resident one's; the issue's
+    line for clip10s at 8 GB is 1.10). On different cards neither is computed, and ``resident_note`` says why."""
     key = ("video_sha256", "audio_sha256")
-    resident = {r["job"]: r["ours"].get("latent_checksums") for r in rows if r["cap_gb"] is None}
+    resident = {r["job"]: r["ours"] for r in rows if r["cap_gb"] is None and "error" not in r["ours"]}
     for r in rows:
-        want, got = resident.get(r["job"]), r["ours"].get("latent_checksums")
-        if r["cap_gb"] is not None and want and got:
-            r["ours"]["hashes_equal_resident"] = all(want[k] == got[k] for k in key)
+        o, base = r["ours"], resident.get(r["job"])
+        if r["cap_gb"] is None or base is None or "error" in o:
+            continue
+        for k in ("hashes_equal_resident", "step_ratio_to_resident", "resident_note"):
+            o.pop(k, None)
+        if o.get("device") != base.get("device"):
+            o["resident_note"] = (f"the resident row ran on {base.get('device')}, this one on {o.get('device')}: "
+                                  "not compared")
+            continue
+        want, got = base.get("latent_checksums"), o.get("latent_checksums")
+        if want and got:
+            o["hashes_equal_resident"] = all(want[k] == got[k] for k in key)
+        if base.get("step_seconds") and o.get("step_seconds"):
+            o["step_ratio_to_resident"] = o["step_seconds"] / base["step_seconds"]
 
 
 def main(argv=None) -> int:
@@ -846,12 +867,23 @@ def parent(a, argv) -> int:
         for r in rows.values():  # a result kept from --out stays until this call replaces it
             if "error" in r[stack]:
                 r[stack] = {"error": "not run yet (the call ended first)"}
+        # rows the carried core cannot run at all get that error here, without core's files or a child process
+        missing = {key: core_missing(job_of(key[0], a)) for key in rows} if stack == "core" else {}
+        for (job, cap), row in rows.items():
+            if missing.get((job, cap)):
+                row[stack] = {"error": missing[(job, cap)], "lease": lease_id()}
+                finish_row(row)
+                write_json(_without_own_card(res), out)
+        if missing and all(missing.values()):
+            continue
         w = prepare_files(stack, warm_files, warm_cfg, a)  # --tiny: the tiny model itself
         w.update(run_stack(stack, wanted[0][0], None, warm_files, a, blocks=1, steps=1, runs=1)
                  if "error" not in w else {})
         res["warmup"][stack] = {k: w[k] for k in ("job_seconds", "error") if k in w}
         res["files"][stack] = prepare_files(stack, files, cfg, a)
         for (job, cap), row in rows.items():
+            if missing.get((job, cap)):
+                continue
             print(f"[user_jobs] {stack}: {job} cap={cap or 'resident'}", flush=True)
             row[stack] = {"error": res["files"][stack]["error"]} if "error" in res["files"][stack] else \
                 run_stack(stack, job, cap, files, a, runs=runs[(job, cap)])

@@ -30,6 +30,7 @@ def test_tiny_rows_merge_and_table(tmp_path):
     assert capped["memory"]["streamed_blocks"] and not resident["memory"]["streamed_blocks"]
     assert capped["latent_checksums"] == resident["latent_checksums"]  # streaming changes no byte
     assert capped["hashes_equal_resident"] is True
+    assert capped["step_ratio_to_resident"] == pytest.approx(capped["step_seconds"] / resident["step_seconds"])
     assert resident["measured_runs"] == 2 and resident["latent_checksums"]["exact_across_measured_runs"]
     prof = resident["step_profile"]  # one more step under torch.profiler, after the timed runs
     assert prof["clock"] == "cpu" and prof["top"] and prof["self_seconds_total"] > 0
@@ -151,3 +152,20 @@ def test_a_stack_kept_from_an_earlier_call_is_compared_only_within_one_lease(tmp
             assert row["speedup"] is None and "different leases" in row["speedup_note"]
     bad = _bench("--rows", "turbo8:8:0", "--out", str(out), "--workdir", str(work))
     assert bad.returncode != 0 and "runs must be 1 or more" in bad.stderr
+
+
+def test_a_job_the_carried_core_cannot_run_is_recorded_without_its_files(tmp_path):
+    """turbo8_sparse on core's side: the carried snapshot has no sparse-attention node, so the row records that
+    error at once, with the call's lease, without writing core's checkpoint or starting a child."""
+    out, work = tmp_path / "uj.json", tmp_path / "work"
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "user_jobs.py"), "--tiny", "--stacks", "core", "--rows",
+                        "turbo8_sparse:8:1,turbo8_sparse:resident:1", "--out", str(out), "--workdir", str(work)],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads(out.read_text())
+    rows = res["rows"]
+    assert len(rows) == 2 and "core" not in res["files"] and "core" not in res["warmup"]  # no files, no warm-up
+    for r in rows:
+        assert r["core"]["error"].startswith("missing feature: core's sparse-attention node") and r["core"]["lease"]
+        assert r["speedup"] is None and "did not run" in r["speedup_note"]
+    assert not any(work.glob("**/*core_fp8*"))  # core's checkpoint was never written
