@@ -141,12 +141,16 @@ class BuffersAhead:
         self._closed = False
         self.error: BaseException | None = None
         self.taken = 0  # buffers handed over (the rest were made by their takers, or freed unused)
+        # registration happens in the worker's CUDA context: the caller's current device, as where it registers itself
+        self._device = torch.cuda.current_device() if pin and torch.cuda.is_available() else None
         self._cv = threading.Condition()
         self._thread = threading.Thread(target=self._work, name="h3-host-buffers", daemon=True)
         self._thread.start()
 
     def _work(self) -> None:
         try:
+            if self._device is not None:
+                torch.cuda.set_device(self._device)
             for key, n in self.sizes:
                 with self._cv:
                     if self._closed:
