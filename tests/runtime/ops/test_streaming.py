@@ -338,8 +338,10 @@ def test_buffers_made_ahead_are_handed_over_in_order_or_made_by_their_taker(monk
     assert ahead.take("zz", 10) is None  # never planned
     assert ahead.take("b", 21) is None and freed == [20]  # planned at another size: freed, the taker makes its own
     assert ahead.take("a", 10) is None  # handed over once
+    d = ahead.take("d", 40)  # the last one: every buffer is made by now, in order
+    assert d is not None and d[0].numel() == 40 and made == [10, 20, 30, 40]
     ahead.close()
-    assert made == [10, 20, 30, 40] and sorted(freed) == [20, 30, 40] and ahead.taken == 1
+    assert sorted(freed) == [20, 30] and ahead.taken == 2  # c, never taken, freed by close
     assert ahead.take("c", 30) is None  # closed: nothing left
 
     def failing(n, pin):
