@@ -49,6 +49,8 @@ def test_tiny_rows_merge_and_table(tmp_path):
     assert subprocess.run(gen, timeout=60).returncode == 0
     text = readme.read_text()
     assert "| turbo8 | 8 GB |" in text and res["date"][:10] in text
+    ratio = capped["step_seconds"] / resident["step_seconds"]
+    assert f"ours {ratio:.2f}x its resident step, the resident hashes" in text  # the capped row against resident
     assert subprocess.run(gen + ["--check"], timeout=60).returncode == 0
     missing = subprocess.run(gen[:2] + ["--json", str(tmp_path / "none.json"), "--readme", str(readme)], timeout=60)
     assert missing.returncode == 2
