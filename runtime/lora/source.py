@@ -165,12 +165,13 @@ def nvfp4_equal(a, b) -> bool:
             b.scales.view(torch.uint8)) and torch.equal(a.global_scale, b.global_scale))
 
 
-def quantize_like(w: torch.Tensor, module):
+def quantize_like(w: torch.Tensor, module, backend: str = "auto"):
     """nvfp4.quantize's bytes with the row padding of ``module``'s packed buffer: on CUDA from the Triton quantizer
-    the load uses (the same bytes: tests/gpu/test_lora_merge_gpu.py), elsewhere from the reference."""
+    the load uses (the same bytes: tests/gpu/test_lora_merge_gpu.py), elsewhere from the reference. ``backend``:
+    ``nvfp4_producers.pick_backend``'s ("triton" runs the kernel on the CPU under Triton's interpreter, for tests)."""
     n = module.out_features
     pad = 16 if module.packed.shape[0] == nvfp4.roundup(n, 16) else 1
-    if w.is_cuda and nvfp4_producers.pick_backend("auto", w.device) == "triton":
+    if nvfp4_producers.pick_backend(backend, w.device) == "triton":
         q = nvfp4_producers.quantize(w.contiguous())  # packed rows unpadded; the scales' rows padded to 128
         rows = nvfp4.roundup(n, pad)
         if q.packed.shape[0] != rows:
