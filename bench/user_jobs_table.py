@@ -53,21 +53,16 @@ def _core_device_key(side: dict) -> str:
         "peak_reserved_bytes"
 
 
-def _vs_resident(rows: list, r: dict) -> str:
-    """A capped row of ours against the same job's resident row on the same card: its step time over the resident
-    one's, and whether its latent hashes are the resident run's ("" where there is nothing to compare)."""
-    o = r["ours"]
-    base = next((x["ours"] for x in rows if x["job"] == r["job"] and x["cap_gb"] is None), None)
-    if r["cap_gb"] is None or base is None or "error" in o or "error" in base:
-        return ""
-    if o.get("device") != base.get("device"):
+def _vs_resident(o: dict) -> str:
+    """A capped row of ours against the same job's resident row, as the bench compared them
+    (``user_jobs.compare_to_resident``: same card only): its step over the resident step, and the hashes."""
+    if o.get("resident_note"):
         return "ours: resident row on another card"
-    text = f"ours {o['step_seconds'] / base['step_seconds']:.2f}x its resident step"
-    got, want = (x.get("latent_checksums") or {} for x in (o, base))
-    keys = ("video_sha256", "audio_sha256")
-    if not all(got.get(k) and want.get(k) for k in keys):
-        return text
-    return text + (", the resident hashes" if all(got[k] == want[k] for k in keys) else ", hashes differ from resident")
+    if o.get("step_ratio_to_resident") is None:
+        return ""
+    text = f"ours {o['step_ratio_to_resident']:.2f}x its resident step"
+    same = o.get("hashes_equal_resident")
+    return text + ("" if same is None else ", the resident hashes" if same else ", hashes differ from resident")
 
 
 def table(res: dict) -> str:
@@ -81,7 +76,7 @@ def table(res: dict) -> str:
         o, c = r["ours"], r["core"]
         cap = "resident" if r["cap_gb"] is None else f"{r['cap_gb']} GB"
         sp = "-" if r.get("speedup") is None else f"{r['speedup']:.2f}x"
-        note = "; ".join(x for x in (f"card: {r['card']}" if r.get("card") else "", _vs_resident(res["rows"], r),
+        note = "; ".join(x for x in (f"card: {r['card']}" if r.get("card") else "", _vs_resident(o),
                                      _error(o, "ours"),
                                      _error(c, "core"),
                                      "error" not in o and "error" not in c and r.get("speedup_note", "")[:80])

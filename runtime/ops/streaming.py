@@ -30,8 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from . import nvfp4
-from .host_buffers import BuffersAhead, HostLinear, aligned
+from .host_buffers import BuffersAhead, HostLinear
 
 SLOTS = 2
 LINEAR_NAMES = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
@@ -100,22 +99,15 @@ class BlockStreamer:
         self.host.setdefault(j, {})[parts[2]] = hl
         return True
 
-    def expect_nvfp4(self) -> None:
-        """Before a load that builds every block linear as an Nvfp4Linear: make the streamed linears' host buffers
-        ahead on a worker thread (``BuffersAhead``), in load order, at the size ``HostLinear`` gives an NVFP4 linear
-        of the block's shape (packed bytes rows padded to 16, swizzled scales). ``adopt`` takes them; a linear
-        whose size differs makes its own, as without this. ``finish`` (or ``drop_ahead`` where the load fails)
-        frees what is left."""
+    def expect_host_buffers(self, nbytes) -> None:
+        """Before the load: make the streamed linears' host buffers ahead on a worker thread (``BuffersAhead``), in
+        load order, at ``nbytes(out_features, in_features)`` each (the size ``HostLinear`` will give that linear).
+        ``adopt`` takes them; a linear whose size differs makes its own, as without this. ``finish`` (or
+        ``drop_ahead`` where the load fails) frees what is left."""
         if not self.order:
             return
-        sizes = []
-        for j in self.order:
-            for name in LINEAR_NAMES:
-                lin = self.blocks[j].get_submodule(name)
-                n, k = lin.out_features, lin.in_features
-                packed = nvfp4.packed_shape(n, k, 16)
-                sizes.append(((j, name), aligned(packed[0] * packed[1]) + aligned(
-                    nvfp4.scale_shape(packed[0], k)[0] * nvfp4.scale_shape(packed[0], k)[1])))
+        sizes = [((j, name), nbytes(lin.out_features, lin.in_features)) for j in self.order for name in LINEAR_NAMES
+                 for lin in (self.blocks[j].get_submodule(name),)]
         self.ahead = BuffersAhead(sizes, pin=self.cuda)
 
     def drop_ahead(self) -> None:
