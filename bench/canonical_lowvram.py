@@ -156,7 +156,7 @@ def main(argv=None) -> int:
         res["forward50"] = {"error": err_text(e)}
     write_json(res, out)
 
-    mm = ModelMemory.from_plan(rt.plan)
+    mm = ModelMemory.from_plan(rt.plan, placed=False)  # AdaLN where a budget without room for it puts it
     least = smallest_budget(mm, wl)
     if a.quick:
         budgets = [float(budget_arg(estimate(mm, wl, cfg.num_layers, SLOTS, None).total - 3 * mm.block_bytes))]

@@ -296,7 +296,7 @@ def tiny_budget(rt, job: J.Job, inputs: SampleInputs, cap_gb: int) -> int:
     from h3_blackwell.runtime.budget import ModelMemory, smallest_budget
 
     wl = Workload.from_shapes(inputs.video.shape, inputs.audio.shape, job.text_tokens, job.steps, inputs.conditioning)
-    least = smallest_budget(ModelMemory.from_plan(rt.plan), wl, "cpu")
+    least = smallest_budget(ModelMemory.from_plan(rt.plan, placed=False), wl, "cpu")
     return int(least * (1.0 if cap_gb <= 8 else 1.5)) + 1
 
 

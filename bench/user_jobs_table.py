@@ -65,14 +65,28 @@ def _vs_resident(o: dict) -> str:
     return text + ("" if same is None else ", the resident hashes" if same else ", hashes differ from resident")
 
 
+def _ordered(rows: list) -> list:
+    """Rows grouped by job (in the order the jobs first appear), each job's resident row first, then the larger
+    cap: the order a reader compares them in, whichever call measured them."""
+    jobs = list(dict.fromkeys(r["job"] for r in rows))
+    return sorted(rows, key=lambda r: (jobs.index(r["job"]), -(r["cap_gb"] or float("inf"))))
+
+
+def _lease(r: dict) -> str:
+    """The lease (device machine) that measured a row, short: both stacks' where they differ."""
+    ids = list(dict.fromkeys((r[s].get("lease") or "?")[:8] for s in ("ours", "core")))
+    return " / ".join(ids)
+
+
 def table(res: dict) -> str:
     """The markdown section for one results file."""
     lines = [f"Measured {res['date'][:10]} on {res['device']} (the last call: `{res['command']}`; core: "
-             f"{res['core_stack']}).", "",
+             f"{res['core_stack']}). The lease column names the device machine that measured the row.", "",
              "| job | cap | ours s/step | ours load+LoRA s | ours job s | ours peak reserved GB | ours host RSS GB | "
-             "core s/step | core load+LoRA s | core job s | core device GB | core host RSS GB | speedup | note |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in res["rows"]:
+             "core s/step | core load+LoRA s | core job s | core device GB | core host RSS GB | speedup | lease | "
+             "note |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in _ordered(res["rows"]):
         o, c = r["ours"], r["core"]
         cap = "resident" if r["cap_gb"] is None else f"{r['cap_gb']} GB"
         sp = "-" if r.get("speedup") is None else f"{r['speedup']:.2f}x"
@@ -85,7 +99,7 @@ def table(res: dict) -> str:
                      f"{_cell(o, 'job_seconds', fmt='{:.1f}')} | {_cell(o, 'peak_reserved_bytes', 1e9)} | "
                      f"{_cell(o, 'host_peak_rss_bytes', 1e9)} | {_cell(c, 'step_seconds')} | {_load(c)} | "
                      f"{_cell(c, 'job_seconds', fmt='{:.1f}')} | {_cell(c, _core_device_key(c), 1e9)} | "
-                     f"{_cell(c, 'host_peak_rss_bytes', 1e9)} | {sp} | {note} |")
+                     f"{_cell(c, 'host_peak_rss_bytes', 1e9)} | {sp} | {_lease(r)} | {note} |")
     if any(r["core"].get("dynamic_vram") == "on" for r in res["rows"]):
         lines += ["", "Core's load+LoRA column is its file open, patch set-up and `load_models_gpu`: under DynamicVRAM "
                   "its weights reach the device, with the LoRA's patches, during its first step, which its job time "

@@ -309,16 +309,20 @@ class ModelMemory:
                        sparse_token_aug=choices.get("sparse_token_aug", 0))
 
     @classmethod
-    def from_plan(cls, plan) -> "ModelMemory":
-        """From a ``runtime.plan.LoadPlan`` (its config, dtype and choices)."""
+    def from_plan(cls, plan, placed: bool = True) -> "ModelMemory":
+        """From a ``runtime.plan.LoadPlan`` (its config, dtype and choices). placed=False: full-form AdaLN weights
+        the plan keeps on the device (``ADALN_ON_DEVICE``) counted off it, where a run without room for them puts
+        them (``H3Runtime.fit_memory``): the model a request check or ``smallest_budget`` must see, since those
+        weights never stop a smaller budget from running."""
         ck = plan.checkpoint
+        adaln_on_host = plan.adaln_on_host or (not placed and plan.choices["adaln"].choice == ADALN_ON_DEVICE)
         calibrated = False
         if plan.act_scale == "calibrated" and ck is not None and hasattr(ck, "keys"):
             keys = set(ck.keys())
             calibrated = all(f"blocks.{j}.{n}.input_scale" in keys for j in range(plan.config.num_layers)
                              for n in ("mlp.fc1", "mlp.fc2"))
         mm = cls.build(plan.config, plan.dtype, plan.act_format, plan.gemm, plan.dense_attention,
-                       plan.v_handling, plan.adaln_on_host, calibrated).with_source(ck)
+                       plan.v_handling, adaln_on_host, calibrated).with_source(ck)
         sparse = plan.sparse_settings() if plan.attention == "sparse" else None
         return replace(mm, sparse=sparse is not None, sparse_method=sparse.method if sparse else "",
                        sparse_token_aug=sparse.token_aug if sparse else 0,

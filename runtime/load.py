@@ -135,6 +135,11 @@ def _nvfp4_linear(layer: str, weight: torch.Tensor | None, shape: tuple[int, int
     return Nvfp4Linear.from_float(weight.detach(), **kw)
 
 
+# the ``adaln`` choice once a run without room moved the AdaLN weights the plan kept on the device to host memory
+ADALN_MOVED_OFF = Choice("rows per run", "modulation rows precomputed per run; full-form AdaLN weights in pinned host "
+                                         "memory, moved off the device for a run that needed the room")
+
+
 # the parts of a load pass's own thread that ``_Loader.phases`` times
 LOAD_PARTS = ("waits_for_reads", "reads_here", "copies_issued", "finite_checks", "linears", "adopt",
               "release_staging")
@@ -458,9 +463,8 @@ class H3Runtime:
         held = Held(self.device_bytes() if self.parked is None else 0,
                     0 if self.streamer is None else self.streamer.host_bytes)
         host_free = host_budget_bytes(self.plan.host_budget) if host_free is None else host_free
-        plan = _adaln_on_host(self.plan) if self.plan.choices["adaln"].choice == ADALN_ON_DEVICE else self.plan
-        return check_request(ModelMemory.from_plan(plan), wl, dev or DeviceMemory.probe(self.device),
-                             self.plan.vram_budget, ask, held, host_free)
+        return check_request(ModelMemory.from_plan(self.plan, placed=False), wl,
+                             dev or DeviceMemory.probe(self.device), self.plan.vram_budget, ask, held, host_free)
 
     def describe(self) -> str:
         lines = self.plan.describe().splitlines()
@@ -504,8 +508,7 @@ class H3Runtime:
         host_held = st.host_bytes + (0 if tower_st is None else tower_st.host_bytes)
         args = (wl, dev, parse_vram_budget(plan.vram_budget), host_budget_bytes(plan.host_budget))
         if plan.choices["adaln"].choice == ADALN_ON_DEVICE:  # kept there while every block fits beside them
-            host = _adaln_on_host(plan)
-            host_mm = ModelMemory.from_plan(host)
+            host_mm = ModelMemory.from_plan(plan, placed=False)
             new = adaln_on_device(host_mm, *args, held=Held(held, host_held), outside=outside)
             if new is None:  # this run needs the room: plan it with AdaLN in pinned host memory, then move them
                 new = decide(host_mm, *args, held=Held(held, host_held), outside=outside,
@@ -521,7 +524,7 @@ class H3Runtime:
                 place_adaln(self.model.blocks, self.device, on_host=True)
                 for tower in [t for t in plan.towers if not t.curve_form]:  # loaded as the base keeps its AdaLN
                     place_adaln(tower.control_blocks, self.device, on_host=True)
-                plan.choices["adaln"] = host.choices["adaln"]
+                plan.choices["adaln"] = ADALN_MOVED_OFF
         else:
             new = decide(mm, *args, held=Held(held, host_held), outside=outside,
                          unchanged="nothing moved: the model stays loaded as it was")
@@ -574,13 +577,6 @@ def _prepare_fc2(plan: LoadPlan) -> tuple[object | None, dict | None]:
     reason = prep.get("reason") or "prepared: " + ", ".join(
         f"{k}: {v.get('status', v) if isinstance(v, dict) else v}" for k, v in prep.get("entries", {}).items())
     return fc2, {"choice": plan.choices["fc2_lt"].choice, "reason": reason}
-
-
-def _adaln_on_host(plan: LoadPlan) -> LoadPlan:
-    """A copy of ``plan`` with its full-form AdaLN weights in pinned host memory (rows per run)."""
-    return replace(plan, choices={**plan.choices, "adaln": Choice(
-        "rows per run", "modulation rows precomputed per run; full-form AdaLN weights in pinned host memory, moved "
-                        "off the device for a run that needed the room")})
 
 
 def _place(modules, device: torch.device, on_host: bool) -> None:

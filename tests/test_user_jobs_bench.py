@@ -49,6 +49,8 @@ def test_tiny_rows_merge_and_table(tmp_path):
     assert subprocess.run(gen, timeout=60).returncode == 0
     text = readme.read_text()
     assert "| turbo8 | 8 GB |" in text and res["date"][:10] in text
+    assert text.index("| turbo8 | resident |") < text.index("| turbo8 | 8 GB |")  # resident first, whatever the merge
+    assert f"| {resident['lease'][:8]} |" in text  # both stacks' lease, once where they agree
     ratio = capped["step_seconds"] / resident["step_seconds"]
     assert f"ours {ratio:.2f}x its resident step, the resident hashes" in text  # the capped row against resident
     assert subprocess.run(gen + ["--check"], timeout=60).returncode == 0

@@ -46,7 +46,7 @@ def workload():
 @pytest.fixture(scope="module")
 def runtimes(source, workload):
     resident = load_model(source, RuntimeOptions(device="cuda"), workload=workload)
-    least = smallest_budget(ModelMemory.from_plan(resident.plan), workload, "cuda")
+    least = smallest_budget(ModelMemory.from_plan(resident.plan, placed=False), workload, "cuda")
     streamed = load_model(source, RuntimeOptions(device="cuda", vram_budget=repr(least / 1e9)), workload=workload)
     assert resident.plan.memory.streamed == () and streamed.plan.memory.streamed == (0, 1, 2, 3)
     return resident, streamed
@@ -123,8 +123,9 @@ def test_device_bytes_is_what_the_load_allocated(source, workload):
     where the stream buffers alone are 58 MB)."""
     import gc
 
-    least = smallest_budget(ModelMemory.from_plan(load_model(source, RuntimeOptions(device="cuda"),
-                                                                 workload=workload).plan), workload, "cuda")
+    resident = load_model(source, RuntimeOptions(device="cuda"), workload=workload)
+    least = smallest_budget(ModelMemory.from_plan(resident.plan, placed=False), workload, "cuda")
+    del resident
     gc.collect()
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()

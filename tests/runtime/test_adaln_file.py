@@ -7,7 +7,7 @@ import torch
 
 from h3_blackwell.runtime import RuntimeOptions, load_model, save_tiny
 from h3_blackwell.runtime.budget import (BudgetError, DeviceMemory, MemoryAsk, ModelMemory, Workload, adaln_on_device,
-                                         decide)
+                                         decide, smallest_budget)
 from h3_blackwell.runtime.lora.apply import apply_loras
 from h3_blackwell.runtime.model.config import FULL
 from h3_blackwell.runtime.model.layout import latent_shapes
@@ -289,6 +289,27 @@ def test_adaln_the_plan_keeps_on_the_device_moves_to_host_memory_for_a_run_witho
         r.hashes.append(_run(r))
         apply_loras(r, [])
     assert rt.hashes == kept.hashes and rt.hashes[0] != rt.hashes[1]
+
+
+def test_the_smallest_budget_counts_adaln_where_a_run_without_room_puts_it(files):
+    """A plan that keeps AdaLN on the device (a simulated 80 GB card) names the smallest budget of the model as a run
+    without room would place it (``from_plan(placed=False)``: AdaLN in host memory, the smallest budget of the load
+    that kept it there); counted as placed, it is higher by the AdaLN bytes, and a load at the unplaced one streams
+    every block (a GPU test found ``from_plan`` of such a plan naming a budget at which half the blocks stayed)."""
+    ck, _ = files
+    wl = Workload.from_shapes(VS, AS, 32, 2)
+    roomy = DeviceMemory("cuda", "simulated card", 80 * 10 ** 9, 79 * 10 ** 9)
+    on = load_model(ck, RuntimeOptions(device="cpu", host_budget="1000"), workload=wl, device_memory=roomy)
+    assert on.plan.choices["adaln"].choice == "on the device"
+    kept = _load(ck, "1000")
+    least = smallest_budget(ModelMemory.from_plan(on.plan, placed=False), wl, "cuda")
+    assert least == smallest_budget(ModelMemory.from_plan(kept.plan), wl, "cuda")
+    adaln = sum(t.numel() * t.element_size() for b in on.model.blocks for t in b.adaln_proj.linear.parameters())
+    assert smallest_budget(ModelMemory.from_plan(on.plan), wl, "cuda") == least + adaln
+    assert on.plan.choices["adaln"].choice == "on the device"  # counting moved nothing
+    at = load_model(ck, RuntimeOptions(device="cpu", host_budget="1000", vram_budget=repr(least / 1e9)), workload=wl,
+                    device_memory=roomy)
+    assert at.plan.memory.streamed == tuple(range(at.config.num_layers)) and at.plan.adaln_on_host
 
 
 def test_an_offloaded_runtime_whose_adaln_must_move_off_comes_back_with_it_in_host_memory(files):
