@@ -56,6 +56,7 @@ from .model.config import QUANT_LINEARS, H3Config
 from .model.h3 import HEAD_ROWS, H3Model
 from .ops import nvfp4
 from .ops.attention import row_exactness
+from .ops.host_buffers import aligned  # each tensor's place in a streamed block's buffer
 from .ops.rows_kv import Bf16KV
 from .ops.sage_kv import SageKV
 from .ops.sparse_methods import BLOCK, PRODUCER_CHUNK, VSA_CUBE
@@ -71,7 +72,6 @@ MIN_CHUNK_ROWS = 2048  # row chunks below this make the GEMMs inefficient (and w
 MIN_CHUNK_ROWS_CPU = 128  # the CPU emulation chunks the tiny model's few hundred rows too (tests)
 CHUNK_MULTIPLE = 128  # chunk boundaries on the producers' and GEMMs' 128-row tiles
 WORKSPACE_BYTES = 64 << 20  # cuBLAS / cuBLASLt workspaces and small per-run tensors (CUDA)
-ALIGN = 256  # byte alignment of each tensor inside a streamed block's buffer
 # The process's own host memory beside a plan's host figure, at H3's full size: torch and CUDA's libraries and
 # context, the load's read-ahead (``runtime.io.prefetch.READ_AHEAD_BYTES``), the LoRA's factors, the run's host
 # tensors; the largest peak host RSS less the plan's host figure measured, rounded up (bench/NOTES.md, "Ninth
@@ -203,10 +203,6 @@ def streamed_tensor_bytes(n: int, k: int, quantized: bool, dtype_bytes: int) -> 
     if not quantized:
         return [n * k * dtype_bytes]
     return [math.prod(nvfp4.packed_shape(n, k, 16)), math.prod(nvfp4.scale_shape(n, k))]
-
-
-def aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
 
 
 def block_linear_bytes(cfg: H3Config, quantized: bool, dtype_bytes: int) -> int:

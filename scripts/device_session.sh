@@ -31,7 +31,8 @@
 #   bash scripts/device_session.sh U    issue 37: rows of bench/user_jobs.py (UJ_ARGS, e.g. "--rows turbo8:8:1";
 #                                       then UJ_ARGS2, UJ_ARGS3 where set; without a carried sage2 build it is built
 #                                       from .sage while both stacks' files are written, and comes back in $OUT),
-#                                       merged into UJ_OUT (default bench/results/user-jobs.json; copied to $OUT);
+#                                       merged into UJ_OUT (default bench/results/user-jobs.json; copied to $OUT;
+#                                       an UJ_OUT under $OUT starts from this machine's last merged file);
 #                                       with UJ_TESTS=1 first the GPU tests of query-row chunks and the memory paths;
 #                                       UJ_GPU_TESTS="tests/gpu/a.py ..." first those GPU tests;
 #                                       UJ_SMOKE=1 (default) first a tiny CPU row of core's carried stack. Carry third_party/sage2-sm90 and
@@ -148,8 +149,12 @@ U)  # the jobs users run against core's stack (issue 37); one checkpoint write p
       "$OUT/uj-core-smoke.json" >> "$LOG" 2>&1
   fi
   UJ_OUT="${UJ_OUT:-bench/results/user-jobs.json}"  # merged into (copy the returned file back before the next call)
-  # an UJ_OUT under $OUT (which comes back even when the call is cut off) starts from the tree's file
-  [ ! -f "$UJ_OUT" ] && [ -f bench/results/user-jobs.json ] && cp bench/results/user-jobs.json "$UJ_OUT"
+  # an UJ_OUT under $OUT (which comes back even when the call is cut off) starts from this machine's last merged file
+  # (/tmp/uj-latest.json: an earlier call of this lease, which started from the tree's), else from the tree's file
+  if [ ! -f "$UJ_OUT" ]; then
+    if [ -f /tmp/uj-latest.json ]; then cp /tmp/uj-latest.json "$UJ_OUT"
+    elif [ -f bench/results/user-jobs.json ]; then cp bench/results/user-jobs.json "$UJ_OUT"; fi
+  fi
   # UJ_ARGS, then UJ_ARGS2 and UJ_ARGS3 where set: one bench call each, in turn, on what time is left (e.g. one
   # stack's rows, then the other stack's other rows; --merge keeps each row's other stack)
   n=0
@@ -159,9 +164,9 @@ U)  # the jobs users run against core's stack (issue 37); one checkpoint write p
     timeout $(( 590 - SECONDS )) python3 bench/user_jobs.py --merge --out "$UJ_OUT" --workdir /tmp/h3_user_jobs \
       $args 2>&1 | tail -20 >> "$LOG"
     # each call's result kept apart too: a later call cut off, or a command that writes over UJ_OUT, loses nothing
-    [ -f "$UJ_OUT" ] && cp "$UJ_OUT" "$OUT/user-jobs.after-$n.json"
+    [ -f "$UJ_OUT" ] && cp "$UJ_OUT" "$OUT/user-jobs.after-$n.json" && cp "$UJ_OUT" /tmp/uj-latest.json
   done
-  cp "$UJ_OUT" "$OUT/" 2>>"$LOG"
+  [ "$(dirname "$UJ_OUT")" -ef "$OUT" ] || cp "$UJ_OUT" "$OUT/" 2>>"$LOG"
   ;;
 G)  # the drop-in (core MODEL), control and low-VRAM (streaming) GPU tests + the Blackwell guards
   sage_unpack

@@ -287,7 +287,8 @@ def test_tower_estimate_matches_a_loaded_tower(tmp_path):
     from fixtures.tiny_control import save_tiny_control
 
     from h3_blackwell.runtime import load_control
-    from h3_blackwell.runtime.budget import ALIGN, TowerSize, tower_bytes
+    from h3_blackwell.runtime.budget import TowerSize, tower_bytes
+    from h3_blackwell.runtime.ops.host_buffers import ALIGN
     from h3_blackwell.runtime.model.config import TINY
 
     f = save_tiny_control(tmp_path / "tower.safetensors", TINY, (0, 1, 2), seed=3)
