@@ -73,9 +73,10 @@ def _ordered(rows: list) -> list:
 
 
 def _lease(r: dict) -> str:
-    """The lease (device machine) that measured a row, short: both stacks' where they differ."""
-    ids = list(dict.fromkeys((r[s].get("lease") or "?")[:8] for s in ("ours", "core")))
-    return " / ".join(ids)
+    """The lease (device machine) that measured a row, short: both stacks' where they differ (a stack not run has
+    none)."""
+    ids = list(dict.fromkeys(r[s]["lease"][:8] for s in ("ours", "core") if r[s].get("lease")))
+    return " / ".join(ids) or "-"
 
 
 def table(res: dict) -> str:
