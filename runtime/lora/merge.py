@@ -42,17 +42,21 @@ def merged_weight(w0: torch.Tensor, entries: Sequence[tuple[float, LoraUpdate]],
     n = w0.shape[0]
     out = torch.empty(w0.shape, dtype=torch.float32, device=w0.device) if into is None else into
     dev = torch.device(device) if device is not None else w0.device
-    ups = [(s, u, (u.down.to(dev, torch.float64) if u.kind == LOWRANK else None)) for s, u in entries]
+    # a low-rank update's factors reach ``dev`` once per tensor ([rows, r] and [r, K] in float64: megabytes), not
+    # once per row chunk: a copy from pageable host memory waits for every kernel queued before it, so a copy per
+    # chunk made the host wait for each chunk's math in turn (the same values either way)
+    ups = [(s, u, *((u.up.to(dev, torch.float64), u.down.to(dev, torch.float64)) if u.kind == LOWRANK else
+                    (None, None))) for s, u in entries]
     for r0 in range(0, n, _ROW_CHUNK):
         r1 = min(n, r0 + _ROW_CHUNK)
         acc = w0[r0:r1].to(dev, torch.float64, copy=True)
-        for s, u, down in ups:
+        for s, u, up, down in ups:
             a, b = u.rows
             i0, i1 = max(r0, a), min(r1, b)
             if i0 >= i1:
                 continue
             if u.kind == LOWRANK:
-                acc[i0 - r0:i1 - r0] += (u.up[i0 - a:i1 - a].to(dev, torch.float64) @ down) * (s * u.unit_scale)
+                acc[i0 - r0:i1 - r0] += (up[i0 - a:i1 - a] @ down) * (s * u.unit_scale)
             else:
                 acc[i0 - r0:i1 - r0] += u.delta[i0 - a:i1 - a].to(dev, torch.float64) * s
         out[r0:r1] = acc.to(torch.float32).to(out.dtype).to(out.device)

@@ -739,6 +739,12 @@ def test_merged_weight_into_equals_the_cast_of_the_fp32_merge(dtype):
                      up=torch.randn(n - 5, r, generator=g), alpha=2.0)
     diff = LoraUpdate("m", "diff", (_ROW_CHUNK - 4, _ROW_CHUNK + 9), (), delta=torch.randn(13, k, generator=g))
     entries = [(0.7, low), (-0.3, diff)]
+    # the contract's reference, whole-tensor in float64 (rank 5: each entry's product is one short dot, summed in the
+    # same order whatever rows a chunk holds, so the rounded results are equal)
+    ref = w0.double()
+    ref[3:n - 2] += (low.up.double() @ low.down.double()) * (0.7 * low.unit_scale)
+    ref[_ROW_CHUNK - 4:_ROW_CHUNK + 9] += diff.delta.double() * -0.3
+    assert torch.equal(merged_weight(w0, entries), ref.float())
     want = merged_weight(w0, entries).to(dtype)
     w = w0.clone()
     assert merged_weight(w, entries, into=w) is w
