@@ -149,9 +149,9 @@ class _Loader:
     """One streaming pass (module docstring). Its reads come from a ``ReadAhead`` where the source is a Checkpoint
     (``_reading``), else straight from the source; ``tensor`` is the reader interface ``dequantize_layer`` takes."""
 
-    def __init__(self, model, src, plan, progress: Progress | None, adopt=None):
+    def __init__(self, model, src, plan, progress: Progress | None, streamer=None):
         self.model, self.src, self.plan, self.progress = model, src, plan, progress
-        self.adopt = adopt  # BlockStreamer.adopt: a streamed block's linear moves to host memory once loaded
+        self.streamer = streamer  # BlockStreamer: a streamed block's linear moves to host memory once loaded
         self.device, self.dtype = plan.device, plan.dtype
         self.quant = quant_layers(src)
         if plan.scratch is None:
@@ -168,8 +168,9 @@ class _Loader:
         self.seconds = dict.fromkeys(LOAD_PARTS, 0.0)
         self.read_seconds = self.read_bytes = 0
         # finite checks read back once per flush, not once per tensor: flushed before a streamed block's linear
-        # leaves the device (adopt), every 32 tensors or 64 MiB (what a queued temporary may keep alive beyond the
-        # plan's one source tensor), and at the end of the pass
+        # leaves the device (adopt; a resident block's linear stays, so nothing waits there), every 32 tensors or
+        # 64 MiB (what a queued temporary may keep alive beyond the plan's one source tensor), and at the end of
+        # the pass
         self.checks = FiniteChecks()
 
     @contextmanager
@@ -349,10 +350,10 @@ class _Loader:
                     self._to_host(k, p)
                 elif step == "tensor":
                     self._tensor(k, p)
-                if self.adopt is not None and layer is not None and QUANT_LINEARS.match(layer):
+                if self.streamer is not None and layer is not None and self.streamer.streams(layer):
                     self._flush_checks()
                     with self._part("adopt"):
-                        self.adopt(layer, self.model.get_submodule(layer))
+                        self.streamer.adopt(layer, self.model.get_submodule(layer))
             self._flush_checks()
         left = [n for n, t in list(self.model.named_parameters()) + list(self.model.named_buffers())
                 if t.is_meta and not (self.plan.adaln_from_file and ADALN_KEY.match(n))]
@@ -360,13 +361,13 @@ class _Loader:
             raise CheckpointError(f"{label}: no tensor for {left[:5]}")
 
 
-def stream_load(model, src, plan, progress: Progress | None = None, adopt=None) -> dict:
+def stream_load(model, src, plan, progress: Progress | None = None, streamer=None) -> dict:
     """Fill ``model`` (built on the meta device) from ``src`` (a Checkpoint or StateDictSource) as the load
-    plan says (module docstring). ``adopt(layer, module)``: called after each block linear (block streaming
-    moves a streamed block's bytes to host memory there, so the device never holds more than the resident
-    blocks plus one layer). Raises CheckpointError naming the tensor for bad input. -> where its time went
+    plan says (module docstring). ``streamer`` (a BlockStreamer): after each block linear it ``streams``, its
+    ``adopt(layer, module)`` moves the linear's bytes to host memory, so the device never holds more than the
+    resident blocks plus one layer. Raises CheckpointError naming the tensor for bad input. -> where its time went
     (``_Loader.phases``)."""
-    loader = _Loader(model, src, plan, progress, adopt)
+    loader = _Loader(model, src, plan, progress, streamer)
     loader.run()
     return loader.phases()
 
@@ -651,7 +652,7 @@ def load_model(path: str | Path | None = None, options: RuntimeOptions | None = 
     if plan.quantize:  # the streamed NVFP4 linears' page-locked host buffers, made beside the reads
         streamer.expect_host_buffers(lambda n, k: sum(aligned(b) for b in streamed_tensor_bytes(n, k, True, 0)))
     try:
-        passed = stream_load(model, src, plan, progress, streamer.adopt)
+        passed = stream_load(model, src, plan, progress, streamer)
     except BaseException:
         streamer.drop_ahead()
         raise

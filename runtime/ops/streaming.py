@@ -85,18 +85,27 @@ class BlockStreamer:
         self.slot_used = [0] * self.nslots
 
     # -- load ---------------------------------------------------------------------------------------
+    def _streamed_linear(self, layer: str) -> tuple[int, str] | None:
+        """(block, linear name) where ``layer`` is a linear of a streamed block, else None."""
+        parts = layer.split(".", 2)
+        if len(parts) < 3 or parts[0] != "blocks" or parts[2] not in LINEAR_NAMES or int(parts[1]) not in self.streamed:
+            return None
+        return int(parts[1]), parts[2]
+
+    def streams(self, layer: str) -> bool:
+        """Whether ``adopt`` moves ``layer`` to host memory (a linear of a streamed block)."""
+        return self._streamed_linear(layer) is not None
+
     def adopt(self, layer: str, module: nn.Module) -> bool:
         """The loader's hook after each block linear: a streamed block's linear moves its streamed tensors to
         host memory (the device copies are then freed). Returns True when it did."""
-        parts = layer.split(".", 2)
-        if len(parts) < 3 or parts[0] != "blocks" or parts[2] not in LINEAR_NAMES:
+        where = self._streamed_linear(layer)
+        if where is None:
             return False
-        j = int(parts[1])
-        if j not in self.streamed:
-            return False
-        hl = HostLinear(module, pin=self.cuda, ahead=self.ahead, key=(j, parts[2]))
+        j, name = where
+        hl = HostLinear(module, pin=self.cuda, ahead=self.ahead, key=(j, name))
         hl.bind_host(module)
-        self.host.setdefault(j, {})[parts[2]] = hl
+        self.host.setdefault(j, {})[name] = hl
         return True
 
     def expect_host_buffers(self, nbytes) -> None:

@@ -104,6 +104,29 @@ def test_partial_streaming_spreads_the_resident_blocks_and_keeps_first_block_cac
             assert got.report["first_block_cache"] == want.report["first_block_cache"]
 
 
+def test_the_load_waits_for_its_checks_only_before_a_streamed_linear_leaves(monkeypatch):
+    """With blocks 1 and 4 resident and 0, 2, 3 and 5 streamed: the load hands exactly the streamed blocks' linears to
+    ``adopt``, and reads its finite checks back before each of those, not before a resident block's linear (a
+    read-back waits for every copy queued; the resident ones stay where they are)."""
+    from h3_blackwell.runtime.io.finite import FiniteChecks
+    from h3_blackwell.runtime.ops.streaming import LINEAR_NAMES, BlockStreamer
+
+    kw, src = STACKS["w4a8"], _six_blocks()
+    budget = estimate(ModelMemory.from_plan(_load(kw, src=src, steps=4).plan), _workload(4), 2, 2, None, "cpu").total
+    events, adopt, flush = [], BlockStreamer.adopt, FiniteChecks.flush
+    monkeypatch.setattr(BlockStreamer, "adopt", lambda self, layer, m: events.append(("adopt", layer)) or
+                        adopt(self, layer, m))
+    monkeypatch.setattr(FiniteChecks, "flush", lambda self: events.append(("flush", None)) or flush(self))
+    rt = _load(kw, budget, src=src, steps=4)
+    assert rt.plan.memory.streamed == (0, 2, 3, 5)
+    adopted = [layer for what, layer in events if what == "adopt"]
+    assert adopted == [f"blocks.{j}.{n}" for j in (0, 2, 3, 5) for n in LINEAR_NAMES]
+    assert all(events[i - 1][0] == "flush" for i, e in enumerate(events) if e[0] == "adopt")
+    # at most the adopts' flushes, the periodic ones (every 32 tensors) and the last: none per resident linear
+    tensors = len(rt.model.state_dict())
+    assert sum(e[0] == "flush" for e in events) <= len(adopted) + tensors // 32 + 1
+
+
 @pytest.fixture(scope="module")
 def lora_file(tmp_path_factory):
     return save_tiny_lora(tmp_path_factory.mktemp("lora") / "l.safetensors", tiny_lora_truth(TINY, seed=1), "comfy")
