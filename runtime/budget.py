@@ -205,11 +205,16 @@ def streamed_tensor_bytes(n: int, k: int, quantized: bool, dtype_bytes: int) -> 
     return [math.prod(nvfp4.packed_shape(n, k, 16)), math.prod(nvfp4.scale_shape(n, k))]
 
 
+def streamed_linear_bytes(n: int, k: int, quantized: bool, dtype_bytes: int) -> int:
+    """The host buffer of one streamed block linear [N, K]: its streamed tensors, each aligned as ``HostLinear``
+    places them."""
+    return sum(aligned(b) for b in streamed_tensor_bytes(n, k, quantized, dtype_bytes))
+
+
 def block_linear_bytes(cfg: H3Config, quantized: bool, dtype_bytes: int) -> int:
-    """The streamable bytes of one block of ``cfg`` (a DiT block or a control block): its four linears' large
-    tensors, each aligned as in a streaming buffer."""
-    return sum(aligned(b) for n, k in linear_dims(cfg).values() for b in streamed_tensor_bytes(n, k, quantized,
-                                                                                             dtype_bytes))
+    """The streamable bytes of one block of ``cfg`` (a DiT block or a control block): its four linears' host
+    buffers."""
+    return sum(streamed_linear_bytes(n, k, quantized, dtype_bytes) for n, k in linear_dims(cfg).values())
 
 
 @dataclass(frozen=True)

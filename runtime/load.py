@@ -52,8 +52,8 @@ import torch
 import torch.nn as nn
 
 from .budget import (DeviceMemory, Held, MemoryAsk, MemoryPlan, ModelMemory, Outside, TowerSize, Workload,
-                     BudgetError, adaln_on_device, aligned, check_request, decide, gb, host_budget_bytes,
-                     parse_vram_budget, plan_memory, streamed_tensor_bytes)
+                     BudgetError, adaln_on_device, check_request, decide, gb, host_budget_bytes,
+                     parse_vram_budget, plan_memory, streamed_linear_bytes)
 from .errors import CheckpointError
 from .io.adaln_file import ADALN_KEY, AdalnFromFile
 from .io import prefetch
@@ -650,7 +650,7 @@ def load_model(path: str | Path | None = None, options: RuntimeOptions | None = 
     stamp = checkpoint_stamp(src) if hasattr(src, "headers") else ()
     marks.append(time.perf_counter())
     if plan.quantize:  # the streamed NVFP4 linears' page-locked host buffers, made beside the reads
-        streamer.expect_host_buffers(lambda n, k: sum(aligned(b) for b in streamed_tensor_bytes(n, k, True, 0)))
+        streamer.expect_host_buffers(lambda n, k: streamed_linear_bytes(n, k, True, 0))
     try:
         passed = stream_load(model, src, plan, progress, streamer)
     except BaseException:
