@@ -396,7 +396,7 @@ def import_ours() -> list[str]:
 
 
 def run_ours(job: J.Job, cap_gb: int | None, files: dict, tiny: bool) -> dict:
-    from h3_blackwell.runtime.lora.apply import apply_loras
+    from h3_blackwell.runtime.lora.apply import apply_loras, lora_report
 
     not_imported = import_ours()
     device = torch.device("cpu" if tiny or not torch.cuda.is_available() else "cuda")
@@ -438,6 +438,8 @@ def run_ours(job: J.Job, cap_gb: int | None, files: dict, tiny: bool) -> dict:
     for _ in range(files.get("runs", 1) - 1):  # the same job again, each a run of its own, for the hash check
         reps.append(run(tensor_job(rt, inputs, settings)).report)
     rep = reps[-1]
+    if lora_phases is None and job.lora_rank is not None:  # merged behind a load that ran behind the first step:
+        lora_phases = (lora_report(rt) or {}).get("phase_seconds")  # the report was finished by the last block
     profiled = None
     if files.get("profile_step"):  # one more step, after the timed runs, under the profiler
         one = SamplingSettings(seed=job.seed, steps=1, sampler=job.sampler)
@@ -463,6 +465,7 @@ def run_ours(job: J.Job, cap_gb: int | None, files: dict, tiny: bool) -> dict:
                         "adaln_from_file", "host_limit_bytes", "refiner_on_host", "copy_exposed_ms_per_step",
                         "estimate")},
             "memory_choice": rep["backends"].get("memory"), "adaln": rep["backends"].get("adaln"),
+            "load": rep["backends"].get("load"),
             "modules_not_imported_before_the_clock": not_imported,
             "attention": rep["backends"].get("attention"), "device": rep["device"],
             **({"step_profile": profiled} if profiled is not None else {})}

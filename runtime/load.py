@@ -80,6 +80,7 @@ from .ops.sparse_attention import SparseStepAttention
 from .ops.stream_ops import StreamOps
 from .ops.streaming import BlockStreamer, module_device_bytes
 from .options import RuntimeOptions
+from .pending_load import PRELUDE, PendingLoad, part_of
 from .plan import ADALN_ON_DEVICE, Choice, LoadPlan, make_plan
 from .sampling.request import host_available_bytes
 
@@ -286,8 +287,8 @@ class _Loader:
                 self.read_seconds, self.read_bytes = self.ahead.read_seconds, self.ahead.read_bytes
                 self.ahead = None
                 if self.device.type == "cuda":  # the staging buffers' copies are done: give their pages back
-                    with self._part("release_staging"):
-                        torch.cuda.synchronize(self.device)
+                    with self._part("release_staging"):  # this thread's stream: a load behind the first
+                        torch.cuda.current_stream(self.device).synchronize()  # step leaves the step's alone
                         empty_host_cache = getattr(torch._C, "_host_emptyCache", None)  # torch >= 2.5; else they
                         if empty_host_cache is not None:                                 # stay cached for later
                             empty_host_cache()                                           # copies
@@ -331,12 +332,17 @@ class _Loader:
             k, self.tensor(k, self.device))
         _set(self.model, k, t.to(device=self.device, dtype=p.dtype))
 
-    def run(self) -> None:
+    def run(self, pending: PendingLoad | None = None, on_part=None) -> None:
+        """The pass. pending: the gates of a load behind the first step (``runtime.pending_load``): the entries are
+        taken part by part (the prelude, then each block in order), and each part opens once its tensors are set,
+        checked finite and adopted, after ``on_part(part)`` (the caller's per-part work, on this thread)."""
         want = dict(self.model.state_dict(keep_vars=True))
         label = getattr(self.src, "name", None) or self.src.headers[0].path.name
         if not getattr(self.src, "verified", False):  # a checkpoint checked before the load is not checked again
             check_names_and_shapes(want, self.src, self.quant, label, self.plan.config.num_layers)
         steps = [(k, *self._step(k)) for k in want]
+        if pending is not None:  # stable: the prelude's entries in the model's order, then block 0, 1, ...
+            steps.sort(key=lambda s: part_of(s[0]))
         self.host_like = {k: want[k] for k, step, _ in steps if step == "host"}
         with self._reading([x for _, _, reads in steps for x in reads]):
             for i, (k, step, reads) in enumerate(steps):
@@ -354,21 +360,36 @@ class _Loader:
                     self._flush_checks()
                     with self._part("adopt"):
                         self.streamer.adopt(layer, self.model.get_submodule(layer))
+                part = part_of(k)
+                if pending is not None and (i + 1 == len(steps) or part_of(steps[i + 1][0]) != part):
+                    self._flush_checks()
+                    self._check_part_set(label, part)
+                    if on_part is not None:
+                        on_part(part)
+                    pending.open(part)
             self._flush_checks()
-        left = [n for n, t in list(self.model.named_parameters()) + list(self.model.named_buffers())
-                if t.is_meta and not (self.plan.adaln_from_file and ADALN_KEY.match(n))]
+        self._check_part_set(label, None)
+
+    def _check_part_set(self, label: str, part: int | None) -> None:
+        """Raise CheckpointError naming the entries of ``part`` (None: every part) the pass left unset."""
+        mod = self.model if part is None else (self.model.blocks[part] if part >= 0 else self.model)
+        prefix = "" if part is None or part < 0 else f"blocks.{part}."
+        left = [prefix + n for n, t in list(mod.named_parameters()) + list(mod.named_buffers())
+                if t.is_meta and not (self.plan.adaln_from_file and ADALN_KEY.match(prefix + n))
+                and (part is None or part >= 0 or part_of(n) == PRELUDE)]
         if left:
             raise CheckpointError(f"{label}: no tensor for {left[:5]}")
 
 
-def stream_load(model, src, plan, progress: Progress | None = None, streamer=None) -> dict:
+def stream_load(model, src, plan, progress: Progress | None = None, streamer=None,
+                pending: PendingLoad | None = None, on_part=None) -> dict:
     """Fill ``model`` (built on the meta device) from ``src`` (a Checkpoint or StateDictSource) as the load
     plan says (module docstring). ``streamer`` (a BlockStreamer): after each block linear it ``streams``, its
     ``adopt(layer, module)`` moves the linear's bytes to host memory, so the device never holds more than the
-    resident blocks plus one layer. Raises CheckpointError naming the tensor for bad input. -> where its time went
-    (``_Loader.phases``)."""
+    resident blocks plus one layer. pending / on_part: run part by part behind the first step (``_Loader.run``).
+    Raises CheckpointError naming the tensor for bad input. -> where its time went (``_Loader.phases``)."""
     loader = _Loader(model, src, plan, progress, streamer)
-    loader.run()
+    loader.run(pending, on_part)
     return loader.phases()
 
 
@@ -398,6 +419,24 @@ class H3Runtime:
     parked: Parked | None = None  # set while offload() holds the device tensors in host memory
     lora_stack: tuple = ()  # the LoRA stack last applied to this runtime (apply_loras; sync_loras restores it)
     source_stamp: tuple = ()  # the checkpoint files' (path, size, mtime_ns) when the load read them (() for none)
+    pending: PendingLoad | None = None  # the pass while it runs behind the first step (``finish_load`` ends it)
+    planned_for: Workload | None = None  # the run the load's memory plan was made for
+
+    def finish_load(self) -> None:
+        """Wait for a pass running behind the first step (``runtime.pending_load``) and everything queued on its
+        blocks (deferred LoRA merges), then drop the gates; nothing when the load ran before. Raises the pass's
+        error (the runtime stays unusable: every later call raises it again)."""
+        p = self.pending
+        if p is None:
+            return
+        passed = p.finish()
+        self.load_phases["pass_parts"] = passed
+        self.load_phases["behind_first_step"] = p.summary()
+        self.load_phases["streamed_host_buffers_made_ahead"] = dict(zip(("taken", "planned"),
+                                                                        self.streamer.made_ahead))
+        self.model.pending = None
+        self.streamer.gate = None
+        self.pending = None
 
     @property
     def config(self) -> H3Config:
@@ -424,6 +463,7 @@ class H3Runtime:
         linears sit in host memory between blocks), the streamer's block buffers, the GEMM scratch as the runs so
         far have grown it, and the LoRA side paths. A Fun ControlNet tower counts its own
         (``FunControl.device_bytes``)."""
+        self.finish_load()
         scratch = self.plan.scratch.nbytes() if self.plan.scratch is not None else 0
         streams = 0 if self.streamer is None else self.streamer.device_bytes
         m, dev = self.model, self.device
@@ -434,6 +474,7 @@ class H3Runtime:
         freed: 0 off CUDA, when already offloaded, on an integrated GPU, or when the host cannot spare the memory
         (``offload.why_not_offload``; then nothing moved). Every use that plans a run (``fit_memory``) or calls
         :meth:`onload` puts the weights back first, so a holder of this runtime never sees it half there."""
+        self.finish_load()
         if self.parked is not None or self.device.type != "cuda":
             return 0
         why = why_not_offload("cuda", bool(getattr(torch.cuda.get_device_properties(self.device), "is_integrated",
@@ -452,6 +493,7 @@ class H3Runtime:
     def onload(self) -> None:
         """Undo :meth:`offload` (nothing when the runtime was not offloaded): the weights back, placed as before.
         Raises the device's out-of-memory error with the runtime still offloaded (a later call tries again)."""
+        self.finish_load()
         if self.parked is not None:
             unpark(self, self.parked)
             self.parked = None
@@ -461,6 +503,7 @@ class H3Runtime:
         """The request-time memory check of ``wl`` on this loaded model (``budget.check_request`` with its plan;
         what it holds on the device and in host memory counts as available to it). AdaLN weights the plan keeps on
         the device are checked as ``fit_memory`` would place them for a run without room for them: in host memory."""
+        self.finish_load()
         held = Held(self.device_bytes() if self.parked is None else 0,
                     0 if self.streamer is None else self.streamer.host_bytes)
         host_free = host_budget_bytes(self.plan.host_budget) if host_free is None else host_free
@@ -489,6 +532,14 @@ class H3Runtime:
             self.onload()
             return {}
         wl = Workload.from_shapes(video_shape, audio_shape, text_tokens, steps, cond, TowerSize.of(control))
+        if self.pending is not None:
+            if wl == self.planned_for and control is None and device_memory is None and not plan.towers and (
+                    sparse is None or sparse == plan.sparse_settings()):
+                # the load planned this very run, and the pass behind the first step is still running: its decision
+                # stands (probing now would count the bytes the pass has yet to allocate as free)
+                self.backends["memory"] = plan.choices["memory"].as_dict()
+                return self.backends["memory"]
+            self.finish_load()
         dev = device_memory or DeviceMemory.probe(self.device)
         mm = ModelMemory.from_plan(plan)
         if sparse is not None and mm.sparse:
@@ -552,6 +603,7 @@ class H3Runtime:
         mp = self.plan.memory
         if mp is None:
             return None
+        self.finish_load()
         out = mp.report()
         out["peak_allocated_bytes"] = peak_allocated_bytes
         if peak_allocated_bytes:
@@ -651,17 +703,28 @@ def load_model(path: str | Path | None = None, options: RuntimeOptions | None = 
     marks.append(time.perf_counter())
     if plan.quantize:  # the streamed NVFP4 linears' page-locked host buffers, made beside the reads
         streamer.expect_host_buffers(lambda n, k: streamed_linear_bytes(n, k, True, 0))
-    try:
-        passed = stream_load(model, src, plan, progress, streamer)
-    except BaseException:
-        streamer.drop_ahead()
-        raise
-    marks.append(time.perf_counter())
-    streamer.finish()
-    place_refiner(model, plan.memory.refiner_on_host)
     if plan.adaln_from_file:
         model.adaln_source = AdalnFromFile(plan.checkpoint, model)
-    model.eval().requires_grad_(False)
+    behind, why_behind = load_behind_choice(options.load_behind, plan.device, path is not None)
+    if behind and streamer.order and not plan.quantize:
+        behind, why_behind = False, "the dense reference stack streams blocks: its slots are sized by the pass"
+    backends["load"] = {"choice": "behind the first step" if behind else "before the first step",
+                        "reason": why_behind}
+    if behind:
+        pending = _start_behind(model, src, plan, streamer, progress)
+        marks.append(time.perf_counter())
+        passed = {}
+    else:
+        pending = None
+        try:
+            passed = stream_load(model, src, plan, progress, streamer)
+        except BaseException:
+            streamer.drop_ahead()
+            raise
+        marks.append(time.perf_counter())
+        streamer.finish()
+        place_refiner(model, plan.memory.refiner_on_host)
+        model.eval().requires_grad_(False)
     marks.append(time.perf_counter())
     fc2, fc2_report = _prepare_fc2(plan)
     if fc2_report is not None:
@@ -676,11 +739,61 @@ def load_model(path: str | Path | None = None, options: RuntimeOptions | None = 
     base.set_attn_chunk_rows(plan.memory.attn_chunk_rows, plan.memory.attn_kv_form)
     ops = StreamOps(base, streamer, plan.memory.ffn_chunk_rows)
     rt = H3Runtime(model, plan, ops, backends, fc2=fc2, sparse=sparse, streamer=streamer,
-                   attention=None if base.attends_exactly else dense, source_stamp=stamp)
+                   attention=None if base.attends_exactly else dense, source_stamp=stamp, pending=pending,
+                   planned_for=workload or Workload.for_request(plan.config))
     marks.append(time.perf_counter())
     rt.load_seconds = marks[-1] - t0
-    steps = dict(zip(("plan", "model_and_source", "pass", "streamer_and_placement", "fc2_and_ops"),
-                     (round(b - a, 4) for a, b in zip(marks, marks[1:]))))
+    steps = dict(zip(("plan", "model_and_source", "pass" if pending is None else "pass_started",
+                      "streamer_and_placement", "fc2_and_ops"), (round(b - a, 4) for a, b in zip(marks, marks[1:]))))
     rt.load_phases = {**steps, "pass_parts": passed,
                       "streamed_host_buffers_made_ahead": dict(zip(("taken", "planned"), streamer.made_ahead))}
     return rt
+
+
+def load_behind_choice(setting: str, device: torch.device, from_file: bool) -> tuple[bool, str]:
+    """Whether ``load_model`` runs its pass behind the first step (``runtime.pending_load``) -> (yes, why).
+    auto: on CUDA for a checkpoint file (the pass's copies then run on a stream of their own beside the step's
+    kernels); the embedded tiny model and the CPU load before the first step (nothing to overlap there)."""
+    if setting == "on":
+        return True, "load_behind=on: the pass runs on a worker thread; each block opens when its tensors are checked"
+    if setting == "off":
+        return False, "load_behind=off"
+    if device.type != "cuda":
+        return False, "auto: not CUDA (no copy stream to overlap the pass with the first step)"
+    if not from_file:
+        return False, "auto: the embedded tiny model (nothing to read)"
+    return True, ("auto: CUDA and a checkpoint file: the pass runs on a worker thread and its own stream; the first "
+                  "step waits for each block only where the pass has not reached it yet")
+
+
+def _start_behind(model: H3Model, src, plan: LoadPlan, streamer: BlockStreamer, progress: Progress | None
+                  ) -> PendingLoad:
+    """Start the pass behind the first step (``runtime.pending_load``): the streamed blocks' device slots made now
+    at the plan's sizes (the first step may reach one before the pass ends), the refiner placed once the prelude is
+    set, the streamer finished at the end of the pass (on its thread). ``progress`` hears the start only: the pass's
+    thread never calls into the caller's progress bar."""
+    pending = PendingLoad(len(model.blocks), plan.device)
+    if plan.quantize:
+        streamer.alloc_slots_for(lambda n, k: streamed_linear_bytes(n, k, True, 0))
+
+    def on_part(part: int) -> None:
+        if part == PRELUDE:
+            place_refiner(model, plan.memory.refiner_on_host)
+
+    def run(p: PendingLoad) -> dict:
+        try:
+            passed = stream_load(model, src, plan, None, streamer, pending=p, on_part=on_part)
+        except BaseException:
+            streamer.drop_ahead()
+            raise
+        streamer.finish(behind=True)
+        model.eval().requires_grad_(False)
+        return passed
+
+    model.eval().requires_grad_(False)
+    model.pending = pending
+    streamer.gate = pending.block
+    if progress is not None:
+        progress(0, 1, "the load runs behind the first step")
+    pending.start(run)
+    return pending

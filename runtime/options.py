@@ -29,6 +29,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "act_format": ("auto", "nvfp4", "fp8"),
     "act_scale": ("dynamic", "calibrated"),
     "precision": ("fast", "exact"),
+    "load_behind": ("auto", "on", "off"),
 }
 
 # ComfyUI core's sparse attention defaults (its H3 node's widgets): the RuntimeOptions defaults, the CLI's and
@@ -68,6 +69,7 @@ _ENV = {
     "cache_dir": ("H3_CACHE_DIR", str),
     "vram_budget": ("H3_VRAM_BUDGET", str),
     "host_budget": ("H3_HOST_BUDGET", str),
+    "load_behind": ("H3_LOAD_BEHIND", str),
 }
 
 # seed / earlier names this runtime accepts but does not act on -> why
@@ -259,6 +261,9 @@ class RuntimeOptions:
                 streamed blocks and the full-form AdaLN weights do not fit it, AdaLN stays in the checkpoint file and
                 each run reads it block by block (runtime.budget); an explicit value also keeps AdaLN off the model
                 on the CPU (adaln_cache)
+    load_behind: auto (on for a checkpoint file on CUDA) | on | off: the streaming load's pass runs on a worker
+                thread behind the first step, each block used once its tensors are loaded and checked
+                (``runtime.pending_load``); off: the load ends before ``load_model`` returns
     cpu_threads: torch's intra-op threads for a run on the CPU in a process of its own (the CLI; ComfyUI keeps its
                 own): auto (see ``cpu_thread_count``) or a number; H3_CPU_THREADS, else OMP_NUM_THREADS
     ignored:    {variable: why} for accepted names that change nothing here (never reported as configuration)
@@ -289,6 +294,7 @@ class RuntimeOptions:
     first_block_cache: float | None = None
     vram_budget: str = "auto"
     host_budget: str = "auto"
+    load_behind: str = "auto"
     cpu_threads: str = "auto"
     ignored: dict = field(default_factory=dict)
 

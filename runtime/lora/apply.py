@@ -67,6 +67,7 @@ from typing import Iterable
 import torch
 
 from ..ops.linear import Nvfp4Linear
+from ..pending_load import PRELUDE, part_of
 from .key_forms import LOWRANK, LoraError, LoraMatch, match_lora, read_lora_file
 from .merge import (STATE_ATTR, LoraState, lora_state, merge_dense, merge_nvfp4, merge_on_transfer, merged_weight,
                     restore_all)
@@ -225,13 +226,148 @@ def _finish_report(rt, st: LoraState, mods: dict, nv_cls: type, report: dict) ->
                                + ("" if disp else "; no FC2 dispatcher is active on this stack"))
 
 
+def _merge_one(model, st: LoraState, mname: str, pname: str, entries: list, source: SourceWeights, report: dict,
+               phases: dict, model_device: torch.device) -> None:
+    """One merge of the stack into ``mname.pname`` as the module is now: re-quantized NVFP4, applied to each copy a
+    run brings over (AdaLN off the device), or into the dense tensor. Its host seconds go to ``phases``."""
+    module, t = model.get_submodule(mname), time.perf_counter()
+    if pname == "weight" and isinstance(module, Nvfp4Linear):
+        merge_nvfp4(st, mname, module, entries, source, report, model_device)
+        kind = "merge_nvfp4"
+    elif model.adaln_off_device(f"{mname}.{pname}"):  # in host memory or the file: merged as each run
+        merge_on_transfer(model, f"{mname}.{pname}", entries, model_device, report)  # brings it over
+        kind = "merge_on_transfer"
+    else:
+        merge_dense(st, f"{mname}.{pname}", getattr(module, pname), entries, source, report, model_device)
+        kind = "merge_dense"
+    phases[kind] += time.perf_counter() - t  # host clocks: a merge's GPU work lands on its next wait
+
+
+def _behind(rt, specs: list[LoraSpec]) -> bool:
+    """Whether this stack is merged block by block behind a load still running (``_apply_behind``): the load runs
+    behind the first step, the model carries no LoRA yet, and every LoRA of the stack merges."""
+    if getattr(rt, "pending", None) is None:
+        return False
+    st = rt.model.__dict__.get(STATE_ATTR)
+    fresh = st is None or (not st.originals and not st.sides and st.bank is None and not st.signature)
+    return fresh and all(sp.mode == "merge" or sp.strength == 0.0 for sp in specs)
+
+
+class _BlockMerges:
+    """The merges ``_apply_behind`` left to the blocks: run by ``PendingLoad.wait`` on the sampler's thread when
+    block j opens (``run``), the report finished after the last. A failure restores every original, drops the
+    stack (the model carries no LoRA) and propagates from the wait; the blocks still queued then merge nothing."""
+
+    def __init__(self, rt, st: LoraState, source: SourceWeights, report: dict, phases: dict, specs, seconds: float,
+                 parts: set):
+        self.rt, self.st, self.source, self.report, self.phases, self.specs = rt, st, source, report, phases, specs
+        self.seconds, self.left, self.failed = seconds, set(parts), False
+
+    def run(self, part: int, items: list) -> None:
+        if self.failed:
+            return
+        t0 = time.perf_counter()
+        model = self.rt.model
+        try:
+            with torch.no_grad():
+                self._merge(model, items)
+        except BaseException:
+            self.failed = True
+            restore_all(self.rt, self.st, self.source)
+            self.st.signature, self.st.report = (), None
+            self.rt.lora_stack = ()
+            self.rt.backends.pop("lora", None)
+            raise
+        self.seconds += time.perf_counter() - t0
+        self.left.discard(part)
+        if not self.left:
+            self.finish()
+
+    def _merge(self, model, items: list) -> None:
+        for (mname, pname), entries in items:
+            _merge_one(model, self.st, mname, pname, entries, self.source, self.report, self.phases, model.device)
+
+    def finish(self) -> None:
+        model = self.rt.model
+        _finish_report(self.rt, self.st, dict(model.named_modules()), Nvfp4Linear, self.report)
+        self.report["seconds"] = round(self.seconds, 3)
+        self.report["phase_seconds"] = {k: round(v, 4) for k, v in self.phases.items()}
+        _publish(self.rt, self.report, self.specs)
+
+
+def _refuse_awq_behind(rt, merges: dict) -> None:
+    """``_refuse_awq_merges`` before the layers are loaded: from the checkpoint's keys (an AWQ-smoothed stored NVFP4
+    layer has ``<layer>.pre_quant_scale``)."""
+    ck = getattr(rt.plan, "checkpoint", None)
+    keys = set(ck.keys()) if ck is not None else set()
+    stored = set(rt.plan.stored_nvfp4)
+    for (mname, pname) in merges:
+        if pname == "weight" and mname in stored and f"{mname}.pre_quant_scale" in keys:
+            raise LoraError(f"{mname} is an AWQ-smoothed NVFP4 layer (pre_quant_scale); merging a LoRA into it is not "
+                            "supported. Nothing was changed; use mode 'side' for this LoRA")
+
+
+def _apply_behind(rt, specs: list[LoraSpec], matches: list, t0: float) -> dict:
+    """``_apply`` while the load runs behind the first step: the files are read and checked now, the merges into the
+    model's entries outside the blocks run now (after the load's prelude), and each block's merges are queued on
+    its part of the load (``PendingLoad.then``): the sampler runs them when the first step reaches the block, after
+    its tensors are checked and before its modulation rows or its compute. The bytes are ``_apply``'s (the same
+    merges of the same loaded tensors); only when they run differs. The report is finished by the last block's."""
+    pending = rt.pending
+    pending.prelude()
+    t = time.perf_counter()
+    phases = {"read_files": t - t0, "merge_nvfp4": 0.0, "merge_dense": 0.0, "merge_on_transfer": 0.0}
+    model = rt.model
+    st = lora_state(model)
+    source = SourceWeights(rt, st.source_cache)
+    model_device = model.device
+    report = _new_report()
+    merges, sides = _group_updates(specs, matches, dict(model.named_modules()), model_device, report)
+    if sides:  # _behind admits merge stacks only
+        raise AssertionError("side paths in a stack merged behind the load")
+    _refuse_awq_behind(rt, merges)
+    phases["group"] = time.perf_counter() - t
+    by_part: dict[int, list] = {}
+    for key, entries in merges.items():
+        by_part.setdefault(part_of(key[0]), []).append((key, entries))
+    try:
+        for (mname, pname), entries in by_part.pop(PRELUDE, []):
+            _merge_one(model, st, mname, pname, entries, source, report, phases, model_device)
+    except BaseException:
+        restore_all(rt, st, source)
+        raise
+    report["notes"].append(f"merged into each block when the first step reached it ({len(by_part)} blocks): the "
+                           "load ran behind the first step")
+    deferred = _BlockMerges(rt, st, source, report, phases, specs, time.perf_counter() - t0, set(by_part))
+    for part, items in sorted(by_part.items()):
+        pending.then(part, lambda part=part, items=items: deferred.run(part, items))
+    st.signature = tuple(sp.signature() for sp in specs)
+    st.report = report
+    if not by_part:
+        deferred.finish()
+    else:
+        _publish(rt, report, specs)
+    return report
+
+
 @torch.no_grad()
 def _apply(rt, specs: list[LoraSpec]) -> dict:
     """Validate every file, then restore the model's originals and apply ``specs`` (merges, then side paths);
-    any failure restores the originals before it propagates. Returns the report."""
+    any failure restores the originals before it propagates. Returns the report. While the load runs behind the
+    first step, a merge stack on a model without LoRA is merged block by block behind it (``_apply_behind``);
+    anything else waits for the load first."""
     t0 = time.perf_counter()
+    matches = None
+    if _behind(rt, specs):
+        matches, banks = _read_all(rt, specs)
+        if not any(b is not None for b in banks):
+            return _apply_behind(rt, specs, matches, t0)
+    finish = getattr(rt, "finish_load", None)
+    if finish is not None:
+        finish()
     rt.onload()  # an offloaded runtime's weights come back before any is written
-    matches, banks = _read_all(rt, specs)
+    if matches is None:
+        matches, banks = _read_all(rt, specs)
     t = time.perf_counter()
     phases = {"read_files": t - t0, "merge_nvfp4": 0.0, "merge_dense": 0.0, "merge_on_transfer": 0.0}
     model = rt.model
@@ -250,17 +386,7 @@ def _apply(rt, specs: list[LoraSpec]) -> dict:
         restore_all(rt, st, source)
         phases["restore"] = time.perf_counter() - t
         for (mname, pname), entries in merges.items():
-            module, t = mods[mname], time.perf_counter()
-            if pname == "weight" and isinstance(module, nv_cls):
-                merge_nvfp4(st, mname, module, entries, source, report, model_device)
-                kind = "merge_nvfp4"
-            elif model.adaln_off_device(f"{mname}.{pname}"):  # in host memory or the file: merged as each run
-                merge_on_transfer(model, f"{mname}.{pname}", entries, model_device, report)  # brings it over
-                kind = "merge_on_transfer"
-            else:
-                merge_dense(st, f"{mname}.{pname}", getattr(module, pname), entries, source, report, model_device)
-                kind = "merge_dense"
-            phases[kind] += time.perf_counter() - t  # host clocks: a merge's GPU work lands on its next wait
+            _merge_one(model, st, mname, pname, entries, source, report, phases, model_device)
         t = time.perf_counter()
         _install_sides(rt, st, sides, mods, nv_cls, report)
         phases["side_paths"] = time.perf_counter() - t

@@ -157,6 +157,48 @@ class StepMods:
         return (self[j] for j in range(len(self)))
 
 
+class BlockModRows:
+    """The block modulation rows of every step of one run, block j's computed for all steps when the run first
+    asks for any of them (``step(i)[j]``): the bytes the precomputed table held, block-major as before (an AdaLN
+    weight off the device crosses once per run), but each block's AdaLN read and product run when the first step
+    reaches it, behind the blocks before it (and behind a load still running: ``H3Model.pending``)."""
+
+    def __init__(self, model: "H3Model", t_embs: list):
+        self.model, self.t_embs = model, t_embs
+        self.rows: dict[int, list] = {}
+
+    def __len__(self) -> int:
+        return len(self.model.blocks)
+
+    def get(self, i: int, j: int) -> torch.Tensor:
+        if j < 0:
+            j += len(self)
+        if not 0 <= j < len(self):
+            raise IndexError(f"block {j} of {len(self)}")
+        if j not in self.rows:
+            self.rows[j] = self.model._block_mods(j, self.t_embs)
+        return self.rows[j][i]
+
+    def step(self, i: int) -> "_StepRows":
+        return _StepRows(self, i)
+
+
+class _StepRows:
+    """Step i's view of a ``BlockModRows``: ``[j]`` is block j's [M*3, 6*hidden] rows at that step."""
+
+    def __init__(self, table: BlockModRows, i: int):
+        self.table, self.i = table, i
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def __getitem__(self, j: int) -> torch.Tensor:
+        return self.table.get(self.i, j)
+
+    def __iter__(self):
+        return (self[j] for j in range(len(self)))
+
+
 @dataclass
 class RunPlan:
     """Everything of one sampling run that depends only on its shapes, conditioning and schedule.
@@ -200,6 +242,9 @@ class H3Model(nn.Module):
 
     adaln_source = None
     refiner_on_host = False  # the memory plan keeps the token refiner's weights in host memory (runtime.budget)
+    # a load running behind the first step (``runtime.pending_load.PendingLoad``) or None: the model's entries
+    # outside the blocks are used after ``pending.prelude()``, block j's after ``pending.block(j)``
+    pending = None
 
     def __init__(self, cfg: H3Config, dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
@@ -224,6 +269,8 @@ class H3Model(nn.Module):
 
     @property
     def device(self) -> torch.device:
+        if self.pending is not None:
+            self.pending.prelude()
         return self.condition_proj.weight.device
 
     def adaln_off_device(self, name: str) -> bool:
@@ -323,13 +370,15 @@ class H3Model(nn.Module):
             p.mods = [StepMods(self, t) for t in t_embs]
             return
         # modulation rows of every (step, block), block-major so an offloaded AdaLN weight crosses to the
-        # device once per run
-        per_block = [self._block_mods(j, t_embs) for j in range(len(self.blocks))]
-        p.mods = [[per_block[j][i] for j in range(len(self.blocks))] for i in range(len(p.sigmas))]
+        # device once per run, each block's when the run first reaches it
+        table = BlockModRows(self, t_embs)
+        p.mods = [table.step(i) for i in range(len(p.sigmas))]
 
     def _block_mods(self, j: int, t_embs):
         """Block j's modulation rows for each t_emb: from its AdaLN module where the weights live on the device,
         else from the weights brought over once (host memory, or the checkpoint file: ``adaln_source``)."""
+        if self.pending is not None:
+            self.pending.block(j)
         blk = self.blocks[j]
         lin = blk.adaln_proj.linear
         if self.adaln_source is not None and lin.weight.is_meta:  # left in the file (runtime.io.adaln_file)
@@ -401,6 +450,8 @@ class H3Model(nn.Module):
 
         def blocks(x, first, stop):
             for j in range(first, stop):
+                if self.pending is not None:  # a load behind the first step: block j's tensors are there now
+                    self.pending.block(j)
                 if ctl is not None:
                     ctl.before(j, x)
                 x = self.blocks[j](x, plan.mods[i][j], segs, plan.cos, plan.sin, ops, j)

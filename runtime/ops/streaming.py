@@ -71,6 +71,8 @@ class BlockStreamer:
         self.versioned = True
         self.ahead: BuffersAhead | None = None
         self.made_ahead = (0, 0)  # the last load's streamed host buffers: (made ahead and taken, planned)
+        # a load behind the first step (runtime.pending_load): gate(j) returns once block j's linears are adopted
+        self.gate = None
         self._reset_slots()
 
     def _set_streamed(self, streamed) -> None:
@@ -125,13 +127,34 @@ class BlockStreamer:
             self.ahead.close()
             self.ahead = None
 
-    def finish(self) -> None:
-        """After the load: every streamed block is in host memory; allocate the slots, copy the first blocks."""
+    def alloc_slots_for(self, nbytes) -> None:
+        """Before a load behind the first step: the slots made now, each linear's region ``nbytes(out_features,
+        in_features)`` at its largest over the streamed blocks (the size ``HostLinear`` gives an NVFP4 linear), so
+        the first step can use them while the pass still runs. ``finish(behind=True)`` checks the adopted sizes."""
+        if not self.order:
+            return
+        sizes = {name: max(nbytes(lin.out_features, lin.in_features) for j in self.order
+                           for lin in (self.blocks[j].get_submodule(name),)) for name in LINEAR_NAMES}
+        self._make_slots(sizes)
+
+    def finish(self, behind: bool = False) -> None:
+        """After the load: every streamed block is in host memory; allocate the slots, copy the first blocks.
+        behind: the load ran behind the first step (slots made before it by ``alloc_slots_for``, and the first step
+        copies what it needs): only check that every adopted linear fits its region."""
         self.drop_ahead()
         missing = [j for j in self.order if set(self.host.get(j, {})) != set(LINEAR_NAMES)]
         if missing:
             raise RuntimeError(f"block streaming: blocks {missing[:5]} were planned to stream but their linears were "
                                "not adopted (the loader's hook did not run for them)")
+        if behind:
+            big = [(j, n) for j in self.order for n, hl in self.host[j].items()
+                   if self.slots and hl.nbytes > self.slots[0][n].numel()]
+            if big:
+                raise RuntimeError(f"block streaming: blocks.{big[0][0]}.{big[0][1]} holds more bytes than the slot "
+                                   "made for it before the load; load with load_behind=off")
+            self.versioned = all(not e.param for parts in self.host.values() for hl in parts.values()
+                                 for e in hl.entries)
+            return
         self._alloc_slots()
         # dense weights are nn.Parameters, written through ``.data`` by LoRA merges (not counted in the version
         # counter): their slots are copied again in every evaluation
@@ -145,7 +168,10 @@ class BlockStreamer:
         if not self.order:
             self.slot_bytes = 0
             return
-        sizes = {name: max(self.host[j][name].nbytes for j in self.order) for name in LINEAR_NAMES}
+        self._make_slots({name: max(self.host[j][name].nbytes for j in self.order) for name in LINEAR_NAMES})
+
+    def _make_slots(self, sizes: dict[str, int]) -> None:
+        self.slots = []
         self.slot_bytes = sum(sizes.values())
         for _ in range(self.nslots):
             buf = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
@@ -231,6 +257,8 @@ class BlockStreamer:
 
     def _copy(self, j: int, s: int) -> None:
         """Block j's host bytes -> slot s (on the copy stream after the slot's last user finished)."""
+        if self.gate is not None:
+            self.gate(j)
         nbytes = self.block_bytes(j)
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -254,6 +282,8 @@ class BlockStreamer:
     def _prefetch_after(self, j: int) -> None:
         ahead = self._upcoming(j)
         for u in ahead:
+            if self.gate is not None:  # a load behind the first step: u's host bytes are there once it opens
+                self.gate(u)
             if self._slot_of(u) is None:
                 self._copy(u, self._victim(set(ahead) | ({self.bound} if self.bound is not None else set())))
 
@@ -265,6 +295,8 @@ class BlockStreamer:
             return
         if self.bound is not None:
             self.leave(self.bound)
+        if self.gate is not None:
+            self.gate(j)
         if self.last is None or (starts_block and j <= self.last):
             self.steps.append(_StepStats())  # a new evaluation: block indices started over
             if not self.versioned:
