@@ -463,10 +463,19 @@ class H3Runtime:
         linears sit in host memory between blocks), the streamer's block buffers, the GEMM scratch as the runs so
         far have grown it, and the LoRA side paths. A Fun ControlNet tower counts its own
         (``FunControl.device_bytes``)."""
-        self.finish_load()
         scratch = self.plan.scratch.nbytes() if self.plan.scratch is not None else 0
         streams = 0 if self.streamer is None else self.streamer.device_bytes
         m, dev = self.model, self.device
+        if self.pending is not None and self.pending.error is not None:
+            raise self.pending.error  # the pass failed: this runtime is unusable
+        if self.pending is not None and self.plan.memory is not None:
+            # the pass runs behind the first step: what it leaves on the device, by the plan's count (as
+            # ``fit_memory`` counts what a loaded model holds), without waiting for it (ComfyUI's model management
+            # asks when the loader returns)
+            mm, mp = ModelMemory.from_plan(self.plan), self.plan.memory
+            weights = mm.other_bytes + len(mp.resident) * mm.block_bytes - (mm.refiner_bytes if mp.refiner_on_host
+                                                                          else 0)
+            return weights + streams + scratch
         return module_device_bytes(m, dev) + streams + scratch + side_device_bytes(m, dev)
 
     def offload(self) -> int:
@@ -682,11 +691,13 @@ def bind_attention(plan: LoadPlan) -> tuple[AttentionFn, SparseStepAttention | N
 
 def load_model(path: str | Path | None = None, options: RuntimeOptions | None = None, tiny_seed: int = 0,
                progress: Callable[[int, int, str], None] | None = None, workload: Workload | None = None,
-               device_memory: DeviceMemory | None = None) -> H3Runtime:
+               device_memory: DeviceMemory | None = None, for_sampling: bool = False) -> H3Runtime:
     """Load an H3 DiT (or the embedded tiny model when ``path`` is None, or an in-memory tensor source, see
     ``plan.make_plan``): plan, stream, bind (module docstring). workload: the run the memory budget is planned
     for (``runtime.budget.Workload``; default the model's default request); device_memory: a simulated device
-    for the memory plan (tests). Raises CheckpointError with the problem named for bad files, BudgetError
+    for the memory plan (tests); for_sampling: the caller only samples with the runtime, so ``load_behind`` auto may
+    run the pass behind the first step (``load_behind_choice``; then ``finish_load`` before reading its tensors
+    directly). Raises CheckpointError with the problem named for bad files, BudgetError
     (before any tensor is read) when the device-memory budget cannot run the workload."""
     options = options or RuntimeOptions.from_env()
     t0 = time.perf_counter()
@@ -705,7 +716,7 @@ def load_model(path: str | Path | None = None, options: RuntimeOptions | None = 
         streamer.expect_host_buffers(lambda n, k: streamed_linear_bytes(n, k, True, 0))
     if plan.adaln_from_file:
         model.adaln_source = AdalnFromFile(plan.checkpoint, model)
-    behind, why_behind = load_behind_choice(options.load_behind, plan.device, path is not None)
+    behind, why_behind = load_behind_choice(options.load_behind, plan.device, path is not None, for_sampling)
     if behind and streamer.order and not plan.quantize:
         behind, why_behind = False, "the dense reference stack streams blocks: its slots are sized by the pass"
     backends["load"] = {"choice": "behind the first step" if behind else "before the first step",
@@ -750,14 +761,20 @@ def load_model(path: str | Path | None = None, options: RuntimeOptions | None = 
     return rt
 
 
-def load_behind_choice(setting: str, device: torch.device, from_file: bool) -> tuple[bool, str]:
+def load_behind_choice(setting: str, device: torch.device, from_file: bool, for_sampling: bool
+                       ) -> tuple[bool, str]:
     """Whether ``load_model`` runs its pass behind the first step (``runtime.pending_load``) -> (yes, why).
-    auto: on CUDA for a checkpoint file (the pass's copies then run on a stream of their own beside the step's
-    kernels); the embedded tiny model and the CPU load before the first step (nothing to overlap there)."""
+    auto: for a caller that only samples with the model (``for_sampling``: ``ModelSpec.load``, which the CLI, the job
+    runner, the nodes and the benches use), on CUDA, from a checkpoint file (the pass's copies then run on a stream
+    of their own beside the step's kernels). A direct ``load_model`` call gets the whole model before it returns
+    (its caller may read the tensors at once); the embedded tiny model and the CPU have nothing to overlap."""
     if setting == "on":
         return True, "load_behind=on: the pass runs on a worker thread; each block opens when its tensors are checked"
     if setting == "off":
         return False, "load_behind=off"
+    if not for_sampling:
+        return False, ("auto: load_model called directly (its caller may read the tensors at once); ModelSpec.load "
+                       "runs the pass behind the first step")
     if device.type != "cuda":
         return False, "auto: not CUDA (no copy stream to overlap the pass with the first step)"
     if not from_file:

@@ -60,7 +60,8 @@ class ModelSpec:
         the load reuse the opened checkpoint; nothing is read or checked twice. progress(done, total, name) per
         tensor; workload: the run the device-memory budget is planned for (``runtime.budget``)."""
         opts = self.options if device is None else dataclasses.replace(self.options, device=device)
-        rt = load_model(self.source, opts, tiny_seed=self.tiny_seed, progress=progress, workload=workload)
+        rt = load_model(self.source, opts, tiny_seed=self.tiny_seed, progress=progress, workload=workload,
+                        for_sampling=True)
         if self.loras:
             apply_loras(rt, self.loras)
         return rt

@@ -47,6 +47,9 @@ class PendingLoad:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        # the pass's thread sets this device as its current one ("cuda" names the current device of this thread)
+        self.index = (self.device.index if self.device.index is not None else torch.cuda.current_device()) \
+            if self.cuda else None
         self.blocks = blocks
         self._open = {p: threading.Event() for p in [PRELUDE, *range(blocks)]}
         self._ok: dict[int, bool] = {}
@@ -69,7 +72,7 @@ class PendingLoad:
             try:
                 with torch.no_grad():
                     if self.cuda:
-                        torch.cuda.set_device(self.device)
+                        torch.cuda.set_device(self.index)
                         with torch.cuda.stream(self.stream):
                             self.result = fn(self) or {}
                             self.stream.synchronize()

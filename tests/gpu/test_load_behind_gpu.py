@@ -6,7 +6,8 @@ included (``tests/runtime/test_load_behind.py`` on the CPU). The same kernels on
 import pytest
 import torch
 
-from tests.runtime.test_load_behind import check_the_load_behind, files, slow_parts  # noqa: F401 (fixtures)
+from tests.gpu.test_lora_placement_gpu import _adaln_bytes_per_block_pair
+from tests.runtime.test_load_behind import _streamed_budget, check_the_load_behind, files, slow_parts  # noqa: F401
 
 pytestmark = [
     pytest.mark.gpu,
@@ -16,4 +17,8 @@ pytestmark = [
 
 @pytest.mark.parametrize("memory", ["resident", "streamed", "adaln_in_file"])
 def test_the_load_behind_on_the_device(files, memory, slow_parts):  # noqa: F811 (fixtures)
-    check_the_load_behind(files, memory, "cuda")
+    ck, _ = files
+    kw = None
+    if memory == "adaln_in_file":  # every block streamed, and a host budget without room for the AdaLN weights
+        kw = {"vram_budget": _streamed_budget(ck, "cuda"), "host_budget": repr(_adaln_bytes_per_block_pair(ck))}
+    check_the_load_behind(files, memory, "cuda", kw)

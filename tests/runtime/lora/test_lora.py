@@ -408,6 +408,8 @@ def test_side_path_in_the_nvfp4_stack_equals_the_w4a4_oracle(files, fp4):
                   (1, 32, 2, 5), [0.7], token_tags=torch.tensor([1, 1, 0, 0, 1, 1, 1]))
     g = torch.Generator().manual_seed(4)
     x = m.pack(plan, torch.randn(1, 24, 2, 6, 8, generator=g), torch.randn(1, 32, 2, 5, generator=g))
+    for i in range(len(m.blocks)):  # the modulation rows without the LoRA (a run computes a block's rows when it
+        plan.mods[0][i]             # first reaches it): this checks the block linears' side paths alone
     L.apply_loras(fp4, [(path, s, "side")])
     assert all(side is not None for side in _sides(fp4))
     got = m.run_blocks(x.clone(), plan, 0, fp4.ops)
