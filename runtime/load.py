@@ -511,8 +511,13 @@ class H3Runtime:
                      host_free: int | None = None) -> MemoryPlan:
         """The request-time memory check of ``wl`` on this loaded model (``budget.check_request`` with its plan;
         what it holds on the device and in host memory counts as available to it). AdaLN weights the plan keeps on
-        the device are checked as ``fit_memory`` would place them for a run without room for them: in host memory."""
-        self.finish_load()
+        the device are checked as ``fit_memory`` would place them for a run without room for them: in host memory.
+        While the pass runs behind the first step, the run the load planned for is accepted as the load checked it
+        (probing now would count the bytes the pass has yet to allocate as free); any other waits for the pass."""
+        if self.pending is not None:
+            if wl == self.planned_for and dev is None and self.pending.error is None:
+                return self.plan.memory
+            self.finish_load()
         held = Held(self.device_bytes() if self.parked is None else 0,
                     0 if self.streamer is None else self.streamer.host_bytes)
         host_free = host_budget_bytes(self.plan.host_budget) if host_free is None else host_free

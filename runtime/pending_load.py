@@ -24,6 +24,7 @@ the pass's own seconds.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from typing import Callable
@@ -31,6 +32,29 @@ from typing import Callable
 import torch
 
 PRELUDE = -1  # the part of every entry outside ``blocks.N``
+
+# Python's thread switch interval while a pass runs behind the first step. The pass's thread is busy in Python
+# between its torch calls, and every torch call of another thread (the sampler's launches, a LoRA file read) gives
+# up the GIL and must win it back: at the default 5 ms each such handoff can cost a whole interval, which made a
+# LoRA read beside the pass 4x slower on an H100 host (bench/NOTES.md). 0.5 ms while any pass runs; restored after.
+SWITCH_INTERVAL = 0.0005
+_switch = {"active": 0, "saved": None}
+_switch_lock = threading.Lock()
+
+
+def _switch_begin() -> None:
+    with _switch_lock:
+        if _switch["active"] == 0:
+            _switch["saved"] = sys.getswitchinterval()
+            sys.setswitchinterval(min(SWITCH_INTERVAL, _switch["saved"]))
+        _switch["active"] += 1
+
+
+def _switch_end() -> None:
+    with _switch_lock:
+        _switch["active"] -= 1
+        if _switch["active"] == 0 and _switch["saved"] is not None:
+            sys.setswitchinterval(_switch["saved"])
 
 
 def part_of(name: str) -> int:
@@ -89,7 +113,14 @@ class PendingLoad:
                     ev.set()
                 self.done.set()
 
-        self.thread = threading.Thread(target=body, name="h3-load-behind", daemon=True)
+        def run():
+            try:
+                body()
+            finally:
+                _switch_end()
+
+        _switch_begin()
+        self.thread = threading.Thread(target=run, name="h3-load-behind", daemon=True)
         self.thread.start()
 
     def open(self, part: int) -> None:

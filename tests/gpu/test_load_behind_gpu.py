@@ -6,8 +6,10 @@ included (``tests/runtime/test_load_behind.py`` on the CPU). The same kernels on
 import pytest
 import torch
 
-from tests.gpu.test_lora_placement_gpu import _adaln_bytes_per_block_pair
-from tests.runtime.test_load_behind import _streamed_budget, check_the_load_behind, files, slow_parts  # noqa: F401
+from h3_blackwell.runtime import RuntimeOptions, load_model
+from h3_blackwell.runtime.budget import SLOTS, ModelMemory, estimate
+from tests.gpu.test_lora_placement_gpu import WL, _adaln_bytes, _adaln_bytes_per_block_pair
+from tests.runtime.test_load_behind import check_the_load_behind, files, slow_parts  # noqa: F401 (fixtures)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -15,10 +17,16 @@ pytestmark = [
 ]
 
 
+def _adaln_in_the_file(ck) -> dict:
+    """test_lora_placement_gpu's checkpoint-file placement: a budget that holds every block but not the AdaLN
+    weights beside them, and a host budget of two blocks' AdaLN weights."""
+    rt = load_model(ck, RuntimeOptions(device="cuda", adaln_cache=False), workload=WL)
+    mid = estimate(ModelMemory.from_plan(rt.plan), WL, rt.config.num_layers, SLOTS, None, "cuda").total \
+        - _adaln_bytes(rt) // 2
+    return {"vram_budget": repr(mid / 1e9), "host_budget": repr(_adaln_bytes_per_block_pair(ck))}
+
+
 @pytest.mark.parametrize("memory", ["resident", "streamed", "adaln_in_file"])
 def test_the_load_behind_on_the_device(files, memory, slow_parts):  # noqa: F811 (fixtures)
     ck, _ = files
-    kw = None
-    if memory == "adaln_in_file":  # every block streamed, and a host budget without room for the AdaLN weights
-        kw = {"vram_budget": _streamed_budget(ck, "cuda"), "host_budget": repr(_adaln_bytes_per_block_pair(ck))}
-    check_the_load_behind(files, memory, "cuda", kw)
+    check_the_load_behind(files, memory, "cuda", _adaln_in_the_file(ck) if memory == "adaln_in_file" else None)

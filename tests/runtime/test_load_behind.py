@@ -81,15 +81,28 @@ def check_the_load_behind(files, memory: str, device: str, kw: dict | None = Non
 
 @pytest.fixture
 def slow_parts(monkeypatch):
-    """Each part opens 150 ms late, so the first run overtakes the pass and waits at its gates."""
+    """A pass behind the first step opens its blocks only once the run has reached the block stack (then 50 ms
+    apart): the run waits at its gates whatever the machine's speed (a cold first run can outlast any fixed delay)."""
+    import threading
     import time
 
-    opened = PendingLoad.open
+    from h3_blackwell.runtime.model.h3 import H3Model
+
+    reached: dict[int, threading.Event] = {}
+    run_blocks, opened = H3Model.run_blocks, PendingLoad.open
+
+    def entered(self, *a, **k):
+        if self.pending is not None:
+            reached.setdefault(id(self.pending), threading.Event()).set()
+        return run_blocks(self, *a, **k)
 
     def late(self, part):
-        time.sleep(0.15)
+        if part >= 0:
+            reached.setdefault(id(self), threading.Event()).wait(60)
+            time.sleep(0.05)
         opened(self, part)
 
+    monkeypatch.setattr(H3Model, "run_blocks", entered)
     monkeypatch.setattr(PendingLoad, "open", late)
 
 
@@ -131,7 +144,7 @@ def test_a_second_stack_before_any_run_waits_for_the_first(files):
     assert _run(rt) == _run(ref)
 
 
-def test_uses_that_need_the_whole_model_wait_for_it(files, slow_parts):
+def test_uses_that_need_the_whole_model_wait_for_it(files):
     """device_bytes answers from the plan without waiting (ComfyUI's model management asks as the loader returns):
     what the loaded model then holds. An offload waits for the pass."""
     ck, _ = files
@@ -145,6 +158,9 @@ def test_uses_that_need_the_whole_model_wait_for_it(files, slow_parts):
     rt = _load(ck, True)
     rt.offload()  # a no-op off CUDA, after the pass
     assert rt.pending is None
+    import sys
+
+    assert sys.getswitchinterval() == pytest.approx(0.005)  # the pass's shorter thread switch interval is undone
 
 
 def _bad_file(ck, tmp_path, name: str):
