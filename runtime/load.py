@@ -721,7 +721,7 @@ def load_model(path: str | Path | None = None, options: RuntimeOptions | None = 
         streamer.expect_host_buffers(lambda n, k: streamed_linear_bytes(n, k, True, 0))
     if plan.adaln_from_file:
         model.adaln_source = AdalnFromFile(plan.checkpoint, model)
-    behind, why_behind = load_behind_choice(options.load_behind, plan.device, path is not None, for_sampling)
+    behind, why_behind = load_behind_choice(plan.load_behind, plan.device, path is not None, for_sampling)
     if behind and streamer.order and not plan.quantize:
         behind, why_behind = False, "the dense reference stack streams blocks: its slots are sized by the pass"
     backends["load"] = {"choice": "behind the first step" if behind else "before the first step",

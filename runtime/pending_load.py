@@ -35,9 +35,10 @@ PRELUDE = -1  # the part of every entry outside ``blocks.N``
 
 # Python's thread switch interval while a pass runs behind the first step. The pass's thread is busy in Python
 # between its torch calls, and every torch call of another thread (the sampler's launches, a LoRA file read) gives
-# up the GIL and must win it back: at the default 5 ms each such handoff can cost a whole interval, which made a
-# LoRA read beside the pass 4x slower on an H100 host (bench/NOTES.md). 0.5 ms while any pass runs; restored after.
-SWITCH_INTERVAL = 0.0005
+# up the GIL and must win it back: at the default 5 ms each such handoff can cost a whole interval. A LoRA read beside
+# the pass took as long as the pass on an H100 host at 0.5 ms; on the CPU it took 3.7x its time alone at 5 ms, 1.8x
+# at 0.5 ms and 1.0x at 0.1 ms, and the pass itself was faster too (bench/NOTES.md). 0.1 ms while any pass runs.
+SWITCH_INTERVAL = 0.0001
 _switch = {"active": 0, "saved": None}
 _switch_lock = threading.Lock()
 

@@ -165,6 +165,11 @@ class LoadPlan:
         return self.options.host_budget
 
     @property
+    def load_behind(self) -> str:
+        """Whether the load's pass may run behind the first step: auto | on | off (``load.load_behind_choice``)."""
+        return self.options.load_behind
+
+    @property
     def first_block_cache(self) -> float | None:
         """The First-Block Cache threshold a run uses when it gives none (None: off)."""
         return self.options.first_block_cache

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
@@ -226,21 +227,32 @@ def _finish_report(rt, st: LoraState, mods: dict, nv_cls: type, report: dict) ->
                                + ("" if disp else "; no FC2 dispatcher is active on this stack"))
 
 
-def _merge_one(model, st: LoraState, mname: str, pname: str, entries: list, source: SourceWeights, report: dict,
-               phases: dict, model_device: torch.device) -> None:
-    """One merge of the stack into ``mname.pname`` as the module is now: re-quantized NVFP4, applied to each copy a
-    run brings over (AdaLN off the device), or into the dense tensor. Its host seconds go to ``phases``."""
-    module, t = model.get_submodule(mname), time.perf_counter()
-    if pname == "weight" and isinstance(module, Nvfp4Linear):
-        merge_nvfp4(st, mname, module, entries, source, report, model_device)
-        kind = "merge_nvfp4"
-    elif model.adaln_off_device(f"{mname}.{pname}"):  # in host memory or the file: merged as each run
-        merge_on_transfer(model, f"{mname}.{pname}", entries, model_device, report)  # brings it over
-        kind = "merge_on_transfer"
-    else:
-        merge_dense(st, f"{mname}.{pname}", getattr(module, pname), entries, source, report, model_device)
-        kind = "merge_dense"
-    phases[kind] += time.perf_counter() - t  # host clocks: a merge's GPU work lands on its next wait
+@dataclass
+class _Merging:
+    """What every merge of one stack writes to: the LoRA state, the source weights, the report, the phases' host
+    seconds, the model's device."""
+
+    st: LoraState
+    source: SourceWeights
+    report: dict
+    phases: dict
+    device: torch.device
+
+    def one(self, model, mname: str, pname: str, entries: list) -> None:
+        """One merge of the stack into ``mname.pname`` as the module is now: re-quantized NVFP4, applied to each copy
+        a run brings over (AdaLN off the device), or into the dense tensor."""
+        module, t = model.get_submodule(mname), time.perf_counter()
+        if pname == "weight" and isinstance(module, Nvfp4Linear):
+            merge_nvfp4(self.st, mname, module, entries, self.source, self.report, self.device)
+            kind = "merge_nvfp4"
+        elif model.adaln_off_device(f"{mname}.{pname}"):  # in host memory or the file: merged as each run
+            merge_on_transfer(model, f"{mname}.{pname}", entries, self.device, self.report)  # brings it over
+            kind = "merge_on_transfer"
+        else:
+            merge_dense(self.st, f"{mname}.{pname}", getattr(module, pname), entries, self.source, self.report,
+                        self.device)
+            kind = "merge_dense"
+        self.phases[kind] += time.perf_counter() - t  # host clocks: a merge's GPU work lands on its next wait
 
 
 def _behind(rt, specs: list[LoraSpec]) -> bool:
@@ -258,9 +270,9 @@ class _BlockMerges:
     block j opens (``run``), the report finished after the last. A failure restores every original, drops the
     stack (the model carries no LoRA) and propagates from the wait; the blocks still queued then merge nothing."""
 
-    def __init__(self, rt, st: LoraState, source: SourceWeights, report: dict, phases: dict, specs, seconds: float,
-                 parts: set):
-        self.rt, self.st, self.source, self.report, self.phases, self.specs = rt, st, source, report, phases, specs
+    def __init__(self, rt, merging: _Merging, specs, seconds: float, parts: set):
+        self.rt, self.merging, self.specs = rt, merging, specs
+        self.st, self.source, self.report, self.phases = merging.st, merging.source, merging.report, merging.phases
         self.seconds, self.left, self.failed = seconds, set(parts), False
 
     def run(self, part: int, items: list) -> None:
@@ -285,7 +297,7 @@ class _BlockMerges:
 
     def _merge(self, model, items: list) -> None:
         for (mname, pname), entries in items:
-            _merge_one(model, self.st, mname, pname, entries, self.source, self.report, self.phases, model.device)
+            self.merging.one(model, mname, pname, entries)
 
     def finish(self) -> None:
         model = self.rt.model
@@ -330,15 +342,16 @@ def _apply_behind(rt, specs: list[LoraSpec], matches: list, t0: float) -> dict:
     by_part: dict[int, list] = {}
     for key, entries in merges.items():
         by_part.setdefault(part_of(key[0]), []).append((key, entries))
+    merging = _Merging(st, source, report, phases, model_device)
     try:
         for (mname, pname), entries in by_part.pop(PRELUDE, []):
-            _merge_one(model, st, mname, pname, entries, source, report, phases, model_device)
+            merging.one(model, mname, pname, entries)
     except BaseException:
         restore_all(rt, st, source)
         raise
     report["notes"].append(f"merged into each block when the first step reached it ({len(by_part)} blocks): the "
                            "load ran behind the first step")
-    deferred = _BlockMerges(rt, st, source, report, phases, specs, time.perf_counter() - t0, set(by_part))
+    deferred = _BlockMerges(rt, merging, specs, time.perf_counter() - t0, set(by_part))
     for part, items in sorted(by_part.items()):
         pending.then(part, lambda part=part, items=items: deferred.run(part, items))
     st.signature = tuple(sp.signature() for sp in specs)
@@ -385,8 +398,9 @@ def _apply(rt, specs: list[LoraSpec]) -> dict:
         t = time.perf_counter()
         restore_all(rt, st, source)
         phases["restore"] = time.perf_counter() - t
+        merging = _Merging(st, source, report, phases, model_device)
         for (mname, pname), entries in merges.items():
-            _merge_one(model, st, mname, pname, entries, source, report, phases, model_device)
+            merging.one(model, mname, pname, entries)
         t = time.perf_counter()
         _install_sides(rt, st, sides, mods, nv_cls, report)
         phases["side_paths"] = time.perf_counter() - t

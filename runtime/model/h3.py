@@ -370,9 +370,14 @@ class H3Model(nn.Module):
             p.mods = [StepMods(self, t) for t in t_embs]
             return
         # modulation rows of every (step, block), block-major so an offloaded AdaLN weight crosses to the
-        # device once per run, each block's when the run first reaches it
-        table = BlockModRows(self, t_embs)
-        p.mods = [table.step(i) for i in range(len(p.sigmas))]
+        # device once per run; each block's when the run first reaches it where its AdaLN weights are still to come
+        # (a load behind the first step, or read from the checkpoint file: the read overlaps the blocks before it)
+        if self.pending is not None or self.adaln_source is not None:
+            table = BlockModRows(self, t_embs)
+            p.mods = [table.step(i) for i in range(len(p.sigmas))]
+            return
+        per_block = [self._block_mods(j, t_embs) for j in range(len(self.blocks))]
+        p.mods = [[per_block[j][i] for j in range(len(self.blocks))] for i in range(len(p.sigmas))]
 
     def _block_mods(self, j: int, t_embs):
         """Block j's modulation rows for each t_emb: from its AdaLN module where the weights live on the device,

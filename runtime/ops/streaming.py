@@ -1,45 +1,39 @@
-"""Block streaming: DiT blocks whose weights live in pinned host memory and are copied to the device just
-before they compute (the memory plan of ``runtime.budget`` says which).
+"""Block streaming: DiT blocks whose weights live in pinned host memory and are copied to the device just before they
+compute (the memory plan of ``runtime.budget`` says which).
 
-- ``BlockStreamer`` holds every streamed block's bytes as stored (the NVFP4 ``packed`` bytes and ``scales`` of
-  each ``Nvfp4Linear``; the dense ``weight`` of the reference stack) in one host buffer per linear, pinned on
-  CUDA. ``SLOTS`` device buffers (slots) of one block each take turns: a dedicated copy stream fills the slot
-  of the next streamed block while the current one computes. Order is kept with CUDA events only: the copy
-  into a slot waits for the event recorded after the last block that used it (``free``), the compute stream
-  waits for the event recorded after the copy (``ready``). Nothing synchronizes the host per block.
-- ``StreamOps`` (runtime.ops.stream_ops) is a BlockOps wrapper (like ``runtime.lora.ops.LoraOps``): the first op
-  of block i that reads a weight (qkv, out_proj, fc1 or fc2) binds block i's linears to its slot (``enter``),
-  FC2's return unbinds them (``leave``) and records the slot free. Between blocks a streamed linear holds its host tensors, so a
-  LoRA merge (which writes the layer's tensors in place) writes the host bytes that stream next; each slot
-  remembers the version counters of the host bytes it holds and copies again when they changed. The
-  wrapper also carries the plan's FFN row chunking (``ffn_chunk_rows``, read by ``DiTBlock.forward``).
-- CPU: the same loop with host-to-host copies into separate slot tensors (an emulation for tests: the copies
-  are synchronous, so all of their time counts as exposed).
+- ``BlockStreamer`` holds every streamed block's bytes as stored (the NVFP4 ``packed`` bytes and ``scales`` of each
+  ``Nvfp4Linear``; the dense ``weight`` of the reference stack) in one host buffer per linear, pinned on CUDA.
+  ``SLOTS`` device buffers (slots) of one block each take turns: a dedicated copy stream fills the slot of the next
+  streamed block while the current one computes. Order is kept with CUDA events only: the copy into a slot waits for
+  the event recorded after the last block that used it (``free``), the compute stream waits for the event recorded
+  after the copy (``ready``). Nothing synchronizes the host per block.
+- ``StreamOps`` (runtime.ops.stream_ops) is a BlockOps wrapper (like ``runtime.lora.ops.LoraOps``): the first op of
+  block i that reads a weight (qkv, out_proj, fc1 or fc2) binds block i's linears to its slot (``enter``), FC2's
+  return unbinds them (``leave``) and records the slot free. Between blocks a streamed linear holds its host tensors,
+  so a LoRA merge (which writes the layer's tensors in place) writes the host bytes that stream next; each slot
+  remembers the version counters of the host bytes it holds and copies again when they changed. The wrapper also
+  carries the plan's FFN row chunking (``ffn_chunk_rows``, read by ``DiTBlock.forward``).
+- CPU: the same loop with host-to-host copies into separate slot tensors (an emulation for tests: the copies are
+  synchronous, so all of their time counts as exposed).
 
-Prefetch is cyclic: entering streamed block j issues the copies of the next ``SLOTS - 1`` streamed blocks in
-stack order, wrapping to the first streamed blocks of the next evaluation, so a skipped tail (First-Block Cache)
-or the end of a step costs nothing. Copy time and exposed (stalled) time are measured per evaluation with CUDA
-events and read once, after the run's final synchronization (``summary``).
+Prefetch is cyclic: entering streamed block j issues the copies of the next ``SLOTS - 1`` streamed blocks in stack
+order, wrapping to the first streamed blocks of the next evaluation, so a skipped tail (First-Block Cache) or the end
+of a step costs nothing. Copy time and exposed (stalled) time are measured per evaluation with CUDA events and read
+once, after the run's final synchronization (``summary``).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 
 from .host_buffers import BuffersAhead, HostLinear
+from .stream_stats import StepStats, summarize
 
 SLOTS = 2
 LINEAR_NAMES = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
-
-
-@dataclass
-class _StepStats:
-    copies: list = field(default_factory=list)  # (start event, end event, bytes) on CUDA; (seconds, bytes) on CPU
-    stalls: list = field(default_factory=list)  # (start event, end event) on the compute stream
 
 
 def module_device_bytes(module: nn.Module, device: torch.device) -> int:
@@ -66,7 +60,7 @@ class BlockStreamer:
         self.bound: int | None = None
         self.bound_slot: int | None = None
         self.last: int | None = None
-        self.steps: list[_StepStats] = []
+        self.steps: list[StepStats] = []
         self.bytes_total = 0
         self.versioned = True
         self.ahead: BuffersAhead | None = None
@@ -128,52 +122,41 @@ class BlockStreamer:
             self.ahead = None
 
     def alloc_slots_for(self, nbytes) -> None:
-        """Before a load behind the first step: the slots made now, each linear's region ``nbytes(out_features,
-        in_features)`` at its largest over the streamed blocks (the size ``HostLinear`` gives an NVFP4 linear), so
-        the first step can use them while the pass still runs. ``finish(behind=True)`` checks the adopted sizes."""
-        if not self.order:
-            return
-        sizes = {name: max(nbytes(lin.out_features, lin.in_features) for j in self.order
-                           for lin in (self.blocks[j].get_submodule(name),)) for name in LINEAR_NAMES}
-        self._make_slots(sizes)
+        """Before a load behind the first step (which may reach a streamed block before the pass ends): the slots,
+        each linear's region ``nbytes(out_features, in_features)`` at its largest (``HostLinear``'s NVFP4 size)."""
+        if self.order:
+            self._make_slots({name: max(nbytes(b.get_submodule(name).out_features, b.get_submodule(name).in_features)
+                                        for b in (self.blocks[j] for j in self.order)) for name in LINEAR_NAMES})
 
     def finish(self, behind: bool = False) -> None:
         """After the load: every streamed block is in host memory; allocate the slots, copy the first blocks.
-        behind: the load ran behind the first step (slots made before it by ``alloc_slots_for``, and the first step
-        copies what it needs): only check that every adopted linear fits its region."""
+        behind: the slots were made before the pass (``alloc_slots_for``): check each linear fits its region."""
         self.drop_ahead()
         missing = [j for j in self.order if set(self.host.get(j, {})) != set(LINEAR_NAMES)]
-        if missing:
+        big = [f"blocks.{j}.{n}" for j in self.order if behind and self.slots for n, hl in self.host.get(j, {}).items()
+               if hl.nbytes > self.slots[0][n].numel()]
+        if missing or big:
             raise RuntimeError(f"block streaming: blocks {missing[:5]} were planned to stream but their linears were "
-                               "not adopted (the loader's hook did not run for them)")
-        if behind:
-            big = [(j, n) for j in self.order for n, hl in self.host[j].items()
-                   if self.slots and hl.nbytes > self.slots[0][n].numel()]
-            if big:
-                raise RuntimeError(f"block streaming: blocks.{big[0][0]}.{big[0][1]} holds more bytes than the slot "
-                                   "made for it before the load; load with load_behind=off")
-            self.versioned = all(not e.param for parts in self.host.values() for hl in parts.values()
-                                 for e in hl.entries)
-            return
-        self._alloc_slots()
+                               "not adopted (the loader's hook did not run for them)" if missing else
+                               f"block streaming: {big[0]} holds more bytes than its slot; load with load_behind=off")
+        if not behind:
+            self._alloc_slots()
         # dense weights are nn.Parameters, written through ``.data`` by LoRA merges (not counted in the version
         # counter): their slots are copied again in every evaluation
         self.versioned = all(not e.param for parts in self.host.values() for hl in parts.values() for e in hl.entries)
-        if self.order:
-            self._prefetch_after(self.order[-1])
-        self.steps = []  # the copies issued at load belong to no evaluation
+        if not behind:
+            if self.order:
+                self._prefetch_after(self.order[-1])
+            self.steps = []  # the copies issued at load belong to no evaluation
 
     def _alloc_slots(self) -> None:
-        self.slots = []
-        if not self.order:
-            self.slot_bytes = 0
-            return
-        self._make_slots({name: max(self.host[j][name].nbytes for j in self.order) for name in LINEAR_NAMES})
+        self._make_slots({name: max(self.host[j][name].nbytes for j in self.order) for name in LINEAR_NAMES}
+                         if self.order else {})
 
     def _make_slots(self, sizes: dict[str, int]) -> None:
         self.slots = []
         self.slot_bytes = sum(sizes.values())
-        for _ in range(self.nslots):
+        for _ in range(self.nslots if sizes else 0):
             buf = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
             regions, off = {}, 0
             for name in LINEAR_NAMES:
@@ -250,9 +233,9 @@ class BlockStreamer:
         cands = [s for s in range(self.nslots) if s != self.bound_slot and self.slot_block[s] not in keep]
         return min(cands, key=lambda s: self.slot_used[s])
 
-    def _stats(self) -> _StepStats:
+    def _stats(self) -> StepStats:
         if not self.steps:
-            self.steps.append(_StepStats())
+            self.steps.append(StepStats())
         return self.steps[-1]
 
     def _copy(self, j: int, s: int) -> None:
@@ -298,7 +281,7 @@ class BlockStreamer:
         if self.gate is not None:
             self.gate(j)
         if self.last is None or (starts_block and j <= self.last):
-            self.steps.append(_StepStats())  # a new evaluation: block indices started over
+            self.steps.append(StepStats())  # a new evaluation: block indices started over
             if not self.versioned:
                 self.slot_block = [None] * self.nslots
         self.last = j
@@ -394,29 +377,7 @@ class BlockStreamer:
     # -- measurement -------------------------------------------------------------------------------
     def summary(self) -> dict:
         """Copies and stalls of the evaluations since the last summary (read after the run's final
-        synchronization: CUDA events only), then cleared."""
+        synchronization: CUDA events only), then cleared (``stream_stats.summarize``)."""
         self.release()
-        per_step = []
-        for st in self.steps:
-            if self.cuda:
-                copy_ms = sum(a.elapsed_time(b) for a, b, _ in st.copies)
-                exposed = sum(a.elapsed_time(b) for a, b in st.stalls)
-                nbytes = sum(n for *_, n in st.copies)
-            else:
-                copy_ms = 1e3 * sum(t for t, _ in st.copies)
-                exposed = copy_ms
-                nbytes = sum(n for _, n in st.copies)
-            per_step.append({"bytes_copied": nbytes, "copy_ms": copy_ms, "exposed_ms": exposed,
-                             "hidden_ms": max(0.0, copy_ms - exposed)})
-        self.steps = []
-
-        def median(key):
-            v = sorted(p[key] for p in per_step)
-            return None if not v else (v[len(v) // 2] if len(v) % 2 else 0.5 * (v[len(v) // 2 - 1] + v[len(v) // 2]))
-
-        return {"evaluations": len(per_step), "bytes_copied_per_step": median("bytes_copied"),
-                "copy_ms_per_step": median("copy_ms"), "copy_exposed_ms_per_step": median("exposed_ms"),
-                "copy_hidden_ms_per_step": median("hidden_ms"), "per_step": per_step,
-                "timing": ("CUDA events: copies on the copy stream, stalls where the compute stream waited for a "
-                           "copy (medians over the evaluations)") if self.cuda else
-                          "cpu emulation: synchronous host copies, all exposed (perf_counter)"}
+        out, self.steps = summarize(self.steps, self.cuda), []
+        return out
