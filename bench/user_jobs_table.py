@@ -89,7 +89,7 @@ def table(res: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in _ordered(res["rows"]):
         o, c = r["ours"], r["core"]
-        cap = "resident" if r["cap_gb"] is None else f"{r['cap_gb']} GB"
+        cap = _cap_text(r)
         sp = "-" if r.get("speedup") is None else f"{r['speedup']:.2f}x"
         note = "; ".join(x for x in (f"card: {r['card']}" if r.get("card") else "", _vs_resident(o),
                                      _error(o, "ours"),
@@ -109,7 +109,17 @@ def table(res: dict) -> str:
                   "the largest (this process's and the CUDA context's; torch's peak reserved misses DynamicVRAM's "
                   "weights): under a cap it can exceed the cap, since the per-process fraction binds torch's "
                   "allocator only."]
+    behind = [f"{r['job']} {_cap_text(r)}" for r in res["rows"]
+              if ((r["ours"].get("load") or {}).get("choice") == "behind the first step")]
+    if behind:
+        lines += ["", "Ours loaded behind the first step on " + ", ".join(behind) + " (`runtime.pending_load`): its "
+                  "load+LoRA column there is the time before sampling starts (the plan, and the LoRA file read and "
+                  "checked); the pass and the block merges run into the first step, which its job time holds."]
     return "\n".join(lines)
+
+
+def _cap_text(row: dict) -> str:
+    return "resident" if row["cap_gb"] is None else f"{row['cap_gb']} GB"
 
 
 def render(readme: str, section: str) -> str:

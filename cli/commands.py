@@ -47,7 +47,8 @@ def _generate_options(a) -> dict:
                 sparse_keep_percent=a.sparse_keep_percent, sparse_end=a.sparse_end,
                 sparse_dense_blocks=a.sparse_dense_blocks, sparse_sinks=a.sparse_sinks,
                 first_block_cache=a.first_block_cache,
-                vram_budget=a.vram_budget, host_budget=a.host_budget, cpu_threads=a.cpu_threads)
+                vram_budget=a.vram_budget, host_budget=a.host_budget, cpu_threads=a.cpu_threads,
+                load_behind=a.load_behind)
 
 
 def apply_preset(a, argv) -> tuple[float | None, float | None]:

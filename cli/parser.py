@@ -250,6 +250,10 @@ def _generate_parser(sub) -> None:
                    help="host memory the model may keep in GB, or auto (default, or H3_HOST_BUDGET): the available "
                         "host memory. Where the streamed blocks and the full-form AdaLN weights do not fit it, AdaLN "
                         "stays in the checkpoint file and each run reads it block by block")
+    g.add_argument("--load-behind", default=None, choices=("auto", "on", "off"),
+                   help="run the checkpoint's load behind the first step (default: auto, or H3_LOAD_BEHIND: on "
+                        "CUDA): each block is used as soon as its tensors are loaded and checked, and a merged LoRA "
+                        "goes into each block as it arrives; off: the whole load before the first step")
     _backend_args(g)
     _lossy_args(g)
     g.add_argument("--dense", action="store_true", help="keep dense linears (no NVFP4; the reference stack)")
