@@ -714,3 +714,19 @@ def test_sampler_no_previews_when_comfy_shows_none(comfy, tiny, monkeypatch):
     lp.args.preview_method = types.SimpleNamespace(value="none")
     H3Sampler().sample(tiny, core_conditioning(), core_empty_latent(96, 64, 22), **SAMPLE_ARGS)
     assert comfy.progress == [(1, 2), (2, 2)] and comfy.previews == [None, None]
+
+
+def test_the_loader_and_sampler_with_the_load_behind_the_first_step(monkeypatch):
+    """H3_LOAD_BEHIND=on through the nodes (the resident handle asks the runtime's size as the loader returns): the
+    sampler's latents are those of the load before the first step, and the report says which load ran."""
+    reports = {}
+    for mode in ("off", "on"):
+        monkeypatch.setenv("H3_LOAD_BEHIND", mode)
+        loader_mod.release_resident()
+        rt = H3ModelLoader().load(TINY_CHOICE, "auto", "auto", "on", True)[0]
+        (lat,) = H3EmptyLatent().create(64, 64, 5)
+        _, reports[mode] = H3Sampler().sample(rt, core_conditioning(), lat, **SAMPLE_ARGS)
+    loader_mod.release_resident()
+    assert reports["on"]["backends"]["load"]["choice"] == "behind the first step"
+    assert reports["off"]["backends"]["load"]["choice"] == "before the first step"
+    assert reports["on"]["latent_checksums"]["video_sha256"] == reports["off"]["latent_checksums"]["video_sha256"]

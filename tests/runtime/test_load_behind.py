@@ -198,3 +198,33 @@ def test_the_tiny_model_and_auto_off_cuda_load_before(files):
     assert rt.pending is None and "called directly" in rt.backends["load"]["reason"]
     with pytest.raises(ValueError, match="load_behind"):
         RuntimeOptions(load_behind="sometimes")
+
+
+def test_a_merge_failing_at_a_gate_leaves_no_lora_behind(files, monkeypatch, slow_parts):
+    """A block's deferred merge that fails raises from the run; every merge done so far is restored and the stack is
+    dropped: the model is the loaded one, and a later run of the same stack applies it again from the start."""
+    from h3_blackwell.runtime.lora import apply as lora_apply
+
+    ck, lora = files
+    rt = _load(ck, True)
+    apply_loras(rt, [(str(lora), 0.9, "merge")])
+    real = lora_apply.merge_nvfp4
+
+    def failing(st, mname, *a, **k):
+        if mname.startswith("blocks.1."):
+            raise RuntimeError("merge failed on purpose")
+        return real(st, mname, *a, **k)
+
+    monkeypatch.setattr(lora_apply, "merge_nvfp4", failing)
+    with pytest.raises(RuntimeError, match="on purpose"):
+        _run(rt)
+    assert lora_report(rt) is None and rt.lora_stack == ()
+    rt.finish_load()
+    fresh = _tensors(_load(ck, False))
+    got = _tensors(rt)
+    assert all(torch.equal(fresh[k], got[k]) for k in fresh)
+    monkeypatch.setattr(lora_apply, "merge_nvfp4", real)
+    ref = _load(ck, False)
+    apply_loras(ref, [(str(lora), 0.9, "merge")])
+    apply_loras(rt, [(str(lora), 0.9, "merge")])
+    assert _run(rt) == _run(ref)
