@@ -163,6 +163,10 @@ class _Loader:
         self.formats: dict[str, dict] = {}  # a quantized layer's comfy_quant descriptor, read once
         self.host_like: dict[str, torch.Tensor] = {}  # the entries read into host memory: their meta parameters
         self.ahead: ReadAhead | None = None
+        # a streamed block's stored linears of each shape: built in host memory (True) or on the device (False), by
+        # the canary of ``_host_linear``
+        self.host_built: dict[tuple, bool] = {}
+        self.built_on_host = False  # the last block linear was built in host memory (its checks are the host's)
         # seconds of this thread per part of the pass (``phases``); the read-ahead threads' own time is its
         # ``read_seconds``. Host clocks: a CUDA copy is asynchronous, and its time lands on the next call that waits
         # for it (the finite check's one boolean, a layer's construction)
@@ -194,7 +198,8 @@ class _Loader:
         """Where the pass's time went: this thread's seconds per part (``LOAD_PARTS``), and the read-ahead threads'
         summed seconds and bytes (0 where none ran)."""
         return {**{k: round(v, 4) for k, v in self.seconds.items()},
-                "read_ahead_thread_seconds": round(self.read_seconds, 4), "read_ahead_bytes": self.read_bytes}
+                "read_ahead_thread_seconds": round(self.read_seconds, 4), "read_ahead_bytes": self.read_bytes,
+                "streamed_linears_built_in_host_memory": {"x".join(map(str, k)): v for k, v in self.host_built.items()}}
 
     # -- what each entry reads -------------------------------------------------------------------
     def _format(self, layer: str) -> dict:
@@ -304,7 +309,14 @@ class _Loader:
 
     def _linear(self, layer: str, shape: tuple, parts: list[str] | None) -> None:
         """A block linear from its stored NVFP4 ``parts``, or (None) quantized from its weight at the compute dtype;
-        the dense copy is dropped before the next tensor is read."""
+        the dense copy is dropped before the next tensor is read. A stored linear of a streamed block is built in
+        host memory (``_host_linear``): its bytes go to their host buffer without a trip to the device."""
+        self.built_on_host = parts is not None and self._on_host_path(layer, True)
+        if self.built_on_host:
+            lin = self._host_linear(layer, shape, parts)
+            self.built_on_host = lin.packed.device.type == "cpu"  # else the canary sent it down the device path
+            _set(self.model, layer, lin)
+            return
         if parts is not None:
             tensors = {x: self.tensor(x, self.device) for x in parts}
             for x, t in tensors.items():
@@ -317,6 +329,45 @@ class _Loader:
                 lin = _nvfp4_linear(layer, w, shape, stored=None, kw=self.linear_kw)
             del w
         _set(self.model, layer, lin)
+
+    def _host_linear(self, layer: str, shape: tuple, parts: list[str]) -> Nvfp4Linear:
+        """A streamed block's stored NVFP4 linear, built from host tensors (the read-ahead's staging) and
+        checked finite there; the tensors that do not stream (global scale, bias, input and pre-quant scales) then
+        moved to the device. ``adopt`` copies the streamed bytes into the linear's host buffer: no trip to the
+        device and back. The first of each shape is also built on the device and compared byte for byte (the
+        canary); a difference sends that shape's linears down the device path (``phases`` says which)."""
+        tensors = {x: self.tensor(x, "cpu") for x in parts}
+        for x, t in tensors.items():
+            self._finite(x, t)
+        with self._part("linears"):
+            lin = _nvfp4_linear(layer, None, shape, stored=tensors, kw=self.linear_kw, metadata=self.src.metadata)
+            for name in ("global_scale", "bias", "input_scale", "pre_quant_scale"):
+                t = lin._buffers.get(name)
+                if t is not None:
+                    lin._buffers[name] = t.to(self.device)
+            if self.host_built.get(shape, True):
+                dev = None
+                if shape not in self.host_built:
+                    dev = self._device_linear(layer, shape, tensors)
+                    self.host_built[shape] = all(
+                        torch.equal(getattr(lin, n).cpu().reshape(-1).view(torch.uint8),
+                                    getattr(dev, n).cpu().reshape(-1).view(torch.uint8))
+                        for n in ("packed", "scales", "global_scale"))
+                    if not self.host_built[shape]:
+                        log.warning("[h3-blackwell] %s: the stored NVFP4 linear built in host memory differs from the "
+                                    "device's build; streamed linears of shape %s take the device path", layer, shape)
+                return lin if self.host_built[shape] else dev
+            return self._device_linear(layer, shape, tensors)
+
+    def _device_linear(self, layer: str, shape: tuple, tensors: dict) -> Nvfp4Linear:
+        return _nvfp4_linear(layer, None, shape, stored={x: t.to(self.device) for x, t in tensors.items()},
+                             kw=self.linear_kw, metadata=self.src.metadata)
+
+    def _on_host_path(self, layer: str, stored: bool) -> bool:
+        """Whether a block linear is built in host memory (``_host_linear``): stored NVFP4, of a streamed block, and
+        its shape not refused by the canary (on the CPU both builds are the host's: the same path, tested)."""
+        return (stored and self.streamer is not None and self.streamer.streams(layer)
+                and self.host_built.get(tuple(self.model.get_submodule(layer).weight.shape), True))
 
     def _to_host(self, k: str, p) -> None:
         """Into pinned host memory (``_read_host``; on a read-ahead thread where one runs, so pinning runs in
@@ -357,7 +408,8 @@ class _Loader:
                 elif step == "tensor":
                     self._tensor(k, p)
                 if self.streamer is not None and layer is not None and self.streamer.streams(layer):
-                    self._flush_checks()
+                    if not self.built_on_host:  # its checked tensors leave the device: read their flags first
+                        self._flush_checks()
                     with self._part("adopt"):
                         self.streamer.adopt(layer, self.model.get_submodule(layer))
                 part = part_of(k)

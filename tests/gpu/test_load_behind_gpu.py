@@ -30,3 +30,21 @@ def _adaln_in_the_file(ck) -> dict:
 def test_the_load_behind_on_the_device(files, memory, slow_parts):  # noqa: F811 (fixtures)
     ck, _ = files
     check_the_load_behind(files, memory, "cuda", _adaln_in_the_file(ck) if memory == "adaln_in_file" else None)
+
+
+@pytest.mark.parametrize("behind", [False, True])
+def test_streamed_stored_linears_built_in_host_memory_on_the_device(files, behind):  # noqa: F811 (fixture)
+    """A stored NVFP4 checkpoint with every block streamed on CUDA: each shape's canary (the linear built from host
+    tensors against the device's build, byte for byte) agrees, and the latents are the resident load's."""
+    from h3_blackwell.runtime.io.convert import quantize_checkpoint
+    from tests.runtime.test_load_behind import _load, _run, _streamed_budget
+
+    ck = files[0].parent / "tiny-nvfp4.safetensors"
+    if not ck.exists():
+        quantize_checkpoint(files[0], ck)
+    resident = _load(ck, False, "cuda")
+    streamed = _load(ck, behind, "cuda", vram_budget=_streamed_budget(ck, "cuda"))
+    assert streamed.plan.memory.streamed and streamed.plan.stored_nvfp4
+    assert _run(streamed) == _run(resident)
+    built = streamed.load_phases["pass_parts"]["streamed_linears_built_in_host_memory"]
+    assert built and all(built.values()), built

@@ -228,3 +228,42 @@ def test_a_merge_failing_at_a_gate_leaves_no_lora_behind(files, monkeypatch, slo
     apply_loras(ref, [(str(lora), 0.9, "merge")])
     apply_loras(rt, [(str(lora), 0.9, "merge")])
     assert _run(rt) == _run(ref)
+
+
+@pytest.fixture(scope="module")
+def nvfp4_file(files, tmp_path_factory):
+    from h3_blackwell.runtime.io.convert import quantize_checkpoint
+
+    out = tmp_path_factory.mktemp("nvfp4") / "tiny-nvfp4.safetensors"
+    quantize_checkpoint(files[0], out)
+    return out
+
+
+@pytest.mark.parametrize("behind", [False, True])
+def test_streamed_stored_linears_are_built_in_host_memory(nvfp4_file, behind):
+    """A stored NVFP4 checkpoint with every block streamed: the streamed linears are built from host tensors (no trip
+    to the device and back), the canary of each shape agrees, and the latents are the resident load's."""
+    resident = _load(nvfp4_file, False)
+    streamed = _load(nvfp4_file, behind, vram_budget=_streamed_budget(nvfp4_file))
+    assert streamed.plan.memory.streamed and streamed.plan.stored_nvfp4
+    assert _run(streamed) == _run(resident)
+    built = streamed.load_phases["pass_parts"]["streamed_linears_built_in_host_memory"]
+    assert built and all(built.values())
+    assert not resident.load_phases["pass_parts"]["streamed_linears_built_in_host_memory"]
+
+
+def test_a_canary_that_disagrees_keeps_the_device_path(nvfp4_file, monkeypatch):
+    from h3_blackwell.runtime import load as load_mod
+
+    build = load_mod._Loader._device_linear
+
+    def off_by_one(self, layer, shape, tensors):
+        lin = build(self, layer, shape, tensors)
+        if layer.endswith("mlp.fc1"):
+            lin.packed.view(-1)[0] ^= 1  # a different build of that shape
+        return lin
+
+    monkeypatch.setattr(load_mod._Loader, "_device_linear", off_by_one)
+    rt = _load(nvfp4_file, False, vram_budget=_streamed_budget(nvfp4_file))
+    built = rt.load_phases["pass_parts"]["streamed_linears_built_in_host_memory"]
+    assert False in built.values() and True in built.values()  # fc1's shape went down the device path
