@@ -138,8 +138,10 @@ U)  # the jobs users run against core's stack (issue 37); one checkpoint write p
   fi
   if [ -n "${UJ_GPU_TESTS:-}" ]; then  # named GPU test files first (e.g. the load and LoRA paths a change touched)
     phase "gpu-tests ${UJ_GPU_TESTS}"
-    timeout "${UJ_GPU_TESTS_TIMEOUT:-180}" python3 -m pytest -q -s -m gpu -p no:cacheprovider ${UJ_GPU_TESTS} 2>&1 \
-      | grep -vE "^$" | tail -30 >> "$LOG"
+    # the whole output to its own file (the log keeps the summary: a failure's reason must not be cut off)
+    timeout "${UJ_GPU_TESTS_TIMEOUT:-180}" python3 -m pytest -q -s -m gpu -p no:cacheprovider -rfE --tb=short \
+      ${UJ_GPU_TESTS} > "$OUT/gpu-tests.txt" 2>&1
+    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu-tests.txt" | tail -12 >> "$LOG"
   fi
   if [ "${UJ_SMOKE:-1}" = 1 ]; then  # core's carried stack on this machine's packages, tiny, on the CPU (~30 s):
     phase core-stack-smoke           # an import or load failure shows here, before the rows spend minutes
