@@ -473,6 +473,7 @@ class H3Runtime:
     source_stamp: tuple = ()  # the checkpoint files' (path, size, mtime_ns) when the load read them (() for none)
     pending: PendingLoad | None = None  # the pass while it runs behind the first step (``finish_load`` ends it)
     planned_for: Workload | None = None  # the run the load's memory plan was made for
+    loaded_behind: bool = False  # the pass ran behind the first step (its tensors were allocated on its stream)
 
     def finish_load(self) -> None:
         """Wait for a pass running behind the first step (``runtime.pending_load``) and everything queued on its
@@ -615,6 +616,7 @@ class H3Runtime:
         tower_st = getattr(control, "streamer", None)
         # an offloaded runtime holds nothing on the device: it is planned from there and comes back as planned
         refiner_away = mm.refiner_bytes if self.model.refiner_on_host else 0  # counted in other_bytes, not held now
+        adaln_was = plan.choices["adaln"]
         held = (0 if self.parked is not None else mm.other_bytes + len(old.resident) * mm.block_bytes
                 + st.device_bytes - refiner_away) + (control.device_bytes(self.device) if hasattr(control, "device_bytes")
                                                      else 0)
@@ -651,8 +653,14 @@ class H3Runtime:
         if self.parked is not None:
             self.parked.streamed = frozenset(new.streamed)
             self.onload()
+        moved = (set(new.streamed) != set(st.streamed) or new.refiner_on_host != self.model.refiner_on_host
+                 or plan.choices["adaln"] is ADALN_MOVED_OFF and adaln_was != ADALN_MOVED_OFF)
         st.restream(new.streamed)
         place_refiner(self.model, new.refiner_on_host)
+        if moved and self.loaded_behind and self.device.type == "cuda":
+            # the pass behind the first step allocated the weights on its own stream: the blocks they freed are
+            # reused only by that stream's allocations, so give them back for the run's
+            torch.cuda.empty_cache()
         if tower_st is not None and not new.tower_streams:
             tower_st.restream(())
         new.adaln_from_file = new.adaln_from_file or plan.adaln_from_file  # decided at load: the weights stay there
@@ -808,7 +816,7 @@ def load_model(path: str | Path | None = None, options: RuntimeOptions | None = 
     ops = StreamOps(base, streamer, plan.memory.ffn_chunk_rows)
     rt = H3Runtime(model, plan, ops, backends, fc2=fc2, sparse=sparse, streamer=streamer,
                    attention=None if base.attends_exactly else dense, source_stamp=stamp, pending=pending,
-                   planned_for=workload or Workload.for_request(plan.config))
+                   planned_for=workload or Workload.for_request(plan.config), loaded_behind=pending is not None)
     marks.append(time.perf_counter())
     rt.load_seconds = marks[-1] - t0
     steps = dict(zip(("plan", "model_and_source", "pass" if pending is None else "pass_started",
@@ -862,6 +870,9 @@ def _start_behind(model: H3Model, src, plan: LoadPlan, streamer: BlockStreamer, 
             raise
         streamer.finish(behind=True)
         model.eval().requires_grad_(False)
+        if plan.device.type == "cuda":  # the pass's own temporaries, cached for its stream alone: given back
+            torch.cuda.current_stream(plan.device).synchronize()
+            torch.cuda.empty_cache()
         return passed
 
     model.eval().requires_grad_(False)
