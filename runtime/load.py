@@ -781,7 +781,7 @@ def load_model(path: str | Path | None = None, options: RuntimeOptions | None = 
         streamer.expect_host_buffers(lambda n, k: streamed_linear_bytes(n, k, True, 0))
     if plan.adaln_from_file:
         model.adaln_source = AdalnFromFile(plan.checkpoint, model)
-    behind, why_behind = load_behind_choice(plan.load_behind, plan.device, path is not None, for_sampling)
+    behind, why_behind = load_behind_choice(plan.load_behind, plan.device, isinstance(src, Checkpoint), for_sampling)
     if behind and streamer.order and not plan.quantize:
         behind, why_behind = False, "the dense reference stack streams blocks: its slots are sized by the pass"
     backends["load"] = {"choice": "behind the first step" if behind else "before the first step",
@@ -843,7 +843,7 @@ def load_behind_choice(setting: str, device: torch.device, from_file: bool, for_
     if device.type != "cuda":
         return False, "auto: not CUDA (no copy stream to overlap the pass with the first step)"
     if not from_file:
-        return False, "auto: the embedded tiny model (nothing to read)"
+        return False, "auto: not a checkpoint file (the embedded tiny model or tensors in memory: nothing to read)"
     return True, ("auto: CUDA and a checkpoint file: the pass runs on a worker thread and its own stream; the first "
                   "step waits for each block only where the pass has not reached it yet")
 
