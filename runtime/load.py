@@ -311,10 +311,10 @@ class _Loader:
         """A block linear from its stored NVFP4 ``parts``, or (None) quantized from its weight at the compute dtype;
         the dense copy is dropped before the next tensor is read. A stored linear of a streamed block is built in
         host memory (``_host_linear``): its bytes go to their host buffer without a trip to the device."""
-        self.built_on_host = parts is not None and self._on_host_path(layer, True)
-        if self.built_on_host:
+        self.built_on_host = False
+        if parts is not None and self._on_host_path(layer, shape):
             lin = self._host_linear(layer, shape, parts)
-            self.built_on_host = lin.packed.device.type == "cpu"  # else the canary sent it down the device path
+            self.built_on_host = self.host_built[shape]  # else the canary sent it down the device path
             _set(self.model, layer, lin)
             return
         if parts is not None:
@@ -345,29 +345,25 @@ class _Loader:
                 t = lin._buffers.get(name)
                 if t is not None:
                     lin._buffers[name] = t.to(self.device)
-            if self.host_built.get(shape, True):
-                dev = None
-                if shape not in self.host_built:
-                    dev = self._device_linear(layer, shape, tensors)
-                    self.host_built[shape] = all(
-                        torch.equal(getattr(lin, n).cpu().reshape(-1).view(torch.uint8),
-                                    getattr(dev, n).cpu().reshape(-1).view(torch.uint8))
-                        for n in ("packed", "scales", "global_scale"))
-                    if not self.host_built[shape]:
-                        log.warning("[h3-blackwell] %s: the stored NVFP4 linear built in host memory differs from the "
-                                    "device's build; streamed linears of shape %s take the device path", layer, shape)
-                return lin if self.host_built[shape] else dev
-            return self._device_linear(layer, shape, tensors)
+            if shape in self.host_built:  # this shape's canary agreed (``_on_host_path`` sends no other here)
+                return lin
+            dev = self._device_linear(layer, shape, tensors)
+            self.host_built[shape] = all(torch.equal(getattr(lin, n).cpu().reshape(-1).view(torch.uint8),
+                                                     getattr(dev, n).cpu().reshape(-1).view(torch.uint8))
+                                         for n in ("packed", "scales", "global_scale"))
+            if not self.host_built[shape]:
+                log.warning("[h3-blackwell] %s: the stored NVFP4 linear built in host memory differs from the "
+                            "device's build; streamed linears of shape %s take the device path", layer, shape)
+            return lin if self.host_built[shape] else dev
 
     def _device_linear(self, layer: str, shape: tuple, tensors: dict) -> Nvfp4Linear:
         return _nvfp4_linear(layer, None, shape, stored={x: t.to(self.device) for x, t in tensors.items()},
                              kw=self.linear_kw, metadata=self.src.metadata)
 
-    def _on_host_path(self, layer: str, stored: bool) -> bool:
-        """Whether a block linear is built in host memory (``_host_linear``): stored NVFP4, of a streamed block, and
-        its shape not refused by the canary (on the CPU both builds are the host's: the same path, tested)."""
-        return (stored and self.streamer is not None and self.streamer.streams(layer)
-                and self.host_built.get(tuple(self.model.get_submodule(layer).weight.shape), True))
+    def _on_host_path(self, layer: str, shape: tuple) -> bool:
+        """Whether a stored block linear is built in host memory (``_host_linear``): of a streamed block, and its
+        shape not refused by the canary (on the CPU both builds are the host's: the same path, tested)."""
+        return self.streamer is not None and self.streamer.streams(layer) and self.host_built.get(shape, True)
 
     def _to_host(self, k: str, p) -> None:
         """Into pinned host memory (``_read_host``; on a read-ahead thread where one runs, so pinning runs in
@@ -485,8 +481,7 @@ class H3Runtime:
         passed = p.finish()
         self.load_phases["pass_parts"] = passed
         self.load_phases["behind_first_step"] = p.summary()
-        self.load_phases["streamed_host_buffers_made_ahead"] = dict(zip(("taken", "planned"),
-                                                                        self.streamer.made_ahead))
+        self.load_phases["streamed_host_buffers_made_ahead"] = self.streamer.made_ahead_report()
         self.model.pending = None
         self.streamer.gate = None
         self.pending = None
@@ -525,10 +520,9 @@ class H3Runtime:
             # the pass runs behind the first step: what it leaves on the device, by the plan's count (as
             # ``fit_memory`` counts what a loaded model holds), without waiting for it (ComfyUI's model management
             # asks when the loader returns)
-            mm, mp = ModelMemory.from_plan(self.plan), self.plan.memory
-            weights = mm.other_bytes + len(mp.resident) * mm.block_bytes - (mm.refiner_bytes if mp.refiner_on_host
-                                                                          else 0)
-            return weights + streams + scratch
+            mp = self.plan.memory
+            return _weight_device_bytes(ModelMemory.from_plan(self.plan), len(mp.resident), mp.refiner_on_host) \
+                + streams + scratch
         return module_device_bytes(m, dev) + streams + scratch + side_device_bytes(m, dev)
 
     def offload(self) -> int:
@@ -567,15 +561,25 @@ class H3Runtime:
         the device are checked as ``fit_memory`` would place them for a run without room for them: in host memory.
         While the pass runs behind the first step, the run the load planned for is accepted as the load checked it
         (probing now would count the bytes the pass has yet to allocate as free); any other waits for the pass."""
-        if self.pending is not None:
-            if wl == self.planned_for and dev is None and self.pending.error is None:
-                return self.plan.memory
-            self.finish_load()
+        if self._load_plan_stands(wl, dev):
+            return self.plan.memory
         held = Held(self.device_bytes() if self.parked is None else 0,
                     0 if self.streamer is None else self.streamer.host_bytes)
         host_free = host_budget_bytes(self.plan.host_budget) if host_free is None else host_free
         return check_request(ModelMemory.from_plan(self.plan, placed=False), wl,
                              dev or DeviceMemory.probe(self.device), self.plan.vram_budget, ask, held, host_free)
+
+    def _load_plan_stands(self, wl: Workload, dev: DeviceMemory | None, same_extras: bool = True) -> bool:
+        """While the pass runs behind the first step: whether the load's memory decision stands for ``wl``, the very
+        run the load planned (no simulated device, nothing beside it the load did not plan: ``same_extras``); probing
+        now would count the bytes the pass has yet to allocate as free. Any other request waits for the pass
+        (False). False where no pass runs."""
+        if self.pending is None:
+            return False
+        if same_extras and wl == self.planned_for and dev is None and self.pending.error is None:
+            return True
+        self.finish_load()
+        return False
 
     def describe(self) -> str:
         lines = self.plan.describe().splitlines()
@@ -599,14 +603,10 @@ class H3Runtime:
             self.onload()
             return {}
         wl = Workload.from_shapes(video_shape, audio_shape, text_tokens, steps, cond, TowerSize.of(control))
-        if self.pending is not None:
-            if wl == self.planned_for and control is None and device_memory is None and not plan.towers and (
-                    sparse is None or sparse == plan.sparse_settings()):
-                # the load planned this very run, and the pass behind the first step is still running: its decision
-                # stands (probing now would count the bytes the pass has yet to allocate as free)
-                self.backends["memory"] = plan.choices["memory"].as_dict()
-                return self.backends["memory"]
-            self.finish_load()
+        if self._load_plan_stands(wl, device_memory, control is None and not plan.towers
+                                  and (sparse is None or sparse == plan.sparse_settings())):
+            self.backends["memory"] = plan.choices["memory"].as_dict()
+            return self.backends["memory"]
         dev = device_memory or DeviceMemory.probe(self.device)
         mm = ModelMemory.from_plan(plan)
         if sparse is not None and mm.sparse:
@@ -615,11 +615,9 @@ class H3Runtime:
         # a loaded tower (FunControl) holds device bytes and, streamed, host bytes; a tower's source none yet
         tower_st = getattr(control, "streamer", None)
         # an offloaded runtime holds nothing on the device: it is planned from there and comes back as planned
-        refiner_away = mm.refiner_bytes if self.model.refiner_on_host else 0  # counted in other_bytes, not held now
-        adaln_was = plan.choices["adaln"]
-        held = (0 if self.parked is not None else mm.other_bytes + len(old.resident) * mm.block_bytes
-                + st.device_bytes - refiner_away) + (control.device_bytes(self.device) if hasattr(control, "device_bytes")
-                                                     else 0)
+        adaln_moved = False
+        held = (0 if self.parked is not None else _weight_device_bytes(mm, len(old.resident), self.model.refiner_on_host)
+                + st.device_bytes) + (control.device_bytes(self.device) if hasattr(control, "device_bytes") else 0)
         idle = sum(t.device_bytes(self.device) for t in list(getattr(plan, "towers", ())) if t is not control)
         outside = (Outside(idle, "a loaded Fun ControlNet tower this run does not use holds",
                            "or drop that tower (its memory goes once nothing refers to it)"),
@@ -644,7 +642,7 @@ class H3Runtime:
                 place_adaln(self.model.blocks, self.device, on_host=True)
                 for tower in [t for t in plan.towers if not t.curve_form]:  # loaded as the base keeps its AdaLN
                     place_adaln(tower.control_blocks, self.device, on_host=True)
-                plan.choices["adaln"] = ADALN_MOVED_OFF
+                plan.choices["adaln"], adaln_moved = ADALN_MOVED_OFF, True
         else:
             new = decide(mm, *args, held=Held(held, host_held), outside=outside,
                          unchanged="nothing moved: the model stays loaded as it was")
@@ -653,14 +651,11 @@ class H3Runtime:
         if self.parked is not None:
             self.parked.streamed = frozenset(new.streamed)
             self.onload()
-        moved = (set(new.streamed) != set(st.streamed) or new.refiner_on_host != self.model.refiner_on_host
-                 or plan.choices["adaln"] is ADALN_MOVED_OFF and adaln_was != ADALN_MOVED_OFF)
+        moved = (adaln_moved or set(new.streamed) != set(st.streamed)
+                 or new.refiner_on_host != self.model.refiner_on_host)
         st.restream(new.streamed)
         place_refiner(self.model, new.refiner_on_host)
-        if moved and self.loaded_behind and self.device.type == "cuda":
-            # the pass behind the first step allocated the weights on its own stream: the blocks they freed are
-            # reused only by that stream's allocations, so give them back for the run's
-            torch.cuda.empty_cache()
+        self._give_back_pass_blocks(moved)
         if tower_st is not None and not new.tower_streams:
             tower_st.restream(())
         new.adaln_from_file = new.adaln_from_file or plan.adaln_from_file  # decided at load: the weights stay there
@@ -670,6 +665,12 @@ class H3Runtime:
         plan.choices["memory"] = new.choice()
         self.backends["memory"] = plan.choices["memory"].as_dict()
         return self.backends["memory"]
+
+    def _give_back_pass_blocks(self, moved: bool) -> None:
+        """After weights ``moved`` off the device: a pass behind the first step allocated them on its own stream, and
+        the blocks they freed are reused only by that stream's allocations, so give them back for the run's."""
+        if moved and self.loaded_behind and self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def memory_report(self, peak_allocated_bytes: int | None = None) -> dict | None:
         """The report's ``memory`` block: the budget, resident and streamed blocks, the estimate and the measured
@@ -691,6 +692,12 @@ class H3Runtime:
             out.update({"bytes_copied_per_step": 0, "copy_ms_per_step": 0.0, "copy_exposed_ms_per_step": 0.0,
                         "copy_hidden_ms_per_step": 0.0})
         return out
+
+
+def _weight_device_bytes(mm: ModelMemory, resident_blocks: int, refiner_on_host: bool) -> int:
+    """The device bytes of a loaded model's weights by the plan's count: every other tensor and the resident blocks,
+    less the token refiner where it waits in host memory (counted in ``other_bytes``)."""
+    return mm.other_bytes + resident_blocks * mm.block_bytes - (mm.refiner_bytes if refiner_on_host else 0)
 
 
 def _prepare_fc2(plan: LoadPlan) -> tuple[object | None, dict | None]:
@@ -822,7 +829,7 @@ def load_model(path: str | Path | None = None, options: RuntimeOptions | None = 
     steps = dict(zip(("plan", "model_and_source", "pass" if pending is None else "pass_started",
                       "streamer_and_placement", "fc2_and_ops"), (round(b - a, 4) for a, b in zip(marks, marks[1:]))))
     rt.load_phases = {**steps, "pass_parts": passed,
-                      "streamed_host_buffers_made_ahead": dict(zip(("taken", "planned"), streamer.made_ahead))}
+                      "streamed_host_buffers_made_ahead": streamer.made_ahead_report()}
     return rt
 
 
@@ -871,8 +878,7 @@ def _start_behind(model: H3Model, src, plan: LoadPlan, streamer: BlockStreamer, 
         streamer.finish(behind=True)
         model.eval().requires_grad_(False)
         if plan.device.type == "cuda":  # the pass's own temporaries, cached for its stream alone: given back
-            torch.cuda.current_stream(plan.device).synchronize()
-            torch.cuda.empty_cache()
+            torch.cuda.empty_cache()  # (after the pass's work: emptying the cache synchronizes the device)
         return passed
 
     model.eval().requires_grad_(False)

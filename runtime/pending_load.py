@@ -10,7 +10,7 @@ token refiner, final layer, RoPE), then block 0, 1, ... A part opens when its te
 - ``prelude()`` / ``block(j)`` return once that part is open; on CUDA the calling thread's current stream then waits
   for the part's copies (an event wait: no host sync). The sampler asks for the prelude before its run plan and for
   block j before block j's modulation rows, before its streamed bytes are copied, and before it computes
-  (``H3Model.block_gate``). Each caller may also run what it has queued for an opened part (``then``: the LoRA
+  (``H3Model.pending``). Each caller may also run what it has queued for an opened part (``then``: the LoRA
   merges ``runtime.lora.apply`` defers until a block is there), once, on the caller's thread.
 - ``finish()`` joins the pass and returns its phases (``_Loader.phases``); every other use of the runtime that
   needs the whole model calls it first (``H3Runtime.finish_load``).
@@ -113,15 +113,10 @@ class PendingLoad:
                 for ev in self._open.values():  # wake every waiter; a part not opened by ``open`` is not ok
                     ev.set()
                 self.done.set()
-
-        def run():
-            try:
-                body()
-            finally:
                 _switch_end()
 
         _switch_begin()
-        self.thread = threading.Thread(target=run, name="h3-load-behind", daemon=True)
+        self.thread = threading.Thread(target=body, name="h3-load-behind", daemon=True)
         self.thread.start()
 
     def open(self, part: int) -> None:
@@ -138,10 +133,6 @@ class PendingLoad:
         """Queue ``fn`` to run on the caller's thread once ``part`` is open (by the first ``wait`` of that part)."""
         with self._lock:
             self._then.setdefault(part, []).append(fn)
-
-    def queued(self) -> int:
-        with self._lock:
-            return sum(len(v) for v in self._then.values())
 
     def wait(self, part: int) -> None:
         """Return once ``part`` is open (raising the pass's error if it failed first), the current stream ordered

@@ -272,7 +272,6 @@ class _BlockMerges:
 
     def __init__(self, rt, merging: _Merging, specs, seconds: float, parts: set):
         self.rt, self.merging, self.specs = rt, merging, specs
-        self.st, self.source, self.report, self.phases = merging.st, merging.source, merging.report, merging.phases
         self.seconds, self.left, self.failed = seconds, set(parts), False
 
     def run(self, part: int, items: list) -> None:
@@ -285,8 +284,9 @@ class _BlockMerges:
                 self._merge(model, items)
         except BaseException:
             self.failed = True
-            restore_all(self.rt, self.st, self.source)
-            self.st.signature, self.st.report = (), None
+            m = self.merging
+            restore_all(self.rt, m.st, m.source)
+            m.st.signature, m.st.report = (), None
             self.rt.lora_stack = ()
             self.rt.backends.pop("lora", None)
             raise
@@ -300,11 +300,11 @@ class _BlockMerges:
             self.merging.one(model, mname, pname, entries)
 
     def finish(self) -> None:
-        model = self.rt.model
-        _finish_report(self.rt, self.st, dict(model.named_modules()), Nvfp4Linear, self.report)
-        self.report["seconds"] = round(self.seconds, 3)
-        self.report["phase_seconds"] = {k: round(v, 4) for k, v in self.phases.items()}
-        _publish(self.rt, self.report, self.specs)
+        m = self.merging
+        _finish_report(self.rt, m.st, dict(self.rt.model.named_modules()), Nvfp4Linear, m.report)
+        m.report["seconds"] = round(self.seconds, 3)
+        m.report["phase_seconds"] = {k: round(v, 4) for k, v in m.phases.items()}
+        _publish(self.rt, m.report, self.specs)
 
 
 def _refuse_awq_behind(rt, merges: dict) -> None:

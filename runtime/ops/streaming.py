@@ -115,6 +115,10 @@ class BlockStreamer:
                  for lin in (self.blocks[j].get_submodule(name),)]
         self.ahead = BuffersAhead(sizes, pin=self.cuda)
 
+    def made_ahead_report(self) -> dict:
+        """The last load's streamed host buffers made ahead: {"taken", "planned"} (``load_phases``)."""
+        return dict(zip(("taken", "planned"), self.made_ahead))
+
     def drop_ahead(self) -> None:
         if self.ahead is not None:
             self.made_ahead = (self.ahead.taken, len(self.ahead.sizes))

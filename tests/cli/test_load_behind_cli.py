@@ -4,14 +4,11 @@ runner (the report, the run's memory check, a merged LoRA): the latents of the l
 import json
 
 from h3_blackwell.cli import main as cli
-from h3_blackwell.runtime import save_tiny
-from tests.fixtures.tiny_lora import save_tiny_lora, tiny_lora_truth
+from tests.fixtures.tiny_lora import tiny_checkpoint_and_lora
 
 
 def test_generate_behind_the_first_step_gives_the_loads_latents(tmp_path):
-    ck = save_tiny(tmp_path / "tiny.safetensors")
-    lora = save_tiny_lora(tmp_path / "lora.safetensors", tiny_lora_truth(seed=4, rank=3, refiner=False, extras=False),
-                          "comfy")
+    ck, lora = tiny_checkpoint_and_lora(tmp_path, seed=4)
     reports = {}
     for mode in ("off", "on"):
         out = tmp_path / mode

@@ -15,13 +15,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from h3_blackwell.runtime import RuntimeOptions, load_model, save_tiny
+from h3_blackwell.runtime import RuntimeOptions, load_model
 from h3_blackwell.runtime.budget import SLOTS, ModelMemory, Workload, estimate, smallest_budget
 from h3_blackwell.runtime.lora.apply import apply_loras
 from h3_blackwell.runtime.model.layout import latent_shapes
 from fixtures.reports import report_hashes
 from fixtures.sampling import sample
-from tests.fixtures.tiny_lora import save_tiny_lora, tiny_lora_truth
+from tests.fixtures.tiny_lora import tiny_checkpoint_and_lora
 
 pytestmark = [
     pytest.mark.gpu,
@@ -34,9 +34,7 @@ WL = Workload.from_shapes(VS, AS, 32, 2)
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("lora_placement")
-    truth = tiny_lora_truth(seed=3, rank=3, refiner=False, extras=False)
-    return save_tiny(d / "tiny.safetensors"), save_tiny_lora(d / "lora.safetensors", truth, "comfy")
+    return tiny_checkpoint_and_lora(tmp_path_factory.mktemp("lora_placement"), seed=3)
 
 
 def _run(rt):

@@ -13,16 +13,14 @@ from h3_blackwell.runtime.model.config import FULL
 from h3_blackwell.runtime.model.layout import latent_shapes
 from fixtures.reports import report_hashes
 from fixtures.sampling import sample
-from tests.fixtures.tiny_lora import save_tiny_lora, tiny_lora_truth
+from tests.fixtures.tiny_lora import tiny_checkpoint_and_lora
 
 VS, AS = latent_shapes(128, 96, 22)
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("adaln_file")
-    truth = tiny_lora_truth(seed=3, rank=3, refiner=False, extras=False)
-    return save_tiny(d / "tiny.safetensors"), save_tiny_lora(d / "lora.safetensors", truth, "comfy")
+    return tiny_checkpoint_and_lora(tmp_path_factory.mktemp("adaln_file"), seed=3)
 
 
 def _load(ck, host_budget):

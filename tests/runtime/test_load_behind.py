@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from h3_blackwell.runtime import RuntimeOptions, load_model, save_tiny
+from h3_blackwell.runtime import RuntimeOptions, load_model
 from h3_blackwell.runtime.budget import ModelMemory, Workload, smallest_budget
 from h3_blackwell.runtime.errors import CheckpointError
 from h3_blackwell.runtime.lora.apply import apply_loras, lora_report
@@ -16,7 +16,7 @@ from h3_blackwell.runtime.model.layout import latent_shapes
 from h3_blackwell.runtime.pending_load import PendingLoad
 from fixtures.reports import report_hashes
 from fixtures.sampling import sample
-from tests.fixtures.tiny_lora import save_tiny_lora, tiny_lora_truth
+from tests.fixtures.tiny_lora import tiny_checkpoint_and_lora
 
 VS, AS = latent_shapes(128, 96, 22)
 WL = Workload.from_shapes(VS, AS, 32, 2)
@@ -24,9 +24,7 @@ WL = Workload.from_shapes(VS, AS, 32, 2)
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("load_behind")
-    truth = tiny_lora_truth(seed=5, rank=3, refiner=False, extras=False)
-    return save_tiny(d / "tiny.safetensors"), save_tiny_lora(d / "lora.safetensors", truth, "comfy")
+    return tiny_checkpoint_and_lora(tmp_path_factory.mktemp("load_behind"), seed=5)
 
 
 def _load(ck, behind: bool, device: str = "cpu", **kw):
