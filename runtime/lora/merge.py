@@ -26,6 +26,31 @@ STATE_ATTR = "_h3_lora_state"
 
 
 _ROW_CHUNK = 2048  # rows merged per float64 step (bounds the temporaries whatever the layer size)
+_UPLOAD_STREAMS: dict = {}  # CUDA device index -> the stream LoRA factors cross to the device on
+
+
+def _upload(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """``t`` (as stored) on ``dev``, without making the host wait for the work already queued there.
+
+    A copy from pageable host memory on the current stream first waits for every kernel queued on that stream; a
+    merge run at a block's gate in the middle of a step (``runtime.lora.apply._apply_behind``), or a merge each run
+    applies to the AdaLN weights it brings over (``merge_on_transfer``), then held the host until the step's queued
+    blocks had run, and the GPU idled while the host caught up. Here the copy runs on a stream of its own, which
+    waits for nothing; the current stream waits for the copy on the device (an event, no host sync), and the
+    device tensor is marked in use by the current stream, so its memory is not reused before the merge has read it.
+    The same bytes as ``t.to(dev)``."""
+    if dev.type != "cuda" or t.device.type != "cpu":
+        return t.to(dev)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    side = _UPLOAD_STREAMS.get(index)
+    if side is None:
+        side = _UPLOAD_STREAMS.setdefault(index, torch.cuda.Stream(index))
+    current = torch.cuda.current_stream(index)
+    with torch.cuda.stream(side):
+        out = t.to(torch.device("cuda", index))  # waits for this copy only (the side stream holds nothing else)
+    current.wait_stream(side)
+    out.record_stream(current)
+    return out
 
 
 def merged_weight(w0: torch.Tensor, entries: Sequence[tuple[float, LoraUpdate]],
@@ -43,10 +68,10 @@ def merged_weight(w0: torch.Tensor, entries: Sequence[tuple[float, LoraUpdate]],
     out = torch.empty(w0.shape, dtype=torch.float32, device=w0.device) if into is None else into
     dev = torch.device(device) if device is not None else w0.device
     # a low-rank update's factors reach ``dev`` once per tensor ([rows, r] and [r, K] in float64: megabytes), not
-    # once per row chunk: a copy from pageable host memory waits for every kernel queued before it, so a copy per
-    # chunk made the host wait for each chunk's math in turn (the same values either way)
-    ups = [(s, u, *((u.up.to(dev, torch.float64), u.down.to(dev, torch.float64)) if u.kind == LOWRANK else
-                    (None, None))) for s, u in entries]
+    # once per row chunk, and on a stream of their own (``_upload``): the host never waits for the math queued
+    # before them (the same values either way)
+    ups = [(s, u, *((_upload(u.up, dev).to(torch.float64), _upload(u.down, dev).to(torch.float64))
+                    if u.kind == LOWRANK else (None, None))) for s, u in entries]
     for r0 in range(0, n, _ROW_CHUNK):
         r1 = min(n, r0 + _ROW_CHUNK)
         acc = w0[r0:r1].to(dev, torch.float64, copy=True)
@@ -58,7 +83,7 @@ def merged_weight(w0: torch.Tensor, entries: Sequence[tuple[float, LoraUpdate]],
             if u.kind == LOWRANK:
                 acc[i0 - r0:i1 - r0] += (up[i0 - a:i1 - a] @ down) * (s * u.unit_scale)
             else:
-                acc[i0 - r0:i1 - r0] += u.delta[i0 - a:i1 - a].to(dev, torch.float64) * s
+                acc[i0 - r0:i1 - r0] += _upload(u.delta[i0 - a:i1 - a], dev).to(torch.float64) * s
         out[r0:r1] = acc.to(torch.float32).to(out.dtype).to(out.device)
     return out
 

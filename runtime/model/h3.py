@@ -260,8 +260,12 @@ class H3Model(nn.Module):
         else:
             self.time_embedder = TimeEmbedder(cfg, device)
         self.rope = nn.Module()
-        inv = cfg.rope_theta ** (-torch.arange(cfg.rope_inv_freq_len, dtype=torch.float64) / cfg.rope_inv_freq_len)
-        self.rope.register_buffer("inv_freq", inv.to(torch.float32).to(device))
+        # computed on the CPU whatever device context is active: under ``torch.device("meta")`` a bare arange goes
+        # through torch's meta decompositions, whose first use imports torch._dynamo (~1.4 s of the plan's time)
+        inv = cfg.rope_theta ** (-torch.arange(cfg.rope_inv_freq_len, dtype=torch.float64, device="cpu")
+                                 / cfg.rope_inv_freq_len)
+        target = torch.empty(0, device=device).device  # where a constructor here puts tensors (a context included)
+        self.rope.register_buffer("inv_freq", inv.to(torch.float32).to(target))
         self.token_refiner = TokenRefiner(cfg, dtype, device)
         self.blocks = nn.ModuleList([DiTBlock(cfg, dtype, adaln_dtype, device) for _ in range(cfg.num_layers)])
         self.final_layer = FinalLayer(cfg, dtype, adaln_dtype, device)
