@@ -435,9 +435,15 @@ def stream_load(model, src, plan, progress: Progress | None = None, streamer=Non
     plan says (module docstring). ``streamer`` (a BlockStreamer): after each block linear it ``streams``, its
     ``adopt(layer, module)`` moves the linear's bytes to host memory, so the device never holds more than the
     resident blocks plus one layer. pending / on_part: run part by part behind the first step (``_Loader.run``).
-    Raises CheckpointError naming the tensor for bad input. -> where its time went (``_Loader.phases``)."""
+    Raises CheckpointError naming the tensor for bad input (the streamer's host buffers made ahead are dropped
+    first). -> where its time went (``_Loader.phases``)."""
     loader = _Loader(model, src, plan, progress, streamer)
-    loader.run(pending, on_part)
+    try:
+        loader.run(pending, on_part)
+    except BaseException:
+        if streamer is not None:
+            streamer.drop_ahead()
+        raise
     return loader.phases()
 
 
@@ -799,11 +805,7 @@ def load_model(path: str | Path | None = None, options: RuntimeOptions | None = 
         passed = {}
     else:
         pending = None
-        try:
-            passed = stream_load(model, src, plan, progress, streamer)
-        except BaseException:
-            streamer.drop_ahead()
-            raise
+        passed = stream_load(model, src, plan, progress, streamer)
         marks.append(time.perf_counter())
         streamer.finish()
         place_refiner(model, plan.memory.refiner_on_host)
@@ -870,11 +872,7 @@ def _start_behind(model: H3Model, src, plan: LoadPlan, streamer: BlockStreamer, 
             place_refiner(model, plan.memory.refiner_on_host)
 
     def run(p: PendingLoad) -> dict:
-        try:
-            passed = stream_load(model, src, plan, None, streamer, pending=p, on_part=on_part)
-        except BaseException:
-            streamer.drop_ahead()
-            raise
+        passed = stream_load(model, src, plan, None, streamer, pending=p, on_part=on_part)
         streamer.finish(behind=True)
         model.eval().requires_grad_(False)
         if plan.device.type == "cuda":  # the pass's own temporaries, cached for its stream alone: given back

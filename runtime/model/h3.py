@@ -264,7 +264,7 @@ class H3Model(nn.Module):
         # through torch's meta decompositions, whose first use imports torch._dynamo (~1.4 s of the plan's time)
         inv = cfg.rope_theta ** (-torch.arange(cfg.rope_inv_freq_len, dtype=torch.float64, device="cpu")
                                  / cfg.rope_inv_freq_len)
-        target = torch.empty(0, device=device).device  # where a constructor here puts tensors (a context included)
+        target = torch.get_default_device() if device is None else device  # a ``torch.device`` context included
         self.rope.register_buffer("inv_freq", inv.to(torch.float32).to(target))
         self.token_refiner = TokenRefiner(cfg, dtype, device)
         self.blocks = nn.ModuleList([DiTBlock(cfg, dtype, adaln_dtype, device) for _ in range(cfg.num_layers)])

@@ -268,9 +268,7 @@ class BlockStreamer:
 
     def _prefetch_after(self, j: int) -> None:
         ahead = self._upcoming(j)
-        for u in ahead:
-            if self.gate is not None:  # a load behind the first step: u's host bytes are there once it opens
-                self.gate(u)
+        for u in ahead:  # (``_copy`` waits for a load behind the first step to open u)
             if self._slot_of(u) is None:
                 self._copy(u, self._victim(set(ahead) | ({self.bound} if self.bound is not None else set())))
 
